@@ -1,0 +1,1 @@
+"""Compression scorers, dynamic selection, calibration, clustering and budget profiles."""

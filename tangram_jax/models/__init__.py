@@ -1,0 +1,1 @@
+"""Flax NNX decoders for GQA model families and their weight loaders."""

@@ -1,0 +1,1 @@
+"""Pallas kernels (each with its pure-jnp reference beside it)."""

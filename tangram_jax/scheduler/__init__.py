@@ -1,0 +1,1 @@
+"""Host-side page pool, block tables, KV-cache manager and scheduler (plain numpy)."""
