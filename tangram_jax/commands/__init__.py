@@ -1,0 +1,1 @@
+"""Subcommands of the `tangram-jax` CLI (see tangram_jax/cli.py)."""
