@@ -1,0 +1,245 @@
+"""Sampling: request parameters (vLLM-shaped), a jittable batched sampler, and stop handling.
+
+Three pieces, used by the dense reference generation and by the engine alike:
+
+- `SamplingParams`: one request's knobs, validated on construction.
+- `sample_tokens`: one decode step's token choice for a batch, every row with its own
+  temperature / top-k / top-p / PRNG key, so a seeded request draws the same tokens whatever
+  else is in its batch.
+- `StopChecker`: host-side incremental detokenization plus stop tokens, stop strings, EOS and
+  `max_tokens`; it never emits half of a multi-byte UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """One request's sampling parameters (same names and meanings as vLLM's).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_p: nucleus mass in (0, 1]; 1 disables.
+    top_k: keep the k most likely tokens; -1 or 0 disables.
+    max_tokens: most tokens to generate (>= 1).
+    seed: PRNG seed for this request; None draws a fresh one (see `resolve_seed`).
+    stop: string(s) that end generation; the text is cut before the stop string.
+    stop_token_ids: token ids that end generation (in addition to EOS unless `ignore_eos`).
+    ignore_eos: keep generating past the model's EOS token(s).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise TypeError(f"top_p must be a number, got {self.top_p!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+            raise TypeError(f"top_k must be an int, got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):
+            raise TypeError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            if self.seed < 0:
+                raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop must be a string or a list of strings, got {s!r} in it")
+            if s == "":
+                raise ValueError("stop strings must be non-empty")
+        ids = list(self.stop_token_ids or ())
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+        self.stop_token_ids = [int(t) for t in ids]
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The request's seed: its own, or a fresh random one. Call once per request."""
+    if params.seed is not None:
+        return int(params.seed) % (1 << 32)
+    return secrets.randbits(32)
+
+
+def batch_sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-row arrays for `sample_tokens`: temperature [B] f32, top_k [B] i32, top_p [B] f32."""
+    temperature = np.array([p.temperature for p in params], np.float32)
+    top_k = np.array([p.top_k for p in params], np.int32)
+    top_p = np.array([p.top_p for p in params], np.float32)
+    return temperature, top_k, top_p
+
+
+@jax.jit
+def step_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """PRNG keys for one decode step: row i's key depends only on (seeds[i], steps[i]).
+
+    seeds: [B] uint32 (from `resolve_seed`); steps: [B] int32, the index of the token being
+    generated within its request. Returns raw keys [B, 2] uint32.
+    """
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
+        seeds.astype(jnp.uint32), steps.astype(jnp.int32))
+
+
+@jax.jit
+def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """Choose one token per row.
+
+    logits: [B, V] float32; temperature: [B] f32 (0 = greedy); top_k: [B] int32 (<= 0 disables);
+    top_p: [B] f32 in (0, 1]; keys: [B, 2] raw PRNG keys (or [B] typed keys), one per row.
+    Returns [B] int32.
+
+    Top-k is applied before top-p (vLLM's order). Both are done on one descending sort of the
+    row; the nucleus always keeps the most likely token, so no row ends up empty.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = logits / safe_t[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    sorted_logits = jnp.where(rank < k[:, None], sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative probability
+    keep = (mass_before < top_p[:, None]) | (rank == 0)
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_logits)  # index into the sorted row
+    sampled_ids = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled_ids, greedy_ids)
+
+
+def find_stop(text: str, stop_strings: Sequence[str], start: int = 0) -> int | None:
+    """Index where the earliest stop string begins in `text`, or None.
+
+    Only matches that end after `start` are looked for (text before `start` was already checked),
+    so a caller can pass the old length and search just the new tail.
+    """
+    best = None
+    for s in stop_strings:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _held_back(text: str, stop_strings: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    hold = 0
+    for s in stop_strings:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+class StopChecker:
+    """Incremental detokenization and stop conditions for one request.
+
+    Feed generated tokens one at a time with `append`; it returns the text that became final
+    (safe to show) with that token, and sets `finished` / `finish_reason` ("stop" or "length").
+
+    Detokenization follows vLLM's offsets: the new text is `decode(ids[prefix:])` minus
+    `decode(ids[prefix:read])`, so the tokenizer sees enough left context to place spaces right,
+    and a trailing U+FFFD (an incomplete UTF-8 sequence split across tokens) is held back until
+    the following token completes it. Text that could still become a stop string is also held
+    back. Stop/EOS tokens end generation and contribute no text; they stay in `token_ids`.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], params: SamplingParams,
+                 eos_token_ids: Sequence[int] = (), prompt_ids: Sequence[int] = ()):
+        self._decode = decode
+        self.params = params
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= {int(t) for t in eos_token_ids}
+        # Decoding context: a few prompt tokens so the first generated token's leading space
+        # is rendered as it would be mid-text.
+        self._ids: list[int] = list(prompt_ids)[-6:]
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.token_ids: list[int] = []
+        self._text = ""  # all decoded generated text so far (may include a held-back tail)
+        self._emitted = 0  # how much of _text was returned by append
+        self.finished = False
+        self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once `finished`)."""
+        return self._text if not self.finished else self._text[:self._emitted]
+
+    def append(self, token_id: int) -> str:
+        if self.finished:
+            raise RuntimeError("append() after the request finished")
+        token_id = int(token_id)
+        self.token_ids.append(token_id)
+        if token_id in self._stop_ids:
+            return self._finish("stop", flush=True)
+
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        checked = len(self._text)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+
+        cut = find_stop(self._text, self.params.stop, start=checked)
+        if cut is not None:
+            self._text = self._text[:cut]
+            return self._finish("stop", flush=True)
+        if len(self.token_ids) >= self.params.max_tokens:
+            return self._finish("length", flush=True)
+        final = len(self._text) - _held_back(self._text, self.params.stop)
+        out = self._text[self._emitted:final]
+        self._emitted = max(self._emitted, final)
+        return out
+
+    def _finish(self, reason: str, flush: bool) -> str:
+        self.finished = True
+        self.finish_reason = reason
+        out = self._text[self._emitted:] if flush else ""
+        self._emitted = len(self._text)
+        return out
