@@ -1,0 +1,161 @@
+"""Offline budget calibration: the implicit retention of each KV head under the dynamic method.
+
+For every pilot sample the model runs its prompt layer by layer (dense causal attention); each
+layer's q/k/v go through the scorer, and the dynamic selection (`selection.dynamic_select`,
+Ada-SnapKV) at each target ratio rho decides how many tokens each KV head keeps. A head's implicit
+retention is count / T. Scores are computed once per sample and every requested rho is evaluated
+from them. Over the samples this gives per (layer, head) a mean m and std s, and the static budget
+
+    b = min(1, m + lambda * s)                         (Tangram, lambda = 2 by default)
+
+optionally rescaled per layer so the layer's budgets average rho (`rescale_to_ratio`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tangram_jax.compression.pilot_data import PilotSample
+from tangram_jax.compression.scorers import get_scorer
+from tangram_jax.compression.selection import dynamic_select
+from tangram_jax.models.decoder import dense_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRun:
+    """Implicit retention of every pilot sample.
+
+    retention: {rho: float64 [samples, layers, kv_heads]}; tasks, lengths: per sample.
+    """
+
+    method: str
+    safeguard: float
+    retention: dict[float, np.ndarray]
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+
+    def stats(self, rho: float) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, std) [layers, kv_heads] of the retention at `rho` over the samples."""
+        r = self.retention[rho]
+        return r.mean(axis=0), r.std(axis=0)
+
+    def save(self, path) -> None:
+        """Raw per-sample retention as .npz (for reports without re-running the model)."""
+        rhos = sorted(self.retention)
+        np.savez_compressed(path, method=self.method, safeguard=self.safeguard,
+                            rhos=np.array(rhos), tasks=np.array(self.tasks),
+                            lengths=np.array(self.lengths),
+                            retention=np.stack([self.retention[r] for r in rhos]))
+
+    @classmethod
+    def load(cls, path) -> "CalibrationRun":
+        with np.load(path) as f:
+            return cls(method=str(f["method"]), safeguard=float(f["safeguard"]),
+                       retention={float(r): f["retention"][i] for i, r in enumerate(f["rhos"])},
+                       tasks=tuple(str(t) for t in f["tasks"]),
+                       lengths=tuple(int(n) for n in f["lengths"]))
+
+
+def static_budgets(mean: np.ndarray, std: np.ndarray, lambda_: float = 2.0) -> np.ndarray:
+    """b = min(1, mean + lambda * std), floored at a tiny positive value so b lies in (0, 1]."""
+    if lambda_ < 0:
+        raise ValueError(f"lambda must be >= 0, got {lambda_}")
+    b = np.minimum(1.0, np.asarray(mean, np.float64) + lambda_ * np.asarray(std, np.float64))
+    return np.maximum(b, 1e-6)
+
+
+def rescale_to_ratio(budgets: np.ndarray, rho: float, iterations: int = 50) -> np.ndarray:
+    """Scales each layer's budgets [layers, heads] so they average `rho`, clipped to (0, 1].
+
+    Heads clipped at 1 cannot grow; the others are scaled again until the layer average is rho
+    (water filling), so the average is exact whenever rho <= 1.
+    """
+    if not 0 < rho <= 1:
+        raise ValueError(f"rho must lie in (0, 1], got {rho}")
+    b = np.asarray(budgets, np.float64).copy()
+    heads = b.shape[-1]
+    for _ in range(iterations):
+        clipped = b >= 1.0
+        free_sum = np.where(clipped, 0.0, b).sum(axis=-1, keepdims=True)
+        target_free = rho * heads - clipped.sum(axis=-1, keepdims=True)
+        scale = np.where(free_sum > 0, target_free / np.maximum(free_sum, 1e-300), 1.0)
+        new = np.where(clipped, b, np.minimum(1.0, b * scale))
+        if np.allclose(new, b, rtol=0, atol=1e-12):
+            break
+        b = new
+    return np.clip(b, 1e-6, 1.0)
+
+
+def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], safeguard: float):
+    """jit(state, h [1, T, D]) -> (h, counts [len(rhos), kv_heads]): one decoder layer plus scoring.
+
+    Every layer of the decoder has the same structure, so one graphdef and one compilation per
+    prompt length serve all of them; only the layer's state (weights) changes.
+    """
+    @jax.jit
+    def step(state, h):
+        layer = nnx.merge(graphdef, state)
+        t = h.shape[1]
+        positions = jnp.arange(t, dtype=jnp.int32)[None]
+        q, k, v = layer.qkv(h, positions)
+        mask = jnp.tril(jnp.ones((t, t), bool))[None]
+        h_out = layer.finish(h, dense_attention(q, k, v, mask))
+        scores = scorer(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
+                        q_per_kv=q_per_kv)
+        counts = jnp.stack([dynamic_select(scores, rho, safeguard=safeguard).counts for rho in rhos])
+        return h_out, counts
+    return step
+
+
+def run_calibration(model, config, samples: Sequence[PilotSample], rhos: Iterable[float], *,
+                    method: str = "snapkv", safeguard: float = 0.2, scorer_options: dict | None = None,
+                    progress: Callable[[Iterable], Iterable] | None = None) -> CalibrationRun:
+    """Runs the dynamic method over `samples` and records each head's implicit retention.
+
+    model: a `tangram_jax.models.decoder.Decoder` (layers expose `qkv` and `finish`);
+    config: its `ModelConfig`. `progress` wraps the sample iterator (e.g. tqdm).
+    """
+    rhos = tuple(float(r) for r in rhos)
+    for r in rhos:
+        if not 0 < r <= 1:
+            raise ValueError(f"target ratio rho must lie in (0, 1], got {r}")
+    if not samples:
+        raise ValueError("calibration needs at least one pilot sample")
+    options = dict(scorer_options or {})
+    if method == "expected_attention" and "inv_freq" not in options:
+        from tangram_jax.models.rope import inverse_frequencies
+        options["inv_freq"] = inverse_frequencies(config)
+    scorer = get_scorer(method, **options)
+    graphdef, _ = nnx.split(model.layers[0])
+    states = [nnx.split(layer)[1] for layer in model.layers]
+    step = _layer_step_fn(graphdef, scorer, config.q_per_kv, rhos, safeguard)
+    embed = jax.jit(lambda tokens: model.embed(tokens))
+
+    counts = np.zeros((len(samples), len(rhos), config.num_layers, config.num_kv_heads), np.int64)
+    iterator = progress(list(enumerate(samples))) if progress else enumerate(samples)
+    for i, sample in iterator:
+        h = embed(jnp.asarray(sample.tokens, jnp.int32)[None])
+        per_layer = []
+        for state in states:
+            h, layer_counts = step(state, h)
+            per_layer.append(layer_counts)
+        counts[i] = np.asarray(jnp.stack(per_layer, axis=1))
+    lengths = np.array([len(s.tokens) for s in samples], np.float64)
+    retention = {rho: counts[:, j] / lengths[:, None, None] for j, rho in enumerate(rhos)}
+    return CalibrationRun(method=method, safeguard=safeguard, retention=retention,
+                          tasks=tuple(s.task for s in samples),
+                          lengths=tuple(len(s.tokens) for s in samples))
+
+
+def chat_tokenizer(tokenizer) -> Callable[[list[dict]], list[int]]:
+    """messages -> token ids with the model's chat template (a generation prompt after a user turn)."""
+    def tokenize(messages):
+        return tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=messages[-1]["role"] == "user")
+    return tokenize

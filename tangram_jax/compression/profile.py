@@ -1,0 +1,275 @@
+"""Budget profiles: the versioned, validated file that carries calibrated head budgets to the engine.
+
+A profile holds, per (layer, KV head), the mean and std of the head's implicit retention under the
+dynamic method over the pilot samples and its static budget ``b = min(1, mean + lambda * std)``;
+the head grouping (``head_perm``, ``group_budgets``) for one group size; the fingerprint of the
+model it was calibrated on; and how/when it was made. JSON layout (format_version 1)::
+
+    {"format_version": 1,
+     "model": {"name", "architecture", "num_layers", "num_kv_heads", "head_dim", ...},
+     "method": "snapkv", "rho": 0.25, "lambda": 2.0, "safeguard": 0.2, "rescaled": false,
+     "group_size": 3, "grouping": "budget",
+     "heads": {"mean": [[...]], "std": [[...]], "budget": [[...]]},        # [layers, kv_heads]
+     "groups": {"head_perm": [[...]], "group_budgets": [[...]]},           # [layers, ...]
+     "metadata": {"created", "samples", "tangram_jax_version", "git_revision", ...}}
+
+`BudgetProfile.load` rejects anything it cannot trust with a ValueError naming the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from tangram_jax.compression.clustering import GROUPINGS, group_heads
+from tangram_jax.kv_layout import KVLayout
+
+FORMAT_VERSION = 1
+FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim")
+PROFILES_DIR = Path(__file__).parent / "profiles"
+# The embedded model's shipped profiles: calibrated with SnapKV (Ada-SnapKV selection).
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ProfileError(ValueError):
+    """A profile file that is malformed, inconsistent, or made for another model."""
+
+
+def creation_metadata(samples: int, **extra) -> dict:
+    """Date, sample count, package version and git revision (when the package is in a checkout)."""
+    from tangram_jax import __version__
+    meta = dict(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                samples=int(samples), tangram_jax_version=__version__, git_revision=_git_revision())
+    meta.update(extra)
+    return meta
+
+
+def _git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(__file__),
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BudgetProfile:
+    """Calibrated budgets of one model. Arrays: mean/std/budget float64 [layers, kv_heads],
+    head_perm int32 [layers, kv_heads], group_budgets float64 [layers, kv_heads // group_size]."""
+
+    model: dict
+    method: str
+    rho: float
+    lambda_: float
+    mean: np.ndarray
+    std: np.ndarray
+    budget: np.ndarray
+    group_size: int
+    grouping: str
+    head_perm: np.ndarray
+    group_budgets: np.ndarray
+    safeguard: float = 0.2
+    rescaled: bool = False
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        _validate(self)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_budgets(cls, *, model: dict, method: str, rho: float, lambda_: float, mean, std, budget,
+                     group_size: int, grouping: str = "budget", **kwargs) -> "BudgetProfile":
+        """Groups the heads (`clustering.group_heads`) and builds the profile."""
+        budget = np.asarray(budget, dtype=np.float64)
+        perm, group_budgets = group_heads(budget, group_size, grouping)
+        return cls(model=dict(model), method=method, rho=float(rho), lambda_=float(lambda_),
+                   mean=np.asarray(mean, np.float64), std=np.asarray(std, np.float64),
+                   budget=budget, group_size=int(group_size), grouping=grouping, head_perm=perm,
+                   group_budgets=group_budgets, **kwargs)
+
+    def regroup(self, group_size: int, grouping: str = "budget") -> "BudgetProfile":
+        """The same budgets grouped with another G or grouping rule."""
+        perm, group_budgets = group_heads(self.budget, group_size, grouping)
+        return dataclasses.replace(self, group_size=int(group_size), grouping=grouping,
+                                   head_perm=perm, group_budgets=group_budgets)
+
+    def to_layout(self, page_size: int, chunk_size: int) -> KVLayout:
+        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                        head_dim=int(self.model["head_dim"]), group_size=self.group_size,
+                        page_size=page_size, chunk_size=chunk_size, head_perm=self.head_perm,
+                        group_budgets=self.group_budgets,
+                        name="tangram" if self.grouping == "budget" else self.grouping)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model["num_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.model["num_kv_heads"])
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": dict(self.model),
+            "method": self.method,
+            "rho": self.rho,
+            "lambda": self.lambda_,
+            "safeguard": self.safeguard,
+            "rescaled": self.rescaled,
+            "group_size": self.group_size,
+            "grouping": self.grouping,
+            "heads": {"mean": self.mean.tolist(), "std": self.std.tolist(),
+                      "budget": self.budget.tolist()},
+            "groups": {"head_perm": self.head_perm.tolist(),
+                       "group_budgets": self.group_budgets.tolist()},
+            "metadata": dict(self.metadata),
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, d: dict, expected_fingerprint: dict | None = None) -> "BudgetProfile":
+        if not isinstance(d, dict):
+            raise ProfileError(f"profile must be a JSON object, got {type(d).__name__}")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ProfileError(f"unknown profile format_version {version!r} "
+                               f"(this tangram_jax reads version {FORMAT_VERSION})")
+        try:
+            heads, groups = d["heads"], d["groups"]
+            profile = cls(
+                model=d["model"], method=d["method"], rho=float(d["rho"]),
+                lambda_=float(d["lambda"]), safeguard=float(d.get("safeguard", 0.2)),
+                rescaled=bool(d.get("rescaled", False)),
+                mean=_array(heads, "mean", np.float64), std=_array(heads, "std", np.float64),
+                budget=_array(heads, "budget", np.float64), group_size=d["group_size"],
+                grouping=d["grouping"], head_perm=_array(groups, "head_perm", np.int64),
+                group_budgets=_array(groups, "group_budgets", np.float64),
+                metadata=d.get("metadata", {}))
+        except KeyError as e:
+            raise ProfileError(f"profile is missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProfileError):
+                raise
+            raise ProfileError(f"profile has a malformed field: {e}") from None
+        if expected_fingerprint is not None:
+            profile.check_fingerprint(expected_fingerprint)
+        return profile
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, expected_fingerprint: dict | None = None) -> "BudgetProfile":
+        """Reads and validates a profile; with `expected_fingerprint` also checks it is for that model."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ProfileError(f"cannot read profile {path}: {e}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"profile {path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(d, expected_fingerprint)
+        except ProfileError as e:
+            raise ProfileError(f"{path}: {e}") from None
+
+    def check_fingerprint(self, expected: dict) -> None:
+        """Raises ProfileError if `expected` (e.g. `ModelConfig.fingerprint()`) names another model.
+
+        Every key present in both is compared (the shape keys are always present in a profile).
+        """
+        diffs = [f"{k}: profile {self.model[k]!r} vs model {expected[k]!r}"
+                 for k in expected if k in self.model and self.model[k] != expected[k]]
+        if diffs:
+            raise ProfileError("profile was calibrated for a different model (" + "; ".join(diffs)
+                               + ")")
+
+
+def _array(section, key, dtype) -> np.ndarray:
+    if not isinstance(section, dict):
+        raise ProfileError(f"profile section holding {key!r} must be an object")
+    value = section[key]
+    try:
+        arr = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"profile field {key!r} is not a numeric [layers, ...] array: {e}") from None
+    if arr.ndim != 2:
+        raise ProfileError(f"profile field {key!r} must be a 2-D array, got shape {arr.shape}")
+    return arr
+
+
+def _validate(p: BudgetProfile) -> None:
+    if not isinstance(p.model, dict):
+        raise ProfileError("profile 'model' must be an object")
+    missing = [k for k in FINGERPRINT_KEYS if k not in p.model]
+    if missing:
+        raise ProfileError(f"profile model fingerprint lacks {missing}")
+    for k in ("num_layers", "num_kv_heads", "head_dim"):
+        v = p.model[k]
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+            raise ProfileError(f"profile model {k} must be a positive int, got {v!r}")
+    layers, heads = p.num_layers, p.num_kv_heads
+    if not isinstance(p.method, str) or not p.method:
+        raise ProfileError(f"profile method must be a non-empty string, got {p.method!r}")
+    for name, value, lo_open in (("rho", p.rho, True), ("safeguard", p.safeguard, False)):
+        if not (math.isfinite(value) and (0 < value <= 1 if lo_open else 0 <= value <= 1)):
+            raise ProfileError(f"profile {name} must lie in {'(0, 1]' if lo_open else '[0, 1]'}, "
+                               f"got {value}")
+    if not (math.isfinite(p.lambda_) and p.lambda_ >= 0):
+        raise ProfileError(f"profile lambda must be a finite number >= 0, got {p.lambda_}")
+    g = p.group_size
+    if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or g <= 0 or heads % g:
+        raise ProfileError(f"profile group_size {g!r} must be a positive divisor of "
+                           f"num_kv_heads {heads}")
+    if p.grouping not in GROUPINGS:
+        raise ProfileError(f"profile grouping {p.grouping!r} is not one of {GROUPINGS}")
+    for name, arr, shape in (("mean", p.mean, (layers, heads)), ("std", p.std, (layers, heads)),
+                             ("budget", p.budget, (layers, heads)),
+                             ("head_perm", p.head_perm, (layers, heads)),
+                             ("group_budgets", p.group_budgets, (layers, heads // g))):
+        if np.shape(arr) != shape:
+            raise ProfileError(f"profile {name} has shape {np.shape(arr)}, expected {shape} for "
+                               f"{layers} layers x {heads} KV heads, group size {g}")
+        if not np.isfinite(arr).all():
+            raise ProfileError(f"profile {name} contains NaN or infinite values")
+    for name, arr in (("budget", p.budget), ("group_budgets", p.group_budgets)):
+        bad = ~((arr > 0) & (arr <= 1))
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ProfileError(f"profile {name} must lie in (0, 1]; {name}{list(idx)} = {arr[idx]}")
+    if ((p.mean < 0) | (p.mean > 1)).any() or (p.std < 0).any():
+        raise ProfileError("profile mean must lie in [0, 1] and std must be >= 0")
+    perm = np.asarray(p.head_perm)
+    if not (np.sort(perm, axis=1) == np.arange(heads)).all():
+        raise ProfileError("profile head_perm is not a permutation of the KV heads in every layer")
+    members = np.take_along_axis(p.budget, perm.astype(np.int64), axis=1)
+    expected = members.reshape(layers, heads // g, g).max(axis=2)
+    if not np.allclose(expected, p.group_budgets, rtol=0, atol=1e-9):
+        raise ProfileError("profile group_budgets are not the max of their members' budgets")
+    object.__setattr__(p, "head_perm", perm.astype(np.int32))
+
+
+def shipped_profile_path(rho: float, group_size: int) -> Path:
+    return PROFILES_DIR / f"smollm2-135m_snapkv_rho{rho:.2f}_g{group_size}.json"
+
+
+def shipped_profile(rho: float, group_size: int, expected_fingerprint: dict | None = None) -> BudgetProfile:
+    """The calibrated profile shipped for the embedded SmolLM2-135M (rho 0.5 / 0.25, G 1 / 3)."""
+    path = shipped_profile_path(rho, group_size)
+    if not path.exists():
+        available = sorted(q.name for q in PROFILES_DIR.glob("*.json"))
+        raise ValueError(f"no shipped profile for rho={rho}, group_size={group_size}; shipped: "
+                         f"{available}")
+    return BudgetProfile.load(path, expected_fingerprint)
