@@ -1,0 +1,122 @@
+"""Block tables: which pages hold each (sequence slot, layer, group)'s retained tokens.
+
+Host-side numpy arrays the device consumes every step:
+
+    tables:    int32 [rows, layers, groups, max_pages]   page ids, unused entries 0 (null page)
+    num_pages: int32 [rows, layers, groups]              how many entries of each row are in use
+
+Entries ``tables[s, l, g, :num_pages[s, l, g]]`` are the pages in token order; the rest are 0.
+Every update is a whole-array numpy operation over all (slot, layer, group) cells it touches:
+no Python loop over layers, groups or pages.
+
+Every write is also appended to an update log (flat index into ``tables.ravel()``, new value), so
+an engine that keeps a device-resident copy of the table can apply only what changed since the
+last step (`take_updates`) instead of copying ``rows * layers * groups * max_pages`` entries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockTableFullError(RuntimeError):
+    """A (slot, layer, group) would need more than `max_pages` pages."""
+
+
+class BlockTable:
+    def __init__(self, num_rows: int, num_layers: int, num_groups: int, max_pages: int):
+        if min(num_rows, num_layers, num_groups, max_pages) <= 0:
+            raise ValueError("block table dimensions must be positive, got "
+                             f"{(num_rows, num_layers, num_groups, max_pages)}")
+        self.max_pages = int(max_pages)
+        self.tables = np.zeros((num_rows, num_layers, num_groups, max_pages), dtype=np.int32)
+        self.num_pages = np.zeros((num_rows, num_layers, num_groups), dtype=np.int32)
+        self._cells_per_row = num_layers * num_groups
+        self._log_index: list[np.ndarray] = []
+        self._log_value: list[np.ndarray] = []
+
+    def append(self, slots: np.ndarray, counts: np.ndarray, pages: np.ndarray) -> None:
+        """Append pages to many cells at once.
+
+        slots: int [n] distinct rows; counts: int [n, layers, groups] pages added per cell;
+        pages: int32 [counts.sum()] ids, consumed cell by cell in C order of
+        (slot, layer, group) and in token order within a cell.
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        pages = np.asarray(pages, dtype=np.int32)
+        if counts.shape != (slots.size,) + self.num_pages.shape[1:]:
+            raise ValueError(f"counts has shape {counts.shape}, expected "
+                             f"{(slots.size,) + self.num_pages.shape[1:]} [slots, layers, groups]")
+        if pages.size != counts.sum():
+            raise ValueError(f"{pages.size} pages given for {counts.sum()} entries")
+        if pages.size == 0:
+            return
+        held = self.num_pages[slots].astype(np.int64)
+        if (held + counts).max() > self.max_pages:
+            raise BlockTableFullError(f"a group would need {(held + counts).max()} pages, "
+                                      f"the table holds {self.max_pages}")
+        flat_counts = counts.ravel()
+        # Global cell id of every cell touched, then one entry per appended page.
+        cell = (slots[:, None] * self._cells_per_row
+                + np.arange(self._cells_per_row)[None, :]).ravel()
+        entry_cell = np.repeat(cell, flat_counts)
+        first_of_cell = np.repeat(np.cumsum(flat_counts) - flat_counts, flat_counts)
+        offset_in_cell = np.arange(pages.size) - first_of_cell
+        entry_col = np.repeat(held.ravel(), flat_counts) + offset_in_cell
+        flat_index = entry_cell * self.max_pages + entry_col
+        self.tables.reshape(-1)[flat_index] = pages
+        self.num_pages[slots] = (held + counts).astype(np.int32)
+        self._log(flat_index, pages)
+
+    def truncate(self, slots: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Cut every cell of `slots` down to `keep` pages; return the dropped page ids.
+
+        slots: int [n] distinct rows; keep: int [n, layers, groups] (cells already at or below
+        their `keep` are untouched). Returned ids are in C order of (slot, layer, group, page).
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        keep = np.asarray(keep, dtype=np.int64)
+        held = self.num_pages[slots].astype(np.int64)
+        new_held = np.minimum(held, keep)
+        col = np.arange(self.max_pages)
+        dropped = (col >= new_held[..., None]) & (col < held[..., None])
+        rows = self.tables[slots]
+        released = rows[dropped]
+        if released.size:
+            flat_index = (slots[:, None, None, None] * (self._cells_per_row * self.max_pages)
+                          + np.arange(self._cells_per_row * self.max_pages)
+                          .reshape(self.tables.shape[1:])[None])[dropped]
+            rows[dropped] = 0
+            self.tables[slots] = rows
+            self._log(flat_index, np.zeros(flat_index.size, dtype=np.int32))
+        self.num_pages[slots] = new_held.astype(np.int32)
+        return released
+
+    def clear(self, slot: int) -> np.ndarray:
+        """Empty one row; return the page ids it held."""
+        zeros = np.zeros((1,) + self.num_pages.shape[1:], dtype=np.int64)
+        return self.truncate(np.array([slot]), zeros)
+
+    def pages_of(self, slot: int) -> np.ndarray:
+        """All page ids row `slot` holds (C order of layer, group, page)."""
+        col = np.arange(self.max_pages)
+        return self.tables[slot][col < self.num_pages[slot][..., None]]
+
+    def take_updates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Writes since the last call: (int64 flat indices into ``tables.ravel()``, int32 values).
+
+        Applying them in order to a copy of the table taken at the previous call reproduces the
+        current table (later writes to the same index win).
+        """
+        if not self._log_index:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        index = np.concatenate(self._log_index)
+        value = np.concatenate(self._log_value)
+        self._log_index.clear()
+        self._log_value.clear()
+        return index, value
+
+    def _log(self, flat_index: np.ndarray, values: np.ndarray) -> None:
+        self._log_index.append(np.asarray(flat_index, dtype=np.int64))
+        self._log_value.append(np.asarray(values, dtype=np.int32))

@@ -1,0 +1,283 @@
+"""KV-cache manager: sequence slots, Budget Reservation, decode growth, reclaim.
+
+One manager, configured by a `KVLayout` and a policy, serves every mode of the engine:
+
+- ``policy="reserve"`` with a Tangram layout: Budget Reservation. `reserve` takes, for every
+  (layer, group), exactly ``pages_for(lengths + layout.retained_counts(n))`` pages, all or
+  nothing. `layout.retained_counts` is the same function the prefill uses to decide how many
+  tokens to keep, so what is reserved is what the prefill writes, by construction.
+- ``policy="reserve"`` with ``KVLayout.monolithic(...)``: full KV (what vLLM's PagedAttention
+  does): one group of all heads, budget 1, so the reservation is the uncompressed length.
+- ``policy="reclaim"`` with a monolithic layout: the published dynamic method. Reserve for the
+  uncompressed prompt, let the device compress with its per-input selection, then `reclaim`
+  cuts every (layer, group) down to the actual retained count and returns the pages above it.
+- adjacent grouping: ``policy="reserve"`` with a layout whose groups are heads in index order.
+
+Arrays (row ``max_seqs`` is the *null slot*: always empty, padded decode rows point at it):
+
+    block_tables:     int32 [max_seqs + 1, layers, groups, max_pages]
+    lengths:          int32 [max_seqs + 1, layers, groups]   retained tokens written so far
+    reserved_lengths: int32 [max_seqs + 1, layers, groups]   tokens the held pages are reserved
+                      for; always ``num_pages == pages_for(reserved_lengths)`` and
+                      ``lengths <= reserved_lengths``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+
+import numpy as np
+
+from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.scheduler.block_table import BlockTable
+from tangram_jax.scheduler.page_pool import PagePool
+
+POLICIES = ("reserve", "reclaim")
+
+
+class LayoutMismatchError(ValueError):
+    """The KV layout (or the profile it came from) does not describe this model."""
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every sequence slot is taken."""
+
+
+def check_layout_matches(layout: KVLayout, num_layers: int, num_kv_heads: int,
+                         head_dim: int) -> None:
+    """Raise `LayoutMismatchError` unless `layout` has the model's KV shape."""
+    got = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    want = (int(num_layers), int(num_kv_heads), int(head_dim))
+    if got != want:
+        names = ("layers", "kv_heads", "head_dim")
+        diff = ", ".join(f"{n}: layout {g} vs model {w}"
+                         for n, g, w in zip(names, got, want) if g != w)
+        raise LayoutMismatchError(f"KV layout {layout.name!r} does not match the model ({diff})")
+
+
+class KVCacheManager:
+    """Pages and block tables for up to `max_seqs` sequences under one `KVLayout`.
+
+    Args:
+      layout: the KV layout (groups, budgets, page and chunk size).
+      num_pages: pool size including the null page 0.
+      max_seqs: sequence slots.
+      max_pages_per_group: width of the block table (pages one (layer, group) can hold).
+      model_kv_shape: the model's ``(num_layers, num_kv_heads, head_dim)``; a layout that does
+        not match is refused with `LayoutMismatchError`.
+      policy: ``"reserve"`` or ``"reclaim"`` (see the module docstring).
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int,
+                 max_pages_per_group: int, *, model_kv_shape: SequenceABC[int],
+                 policy: str = "reserve"):
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if len(model_kv_shape) != 3:
+            raise ValueError("model_kv_shape must be (num_layers, num_kv_heads, head_dim), got "
+                             f"{model_kv_shape!r}")
+        check_layout_matches(layout, *model_kv_shape)
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy == "reclaim" and layout.compresses:
+            raise ValueError("the reclaim policy reserves for the uncompressed prompt: give it a "
+                             "layout with every budget 1 (KVLayout.monolithic)")
+        if max_seqs <= 0 or max_pages_per_group <= 0:
+            raise ValueError(f"max_seqs ({max_seqs}) and max_pages_per_group "
+                             f"({max_pages_per_group}) must be positive")
+        self.layout = layout
+        self.policy = policy
+        self.page_size = layout.page_size
+        self.max_seqs = int(max_seqs)
+        self.null_slot = self.max_seqs
+        self.pool = PagePool(num_pages)
+        rows = self.max_seqs + 1
+        self.table = BlockTable(rows, layout.num_layers, layout.num_groups, max_pages_per_group)
+        self.lengths = np.zeros((rows, layout.num_layers, layout.num_groups), dtype=np.int32)
+        self.reserved_lengths = np.zeros_like(self.lengths)
+        # Free slots as a stack, lowest id on top.
+        self._free_slots = list(range(self.max_seqs - 1, -1, -1))
+        self._slot_in_use = np.zeros(rows, dtype=bool)
+        self.pages_reclaimed = 0
+        self.reclaim_seconds = 0.0
+
+    # ----- views -------------------------------------------------------------------------
+    @property
+    def block_tables(self) -> np.ndarray:
+        """int32 [max_seqs + 1, layers, groups, max_pages]; last row is the null slot."""
+        return self.table.tables
+
+    @property
+    def max_pages_per_group(self) -> int:
+        return self.table.max_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def pages_held(self, slot: int) -> int:
+        return int(self.table.num_pages[slot].sum())
+
+    # ----- slots -------------------------------------------------------------------------
+    def allocate_slot(self) -> int:
+        if not self._free_slots:
+            raise NoFreeSlotError(f"all {self.max_seqs} sequence slots are in use")
+        slot = self._free_slots.pop()
+        self._slot_in_use[slot] = True
+        return slot
+
+    def free(self, slot: int) -> int:
+        """Return the slot and every page it holds. Returns the number of pages released."""
+        self._check_slot(slot)
+        released = self.table.clear(slot)
+        self.pool.release(released)
+        self.lengths[slot] = 0
+        self.reserved_lengths[slot] = 0
+        self._slot_in_use[slot] = False
+        self._free_slots.append(slot)
+        return int(released.size)
+
+    # ----- reservation -------------------------------------------------------------------
+    def reservation_target(self, base_lengths: np.ndarray, num_new_tokens: int) -> np.ndarray:
+        """int64 [layers, groups]: tokens to hold after a turn of `num_new_tokens` new tokens
+        on top of `base_lengths` (the session's retained lengths, 0 for a fresh sequence)."""
+        return np.asarray(base_lengths, dtype=np.int64) + self.layout.retained_counts(num_new_tokens)
+
+    def pages_to_reserve(self, slot: int | None, num_new_tokens: int) -> int:
+        """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
+        if slot is None:
+            base = np.zeros(self.lengths.shape[1:], dtype=np.int64)
+            held = 0
+        else:
+            base, held = self.lengths[slot], self.table.num_pages[slot]
+        need = pages_for(self.reservation_target(base, num_new_tokens), self.page_size) - held
+        return int(np.maximum(need, 0).sum())
+
+    def fits_ever(self, base_lengths: np.ndarray, num_new_tokens: int) -> bool:
+        """Whether a turn (plus one decode token) could be held by an otherwise empty pool."""
+        need = pages_for(self.reservation_target(base_lengths, num_new_tokens) + 1, self.page_size)
+        return bool(need.max() <= self.max_pages_per_group and need.sum() <= self.pool.capacity)
+
+    def reserve(self, slot: int, num_new_tokens: int) -> bool:
+        """Reserve, for every (layer, group), the pages a turn of `num_new_tokens` new tokens
+        ends up retaining on top of what the slot already holds. All or nothing: returns False
+        (and changes nothing) when the pool or the block table cannot hold it."""
+        self._check_slot(slot)
+        if (self.reserved_lengths[slot] != self.lengths[slot]).any():
+            raise ValueError(f"slot {slot} still has reserved room it has not written; "
+                             "commit the previous turn first")
+        target = self.reservation_target(self.lengths[slot], num_new_tokens)
+        held = self.table.num_pages[slot].astype(np.int64)
+        new_held = np.maximum(pages_for(target, self.page_size), held)
+        need = new_held - held
+        if new_held.max() > self.max_pages_per_group or need.sum() > self.pool.num_free:
+            return False
+        pages = self.pool.allocate(int(need.sum()))
+        self.table.append(np.array([slot]), need[None], pages)
+        self.reserved_lengths[slot] = target
+        return True
+
+    def commit_prefill(self, slot: int, num_tokens: int) -> None:
+        """The device has written a prefill piece of `num_tokens` new tokens, starting on a
+        compression-chunk boundary of its turn: lengths grow by ``layout.retained_counts``."""
+        new = self.lengths[slot] + self.layout.retained_counts(num_tokens)
+        if (new > self.reserved_lengths[slot]).any():
+            raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
+        self.lengths[slot] = new
+
+    def reclaim(self, slot: int, actual_lengths: np.ndarray) -> int:
+        """Dynamic compress-and-reclaim: after compression every (layer, group) of `slot` keeps
+        `actual_lengths` ([layers, groups], at most the written lengths) tokens; find and return
+        the pages above them, keeping room for the turn's tokens not written yet.
+        Returns the number of pages released (time spent goes to `reclaim_seconds`)."""
+        if self.policy != "reclaim":
+            raise ValueError("reclaim() belongs to the 'reclaim' policy; Budget Reservation "
+                             "never reclaims")
+        t0 = time.perf_counter()
+        actual = np.asarray(actual_lengths, dtype=np.int64)
+        if actual.shape != self.lengths.shape[1:]:
+            raise ValueError(f"actual_lengths has shape {actual.shape}, expected "
+                             f"{self.lengths.shape[1:]} [layers, groups]")
+        written = self.lengths[slot].astype(np.int64)
+        if (actual < 0).any() or (actual > written).any():
+            raise ValueError("actual_lengths must lie in [0, written lengths]")
+        unwritten = self.reserved_lengths[slot] - written
+        new_reserved = actual + unwritten
+        released = self.table.truncate(np.array([slot]),
+                                       pages_for(new_reserved, self.page_size)[None])
+        self.pool.release(released)
+        self.lengths[slot] = actual
+        self.reserved_lengths[slot] = new_reserved
+        self.pages_reclaimed += int(released.size)
+        self.reclaim_seconds += time.perf_counter() - t0
+        return int(released.size)
+
+    # ----- decode ------------------------------------------------------------------------
+    def grow_for_decode(self, slots: np.ndarray) -> np.ndarray:
+        """Give one more token slot to every (layer, group) of `slots` for this decode step.
+
+        Only groups whose next token crosses a page boundary take a page. Sequences are served
+        in the order given, all or nothing each, while the pool lasts (so the ones that fail
+        are the last ones). Returns bool [n]: which sequences can decode this step.
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size == 0:
+            return np.zeros(0, dtype=bool)
+        want = self.lengths[slots].astype(np.int64) + 1
+        held = self.table.num_pages[slots].astype(np.int64)
+        need = np.maximum(pages_for(want, self.page_size) - held, 0)
+        fits_table = (held + need).max(axis=(1, 2)) <= self.max_pages_per_group
+        demand = np.where(fits_table, need.sum(axis=(1, 2)), 0)
+        # Prefix greedy: the failing sequences are the trailing ones (newest when the caller
+        # orders oldest first), which is who gets preempted.
+        ok = fits_table & (np.cumsum(demand) <= self.pool.num_free)
+        grow = slots[ok]
+        if grow.size:
+            counts = need[ok]
+            total = int(counts.sum())
+            if total:
+                self.table.append(grow, counts, self.pool.allocate(total))
+            self.reserved_lengths[grow] = np.maximum(self.reserved_lengths[grow], want[ok])
+        return ok
+
+    def at_table_limit(self, slot: int) -> bool:
+        """Whether one more decode token would overflow the block table width."""
+        want = self.lengths[slot].astype(np.int64) + 1
+        return bool(pages_for(want, self.page_size).max() > self.max_pages_per_group)
+
+    def advance_decode(self, slots: np.ndarray) -> None:
+        """The device appended one token to every group of `slots`."""
+        slots = np.asarray(slots, dtype=np.int64)
+        new = self.lengths[slots] + 1
+        if (new > self.reserved_lengths[slots]).any():
+            raise ValueError("advance_decode past the reserved capacity (grow_for_decode first)")
+        self.lengths[slots] = new
+
+    # ----- device feed -------------------------------------------------------------------
+    def take_table_updates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Block-table writes since the last call, for a device-resident copy (see BlockTable)."""
+        return self.table.take_updates()
+
+    def usage(self) -> dict:
+        """Pool utilisation and fragmentation (allocated vs occupied token slots)."""
+        allocated = int(self.table.num_pages.sum()) * self.page_size
+        occupied = int(self.lengths.sum())
+        return {
+            "pages_total": self.pool.capacity,
+            "pages_used": self.pool.num_used,
+            "pool_utilisation": self.pool.num_used / self.pool.capacity,
+            "allocated_token_slots": allocated,
+            "occupied_token_slots": occupied,
+            "fragmentation": 1.0 - occupied / allocated if allocated else 0.0,
+            "pages_reclaimed": self.pages_reclaimed,
+            "reclaim_seconds": self.reclaim_seconds,
+        }
+
+    def _check_slot(self, slot: int) -> None:
+        if not (0 <= slot < self.max_seqs) or not self._slot_in_use[slot]:
+            raise ValueError(f"slot {slot} is not an allocated sequence slot")

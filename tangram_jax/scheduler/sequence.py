@@ -1,0 +1,104 @@
+"""Per-request (and per-session) state the scheduler tracks.
+
+A `Sequence` is one conversation's KV-cache owner. A single-turn request is a sequence that is
+freed when its turn ends; a multi-turn session keeps the same `Sequence` across turns (new
+`request_id` per turn) together with its slot and pages, so the next turn only prefills what
+is not in the cache yet.
+
+Token bookkeeping (indices into `token_ids`, the full history of every turn):
+
+- ``num_computed_tokens``: the prefix whose KV has been written to the cache. While decoding it
+  is ``len(token_ids) - 1``: the last sampled token is written by the next decode step.
+- ``turn_start``: where this turn's uncached tokens began when it was admitted; prefill pieces
+  start on ``turn_start + k * chunk_size`` so chunked compression matches
+  `KVLayout.retained_counts`. After an eviction or a preemption everything is uncached and the
+  whole history is re-prefilled (``turn_start = 0``).
+- ``prompt_start``: where this turn's new prompt tokens begin; ``token_ids[prompt_start:
+  prompt_start + num_prompt_tokens]`` is the prompt, what follows is this turn's output.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # queued for admission (a session may still hold its cached pages)
+    PREFILL = "prefill"    # pages reserved, prefill pieces running
+    DECODE = "decode"      # generating one token per step
+    IDLE = "idle"          # turn over; the session keeps its slot and pages
+    FINISHED = "finished"  # freed: turn over without a session, or session closed
+    ABORTED = "aborted"    # freed by abort()
+    CAPPED = "capped"      # freed: decode needed more KV than the pool or block table holds
+
+    @property
+    def is_done(self) -> bool:
+        return self in (SequenceStatus.FINISHED, SequenceStatus.ABORTED, SequenceStatus.CAPPED)
+
+    @property
+    def is_running(self) -> bool:
+        return self in (SequenceStatus.PREFILL, SequenceStatus.DECODE)
+
+
+class Sequence:
+    """State of one request / session (the engine may attach per-token timestamps)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
+                 *, session_id: str | None = None, arrival_time: float = 0.0):
+        self.request_id = request_id
+        self.session_id = session_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.status = SequenceStatus.WAITING
+        self.slot = -1                    # -1: holds no slot (and no pages)
+        self.num_computed_tokens = 0
+        self.turn_start = 0
+        self.prompt_start = 0
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_skips = 0                # admissions that overtook it while it did not fit
+        self.admission_order = -1         # larger = admitted more recently (preempted first)
+        self.last_used_step = 0           # for LRU eviction of idle sessions
+        self.num_preemptions = 0
+        self.token_timestamps: list[float] = []   # filled by the engine if it wants them
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_cached(self) -> bool:
+        return self.slot >= 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated in this turn."""
+        return self.token_ids[self.prompt_start + self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def start_turn(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                   arrival_time: float) -> None:
+        """Append the next turn's prompt (the cache keeps everything computed so far)."""
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.prompt_start = self.num_tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids.extend(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_skips = 0
+
+    def drop_cache(self) -> None:
+        """Forget the cache (after eviction or preemption): everything is re-prefilled."""
+        self.slot = -1
+        self.num_computed_tokens = 0
+        self.turn_start = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, session={self.session_id!r}, "
+                f"status={self.status.value}, slot={self.slot}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
