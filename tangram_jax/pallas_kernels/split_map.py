@@ -1,0 +1,170 @@
+"""Workload split maps: how the decode attention grid's work items are cut across head groups.
+
+The decode kernel (`decode_attention.py`) runs a grid of ``(batch, item, head_in_group)``; a work
+item is one row ``(group, split, num_splits)`` of a *work list*, and covers the page-aligned share
+``split`` of ``num_splits`` of that group's pages, found at run time from the group's length. Three
+ways of making the work list feed that one kernel:
+
+- `build_split_map` (Tangram, ahead of time): from the calibrated group budgets, per layer, the
+  splits of group g are proportional to its expected work ``G * r_g`` (apportioned so that the
+  largest expected tokens-per-split ``r_g / s_g`` is as small as possible, each ``s_g >= 1``).
+  Static: hashed into the jitted decode step, never recomputed while serving.
+- `uniform_split_map` (FlashDecoding-style baseline): the same number of splits for every group.
+- `plan_runtime_work` (FlashInfer-style baseline): recomputed on the host at every decode step for
+  every layer from the actual lengths, then copied to the device as an int32 array.
+
+Batch-bucket rule (documented choice): the grid should hold about `num_programs` programs
+(``num_programs ~ SMs x resident programs per SM``). The grid is ``batch x items x G``, so a map is
+built per batch bucket with ``items = clamp(round(num_programs / (batch * G)), groups,
+groups * max_splits)``; every layer of one map has the same item count (layers whose capped splits
+fall short are padded with no-op items, ``num_splits = 0``), so one compiled kernel serves all
+layers. The engine keeps one map per batch bucket (e.g. 1, 2, 4, ... 64) and pads the batch up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import numpy as np
+
+# Columns of a work list row.
+WORK_GROUP, WORK_SPLIT, WORK_NUM_SPLITS = 0, 1, 2
+
+
+def items_per_row(num_programs: int, batch: int, group_size: int, num_groups: int,
+                  max_splits: int) -> int:
+    """Work items per batch row for a grid of about `num_programs` programs (the bucket rule)."""
+    for name, v in (("num_programs", num_programs), ("batch", batch), ("group_size", group_size),
+                    ("num_groups", num_groups), ("max_splits", max_splits)):
+        if int(v) != v or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    items = int(round(num_programs / (batch * group_size)))
+    return int(min(max(items, num_groups), num_groups * max_splits))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitMap:
+    """Splits per (layer, group) for one batch bucket; hashable (a static jit argument).
+
+    Attributes:
+      splits: per layer, a tuple of splits per group (each >= 1).
+      num_items: work items per batch row, the same for every layer (>= max sum of a layer).
+      batch: the batch bucket the map was sized for (informational; any batch works).
+      name: label for reports (``aot``, ``uniform``).
+    """
+
+    splits: tuple[tuple[int, ...], ...]
+    num_items: int
+    batch: int = 1
+    name: str = "aot"
+
+    def __post_init__(self):
+        if not self.splits or len({len(s) for s in self.splits}) != 1:
+            raise ValueError("splits must be a non-empty tuple of equal-length per-layer tuples")
+        for layer, s in enumerate(self.splits):
+            if min(s) < 1:
+                raise ValueError(f"layer {layer}: every group needs >= 1 split, got {s}")
+            if sum(s) > self.num_items:
+                raise ValueError(f"layer {layer}: {sum(s)} splits exceed num_items "
+                                 f"{self.num_items}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.splits)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.splits[0])
+
+    def work_list(self, layer: int) -> np.ndarray:
+        """int32 [num_items, 3] rows (group, split, num_splits); padding rows are (0, 0, 0)."""
+        rows = [(g, k, n) for g, n in enumerate(self.splits[layer]) for k in range(n)]
+        out = np.zeros((self.num_items, 3), np.int32)
+        out[:len(rows)] = rows
+        return out
+
+    def work_lists(self) -> np.ndarray:
+        """int32 [layers, num_items, 3]: every layer's work list (scan-friendly)."""
+        return np.stack([self.work_list(layer) for layer in range(self.num_layers)])
+
+
+def _min_max_apportion(weights: np.ndarray, total: int, cap: int) -> list[int]:
+    """Integers s >= 1, s <= cap, sum <= total, minimising max(weights / s) (greedy is optimal)."""
+    s = [1] * len(weights)
+    heap = [(-float(w), g) for g, w in enumerate(weights)]
+    heapq.heapify(heap)
+    left = total - len(weights)
+    while left > 0 and heap:
+        _, g = heapq.heappop(heap)
+        if s[g] >= cap:
+            continue
+        s[g] += 1
+        left -= 1
+        if s[g] < cap:
+            heapq.heappush(heap, (-float(weights[g]) / s[g], g))
+    return s
+
+
+def build_split_map(group_budgets: np.ndarray, num_programs: int, batch: int = 1, *,
+                    group_size: int, max_splits: int = 256) -> SplitMap:
+    """The ahead-of-time split map from calibrated budgets.
+
+    group_budgets: float [layers, groups] in (0, 1]. Per layer the splits are proportional to
+    ``G * r_g`` (min-max apportionment of `items_per_row(...)` items, each group >= 1 split,
+    at most `max_splits`).
+    """
+    budgets = np.asarray(group_budgets, dtype=np.float64)
+    if budgets.ndim != 2 or budgets.shape[1] < 1:
+        raise ValueError(f"group_budgets must be [layers, groups], got shape {budgets.shape}")
+    if not (np.isfinite(budgets).all() and (budgets > 0).all() and (budgets <= 1).all()):
+        raise ValueError("group budgets must lie in (0, 1]")
+    num_groups = budgets.shape[1]
+    items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
+    splits = tuple(tuple(_min_max_apportion(group_size * row, items, max_splits))
+                   for row in budgets)
+    return SplitMap(splits=splits, num_items=items, batch=int(batch), name="aot")
+
+
+def uniform_split_map(num_layers: int, num_groups: int, splits: int) -> SplitMap:
+    """FlashDecoding-style: `splits` splits for every group of every layer."""
+    if min(num_layers, num_groups, splits) < 1:
+        raise ValueError(f"num_layers ({num_layers}), num_groups ({num_groups}) and splits "
+                         f"({splits}) must be >= 1")
+    return SplitMap(splits=((int(splits),) * num_groups,) * num_layers,
+                    num_items=num_groups * int(splits), name="uniform")
+
+
+def plan_runtime_work(lengths: np.ndarray, num_programs: int, page_size: int, *, group_size: int,
+                      max_splits: int = 256) -> np.ndarray:
+    """FlashInfer-style host planning for ONE layer at ONE decode step, from the actual lengths.
+
+    lengths: int [batch, groups] retained tokens per (sequence, group) this step.
+    num_programs, group_size, max_splits: as for `build_split_map`; the row's item count is
+      `items_per_row(num_programs, batch, ...)`, the same grid the AOT map of that batch has. Each (row, group) gets ``1 + floor((num_items - groups) * pages_g / pages_row)``
+      splits (pages = ceil(length / page_size)), so rows are balanced by their true work; the
+      rest of the row is padded with no-op items.
+    Returns int32 [batch, num_items, 3] rows (group, split, num_splits), vectorised numpy.
+    """
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 2:
+        raise ValueError(f"lengths must be [batch, groups], got shape {lengths.shape}")
+    if (lengths < 0).any():
+        raise ValueError("lengths must be >= 0")
+    batch, num_groups = lengths.shape
+    num_items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    pages = (lengths.astype(np.int64) + page_size - 1) // page_size
+    row_pages = np.maximum(pages.sum(axis=1, keepdims=True), 1)
+    splits = 1 + ((num_items - num_groups) * pages) // row_pages          # [batch, groups]
+    ends = np.cumsum(splits, axis=1)                                      # [batch, groups]
+    item = np.arange(num_items)
+    group = (ends[:, None, :] <= item[None, :, None]).sum(axis=2)         # [batch, items]
+    active = group < num_groups
+    group = np.where(active, group, 0)
+    start = np.take_along_axis(ends - splits, group, axis=1)
+    nsplit = np.take_along_axis(splits, group, axis=1)
+    work = np.stack([group, np.where(active, item[None] - start, 0), np.where(active, nsplit, 0)],
+                    axis=-1)
+    return work.astype(np.int32)
