@@ -1,0 +1,171 @@
+"""Fused chunk compression: write each head's kept tokens of one prefill chunk into its pages.
+
+Selection (jnp, before the kernel): head h of group g = h // G keeps its ``keep_counts[g]``
+highest-scoring valid tokens (ties: the earlier token), in temporal order; `kept_token_sources`
+returns, per head, the chunk index of its c-th kept token. The kernel then gathers those rows from
+the chunk and scatters them into slots ``hist_len[g] .. hist_len[g] + count - 1`` of the group's
+pages (head j = h % G of the page), never materialising more than the chunk.
+
+Grid: ``(num_kv_heads, cdiv(T, page_size) + 1)``. Program (h, k) owns destination page
+``hist_len[g] // page_size + k`` of head h's group (the kept slots of a chunk span at most that
+many pages): it fills the slots of that page that fall in the kept range and leaves every other
+slot untouched (masked store), so programs never write the same slot and no other slot of the
+pool changes. The pool is updated in place (`input_output_aliases`; donate it in the caller).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tangram_jax.pallas_kernels import backend
+
+
+def kept_token_sources(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax.Array,
+                       group_size: int) -> tuple[jax.Array, jax.Array]:
+    """Per head, the chunk indices of its kept tokens in temporal order.
+
+    scores: float32 [num_kv_heads, T]; keep_counts: int32 [num_groups]; chunk_len: int32 scalar.
+    Returns (sources int32 [num_kv_heads, T] whose first counts[h] entries are the kept tokens in
+    increasing order, counts int32 [num_kv_heads] = min(keep_counts[h // G], chunk_len)).
+    """
+    num_heads, chunk = scores.shape
+    t = jnp.arange(chunk, dtype=jnp.int32)
+    valid = t < chunk_len
+    counts = jnp.minimum(jnp.repeat(keep_counts.astype(jnp.int32), group_size), chunk_len)
+    masked = jnp.where(valid[None, :], scores.astype(jnp.float32), -jnp.inf)
+    order = jnp.argsort(-masked, axis=1, stable=True)                   # best first
+    rank = jnp.argsort(order, axis=1, stable=True)                      # rank of each token
+    kept = (rank < counts[:, None]) & valid[None, :]
+    sources = jnp.argsort(jnp.where(kept, t[None, :], chunk + t[None, :]), axis=1, stable=True)
+    return sources.astype(jnp.int32), counts.astype(jnp.int32)
+
+
+def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, k_chunk_ref,
+                     v_chunk_ref, k_in_ref, v_in_ref, k_out_ref, v_out_ref, *, page_size: int,
+                     group_size: int):
+    """hist_ref [groups]; counts_ref [heads]; block_table_ref [groups, max_pages];
+    sources_ref [T] (this head's); k/v_chunk_ref [T, head_dim] (this head's);
+    k/v_out_ref [num_pages, page_size, head_dim] (this head's slab of the pool, aliased)."""
+    del k_in_ref, v_in_ref  # the same buffers as the outputs
+    head = pl.program_id(0)
+    group = head // group_size
+    chunk = sources_ref.shape[0]
+    max_pages = block_table_ref.shape[1]
+    hist = hist_ref[group]
+    count = counts_ref[head]
+    page_index = hist // page_size + pl.program_id(1)
+    kept_index = page_index * page_size + jnp.arange(page_size) - hist   # c of each slot
+    write = (kept_index >= 0) & (kept_index < count) & (page_index < max_pages)
+    page = block_table_ref[group, jnp.minimum(page_index, max_pages - 1)]
+    src = sources_ref[jnp.clip(kept_index, 0, chunk - 1)]
+    mask = jnp.broadcast_to(write[:, None], (page_size, k_chunk_ref.shape[-1]))
+    plgpu.store(k_out_ref.at[page], k_chunk_ref[src], mask=mask)
+    plgpu.store(v_out_ref.at[page], v_chunk_ref[src], mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(5, 6))
+def _compress(k_chunk, v_chunk, scores, keep_counts, chunk_len, k_pages, v_pages, block_table,
+              hist_len, *, interpret: bool):
+    chunk, num_heads, head_dim = k_chunk.shape
+    num_pages, group_size, page_size, _ = k_pages.shape
+    num_groups, max_pages = block_table.shape
+    sources, counts = kept_token_sources(scores, keep_counts, chunk_len, group_size)
+    kernel = functools.partial(_compress_kernel, page_size=page_size, group_size=group_size)
+    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim),
+                             lambda h, k: (0, h % group_size, 0, 0))
+    chunk_spec = pl.BlockSpec((chunk, None, head_dim), lambda h, k: (0, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_heads, pl.cdiv(chunk, page_size) + 1),
+        in_specs=[
+            pl.BlockSpec((num_groups,), lambda h, k: (0,)),
+            pl.BlockSpec((num_heads,), lambda h, k: (0,)),
+            pl.BlockSpec((num_groups, max_pages), lambda h, k: (0, 0)),
+            pl.BlockSpec((None, chunk), lambda h, k: (h, 0)),
+            chunk_spec, chunk_spec, pool_spec, pool_spec,
+        ],
+        out_specs=[pool_spec, pool_spec],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={6: 0, 7: 1},
+        interpret=interpret,
+        compiler_params=backend.compiler_params(num_warps=4, num_stages=1),
+        name="compress_chunk_into_pages",
+    )(hist_len, counts, block_table, sources, k_chunk.astype(k_pages.dtype),
+      v_chunk.astype(v_pages.dtype), k_pages, v_pages)
+
+
+def _check(k_chunk, v_chunk, scores, keep_counts, k_pages, v_pages, block_table, hist_len):
+    if k_chunk.ndim != 3 or k_chunk.shape != v_chunk.shape:
+        raise ValueError(f"k_chunk/v_chunk must both be [T, num_kv_heads, head_dim], got "
+                         f"{k_chunk.shape} and {v_chunk.shape}")
+    chunk, num_heads, head_dim = k_chunk.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != head_dim:
+        raise ValueError(f"k_pages/v_pages must both be [num_pages, G, page_size, {head_dim}], "
+                         f"got {k_pages.shape} and {v_pages.shape}")
+    group_size = k_pages.shape[1]
+    if num_heads % group_size:
+        raise ValueError(f"num_kv_heads {num_heads} is not a multiple of G={group_size}")
+    num_groups = num_heads // group_size
+    if scores.shape != (num_heads, chunk):
+        raise ValueError(f"scores must be [num_kv_heads={num_heads}, T={chunk}], got "
+                         f"{scores.shape}")
+    if keep_counts.shape != (num_groups,) or hist_len.shape != (num_groups,):
+        raise ValueError(f"keep_counts and hist_len must be [groups={num_groups}], got "
+                         f"{keep_counts.shape} and {hist_len.shape}")
+    if block_table.ndim != 2 or block_table.shape[0] != num_groups:
+        raise ValueError(f"block_table must be [groups={num_groups}, max_pages], got "
+                         f"{block_table.shape}")
+    for name, a in (("keep_counts", keep_counts), ("block_table", block_table),
+                    ("hist_len", hist_len)):
+        if a.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {a.dtype}")
+
+
+def compress_chunk_into_pages(k_chunk, v_chunk, scores, keep_counts, chunk_len, k_pages, v_pages,
+                              block_table, hist_len, *, interpret: bool | None = None):
+    """Keep each head's top tokens of one chunk and write them into its group's pages.
+
+    Args:
+      k_chunk, v_chunk: [T, num_kv_heads, head_dim], RoPE applied, heads in permuted order
+        (group g = heads g*G .. g*G + G - 1); T is the padded static chunk size.
+      scores: float32 [num_kv_heads, T] (only the first chunk_len count).
+      keep_counts: int32 [groups] (from `kv_layout.chunk_keep_count`); chunk_len: int32 scalar.
+      k_pages, v_pages: [num_pages, G, page_size, head_dim]; donated and updated in place.
+      block_table: int32 [groups, max_pages]; hist_len: int32 [groups] slots already used.
+    Returns the updated (k_pages, v_pages): slots hist_len[g] .. hist_len[g] + count - 1 hold the
+    kept tokens in temporal order; no other slot changes.
+    """
+    _check(k_chunk, v_chunk, scores, keep_counts, k_pages, v_pages, block_table, hist_len)
+    return _compress(k_chunk, v_chunk, scores, keep_counts, jnp.asarray(chunk_len, jnp.int32),
+                     k_pages, v_pages, block_table, hist_len,
+                     interpret=backend.resolve_interpret(interpret))
+
+
+@jax.jit
+def compress_chunk_into_pages_reference(k_chunk, v_chunk, scores, keep_counts, chunk_len,
+                                        k_pages, v_pages, block_table, hist_len):
+    """Pure-jnp scatter of the same selection (out-of-range slots are dropped)."""
+    chunk, num_heads, _ = k_chunk.shape
+    num_pages, group_size, page_size, _ = k_pages.shape
+    max_pages = block_table.shape[1]
+    sources, counts = kept_token_sources(scores, keep_counts, jnp.asarray(chunk_len, jnp.int32),
+                                         group_size)
+    heads = jnp.arange(num_heads)
+    group = heads // group_size
+    c = jnp.arange(chunk)
+    slot = hist_len[group][:, None] + c[None, :]                         # [heads, T]
+    keep = c[None, :] < counts[:, None]
+    page_index = jnp.clip(slot // page_size, 0, max_pages - 1)
+    page = jnp.where(keep, block_table[group[:, None], page_index], num_pages)  # drop if not kept
+    head_in_page = jnp.broadcast_to((heads % group_size)[:, None], slot.shape)
+    k_rows = k_chunk[sources, heads[:, None]].astype(k_pages.dtype)       # [heads, T, d]
+    v_rows = v_chunk[sources, heads[:, None]].astype(v_pages.dtype)
+    k_pages = k_pages.at[page, head_in_page, slot % page_size].set(k_rows, mode="drop")
+    v_pages = v_pages.at[page, head_in_page, slot % page_size].set(v_rows, mode="drop")
+    return k_pages, v_pages
