@@ -159,3 +159,25 @@ def chat_tokenizer(tokenizer) -> Callable[[list[dict]], list[int]]:
         return tokenizer.apply_chat_template(messages,
                                              add_generation_prompt=messages[-1]["role"] == "user")
     return tokenize
+
+
+def profile_from_run(run: CalibrationRun, rho: float, *, model: dict, lambda_: float = 2.0,
+                     group_size: int = 1, grouping: str = "budget", rescale: bool = False,
+                     metadata: dict | None = None):
+    """The `BudgetProfile` of a calibration run at `rho` (budgets, optional rescale, grouping)."""
+    from tangram_jax.compression.profile import BudgetProfile, creation_metadata
+    if rho not in run.retention:
+        raise ValueError(f"the calibration run has no ratio {rho}; it has {sorted(run.retention)}")
+    mean, std = run.stats(rho)
+    budget = static_budgets(mean, std, lambda_)
+    if rescale:
+        budget = rescale_to_ratio(budget, rho)
+    meta = creation_metadata(len(run.tasks), tasks=sorted(set(run.tasks)),
+                             task_counts={t: run.tasks.count(t) for t in sorted(set(run.tasks))},
+                             min_tokens=min(run.lengths), max_tokens=max(run.lengths),
+                             mean_tokens=float(np.mean(run.lengths)))
+    meta.update(metadata or {})
+    return BudgetProfile.from_budgets(model=model, method=run.method, rho=rho, lambda_=lambda_,
+                                      mean=mean, std=std, budget=budget, group_size=group_size,
+                                      grouping=grouping, safeguard=run.safeguard, rescaled=rescale,
+                                      metadata=meta)

@@ -138,7 +138,18 @@ class BudgetProfile:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        """Writes the JSON with one array row per line (readable diffs, modest size)."""
+        d = self.to_dict()
+        rows = {}
+        for section in ("heads", "groups"):
+            for key, value in d[section].items():
+                marker = f"@@{section}.{key}@@"
+                rows[marker] = "[\n    " + ",\n    ".join(json.dumps(r) for r in value) + "\n   ]"
+                d[section][key] = marker
+        text = json.dumps(d, indent=1)
+        for marker, block in rows.items():
+            text = text.replace(json.dumps(marker), block)
+        Path(path).write_text(text + "\n", encoding="utf-8")
 
     @classmethod
     def from_dict(cls, d: dict, expected_fingerprint: dict | None = None) -> "BudgetProfile":
