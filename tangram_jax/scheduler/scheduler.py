@@ -1,0 +1,438 @@
+"""Continuous-batching scheduler with admission by Budget Reservation.
+
+One engine step is::
+
+    out = scheduler.schedule()            # what to run: prefill pieces + decode batch
+    ... device runs out.prefill_chunks and out.decode_slots with manager.block_tables/lengths ...
+    scheduler.commit(out, sampled)        # lengths advance, sampled tokens appended
+    scheduler.finish(request_id)          # for every request the engine's stop check ended
+
+`schedule` does, in order:
+
+1. Decode: every decoding sequence gets one token. Groups crossing a page boundary take a page
+   (`KVCacheManager.grow_for_decode`). When the pool is short, idle sessions are evicted (least
+   recently used first), then the newest running sequence is preempted by recompute (pages
+   freed, requeued at the front, its whole history re-prefilled later). A sequence that could
+   not grow even with the whole pool (or the full block-table width) to itself ends as CAPPED.
+2. Prefill pieces for sequences already admitted, under the per-step token budget.
+3. Admission, FCFS by reservation: a waiting request is admitted only if its whole turn's
+   post-compression reservation fits (evicting idle sessions if that makes it fit). A request that
+   does not fit is passed over so smaller ones behind it can run, but each time it is overtaken
+   its skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
+   fits. Requests larger than the whole pool are rejected by `add_request`.
+
+Prefill pieces start on compression-chunk boundaries of their turn (``turn_start + k *
+layout.chunk_size``) so the retained count of every piece is `layout.retained_counts(piece)` and
+the sum over a turn is `layout.retained_counts(turn)`, exactly what was reserved.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+from tangram_jax.scheduler.metrics import SchedulerMetrics
+from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
+
+DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never fit: its reservation exceeds the whole pool or block-table width."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Run ``seq.token_ids[start:end]`` through prefill, writing into ``seq.slot``'s pages.
+
+    The kept tokens of every (layer, group) go to positions ``manager.lengths[slot]`` (before
+    `commit`) onwards; `is_last` means the logits of the final token give the first sampled token.
+    """
+    seq: Sequence
+    start: int
+    end: int
+    is_last: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's work.
+
+    decode_slots: int32 [bucket] slots of `decode_seqs`, padded with the manager's null slot.
+    decode_lengths: int32 [bucket, layers, groups] lengths before this step's token (the write
+      position of the new token; padded rows 0).
+    table_updates: (flat indices into ``block_tables.ravel()``, values) written since the
+      previous step, for a device-resident copy of the block table.
+    preempted / capped: sequences preempted by recompute / ended for lack of KV capacity.
+    """
+    step: int
+    prefill_chunks: list[PrefillChunk]
+    decode_seqs: list[Sequence]
+    decode_slots: np.ndarray
+    decode_lengths: np.ndarray
+    table_updates: tuple[np.ndarray, np.ndarray]
+    preempted: list[Sequence]
+    capped: list[Sequence]
+
+    @property
+    def decode_bucket(self) -> int:
+        return int(self.decode_slots.size)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill_chunks) + len(self.decode_seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_chunks and not self.decode_seqs
+
+
+class Scheduler:
+    """Args:
+      manager: the `KVCacheManager` (its layout and policy decide what a reservation is).
+      max_num_batched_tokens: per-step token budget (decode tokens + prefill tokens); must be at
+        least ``manager.max_seqs + layout.chunk_size`` so prefill always progresses.
+      decode_buckets: increasing batch sizes the decode step is compiled for; the largest must be
+        at least ``manager.max_seqs``.
+      fairness_skips: how many times a request may be overtaken before it blocks admission.
+    """
+
+    def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int = 4096,
+                 decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS,
+                 fairness_skips: int = 8):
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
+        buckets = tuple(int(b) for b in decode_buckets)
+        if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"decode_buckets must be strictly increasing positive ints, got "
+                             f"{decode_buckets!r}")
+        if buckets[-1] < manager.max_seqs:
+            raise ValueError(f"largest decode bucket {buckets[-1]} < max_seqs {manager.max_seqs}")
+        chunk = manager.layout.chunk_size
+        if max_num_batched_tokens < manager.max_seqs + chunk:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_seqs + chunk_size ({manager.max_seqs + chunk})")
+        if fairness_skips < 1:
+            raise ValueError(f"fairness_skips must be >= 1, got {fairness_skips}")
+        self.manager = manager
+        self.layout = manager.layout
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.decode_buckets = buckets
+        self.fairness_skips = int(fairness_skips)
+        self.metrics = SchedulerMetrics()
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []          # PREFILL and DECODE, oldest admission first
+        self._requests: dict[str, Sequence] = {}   # live request id -> sequence
+        self._sessions: dict[str, Sequence] = {}   # session id -> sequence (any live state)
+        self._step = 0
+        self._admissions = 0
+
+    # ----- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
+                    *, session_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """Queue a request (a new sequence, or the next turn of an idle session).
+
+        Raises RequestTooLargeError when its reservation (the whole history re-prefilled, plus one
+        decode token) exceeds the pool or the block-table width; ValueError for a duplicate
+        request id, an empty prompt or a session whose previous turn is still running.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        tokens = list(prompt_token_ids)
+        if not tokens:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+            raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
+        arrival = time.monotonic() if arrival_time is None else float(arrival_time)
+        zeros = np.zeros(self.manager.lengths.shape[1:], dtype=np.int64)
+        seq = self._sessions.get(session_id) if session_id is not None else None
+        if seq is not None:
+            if seq.status is not SequenceStatus.IDLE:
+                raise ValueError(f"session {session_id!r} is still serving request "
+                                 f"{seq.request_id!r} ({seq.status.value})")
+            total = seq.num_tokens + len(tokens)
+        else:
+            total = len(tokens)
+        if not self.manager.fits_ever(zeros, total):
+            self.metrics.num_rejected += 1
+            need = self.manager.pages_to_reserve(None, total)
+            raise RequestTooLargeError(
+                f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
+                f"compression plus decode room; the pool has {self.manager.pool.capacity} pages "
+                f"and a group at most {self.manager.max_pages_per_group}")
+        if seq is not None:
+            if seq.is_cached and not self.manager.fits_ever(
+                    self.manager.lengths[seq.slot], seq.num_uncomputed_tokens + len(tokens)):
+                self._drop_cache(seq)   # the cached path can never fit; re-prefill everything
+            seq.start_turn(request_id, tokens, sampling_params, arrival)
+        else:
+            seq = Sequence(request_id, tokens, sampling_params, session_id=session_id,
+                           arrival_time=arrival)
+            if session_id is not None:
+                self._sessions[session_id] = seq
+        self._requests[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def get(self, request_id: str) -> Sequence:
+        return self._requests[request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request_id: str) -> None:
+        """End a running request's turn: a session keeps slot and pages (IDLE), otherwise freed."""
+        t0 = time.perf_counter()
+        seq = self._live(request_id)
+        if not seq.status.is_running:
+            raise ValueError(f"request {request_id!r} is {seq.status.value}, not running")
+        self.running.remove(seq)
+        del self._requests[request_id]
+        if seq.session_id is not None:
+            seq.status = SequenceStatus.IDLE
+            seq.last_used_step = self._step
+        else:
+            self._release(seq, SequenceStatus.FINISHED)
+        self.metrics.add_to_step(time.perf_counter() - t0)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request in any state, with its session's cache."""
+        seq = self._live(request_id)
+        del self._requests[request_id]
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq, SequenceStatus.ABORTED)
+
+    def close_session(self, session_id: str) -> None:
+        """Free an idle session's slot and pages."""
+        seq = self._sessions.get(session_id)
+        if seq is None:
+            raise KeyError(f"no session {session_id!r}")
+        if seq.status is not SequenceStatus.IDLE:
+            raise ValueError(f"session {session_id!r} is {seq.status.value}, not idle")
+        self._release(seq, SequenceStatus.FINISHED)
+
+    # ----- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        self._step += 1
+        budget = self.max_num_batched_tokens
+        preempted: list[Sequence] = []
+        capped: list[Sequence] = []
+
+        decode = [s for s in self.running if s.status is SequenceStatus.DECODE]
+        decode = self._grow_for_decode(decode, preempted, capped)
+        budget -= len(decode)
+
+        chunks: list[PrefillChunk] = []
+        for seq in self.running:
+            if seq.status is SequenceStatus.PREFILL:
+                take = self._piece_size(seq, budget)
+                if take:
+                    chunks.append(self._chunk(seq, take))
+                    budget -= take
+        # A step that had to preempt is short of pages: admitting now would only thrash.
+        if not preempted:
+            self._admit(budget, chunks)
+
+        n = len(decode)
+        bucket = next(b for b in self.decode_buckets if b >= n) if n else 0
+        slots = np.full(bucket, self.manager.null_slot, dtype=np.int32)
+        slots[:n] = [s.slot for s in decode]
+        out = SchedulerOutput(step=self._step, prefill_chunks=chunks, decode_seqs=decode,
+                              decode_slots=slots, decode_lengths=self.manager.lengths[slots],
+                              table_updates=self.manager.take_table_updates(),
+                              preempted=preempted, capped=capped)
+        self.metrics.start_step(time.perf_counter() - t0)
+        return out
+
+    def commit(self, output: SchedulerOutput, sampled_tokens: Mapping[str, int],
+               reclaim_lengths: Mapping[str, np.ndarray] | None = None) -> None:
+        """Record what the device did for `output`.
+
+        sampled_tokens: request id -> token sampled this step, for every decode sequence and
+          every prefill chunk with `is_last`.
+        reclaim_lengths: (reclaim policy only) request id -> int [layers, groups] retained
+          counts after the device's dynamic compression of that request's chunk.
+        Sequences aborted between `schedule` and `commit` are skipped.
+        """
+        t0 = time.perf_counter()
+        for chunk in output.prefill_chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.PREFILL or seq.num_computed_tokens != chunk.start:
+                continue
+            self.manager.commit_prefill(seq.slot, chunk.num_tokens)
+            if reclaim_lengths is not None and seq.request_id in reclaim_lengths:
+                self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
+            seq.num_computed_tokens = chunk.end
+            if chunk.is_last:
+                seq.token_ids.append(int(self._sampled(sampled_tokens, seq)))
+                seq.status = SequenceStatus.DECODE
+        live = [s for s in output.decode_seqs if s.status is SequenceStatus.DECODE]
+        if live:
+            self.manager.advance_decode(np.array([s.slot for s in live]))
+            for seq in live:
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(int(self._sampled(sampled_tokens, seq)))
+        self.metrics.add_to_step(time.perf_counter() - t0)
+
+    # ----- internals ---------------------------------------------------------------------
+    def _grow_for_decode(self, decode: list[Sequence], preempted: list[Sequence],
+                         capped: list[Sequence]) -> list[Sequence]:
+        granted: list[Sequence] = []
+        pending = decode
+        while pending:
+            ok = self.manager.grow_for_decode(np.array([s.slot for s in pending]))
+            granted += [s for s, o in zip(pending, ok) if o]
+            pending = [s for s, o in zip(pending, ok) if not o]
+            if not pending:
+                break
+            first = pending[0]
+            own = self.manager.pages_held(first.slot) + self._decode_demand(first)
+            if self.manager.at_table_limit(first.slot) or own > self.manager.pool.capacity:
+                self._end_capped(first)
+                capped.append(first)
+                pending = pending[1:]
+                continue
+            if self._evict_lru(exclude=None):
+                continue
+            victim = max(self.running, key=lambda s: s.admission_order)
+            self._preempt(victim)
+            preempted.append(victim)
+            granted = [s for s in granted if s is not victim]
+            pending = [s for s in pending if s is not victim]
+        # Keep the batch in admission order (oldest first) for stable row positions.
+        return sorted(granted, key=lambda s: s.admission_order)
+
+    def _decode_demand(self, seq: Sequence) -> int:
+        m = self.manager
+        want = (m.lengths[seq.slot].astype(np.int64) + 1 + m.page_size - 1) // m.page_size
+        return int(np.maximum(want - m.table.num_pages[seq.slot], 0).sum())
+
+    def _piece_size(self, seq: Sequence, budget: int) -> int:
+        """Largest piece from the sequence's next chunk boundary that fits `budget`."""
+        remaining = seq.num_uncomputed_tokens
+        if remaining <= budget:
+            return remaining
+        chunk = self.layout.chunk_size
+        return (budget // chunk) * chunk
+
+    def _chunk(self, seq: Sequence, take: int) -> PrefillChunk:
+        start = seq.num_computed_tokens
+        return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens)
+
+    def _admit(self, budget: int, chunks: list[PrefillChunk]) -> None:
+        priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
+        candidates = [priority] if priority is not None else list(self.waiting)
+        passed_over: list[Sequence] = []
+        for seq in candidates:
+            if seq.status is not SequenceStatus.WAITING:
+                continue
+            # A cached session evicted by an earlier admission this step re-prefills everything,
+            # so the size is read here, not before the loop.
+            take = self._piece_size(seq, budget)
+            if take == 0:
+                break
+            if not self._reserve(seq):
+                passed_over.append(seq)
+                continue
+            for other in passed_over:
+                other.num_skips += 1
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.status = SequenceStatus.PREFILL
+            seq.turn_start = seq.num_computed_tokens
+            seq.admission_order = self._admissions
+            self._admissions += 1
+            self.metrics.num_admitted += 1
+            chunks.append(self._chunk(seq, take))
+            budget -= take
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
+        m = self.manager
+        need = m.pages_to_reserve(seq.slot if seq.is_cached else None, seq.num_uncomputed_tokens)
+        need_slot = not seq.is_cached
+        evictable = self._evictable(exclude=seq)
+        if need > m.num_free_pages + sum(m.pages_held(s.slot) for s in evictable):
+            return False
+        if need_slot and m.num_free_slots + len(evictable) == 0:
+            return False
+        for victim in evictable:
+            if m.num_free_pages >= need and (not need_slot or m.num_free_slots > 0):
+                break
+            self._evict(victim)
+        if need_slot:
+            seq.slot = m.allocate_slot()
+        if not m.reserve(seq.slot, seq.num_uncomputed_tokens):
+            raise AssertionError("reservation failed after the pool was checked")
+        return True
+
+    def _evictable(self, exclude: Sequence | None) -> list[Sequence]:
+        """Sessions holding a cache but not running, least recently used first."""
+        found = [s for s in self._sessions.values()
+                 if s is not exclude and s.is_cached and not s.status.is_running]
+        return sorted(found, key=lambda s: s.last_used_step)
+
+    def _evict_lru(self, exclude: Sequence | None) -> bool:
+        evictable = self._evictable(exclude)
+        if not evictable:
+            return False
+        self._evict(evictable[0])
+        return True
+
+    def _evict(self, seq: Sequence) -> None:
+        self._drop_cache(seq)
+        self.metrics.num_evictions += 1
+
+    def _drop_cache(self, seq: Sequence) -> None:
+        if seq.is_cached:
+            self.manager.free(seq.slot)
+        seq.drop_cache()
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_cache(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.metrics.num_preemptions += 1
+
+    def _end_capped(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._requests.pop(seq.request_id, None)
+        self._release(seq, SequenceStatus.CAPPED)
+        self.metrics.num_capped += 1
+
+    def _release(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._drop_cache(seq)
+        seq.status = status
+        if seq.session_id is not None:
+            self._sessions.pop(seq.session_id, None)
+
+    def _live(self, request_id: str) -> Sequence:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no live request {request_id!r}")
+        return seq
+
+    @staticmethod
+    def _sampled(sampled_tokens: Mapping[str, int], seq: Sequence) -> int:
+        try:
+            return sampled_tokens[seq.request_id]
+        except KeyError:
+            raise ValueError(f"no sampled token given for request {seq.request_id!r}") from None
