@@ -1,0 +1,222 @@
+"""Randomized whole-scheduler test: arrivals, multi-turn continuations, finishes, aborts,
+preemptions and evictions on a small pool, with the device simulated by committing exactly what
+each step scheduled. Invariants are checked after every step; teardown drains the queue."""
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+from tangram_jax.scheduler.scheduler import RequestTooLargeError, Scheduler
+from tangram_jax.scheduler.sequence import SequenceStatus
+
+NUM_LAYERS, NUM_HEADS, HEAD_DIM, PAGE, CHUNK = 2, 4, 8, 4, 8
+BUDGETS = np.array([[0.25, 0.6], [0.4, 1.0]])
+NUM_PAGES, MAX_SEQS, MAX_PAGES, TOKEN_BUDGET = 48, 4, 16, 28
+BUCKETS = (1, 2, 4)
+
+
+def tangram_layout():
+    return KVLayout(num_layers=NUM_LAYERS, num_kv_heads=NUM_HEADS, head_dim=HEAD_DIM,
+                    group_size=2, page_size=PAGE, chunk_size=CHUNK,
+                    head_perm=np.tile([1, 3, 0, 2], (NUM_LAYERS, 1)), group_budgets=BUDGETS)
+
+
+def monolithic_layout():
+    return KVLayout.monolithic(NUM_LAYERS, NUM_HEADS, HEAD_DIM, page_size=PAGE, chunk_size=CHUNK)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    policy = "reserve"
+
+    @initialize()
+    def setup(self):
+        layout = tangram_layout() if self.policy == "reserve" else monolithic_layout()
+        self.manager = KVCacheManager(layout, NUM_PAGES, MAX_SEQS, MAX_PAGES,
+                                      model_kv_shape=(NUM_LAYERS, NUM_HEADS, HEAD_DIM),
+                                      policy=self.policy)
+        self.sched = Scheduler(self.manager, max_num_batched_tokens=TOKEN_BUDGET,
+                               decode_buckets=BUCKETS, fairness_skips=3)
+        self.layout = layout
+        self.device_table = self.manager.block_tables.copy()
+        self.counter = 0
+        self.max_new: dict[str, int] = {}      # live request -> tokens it generates
+        self.admitted: set[str] = set()
+        self.ended: dict[str, str] = {}        # request -> how it ended
+        self.idle_sessions: set[str] = set()
+        self.turn_target: dict[str, np.ndarray] = {}   # request -> lengths after its prefill
+        self.rng = np.random.default_rng(0)
+
+    # ----- rules -------------------------------------------------------------------------
+    def _expect_fits(self, total_tokens):
+        need = pages_for(self.layout.retained_counts(total_tokens) + 1, PAGE)
+        return need.max() <= MAX_PAGES and need.sum() <= NUM_PAGES - 1
+
+    @rule(length=st.integers(1, 90), max_new=st.integers(1, 6), with_session=st.booleans())
+    def arrive(self, length, max_new, with_session):
+        self.counter += 1
+        rid = f"r{self.counter}"
+        session = f"s{self.counter}" if with_session else None
+        try:
+            self.sched.add_request(rid, list(range(length)), session_id=session)
+        except RequestTooLargeError:
+            assert not self._expect_fits(length)
+            return
+        assert self._expect_fits(length)
+        self.max_new[rid] = max_new
+
+    @precondition(lambda self: self.idle_sessions)
+    @rule(data=st.data(), length=st.integers(1, 30), max_new=st.integers(1, 6))
+    def next_turn(self, data, length, max_new):
+        session = data.draw(st.sampled_from(sorted(self.idle_sessions)))
+        seq = self.sched._sessions[session]
+        history = seq.num_tokens + length
+        self.counter += 1
+        rid = f"r{self.counter}"
+        try:
+            self.sched.add_request(rid, [7] * length, session_id=session)
+        except RequestTooLargeError:
+            assert not self._expect_fits(history)
+            return
+        assert self._expect_fits(history)
+        self.idle_sessions.discard(session)
+        self.max_new[rid] = max_new
+
+    @precondition(lambda self: self.max_new)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.max_new)))
+        session = self.sched.get(rid).session_id
+        self.sched.abort(rid)
+        del self.max_new[rid]
+        self.ended[rid] = "aborted"
+        self.idle_sessions.discard(session)
+
+    @precondition(lambda self: self.idle_sessions)
+    @rule(data=st.data())
+    def close_session(self, data):
+        session = data.draw(st.sampled_from(sorted(self.idle_sessions)))
+        self.sched.close_session(session)
+        self.idle_sessions.discard(session)
+
+    @rule()
+    def step(self):
+        self._step()
+
+    # ----- the simulated device ----------------------------------------------------------
+    def _step(self):
+        m, sched = self.manager, self.sched
+        out = sched.schedule()
+        # The device copy of the block table follows the host through the update log.
+        index, value = out.table_updates
+        self.device_table.reshape(-1)[index] = value
+        assert (self.device_table == m.block_tables).all()
+        assert out.num_scheduled_tokens <= TOKEN_BUDGET
+        assert out.decode_bucket in (0,) + BUCKETS and out.decode_bucket >= len(out.decode_seqs)
+        assert (out.decode_slots[len(out.decode_seqs):] == m.null_slot).all()
+        assert len({s.slot for s in out.decode_seqs}) == len(out.decode_seqs)
+        for seq in out.capped:
+            self.ended[seq.request_id] = "capped"
+            self.max_new.pop(seq.request_id, None)
+        sampled = {}
+        reclaim = {}
+        for chunk in out.prefill_chunks:
+            seq = chunk.seq
+            rid = seq.request_id
+            self.admitted.add(rid)
+            # Pieces start on compression-chunk boundaries of the turn.
+            assert (chunk.start - seq.turn_start) % CHUNK == 0
+            assert chunk.is_last == (chunk.end == seq.num_tokens)
+            if chunk.start == seq.turn_start:
+                # Admitted this step: nothing written yet, so lengths are the turn's base.
+                self.turn_target[rid] = (m.lengths[seq.slot].astype(np.int64)
+                                         + self.layout.retained_counts(seq.num_tokens
+                                                                       - seq.turn_start))
+            if self.policy == "reserve":
+                assert (m.reserved_lengths[seq.slot] == self.turn_target[rid]).all()
+                assert (m.table.num_pages[seq.slot] == pages_for(self.turn_target[rid], PAGE)).all()
+            if chunk.is_last:
+                sampled[rid] = 1
+            if self.policy == "reclaim":
+                written = m.lengths[seq.slot] + chunk.num_tokens
+                keep = np.ceil(written * self.rng.uniform(0.2, 1.0, written.shape)).astype(int)
+                reclaim[rid] = np.maximum(keep, m.lengths[seq.slot])
+        for seq in out.decode_seqs:
+            sampled[seq.request_id] = 2
+        decode_before = {s.request_id: m.lengths[s.slot].copy() for s in out.decode_seqs}
+        sched.commit(out, sampled, reclaim_lengths=reclaim or None)
+        for chunk in out.prefill_chunks:
+            seq = chunk.seq
+            if chunk.is_last and self.policy == "reserve":
+                # What the prefill wrote is exactly what was reserved.
+                assert (m.lengths[seq.slot] == self.turn_target[seq.request_id]).all()
+        for seq in out.decode_seqs:
+            assert (m.lengths[seq.slot] == decode_before[seq.request_id] + 1).all()
+            if len(seq.output_token_ids) >= self.max_new[seq.request_id]:
+                session = seq.session_id
+                sched.finish(seq.request_id)
+                del self.max_new[seq.request_id]
+                self.ended[seq.request_id] = "finished"
+                if session is not None:
+                    self.idle_sessions.add(session)
+        # Sessions evicted or capped are no longer idle-cached but stay continuable if idle.
+        self.idle_sessions = {s for s in self.idle_sessions if s in sched._sessions}
+
+    # ----- invariants --------------------------------------------------------------------
+    @invariant()
+    def pages_are_conserved_and_unique(self):
+        if not hasattr(self, "manager"):
+            return
+        m = self.manager
+        owned = np.concatenate([m.table.pages_of(s) for s in range(MAX_SEQS + 1)])
+        assert m.pool.num_free + owned.size == NUM_PAGES - 1
+        assert np.unique(owned).size == owned.size, "a page is owned twice"
+        assert (owned != 0).all(), "the null page was handed out"
+        assert m.pool.is_allocated(owned).all()
+        assert (m.block_tables[m.null_slot] == 0).all() and (m.lengths[m.null_slot] == 0).all()
+
+    @invariant()
+    def lengths_within_reservation(self):
+        if not hasattr(self, "manager"):
+            return
+        m = self.manager
+        assert (m.lengths <= m.reserved_lengths).all()
+        assert (m.table.num_pages == pages_for(m.reserved_lengths, PAGE)).all()
+        assert (m.lengths <= m.table.num_pages * PAGE).all()
+        holders = [s for s in self.sched._sessions.values() if s.is_cached]
+        holders += [s for s in self.sched.running if s.session_id is None]
+        assert sorted(s.slot for s in holders) == sorted(
+            np.flatnonzero(m._slot_in_use[:MAX_SEQS]).tolist())
+
+    def teardown(self):
+        if not hasattr(self, "manager"):
+            return
+        for _ in range(2000):
+            if not self.sched.has_unfinished():
+                break
+            self._step()
+        assert not self.sched.has_unfinished(), "requests left unfinished after draining"
+        for rid in self.admitted:
+            assert rid in self.ended, f"admitted request {rid} never ended"
+        assert not self.max_new
+        for session in list(self.idle_sessions):
+            self.sched.close_session(session)
+        assert self.manager.pool.num_free == NUM_PAGES - 1
+        for name in ("num_preemptions", "num_evictions", "num_capped", "num_rejected"):
+            if getattr(self.sched.metrics, name):
+                event(name)
+
+
+class ReclaimMachine(SchedulerMachine):
+    policy = "reclaim"
+
+
+_settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestReserveStateMachine = SchedulerMachine.TestCase
+TestReserveStateMachine.settings = _settings
+TestReclaimStateMachine = ReclaimMachine.TestCase
+TestReclaimStateMachine.settings = settings(_settings, max_examples=20)
