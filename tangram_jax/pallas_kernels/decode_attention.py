@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 # Masked logits: far below any real logit, but finite so that max/exp never see inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -75,7 +76,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
         k = k_pages_ref[page_ids].reshape(block_tokens, -1)              # [block_tokens, d]
         v = v_pages_ref[page_ids].reshape(block_tokens, -1)
         token_valid = first_page * page_size + jnp.arange(block_tokens) < end_token
-        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False).astype(jnp.float32) * scale
+        logits = _dot(q, k, trans_b=True) * scale
         logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
@@ -83,8 +84,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
         l_next = correction * l_prev + p.sum(axis=-1)
         # Slots past the length are not ours (may hold anything, NaN included): zero them.
         v = jnp.where(token_valid[:, None], v, jnp.zeros_like(v))
-        o_next = correction[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False).astype(
-            jnp.float32)
+        o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
         return o_next, m_next, l_next
 
     o = jnp.zeros(q.shape, jnp.float32)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -33,14 +33,14 @@ def _online_softmax_step(q, k, v, valid, key_valid, carry, scale):
     """One block of keys: valid [rows, keys] bool, key_valid [keys] (the keys any row may see);
     k, v [keys, d]. Returns the new carry."""
     o_prev, m_prev, l_prev = carry
-    logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False).astype(jnp.float32) * scale
+    logits = _dot(q, k, trans_b=True) * scale
     logits = jnp.where(valid, logits, _MASK_VALUE)
     m_next = jnp.maximum(m_prev, logits.max(axis=-1))
     correction = jnp.exp(m_prev - m_next)
     p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
     l_next = correction * l_prev + p.sum(axis=-1)
     v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))      # unowned slots may hold NaN
-    o_next = correction[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False).astype(jnp.float32)
+    o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
     return o_next, m_next, l_next
 
 

@@ -1,0 +1,90 @@
+"""Split maps (AOT / uniform) and the runtime planner: shapes, proportionality, and that the
+decode kernel's page-aligned share rule covers every page of every group exactly once."""
+
+import numpy as np
+import pytest
+
+from tangram_jax.pallas_kernels import split_map as sm
+
+
+def _shares(length, split, num_splits, page_size, pages_per_block):
+    """The decode kernel's share rule, written out independently in numpy."""
+    pages = -(-length // page_size)
+    if num_splits == 0:
+        return range(0)
+    per = -(-(-(-pages // num_splits)) // pages_per_block) * pages_per_block
+    return range(split * per, min(split * per + per, pages))
+
+
+def _covered_once(work, lengths, page_size, pages_per_block):
+    batch, groups = lengths.shape
+    for b in range(batch):
+        seen = [[] for _ in range(groups)]
+        for g, k, n in work[b]:
+            if n:
+                seen[g].extend(_shares(int(lengths[b, g]), k, n, page_size, pages_per_block))
+        for g in range(groups):
+            pages = -(-int(lengths[b, g]) // page_size)
+            assert sorted(seen[g]) == list(range(pages)), (b, g)
+
+
+def test_aot_map_is_proportional_and_same_size_per_layer():
+    rng = np.random.default_rng()
+    budgets = rng.uniform(0.02, 1.0, size=(6, 4))
+    budgets[0] = [0.05, 0.1, 0.25, 0.85]
+    for batch in (1, 4, 64):
+        m = sm.build_split_map(budgets, 528, batch, group_size=2)
+        assert m.num_items == sm.items_per_row(528, batch, 2, 4, 256)
+        lists = m.work_lists()
+        assert lists.shape == (6, m.num_items, 3) and lists.dtype == np.int32
+        for layer, s in enumerate(m.splits):
+            s = np.array(s)
+            assert (s >= 1).all() and s.sum() <= m.num_items
+            # min-max optimal: moving one split from any group to the worst one cannot help.
+            worst = (budgets[layer] / s).max()
+            for g in range(4):
+                if s[g] > 1:
+                    t = s.copy()
+                    t[g] -= 1
+                    t[np.argmax(budgets[layer] / s)] += 1
+                    assert (budgets[layer] / t).max() >= worst - 1e-12
+    m = sm.build_split_map(budgets[:1], 528, 1, group_size=2)
+    assert m.splits[0][3] > 10 * m.splits[0][0]          # skew follows the budgets
+    assert hash(m) == hash(sm.build_split_map(budgets[:1], 528, 1, group_size=2))
+
+
+def test_uniform_map_and_validation():
+    m = sm.uniform_split_map(3, 4, 5)
+    assert m.splits == ((5,) * 4,) * 3 and m.num_items == 20
+    with pytest.raises(ValueError):
+        sm.build_split_map(np.array([[0.0, 0.5]]), 64, group_size=2)
+    with pytest.raises(ValueError):
+        sm.build_split_map(np.array([0.5, 0.5]), 64, group_size=2)
+    with pytest.raises(ValueError):
+        sm.uniform_split_map(1, 4, 0)
+    with pytest.raises(ValueError):
+        sm.plan_runtime_work(np.array([[-1, 3]]), 64, 16, group_size=2)
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 4])
+def test_every_work_list_covers_every_page_once(pages_per_block):
+    rng = np.random.default_rng()
+    ps = 16
+    lengths = rng.integers(0, 3000, size=(5, 4))
+    lengths[0] = [0, 1, ps, 4 * ps]
+    lengths[1, 3] = 20000
+    budgets = np.array([[0.05, 0.1, 0.25, 0.85]])
+    for work in (np.broadcast_to(sm.build_split_map(budgets, 200, 5, group_size=2).work_list(0),
+                                 (5, 20, 3)),
+                 np.broadcast_to(sm.uniform_split_map(1, 4, 7).work_list(0), (5, 28, 3)),
+                 sm.plan_runtime_work(lengths, 200, ps, group_size=2)):
+        _covered_once(work, lengths, ps, pages_per_block)
+
+
+def test_runtime_plan_balances_by_actual_length():
+    lengths = np.array([[100, 100, 100, 100_000], [0, 0, 0, 0]])
+    work = sm.plan_runtime_work(lengths, 256, 16, group_size=2)
+    assert work.shape == (2, 64, 3)
+    splits_long = (work[0, :, 0] == 3) & (work[0, :, 2] > 0)
+    assert splits_long.sum() >= 55                      # nearly all items go to the long group
+    assert ((work[1, :, 2] > 0).sum()) == 4             # empty row: one no-op split per group
