@@ -1,0 +1,311 @@
+"""Hand-built scenarios: reservation sizes, multi-turn, eviction, preemption, fairness, baselines,
+and bad input."""
+
+import numpy as np
+import pytest
+
+from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager, LayoutMismatchError
+from tangram_jax.scheduler.scheduler import RequestTooLargeError, Scheduler
+from tangram_jax.scheduler.sequence import SequenceStatus
+
+L, H, D, PAGE, CHUNK = 2, 4, 8, 4, 8
+BUDGETS = np.array([[0.25, 0.5], [0.125, 1.0]])
+
+
+def layout(budgets=BUDGETS):
+    return KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, group_size=2, page_size=PAGE,
+                    chunk_size=CHUNK, head_perm=np.tile(np.arange(H), (L, 1)),
+                    group_budgets=budgets)
+
+
+def make(num_pages=64, max_seqs=4, max_pages=16, policy="reserve", lay=None, **kw):
+    lay = lay or layout()
+    m = KVCacheManager(lay, num_pages, max_seqs, max_pages, model_kv_shape=(L, H, D), policy=policy)
+    kw.setdefault("max_num_batched_tokens", 64)
+    kw.setdefault("decode_buckets", (1, 2, 4, 8))
+    return m, Scheduler(m, **kw)
+
+
+def run_step(s, finish_after=None, reclaim=None):
+    out = s.schedule()
+    sampled = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
+    sampled.update({q.request_id: 6 for q in out.decode_seqs})
+    s.commit(out, sampled, reclaim_lengths=reclaim)
+    for q in out.decode_seqs:
+        if finish_after is not None and q.status is SequenceStatus.DECODE \
+                and len(q.output_token_ids) >= finish_after:
+            s.finish(q.request_id)
+    return out
+
+
+def drain(s, finish_after=2, limit=500):
+    for _ in range(limit):
+        if not s.has_unfinished():
+            return
+        run_step(s, finish_after)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_reservation_is_exactly_the_retained_pages_and_prefill_fills_it():
+    m, s = make()
+    seq = s.add_request("a", list(range(37)))
+    out = s.schedule()
+    want = layout().retained_counts(37)          # chunks 8,8,8,8,5
+    np.testing.assert_array_equal(want, [[10, 19], [5, 37]])
+    np.testing.assert_array_equal(m.table.num_pages[seq.slot], pages_for(want, PAGE))
+    assert m.pool.num_used == int(pages_for(want, PAGE).sum())
+    s.commit(out, {"a": 1})
+    np.testing.assert_array_equal(m.lengths[seq.slot], want)
+    assert seq.status is SequenceStatus.DECODE and seq.token_ids[-1] == 1
+
+
+def test_prefill_pieces_align_to_compression_chunks_under_token_budget():
+    m, s = make(max_num_batched_tokens=4 + 2 * CHUNK + 3)   # 23 tokens a step
+    s.add_request("a", list(range(50)))
+    pieces = []
+    while s.get("a").status is not SequenceStatus.DECODE:
+        out = run_step(s)
+        pieces += [(c.start, c.end) for c in out.prefill_chunks]
+    # Full chunks while the rest exceeds the budget; the final piece may end off-boundary.
+    assert pieces == [(0, 16), (16, 32), (32, 50)]
+    np.testing.assert_array_equal(m.lengths[s.get("a").slot], layout().retained_counts(50))
+
+
+def test_multi_turn_keeps_pages_and_reserves_only_the_increment():
+    m, s = make()
+    seq = s.add_request("t1", list(range(20)), session_id="chat")
+    drain(s, finish_after=3)
+    assert seq.status is SequenceStatus.IDLE and seq.is_cached
+    # 20 prompt + 3 sampled; the last sampled token is not in the cache yet.
+    assert seq.num_tokens == 23 and seq.num_computed_tokens == 22
+    before = m.lengths[seq.slot].copy()
+    pages_before = m.table.pages_of(seq.slot).copy()
+    np.testing.assert_array_equal(before, layout().retained_counts(20) + 2)
+    s.add_request("t2", [9] * 10, session_id="chat")
+    out = s.schedule()
+    (chunk,) = out.prefill_chunks
+    assert (chunk.start, chunk.end) == (22, 33)            # last sampled token + new prompt
+    target = before + layout().retained_counts(11)
+    np.testing.assert_array_equal(m.reserved_lengths[seq.slot], target)
+    np.testing.assert_array_equal(m.table.num_pages[seq.slot], pages_for(target, PAGE))
+    # Earlier pages stay where they were: no copies, no moves.
+    kept = m.table.pages_of(seq.slot)
+    assert set(pages_before.tolist()) <= set(kept.tolist())
+    s.commit(out, {"t2": 4})
+    np.testing.assert_array_equal(m.lengths[seq.slot], target)
+    with pytest.raises(ValueError, match="still serving"):
+        s.add_request("t3", [1], session_id="chat")
+
+
+def test_lru_eviction_of_idle_sessions_and_transparent_reprefill():
+    m, s = make(num_pages=40)
+    for name in ("old", "new"):
+        s.add_request(name, list(range(24)), session_id=name)
+        drain(s, finish_after=1)
+    old, new = s._sessions["old"], s._sessions["new"]
+    assert old.is_cached and new.is_cached
+    held_old, held_new = m.pages_held(old.slot), m.pages_held(new.slot)
+    # Needs more than is free, less than free + the LRU session: only "old" is evicted.
+    s.add_request("big", list(range(40)))
+    assert m.num_free_pages < m.pages_to_reserve(None, 40) <= m.num_free_pages + held_old
+    run_step(s)
+    assert not old.is_cached and new.is_cached and s.metrics.num_evictions == 1
+    assert old.status is SequenceStatus.IDLE and m.pages_held(new.slot) == held_new
+    drain(s, finish_after=1)
+    # The evicted session's next turn re-prefills its whole history from position 0.
+    history = old.num_tokens
+    s.add_request("old2", [3] * 5, session_id="old")
+    out = s.schedule()
+    (chunk,) = out.prefill_chunks
+    assert chunk.seq is old and (chunk.start, chunk.end) == (0, history + 5)
+    np.testing.assert_array_equal(m.reserved_lengths[old.slot],
+                                  layout().retained_counts(history + 5))
+
+
+def test_decode_growth_failure_preempts_the_newest_and_it_recomputes():
+    ones = np.ones((L, 2))
+    # 2 sequences x 4 cells x 2 pages fill 16 of 17 pages; the next page boundary needs 8 more.
+    m, s = make(num_pages=18, lay=layout(ones))
+    s.add_request("first", list(range(8)))
+    s.add_request("second", list(range(8)))
+    run_step(s)
+    assert m.num_free_pages == 17 - 16
+    preempted = []
+    for _ in range(10):
+        out = run_step(s)
+        preempted += [p.request_id for p in out.preempted]
+        if preempted:
+            break
+    assert preempted == ["second"]
+    second = s.get("second")
+    assert second.status is SequenceStatus.WAITING and not second.is_cached
+    assert second.num_preemptions == 1 and s.waiting[0] is second
+    generated = list(second.output_token_ids)
+    run_step(s, finish_after=3)
+    drain(s, finish_after=3)
+    # Recompute kept the generated tokens as history: output continues from where it was.
+    assert second.status is SequenceStatus.FINISHED
+    assert second.output_token_ids[:len(generated)] == generated
+    assert m.pool.num_free == m.pool.capacity
+
+
+def test_huge_request_does_not_block_small_ones_but_is_not_starved():
+    m, s = make(num_pages=40, fairness_skips=3, max_seqs=4)
+    s.add_request("resident", list(range(40)))       # holds most of the pool for a while
+    run_step(s)
+    s.add_request("huge", list(range(60)))
+    for i in range(6):
+        s.add_request(f"small{i}", list(range(4)))
+    huge = s.get("huge")
+    order = []
+    for _ in range(400):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        sampled = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
+        sampled.update({q.request_id: 6 for q in out.decode_seqs})
+        s.commit(out, sampled)
+        order += [c.seq.request_id for c in out.prefill_chunks if c.start == c.seq.turn_start]
+        for q in out.decode_seqs:
+            # The resident runs long; small ones finish at once.
+            limit = 12 if q.request_id == "resident" else 1
+            if q.status is SequenceStatus.DECODE and len(q.output_token_ids) >= limit:
+                s.finish(q.request_id)
+    assert not s.has_unfinished()
+    # Small requests overtook the huge one, but at most `fairness_skips` times.
+    assert order.index("huge") > 0
+    overtakers = order[:order.index("huge")]
+    assert 1 <= len([r for r in overtakers if r.startswith("small")]) <= 3
+    assert huge.status is SequenceStatus.FINISHED and huge.num_skips == 3
+
+
+def test_request_larger_than_pool_rejected_and_others_still_served():
+    m, s = make(num_pages=30)
+    s.add_request("ok1", list(range(10)))
+    with pytest.raises(RequestTooLargeError, match="pool has 29 pages"):
+        s.add_request("too-big", list(range(200)))
+    with pytest.raises(RequestTooLargeError):           # one group beyond the table width
+        make(num_pages=1000, max_pages=4)[1].add_request("wide", list(range(40)))
+    s.add_request("ok2", list(range(12)))
+    drain(s)
+    assert s.metrics.num_rejected == 1 and m.pool.num_free == m.pool.capacity
+    assert "too-big" not in s._requests
+
+
+def test_layout_not_matching_model_is_refused():
+    with pytest.raises(LayoutMismatchError, match="layers: layout 2 vs model 3"):
+        KVCacheManager(layout(), 32, 2, 8, model_kv_shape=(3, H, D))
+    with pytest.raises(LayoutMismatchError, match="kv_heads: layout 4 vs model 8"):
+        KVCacheManager(layout(), 32, 2, 8, model_kv_shape=(L, 8, D))
+    with pytest.raises(LayoutMismatchError, match="head_dim"):
+        KVCacheManager(layout(), 32, 2, 8, model_kv_shape=(L, H, 64))
+    with pytest.raises(ValueError, match="policy"):
+        KVCacheManager(layout(), 32, 2, 8, model_kv_shape=(L, H, D), policy="magic")
+    with pytest.raises(ValueError, match="uncompressed"):
+        KVCacheManager(layout(), 32, 2, 8, model_kv_shape=(L, H, D), policy="reclaim")
+
+
+def test_bad_requests_and_configs_are_refused_clearly():
+    m, s = make()
+    s.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="already live"):
+        s.add_request("a", [1])
+    with pytest.raises(ValueError, match="empty prompt"):
+        s.add_request("b", [])
+    with pytest.raises(TypeError, match="ints"):
+        s.add_request("c", ["x"])
+    with pytest.raises(KeyError):
+        s.abort("nope")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(m, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="decode bucket"):
+        Scheduler(m, decode_buckets=(1, 2))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Scheduler(m, decode_buckets=(4, 2, 8))
+
+
+def test_full_kv_and_adjacent_are_configurations_of_the_same_manager():
+    full = KVLayout.monolithic(L, H, D, page_size=PAGE, chunk_size=CHUNK)
+    mf, sf = make(lay=full)
+    mt, st_ = make()
+    for s in (sf, st_):
+        s.add_request("x", list(range(30)))
+        run_step(s)
+    np.testing.assert_array_equal(mf.reserved_lengths[0], [[30], [30]])
+    assert mf.pool.num_used == 2 * pages_for(30, PAGE)
+    assert mt.pool.num_used < mf.pool.num_used * 2   # tangram: two groups, mostly compressed
+    # Adjacent grouping: heads in index order, each group's budget the max of its members.
+    head_budgets = np.array([[0.1, 0.9, 0.2, 0.3], [0.1, 0.2, 0.8, 1.0]])
+    adjacent = layout(head_budgets.reshape(L, 2, 2).max(-1))
+    clustered_perm = np.argsort(head_budgets, axis=1)
+    clustered = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, group_size=2,
+                         page_size=PAGE, chunk_size=CHUNK, head_perm=clustered_perm,
+                         group_budgets=np.take_along_axis(head_budgets, clustered_perm, 1)
+                         .reshape(L, 2, 2).max(-1), name="tangram")
+    used = []
+    for lay in (adjacent, clustered):
+        m, s = make(lay=lay, max_pages=32)
+        s.add_request("x", list(range(64)))
+        run_step(s)
+        used.append(m.pool.num_used)
+    assert used[1] < used[0]
+
+
+def test_reclaim_policy_returns_pages_above_actual_counts():
+    full = KVLayout.monolithic(L, H, D, page_size=PAGE, chunk_size=CHUNK, name="dynamic")
+    m, s = make(lay=full, policy="reclaim")
+    seq = s.add_request("d", list(range(40)))
+    out = s.schedule()
+    assert m.pool.num_used == 2 * pages_for(40, PAGE)          # uncompressed reservation
+    actual = np.array([[9], [17]])
+    s.commit(out, {"d": 1}, reclaim_lengths={"d": actual})
+    np.testing.assert_array_equal(m.lengths[seq.slot], actual)
+    assert m.pool.num_used == int(pages_for(actual, PAGE).sum())
+    assert m.pages_reclaimed == 2 * 10 - 3 - 5 and m.reclaim_seconds > 0
+    with pytest.raises(ValueError, match="written lengths"):
+        m.reclaim(seq.slot, np.array([[10], [17]]))
+    tm, _ = make()
+    with pytest.raises(ValueError, match="never reclaims"):
+        tm.reclaim(0, np.zeros((L, 2)))
+
+
+def test_decode_batch_is_padded_to_a_bucket_with_the_null_slot():
+    m, s = make(decode_buckets=(1, 2, 4, 8))
+    for i in range(3):
+        s.add_request(f"q{i}", list(range(5)))
+    run_step(s)
+    out = s.schedule()
+    assert len(out.decode_seqs) == 3 and out.decode_bucket == 4
+    assert out.decode_slots[3] == m.null_slot
+    assert (out.decode_lengths[3] == 0).all()
+    assert (m.block_tables[m.null_slot] == 0).all()
+
+
+def test_sequence_that_outgrows_the_block_table_is_capped_and_freed():
+    m, s = make(max_pages=3, lay=layout(np.ones((L, 2))))   # 12 tokens per group at most
+    s.add_request("long", list(range(10)))
+    s.add_request("short", list(range(3)))
+    capped = []
+    for _ in range(20):
+        out = run_step(s)
+        capped += out.capped
+        for q in out.decode_seqs:
+            if q.request_id == "short" and q.status is SequenceStatus.DECODE:
+                s.finish("short")
+        if not s.has_unfinished():
+            break
+    assert [c.request_id for c in capped] == ["long"]
+    assert capped[0].status is SequenceStatus.CAPPED and m.pool.num_free == m.pool.capacity
+
+
+def test_abort_frees_everything_in_any_state():
+    m, s = make()
+    s.add_request("w", list(range(100 // 4)), session_id="sw")
+    s.add_request("p", list(range(30)))
+    out = s.schedule()
+    s.abort("w")
+    s.commit(out, {"p": 1})
+    s.abort("p")
+    assert m.pool.num_free == m.pool.capacity and not s.has_unfinished()
+    assert "sw" not in s._sessions
