@@ -35,7 +35,7 @@ FORMAT_VERSION = 1
 FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim")
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # The embedded model's shipped profiles: calibrated with SnapKV (Ada-SnapKV selection).
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_MODEL_NAME = "smollm2"  # tangram_jax.models.registry's name for it
 
 
 class ProfileError(ValueError):
@@ -199,10 +199,12 @@ class BudgetProfile:
     def check_fingerprint(self, expected: dict) -> None:
         """Raises ProfileError if `expected` (e.g. `ModelConfig.fingerprint()`) names another model.
 
-        Every key present in both is compared (the shape keys are always present in a profile).
+        Every key present in both is compared (the shape keys are always present in a profile),
+        except the `name`, which is a label (an alias or a path that differs between machines).
         """
         diffs = [f"{k}: profile {self.model[k]!r} vs model {expected[k]!r}"
-                 for k in expected if k in self.model and self.model[k] != expected[k]]
+                 for k in expected
+                 if k != "name" and k in self.model and self.model[k] != expected[k]]
         if diffs:
             raise ProfileError("profile was calibrated for a different model (" + "; ".join(diffs)
                                + ")")

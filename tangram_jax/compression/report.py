@@ -39,9 +39,10 @@ def spearman_across_samples(retention: np.ndarray) -> dict:
     """retention [samples, layers, heads] -> mean pairwise Spearman: 'global' ranks all layer-heads
     together; 'within_layer' ranks the heads of each layer (mean over layers)."""
     n, layers, heads = retention.shape
-    within = [_mean_pairwise_rank_corr(retention[:, l, :]) for l in range(layers)]
+    within = np.array([_mean_pairwise_rank_corr(retention[:, l, :]) for l in range(layers)])
+    defined = within[np.isfinite(within)]
     return dict(global_=_mean_pairwise_rank_corr(retention.reshape(n, layers * heads)),
-                within_layer=float(np.nanmean(within)) if heads > 1 else float("nan"))
+                within_layer=float(defined.mean()) if defined.size else float("nan"))
 
 
 def spearman_across_tasks(retention: np.ndarray, tasks) -> dict:

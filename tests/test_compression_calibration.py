@@ -1,0 +1,79 @@
+"""Pilot data (real sources, fitted lengths) and calibration end to end on the embedded model."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tangram_jax.compression.pilot_data import (TASKS, build_pilot_samples, haystack_text,
+                                                iter_sharegpt)
+
+
+def _char_tokenize(messages):
+    """A stand-in tokenizer: one token per 4 characters plus 5 per message (template)."""
+    return list(range(sum(len(m["content"]) // 4 + 5 for m in messages)))
+
+
+def test_sharegpt_reader_and_essays():
+    records = []
+    for record in iter_sharegpt():
+        records.append(record)
+        if len(records) == 5:
+            break
+    assert len(records) == 5 and all("conversations" in r for r in records)
+    assert len(haystack_text()) > 100_000
+
+
+def test_sharegpt_reader_survives_truncation(tmp_path):
+    good = [{"id": str(i), "conversations": [{"from": "human", "value": "x" * i}]} for i in range(3)]
+    text = json.dumps(good)
+    path = tmp_path / "trunc.json"
+    path.write_text(text[:-40])  # cut inside the last record
+    assert [r["id"] for r in iter_sharegpt(path, chunk_chars=16)] == ["0", "1"]
+
+
+def test_build_pilot_samples_fits_lengths_and_is_seeded():
+    lengths = (128, 300)
+    samples = build_pilot_samples(12, _char_tokenize, seed=3, lengths=lengths)
+    assert sorted(s.task for s in samples) == sorted(TASKS * 2)
+    for s in samples:
+        assert s.target_len in lengths
+        assert s.target_len * 0.8 <= len(s.tokens) <= s.target_len
+    again = build_pilot_samples(12, _char_tokenize, seed=3, lengths=lengths)
+    assert [(s.task, s.tokens) for s in samples] == [(s.task, s.tokens) for s in again]
+    with pytest.raises(ValueError, match="unknown pilot tasks"):
+        build_pilot_samples(2, _char_tokenize, tasks=("poetry",))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tangram_jax.models.registry import load_model
+    return load_model(None)
+
+
+@pytest.mark.slow
+def test_calibrate_cli_on_embedded_model(smollm2, tmp_path, monkeypatch, capsys):
+    import tangram_jax.models.registry as registry
+    from tangram_jax.cli import main
+    from tangram_jax.compression.profile import BudgetProfile
+
+    monkeypatch.setattr(registry, "load_model", lambda model=None: smollm2)
+    out, plot = tmp_path / "p.json", tmp_path / "p.png"
+    assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "128",
+                 "--tasks", "passkey,sharegpt,kv_retrieval", "--group-size", "2", "--out",
+                 str(out)]) == 2
+    assert "--group-size 2 does not divide the 3 KV heads" in capsys.readouterr().err
+    assert not out.exists()
+
+    assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "128",
+                 "--tasks", "passkey,sharegpt,kv_retrieval", "--group-size", "3", "--out",
+                 str(out), "--plot", str(plot)]) == 0
+    printed = capsys.readouterr().out
+    assert "Spearman across samples" in printed and "overflow rate" in printed
+    fingerprint = dict(smollm2.config.fingerprint(), name=smollm2.name)
+    profile = BudgetProfile.load(out, expected_fingerprint=fingerprint)
+    assert profile.group_size == 3 and profile.metadata["samples"] == 3
+    # Ada-SnapKV keeps ceil(0.25 * heads * T) per layer, so the head means average ~rho.
+    assert abs(profile.mean.mean() - 0.25) < 0.01
+    assert not np.allclose(profile.mean, profile.mean[0, 0])  # non-uniform across heads
+    assert plot.read_bytes()[:4] == b"\x89PNG"
