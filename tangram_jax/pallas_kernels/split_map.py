@@ -16,7 +16,8 @@ ways of making the work list feed that one kernel:
 Batch-bucket rule (documented choice): the grid should hold about `num_programs` programs
 (``num_programs ~ SMs x resident programs per SM``). The grid is ``batch x items x G``, so a map is
 built per batch bucket with ``items = clamp(round(num_programs / (batch * G)), groups,
-groups * max_splits)``; every layer of one map has the same item count (layers whose capped splits
+groups * max_splits)``, raised to ``ceil(sum_g r_g / min_g r_g)`` for the AOT map so that large
+batches still split in proportion; every layer of one map has the same item count (layers whose capped splits
 fall short are padded with no-op items, ``num_splits = 0``), so one compiled kernel serves all
 layers. The engine keeps one map per batch bucket (e.g. 1, 2, 4, ... 64) and pads the batch up.
 """
@@ -121,6 +122,10 @@ def build_split_map(group_budgets: np.ndarray, num_programs: int, batch: int = 1
         raise ValueError("group budgets must lie in (0, 1]")
     num_groups = budgets.shape[1]
     items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
+    # Large batches leave few items per row; the least-budget group still needs one, so keep
+    # enough items that the others can get splits in proportion (sum(r) / min(r) per layer).
+    balance = int(np.ceil((budgets.sum(axis=1) / budgets.min(axis=1)).max() - 1e-9))
+    items = min(max(items, balance), num_groups * max_splits)
     splits = tuple(tuple(_min_max_apportion(group_size * row, items, max_splits))
                    for row in budgets)
     return SplitMap(splits=splits, num_items=items, batch=int(batch), name="aot")
@@ -136,7 +141,7 @@ def uniform_split_map(num_layers: int, num_groups: int, splits: int) -> SplitMap
 
 
 def plan_runtime_work(lengths: np.ndarray, num_programs: int, page_size: int, *, group_size: int,
-                      max_splits: int = 256) -> np.ndarray:
+                      max_splits: int = 256, num_items: int | None = None) -> np.ndarray:
     """FlashInfer-style host planning for ONE layer at ONE decode step, from the actual lengths.
 
     lengths: int [batch, groups] retained tokens per (sequence, group) this step.
@@ -152,7 +157,10 @@ def plan_runtime_work(lengths: np.ndarray, num_programs: int, page_size: int, *,
     if (lengths < 0).any():
         raise ValueError("lengths must be >= 0")
     batch, num_groups = lengths.shape
-    num_items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
+    if num_items is None:
+        num_items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
+    elif num_items < num_groups:
+        raise ValueError(f"num_items ({num_items}) must be >= groups ({num_groups})")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     pages = (lengths.astype(np.int64) + page_size - 1) // page_size

@@ -1,0 +1,228 @@
+"""Decode attention benchmark: AOT split map vs uniform splits vs runtime planning vs JAX's
+built-in paged attention on the full cache, at a Llama-3.1-8B layer shape (GPU only).
+
+One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 groups, bf16). The
+compressed cache holds, per (sequence, group), `kv_layout.retained_counts` of the context under a
+skewed calibrated-style profile averaging rho = 0.25; the built-in kernel reads the uncompressed
+context. Times are medians over repetitions of a jitted block of `--calls` launches (distinct
+page sets when one set is small, so the L2 cache does not serve them), divided by the launches.
+
+    GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_attention.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tangram_jax.kv_layout import pages_for, retained_counts
+from tangram_jax.pallas_kernels import split_map as sm
+from tangram_jax.pallas_kernels.decode_attention import ragged_paged_decode_attention
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE = 32, 8, 128, 2
+BUDGETS = np.array([[0.04, 0.08, 0.20, 0.68]])        # mean 0.25, skewed as calibration gives
+CHUNK_SIZE = 512
+DTYPE = jnp.bfloat16
+L2_BYTES = 50 << 20
+
+
+def _median_time(fn, args, reps):
+    """Median seconds of fn(*args) over `reps`, after two warm-up calls."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), float(np.percentile(times, 10)), float(np.percentile(times, 90))
+
+
+def copy_bandwidth(mib=2048, reps=20):
+    """Device-to-device copy of `mib` MiB: (bytes read + bytes written) / time."""
+    x = jax.random.normal(jax.random.key(0), (mib << 18,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    t, _, _ = _median_time(f, (x,), reps)
+    return 2 * x.nbytes / t
+
+
+def _compressed_case(rng, batch, context, page_size, sets):
+    """Pool and `sets` disjoint block-table sets for the compressed cache."""
+    lengths = retained_counts(BUDGETS, context, CHUNK_SIZE)[0]          # [groups]
+    groups = lengths.shape[0]
+    pages = pages_for(lengths, page_size)
+    max_pages = int(pages.max())
+    per_set = batch * int(pages.sum())
+    num_pages = sets * per_set
+    tables = np.zeros((sets, batch, groups, max_pages), np.int32)
+    perm = rng.permutation(num_pages).astype(np.int32)
+    cursor = 0
+    for s in range(sets):
+        for b in range(batch):
+            for g in range(groups):
+                tables[s, b, g, :pages[g]] = perm[cursor:cursor + pages[g]]
+                cursor += pages[g]
+    shape = (num_pages, GROUP_SIZE, page_size, HEAD_DIM)
+    k = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), shape, DTYPE)
+    v = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), shape, DTYPE)
+    lens = np.broadcast_to(lengths.astype(np.int32), (batch, groups)).copy()
+    kv_bytes = 2 * batch * int(lengths.sum()) * GROUP_SIZE * HEAD_DIM * 2
+    return k, v, jnp.asarray(tables), lens, kv_bytes
+
+
+def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin):
+    groups = NUM_KV_HEADS // GROUP_SIZE
+    q = jax.random.normal(jax.random.key(batch * 7 + context),
+                          (batch, groups, NUM_Q_HEADS // groups, HEAD_DIM), DTYPE)
+    set_bytes = 2 * batch * int(retained_counts(BUDGETS, context, CHUNK_SIZE).sum()) * \
+        GROUP_SIZE * HEAD_DIM * 2
+    sets = calls if set_bytes * calls < (1 << 30) else 1
+    k, v, tables, lens, kv_bytes = _compressed_case(rng, batch, context, page_size, sets)
+    lens_dev = jnp.asarray(lens)
+    aot = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE,
+                             max_splits=1024)
+    items = aot.num_items
+    uniform = sm.uniform_split_map(1, groups, max(1, items // groups))
+    rows = []
+
+    def timed(name, work, host_s=None, extra=None):
+        """A numpy work list is a constant of the trace (AOT, uniform); a device array is an
+        input (runtime planned)."""
+        static = isinstance(work, np.ndarray)
+
+        def block(q, k, v, tables, lens, dyn_work):
+            w = work if static else dyn_work
+            return [ragged_paged_decode_attention(q, k, v, tables[c % sets], lens,
+                                                  work_list=w) for c in range(calls)]
+        f = jax.jit(block)
+        t, p10, p90 = _median_time(f, (q, k, v, tables, lens_dev,
+                                       jnp.zeros(1) if static else work), reps)
+        per_call = t / calls
+        row = dict(variant=name, batch=batch, context=context, page_size=page_size,
+                   items_per_row=int(work.shape[-2]), time_s=per_call,
+                   time_p10_s=p10 / calls, time_p90_s=p90 / calls, bytes=kv_bytes,
+                   achieved_bytes_per_s=kv_bytes / per_call)
+        if host_s is not None:
+            row["host_plan_s_per_layer_step"] = host_s
+            row["time_with_host_s"] = per_call + host_s
+        if extra:
+            row.update(extra)
+        rows.append(row)
+
+    timed("aot", aot.work_list(0), extra=dict(splits=list(aot.splits[0])))
+    timed("uniform", uniform.work_list(0), extra=dict(splits=list(uniform.splits[0])))
+    # Runtime planning: host numpy plan from this step's lengths plus its copy to the device.
+    plan = lambda: sm.plan_runtime_work(lens, num_programs, page_size,  # noqa: E731
+                                        group_size=GROUP_SIZE, num_items=items)
+    for _ in range(20):
+        jax.block_until_ready(jax.device_put(plan()))
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        work = jax.device_put(plan())
+    jax.block_until_ready(work)
+    host_s = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        plan()
+    plan_only = (time.perf_counter() - t0) / n
+    timed("runtime_planned", work, host_s=host_s, extra=dict(host_plan_numpy_only_s=plan_only))
+    del k, v, tables
+
+    if builtin:
+        rows.append(run_builtin(rng, batch, context, page_size, calls, reps, q))
+    return rows
+
+
+def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
+    """JAX's pallas.ops.gpu.paged_attention over the full, uncompressed cache."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    pages_per_seq = context // page_size
+    full_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    sets = calls if full_bytes * calls < (1 << 30) else 1
+    num_pages = sets * batch * pages_per_seq
+    shape = (NUM_KV_HEADS, num_pages, page_size, HEAD_DIM)
+    k = jax.random.normal(jax.random.key(1), shape, DTYPE)
+    v = jax.random.normal(jax.random.key(2), shape, DTYPE)
+    tables = jnp.asarray(rng.permutation(num_pages).astype(np.int32).reshape(
+        sets, batch, pages_per_seq))
+    lengths = jnp.full((batch,), context, jnp.int32)
+    q = q_grouped.reshape(batch, NUM_Q_HEADS, HEAD_DIM)
+    k_splits = 16 if pages_per_seq % 16 == 0 else 1
+
+    def block(q, k, v, tables, lengths):
+        return [paged_attention(q, k, v, tables[c % sets], lengths, k_splits=k_splits)
+                for c in range(calls)]
+    t, p10, p90 = _median_time(jax.jit(block), (q, k, v, tables, lengths), reps)
+    per_call = t / calls
+    return dict(variant="jax_builtin_paged_attention", batch=batch, context=context,
+                page_size=page_size, k_splits=k_splits, time_s=per_call,
+                time_p10_s=p10 / calls, time_p90_s=p90 / calls, bytes=full_bytes,
+                achieved_bytes_per_s=full_bytes / per_call)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-programs", type=int, default=0,
+                    help="programs per grid the split maps aim at (0: 4 x SMs)")
+    ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--no-builtin", action="store_true")
+    ap.add_argument("--copy-mib", type=int, default=2048)
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", None) or 132
+    num_programs = args.num_programs or 4 * sms
+    rng = np.random.default_rng(0)
+    bw = copy_bandwidth(args.copy_mib)
+    print(f"device {dev.device_kind}, SMs {sms}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    result = dict(device=dev.device_kind, num_sms=sms, jax_version=jax.__version__,
+                  git_revision=os.environ.get("GIT_REV", "unknown"),
+                  command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                  hbm_copy_bytes_per_s=bw, num_programs=num_programs,
+                  shape=dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                             head_dim=HEAD_DIM, group_size=GROUP_SIZE, dtype="bfloat16",
+                             page_size=args.page_size, chunk_size=CHUNK_SIZE,
+                             group_budgets=BUDGETS[0].tolist()),
+                  cases=[])
+    for context in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            try:
+                rows = run_case(rng, batch, context, args.page_size, num_programs, args.calls,
+                                args.reps, not args.no_builtin)
+            except Exception as e:  # noqa: BLE001 -- record and go on (e.g. out of memory)
+                print(f"batch {batch} context {context}: {type(e).__name__}: {e}"[:400],
+                      flush=True)
+                result["cases"].append(dict(batch=batch, context=context,
+                                            error=f"{type(e).__name__}: {e}"[:400]))
+                continue
+            for r in rows:
+                r["bw_fraction"] = r["achieved_bytes_per_s"] / bw
+                result["cases"].append(r)
+            by = {r["variant"]: r for r in rows}
+            line = " ".join(f"{v}={by[v]['time_s'] * 1e6:8.1f}us({by[v]['bw_fraction']:.2f})"
+                            for v in by)
+            print(f"B={batch:3d} ctx={context:6d} {line} "
+                  f"host={by['runtime_planned']['host_plan_s_per_layer_step'] * 1e6:.1f}us",
+                  flush=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
