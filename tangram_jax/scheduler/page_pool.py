@@ -38,6 +38,7 @@ class PagePool:
         self._free = np.arange(self.num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = self.num_pages - 1
         self._in_use = np.zeros(self.num_pages, dtype=bool)
+        self._position = np.zeros(self.num_pages, dtype=np.int32)   # scratch for release()
 
     @property
     def capacity(self) -> int:
@@ -73,7 +74,11 @@ class PagePool:
         if pages.min() <= NULL_PAGE or pages.max() >= self.num_pages:
             raise ValueError(f"page ids must lie in [1, {self.num_pages}), got "
                              f"[{pages.min()}, {pages.max()}]")
-        if not self._in_use[pages].all() or np.unique(pages).size != pages.size:
+        # Duplicate check in O(k): after scattering positions, a repeated id reads back the
+        # position of its last occurrence at its first one.
+        self._position[pages] = np.arange(pages.size, dtype=np.int32)
+        if (not self._in_use[pages].all()
+                or (self._position[pages] != np.arange(pages.size)).any()):
             raise ValueError("releasing a page that is not allocated (double free)")
         self._in_use[pages] = False
         top = self._num_free

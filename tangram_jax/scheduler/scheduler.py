@@ -339,8 +339,14 @@ class Scheduler:
         priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
         candidates = [priority] if priority is not None else list(self.waiting)
         passed_over: list[Sequence] = []
+        # With every slot held by a running sequence, only cached sessions can be admitted;
+        # skipping the rest up front keeps a long queue from costing a reservation probe each.
+        slots_exhausted = self.manager.num_free_slots == 0 and not self._evictable(None)
         for seq in candidates:
             if seq.status is not SequenceStatus.WAITING:
+                continue
+            if slots_exhausted and not seq.is_cached:
+                passed_over.append(seq)
                 continue
             # A cached session evicted by an earlier admission this step re-prefills everything,
             # so the size is read here, not before the loop.
@@ -361,6 +367,7 @@ class Scheduler:
             self.metrics.num_admitted += 1
             chunks.append(self._chunk(seq, take))
             budget -= take
+            slots_exhausted = self.manager.num_free_slots == 0 and not self._evictable(None)
 
     def _reserve(self, seq: Sequence) -> bool:
         """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
