@@ -10,7 +10,7 @@ from tangram_jax.compression.calibration import (CalibrationRun, profile_from_ru
                                                  rescale_to_ratio, static_budgets)
 from tangram_jax.compression.profile import (BudgetProfile, ProfileError, shipped_profile,
                                              shipped_profile_path)
-from tangram_jax.compression.report import (overflow_rate, retention_boxplot,
+from tangram_jax.compression.report import (leave_one_out_overflow_rate, overflow_rate, retention_boxplot,
                                             spearman_across_samples, spearman_across_tasks)
 from tangram_jax.kv_layout import KVLayout
 
@@ -144,6 +144,8 @@ def test_report_figures(tmp_path):
     mean, std = run.stats(0.3)
     assert overflow_rate(r, mean) > 0.2  # half of the inputs exceed the mean
     assert overflow_rate(r, np.ones_like(mean)) == 0.0
+    assert leave_one_out_overflow_rate(r, 100.0) == 0.0
+    assert 0.3 < leave_one_out_overflow_rate(r, 0.0) < 0.7
     profile = profile_from_run(run, 0.3, model=dict(FINGERPRINT, num_layers=5, num_kv_heads=3),
                                group_size=3)
     assert profile.metadata["samples"] == 12 and profile.group_budgets.shape == (5, 1)

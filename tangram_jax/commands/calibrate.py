@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         grouping=args.grouping, rescale=args.rescale,
         metadata=dict(seed=args.seed, lengths=list(lengths), command=" ".join(sys.argv)))
     summary = summarize(calib, args.ratio, profile.budget,
-                        tuple(sorted({1, args.group_size} | {g for g in (2, 3, 4) if heads % g == 0})))
+                        tuple(sorted({1, args.group_size} | {g for g in (2, 3, 4) if heads % g == 0})),
+                        lambda_=None if args.rescale else args.lambda_)
     profile = _with_summary(profile, summary)
     profile.save(args.out)
     if args.plot:
@@ -106,7 +107,8 @@ def _with_summary(profile, summary):
     meta = dict(profile.metadata)
     meta["regularity"] = dict(
         spearman_samples=summary["spearman_samples"], spearman_tasks=summary["spearman_tasks"],
-        overflow_rate=summary["overflow_rate"])
+        overflow_rate=summary["overflow_rate"],
+        held_out_overflow_rate=summary["held_out_overflow_rate"])
     return dataclasses.replace(profile, metadata=meta)
 
 

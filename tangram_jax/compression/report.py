@@ -60,12 +60,32 @@ def overflow_rate(retention: np.ndarray, budgets: np.ndarray) -> float:
     return float((retention > budgets[None] + 1e-9).mean())
 
 
+def leave_one_out_overflow_rate(retention: np.ndarray, lambda_: float) -> float:
+    """Overflow of each sample against budgets calibrated on the other samples (held out), averaged:
+    what a new input sees, not the in-sample figure."""
+    from tangram_jax.compression.calibration import static_budgets
+    n = retention.shape[0]
+    if n < 2:
+        return float("nan")
+    rates = []
+    for i in range(n):
+        rest = np.delete(retention, i, axis=0)
+        rates.append(overflow_rate(retention[i:i + 1],
+                                   static_budgets(rest.mean(axis=0), rest.std(axis=0), lambda_)))
+    return float(np.mean(rates))
+
+
 def summarize(run: CalibrationRun, rho: float, budgets: np.ndarray,
-              group_sizes: tuple[int, ...]) -> dict:
-    """Spearman (samples, tasks), overflow and grouping memory at `rho` for the given budgets."""
+              group_sizes: tuple[int, ...], lambda_: float | None = None) -> dict:
+    """Spearman (samples, tasks), overflow and grouping memory at `rho` for the given budgets.
+
+    With `lambda_` (budgets not rescaled) the held-out (leave-one-out) overflow is added.
+    """
     retention = run.retention[rho]
     heads = budgets.shape[1]
     return dict(
+        held_out_overflow_rate=(leave_one_out_overflow_rate(retention, lambda_)
+                                if lambda_ is not None else None),
         rho=rho,
         samples=retention.shape[0],
         spearman_samples=spearman_across_samples(retention),
@@ -85,7 +105,8 @@ def format_summary(summary: dict) -> str:
         f"Spearman across task types ({', '.join(s['spearman_tasks']['tasks'])}): all layer-heads "
         f"{s['spearman_tasks']['global_']:.3f}, within layer {s['spearman_tasks']['within_layer']:.3f}",
         f"overflow rate (retention > static budget): {100 * s['overflow_rate']:.2f}% of "
-        "(sample, layer, head)",
+        "(sample, layer, head)" + ("" if s.get("held_out_overflow_rate") is None else
+                                   f"; held out (leave-one-out): {100 * s['held_out_overflow_rate']:.2f}%"),
     ]
     for g in s["groupings"]:
         lines.append(
