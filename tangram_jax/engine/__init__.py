@@ -1,0 +1,1 @@
+"""The engine: model runner, request loop and the vLLM-shaped public API."""

@@ -1,0 +1,132 @@
+"""Engine configuration, and how a mode becomes a KV layout.
+
+The three modes are configurations of the same manager, runner and kernels:
+
+=========  =============================  ================  ==============================
+mode       layout                         manager policy    per-chunk kept tokens
+=========  =============================  ================  ==============================
+full       monolithic (all heads, r = 1)  reserve           all of them
+dynamic    monolithic (all heads, r = 1)  reclaim           per-input top-k, then reclaim
+tangram    calibrated groups of G         reserve           ``ceil(r_g * n)`` per group
+=========  =============================  ================  ==============================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from tangram_jax.compression.profile import BudgetProfile, shipped_profile
+from tangram_jax.kv_layout import KVLayout
+from tangram_jax.models.config import ModelConfig
+
+MODES = ("tangram", "full", "dynamic")
+DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Everything an `Engine` is built from (vLLM's engine args, Tangram's additions).
+
+    model: None or "smollm2" (the embedded SmolLM2-135M), a Hugging Face folder or a .gguf file.
+    mode: "tangram" | "full" | "dynamic".
+    profile: a `BudgetProfile`, a path to a profile file, or None (the shipped profile of the
+      embedded model at `ratio` and `group_size`; required for other models in tangram mode).
+    ratio: target retention rho for the shipped profile (tangram) or the per-input selection
+      (dynamic).
+    group_size: G for the shipped profile (the embedded model has 3 KV heads: 1 or 3).
+    dtype: "float32" or "bfloat16" (model weights and the KV pool).
+    page_size, chunk_size: tokens per page; prefill compression chunk (and prefill piece size).
+    num_pages: KV pool pages; None sizes it from `kv_cache_tokens`.
+    kv_cache_tokens: full-KV tokens' worth of memory the pool gets when num_pages is None (the
+      same bytes in every mode, so modes compare at equal memory).
+    max_num_seqs: concurrent sequence slots; max_num_batched_tokens: prefill tokens per step.
+    max_model_len: longest sequence (prompt + output); default the model's context length.
+    num_programs: concurrent programs the decode kernel's split map is sized for.
+    """
+
+    model: str | None = None
+    mode: str = "tangram"
+    profile: Any = None
+    ratio: float = 0.5
+    group_size: int | None = None
+    dtype: str = "float32"
+    page_size: int = 16
+    chunk_size: int = 128
+    num_pages: int | None = None
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
+    num_programs: int = 132 * 4
+    obs_window: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+        for name in ("page_size", "chunk_size", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_tokens", "num_programs", "obs_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_num_batched_tokens < self.chunk_size:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                             f"least chunk_size ({self.chunk_size}): prefill runs whole chunks")
+        self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
+        if self.decode_buckets[0] < 1:
+            raise ValueError(f"decode buckets must be positive, got {self.decode_buckets}")
+
+
+def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool) -> BudgetProfile:
+    """The budget profile of tangram mode, validated against the model."""
+    fingerprint = model_config.fingerprint()
+    profile = cfg.profile
+    if isinstance(profile, BudgetProfile):
+        profile.check_fingerprint(fingerprint)
+    elif isinstance(profile, (str, os.PathLike)):
+        profile = BudgetProfile.load(profile, expected_fingerprint=fingerprint)
+    elif profile is None:
+        if not is_embedded:
+            raise ValueError("tangram mode needs a budget profile for this model: pass profile= "
+                             "(make one with `tangram-jax calibrate --model ...`)")
+        group_size = cfg.group_size or model_config.num_kv_heads
+        profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint)
+    else:
+        raise TypeError(f"profile must be a BudgetProfile, a path or None, got "
+                        f"{type(profile).__name__}")
+    if cfg.group_size is not None and profile.group_size != cfg.group_size:
+        profile = profile.regroup(cfg.group_size)
+    return profile
+
+
+def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool) -> KVLayout:
+    """The KV layout of `cfg.mode` for this model."""
+    if cfg.mode == "tangram":
+        profile = resolve_profile(cfg, model_config, is_embedded)
+        return profile.to_layout(cfg.page_size, cfg.chunk_size)
+    return KVLayout.monolithic(model_config.num_layers, model_config.num_kv_heads,
+                               model_config.head_dim, page_size=cfg.page_size,
+                               chunk_size=cfg.chunk_size, name=cfg.mode)
+
+
+def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -> int:
+    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens.
+
+    A page of G heads holds ``page_size * G`` head-token slots; a full-KV token needs
+    ``layers * kv_heads`` of them. Plus the null page 0.
+    """
+    if cfg.num_pages is not None:
+        if cfg.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {cfg.num_pages}")
+        return int(cfg.num_pages)
+    slots = cfg.kv_cache_tokens * model_config.num_layers * model_config.num_kv_heads
+    return int(np.ceil(slots / (layout.page_size * layout.group_size))) + 1

@@ -1,0 +1,310 @@
+"""`Engine`: requests in, tokens out, one `step()` at a time (embeddable in a research loop).
+
+    engine = Engine(EngineConfig(mode="tangram"))
+    engine.add_request(request_id="a", prompt="Hello", sampling_params=SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ...
+
+One step, top to bottom:
+1. the scheduler decides (decode batch, prefill pieces, admissions by reservation);
+2. prefill pieces run chunk by chunk (each compresses and writes its kept K/V into the pool);
+3. the decode batch runs (one token for every decoding sequence, padded to its bucket);
+4. first tokens of finished prefills are sampled; all device work was dispatched before the
+   host waits for any token (JAX's asynchronous dispatch keeps the device busy meanwhile);
+5. the scheduler records lengths and tokens; stop conditions end requests.
+
+Bad input raises from `add_request` (ValueError/TypeError naming the problem) before anything is
+queued, so the other requests keep being served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as SequenceABC
+
+import jax.numpy as jnp
+import numpy as np
+
+from tangram_jax.engine.config import EngineConfig, build_layout, pool_pages
+from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tangram_jax.kv_layout import pages_for
+from tangram_jax.models.registry import DEFAULT_MODEL, load_model
+from tangram_jax.pallas_kernels.split_map import build_split_map
+from tangram_jax.sampling import SamplingParams, StopChecker, resolve_seed
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+from tangram_jax.scheduler.scheduler import Scheduler
+from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class _Request:
+    """Engine-side state of one live request (the scheduler holds its `Sequence`)."""
+
+    seq: Sequence
+    params: SamplingParams
+    seed: int
+    stop: StopChecker
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+
+
+class Engine:
+    """The serving engine: model, KV layout, page manager, scheduler and runner of one config."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        cfg = config if config is not None else EngineConfig(**kwargs)
+        if config is not None and kwargs:
+            raise TypeError("pass either an EngineConfig or keyword arguments, not both")
+        self.config = cfg
+        loaded = load_model(cfg.model, dtype=jnp.dtype(cfg.dtype))
+        self.model_name = loaded.name
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.layout = build_layout(cfg, mc, is_embedded=loaded.name == DEFAULT_MODEL)
+        self.max_model_len = int(cfg.max_model_len or mc.max_position_embeddings)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"length {mc.max_position_embeddings}")
+        num_pages = pool_pages(cfg, mc, self.layout)
+        self.manager = KVCacheManager(
+            self.layout, num_pages, cfg.max_num_seqs,
+            int(pages_for(self.max_model_len, cfg.page_size)) + 1,
+            model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim),
+            policy="reclaim" if cfg.mode == "dynamic" else "reserve")
+        buckets = [b for b in cfg.decode_buckets if b < cfg.max_num_seqs]
+        buckets.append(next((b for b in cfg.decode_buckets if b >= cfg.max_num_seqs),
+                            cfg.max_num_seqs))
+        self.scheduler = Scheduler(
+            self.manager, decode_buckets=tuple(buckets),
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens,
+                                       cfg.max_num_seqs + cfg.chunk_size))
+        split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
+                                         group_size=self.layout.group_size) for b in buckets}
+        self.runner = ModelRunner(
+            loaded.model, mc, self.layout, num_pages, split_maps=split_maps,
+            runner_config=RunnerConfig(mode=cfg.mode, obs_window=min(cfg.obs_window,
+                                                                        cfg.chunk_size),
+                                       dynamic_ratio=cfg.ratio))
+        self._requests: dict[str, _Request] = {}
+        self._sessions: dict[str, Sequence] = {}
+        self._next_id = 0
+        self.tokens_processed = 0
+
+    # ----- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str | None = None, prompt: str | None = None, *,
+                    prompt_token_ids: SequenceABC[int] | None = None,
+                    messages: SequenceABC[dict] | None = None,
+                    sampling_params: SamplingParams | None = None,
+                    session_id: str | None = None) -> str:
+        """Queue a request; returns its id. Give exactly one of `prompt` (text),
+        `prompt_token_ids` or `messages` (chat, templated here). With `session_id`, the request
+        is the next turn of that session: its tokens are appended to the session's history."""
+        if request_id is None:
+            request_id = f"request-{self._next_id}"
+            self._next_id += 1
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got "
+                            f"{type(sampling_params).__name__}")
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError(f"request {request_id!r}: the prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        elif messages is not None:
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        else:
+            ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
+                             f"vocabulary [0, {vocab})")
+        history = 0
+        if session_id is not None:
+            seq = self._sessions.get(session_id)
+            if seq is not None and seq.status.is_done:
+                del self._sessions[session_id]
+                seq = None
+            history = seq.num_tokens if seq is not None else 0
+        total = history + len(ids)
+        if total >= self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {total} tokens (session history "
+                             f"included) leaves no room to generate within max_model_len "
+                             f"{self.max_model_len}")
+        now = time.perf_counter()
+        seq = self.scheduler.add_request(request_id, ids, sampling_params, session_id=session_id,
+                                         arrival_time=now)
+        if session_id is not None:
+            self._sessions[session_id] = seq
+        self._requests[request_id] = _Request(
+            seq=seq, params=sampling_params, seed=resolve_seed(sampling_params),
+            stop=StopChecker(self.tokenizer.decode, sampling_params,
+                             self.tokenizer.eos_token_ids, ids),
+            prompt=prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages (a session's cache too)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"no live request {request_id!r}")
+        self.scheduler.abort(request_id)
+        if req.seq.session_id is not None:
+            self._sessions.pop(req.seq.session_id, None)
+
+    def end_session(self, session_id: str) -> None:
+        """Free an idle session's pages."""
+        self.scheduler.close_session(session_id)
+        self._sessions.pop(session_id, None)
+
+    def find_session(self, token_ids: SequenceABC[int]) -> tuple[str | None, list[int]]:
+        """The idle session whose history is the longest prefix of `token_ids`, and the tokens
+        after it (all of them and None when no session matches)."""
+        best, best_len = None, 0
+        for sid, seq in self._sessions.items():
+            n = seq.num_tokens
+            if (seq.status is SequenceStatus.IDLE and best_len < n < len(token_ids)
+                    and list(token_ids[:n]) == seq.token_ids):
+                best, best_len = sid, n
+        return best, list(token_ids[best_len:])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ----- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of requests that got a token or ended."""
+        out = self.scheduler.schedule()
+        finished_early = [self._output(self._requests.pop(s.request_id), "length")
+                          for s in out.capped if s.request_id in self._requests]
+        if out.is_empty:
+            return finished_early
+
+        first_logits, first_reqs, reclaim = [], [], {}
+        for chunk in out.prefill_chunks:
+            seq = chunk.seq
+            tables = self.manager.block_tables[seq.slot]
+            hist = self.manager.lengths[seq.slot].astype(np.int64)
+            for start in range(chunk.start, chunk.end, self.layout.chunk_size):
+                end = min(start + self.layout.chunk_size, chunk.end)
+                logits, kept = self.runner.prefill_chunk(
+                    np.asarray(seq.token_ids[start:end], np.int32), start, tables, hist)
+                if self.config.mode == "dynamic":   # the per-input count: a host round trip
+                    hist = hist + np.asarray(kept)
+                else:
+                    hist = hist + self.layout.chunk_keep_counts(end - start)
+            if self.config.mode == "dynamic":
+                reclaim[seq.request_id] = hist
+            self.tokens_processed += chunk.num_tokens
+            if chunk.is_last:
+                first_logits.append(logits)
+                first_reqs.append(self._requests[seq.request_id])
+
+        decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
+        decode_tokens = None
+        if decode_reqs:
+            decode_tokens = self._run_decode(out, decode_reqs)
+        first_tokens = None
+        if first_reqs:
+            t, k, p, seeds = self._sampling_arrays(first_reqs, len(first_reqs))
+            first_tokens = self.runner.sample(first_logits, t, k, p, seeds,
+                                              np.zeros(len(first_reqs), np.int32))
+
+        sampled = {}
+        if decode_tokens is not None:
+            for req, tok in zip(decode_reqs, np.asarray(decode_tokens)[:len(decode_reqs)]):
+                sampled[req.seq.request_id] = int(tok)
+        if first_tokens is not None:
+            for req, tok in zip(first_reqs, np.asarray(first_tokens)):
+                sampled[req.seq.request_id] = int(tok)
+        self.scheduler.commit(out, sampled, reclaim if self.config.mode == "dynamic" else None)
+        self.tokens_processed += len(decode_reqs)
+
+        now = time.perf_counter()
+        outputs = finished_early
+        for rid, token in sampled.items():
+            req = self._requests[rid]
+            req.metrics.token_times.append(now)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.stop.append(token)
+            reason = req.stop.finish_reason
+            if reason is None and req.seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(rid)
+                del self._requests[rid]
+                outputs.append(self._output(req, reason))
+            else:
+                outputs.append(self._output(req, None))
+        return outputs
+
+    def _run_decode(self, out, reqs: list[_Request]):
+        bucket = out.decode_bucket
+        n = len(reqs)
+        tokens = np.zeros(bucket, np.int32)
+        positions = np.zeros(bucket, np.int32)
+        tokens[:n] = [r.seq.token_ids[-1] for r in reqs]
+        positions[:n] = [r.seq.num_tokens - 1 for r in reqs]
+        t, k, p, seeds = self._sampling_arrays(reqs, bucket)
+        steps = np.zeros(bucket, np.int32)
+        steps[:n] = [len(r.stop.token_ids) for r in reqs]
+        return self.runner.decode(tokens, positions, self.manager.block_tables[out.decode_slots],
+                                  out.decode_lengths, t, k, p, seeds, steps)
+
+    @staticmethod
+    def _sampling_arrays(reqs: list[_Request], rows: int):
+        """Per-row sampling arrays for `rows` rows (padding rows greedy)."""
+        t = np.zeros(rows, np.float32)
+        k = np.full(rows, -1, np.int32)
+        p = np.ones(rows, np.float32)
+        seeds = np.zeros(rows, np.uint32)
+        for i, r in enumerate(reqs):
+            t[i], k[i], p[i], seeds[i] = (r.params.temperature, r.params.top_k, r.params.top_p,
+                                          r.seed)
+        return t, k, p, seeds
+
+    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput:
+        if finish_reason is not None:
+            req.metrics.finished_time = time.perf_counter()
+        return RequestOutput(
+            request_id=req.seq.request_id, prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, req.stop.text, list(req.stop.token_ids), finish_reason)],
+            finished=finish_reason is not None, metrics=req.metrics,
+            session_id=req.seq.session_id)
+
+    # ----- reports -----------------------------------------------------------------------
+    def kv_usage(self) -> dict:
+        """Pool usage, and the bytes the cached sequences hold against full KV for the same
+        tokens (full KV: every layer and KV head keeps every token, in pages of page_size)."""
+        usage = self.manager.usage()
+        mc = self.model_config
+        itemsize = jnp.dtype(self.runner.k_pages.dtype).itemsize
+        cached = [s.num_computed_tokens for s in self._cached_sequences()]
+        full_slots = int(pages_for(np.asarray(cached, np.int64), self.layout.page_size).sum()) \
+            * self.layout.page_size
+        usage.update(
+            kv_bytes_held=(usage["pages_used"]) * self.runner.kv_bytes_per_page,
+            full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
+            tokens_processed=self.tokens_processed,
+            scheduler=self.scheduler.metrics.summary(self.manager.usage()),
+        )
+        return usage
+
+    def _cached_sequences(self) -> list[Sequence]:
+        seqs = {id(r.seq): r.seq for r in self._requests.values()}
+        seqs.update({id(s): s for s in self._sessions.values()})
+        return [s for s in seqs.values() if s.is_cached]

@@ -1,0 +1,285 @@
+"""Model runner: the jitted prefill-chunk and decode steps over the paged KV pool.
+
+The runner owns the device state: the model's parameters (KV heads permuted at load time so that
+every head group is a contiguous slice) and the one page pool shared by every layer and group::
+
+    k_pages, v_pages: [num_pages, G, page_size, head_dim]
+
+It knows nothing of requests: the engine hands it token ids, positions, block tables and lengths
+(numpy, from the `KVCacheManager`) and gets device arrays back. Static arguments (chunk size,
+batch bucket, split map) are the only things a step is compiled for; nothing is planned at run
+time in ``tangram`` mode.
+
+Where attention comes from: on a GPU the Pallas kernels of `tangram_jax.pallas_kernels`, on a CPU
+their XLA references (same signatures); `AttentionOps.for_backend` makes that choice.
+
+Modes (one runner, other configurations):
+- ``tangram`` / ``full``: every (layer, group) keeps ``layout.chunk_keep_counts(n)`` tokens of a
+  chunk of n tokens (``full`` is the monolithic layout with budget 1: everything is kept).
+- ``dynamic``: monolithic pages; the per-input Ada-SnapKV selection (one top-k over the layer's
+  heads, with a per-head safeguard) decides on device how many tokens the layer keeps; the counts
+  come back to the host, which then reclaims the pages above them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tangram_jax.compression.scorers import snapkv_from_probs
+from tangram_jax.kv_layout import KVLayout
+from tangram_jax.models.config import ModelConfig
+from tangram_jax.models.decoder import Decoder
+from tangram_jax.models.head_permutation import permute_kv_heads
+from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.split_map import SplitMap
+from tangram_jax.sampling import sample_tokens, step_keys
+
+MODES = ("tangram", "full", "dynamic")
+
+
+class AttentionOps(NamedTuple):
+    """The three attention pieces a step calls; Pallas kernels or their jnp references."""
+
+    prefill_attention: Callable   # chunk_prefill_attention signature
+    compress_chunk: Callable      # compress_chunk_into_pages signature
+    decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
+    name: str
+
+    @classmethod
+    def for_backend(cls, use_kernels: bool | None = None) -> "AttentionOps":
+        """Pallas kernels where they compile (GPU), XLA references otherwise (CPU)."""
+        from tangram_jax.pallas_kernels import chunk_compress, decode_attention, prefill_attention
+        if use_kernels is None:
+            use_kernels = not backend.default_interpret()
+        if use_kernels:
+            return cls(prefill_attention.chunk_prefill_attention,
+                       chunk_compress.compress_chunk_into_pages,
+                       lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
+                           q, k, v, bt, ln, work_list=work),
+                       "pallas")
+        return cls(prefill_attention.chunk_prefill_attention_reference,
+                   chunk_compress.compress_chunk_into_pages_reference,
+                   lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention_reference(
+                       q, k, v, bt, ln),
+                   "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Static settings of the runner.
+
+    obs_window: SnapKV observation window (queries whose attention scores a chunk's tokens).
+    dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
+    """
+
+    mode: str = "tangram"
+    obs_window: int = 32
+    dynamic_ratio: float = 0.5
+    dynamic_safeguard: float = 0.2
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
+        if self.obs_window < 1:
+            raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
+        if not 0 < self.dynamic_ratio <= 1:
+            raise ValueError(f"dynamic_ratio must be in (0, 1], got {self.dynamic_ratio}")
+
+
+def dynamic_keep_count(scores: jax.Array, chunk_len: jax.Array, ratio: float,
+                       safeguard: float) -> jax.Array:
+    """Tokens a monolithic layer keeps from a chunk under the per-input Ada-SnapKV selection.
+
+    scores: [num_kv_heads, T] (positions >= chunk_len are padding). One top-k of
+    ``ceil(ratio * heads * chunk_len)`` over all heads, each head guaranteed
+    ``floor(safeguard * ratio * chunk_len)``; monolithic pages hold the largest head's count for
+    every head. Returns an int32 scalar.
+    """
+    heads, t = scores.shape
+    n = chunk_len.astype(jnp.float32)
+    valid = jnp.arange(t) < chunk_len
+    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+    total = jnp.ceil(ratio * heads * n - 1e-6).astype(jnp.int32)
+    floor = jnp.minimum(jnp.floor(safeguard * ratio * n + 1e-6).astype(jnp.int32), total // heads)
+    rank_in_head = jnp.argsort(jnp.argsort(-scores, axis=-1, stable=True), axis=-1, stable=True)
+    lifted = jnp.where((rank_in_head < floor) & valid, jnp.inf, scores).reshape(-1)
+    global_rank = jnp.argsort(jnp.argsort(-lifted, stable=True), stable=True).reshape(heads, t)
+    counts = jnp.sum((global_rank < total) & valid, axis=-1, dtype=jnp.int32)
+    return jnp.maximum(jnp.max(counts), jnp.minimum(chunk_len, 1)).astype(jnp.int32)
+
+
+class ModelRunner:
+    """Device side of the engine: parameters, page pool, jitted steps.
+
+    Args:
+      model: the decoder (its KV heads are permuted in place to `layout.head_perm`).
+      config: the model's config.
+      layout: the KV layout (groups, budgets, page and chunk size).
+      num_pages: pool pages (page 0 is the null page padded rows read and write).
+      split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
+      runner_config: mode and scorer settings.
+      kv_dtype: pool dtype (the model's dtype by default).
+      ops: attention implementations (default: by backend).
+    """
+
+    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int, *,
+                 split_maps: dict[int, SplitMap] | None = None,
+                 runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
+                 ops: AttentionOps | None = None):
+        self.config = config
+        self.layout = layout
+        self.runner_config = runner_config
+        self.ops = ops or AttentionOps.for_backend()
+        self.split_maps = dict(split_maps or {})
+        if not np.array_equal(layout.head_perm, np.tile(np.arange(layout.num_kv_heads),
+                                                        (layout.num_layers, 1))):
+            permute_kv_heads(model, layout.head_perm)
+        self.graphdef, self.state = nnx.split(model)
+        dtype = jnp.dtype(kv_dtype or model.dtype)
+        shape = (int(num_pages), layout.group_size, layout.page_size, layout.head_dim)
+        self.k_pages = jnp.zeros(shape, dtype)
+        self.v_pages = jnp.zeros(shape, dtype)
+        self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
+                               donate_argnums=(1, 2))
+
+    # ----- prefill ---------------------------------------------------------------------------
+    def prefill_chunk(self, tokens: np.ndarray, start_position: int, block_tables: np.ndarray,
+                      hist_lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Run one prefill chunk of one sequence and write its kept K/V into the pool.
+
+        tokens: int [n] with 1 <= n <= layout.chunk_size (the chunk, starting on a compression
+        chunk boundary of its turn); start_position: absolute position of tokens[0];
+        block_tables: int32 [layers, groups, max_pages] (the sequence's, reservation included);
+        hist_lengths: int32 [layers, groups] retained tokens before the chunk.
+        Returns (last_logits [vocab] float32, kept [layers, groups] int32), device arrays. In
+        ``tangram``/``full`` mode `kept` equals ``layout.chunk_keep_counts(n)``.
+        """
+        n = len(tokens)
+        chunk = self.layout.chunk_size
+        if not 1 <= n <= chunk:
+            raise ValueError(f"a prefill chunk holds 1..{chunk} tokens, got {n}")
+        padded = np.zeros(chunk, np.int32)
+        padded[:n] = tokens
+        if self.runner_config.mode == "dynamic":
+            keep = np.zeros(self.layout.group_budgets.shape, np.int32)  # decided on device
+        else:
+            keep = self.layout.chunk_keep_counts(n).astype(np.int32)
+        self.k_pages, self.v_pages, logits, kept = self._prefill(
+            self.state, self.k_pages, self.v_pages, jnp.asarray(padded), np.int32(start_position),
+            np.int32(n), jnp.asarray(block_tables, jnp.int32), jnp.asarray(hist_lengths, jnp.int32),
+            jnp.asarray(keep))
+        return logits, kept
+
+    def _prefill_impl(self, state, k_pages, v_pages, tokens, start_position, chunk_len,
+                      block_tables, hist_lengths, keep_counts):
+        model = nnx.merge(self.graphdef, state)
+        t = tokens.shape[0]
+        q_per_kv = self.config.q_per_kv
+        positions = (start_position + jnp.arange(t, dtype=jnp.int32))[None]
+        dynamic = self.runner_config.mode == "dynamic"
+        h = model.embed(tokens[None])
+        kept = []
+        for layer_index, layer in enumerate(model.layers):
+            q, k, v = layer.qkv(h, positions)
+            k = k.astype(k_pages.dtype)
+            v = v.astype(v_pages.dtype)
+            out, obs_probs = self.ops.prefill_attention(
+                q[0], k[0], v[0], k_pages, v_pages, block_tables[layer_index],
+                hist_lengths[layer_index], chunk_len, obs_window=self.runner_config.obs_window)
+            scores = self._chunk_scores(obs_probs, chunk_len, q_per_kv)
+            if dynamic:
+                count = dynamic_keep_count(scores, chunk_len, self.runner_config.dynamic_ratio,
+                                           self.runner_config.dynamic_safeguard)
+                layer_keep = jnp.full(keep_counts.shape[1:], count, jnp.int32)
+            else:
+                layer_keep = keep_counts[layer_index]
+            kept.append(layer_keep)
+            k_pages, v_pages = self.ops.compress_chunk(
+                k[0], v[0], scores, layer_keep, chunk_len, k_pages, v_pages,
+                block_tables[layer_index], hist_lengths[layer_index])
+            h = layer.finish(h, out[None].astype(h.dtype))
+        last = jax.lax.dynamic_index_in_dim(h[0], chunk_len - 1, axis=0, keepdims=True)
+        logits = model.logits(last[None])[0, 0]
+        return k_pages, v_pages, logits, jnp.stack(kept)
+
+    def _chunk_scores(self, obs_probs, chunk_len, q_per_kv):
+        """SnapKV scores [num_kv_heads, T] of a (padded) chunk from the window's probabilities.
+
+        `snapkv_from_probs` takes the window to be the last keys, so the valid keys are rotated
+        to the end first (padding keys have probability 0) and the scores rotated back.
+        """
+        t = obs_probs.shape[-1]
+        shift = t - chunk_len
+        rolled = jnp.roll(obs_probs, shift, axis=-1)
+        scores = snapkv_from_probs(rolled, q_per_kv)
+        return jnp.roll(scores, -shift, axis=-1)
+
+    # ----- decode ----------------------------------------------------------------------------
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+               lengths: np.ndarray, temperature: np.ndarray, top_k: np.ndarray,
+               top_p: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> jax.Array:
+        """One decode step for a padded batch (the bucket is `len(tokens)`).
+
+        tokens, positions: int [B] (each row's last token and its position); block_tables: int32
+        [B, layers, groups, max_pages]; lengths: int32 [B, layers, groups] retained tokens before
+        this step (pages for the new token already reserved); padded rows point at the null slot.
+        Sampling arrays [B] as in `tangram_jax.sampling`. Returns next tokens [B] (device).
+        """
+        bucket = len(tokens)
+        split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
+        if self.ops.name == "pallas" and split_map is None:
+            raise ValueError(f"no split map for decode bucket {bucket}; have "
+                             f"{sorted(self.split_maps)}")
+        self.k_pages, self.v_pages, next_tokens = self._decode(
+            self.state, self.k_pages, self.v_pages, jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(positions, jnp.int32), jnp.asarray(block_tables, jnp.int32),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(temperature, jnp.float32),
+            jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32), split_map=split_map)
+        return next_tokens
+
+    def _decode_impl(self, state, k_pages, v_pages, tokens, positions, block_tables, lengths,
+                     temperature, top_k, top_p, seeds, steps, *, split_map):
+        model = nnx.merge(self.graphdef, state)
+        batch = tokens.shape[0]
+        layout = self.layout
+        g, n_groups, ps = layout.group_size, layout.num_groups, layout.page_size
+        h = model.embed(tokens[:, None])
+        heads = jnp.arange(g)[None, None, :]
+        for layer_index, layer in enumerate(model.layers):
+            q, k, v = layer.qkv(h, positions[:, None])
+            tables, lens = block_tables[:, layer_index], lengths[:, layer_index]   # [B,Gn,P], [B,Gn]
+            page = jnp.take_along_axis(tables, (lens // ps)[..., None], axis=-1)[..., 0]
+            offset = lens % ps
+            k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
+            v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
+            k_pages = k_pages.at[page[..., None], heads, offset[..., None]].set(k_new)
+            v_pages = v_pages.at[page[..., None], heads, offset[..., None]].set(v_new)
+            qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
+            work = split_map.work_list(layer_index) if split_map is not None else None
+            out = self.ops.decode_attention(qg, k_pages, v_pages, tables, lens + 1, work)
+            h = layer.finish(h, out.reshape(batch, 1, -1, q.shape[-1]).astype(h.dtype))
+        logits = model.logits(h)[:, 0]
+        keys = step_keys(seeds, steps)
+        return k_pages, v_pages, sample_tokens(logits, temperature, top_k, top_p, keys)
+
+    # ----- sampling of prefill logits -----------------------------------------------------
+    @staticmethod
+    @functools.partial(jax.jit)
+    def _sample_rows(logits, temperature, top_k, top_p, seeds, steps):
+        return sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps))
+
+    def sample(self, logits: list[jax.Array], temperature, top_k, top_p, seeds, steps) -> jax.Array:
+        """Sample the first token of sequences whose prefill just ended; logits: list of [V]."""
+        return self._sample_rows(jnp.stack(logits), jnp.asarray(temperature, jnp.float32),
+                                 jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+                                 jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32))

@@ -1,0 +1,60 @@
+"""What the engine hands back per request (the shape vLLM users know)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Timing of one request (seconds, `time.perf_counter` clock).
+
+    arrival_time: when it was added; first_token_time: when its first token was sampled;
+    finished_time: when it ended; token_times: when each output token was sampled.
+    """
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated completion: text so far, its token ids, and why it ended (None: running).
+
+    finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or context),
+    "abort", or "error" (see `RequestOutput.error`).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at the end of `LLM.generate`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    session_id: str | None = None
+    error: str | None = None
