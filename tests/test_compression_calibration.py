@@ -65,9 +65,10 @@ def test_calibrate_cli_on_embedded_model(smollm2, tmp_path, monkeypatch, capsys)
     assert "--group-size 2 does not divide the 3 KV heads" in capsys.readouterr().err
     assert not out.exists()
 
+    run_file = tmp_path / "run.npz"
     assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "128",
                  "--tasks", "passkey,sharegpt,kv_retrieval", "--group-size", "3", "--out",
-                 str(out), "--plot", str(plot)]) == 0
+                 str(out), "--plot", str(plot), "--save-run", str(run_file)]) == 0
     printed = capsys.readouterr().out
     assert "Spearman across samples" in printed and "overflow rate" in printed
     fingerprint = dict(smollm2.config.fingerprint(), name=smollm2.name)
@@ -77,3 +78,15 @@ def test_calibrate_cli_on_embedded_model(smollm2, tmp_path, monkeypatch, capsys)
     assert abs(profile.mean.mean() - 0.25) < 0.01
     assert not np.allclose(profile.mean, profile.mean[0, 0])  # non-uniform across heads
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+    # Several group sizes from the saved run, without running the model again.
+    pattern = str(tmp_path / "q_rho{rho:.2f}_g{g}.json")
+    assert main(["calibrate", "--ratio", "0.25", "--group-size", "1,3", "--from-run",
+                 str(run_file), "--out", pattern]) == 0
+    g1 = BudgetProfile.load(tmp_path / "q_rho0.25_g1.json", expected_fingerprint=fingerprint)
+    g3 = BudgetProfile.load(tmp_path / "q_rho0.25_g3.json", expected_fingerprint=fingerprint)
+    np.testing.assert_allclose(g1.budget, profile.budget)
+    np.testing.assert_allclose(g3.group_budgets, profile.group_budgets)
+    assert main(["calibrate", "--ratio", "0.25,0.5", "--from-run", str(run_file), "--out",
+                 str(out)]) == 2
+    assert "placeholders" in capsys.readouterr().err

@@ -14,12 +14,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tangram_jax.compression.scorers import SCORERS
     parser.add_argument("--method", default="snapkv", choices=sorted(SCORERS),
                         help="scorer whose dynamic (Ada-KV) selection is calibrated")
-    parser.add_argument("--ratio", type=float, default=0.25, help="target retention ratio rho")
+    parser.add_argument("--ratio", default="0.25",
+                        help="target retention ratio rho (comma-separated for several, all from "
+                             "the same scores)")
     parser.add_argument("--samples", type=int, default=50, help="number of pilot samples")
-    parser.add_argument("--group-size", type=int, default=1,
-                        help="G, KV heads per group (must divide the model's KV heads)")
+    parser.add_argument("--group-size", default="1",
+                        help="G, KV heads per group (must divide the model's KV heads; "
+                             "comma-separated for several)")
     parser.add_argument("--grouping", default="budget", choices=("budget", "adjacent"))
-    parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--out", required=True,
+                        help="profile JSON to write; with several ratios/group sizes use the "
+                             "placeholders {rho} and {g}, e.g. p_rho{rho:.2f}_g{g}.json")
     parser.add_argument("--plot", help="box plot PNG to write")
     parser.add_argument("--model", default=None, help="model name or path (default: embedded)")
     parser.add_argument("--lambda", dest="lambda_", type=float, default=2.0,
@@ -33,72 +38,117 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated target prompt lengths in tokens")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated pilot task types")
     parser.add_argument("--save-run", help="also save the per-sample retention (.npz)")
+    parser.add_argument("--from-run", help="build the profiles from a saved run (.npz) instead "
+                        "of running the model over pilot samples")
     parser.add_argument("--summary-json", help="also write the summary figures as JSON")
 
 
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ValueError as e:
+        return _fail(str(e))
+
+
+def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tangram_jax.compression.calibration import (chat_tokenizer, profile_from_run,
-                                                     run_calibration)
-    from tangram_jax.compression.clustering import GROUPINGS
+    from tangram_jax.compression.calibration import (CalibrationRun, chat_tokenizer,
+                                                     profile_from_run, run_calibration)
     from tangram_jax.compression.pilot_data import build_pilot_samples
     from tangram_jax.compression.report import format_summary, retention_boxplot, summarize
 
-    if not 0 < args.ratio <= 1:
-        return _fail(f"--ratio must lie in (0, 1], got {args.ratio}")
-    if args.samples <= 0:
-        return _fail(f"--samples must be positive, got {args.samples}")
-    if args.lambda_ < 0:
-        return _fail(f"--lambda must be >= 0, got {args.lambda_}")
-    if args.grouping not in GROUPINGS:
-        return _fail(f"--grouping must be one of {GROUPINGS}")
-    try:
-        lengths = tuple(int(x) for x in args.lengths.split(","))
-    except ValueError:
-        return _fail(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    ratios = _floats(str(args.ratio), "--ratio")
+    group_sizes = _ints(str(args.group_size), "--group-size")
+    lengths = _ints(args.lengths, "--lengths")
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    bad = [r for r in ratios if not 0 < r <= 1]
+    if bad:
+        raise ValueError(f"--ratio must lie in (0, 1], got {bad}")
+    if args.samples <= 0:
+        raise ValueError(f"--samples must be positive, got {args.samples}")
+    if args.lambda_ < 0:
+        raise ValueError(f"--lambda must be >= 0, got {args.lambda_}")
+    several = len(ratios) * len(group_sizes) > 1
+    if several and ("{rho" not in args.out or ("{g" not in args.out and len(group_sizes) > 1)):
+        raise ValueError("with several ratios or group sizes, --out must name them with "
+                         "placeholders, e.g. profile_rho{rho:.2f}_g{g}.json")
+    if args.plot and len(ratios) > 1 and "{rho" not in args.plot:
+        raise ValueError("with several ratios, --plot must contain a {rho} placeholder")
 
     from tangram_jax.models.registry import load_model
     loaded = load_model(args.model)
     config = loaded.config
     heads = config.num_kv_heads
-    if args.group_size <= 0 or heads % args.group_size:
-        divisors = [g for g in range(1, heads + 1) if heads % g == 0]
-        return _fail(f"--group-size {args.group_size} does not divide the {heads} KV heads of "
-                     f"{loaded.name}; valid group sizes: {divisors}")
+    for g in group_sizes:
+        if g <= 0 or heads % g:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(f"--group-size {g} does not divide the {heads} KV heads of "
+                             f"{loaded.name}; valid group sizes: {divisors}")
 
-    print(f"building {args.samples} pilot samples (seed {args.seed}, lengths {lengths})",
-          file=sys.stderr)
-    try:
-        samples = build_pilot_samples(args.samples, chat_tokenizer(loaded.tokenizer), seed=args.seed,
-                                      lengths=lengths, tasks=tasks)
-    except ValueError as e:
-        return _fail(str(e))
-    calib = run_calibration(loaded.model, config, samples, [args.ratio], method=args.method,
-                            safeguard=args.safeguard,
-                            progress=lambda it: tqdm(it, desc="calibrating", unit="sample"))
-    if args.save_run:
-        calib.save(args.save_run)
+    if args.from_run:
+        calib = CalibrationRun.load(args.from_run)
+        shape = next(iter(calib.retention.values())).shape[1:]
+        if shape != (config.num_layers, heads):
+            raise ValueError(f"--from-run {args.from_run} has [layers, heads] {shape}, the model "
+                             f"has {(config.num_layers, heads)}")
+        missing = [r for r in ratios if r not in calib.retention]
+        if missing:
+            raise ValueError(f"--from-run {args.from_run} has no ratio {missing}; it has "
+                             f"{sorted(calib.retention)}")
+    else:
+        print(f"building {args.samples} pilot samples (seed {args.seed}, lengths {lengths})",
+              file=sys.stderr)
+        samples = build_pilot_samples(args.samples, chat_tokenizer(loaded.tokenizer),
+                                      seed=args.seed, lengths=lengths, tasks=tasks)
+        # Scores are computed once per sample; every ratio is selected from the same scores.
+        calib = run_calibration(loaded.model, config, samples, ratios, method=args.method,
+                                safeguard=args.safeguard,
+                                progress=lambda it: tqdm(it, desc="calibrating", unit="sample"))
+        if args.save_run:
+            calib.save(args.save_run)
+
     fingerprint = dict(config.fingerprint(), name=loaded.name)
-    profile = profile_from_run(
-        calib, args.ratio, model=fingerprint, lambda_=args.lambda_, group_size=args.group_size,
-        grouping=args.grouping, rescale=args.rescale,
-        metadata=dict(seed=args.seed, lengths=list(lengths), command=" ".join(sys.argv)))
-    summary = summarize(calib, args.ratio, profile.budget,
-                        tuple(sorted({1, args.group_size} | {g for g in (2, 3, 4) if heads % g == 0})),
-                        lambda_=None if args.rescale else args.lambda_)
-    profile = _with_summary(profile, summary)
-    profile.save(args.out)
-    if args.plot:
-        retention_boxplot(calib.retention[args.ratio], profile.budget, args.ratio, args.plot,
-                          title=f"{loaded.name}: {args.method} rho={args.ratio}, "
-                                f"{args.samples} samples (heads by budget)")
+    summaries = {}
+    for rho in ratios:
+        profile = profile_from_run(
+            calib, rho, model=fingerprint, lambda_=args.lambda_, group_size=group_sizes[0],
+            grouping=args.grouping, rescale=args.rescale,
+            metadata=dict(seed=args.seed, lengths=sorted(set(lengths)),
+                          command="tangram-jax " + " ".join(sys.argv[1:])))
+        summary = summarize(calib, rho, profile.budget,
+                            tuple(sorted(set(group_sizes) | {d for d in (1, 2, 3, 4) if heads % d == 0})),
+                            lambda_=None if args.rescale else args.lambda_)
+        summaries[rho] = summary
+        profile = _with_summary(profile, summary)
+        for g in group_sizes:
+            out = args.out.format(rho=rho, g=g)
+            profile.regroup(g, args.grouping).save(out)
+            print(f"profile written to {out}", file=sys.stderr)
+        if args.plot:
+            plot = args.plot.format(rho=rho)
+            retention_boxplot(calib.retention[rho], profile.budget, rho, plot,
+                              title=f"{loaded.name}: {calib.method} rho={rho}, "
+                                    f"{len(calib.tasks)} samples (heads by budget)")
+            print(f"plot written to {plot}", file=sys.stderr)
+        print(format_summary(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-    print(format_summary(summary))
-    print(f"profile written to {args.out}" + (f", plot to {args.plot}" if args.plot else ""))
+            json.dump({str(r): s for r, s in summaries.items()}, f, indent=1)
     return 0
 
 
