@@ -144,17 +144,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 written = m.lengths[seq.slot] + chunk.num_tokens
                 keep = np.ceil(written * self.rng.uniform(0.2, 1.0, written.shape)).astype(int)
                 reclaim[rid] = np.maximum(keep, m.lengths[seq.slot])
-        for seq in out.decode_seqs:
-            sampled[seq.request_id] = 2
         decode_before = {s.request_id: m.lengths[s.slot].copy() for s in out.decode_seqs}
-        sched.commit(out, sampled, reclaim_lengths=reclaim or None)
+        decode_tokens = np.arange(out.decode_bucket) + 100
+        sched.commit(out, decode_tokens, sampled, reclaim_lengths=reclaim or None)
         for chunk in out.prefill_chunks:
             seq = chunk.seq
             if chunk.is_last and self.policy == "reserve":
                 # What the prefill wrote is exactly what was reserved.
                 assert (m.lengths[seq.slot] == self.turn_target[seq.request_id]).all()
-        for seq in out.decode_seqs:
+        for row, seq in enumerate(out.decode_seqs):
             assert (m.lengths[seq.slot] == decode_before[seq.request_id] + 1).all()
+            assert seq.token_ids[-1] == 100 + row      # row i of the batch got token i
             if len(seq.output_token_ids) >= self.max_new[seq.request_id]:
                 session = seq.session_id
                 sched.finish(seq.request_id)

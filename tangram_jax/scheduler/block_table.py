@@ -69,6 +69,36 @@ class BlockTable:
         self.num_pages[slots] = (held + counts).astype(np.int32)
         self._log(flat_index, pages)
 
+    def append_one(self, slots: np.ndarray, mask: np.ndarray, pages: np.ndarray) -> None:
+        """Append one page to each cell where `mask` is set (the decode-growth case).
+
+        slots: int [n] distinct rows; mask: bool [n, layers, groups]; pages: int32
+        [mask.sum()] ids in C order of the set cells. Same result as `append` with
+        ``counts = mask``, without expanding every cell of the batch.
+        """
+        mask = np.asarray(mask, dtype=bool)
+        self.append_one_flat(slots, mask.reshape(mask.shape[0], -1),
+                             np.asarray(pages, dtype=np.int32))
+
+    def append_one_flat(self, slots: np.ndarray, mask: np.ndarray, pages: np.ndarray) -> None:
+        """`append_one` with `mask` given as bool [n, layers * groups] (the decode hot path)."""
+        flat = np.flatnonzero(mask)
+        if pages.size != flat.size:
+            raise ValueError(f"{pages.size} pages given for {flat.size} cells")
+        if flat.size == 0:
+            return
+        row, cell_in_row = np.divmod(flat, self._cells_per_row)
+        cell = np.asarray(slots, dtype=np.int64)[row] * self._cells_per_row + cell_in_row
+        num_pages = self.num_pages.reshape(-1)
+        col = num_pages[cell]
+        if col.max() >= self.max_pages:
+            raise BlockTableFullError(f"a group would need {col.max() + 1} pages, "
+                                      f"the table holds {self.max_pages}")
+        flat_index = cell * self.max_pages + col
+        self.tables.reshape(-1)[flat_index] = pages
+        num_pages[cell] = col + 1
+        self._log(flat_index, pages)
+
     def truncate(self, slots: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """Cut every cell of `slots` down to `keep` pages; return the dropped page ids.
 
@@ -94,9 +124,16 @@ class BlockTable:
         return released
 
     def clear(self, slot: int) -> np.ndarray:
-        """Empty one row; return the page ids it held."""
-        zeros = np.zeros((1,) + self.num_pages.shape[1:], dtype=np.int64)
-        return self.truncate(np.array([slot]), zeros)
+        """Empty one row; return the page ids it held (C order of layer, group, page)."""
+        row = self.tables[slot].reshape(-1)            # a view: writes land in the table
+        used = np.flatnonzero(np.arange(self.max_pages) < self.num_pages[slot][..., None])
+        released = row[used]
+        row[used] = 0
+        self.num_pages[slot] = 0
+        if used.size:
+            self._log(slot * self._cells_per_row * self.max_pages + used,
+                      np.zeros(used.size, dtype=np.int32))
+        return released
 
     def pages_of(self, slot: int) -> np.ndarray:
         """All page ids row `slot` holds (C order of layer, group, page)."""

@@ -225,24 +225,31 @@ class KVCacheManager:
         in the order given, all or nothing each, while the pool lasts (so the ones that fail
         are the last ones). Returns bool [n]: which sequences can decode this step.
         """
+        # This runs every step over [batch, layers, groups]: int32 and flat indexing throughout
+        # (int64 temporaries of this size cost more than the arithmetic).
         slots = np.asarray(slots, dtype=np.int64)
-        if slots.size == 0:
+        n = slots.size
+        if n == 0:
             return np.zeros(0, dtype=bool)
-        want = self.lengths[slots].astype(np.int64) + 1
-        held = self.table.num_pages[slots].astype(np.int64)
-        need = np.maximum(pages_for(want, self.page_size) - held, 0)
-        fits_table = (held + need).max(axis=(1, 2)) <= self.max_pages_per_group
-        demand = np.where(fits_table, need.sum(axis=(1, 2)), 0)
+        lengths = self.lengths[slots]
+        held = self.table.num_pages[slots]
+        # The token at index `lengths` needs a new page iff every held slot is already used.
+        need = (lengths >= held * np.int32(self.page_size)).reshape(n, -1)
+        full = (held >= self.max_pages_per_group).reshape(n, -1)
+        fits_table = ~(need & full).any(axis=1)
+        demand = np.where(fits_table, np.count_nonzero(need, axis=1), 0)
         # Prefix greedy: the failing sequences are the trailing ones (newest when the caller
         # orders oldest first), which is who gets preempted.
         ok = fits_table & (np.cumsum(demand) <= self.pool.num_free)
-        grow = slots[ok]
+        if ok.all():
+            grow, grow_need, grow_lengths = slots, need, lengths
+        else:
+            grow, grow_need, grow_lengths = slots[ok], need[ok], lengths[ok]
         if grow.size:
-            counts = need[ok]
-            total = int(counts.sum())
-            if total:
-                self.table.append(grow, counts, self.pool.allocate(total))
-            self.reserved_lengths[grow] = np.maximum(self.reserved_lengths[grow], want[ok])
+            self.table.append_one_flat(grow, grow_need,
+                                       self.pool.allocate(int(np.count_nonzero(grow_need))))
+            self.reserved_lengths[grow] = np.maximum(self.reserved_lengths[grow],
+                                                     grow_lengths + np.int32(1))
         return ok
 
     def at_table_limit(self, slot: int) -> bool:

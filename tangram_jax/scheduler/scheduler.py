@@ -4,7 +4,7 @@ One engine step is::
 
     out = scheduler.schedule()            # what to run: prefill pieces + decode batch
     ... device runs out.prefill_chunks and out.decode_slots with manager.block_tables/lengths ...
-    scheduler.commit(out, sampled)        # lengths advance, sampled tokens appended
+    scheduler.commit(out, decode_tokens, prefill_tokens)   # lengths advance, tokens appended
     scheduler.finish(request_id)          # for every request the engine's stop check ended
 
 `schedule` does, in order:
@@ -136,6 +136,7 @@ class Scheduler:
         self._sessions: dict[str, Sequence] = {}   # session id -> sequence (any live state)
         self._step = 0
         self._admissions = 0
+        self._aborted_since_schedule = False
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
@@ -153,7 +154,7 @@ class Scheduler:
         tokens = list(prompt_token_ids)
         if not tokens:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+        if np.asarray(tokens).dtype.kind not in "iu":
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         zeros = np.zeros(self.manager.lengths.shape[1:], dtype=np.int64)
@@ -211,6 +212,7 @@ class Scheduler:
         """Drop a request in any state, with its session's cache."""
         seq = self._live(request_id)
         del self._requests[request_id]
+        self._aborted_since_schedule = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -260,12 +262,15 @@ class Scheduler:
         self.metrics.start_step(time.perf_counter() - t0)
         return out
 
-    def commit(self, output: SchedulerOutput, sampled_tokens: Mapping[str, int],
+    def commit(self, output: SchedulerOutput, decode_tokens=(),
+               prefill_tokens: Mapping[str, int] | None = None, *,
                reclaim_lengths: Mapping[str, np.ndarray] | None = None) -> None:
         """Record what the device did for `output`.
 
-        sampled_tokens: request id -> token sampled this step, for every decode sequence and
-          every prefill chunk with `is_last`.
+        decode_tokens: int array-like [>= len(output.decode_seqs)], the token sampled for each
+          decode row in `output.decode_slots` order (padded rows beyond are ignored).
+        prefill_tokens: request id -> token sampled from the last position of every prefill
+          chunk with `is_last`.
         reclaim_lengths: (reclaim policy only) request id -> int [layers, groups] retained
           counts after the device's dynamic compression of that request's chunk.
         Sequences aborted between `schedule` and `commit` are skipped.
@@ -280,14 +285,27 @@ class Scheduler:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
             if chunk.is_last:
-                seq.token_ids.append(int(self._sampled(sampled_tokens, seq)))
+                if prefill_tokens is None or seq.request_id not in prefill_tokens:
+                    raise ValueError(f"no sampled token given for the last prefill chunk of "
+                                     f"request {seq.request_id!r}")
+                seq.token_ids.append(int(prefill_tokens[seq.request_id]))
                 seq.status = SequenceStatus.DECODE
-        live = [s for s in output.decode_seqs if s.status is SequenceStatus.DECODE]
-        if live:
-            self.manager.advance_decode(np.array([s.slot for s in live]))
-            for seq in live:
-                seq.num_computed_tokens += 1
-                seq.token_ids.append(int(self._sampled(sampled_tokens, seq)))
+        seqs = output.decode_seqs
+        if seqs:
+            tokens = np.asarray(decode_tokens).ravel()
+            if tokens.size < len(seqs) or tokens.dtype.kind not in "iu":
+                raise ValueError(f"decode_tokens must hold an int token for each of the "
+                                 f"{len(seqs)} decode rows, got {tokens.size} of {tokens.dtype}")
+            tokens = tokens[:len(seqs)].tolist()
+            if self._aborted_since_schedule:
+                keep = [i for i, q in enumerate(seqs) if q.status is SequenceStatus.DECODE]
+                seqs, tokens = [seqs[i] for i in keep], [tokens[i] for i in keep]
+            if seqs:
+                self.manager.advance_decode(np.array([q.slot for q in seqs]))
+                for seq, token in zip(seqs, tokens):
+                    seq.num_computed_tokens += 1
+                    seq.token_ids.append(token)
+        self._aborted_since_schedule = False
         self.metrics.add_to_step(time.perf_counter() - t0)
 
     # ----- internals ---------------------------------------------------------------------
@@ -297,10 +315,11 @@ class Scheduler:
         pending = decode
         while pending:
             ok = self.manager.grow_for_decode(np.array([s.slot for s in pending]))
+            if ok.all():
+                granted += pending
+                break
             granted += [s for s, o in zip(pending, ok) if o]
             pending = [s for s, o in zip(pending, ok) if not o]
-            if not pending:
-                break
             first = pending[0]
             own = self.manager.pages_held(first.slot) + self._decode_demand(first)
             if self.manager.at_table_limit(first.slot) or own > self.manager.pool.capacity:
@@ -315,8 +334,10 @@ class Scheduler:
             preempted.append(victim)
             granted = [s for s in granted if s is not victim]
             pending = [s for s in pending if s is not victim]
-        # Keep the batch in admission order (oldest first) for stable row positions.
-        return sorted(granted, key=lambda s: s.admission_order)
+        if len(granted) != len(decode):
+            # Keep the batch in admission order (oldest first) for stable row positions.
+            granted.sort(key=lambda s: s.admission_order)
+        return granted
 
     def _decode_demand(self, seq: Sequence) -> int:
         m = self.manager
@@ -437,9 +458,3 @@ class Scheduler:
             raise KeyError(f"no live request {request_id!r}")
         return seq
 
-    @staticmethod
-    def _sampled(sampled_tokens: Mapping[str, int], seq: Sequence) -> int:
-        try:
-            return sampled_tokens[seq.request_id]
-        except KeyError:
-            raise ValueError(f"no sampled token given for request {seq.request_id!r}") from None

@@ -77,6 +77,10 @@ class Sequence:
         return self.token_ids[self.prompt_start + self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.prompt_start - self.num_prompt_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
