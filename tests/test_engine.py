@@ -1,0 +1,175 @@
+"""The engine end to end on the embedded SmolLM2 (CPU, XLA reference kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tangram_jax.compression.profile import BudgetProfile
+from tangram_jax.engine.config import EngineConfig
+from tangram_jax.engine.llm_engine import Engine
+from tangram_jax.kv_layout import pages_for
+from tangram_jax.llm import LLM
+from tangram_jax.reference import generate_dense
+from tangram_jax.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SMALL = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=64,
+             page_size=16, max_num_batched_tokens=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+PROMPTS = [
+    "The capital of France is",
+    # Several compression chunks of 64 tokens, a partial last one.
+    "Paul Graham wrote that the way to get startup ideas is not to try to think of startup "
+    "ideas. It's to look for problems, preferably problems you have yourself. The very best "
+    "startup ideas tend to have three things in common: they're something the founders "
+    "themselves want, that they themselves can build, and that few others realize are worth "
+    "doing. Microsoft, Apple, Yahoo, Google, and Facebook all began this way. Question: "
+    "according to the text, what do the best startup ideas have in common? Answer:",
+]
+
+
+def _identity_budget_profile(model_config, group_size: int) -> BudgetProfile:
+    """Every budget 1 (nothing dropped), heads in a non-trivial (reversed) order."""
+    layers, heads = model_config.num_layers, model_config.num_kv_heads
+    ones = np.ones((layers, heads))
+    perm = np.tile(np.arange(heads)[::-1], (layers, 1))
+    return BudgetProfile(
+        model=dict(model_config.fingerprint(), name="smollm2"), method="snapkv", rho=1.0,
+        lambda_=2.0, mean=ones, std=np.zeros_like(ones), budget=ones, group_size=group_size,
+        grouping="budget", head_perm=perm, group_budgets=np.ones((layers, heads // group_size)))
+
+
+@pytest.fixture(scope="module")
+def full_llm():
+    return LLM(mode="full", **SMALL)
+
+
+def test_rho_one_tangram_equals_full_and_dense_reference(full_llm):
+    tok = full_llm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}])
+    prompts = [tok.encode(PROMPTS[0]), tok.encode(PROMPTS[1]), chat]
+    assert len(prompts[1]) > 2 * SMALL["chunk_size"]
+
+    full = [o.outputs[0].token_ids for o in full_llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    cfg = full_llm.engine.model_config
+    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1), **SMALL)
+    assert tangram.engine.layout.num_groups == cfg.num_kv_heads
+    ours = [o.outputs[0].token_ids for o in tangram.generate(prompts, GREEDY, use_tqdm=False)]
+
+    from tangram_jax.models.registry import load_model
+    loaded = load_model(None)
+    dense = generate_dense(loaded.model, loaded.config, prompts, GREEDY,
+                           eos_token_ids=loaded.tokenizer.eos_token_ids)
+    assert full == dense
+    assert ours == dense
+    text = full_llm.tokenizer.decode(full[0])
+    assert "Paris" in text
+
+
+def _expected_lengths(layout, turns):
+    """Retained tokens per (layer, group) after `turns` = [(new tokens, generated), ...]:
+    each turn's new tokens are compressed in chunks; decode tokens (all but the last sampled
+    one, which the next turn prefills) are appended uncompressed."""
+    total = np.zeros(layout.group_budgets.shape, np.int64)
+    for new_tokens, generated in turns:
+        total += layout.retained_counts(new_tokens) + (generated - 1)
+    return total
+
+
+def test_multi_turn_chat_pages_are_exactly_the_reservation():
+    llm = LLM(mode="tangram", ratio=0.5, group_size=1, **SMALL)
+    engine, manager, layout = llm.engine, llm.engine.manager, llm.engine.layout
+    assert layout.compresses
+    questions = [["What is a hash map?", "How is it different from a tree map?"],
+                 ["Write a haiku about autumn.", "Now one about winter."],
+                 ["Explain recursion to a child.", "Give an example in Python."]]
+    convs = [[{"role": "user", "content": q[0]}] for q in questions]
+    history = [[] for _ in questions]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for turn in range(2):
+        before = {}
+        if turn:
+            for c, q in zip(convs, questions):
+                c.append({"role": "user", "content": q[1]})
+        for i, c in enumerate(convs):
+            ids = llm.tokenizer.apply_chat_template(c)
+            sid, new = engine.find_session(ids)
+            before[i] = (sid, len(new))
+            if turn:
+                assert sid is not None, "the second turn must continue the first turn's session"
+                assert len(new) < len(ids)
+        outs = llm.chat(convs, params, use_tqdm=False)
+        for i, (c, out) in enumerate(zip(convs, outs)):
+            assert out.finished and out.outputs[0].token_ids
+            c.append({"role": "assistant", "content": out.outputs[0].text})
+            history[i].append((before[i][1], len(out.outputs[0].token_ids)))
+            seq = engine._sessions[out.session_id]
+            slot = seq.slot
+            expected = _expected_lengths(layout, history[i])
+            np.testing.assert_array_equal(manager.lengths[slot], expected)
+            np.testing.assert_array_equal(manager.reserved_lengths[slot], expected)
+            np.testing.assert_array_equal(manager.table.num_pages[slot],
+                                          pages_for(expected, layout.page_size))
+    usage = engine.kv_usage()
+    assert 0 < usage["kv_bytes_held"] < usage["full_kv_bytes"]
+    for out in outs:
+        llm.end_session(out.session_id)
+    assert manager.pool.num_used == 0
+
+
+def test_abort_mid_decode_returns_all_pages(full_llm):
+    engine = full_llm.engine
+    free0 = engine.manager.num_free_pages
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("keep", PROMPTS[0], sampling_params=params)
+    engine.add_request("drop", PROMPTS[1], sampling_params=params)
+    for _ in range(3):
+        engine.step()
+    assert engine.manager.num_free_pages < free0
+    engine.abort("drop")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == ["keep"]
+    assert len(outputs[0].outputs[0].token_ids) == 50
+    assert engine.manager.num_free_pages == free0
+
+
+def test_bad_input_is_refused_while_others_finish(full_llm):
+    engine = full_llm.engine
+    engine.add_request("good", PROMPTS[0], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", "", sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", prompt_token_ids=[1] * 2000, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="alternate|role"):
+        engine.add_request("roles", messages=[{"role": "user", "content": "a"},
+                                              {"role": "user", "content": "b"}])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("vocab", prompt_token_ids=[10**7], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("sampling", PROMPTS[0], sampling_params=SamplingParams(top_p=0))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["good"]
+    assert "Paris" in done[0].outputs[0].text
+
+
+def test_bad_engine_configuration_is_refused():
+    with pytest.raises(ValueError, match="unknown mode"):
+        EngineConfig(mode="turbo")
+    with pytest.raises(ValueError, match="ratio"):
+        EngineConfig(ratio=0)
+
+
+def test_profile_for_another_model_is_refused(full_llm, tmp_path):
+    cfg = full_llm.engine.model_config
+    profile = _identity_budget_profile(cfg, group_size=1)
+    profile.model["num_layers"] = cfg.num_layers + 2
+    with pytest.raises(ValueError, match="num_layers|layers|model"):
+        Engine(EngineConfig(mode="tangram", profile=profile, **SMALL))
