@@ -4,8 +4,9 @@ built-in paged attention on the full cache, at a Llama-3.1-8B layer shape (GPU o
 One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 groups, bf16). The
 compressed cache holds, per (sequence, group), `kv_layout.retained_counts` of the context under a
 skewed calibrated-style profile averaging rho = 0.25; the built-in kernel reads the uncompressed
-context. Times are medians over repetitions of a jitted block of `--calls` launches (distinct
-page sets when one set is small, so the L2 cache does not serve them), divided by the launches.
+context. Times are medians over repetitions of a jitted block of `--calls` launches, divided by
+the launches. Every launch of a block has its own q (so XLA cannot merge identical calls) and,
+when one page set is small, its own page set (so the L2 cache does not serve them).
 
     GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_attention.py --out results.json
 """
@@ -25,7 +26,9 @@ import numpy as np
 
 from tangram_jax.kv_layout import pages_for, retained_counts
 from tangram_jax.pallas_kernels import split_map as sm
-from tangram_jax.pallas_kernels.decode_attention import ragged_paged_decode_attention
+from tangram_jax.pallas_kernels.backend import default_interpret
+from tangram_jax.pallas_kernels.decode_attention import (decode_partials,
+                                                         ragged_paged_decode_attention)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE = 32, 8, 128, 2
 BUDGETS = np.array([[0.04, 0.08, 0.20, 0.68]])        # mean 0.25, skewed as calibration gives
@@ -78,13 +81,14 @@ def _compressed_case(rng, batch, context, page_size, sets):
     return k, v, jnp.asarray(tables), lens, kv_bytes
 
 
-def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin):
+def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin, config,
+             variants=("aot", "uniform", "runtime_planned", "aot_kernel_only")):
     groups = NUM_KV_HEADS // GROUP_SIZE
     q = jax.random.normal(jax.random.key(batch * 7 + context),
-                          (batch, groups, NUM_Q_HEADS // groups, HEAD_DIM), DTYPE)
+                          (calls, batch, groups, NUM_Q_HEADS // groups, HEAD_DIM), DTYPE)
     set_bytes = 2 * batch * int(retained_counts(BUDGETS, context, CHUNK_SIZE).sum()) * \
         GROUP_SIZE * HEAD_DIM * 2
-    sets = calls if set_bytes * calls < (1 << 30) else 1
+    sets = calls if set_bytes * calls < (2 << 30) else 1
     k, v, tables, lens, kv_bytes = _compressed_case(rng, batch, context, page_size, sets)
     lens_dev = jnp.asarray(lens)
     aot = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE,
@@ -93,15 +97,19 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin)
     uniform = sm.uniform_split_map(1, groups, max(1, items // groups))
     rows = []
 
-    def timed(name, work, host_s=None, extra=None):
+    def timed(name, work, host_s=None, extra=None, kernel_only=False):
         """A numpy work list is a constant of the trace (AOT, uniform); a device array is an
         input (runtime planned)."""
         static = isinstance(work, np.ndarray)
 
         def block(q, k, v, tables, lens, dyn_work):
             w = work if static else dyn_work
-            return [ragged_paged_decode_attention(q, k, v, tables[c % sets], lens,
-                                                  work_list=w) for c in range(calls)]
+            if kernel_only:
+                w = jnp.asarray(w)
+                return [decode_partials(q[c], k, v, tables[c % sets], lens, w, interpret=default_interpret(),
+                                        **config)[:2] for c in range(calls)]
+            return [ragged_paged_decode_attention(q[c], k, v, tables[c % sets], lens,
+                                                  work_list=w, **config) for c in range(calls)]
         f = jax.jit(block)
         t, p10, p90 = _median_time(f, (q, k, v, tables, lens_dev,
                                        jnp.zeros(1) if static else work), reps)
@@ -117,8 +125,14 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin)
             row.update(extra)
         rows.append(row)
 
-    timed("aot", aot.work_list(0), extra=dict(splits=list(aot.splits[0])))
-    timed("uniform", uniform.work_list(0), extra=dict(splits=list(uniform.splits[0])))
+    if "aot" in variants:
+        timed("aot", aot.work_list(0), extra=dict(splits=list(aot.splits[0]), **config))
+    if "aot_kernel_only" in variants:
+        timed("aot_kernel_only", aot.work_list(0), kernel_only=True)
+    if "uniform" in variants:
+        timed("uniform", uniform.work_list(0), extra=dict(splits=list(uniform.splits[0])))
+    if "runtime_planned" not in variants:
+        return rows
     # Runtime planning: host numpy plan from this step's lengths plus its copy to the device.
     plan = lambda: sm.plan_runtime_work(lens, num_programs, page_size,  # noqa: E731
                                         group_size=GROUP_SIZE, num_items=items)
@@ -147,7 +161,7 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     pages_per_seq = context // page_size
     full_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
-    sets = calls if full_bytes * calls < (1 << 30) else 1
+    sets = calls if full_bytes * calls < (2 << 30) else 1
     num_pages = sets * batch * pages_per_seq
     shape = (NUM_KV_HEADS, num_pages, page_size, HEAD_DIM)
     k = jax.random.normal(jax.random.key(1), shape, DTYPE)
@@ -155,11 +169,11 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
     tables = jnp.asarray(rng.permutation(num_pages).astype(np.int32).reshape(
         sets, batch, pages_per_seq))
     lengths = jnp.full((batch,), context, jnp.int32)
-    q = q_grouped.reshape(batch, NUM_Q_HEADS, HEAD_DIM)
+    q = q_grouped.reshape(calls, batch, NUM_Q_HEADS, HEAD_DIM)
     k_splits = 16 if pages_per_seq % 16 == 0 else 1
 
     def block(q, k, v, tables, lengths):
-        return [paged_attention(q, k, v, tables[c % sets], lengths, k_splits=k_splits)
+        return [paged_attention(q[c], k, v, tables[c % sets], lengths, k_splits=k_splits)
                 for c in range(calls)]
     t, p10, p90 = _median_time(jax.jit(block), (q, k, v, tables, lengths), reps)
     per_call = t / calls
@@ -167,6 +181,27 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
                 page_size=page_size, k_splits=k_splits, time_s=per_call,
                 time_p10_s=p10 / calls, time_p90_s=p90 / calls, bytes=full_bytes,
                 achieved_bytes_per_s=full_bytes / per_call)
+
+
+def sweep_config(rng, page_size, num_programs, calls, reps):
+    """AOT time over a few Triton configurations on a small-batch and a large-batch case."""
+    sweep = []
+    for block_tokens in (64, 128):
+        for num_warps in (4, 8):
+            for num_stages in (2, 3):
+                config = dict(block_tokens=block_tokens, num_warps=num_warps,
+                              num_stages=num_stages)
+                total = 0.0
+                for batch, context in ((1, 131072), (32, 32768)):
+                    [row] = run_case(rng, batch, context, page_size, num_programs, calls, reps,
+                                     False, config, variants=("aot",))
+                    total += row["time_s"]
+                    sweep.append(dict(config, batch=batch, context=context, time_s=row["time_s"]))
+                print("sweep", config, f"{total * 1e6:.1f}us", flush=True)
+    best = min(({k: r[k] for k in ("block_tokens", "num_warps", "num_stages")} for r in sweep),
+               key=lambda c: sum(r["time_s"] for r in sweep
+                                 if all(r[k] == c[k] for k in c)))
+    return best, sweep
 
 
 def main(argv=None):
@@ -177,7 +212,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-programs", type=int, default=0,
                     help="programs per grid the split maps aim at (0: 4 x SMs)")
-    ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true",
+                    help="first pick block_tokens/num_warps/num_stages on two cases")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-builtin", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048)
@@ -197,11 +234,17 @@ def main(argv=None):
                              page_size=args.page_size, chunk_size=CHUNK_SIZE,
                              group_budgets=BUDGETS[0].tolist()),
                   cases=[])
+    config = dict(block_tokens=64, num_warps=4, num_stages=2)
+    if args.sweep:
+        config, sweep = sweep_config(rng, args.page_size, num_programs, args.calls, args.reps)
+        result["sweep"] = sweep
+    result["kernel_config"] = config
+    print("kernel config", config, flush=True)
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             try:
                 rows = run_case(rng, batch, context, args.page_size, num_programs, args.calls,
-                                args.reps, not args.no_builtin)
+                                args.reps, not args.no_builtin, config)
             except Exception as e:  # noqa: BLE001 -- record and go on (e.g. out of memory)
                 print(f"batch {batch} context {context}: {type(e).__name__}: {e}"[:400],
                       flush=True)

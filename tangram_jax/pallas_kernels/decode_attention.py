@@ -145,8 +145,12 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, work):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_tokens", "num_warps",
                                              "num_stages"))
-def _decode(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
-            block_tokens: int, num_warps: int, num_stages: int):
+def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
+                    block_tokens: int, num_warps: int, num_stages: int):
+    """The kernel alone: per work item normalised partial outputs and log-sum-exps.
+
+    Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
+    work [batch, items, 3]). `ragged_paged_decode_attention` merges them."""
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape
     q_per_kv = q_rows // group_size
@@ -193,7 +197,15 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool
         name="ragged_paged_decode_attention",
     )(work, lengths, block_tables, q_pad, k_pages, v_pages)
 
-    out = merge_partials(o_part[..., :q_per_kv, :], lse_part[..., :q_per_kv], work, num_groups)
+    return o_part[..., :q_per_kv, :], lse_part[..., :q_per_kv], work
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_tokens", "num_warps",
+                                             "num_stages"))
+def _decode(q, k_pages, v_pages, block_tables, lengths, work, **kwargs):
+    o_part, lse_part, work = decode_partials(q, k_pages, v_pages, block_tables, lengths, work,
+                                             **kwargs)
+    out = merge_partials(o_part, lse_part, work, q.shape[1])
     return out.reshape(q.shape).astype(q.dtype)
 
 
