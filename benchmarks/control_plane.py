@@ -87,7 +87,6 @@ def run_case(layout: KVLayout, policy: str, batch: int, steps: int, warmup: int,
 
     for _ in range(batch + 8):
         arrive()
-    decode_tokens = np.full(max(sched.decode_buckets), 2, dtype=np.int32)   # the device's output
     # Fill the batch, then age it so finishes are spread over steps.
     full_gather_s = []
     decode_sizes = []
@@ -96,7 +95,8 @@ def run_case(layout: KVLayout, policy: str, batch: int, steps: int, warmup: int,
             sched.metrics.step_host_seconds.clear()
             manager.reclaim_seconds, manager.pages_reclaimed = 0.0, 0
         out = sched.schedule()
-        prefill_tokens = {c.seq.request_id: 1 for c in out.prefill_chunks if c.is_last}
+        sampled = {c.seq.request_id: 1 for c in out.prefill_chunks if c.is_last}
+        sampled.update({q.request_id: 2 for q in out.decode_seqs})   # the device's output
         reclaim = None
         if policy == "reclaim":
             # The dynamic method's per-input selection: each head keeps about its budget, the
@@ -108,8 +108,7 @@ def run_case(layout: KVLayout, policy: str, batch: int, steps: int, warmup: int,
                     noisy = np.clip(head_budgets * rng.uniform(0.8, 1.2, head_budgets.shape),
                                     0, 1).max(axis=1)
                     reclaim[c.seq.request_id] = np.ceil(noisy * written).astype(np.int64)[:, None]
-        sched.commit(out, decode_tokens[:out.decode_bucket], prefill_tokens,
-                     reclaim_lengths=reclaim)
+        sched.commit(out, sampled, reclaim_lengths=reclaim)
         t0 = time.perf_counter()
         finished = [q for q in out.decode_seqs if q.status is SequenceStatus.DECODE
                     and q.num_output_tokens >= target[q.request_id]]

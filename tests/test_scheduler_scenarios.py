@@ -29,8 +29,9 @@ def make(num_pages=64, max_seqs=4, max_pages=16, policy="reserve", lay=None, **k
 
 def run_step(s, finish_after=None, reclaim=None):
     out = s.schedule()
-    prefill = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
-    s.commit(out, np.full(out.decode_bucket, 6), prefill, reclaim_lengths=reclaim)
+    sampled = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
+    sampled.update({q.request_id: 6 for q in out.decode_seqs})
+    s.commit(out, sampled, reclaim_lengths=reclaim)
     for q in out.decode_seqs:
         if finish_after is not None and q.status is SequenceStatus.DECODE \
                 and len(q.output_token_ids) >= finish_after:
@@ -54,7 +55,7 @@ def test_reservation_is_exactly_the_retained_pages_and_prefill_fills_it():
     np.testing.assert_array_equal(want, [[10, 19], [5, 37]])
     np.testing.assert_array_equal(m.table.num_pages[seq.slot], pages_for(want, PAGE))
     assert m.pool.num_used == int(pages_for(want, PAGE).sum())
-    s.commit(out, [], {"a": 1})
+    s.commit(out, {"a": 1})
     np.testing.assert_array_equal(m.lengths[seq.slot], want)
     assert seq.status is SequenceStatus.DECODE and seq.token_ids[-1] == 1
 
@@ -91,7 +92,7 @@ def test_multi_turn_keeps_pages_and_reserves_only_the_increment():
     # Earlier pages stay where they were: no copies, no moves.
     kept = m.table.pages_of(seq.slot)
     assert set(pages_before.tolist()) <= set(kept.tolist())
-    s.commit(out, [], {"t2": 4})
+    s.commit(out, {"t2": 4})
     np.testing.assert_array_equal(m.lengths[seq.slot], target)
     with pytest.raises(ValueError, match="still serving"):
         s.add_request("t3", [1], session_id="chat")
@@ -162,8 +163,9 @@ def test_huge_request_does_not_block_small_ones_but_is_not_starved():
         if not s.has_unfinished():
             break
         out = s.schedule()
-        prefill = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
-        s.commit(out, np.full(out.decode_bucket, 6), prefill)
+        sampled = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
+        sampled.update({q.request_id: 6 for q in out.decode_seqs})
+        s.commit(out, sampled)
         order += [c.seq.request_id for c in out.prefill_chunks if c.start == c.seq.turn_start]
         for q in out.decode_seqs:
             # The resident runs long; small ones finish at once.
@@ -257,7 +259,7 @@ def test_reclaim_policy_returns_pages_above_actual_counts():
     out = s.schedule()
     assert m.pool.num_used == 2 * pages_for(40, PAGE)          # uncompressed reservation
     actual = np.array([[9], [17]])
-    s.commit(out, [], {"d": 1}, reclaim_lengths={"d": actual})
+    s.commit(out, {"d": 1}, {"d": actual})
     np.testing.assert_array_equal(m.lengths[seq.slot], actual)
     assert m.pool.num_used == int(pages_for(actual, PAGE).sum())
     assert m.pages_reclaimed == 2 * 10 - 3 - 5 and m.reclaim_seconds > 0
@@ -303,7 +305,7 @@ def test_abort_frees_everything_in_any_state():
     s.add_request("p", list(range(30)))
     out = s.schedule()
     s.abort("w")
-    s.commit(out, [], {"p": 1})
+    s.commit(out, {"p": 1})
     s.abort("p")
     assert m.pool.num_free == m.pool.capacity and not s.has_unfinished()
     assert "sw" not in s._sessions
@@ -317,9 +319,9 @@ def test_abort_between_schedule_and_commit_keeps_rows_aligned():
     out = s.schedule()
     assert [q.request_id for q in out.decode_seqs] == ["a", "b", "c"]
     s.abort("b")
-    s.commit(out, np.array([10, 11, 12, 0]))
+    s.commit(out, {"a": 10, "c": 12})
     assert s.get("a").token_ids[-1] == 10 and s.get("c").token_ids[-1] == 12
     np.testing.assert_array_equal(m.lengths[s.get("c").slot],
                                   layout().retained_counts(6) + 1)
-    with pytest.raises(ValueError, match="decode_tokens"):
-        s.commit(s.schedule(), [1])
+    with pytest.raises(ValueError, match="no sampled token given for request 'c'"):
+        s.commit(s.schedule(), {"a": 1})

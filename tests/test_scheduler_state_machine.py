@@ -145,8 +145,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 keep = np.ceil(written * self.rng.uniform(0.2, 1.0, written.shape)).astype(int)
                 reclaim[rid] = np.maximum(keep, m.lengths[seq.slot])
         decode_before = {s.request_id: m.lengths[s.slot].copy() for s in out.decode_seqs}
-        decode_tokens = np.arange(out.decode_bucket) + 100
-        sched.commit(out, decode_tokens, sampled, reclaim_lengths=reclaim or None)
+        for row, seq in enumerate(out.decode_seqs):
+            sampled[seq.request_id] = 100 + row
+        sched.commit(out, sampled, reclaim_lengths=reclaim or None)
         for chunk in out.prefill_chunks:
             seq = chunk.seq
             if chunk.is_last and self.policy == "reserve":

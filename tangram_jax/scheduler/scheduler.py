@@ -4,7 +4,7 @@ One engine step is::
 
     out = scheduler.schedule()            # what to run: prefill pieces + decode batch
     ... device runs out.prefill_chunks and out.decode_slots with manager.block_tables/lengths ...
-    scheduler.commit(out, decode_tokens, prefill_tokens)   # lengths advance, tokens appended
+    scheduler.commit(out, sampled)        # lengths advance, sampled tokens appended
     scheduler.finish(request_id)          # for every request the engine's stop check ended
 
 `schedule` does, in order:
@@ -262,15 +262,12 @@ class Scheduler:
         self.metrics.start_step(time.perf_counter() - t0)
         return out
 
-    def commit(self, output: SchedulerOutput, decode_tokens=(),
-               prefill_tokens: Mapping[str, int] | None = None, *,
+    def commit(self, output: SchedulerOutput, sampled_tokens: Mapping[str, int],
                reclaim_lengths: Mapping[str, np.ndarray] | None = None) -> None:
         """Record what the device did for `output`.
 
-        decode_tokens: int array-like [>= len(output.decode_seqs)], the token sampled for each
-          decode row in `output.decode_slots` order (padded rows beyond are ignored).
-        prefill_tokens: request id -> token sampled from the last position of every prefill
-          chunk with `is_last`.
+        sampled_tokens: request id -> token sampled this step, for every decode sequence and
+          every prefill chunk with `is_last`.
         reclaim_lengths: (reclaim policy only) request id -> int [layers, groups] retained
           counts after the device's dynamic compression of that request's chunk.
         Sequences aborted between `schedule` and `commit` are skipped.
@@ -285,26 +282,17 @@ class Scheduler:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
             if chunk.is_last:
-                if prefill_tokens is None or seq.request_id not in prefill_tokens:
-                    raise ValueError(f"no sampled token given for the last prefill chunk of "
-                                     f"request {seq.request_id!r}")
-                seq.token_ids.append(int(prefill_tokens[seq.request_id]))
+                seq.token_ids.append(self._sampled(sampled_tokens, seq))
                 seq.status = SequenceStatus.DECODE
         seqs = output.decode_seqs
+        if seqs and self._aborted_since_schedule:
+            seqs = [q for q in seqs if q.status is SequenceStatus.DECODE]
         if seqs:
-            tokens = np.asarray(decode_tokens).ravel()
-            if tokens.size < len(seqs) or tokens.dtype.kind not in "iu":
-                raise ValueError(f"decode_tokens must hold an int token for each of the "
-                                 f"{len(seqs)} decode rows, got {tokens.size} of {tokens.dtype}")
-            tokens = tokens[:len(seqs)].tolist()
-            if self._aborted_since_schedule:
-                keep = [i for i, q in enumerate(seqs) if q.status is SequenceStatus.DECODE]
-                seqs, tokens = [seqs[i] for i in keep], [tokens[i] for i in keep]
-            if seqs:
-                self.manager.advance_decode(np.array([q.slot for q in seqs]))
-                for seq, token in zip(seqs, tokens):
-                    seq.num_computed_tokens += 1
-                    seq.token_ids.append(token)
+            tokens = [self._sampled(sampled_tokens, q) for q in seqs]
+            self.manager.advance_decode(np.array([q.slot for q in seqs]))
+            for seq, token in zip(seqs, tokens):
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(token)
         self._aborted_since_schedule = False
         self.metrics.add_to_step(time.perf_counter() - t0)
 
@@ -451,6 +439,13 @@ class Scheduler:
         seq.status = status
         if seq.session_id is not None:
             self._sessions.pop(seq.session_id, None)
+
+    @staticmethod
+    def _sampled(sampled_tokens: Mapping[str, int], seq: Sequence) -> int:
+        try:
+            return int(sampled_tokens[seq.request_id])
+        except KeyError:
+            raise ValueError(f"no sampled token given for request {seq.request_id!r}") from None
 
     def _live(self, request_id: str) -> Sequence:
         seq = self._requests.get(request_id)
