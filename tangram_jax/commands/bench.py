@@ -1,0 +1,48 @@
+"""`tangram-jax bench`: run a benchmark of the harness (in `benchmarks/` of the checkout).
+
+Each benchmark measures Tangram and its baselines in the same run and writes JSON under
+`benchmarks/results/` with the device, the git revision and the command.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+HELP = "Run a benchmark (end_to_end, control_plane, decode_attention); writes benchmarks/results/*.json"
+
+BENCHMARKS = {
+    "end_to_end": "multi-turn serving, tangram vs full KV vs dynamic reclaim, equal KV memory",
+    "control_plane": "host time per scheduling step, Budget Reservation vs dynamic reclaim",
+    "decode_attention": "decode attention kernel: AOT split map vs uniform vs runtime-planned (GPU)",
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("benchmark", choices=sorted(BENCHMARKS),
+                        help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    parser.add_argument("args", nargs="*", help="arguments passed to the benchmark "
+                        "(put them after --, e.g. `tangram-jax bench end_to_end -- --turns 3`)")
+
+
+def benchmarks_dir() -> Path:
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not here.is_dir():
+        raise FileNotFoundError("the benchmark harness lives in the source checkout's benchmarks/ "
+                                "folder; install tangram-jax from a checkout (pip install -e .)")
+    return here
+
+
+def run(args) -> int:
+    try:
+        script = benchmarks_dir() / f"{args.benchmark}.py"
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
