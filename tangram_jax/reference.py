@@ -28,27 +28,27 @@ from tangram_jax.models.decoder import Decoder, DenseKVCache
 from tangram_jax.sampling import SamplingParams, batch_sampling_arrays, resolve_seed, sample_tokens, step_keys
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
+def _bucket(n: int, minimum: int = 32) -> int:
     """Next power of two >= n: bounds the number of distinct compiled shapes."""
     return max(minimum, 1 << (int(n) - 1).bit_length())
 
 
+# Sampling stays outside these two (its own jit, `sample_tokens`): compiled once per batch size
+# and vocabulary, whichever model produced the logits.
 @partial(jax.jit, static_argnums=0, donate_argnums=4)
-def _prefill(graphdef, state, tokens, positions, cache, last_index, temperature, top_k, top_p, keys):
-    """tokens, positions `[B, T]`; last_index `[B]` (each row's last real token) -> (next `[B]`, cache)."""
+def _prefill(graphdef, state, tokens, positions, cache, last_index):
+    """tokens, positions `[B, T]`; last_index `[B]`: each row's last real token -> (logits `[B, V]`, cache)."""
     model = nnx.merge(graphdef, state)
     h, cache = model.hidden(tokens, positions, cache)
     last_h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)  # [B, 1, D]
-    logits = model.logits(last_h)[:, 0]
-    return sample_tokens(logits, temperature, top_k, top_p, keys), cache
+    return model.logits(last_h)[:, 0], cache
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=4)
-def _decode(graphdef, state, tokens, positions, cache, temperature, top_k, top_p, keys):
-    """tokens, positions `[B, 1]` -> (next `[B]`, cache)."""
-    model = nnx.merge(graphdef, state)
-    logits, cache = model(tokens, positions, cache)
-    return sample_tokens(logits[:, 0], temperature, top_k, top_p, keys), cache
+def _decode(graphdef, state, tokens, positions, cache):
+    """tokens, positions `[B, 1]` -> (logits `[B, V]`, cache)."""
+    logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
+    return logits[:, 0], cache
 
 
 def _check_prompts(prompt_ids, config: ModelConfig) -> list[list[int]]:
@@ -125,12 +125,11 @@ def generate_dense(
     outputs: list[list[int]] = [[] for _ in range(batch)]
     finished = np.zeros(batch, bool)
     steps = np.zeros(batch, np.int32)
-    next_tokens, cache = _prefill(
-        graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(lengths - 1, jnp.int32),
-        temperature, top_k, top_p, step_keys(seeds, jnp.asarray(steps)),
+    logits, cache = _prefill(
+        graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(lengths - 1, jnp.int32)
     )
     while True:
-        new = np.asarray(next_tokens)
+        new = np.asarray(sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, jnp.asarray(steps))))
         for b in np.flatnonzero(~finished):
             token = int(new[b])
             outputs[b].append(token)
@@ -143,7 +142,4 @@ def generate_dense(
             return outputs
         # An unfinished row's new token sits at position = prompt length + tokens generated - 1.
         decode_positions = np.where(finished, -1, lengths + steps - 1).astype(np.int32)[:, None]
-        next_tokens, cache = _decode(
-            graphdef, state, jnp.asarray(new[:, None]), jnp.asarray(decode_positions), cache,
-            temperature, top_k, top_p, step_keys(seeds, jnp.asarray(steps)),
-        )
+        logits, cache = _decode(graphdef, state, jnp.asarray(new[:, None]), jnp.asarray(decode_positions), cache)

@@ -27,6 +27,13 @@ def tiny(request, tmp_path_factory):
     return request.param, hf_model, config, model
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama_errors")
+    build_tiny_hf_model("llama", folder)
+    return load_hf_folder(folder)
+
+
 def hf_greedy(hf_model, prompt, max_new_tokens, eos_token_id):
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
@@ -86,19 +93,12 @@ def test_seeded_sampling_is_per_row(tiny):
     assert together != greedy, family  # near-uniform over 50 tokens: not argmax
 
 
-def test_generation_stops_at_the_context_end(tiny):
-    _, _, config, model = tiny
+def test_generation_stops_at_the_context_end(tiny_llama):
+    config, model = tiny_llama
     prompt = list(np.arange(config.max_position_embeddings - 2) % config.vocab_size)
     out = generate_dense(model, config, [prompt, PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=5),
                          eos_token_ids=())
     assert [len(x) for x in out] == [2, 5]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama_errors")
-    build_tiny_hf_model("llama", folder)
-    return load_hf_folder(folder)
 
 
 def test_bad_generation_input(tiny_llama):
