@@ -31,7 +31,7 @@ class BlockTable:
         self.max_pages = int(max_pages)
         self.tables = np.zeros((num_rows, num_layers, num_groups, max_pages), dtype=np.int32)
         self.num_pages = np.zeros((num_rows, num_layers, num_groups), dtype=np.int32)
-        self._cells_per_row = num_layers * num_groups
+        self.cells_per_row = num_layers * num_groups
         self._log_index: list[np.ndarray] = []
         self._log_value: list[np.ndarray] = []
 
@@ -58,8 +58,8 @@ class BlockTable:
                                       f"the table holds {self.max_pages}")
         flat_counts = counts.ravel()
         # Global cell id of every cell touched, then one entry per appended page.
-        cell = (slots[:, None] * self._cells_per_row
-                + np.arange(self._cells_per_row)[None, :]).ravel()
+        cell = (slots[:, None] * self.cells_per_row
+                + np.arange(self.cells_per_row)[None, :]).ravel()
         entry_cell = np.repeat(cell, flat_counts)
         first_of_cell = np.repeat(np.cumsum(flat_counts) - flat_counts, flat_counts)
         offset_in_cell = np.arange(pages.size) - first_of_cell
@@ -81,22 +81,28 @@ class BlockTable:
                              np.asarray(pages, dtype=np.int32))
 
     def append_one_flat(self, slots: np.ndarray, mask: np.ndarray, pages: np.ndarray) -> None:
-        """`append_one` with `mask` given as bool [n, layers * groups] (the decode hot path)."""
-        flat = np.flatnonzero(mask)
-        if pages.size != flat.size:
-            raise ValueError(f"{pages.size} pages given for {flat.size} cells")
-        if flat.size == 0:
+        """`append_one` with `mask` given as bool [n, layers * groups]."""
+        row, cell_in_row = np.divmod(np.flatnonzero(mask), self.cells_per_row)
+        self.append_to_cells(np.asarray(slots, dtype=np.int64)[row] * self.cells_per_row
+                             + cell_in_row, pages)
+
+    def append_to_cells(self, cells: np.ndarray, pages: np.ndarray) -> None:
+        """Append ``pages[i]`` to global cell ``cells[i]`` (distinct cells; a cell is
+        ``(slot * layers + layer) * groups + group``). The decode hot path: it touches only the
+        cells that grow, never the whole batch."""
+        pages = np.asarray(pages, dtype=np.int32)
+        if pages.size != cells.size:
+            raise ValueError(f"{pages.size} pages given for {cells.size} cells")
+        if cells.size == 0:
             return
-        row, cell_in_row = np.divmod(flat, self._cells_per_row)
-        cell = np.asarray(slots, dtype=np.int64)[row] * self._cells_per_row + cell_in_row
         num_pages = self.num_pages.reshape(-1)
-        col = num_pages[cell]
+        col = num_pages[cells]
         if col.max() >= self.max_pages:
             raise BlockTableFullError(f"a group would need {col.max() + 1} pages, "
                                       f"the table holds {self.max_pages}")
-        flat_index = cell * self.max_pages + col
+        flat_index = cells.astype(np.int64) * self.max_pages + col
         self.tables.reshape(-1)[flat_index] = pages
-        num_pages[cell] = col + 1
+        num_pages[cells] = col + 1
         self._log(flat_index, pages)
 
     def truncate(self, slots: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -114,8 +120,8 @@ class BlockTable:
         rows = self.tables[slots]
         released = rows[dropped]
         if released.size:
-            flat_index = (slots[:, None, None, None] * (self._cells_per_row * self.max_pages)
-                          + np.arange(self._cells_per_row * self.max_pages)
+            flat_index = (slots[:, None, None, None] * (self.cells_per_row * self.max_pages)
+                          + np.arange(self.cells_per_row * self.max_pages)
                           .reshape(self.tables.shape[1:])[None])[dropped]
             rows[dropped] = 0
             self.tables[slots] = rows
@@ -131,7 +137,7 @@ class BlockTable:
         row[used] = 0
         self.num_pages[slot] = 0
         if used.size:
-            self._log(slot * self._cells_per_row * self.max_pages + used,
+            self._log(slot * self.cells_per_row * self.max_pages + used,
                       np.zeros(used.size, dtype=np.int32))
         return released
 

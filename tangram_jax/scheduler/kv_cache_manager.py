@@ -99,6 +99,7 @@ class KVCacheManager:
         # Free slots as a stack, lowest id on top.
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._slot_in_use = np.zeros(rows, dtype=bool)
+        self._grown = np.zeros(rows, dtype=bool)   # grown for decode, not yet advanced
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
 
@@ -138,6 +139,7 @@ class KVCacheManager:
         self.pool.release(released)
         self.lengths[slot] = 0
         self.reserved_lengths[slot] = 0
+        self._grown[slot] = False
         self._slot_in_use[slot] = False
         self._free_slots.append(slot)
         return int(released.size)
@@ -221,12 +223,14 @@ class KVCacheManager:
     def grow_for_decode(self, slots: np.ndarray) -> np.ndarray:
         """Give one more token slot to every (layer, group) of `slots` for this decode step.
 
-        Only groups whose next token crosses a page boundary take a page. Sequences are served
-        in the order given, all or nothing each, while the pool lasts (so the ones that fail
-        are the last ones). Returns bool [n]: which sequences can decode this step.
+        For sequences whose prefill is complete. Only groups whose next token crosses a page
+        boundary take a page. Sequences are served in the order given, all or nothing each,
+        while the pool lasts (so the ones that fail are the last ones); a sequence that would
+        overflow the block-table width fails too. Returns bool [n]: which can decode this step
+        (call `advance_decode` for those after the device step).
         """
-        # This runs every step over [batch, layers, groups]: int32 and flat indexing throughout
-        # (int64 temporaries of this size cost more than the arithmetic).
+        # Runs every step over [batch, layers, groups]: int32, and after the first pass only
+        # the cells that grow (about 1 in page_size) are touched.
         slots = np.asarray(slots, dtype=np.int64)
         n = slots.size
         if n == 0:
@@ -234,22 +238,27 @@ class KVCacheManager:
         lengths = self.lengths[slots]
         held = self.table.num_pages[slots]
         # The token at index `lengths` needs a new page iff every held slot is already used.
-        need = (lengths >= held * np.int32(self.page_size)).reshape(n, -1)
-        full = (held >= self.max_pages_per_group).reshape(n, -1)
-        fits_table = ~(need & full).any(axis=1)
-        demand = np.where(fits_table, np.count_nonzero(need, axis=1), 0)
-        # Prefix greedy: the failing sequences are the trailing ones (newest when the caller
-        # orders oldest first), which is who gets preempted.
-        ok = fits_table & (np.cumsum(demand) <= self.pool.num_free)
-        if ok.all():
-            grow, grow_need, grow_lengths = slots, need, lengths
+        flat = np.flatnonzero(lengths >= held * np.int32(self.page_size))
+        row, cell_in_row = np.divmod(flat, self.table.cells_per_row)
+        over = held.reshape(-1)[flat] >= self.max_pages_per_group
+        if flat.size <= self.pool.num_free and not over.any():
+            ok = np.ones(n, dtype=bool)
+            grow, grow_lengths = slots, lengths
         else:
-            grow, grow_need, grow_lengths = slots[ok], need[ok], lengths[ok]
+            fits_table = np.bincount(row[over], minlength=n) == 0
+            demand = np.where(fits_table, np.bincount(row, minlength=n), 0)
+            # Prefix greedy: the failing sequences are the trailing ones (newest when the
+            # caller orders oldest first), which is who gets preempted.
+            ok = fits_table & (np.cumsum(demand) <= self.pool.num_free)
+            keep = ok[row]
+            row, cell_in_row = row[keep], cell_in_row[keep]
+            grow, grow_lengths = slots[ok], lengths[ok]
         if grow.size:
-            self.table.append_one_flat(grow, grow_need,
-                                       self.pool.allocate(int(np.count_nonzero(grow_need))))
-            self.reserved_lengths[grow] = np.maximum(self.reserved_lengths[grow],
-                                                     grow_lengths + np.int32(1))
+            cells = slots[row] * self.table.cells_per_row + cell_in_row
+            self.table.append_to_cells(cells, self.pool.allocate(cells.size))
+            # A decoding sequence has reserved == lengths (or lengths + 1 if already grown).
+            self.reserved_lengths[grow] = grow_lengths + np.int32(1)
+            self._grown[grow] = True
         return ok
 
     def at_table_limit(self, slot: int) -> bool:
@@ -258,12 +267,13 @@ class KVCacheManager:
         return bool(pages_for(want, self.page_size).max() > self.max_pages_per_group)
 
     def advance_decode(self, slots: np.ndarray) -> None:
-        """The device appended one token to every group of `slots`."""
+        """The device appended one token to every group of `slots` (each grown this step)."""
         slots = np.asarray(slots, dtype=np.int64)
-        new = self.lengths[slots] + 1
-        if (new > self.reserved_lengths[slots]).any():
-            raise ValueError("advance_decode past the reserved capacity (grow_for_decode first)")
-        self.lengths[slots] = new
+        if not self._grown[slots].all():
+            raise ValueError("advance_decode for a sequence not grown this step "
+                             "(grow_for_decode first)")
+        self.lengths[slots] = self.reserved_lengths[slots]
+        self._grown[slots] = False
 
     # ----- device feed -------------------------------------------------------------------
     def take_table_updates(self) -> tuple[np.ndarray, np.ndarray]:
