@@ -1,1 +1,12 @@
-"""Host-side page pool, block tables, KV-cache manager and scheduler (plain numpy)."""
+"""Host-side page pool, block tables, KV-cache manager and scheduler (plain numpy).
+
+- `page_pool.PagePool`: one pool of identical pages (page 0 is the never-allocated null page).
+- `block_table.BlockTable`: ``[slot, layer, group, max_pages]`` page ids, whole-array updates,
+  with an update log for a device-resident copy.
+- `kv_cache_manager.KVCacheManager`: slots, Budget Reservation (``policy="reserve"``), decode
+  growth, and the dynamic compress-and-reclaim baseline (``policy="reclaim"``).
+- `sequence.Sequence`: per-request / per-session state.
+- `scheduler.Scheduler`: continuous batching, chunked prefill, admission by reservation,
+  preemption by recompute, multi-turn sessions with LRU eviction.
+- `metrics.SchedulerMetrics`: control-plane host time, preemptions, evictions, rejections.
+"""
