@@ -187,6 +187,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert (m.lengths <= m.reserved_lengths).all()
         assert (m.table.num_pages == pages_for(m.reserved_lengths, PAGE)).all()
         assert (m.lengths <= m.table.num_pages * PAGE).all()
+        listed = [s for s in self.sched._sessions.values()
+                  if s.is_cached and not s.status.is_running]
+        lru = list(self.sched._lru.values())
+        assert set(map(id, lru)) == set(map(id, listed)) and len(lru) == len(listed)
+        steps = [s.last_used_step for s in lru]
+        assert steps == sorted(steps), "eviction order is not least recently used first"
+        assert self.sched._lru_pages == sum(m.pages_held(s.slot) for s in listed)
         holders = [s for s in self.sched._sessions.values() if s.is_cached]
         holders += [s for s in self.sched.running if s.session_id is None]
         assert sorted(s.slot for s in holders) == sorted(

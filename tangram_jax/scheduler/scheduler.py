@@ -134,6 +134,10 @@ class Scheduler:
         self.running: list[Sequence] = []          # PREFILL and DECODE, oldest admission first
         self._requests: dict[str, Sequence] = {}   # live request id -> sequence
         self._sessions: dict[str, Sequence] = {}   # session id -> sequence (any live state)
+        # Sessions holding a cache while not running (idle, or queued for their next turn),
+        # least recently used first; `_lru_pages` is the pages they hold.
+        self._lru: collections.OrderedDict[str, Sequence] = collections.OrderedDict()
+        self._lru_pages = 0
         self._step = 0
         self._admissions = 0
         self._aborted_since_schedule = False
@@ -204,6 +208,8 @@ class Scheduler:
         if seq.session_id is not None:
             seq.status = SequenceStatus.IDLE
             seq.last_used_step = self._step
+            self._lru[seq.session_id] = seq
+            self._lru_pages += self.manager.pages_held(seq.slot)
         else:
             self._release(seq, SequenceStatus.FINISHED)
         self.metrics.add_to_step(time.perf_counter() - t0)
@@ -315,9 +321,9 @@ class Scheduler:
                 capped.append(first)
                 pending = pending[1:]
                 continue
-            if self._evict_lru(exclude=None):
+            if self._evict_lru():
                 continue
-            victim = max(self.running, key=lambda s: s.admission_order)
+            victim = self.running[-1]   # running is in admission order: the newest
             self._preempt(victim)
             preempted.append(victim)
             granted = [s for s in granted if s is not victim]
@@ -350,7 +356,7 @@ class Scheduler:
         passed_over: list[Sequence] = []
         # With every slot held by a running sequence, only cached sessions can be admitted;
         # skipping the rest up front keeps a long queue from costing a reservation probe each.
-        slots_exhausted = self.manager.num_free_slots == 0 and not self._evictable(None)
+        slots_exhausted = self.manager.num_free_slots == 0 and not self._lru
         for seq in candidates:
             if seq.status is not SequenceStatus.WAITING:
                 continue
@@ -376,40 +382,44 @@ class Scheduler:
             self.metrics.num_admitted += 1
             chunks.append(self._chunk(seq, take))
             budget -= take
-            slots_exhausted = self.manager.num_free_slots == 0 and not self._evictable(None)
+            slots_exhausted = self.manager.num_free_slots == 0 and not self._lru
 
     def _reserve(self, seq: Sequence) -> bool:
         """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
         m = self.manager
         need = m.pages_to_reserve(seq.slot if seq.is_cached else None, seq.num_uncomputed_tokens)
         need_slot = not seq.is_cached
-        evictable = self._evictable(exclude=seq)
-        if need > m.num_free_pages + sum(m.pages_held(s.slot) for s in evictable):
+        own_listed = seq.session_id is not None and self._lru.get(seq.session_id) is seq
+        others_pages = self._lru_pages - (m.pages_held(seq.slot) if own_listed else 0)
+        others = len(self._lru) - own_listed
+        if need > m.num_free_pages + others_pages:
             return False
-        if need_slot and m.num_free_slots + len(evictable) == 0:
+        if need_slot and m.num_free_slots + others == 0:
             return False
-        for victim in evictable:
+        for victim in list(self._lru.values()):
             if m.num_free_pages >= need and (not need_slot or m.num_free_slots > 0):
                 break
-            self._evict(victim)
+            if victim is not seq:
+                self._evict(victim)
+        self._unlist(seq)   # before its page count changes
         if need_slot:
             seq.slot = m.allocate_slot()
         if not m.reserve(seq.slot, seq.num_uncomputed_tokens):
             raise AssertionError("reservation failed after the pool was checked")
         return True
 
-    def _evictable(self, exclude: Sequence | None) -> list[Sequence]:
-        """Sessions holding a cache but not running, least recently used first."""
-        found = [s for s in self._sessions.values()
-                 if s is not exclude and s.is_cached and not s.status.is_running]
-        return sorted(found, key=lambda s: s.last_used_step)
-
-    def _evict_lru(self, exclude: Sequence | None) -> bool:
-        evictable = self._evictable(exclude)
-        if not evictable:
+    def _evict_lru(self) -> bool:
+        """Evict the least recently used idle session; False if there is none."""
+        if not self._lru:
             return False
-        self._evict(evictable[0])
+        self._evict(next(iter(self._lru.values())))
         return True
+
+    def _unlist(self, seq: Sequence) -> None:
+        """Take a session off the eviction list (it runs, or its cache is going away)."""
+        if seq.session_id is not None and self._lru.get(seq.session_id) is seq:
+            del self._lru[seq.session_id]
+            self._lru_pages -= self.manager.pages_held(seq.slot)
 
     def _evict(self, seq: Sequence) -> None:
         self._drop_cache(seq)
@@ -417,6 +427,7 @@ class Scheduler:
 
     def _drop_cache(self, seq: Sequence) -> None:
         if seq.is_cached:
+            self._unlist(seq)
             self.manager.free(seq.slot)
         seq.drop_cache()
 
