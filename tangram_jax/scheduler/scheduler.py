@@ -351,12 +351,14 @@ class Scheduler:
         return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens)
 
     def _admit(self, budget: int, chunks: list[PrefillChunk]) -> None:
+        # With every slot held by a running sequence (and no idle session to evict) nobody can
+        # be admitted: return before walking a possibly long queue.
+        slots_exhausted = self.manager.num_free_slots == 0 and not self._lru
+        if not self.waiting or slots_exhausted or budget <= 0:
+            return
         priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
         candidates = [priority] if priority is not None else list(self.waiting)
         passed_over: list[Sequence] = []
-        # With every slot held by a running sequence, only cached sessions can be admitted;
-        # skipping the rest up front keeps a long queue from costing a reservation probe each.
-        slots_exhausted = self.manager.num_free_slots == 0 and not self._lru
         for seq in candidates:
             if seq.status is not SequenceStatus.WAITING:
                 continue
