@@ -88,7 +88,12 @@ def ref_streaming(q, k, v, q_per_kv, n_sink, window):
     out = np.zeros((hkv, t_k))
     for h in range(hkv):
         for j in range(t_k):
-            out[h, j] = 1.0 if (j < n_sink or j >= t_k - window) else 0.5 * j / t_k
+            if j < n_sink:
+                out[h, j] = 2.0
+            elif j >= t_k - window:
+                out[h, j] = 1.0 + j / t_k
+            else:
+                out[h, j] = 0.5 * j / t_k
     return out
 
 

@@ -22,9 +22,9 @@ def ref_dynamic(scores, ratio, safeguard):
     for i in range(h):
         for j in sorted(range(t), key=lambda j: (-scores[i, j], j))[:floor]:
             keep[i, j] = True
-    rest = sorted(((-scores[i, j], i * t + j) for i in range(h) for j in range(t) if not keep[i, j]))
-    for _, flat in rest[:total - keep.sum()]:
-        keep[flat // t, flat % t] = True
+    rest = sorted(((-scores[i, j], j, i) for i in range(h) for j in range(t) if not keep[i, j]))
+    for _, j, i in rest[:total - keep.sum()]:
+        keep[i, j] = True
     return keep
 
 
@@ -55,6 +55,16 @@ def test_dynamic_select_is_non_uniform_and_jittable():
     counts = np.asarray(sel.counts)
     assert counts.sum() == 75 and counts[1] == counts[2] == 5 and counts[0] == 65
     np.testing.assert_allclose(np.asarray(implicit_retention(sel.counts, 100)), counts / 100)
+
+
+def test_equal_scores_share_the_budget_across_heads():
+    scores = np.tile(np.arange(40, dtype=np.float32), (3, 1))  # every head scores alike
+    counts = np.asarray(dynamic_select(scores, 0.25, safeguard=0.0).counts)
+    assert counts.sum() == 30 and counts.max() - counts.min() <= 1
+    tied = np.ones((3, 40), np.float32)
+    sel = dynamic_select(tied, 0.25, safeguard=0.0)
+    np.testing.assert_array_equal(np.asarray(sel.counts), [10, 10, 10])
+    np.testing.assert_array_equal(sel.keep, ref_dynamic(tied, 0.25, 0.0))
 
 
 def test_cross_layer_select():

@@ -153,14 +153,17 @@ def keydiff(queries, keys, values, *, q_per_kv: int):
 def streaming_llm(queries, keys, values, *, q_per_kv: int, n_sink: int = 4, window: int = 64):
     """StreamingLLM: attention sinks + recent window, the same for every head.
 
-    The first `n_sink` and last `window` keys score 1; the keys between score by recency in
-    [0, 0.5), so a budget larger than sinks + window extends the window backwards.
+    Sinks score 2 (kept first), the last `window` keys 1 + recency, the rest recency/2 in [0, 0.5):
+    a budget of sinks + window keeps exactly those, a smaller one the sinks and the most recent
+    keys, a larger one extends the window backwards.
     """
     _check_shapes(queries, keys, values, q_per_kv)
     num_kv, t_k, _ = keys.shape
     pos = jnp.arange(t_k)
-    kept = (pos < n_sink) | (pos >= t_k - window)
-    score = jnp.where(kept, 1.0, 0.5 * pos / t_k).astype(jnp.float32)
+    recency = pos / t_k
+    score = jnp.where(pos < n_sink, 2.0,
+                      jnp.where(pos >= t_k - window, 1.0 + recency, 0.5 * recency))
+    score = score.astype(jnp.float32)
     return jnp.broadcast_to(score, (num_kv, t_k))
 
 

@@ -8,7 +8,7 @@
 - `uniform_select`: every head keeps its own top ``ceil(ratio * T)`` (the uniform baseline).
 
 All are jittable (`ratio` and `safeguard` may be traced) and tie-break by index, so the counts
-always sum exactly to the budget.
+always sum exactly to the budget; equal scores go to the lower token index, round-robin over heads.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def _select_with_floor(scores: jax.Array, ratio, safeguard) -> Selection:
     scores = scores.astype(jnp.float32)
     guaranteed = _rank_desc(scores) < floor
     # Guaranteed tokens rank above everything else in the global top-k; the rest compete by score.
-    lifted = jnp.where(guaranteed, jnp.inf, scores).reshape(-1)
-    keep = (_rank_desc(lifted) < total).reshape(n, t)
+    # Flattened token-major so that equal scores are shared round-robin across heads, not all
+    # given to head 0 (heads with identical scores, e.g. StreamingLLM's, get equal counts).
+    lifted = jnp.where(guaranteed, jnp.inf, scores).T.reshape(-1)
+    keep = (_rank_desc(lifted) < total).reshape(t, n).T
     return Selection(keep, keep.sum(axis=-1, dtype=jnp.int32))
 
 
