@@ -10,9 +10,12 @@ transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 
+from tangram_jax.models.config import ModelConfig  # noqa: E402
 from tangram_jax.models.decoder import DenseKVCache  # noqa: E402
 from tangram_jax.models.gguf_loader import read_gguf  # noqa: E402
-from tangram_jax.models.registry import default_model_path, load_model  # noqa: E402
+from tangram_jax.models.hf_loader import decoder_from_state_dict  # noqa: E402
+from tangram_jax.models.registry import LoadedModel, default_model_path  # noqa: E402
+from tangram_jax.models.tokenizer import Tokenizer  # noqa: E402
 from tangram_jax.reference import generate_dense  # noqa: E402
 from tangram_jax.sampling import SamplingParams  # noqa: E402
 
@@ -36,12 +39,21 @@ def hf_model(gguf_folder):
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return load_model(None, use_cache=False)
+def gguf_contents():
+    return read_gguf(default_model_path())
 
 
-def test_state_dict_matches_transformers_dequantization(hf_model):
-    _, state, _ = read_gguf(default_model_path())
+@pytest.fixture(scope="module")
+def ours(gguf_contents):
+    """What `load_model(None, use_cache=False)` builds, from the one read of the file."""
+    hf_config, state, spec = gguf_contents
+    config = ModelConfig.from_hf_dict(hf_config)
+    return LoadedModel(config, decoder_from_state_dict(config, state), Tokenizer.from_gguf_spec(spec),
+                       "smollm2", default_model_path())
+
+
+def test_state_dict_matches_transformers_dequantization(gguf_contents, hf_model):
+    _, state, _ = gguf_contents
     theirs = {k: v.numpy() for k, v in hf_model.state_dict().items()}
     assert set(theirs) - set(state) == {"lm_head.weight"}  # tied: transformers lists the alias
     for name, value in state.items():
@@ -49,16 +61,23 @@ def test_state_dict_matches_transformers_dequantization(hf_model):
 
 
 def test_next_token_logits_match_transformers(ours, hf_model):
-    for prompt in PROMPTS:
-        ids = ours.tokenizer.encode(prompt)
+    ids = [ours.tokenizer.encode(p) for p in PROMPTS]
+    width = max(map(len, ids))
+    # One right-padded batch (padding at position -1) so the model runs once.
+    tokens = np.zeros((len(ids), width), np.int32)
+    positions = np.full((len(ids), width), -1, np.int32)
+    for b, row in enumerate(ids):
+        tokens[b, :len(row)] = row
+        positions[b, :len(row)] = np.arange(len(row))
+    cache = DenseKVCache.create(ours.config, len(ids), width)
+    logits, _ = ours.model(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    for b, row in enumerate(ids):
         with torch.no_grad():
-            ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-        cache = DenseKVCache.create(ours.config, 1, 64)
-        logits, _ = ours.model(jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None], cache)
-        logits = np.asarray(logits[0])
-        rel = np.abs(logits - ref).max() / np.abs(ref).max()
-        assert rel < 1e-3, (prompt, rel)
-        assert logits[-1].argmax() == ref[-1].argmax()
+            ref = hf_model(torch.tensor([row])).logits[0].numpy()
+        got = np.asarray(logits[b, :len(row)])
+        rel = np.abs(got - ref).max() / np.abs(ref).max()
+        assert rel < 1e-3, (PROMPTS[b], rel)
+        assert got[-1].argmax() == ref[-1].argmax()
 
 
 def test_greedy_continuation_matches_transformers(ours, hf_model):
