@@ -216,6 +216,9 @@ def main(argv=None) -> None:
                                  host_ms_per_step_p90=float(np.percentile(pooled, 90) * 1e3),
                                  host_ms_per_step_mean=float(pooled.mean() * 1e3),
                                  host_cpu_ms_per_step_median=float(np.median(pooled_cpu) * 1e3),
+                                 host_cpu_ms_per_step_p90=float(np.percentile(pooled_cpu, 90)
+                                                                * 1e3),
+                                 host_cpu_ms_per_step_mean=float(pooled_cpu.mean() * 1e3),
                                  per_repeat_median_ms=per_rep,
                                  best_repeat_median_ms=min(per_rep))
         t, d = summary["tangram"], summary["dynamic_reclaim"]
