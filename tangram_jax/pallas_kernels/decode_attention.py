@@ -38,7 +38,7 @@ _MIN_DOT_ROWS = 16
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
                    o_ref, lse_ref, *, page_size: int, pages_per_block: int, q_per_kv: int,
-                   scale: float):
+                   scale: float, prefetch_tables: bool, eviction_policy: str | None):
     """One (sequence, work item, KV head) program.
 
     work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages];
@@ -67,14 +67,33 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     q = q_ref[group]                                                     # [rows, head_dim]
     rows = q.shape[0]
 
-    def body(block, carry):
-        o_prev, m_prev, l_prev = carry
+    last_first_page = block_tables_ref.shape[1] - pages_per_block
+
+    def page_ids_of(block):
         first_page = start_page + block * pages_per_block
         page_valid = first_page + jnp.arange(pages_per_block) < end_page
+        # Blocks past the share (the prefetch after the last one) read a valid row, masked.
+        first_page = jnp.minimum(first_page, last_first_page)
         page_ids = block_tables_ref[group, pl.ds(first_page, pages_per_block)]
-        page_ids = jnp.where(page_valid, page_ids, 0)
-        k = k_pages_ref[page_ids].reshape(block_tokens, -1)              # [block_tokens, d]
-        v = v_pages_ref[page_ids].reshape(block_tokens, -1)
+        return jnp.where(page_valid, page_ids, 0)
+
+    def body(block, carry):
+        o_prev, m_prev, l_prev, page_ids = carry
+        if prefetch_tables:
+            # The next block's page ids are loaded a block ahead: this block's K/V gathers then
+            # depend on nothing loaded in this iteration.
+            next_ids = page_ids_of(block + 1)
+        else:
+            page_ids = page_ids_of(block)
+            next_ids = page_ids
+        first_page = start_page + block * pages_per_block
+        if eviction_policy is None:   # (interpret mode has no gather with load options)
+            k, v = k_pages_ref[page_ids], v_pages_ref[page_ids]
+        else:
+            k = plgpu.load(k_pages_ref.at[page_ids], eviction_policy=eviction_policy)
+            v = plgpu.load(v_pages_ref.at[page_ids], eviction_policy=eviction_policy)
+        k = k.reshape(block_tokens, -1)                                  # [block_tokens, d]
+        v = v.reshape(block_tokens, -1)
         token_valid = first_page * page_size + jnp.arange(block_tokens) < end_token
         logits = _dot(q, k, trans_b=True) * scale
         logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
@@ -85,12 +104,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
         # Slots past the length are not ours (may hold anything, NaN included): zero them.
         v = jnp.where(token_valid[:, None], v, jnp.zeros_like(v))
         o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
-        return o_next, m_next, l_next
+        return o_next, m_next, l_next, next_ids
 
     o = jnp.zeros(q.shape, jnp.float32)
     m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    o, m, l = lax.fori_loop(0, num_blocks, body, (o, m, l))
+    o, m, l, _ = lax.fori_loop(0, num_blocks, body, (o, m, l, page_ids_of(0)))
     has_tokens = l > 0.0
     o = o / jnp.where(has_tokens, l, 1.0)[:, None]
     lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
@@ -143,10 +162,14 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, work):
                          f"{work.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_tokens", "num_warps",
-                                             "num_stages"))
+_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "prefetch_tables",
+           "eviction_policy")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
-                    block_tokens: int, num_warps: int, num_stages: int):
+                    block_tokens: int, num_warps: int, num_stages: int,
+                    prefetch_tables: bool = True, eviction_policy: str | None = None):
     """The kernel alone: per work item normalised partial outputs and log-sum-exps.
 
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
@@ -171,7 +194,8 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
 
     kernel = functools.partial(_decode_kernel, page_size=page_size,
                                pages_per_block=pages_per_block, q_per_kv=q_per_kv,
-                               scale=1.0 / math.sqrt(head_dim))
+                               scale=1.0 / math.sqrt(head_dim), prefetch_tables=prefetch_tables,
+                               eviction_policy=eviction_policy)
     o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(batch, num_items, group_size),
@@ -200,8 +224,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     return o_part[..., :q_per_kv, :], lse_part[..., :q_per_kv], work
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_tokens", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(q, k_pages, v_pages, block_tables, lengths, work, **kwargs):
     o_part, lse_part, work = decode_partials(q, k_pages, v_pages, block_tables, lengths, work,
                                              **kwargs)
@@ -211,7 +234,9 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, work, **kwargs):
 
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
                                   interpret: bool | None = None, block_tokens: int = 64,
-                                  num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                                  num_warps: int = 4, num_stages: int = 2,
+                                  prefetch_tables: bool = True,
+                                  eviction_policy: str | None = None) -> jax.Array:
     """Decode attention of one layer for all its head groups, in one launch.
 
     Args:
@@ -223,7 +248,9 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
       work_list: int32 [items, 3] rows (group, split, num_splits), shared by every batch row (a
         numpy array from a `SplitMap` becomes a constant of the trace), or [batch, items, 3] per
         row (runtime planned). Rows with num_splits 0 are no-ops.
-      block_tokens: tokens per inner step (pages_per_block = block_tokens // page_size).
+      block_tokens, num_warps, num_stages, prefetch_tables, eviction_policy: Triton tuning
+        (tokens per inner step = block_tokens // page_size pages; load the next block's page
+        ids one step ahead; cache eviction hint of the K/V loads, e.g. "evict_first").
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """
@@ -232,7 +259,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     _check_inputs(q, k_pages, v_pages, block_tables, lengths, work)
     return _decode(q, k_pages, v_pages, block_tables, lengths, work,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, prefetch_tables=prefetch_tables,
+                   eviction_policy=eviction_policy)
 
 
 @jax.jit
