@@ -63,7 +63,8 @@ class PagePool:
         top = self._num_free
         pages = self._free[top - n:top][::-1].copy()
         self._num_free = top - n
-        self._in_use[pages] = True
+        # intp indices: numpy scatters/gathers with them about twice as fast as with int32.
+        self._in_use[pages.astype(np.intp)] = True
         return pages
 
     def release(self, pages: np.ndarray) -> None:
@@ -74,17 +75,18 @@ class PagePool:
         if pages.min() <= NULL_PAGE or pages.max() >= self.num_pages:
             raise ValueError(f"page ids must lie in [1, {self.num_pages}), got "
                              f"[{pages.min()}, {pages.max()}]")
+        index = pages.astype(np.intp)
         # Duplicate check in O(k): after scattering positions, a repeated id reads back the
         # position of its last occurrence at its first one.
-        self._position[pages] = np.arange(pages.size, dtype=np.int32)
-        if (not self._in_use[pages].all()
-                or (self._position[pages] != np.arange(pages.size)).any()):
+        order = np.arange(pages.size, dtype=np.int32)
+        self._position[index] = order
+        if not self._in_use.take(index).all() or (self._position.take(index) != order).any():
             raise ValueError("releasing a page that is not allocated (double free)")
-        self._in_use[pages] = False
+        self._in_use[index] = False
         top = self._num_free
         self._free[top:top + pages.size] = pages[::-1]
         self._num_free = top + pages.size
 
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
         """bool array: which of `pages` are currently handed out."""
-        return self._in_use[np.asarray(pages, dtype=np.int32)]
+        return self._in_use[np.asarray(pages, dtype=np.intp)]
