@@ -86,8 +86,8 @@ def generate_dense(
 
     params: one SamplingParams for every prompt, or one per prompt.
     eos_token_ids: None means `config.eos_token_ids`.
-    on_token(row, token_id) -> bool: called for every generated token of an unfinished row (after
-    the built-in stop checks); returning True ends that row (stop strings, streaming).
+    on_token(row, token_id) -> bool: called for every token appended to a row, its last one included;
+    returning True ends that row (stop strings, streaming).
     A row stops after max_tokens, at an EOS/stop token, or when the model's context is full.
     """
     prompts = _check_prompts(prompt_ids, config)

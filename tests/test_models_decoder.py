@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder, DenseKVCache, dense_attention
