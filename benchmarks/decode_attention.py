@@ -286,7 +286,7 @@ def main(argv=None):
                              page_size=args.page_size, chunk_size=CHUNK_SIZE,
                              group_budgets=BUDGETS[0].tolist()),
                   cases=[])
-    config = dict(SWEEP[1])
+    config = dict(SWEEP[0])
     if args.sweep:
         config, sweep = sweep_config(rng, args.page_size, num_programs, args.calls, args.reps)
         result["sweep"] = sweep

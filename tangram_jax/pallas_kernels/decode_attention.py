@@ -169,7 +169,7 @@ _STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "prefetch_tab
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens: int, num_warps: int, num_stages: int,
-                    prefetch_tables: bool = True, eviction_policy: str | None = None):
+                    prefetch_tables: bool = False, eviction_policy: str | None = None):
     """The kernel alone: per work item normalised partial outputs and log-sum-exps.
 
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
@@ -235,7 +235,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, work, **kwargs):
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
                                   interpret: bool | None = None, block_tokens: int = 64,
                                   num_warps: int = 4, num_stages: int = 2,
-                                  prefetch_tables: bool = True,
+                                  prefetch_tables: bool = False,
                                   eviction_policy: str | None = None) -> jax.Array:
     """Decode attention of one layer for all its head groups, in one launch.
 
