@@ -15,13 +15,13 @@ from tangram_jax.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-SMALL = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=64,
+SMALL = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=32,
              page_size=16, max_num_batched_tokens=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 PROMPTS = [
     "The capital of France is",
-    # Several compression chunks of 64 tokens, a partial last one.
+    # Several compression chunks of 32 tokens, a partial last one.
     "Paul Graham wrote that the way to get startup ideas is not to try to think of startup "
     "ideas. It's to look for problems, preferably problems you have yourself. The very best "
     "startup ideas tend to have three things in common: they're something the founders "
@@ -75,8 +75,9 @@ def _expected_lengths(layout, turns):
     each turn's new tokens are compressed in chunks; decode tokens (all but the last sampled
     one, which the next turn prefills) are appended uncompressed."""
     total = np.zeros(layout.group_budgets.shape, np.int64)
-    for new_tokens, generated in turns:
-        total += layout.retained_counts(new_tokens) + (generated - 1)
+    for turn, (new_tokens, generated) in enumerate(turns):
+        carried = 1 if turn else 0   # the previous turn's last sampled token
+        total += layout.retained_counts(new_tokens + carried) + (generated - 1)
     return total
 
 

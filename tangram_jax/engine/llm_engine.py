@@ -69,6 +69,12 @@ class Engine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
                              f"length {mc.max_position_embeddings}")
+        if mc.sliding_window is not None and mc.sliding_window < self.max_model_len:
+            # Paged attention here reads every retained token; a window would need a per-step
+            # lower bound on positions, which the kernels do not take.
+            raise ValueError(f"{mc.architecture} with sliding_window {mc.sliding_window} is not "
+                             f"supported by the paged engine; set max_model_len <= "
+                             f"{mc.sliding_window}")
         num_pages = pool_pages(cfg, mc, self.layout)
         self.manager = KVCacheManager(
             self.layout, num_pages, cfg.max_num_seqs,
