@@ -142,7 +142,8 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin,
             w = work if static else dyn_work
             if kernel_only:
                 w = jnp.asarray(w)
-                return [decode_partials(q[c], k, v, tables[c % sets], lens, w, interpret=default_interpret(),
+                return [decode_partials(q[c], k, v, tables[c % sets], lens, w,
+                                        interpret=default_interpret(),
                                         **config)[:2] for c in range(calls)]
             return [ragged_paged_decode_attention(q[c], k, v, tables[c % sets], lens,
                                                   work_list=w, **config) for c in range(calls)]

@@ -17,9 +17,10 @@ Batch-bucket rule (documented choice): the grid should hold about `num_programs`
 (``num_programs ~ SMs x resident programs per SM``). The grid is ``batch x items x G``, so a map is
 built per batch bucket with ``items = clamp(round(num_programs / (batch * G)), groups,
 groups * max_splits)``, raised to ``ceil(sum_g r_g / min_g r_g)`` for the AOT map so that large
-batches still split in proportion; every layer of one map has the same item count (layers whose capped splits
-fall short are padded with no-op items, ``num_splits = 0``), so one compiled kernel serves all
-layers. The engine keeps one map per batch bucket (e.g. 1, 2, 4, ... 64) and pads the batch up.
+batches still split in proportion; every layer of one map has the same item count (layers
+whose capped splits fall short are padded with no-op items, ``num_splits = 0``), so one compiled
+kernel serves all layers. The engine keeps one map per batch bucket (e.g. 1, 2, 4, ... 64), padding the batch
+up.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def plan_runtime_work(lengths: np.ndarray, num_programs: int, page_size: int, *,
 
     lengths: int [batch, groups] retained tokens per (sequence, group) this step.
     num_programs, group_size, max_splits: as for `build_split_map`; the row's item count is
-      `items_per_row(num_programs, batch, ...)`, the same grid the AOT map of that batch has. Each (row, group) gets ``1 + floor((num_items - groups) * pages_g / pages_row)``
+      `items_per_row(num_programs, batch, ...)` unless `num_items` is given (pass the AOT map's
+      `num_items` for the same grid).
+      Each (row, group) gets ``1 + floor((num_items - groups) * pages_g / pages_row)``
       splits (pages = ceil(length / page_size)), so rows are balanced by their true work; the
       rest of the row is padded with no-op items.
     Returns int32 [batch, num_items, 3] rows (group, split, num_splits), vectorised numpy.
