@@ -19,8 +19,8 @@ built per batch bucket with ``items = clamp(round(num_programs / (batch * G)), g
 groups * max_splits)``, raised to ``ceil(sum_g r_g / min_g r_g)`` for the AOT map so that large
 batches still split in proportion; every layer of one map has the same item count (layers
 whose capped splits fall short are padded with no-op items, ``num_splits = 0``), so one compiled
-kernel serves all layers. The engine keeps one map per batch bucket (e.g. 1, 2, 4, ... 64), padding the batch
-up.
+kernel serves all layers. The engine keeps one map per batch bucket (e.g. 1, 2, 4, ... 64),
+padding the batch up.
 """
 
 from __future__ import annotations
