@@ -156,3 +156,23 @@ def test_unsupported_gguf_tokenizers(smollm_spec):
         Tokenizer.from_gguf_spec(dataclasses.replace(smollm_spec, model="llama"))
     with pytest.raises(ValueError, match="pre-tokenizer 'mystery'"):
         Tokenizer.from_gguf_spec(dataclasses.replace(smollm_spec, pre="mystery"))
+
+
+def test_default_system_prompt_only_from_a_literal():
+    # Qwen2.5-style: the given-system branch concatenates content; only the literal is a default.
+    qwen = ("{%- if messages[0]['role'] == 'system' %}"
+            "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+            "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+            "You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}")
+    tok = Tokenizer(_tiny_word_level(["<unk>", "<|im_start|>", "<|im_end|>"]), eos_token_ids=[2],
+                    chat_template=qwen)
+    assert tok.chat_format == "chatml"
+    assert tok.default_system_prompt == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    assert tok.render_chat([{"role": "user", "content": "hello"}]).startswith(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nhello<|im_end|>\n")
+    # Qwen3-style: a system turn only when given.
+    qwen3 = "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    tok3 = Tokenizer(tok.backend, eos_token_ids=[2], chat_template=qwen3)
+    assert tok3.default_system_prompt is None
+    assert tok3.render_chat([{"role": "user", "content": "a"}]) == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"

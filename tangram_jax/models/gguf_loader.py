@@ -103,7 +103,7 @@ def open_gguf(path: str | os.PathLike):
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader fails in many ways on a cut-off header
-        raise GGUFError(f"{path}: cannot parse the GGUF header ({type(e).__name__}: {e}); "
+        raise GGUFError(f"{path}: cannot read the file ({type(e).__name__}: {e}); "
                         f"the file is truncated or corrupt") from e
     # The memory map does not notice a short file; the last tensor's bytes must be inside it.
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)

@@ -248,13 +248,14 @@ def _chat_format_of(template: str | None, backend: tokenizers.Tokenizer) -> tupl
     if "<|im_start|>" in template:
         # A ChatML template that injects a system turn when there is none spells it as a
         # literal string, e.g. SmolLM2's and Qwen2.5's.
-        m = re.search(r"<\|im_start\|>system\\n(.*?)<\|im_end\|>", template)
-        if m is None:
-            m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
+        # Only a literal (no quotes, no Jinja) counts: `'...system\n' + messages[0]['content']`
+        # is the branch for a given system message, not a default.
         default = None
-        if m and "{{" not in m.group(1) and "{%" not in m.group(1):
-            default = m.group(1).encode("utf-8").decode("unicode_escape") if "\\" in m.group(1) \
-                else m.group(1)
+        for m in re.finditer(r"<\|im_start\|>system(?:\\n|\n)(.*?)<\|im_end\|>", template, re.S):
+            body = m.group(1)
+            if not any(c in body for c in "'\"{}"):
+                default = body.replace("\\n", "\n")
+                break
         return "chatml", default
     if "<|start_header_id|>" in template:
         if "Cutting Knowledge Date" in template:
