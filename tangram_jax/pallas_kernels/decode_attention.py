@@ -38,7 +38,8 @@ _MIN_DOT_ROWS = 16
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
                    o_ref, lse_ref, *, page_size: int, pages_per_block: int, q_per_kv: int,
-                   scale: float, prefetch_tables: bool, eviction_policy: str | None):
+                   scale: float, max_pages: int, prefetch_tables: bool,
+                   eviction_policy: str | None):
     """One (sequence, work item, KV head) program.
 
     work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages];
@@ -53,7 +54,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     length = lengths_ref[group]
     block_tokens = pages_per_block * page_size
 
-    num_pages = pl.cdiv(length, page_size)
+    # Lengths past the block table (a caller's bug) are cut there rather than read out of bounds.
+    num_pages = jnp.minimum(pl.cdiv(length, page_size), max_pages)
     pages_per_split = pl.cdiv(pl.cdiv(num_pages, jnp.maximum(num_splits, 1)),
                               pages_per_block) * pages_per_block
     start_page = split * pages_per_split
@@ -179,7 +181,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     q_per_kv = q_rows // group_size
     rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(q_per_kv))
     pages_per_block = max(1, block_tokens // page_size)
-    max_pages = block_tables.shape[-1]
+    max_pages = table_pages = block_tables.shape[-1]
     if max_pages % pages_per_block:
         # Compute blocks start at multiples of pages_per_block: pad so they never read past.
         block_tables = jnp.pad(block_tables,
@@ -194,7 +196,8 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
 
     kernel = functools.partial(_decode_kernel, page_size=page_size,
                                pages_per_block=pages_per_block, q_per_kv=q_per_kv,
-                               scale=1.0 / math.sqrt(head_dim), prefetch_tables=prefetch_tables,
+                               scale=1.0 / math.sqrt(head_dim), max_pages=table_pages,
+                               prefetch_tables=prefetch_tables,
                                eviction_policy=eviction_policy)
     o_part, lse_part = pl.pallas_call(
         kernel,

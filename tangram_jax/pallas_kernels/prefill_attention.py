@@ -47,14 +47,15 @@ def _online_softmax_step(q, k, v, valid, key_valid, carry, scale):
 def _prefill_kernel(hist_ref, chunk_len_ref, block_table_ref, q_ref, k_chunk_ref, v_chunk_ref,
                     k_pages_ref, v_pages_ref, o_ref, lse_ref, *, page_size: int,
                     pages_per_block: int, block_k: int, q_per_kv: int, group_size: int,
-                    scale: float):
+                    scale: float, table_pages: int):
     """hist_ref [groups]; chunk_len_ref [1]; block_table_ref [groups, max_pages];
     q_ref [block_q, d]; k/v_chunk_ref [T_padded, d] (this KV head's); k/v_pages_ref
     [num_pages, page_size, d] (this KV head's slab); o_ref [block_q, d]; lse_ref [block_q]."""
     head = pl.program_id(0)
     q_block = pl.program_id(1)
     group = (head // q_per_kv) // group_size
-    hist = hist_ref[group]
+    # History past the block table (a caller's bug) is cut there rather than read out of bounds.
+    hist = jnp.minimum(hist_ref[group], table_pages * page_size)
     chunk_len = chunk_len_ref[0]
     q = q_ref[...]
     block_q = q.shape[0]
@@ -133,7 +134,7 @@ def _prefill(q, k_chunk, v_chunk, k_pages, v_pages, block_table, hist_len, chunk
     kernel = functools.partial(_prefill_kernel, page_size=page_size,
                                pages_per_block=pages_per_block, block_k=block,
                                q_per_kv=q_per_kv, group_size=group_size,
-                               scale=1.0 / math.sqrt(head_dim))
+                               scale=1.0 / math.sqrt(head_dim), table_pages=max_pages)
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_q_heads, padded // block),
