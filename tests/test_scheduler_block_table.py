@@ -45,7 +45,7 @@ class OracleTable:
         return tables, counts
 
 
-ops = st.lists(st.tuples(st.sampled_from(["append", "append_one", "truncate", "clear"]),
+ops = st.lists(st.tuples(st.sampled_from(["append", "append_to_cells", "truncate", "clear"]),
                          st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS, unique=True),
                          st.integers(0, 2**31 - 1)), min_size=1, max_size=25)
 
@@ -65,10 +65,11 @@ def test_block_table_matches_per_entry_oracle(operations):
             pages = pool.allocate(int(counts.sum()))
             table.append(slots, counts, pages)
             oracle.append(slots, counts, pages)
-        elif kind == "append_one":
+        elif kind == "append_to_cells":
             mask = (rng.random(held.shape) < 0.5) & (held < MAX_PAGES)
             pages = pool.allocate(int(mask.sum()))
-            table.append_one(slots, mask, pages)
+            i, layer, group = np.nonzero(mask)
+            table.append_to_cells((slots[i] * LAYERS + layer) * GROUPS + group, pages)
             oracle.append(slots, mask.astype(int), pages)
         elif kind == "truncate":
             keep = rng.integers(0, MAX_PAGES + 1, size=held.shape)

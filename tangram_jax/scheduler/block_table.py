@@ -69,23 +69,6 @@ class BlockTable:
         self.num_pages[slots] = (held + counts).astype(np.int32)
         self._log(flat_index, pages)
 
-    def append_one(self, slots: np.ndarray, mask: np.ndarray, pages: np.ndarray) -> None:
-        """Append one page to each cell where `mask` is set (the decode-growth case).
-
-        slots: int [n] distinct rows; mask: bool [n, layers, groups]; pages: int32
-        [mask.sum()] ids in C order of the set cells. Same result as `append` with
-        ``counts = mask``, without expanding every cell of the batch.
-        """
-        mask = np.asarray(mask, dtype=bool)
-        self.append_one_flat(slots, mask.reshape(mask.shape[0], -1),
-                             np.asarray(pages, dtype=np.int32))
-
-    def append_one_flat(self, slots: np.ndarray, mask: np.ndarray, pages: np.ndarray) -> None:
-        """`append_one` with `mask` given as bool [n, layers * groups]."""
-        row, cell_in_row = np.divmod(np.flatnonzero(mask), self.cells_per_row)
-        self.append_to_cells(np.asarray(slots, dtype=np.int64)[row] * self.cells_per_row
-                             + cell_in_row, pages)
-
     def append_to_cells(self, cells: np.ndarray, pages: np.ndarray) -> None:
         """Append ``pages[i]`` to global cell ``cells[i]`` (distinct cells; a cell is
         ``(slot * layers + layer) * groups + group``). The decode hot path: it touches only the
