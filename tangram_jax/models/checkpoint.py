@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: float32 metadata read back as shortest decimals
 _MANIFEST = "manifest.json"
 
 

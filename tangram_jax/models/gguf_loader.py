@@ -162,8 +162,8 @@ def hf_config_from_metadata(reader) -> dict:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(need("context_length")),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _shortest_float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _shortest_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
@@ -173,6 +173,12 @@ def hf_config_from_metadata(reader) -> dict:
     if window:
         config["sliding_window"] = int(window)
     return config
+
+
+def _shortest_float(value) -> float:
+    """GGUF stores these as float32: 1e-5 reads back as 9.999999747e-06. Return the shortest
+    decimal that is the same float32 (the value config.json had)."""
+    return float(str(np.float32(value)))
 
 
 def _tensor(reader, name):
