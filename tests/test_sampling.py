@@ -61,6 +61,10 @@ def test_greedy_rows_take_argmax():
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, 50))
     out = sample_tokens(logits, jnp.zeros(4), jnp.full(4, -1, jnp.int32), jnp.ones(4), _keys([1, 2, 3, 4]))
     np.testing.assert_array_equal(out, np.argmax(np.asarray(logits), -1))
+    # Greedy rows stay argmax in a batch where other rows sample.
+    temps = jnp.array([0.0, 2.0, 0.0, 2.0])
+    mixed = sample_tokens(logits, temps, jnp.full(4, -1, jnp.int32), jnp.ones(4), _keys([1, 2, 3, 4]))
+    np.testing.assert_array_equal(np.asarray(mixed)[[0, 2]], np.argmax(np.asarray(logits), -1)[[0, 2]])
 
 
 def test_top_k_1_is_greedy_and_top_k_limits_support():
