@@ -227,13 +227,12 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
 
 
 SWEEP = (
-    dict(block_tokens=64, num_warps=4, num_stages=2, prefetch_tables=False),
-    dict(block_tokens=64, num_warps=4, num_stages=2, prefetch_tables=True),
-    dict(block_tokens=64, num_warps=4, num_stages=3, prefetch_tables=True),
-    dict(block_tokens=64, num_warps=4, num_stages=2, prefetch_tables=True,
-         eviction_policy="evict_first"),
-    dict(block_tokens=128, num_warps=4, num_stages=2, prefetch_tables=True),
-    dict(block_tokens=128, num_warps=8, num_stages=3, prefetch_tables=True),
+    dict(block_tokens=64, num_warps=4, num_stages=2, heads_per_program=1),
+    dict(block_tokens=64, num_warps=4, num_stages=3, heads_per_program=1),
+    dict(block_tokens=64, num_warps=4, num_stages=2, heads_per_program=2),
+    dict(block_tokens=64, num_warps=4, num_stages=3, heads_per_program=2),
+    dict(block_tokens=64, num_warps=8, num_stages=2, heads_per_program=2),
+    dict(block_tokens=32, num_warps=4, num_stages=2, heads_per_program=2),
 )
 SWEEP_CASES = ((1, 131072), (8, 131072), (32, 32768))
 

@@ -82,8 +82,11 @@ def test_decode_matches_reference_for_every_work_list(dtype):
     ref = ragged_paged_decode_attention_reference(q, k, v, tables, jnp.asarray(lengths))
     block_tokens = SHAPE[7]
     for name, work in _work_lists(lengths, q.shape[1]).items():
+        # Both program shapes: one KV head per program, and all G heads of the group.
+        heads = q.shape[2] // SHAPE[3] if name == "runtime_planned" else 1
         out = ragged_paged_decode_attention(q, k, v, tables, jnp.asarray(lengths),
-                                            work_list=work, block_tokens=block_tokens)
+                                            work_list=work, block_tokens=block_tokens,
+                                            heads_per_program=heads)
         assert out.shape == q.shape and out.dtype == q.dtype
         err = _rel_err(out, ref)
         assert err < RTOL[dtype], f"{name}: relative error {err:.2e}"

@@ -5,7 +5,7 @@ head_dim]`` is shared by every layer and group; this layer's ``block_tables: [ba
 max_pages]`` and ``lengths: [batch, groups]`` say which pages and how many slots each (sequence,
 group) uses. Query heads ``j*q_per_kv .. (j+1)*q_per_kv - 1`` of a group attend to its KV head j.
 
-Grid: ``(batch, item, head_in_group)``. Item i of the work list is ``(group, split, num_splits)``:
+Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is ``(group, split, num_splits)``:
 the program reads that group's length, cuts its pages into `num_splits` page-aligned shares of
 ``ceil(pages / num_splits)`` (rounded up to whole compute blocks) and runs an online softmax over
 share `split` for one KV head and its query heads, writing a normalised partial output and its
@@ -38,20 +38,20 @@ _MIN_DOT_ROWS = 16
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
                    o_ref, lse_ref, *, page_size: int, pages_per_block: int, q_per_kv: int,
-                   scale: float, max_pages: int, prefetch_tables: bool,
-                   eviction_policy: str | None):
-    """One (sequence, work item, KV head) program.
+                   scale: float, max_pages: int):
+    """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages];
-    q_ref [groups, rows, head_dim] (this KV head's query rows, padded); k/v_pages_ref
-    [num_pages, page_size, head_dim] (this KV head's slab of the pool);
-    o_ref [rows, head_dim] float32; lse_ref [rows] float32.
+    q_ref [groups, H, rows, head_dim] (these KV heads' query rows, padded); k/v_pages_ref
+    [num_pages, H, page_size, head_dim] (these KV heads' slab of the pool);
+    o_ref [H, rows, head_dim] float32; lse_ref [H, rows] float32.
     """
     item = pl.program_id(1)
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
     length = lengths_ref[group]
+    heads = k_pages_ref.shape[1]
     block_tokens = pages_per_block * page_size
 
     # Lengths past the block table (a caller's bug) are cut there rather than read out of bounds.
@@ -66,58 +66,44 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     end_token = jnp.minimum(length, end_page * page_size)
     num_blocks = pl.cdiv(end_page - start_page, pages_per_block)
 
-    q = q_ref[group]                                                     # [rows, head_dim]
-    rows = q.shape[0]
-
-    last_first_page = block_tables_ref.shape[1] - pages_per_block
-
-    def page_ids_of(block):
-        first_page = start_page + block * pages_per_block
-        page_valid = first_page + jnp.arange(pages_per_block) < end_page
-        # Blocks past the share (the prefetch after the last one) read a valid row, masked.
-        first_page = jnp.minimum(first_page, last_first_page)
-        page_ids = block_tables_ref[group, pl.ds(first_page, pages_per_block)]
-        return jnp.where(page_valid, page_ids, 0)
+    qs = [q_ref[group, j] for j in range(heads)]                         # [rows, head_dim]
+    rows = qs[0].shape[0]
 
     def body(block, carry):
-        o_prev, m_prev, l_prev, page_ids = carry
-        if prefetch_tables:
-            # The next block's page ids are loaded a block ahead: this block's K/V gathers then
-            # depend on nothing loaded in this iteration.
-            next_ids = page_ids_of(block + 1)
-        else:
-            page_ids = page_ids_of(block)
-            next_ids = page_ids
         first_page = start_page + block * pages_per_block
-        if eviction_policy is None:   # (interpret mode has no gather with load options)
-            k, v = k_pages_ref[page_ids], v_pages_ref[page_ids]
-        else:
-            k = plgpu.load(k_pages_ref.at[page_ids], eviction_policy=eviction_policy)
-            v = plgpu.load(v_pages_ref.at[page_ids], eviction_policy=eviction_policy)
-        k = k.reshape(block_tokens, -1)                                  # [block_tokens, d]
-        v = v.reshape(block_tokens, -1)
+        page_valid = first_page + jnp.arange(pages_per_block) < end_page
+        page_ids = block_tables_ref[group, pl.ds(first_page, pages_per_block)]
+        page_ids = jnp.where(page_valid, page_ids, 0)
+        # Every head's K and V gathers are issued before any is used.
+        ks = [k_pages_ref[page_ids, j].reshape(block_tokens, -1) for j in range(heads)]
+        vs = [v_pages_ref[page_ids, j].reshape(block_tokens, -1) for j in range(heads)]
         token_valid = first_page * page_size + jnp.arange(block_tokens) < end_token
-        logits = _dot(q, k, trans_b=True) * scale
-        logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next[:, None])
-        l_next = correction * l_prev + p.sum(axis=-1)
-        # Slots past the length are not ours (may hold anything, NaN included): zero them.
-        v = jnp.where(token_valid[:, None], v, jnp.zeros_like(v))
-        o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
-        return o_next, m_next, l_next, next_ids
+        new = []
+        for j in range(heads):
+            o_prev, m_prev, l_prev = carry[j]
+            logits = _dot(qs[j], ks[j], trans_b=True) * scale
+            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
+            m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+            correction = jnp.exp(m_prev - m_next)
+            p = jnp.exp(logits - m_next[:, None])
+            l_next = correction * l_prev + p.sum(axis=-1)
+            # Slots past the length are not ours (may hold anything, NaN included): zero them.
+            v = jnp.where(token_valid[:, None], vs[j], jnp.zeros_like(vs[j]))
+            o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
+            new.append((o_next, m_next, l_next))
+        return tuple(new)
 
-    o = jnp.zeros(q.shape, jnp.float32)
-    m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    o, m, l, _ = lax.fori_loop(0, num_blocks, body, (o, m, l, page_ids_of(0)))
-    has_tokens = l > 0.0
-    o = o / jnp.where(has_tokens, l, 1.0)[:, None]
-    lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
+    init = tuple((jnp.zeros(qs[0].shape, jnp.float32),
+                  jnp.full((rows,), _MASK_VALUE, jnp.float32),
+                  jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
+    final = lax.fori_loop(0, num_blocks, body, init)
     row_written = jnp.arange(rows) < q_per_kv
-    plgpu.store(o_ref, o, mask=jnp.broadcast_to(row_written[:, None], o.shape))
-    lse_ref[...] = lse
+    for j, (o, m, l) in enumerate(final):
+        has_tokens = l > 0.0
+        o = o / jnp.where(has_tokens, l, 1.0)[:, None]
+        lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
+        plgpu.store(o_ref.at[jnp.int32(j)], o, mask=jnp.broadcast_to(row_written[:, None], o.shape))
+        lse_ref[j, :] = lse
 
 
 def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
@@ -164,14 +150,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, work):
                          f"{work.shape}")
 
 
-_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "prefetch_tables",
-           "eviction_policy")
+_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens: int, num_warps: int, num_stages: int,
-                    prefetch_tables: bool = False, eviction_policy: str | None = None):
+                    heads_per_program: int = 1):
     """The kernel alone: per work item normalised partial outputs and log-sum-exps.
 
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
@@ -196,24 +181,25 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
 
     kernel = functools.partial(_decode_kernel, page_size=page_size,
                                pages_per_block=pages_per_block, q_per_kv=q_per_kv,
-                               scale=1.0 / math.sqrt(head_dim), max_pages=table_pages,
-                               prefetch_tables=prefetch_tables,
-                               eviction_policy=eviction_policy)
+                               scale=1.0 / math.sqrt(head_dim), max_pages=table_pages)
+    heads = heads_per_program
+    if group_size % heads:
+        raise ValueError(f"heads_per_program {heads} must divide G={group_size}")
     o_part, lse_part = pl.pallas_call(
         kernel,
-        grid=(batch, num_items, group_size),
+        grid=(batch, num_items, group_size // heads),
         in_specs=[
             pl.BlockSpec((None, num_items, 3), lambda b, i, j: (b, 0, 0)),
             pl.BlockSpec((None, num_groups), lambda b, i, j: (b, 0)),
             pl.BlockSpec((None, num_groups, max_pages), lambda b, i, j: (b, 0, 0)),
-            pl.BlockSpec((None, num_groups, None, rows, head_dim),
+            pl.BlockSpec((None, num_groups, heads, rows, head_dim),
                          lambda b, i, j: (b, 0, j, 0, 0)),
-            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, j: (0, j, 0, 0)),
-            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, j: (0, j, 0, 0)),
+            pl.BlockSpec((num_pages, heads, page_size, head_dim), lambda b, i, j: (0, j, 0, 0)),
+            pl.BlockSpec((num_pages, heads, page_size, head_dim), lambda b, i, j: (0, j, 0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, i, j: (b, i, j, 0)),
+            pl.BlockSpec((None, None, heads, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
+            pl.BlockSpec((None, None, heads, rows), lambda b, i, j: (b, i, j, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_items, group_size, rows, head_dim), jnp.float32),
@@ -238,8 +224,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, work, **kwargs):
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
                                   interpret: bool | None = None, block_tokens: int = 64,
                                   num_warps: int = 4, num_stages: int = 2,
-                                  prefetch_tables: bool = False,
-                                  eviction_policy: str | None = None) -> jax.Array:
+                                  heads_per_program: int = 1) -> jax.Array:
     """Decode attention of one layer for all its head groups, in one launch.
 
     Args:
@@ -251,9 +236,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
       work_list: int32 [items, 3] rows (group, split, num_splits), shared by every batch row (a
         numpy array from a `SplitMap` becomes a constant of the trace), or [batch, items, 3] per
         row (runtime planned). Rows with num_splits 0 are no-ops.
-      block_tokens, num_warps, num_stages, prefetch_tables, eviction_policy: Triton tuning
-        (tokens per inner step = block_tokens // page_size pages; load the next block's page
-        ids one step ahead; cache eviction hint of the K/V loads, e.g. "evict_first").
+      block_tokens, num_warps, num_stages, heads_per_program: Triton tuning (tokens per inner
+        step = block_tokens // page_size pages; KV heads of the group one program streams).
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """
@@ -262,8 +246,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     _check_inputs(q, k_pages, v_pages, block_tables, lengths, work)
     return _decode(q, k_pages, v_pages, block_tables, lengths, work,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
-                   num_warps=num_warps, num_stages=num_stages, prefetch_tables=prefetch_tables,
-                   eviction_policy=eviction_policy)
+                   num_warps=num_warps, num_stages=num_stages,
+                   heads_per_program=heads_per_program)
 
 
 @jax.jit
