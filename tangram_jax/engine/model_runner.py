@@ -141,15 +141,24 @@ class ModelRunner:
         if not np.array_equal(layout.head_perm, np.tile(np.arange(layout.num_kv_heads),
                                                         (layout.num_layers, 1))):
             permute_kv_heads(model, layout.head_perm)
+        # Layers run under lax.scan over stacked parameters: one layer body is compiled, not
+        # num_layers copies (compile time dominates on small models and CPUs). The runner takes
+        # the layers over; the stacked copy is the only one kept.
+        layers = list(model.layers)
+        self.layer_graphdef = nnx.split(layers[0])[0]
+        self.layer_states = jax.tree.map(lambda *xs: jnp.stack(xs),
+                                         *[nnx.split(layer)[1] for layer in layers])
+        model.layers = nnx.List([])
+        del layers
         self.graphdef, self.state = nnx.split(model)
         dtype = jnp.dtype(kv_dtype or model.dtype)
         shape = (int(num_pages), layout.group_size, layout.page_size, layout.head_dim)
         self.k_pages = jnp.zeros(shape, dtype)
         self.v_pages = jnp.zeros(shape, dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
-                               donate_argnums=(1, 2))
+                               donate_argnums=(2, 3))
 
     # ----- prefill ---------------------------------------------------------------------------
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, block_tables: np.ndarray,
@@ -174,42 +183,46 @@ class ModelRunner:
         else:
             keep = self.layout.chunk_keep_counts(n).astype(np.int32)
         self.k_pages, self.v_pages, logits, kept = self._prefill(
-            self.state, self.k_pages, self.v_pages, jnp.asarray(padded), np.int32(start_position),
+            self.state, self.layer_states, self.k_pages, self.v_pages, jnp.asarray(padded), np.int32(start_position),
             np.int32(n), jnp.asarray(block_tables, jnp.int32), jnp.asarray(hist_lengths, jnp.int32),
             jnp.asarray(keep))
         return logits, kept
 
-    def _prefill_impl(self, state, k_pages, v_pages, tokens, start_position, chunk_len,
-                      block_tables, hist_lengths, keep_counts):
+    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_position,
+                      chunk_len, block_tables, hist_lengths, keep_counts):
         model = nnx.merge(self.graphdef, state)
         t = tokens.shape[0]
         q_per_kv = self.config.q_per_kv
         positions = (start_position + jnp.arange(t, dtype=jnp.int32))[None]
         dynamic = self.runner_config.mode == "dynamic"
-        h = model.embed(tokens[None])
-        kept = []
-        for layer_index, layer in enumerate(model.layers):
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry
+            layer_state, tables, hist, keep = xs
+            layer = nnx.merge(self.layer_graphdef, layer_state)
             q, k, v = layer.qkv(h, positions)
             k = k.astype(k_pages.dtype)
             v = v.astype(v_pages.dtype)
             out, obs_probs = self.ops.prefill_attention(
-                q[0], k[0], v[0], k_pages, v_pages, block_tables[layer_index],
-                hist_lengths[layer_index], chunk_len, obs_window=self.runner_config.obs_window)
+                q[0], k[0], v[0], k_pages, v_pages, tables, hist, chunk_len,
+                obs_window=self.runner_config.obs_window)
             scores = self._chunk_scores(obs_probs, chunk_len, q_per_kv)
             if dynamic:
                 count = dynamic_keep_count(scores, chunk_len, self.runner_config.dynamic_ratio,
                                            self.runner_config.dynamic_safeguard)
-                layer_keep = jnp.full(keep_counts.shape[1:], count, jnp.int32)
-            else:
-                layer_keep = keep_counts[layer_index]
-            kept.append(layer_keep)
-            k_pages, v_pages = self.ops.compress_chunk(
-                k[0], v[0], scores, layer_keep, chunk_len, k_pages, v_pages,
-                block_tables[layer_index], hist_lengths[layer_index])
+                keep = jnp.full(keep.shape, count, jnp.int32)
+            k_pages, v_pages = self.ops.compress_chunk(k[0], v[0], scores, keep, chunk_len,
+                                                       k_pages, v_pages, tables, hist)
             h = layer.finish(h, out[None].astype(h.dtype))
+            return (h, k_pages, v_pages), keep
+
+        h = model.embed(tokens[None])
+        (h, k_pages, v_pages), kept = jax.lax.scan(
+            layer_step, (h, k_pages, v_pages),
+            (layer_states, block_tables, hist_lengths, keep_counts))
         last = jax.lax.dynamic_index_in_dim(h[0], chunk_len - 1, axis=0, keepdims=True)
         logits = model.logits(last[None])[0, 0]
-        return k_pages, v_pages, logits, jnp.stack(kept)
+        return k_pages, v_pages, logits, kept
 
     def _chunk_scores(self, obs_probs, chunk_len, q_per_kv):
         """SnapKV scores [num_kv_heads, T] of a (padded) chunk from the window's probabilities.
@@ -240,24 +253,32 @@ class ModelRunner:
             raise ValueError(f"no split map for decode bucket {bucket}; have "
                              f"{sorted(self.split_maps)}")
         self.k_pages, self.v_pages, next_tokens = self._decode(
-            self.state, self.k_pages, self.v_pages, jnp.asarray(tokens, jnp.int32),
+            self.state, self.layer_states, self.k_pages, self.v_pages, jnp.asarray(tokens, jnp.int32),
             jnp.asarray(positions, jnp.int32), jnp.asarray(block_tables, jnp.int32),
             jnp.asarray(lengths, jnp.int32), jnp.asarray(temperature, jnp.float32),
             jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
             jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32), split_map=split_map)
         return next_tokens
 
-    def _decode_impl(self, state, k_pages, v_pages, tokens, positions, block_tables, lengths,
-                     temperature, top_k, top_p, seeds, steps, *, split_map):
+    def _decode_impl(self, state, layer_states, k_pages, v_pages, tokens, positions,
+                     block_tables, lengths, temperature, top_k, top_p, seeds, steps, *, split_map):
         model = nnx.merge(self.graphdef, state)
         batch = tokens.shape[0]
         layout = self.layout
         g, n_groups, ps = layout.group_size, layout.num_groups, layout.page_size
-        h = model.embed(tokens[:, None])
         heads = jnp.arange(g)[None, None, :]
-        for layer_index, layer in enumerate(model.layers):
+        # The AOT work lists are constants of the trace ([layers, items, 3]); the references
+        # take none (a dummy keeps the scan's inputs uniform).
+        work_lists = (jnp.asarray(split_map.work_lists()) if split_map is not None
+                      else jnp.zeros((layout.num_layers, 1, 3), jnp.int32))
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry
+            layer_state, tables, lens, work = xs          # [B, Gn, P], [B, Gn], [items, 3]
+            layer = nnx.merge(self.layer_graphdef, layer_state)
             q, k, v = layer.qkv(h, positions[:, None])
-            tables, lens = block_tables[:, layer_index], lengths[:, layer_index]   # [B,Gn,P], [B,Gn]
+            # Append the new token's K/V at slot `lens` of every group (padded rows write into
+            # the null page 0, which nothing reads as valid).
             page = jnp.take_along_axis(tables, (lens // ps)[..., None], axis=-1)[..., 0]
             offset = lens % ps
             k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
@@ -265,9 +286,16 @@ class ModelRunner:
             k_pages = k_pages.at[page[..., None], heads, offset[..., None]].set(k_new)
             v_pages = v_pages.at[page[..., None], heads, offset[..., None]].set(v_new)
             qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
-            work = split_map.work_list(layer_index) if split_map is not None else None
-            out = self.ops.decode_attention(qg, k_pages, v_pages, tables, lens + 1, work)
+            out = self.ops.decode_attention(qg, k_pages, v_pages, tables, lens + 1,
+                                            work if split_map is not None else None)
             h = layer.finish(h, out.reshape(batch, 1, -1, q.shape[-1]).astype(h.dtype))
+            return (h, k_pages, v_pages), None
+
+        h = model.embed(tokens[:, None])
+        (h, k_pages, v_pages), _ = jax.lax.scan(
+            layer_step, (h, k_pages, v_pages),
+            (layer_states, jnp.swapaxes(block_tables, 0, 1), jnp.swapaxes(lengths, 0, 1),
+             work_lists))
         logits = model.logits(h)[:, 0]
         keys = step_keys(seeds, steps)
         return k_pages, v_pages, sample_tokens(logits, temperature, top_k, top_p, keys)
