@@ -6,6 +6,7 @@ one tensor Q8_0-quantized. Reading it back must give the original HF state dict.
 """
 
 import importlib.util
+import os
 import time
 
 import gguf
@@ -192,6 +193,14 @@ def test_load_model_caches_converted_params(tiny, tmp_path):
     # A different dtype is a different entry.
     load_model(path, dtype=jnp.bfloat16, cache_dir=cache)
     assert len(list(cache.iterdir())) == 2
+    # A changed source file gets a new entry and the stale one for that dtype goes away.
+    stale = entries[0]
+    bf16 = next(p for p in cache.iterdir() if p != stale)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    load_model(path, cache_dir=cache)
+    now = set(cache.iterdir())
+    assert stale not in now and bf16 in now and len(now) == 2
     print(f"tiny load: first {t1 - t0:.2f}s, cached {t2 - t1:.2f}s")
 
 

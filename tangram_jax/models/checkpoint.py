@@ -77,6 +77,22 @@ def save_entry(entry: Path, fingerprint: dict, model: nnx.Module, hf_config: dic
     tmp.replace(entry / _MANIFEST)
 
 
+def prune_stale(root: Path, fingerprint: dict) -> list[Path]:
+    """Deletes entries made from an older state of the same source with the same dtype (the file
+    changed, or the cache format did); returns what was removed."""
+    removed = []
+    for entry in root.glob("*/" + _MANIFEST):
+        try:
+            old = json.loads(entry.read_text(encoding="utf-8"))["fingerprint"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if old != fingerprint and old.get("source") == fingerprint["source"] \
+                and old.get("dtype") == fingerprint["dtype"]:
+            shutil.rmtree(entry.parent, ignore_errors=True)
+            removed.append(entry.parent)
+    return removed
+
+
 def read_manifest(entry: Path, fingerprint: dict) -> dict | None:
     """The entry's manifest, or None when there is no complete entry for `fingerprint`."""
     path = entry / _MANIFEST
