@@ -5,11 +5,12 @@ head_dim]`` is shared by every layer and group; this layer's ``block_tables: [ba
 max_pages]`` and ``lengths: [batch, groups]`` say which pages and how many slots each (sequence,
 group) uses. Query heads ``j*q_per_kv .. (j+1)*q_per_kv - 1`` of a group attend to its KV head j.
 
-Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is ``(group, split, num_splits)``:
-the program reads that group's length, cuts its pages into `num_splits` page-aligned shares of
-``ceil(pages / num_splits)`` (rounded up to whole compute blocks) and runs an online softmax over
-share `split` for one KV head and its query heads, writing a normalised partial output and its
-log-sum-exp. A second, tiny jnp step merges the partials of each group by log-sum-exp. The work
+Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
+``(group, split, num_splits)``: the program reads that group's length, cuts its pages into
+`num_splits` page-aligned shares of ``ceil(pages / num_splits)`` (rounded up to whole compute
+blocks) and runs an online softmax over share `split` for `heads_per_program` KV heads (default 1:
+measured fastest, see benchmarks/NOTES.md) and their query heads, writing a normalised partial
+output and its log-sum-exp per head. A second, tiny jnp step merges the partials of each group by log-sum-exp. The work
 list is the only thing that differs between the AOT split map, uniform splits and runtime
 planning (`split_map.py`): a static one becomes a constant of the jitted step, a planned one is a
 runtime int32 array of shape ``[batch, items, 3]``.
