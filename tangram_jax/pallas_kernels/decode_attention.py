@@ -10,10 +10,10 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 `num_splits` page-aligned shares of ``ceil(pages / num_splits)`` (rounded up to whole compute
 blocks) and runs an online softmax over share `split` for `heads_per_program` KV heads (default 1:
 measured fastest, see benchmarks/NOTES.md) and their query heads, writing a normalised partial
-output and its log-sum-exp per head. A second, tiny jnp step merges the partials of each group by log-sum-exp. The work
-list is the only thing that differs between the AOT split map, uniform splits and runtime
-planning (`split_map.py`): a static one becomes a constant of the jitted step, a planned one is a
-runtime int32 array of shape ``[batch, items, 3]``.
+output and its log-sum-exp per head. A second, tiny jnp step merges the partials of each group
+by log-sum-exp. The work list is the only thing that differs between the AOT split map, uniform
+splits and runtime planning (`split_map.py`): a static one becomes a constant of the jitted step,
+a planned one is a runtime int32 array of shape ``[batch, items, 3]``.
 """
 
 from __future__ import annotations
