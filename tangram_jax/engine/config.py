@@ -57,8 +57,8 @@ class EngineConfig:
     page_size: int = 16
     chunk_size: int = 128
     num_pages: int | None = None
-    kv_cache_tokens: int = 65536
-    max_num_seqs: int = 32
+    kv_cache_tokens: int = 16384
+    max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
