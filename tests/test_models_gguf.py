@@ -288,3 +288,16 @@ def test_hf_folder_and_gguf_load_the_same_model(tmp_path):
     assert from_hf.tokenizer.apply_chat_template(messages) == from_gguf.tokenizer.apply_chat_template(messages)
     ids = [7, 8, 9, 250]
     np.testing.assert_allclose(_logits(from_hf.model, ids), _logits(from_gguf.model, ids), atol=1e-6)
+
+
+def test_saving_over_a_complete_entry_keeps_it(tiny, tmp_path):
+    """Two processes converting the same model at once: the second save leaves the first entry."""
+    path, _ = tiny
+    cache = tmp_path / "cache"
+    loaded = load_model(path, cache_dir=cache)
+    entry = next(cache.iterdir())
+    manifest = (entry / "manifest.json").read_text()
+    fp = checkpoint.source_fingerprint(path, jnp.float32)
+    checkpoint.save_entry(entry, fp, loaded.model, {"other": True}, loaded.tokenizer.backend.to_str(), {})
+    assert (entry / "manifest.json").read_text() == manifest
+    assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary folder left behind

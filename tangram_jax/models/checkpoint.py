@@ -8,7 +8,8 @@ path, size, mtime, dtype) lives under `cache_root()/<key>/`:
     tokenizer.json  the built `tokenizers.Tokenizer`
     params/         orbax checkpoint: {"path/of/param": array} of the Decoder's parameters
 
-The manifest is written last, so an entry without one was interrupted. A restore that fails
+An entry is written in a temporary folder and renamed into place, so one without a manifest
+was damaged by hand or by an older version. A restore that fails
 (missing or damaged files, shapes that do not match the config) is reported as
 `CacheCorrupt`; the caller then deletes the entry and converts again.
 """
@@ -61,20 +62,34 @@ def _flat_params(model: nnx.Module) -> dict[str, jax.Array]:
 
 def save_entry(entry: Path, fingerprint: dict, model: nnx.Module, hf_config: dict,
                tokenizer_json: str, tokenizer_meta: dict) -> None:
-    """Writes a complete entry (replacing any previous one at `entry`)."""
+    """Writes a complete entry at `entry`.
+
+    Built in a private temporary folder and renamed into place, so a concurrent load of the same
+    model never sees (or deletes) a half-written entry; if another process got there first, its
+    entry is kept.
+    """
     import orbax.checkpoint as ocp
 
-    if entry.exists():
-        shutil.rmtree(entry)
-    entry.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save((entry / "params").absolute(), _flat_params(model))
-        ckpt.wait_until_finished()
-    (entry / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    manifest = {"fingerprint": fingerprint, "hf_config": hf_config, "tokenizer": tokenizer_meta}
-    tmp = entry / (_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest), encoding="utf-8")
-    tmp.replace(entry / _MANIFEST)
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save((tmp / "params").absolute(), _flat_params(model))
+            ckpt.wait_until_finished()
+        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        manifest = {"fingerprint": fingerprint, "hf_config": hf_config, "tokenizer": tokenizer_meta}
+        (tmp / _MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+        if entry.exists() and not (entry / _MANIFEST).is_file():
+            shutil.rmtree(entry, ignore_errors=True)  # an interrupted or damaged entry
+        try:
+            tmp.rename(entry)
+        except OSError:
+            if not (entry / _MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prune_stale(root: Path, fingerprint: dict) -> list[Path]:
@@ -82,6 +97,8 @@ def prune_stale(root: Path, fingerprint: dict) -> list[Path]:
     changed, or the cache format did); returns what was removed."""
     removed = []
     for entry in root.glob("*/" + _MANIFEST):
+        if ".tmp-" in entry.parent.name:
+            continue  # another process's entry being written
         try:
             old = json.loads(entry.read_text(encoding="utf-8"))["fingerprint"]
         except (OSError, ValueError, KeyError, TypeError):

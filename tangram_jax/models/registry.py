@@ -128,9 +128,8 @@ def _load_gguf(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> Load
             checkpoint.save_entry(entry, fingerprint, decoder, hf_config, tokenizer.backend.to_str(),
                                   _tokenizer_meta(tokenizer))
             checkpoint.prune_stale(entry.parent, fingerprint)
-        except OSError as e:  # a read-only or full disk must not stop the load
+        except Exception as e:  # a read-only or full disk must not stop the load
             log.warning("could not write model cache entry %s: %s", entry, e)
-            shutil.rmtree(entry, ignore_errors=True)
     return LoadedModel(config, decoder, tokenizer, name, path)
 
 
