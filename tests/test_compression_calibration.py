@@ -59,14 +59,14 @@ def test_calibrate_cli_on_embedded_model(smollm2, tmp_path, monkeypatch, capsys)
 
     monkeypatch.setattr(registry, "load_model", lambda model=None: smollm2)
     out, plot = tmp_path / "p.json", tmp_path / "p.png"
-    assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "128",
+    assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "256",
                  "--tasks", "passkey,sharegpt,kv_retrieval", "--group-size", "2", "--out",
                  str(out)]) == 2
     assert "--group-size 2 does not divide the 3 KV heads" in capsys.readouterr().err
     assert not out.exists()
 
     run_file = tmp_path / "run.npz"
-    assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "128",
+    assert main(["calibrate", "--ratio", "0.25", "--samples", "3", "--lengths", "256",
                  "--tasks", "passkey,sharegpt,kv_retrieval", "--group-size", "3", "--out",
                  str(out), "--plot", str(plot), "--save-run", str(run_file)]) == 0
     printed = capsys.readouterr().out
@@ -76,7 +76,9 @@ def test_calibrate_cli_on_embedded_model(smollm2, tmp_path, monkeypatch, capsys)
     assert profile.group_size == 3 and profile.metadata["samples"] == 3
     # Ada-SnapKV keeps ceil(0.25 * heads * T) per layer, so the head means average ~rho.
     assert abs(profile.mean.mean() - 0.25) < 0.01
-    assert not np.allclose(profile.mean, profile.mean[0, 0])  # non-uniform across heads
+    # Non-uniform across heads (the 32-token SnapKV window is kept by every head; at 256 tokens
+    # the other 96 of the 192 kept tokens per layer are contested).
+    assert not np.allclose(profile.mean, profile.mean[0, 0])
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
     # Several group sizes from the saved run, without running the model again.
