@@ -37,7 +37,8 @@ class EngineConfig:
       embedded model at `ratio` and `group_size`; required for other models in tangram mode).
     ratio: target retention rho for the shipped profile (tangram) or the per-input selection
       (dynamic).
-    group_size: G for the shipped profile (the embedded model has 3 KV heads: 1 or 3).
+    group_size: G (regroups a given profile; the shipped profiles of the embedded model, which
+      has 3 KV heads, exist for G 1 (default) and 3).
     dtype: "float32" or "bfloat16" (model weights and the KV pool).
     page_size, chunk_size: tokens per page; prefill compression chunk (and prefill piece size).
     num_pages: KV pool pages; None sizes it from `kv_cache_tokens`.
@@ -98,7 +99,8 @@ def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: b
         if not is_embedded:
             raise ValueError("tangram mode needs a budget profile for this model: pass profile= "
                              "(make one with `tangram-jax calibrate --model ...`)")
-        group_size = cfg.group_size or model_config.num_kv_heads
+        # The embedded model has 3 KV heads: per-head groups (G = 1) are its only ragged layout.
+        group_size = cfg.group_size or 1
         profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint)
     else:
         raise TypeError(f"profile must be a BudgetProfile, a path or None, got "

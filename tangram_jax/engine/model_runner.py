@@ -206,11 +206,13 @@ class ModelRunner:
             out, obs_probs = self.ops.prefill_attention(
                 q[0], k[0], v[0], k_pages, v_pages, tables, hist, chunk_len,
                 obs_window=self.runner_config.obs_window)
-            scores = self._chunk_scores(obs_probs, chunk_len, q_per_kv)
             if dynamic:
+                scores = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=True)
                 count = dynamic_keep_count(scores, chunk_len, self.runner_config.dynamic_ratio,
                                            self.runner_config.dynamic_safeguard)
                 keep = jnp.full(keep.shape, count, jnp.int32)
+            else:
+                scores = self._group_scores(obs_probs, chunk_len, q_per_kv, keep)
             k_pages, v_pages = self.ops.compress_chunk(k[0], v[0], scores, keep, chunk_len,
                                                        k_pages, v_pages, tables, hist)
             h = layer.finish(h, out[None].astype(h.dtype))
@@ -224,7 +226,7 @@ class ModelRunner:
         logits = model.logits(last[None])[0, 0]
         return k_pages, v_pages, logits, kept
 
-    def _chunk_scores(self, obs_probs, chunk_len, q_per_kv):
+    def _chunk_scores(self, obs_probs, chunk_len, q_per_kv, protect: bool):
         """SnapKV scores [num_kv_heads, T] of a (padded) chunk from the window's probabilities.
 
         `snapkv_from_probs` takes the window to be the last keys, so the valid keys are rotated
@@ -233,8 +235,17 @@ class ModelRunner:
         t = obs_probs.shape[-1]
         shift = t - chunk_len
         rolled = jnp.roll(obs_probs, shift, axis=-1)
-        scores = snapkv_from_probs(rolled, q_per_kv)
+        scores = snapkv_from_probs(rolled, q_per_kv, protect_window=protect)
         return jnp.roll(scores, -shift, axis=-1)
+
+    def _group_scores(self, obs_probs, chunk_len, q_per_kv, keep):
+        """Scores with the observation window protected only in groups that keep at least the
+        window: a group keeping fewer tokens would otherwise keep nothing but the newest ones."""
+        protected = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=True)
+        plain = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=False)
+        window = jnp.minimum(self.runner_config.obs_window, chunk_len)
+        per_head = jnp.repeat(keep >= window, self.layout.group_size)      # [num_kv_heads]
+        return jnp.where(per_head[:, None], protected, plain)
 
     # ----- decode ----------------------------------------------------------------------------
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
