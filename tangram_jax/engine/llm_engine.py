@@ -91,7 +91,8 @@ class Engine:
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size) for b in buckets}
         self.runner = ModelRunner(
-            loaded.model, mc, self.layout, num_pages, split_maps=split_maps,
+            loaded.model, mc, self.layout, num_pages, self.manager.block_tables.shape,
+            split_maps=split_maps,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=min(cfg.obs_window,
                                                                         cfg.chunk_size),
                                        dynamic_ratio=cfg.ratio))
@@ -193,6 +194,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of requests that got a token or ended."""
         out = self.scheduler.schedule()
+        self.runner.update_block_tables(*out.table_updates)
         finished_early = [self._output(self._requests.pop(s.request_id), "length")
                           for s in out.capped if s.request_id in self._requests]
         if out.is_empty:
@@ -201,12 +203,11 @@ class Engine:
         first_logits, first_reqs, reclaim = [], [], {}
         for chunk in out.prefill_chunks:
             seq = chunk.seq
-            tables = self.manager.block_tables[seq.slot]
             hist = self.manager.lengths[seq.slot].astype(np.int64)
             for start in range(chunk.start, chunk.end, self.layout.chunk_size):
                 end = min(start + self.layout.chunk_size, chunk.end)
                 logits, kept = self.runner.prefill_chunk(
-                    np.asarray(seq.token_ids[start:end], np.int32), start, tables, hist)
+                    np.asarray(seq.token_ids[start:end], np.int32), start, seq.slot, hist)
                 if self.config.mode == "dynamic":   # the per-input count: a host round trip
                     hist = hist + np.asarray(kept)
                 else:
@@ -267,8 +268,8 @@ class Engine:
         t, k, p, seeds = self._sampling_arrays(reqs, bucket)
         steps = np.zeros(bucket, np.int32)
         steps[:n] = [len(r.stop.token_ids) for r in reqs]
-        return self.runner.decode(tokens, positions, self.manager.block_tables[out.decode_slots],
-                                  out.decode_lengths, t, k, p, seeds, steps)
+        return self.runner.decode(tokens, positions, out.decode_slots, out.decode_lengths,
+                                  t, k, p, seeds, steps)
 
     @staticmethod
     def _sampling_arrays(reqs: list[_Request], rows: int):

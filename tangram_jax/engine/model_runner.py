@@ -123,13 +123,16 @@ class ModelRunner:
       config: the model's config.
       layout: the KV layout (groups, budgets, page and chunk size).
       num_pages: pool pages (page 0 is the null page padded rows read and write).
+      table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
+        keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
       runner_config: mode and scorer settings.
       kv_dtype: pool dtype (the model's dtype by default).
       ops: attention implementations (default: by backend).
     """
 
-    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int, *,
+    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int,
+                 table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
                  ops: AttentionOps | None = None):
@@ -156,18 +159,40 @@ class ModelRunner:
         self.k_pages = jnp.zeros(shape, dtype)
         self.v_pages = jnp.zeros(shape, dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
+        self.block_tables = jnp.zeros(table_shape, jnp.int32)
+        self._apply_table_updates = jax.jit(
+            lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
+            donate_argnums=0)
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
                                donate_argnums=(2, 3))
 
+    # ----- block tables ----------------------------------------------------------------------
+    def update_block_tables(self, flat_index: np.ndarray, values: np.ndarray) -> None:
+        """Apply the manager's block-table writes (flat indices into the table, in order) to
+        the device copy: a step sends what changed, not the table."""
+        if len(flat_index) == 0:
+            return
+        flat_index = np.asarray(flat_index, np.int64)
+        # Later writes to a cell win; a scatter with repeated indices has no order.
+        _, last = np.unique(flat_index[::-1], return_index=True)
+        keep = len(flat_index) - 1 - last
+        n = len(keep)
+        size = max(64, 1 << (n - 1).bit_length())        # few distinct shapes to compile
+        index = np.full(size, self.block_tables.size, np.int32)   # out of range: dropped
+        vals = np.zeros(size, np.int32)
+        index[:n] = flat_index[keep]
+        vals[:n] = np.asarray(values)[keep]
+        self.block_tables = self._apply_table_updates(self.block_tables, index, vals)
+
     # ----- prefill ---------------------------------------------------------------------------
-    def prefill_chunk(self, tokens: np.ndarray, start_position: int, block_tables: np.ndarray,
+    def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """Run one prefill chunk of one sequence and write its kept K/V into the pool.
 
         tokens: int [n] with 1 <= n <= layout.chunk_size (the chunk, starting on a compression
-        chunk boundary of its turn); start_position: absolute position of tokens[0];
-        block_tables: int32 [layers, groups, max_pages] (the sequence's, reservation included);
+        chunk boundary of its turn); start_position: absolute position of tokens[0]; slot: the
+        sequence's row of the block table (its reservation applied by `update_block_tables`);
         hist_lengths: int32 [layers, groups] retained tokens before the chunk.
         Returns (last_logits [vocab] float32, kept [layers, groups] int32), device arrays. In
         ``tangram``/``full`` mode `kept` equals ``layout.chunk_keep_counts(n)``.
@@ -184,13 +209,14 @@ class ModelRunner:
             keep = self.layout.chunk_keep_counts(n).astype(np.int32)
         self.k_pages, self.v_pages, logits, kept = self._prefill(
             self.state, self.layer_states, self.k_pages, self.v_pages, jnp.asarray(padded), np.int32(start_position),
-            np.int32(n), jnp.asarray(block_tables, jnp.int32), jnp.asarray(hist_lengths, jnp.int32),
+            np.int32(n), self.block_tables, np.int32(slot), jnp.asarray(hist_lengths, jnp.int32),
             jnp.asarray(keep))
         return logits, kept
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_position,
-                      chunk_len, block_tables, hist_lengths, keep_counts):
+                      chunk_len, all_tables, slot, hist_lengths, keep_counts):
         model = nnx.merge(self.graphdef, state)
+        block_tables = all_tables[slot]                     # [layers, groups, max_pages]
         t = tokens.shape[0]
         q_per_kv = self.config.q_per_kv
         positions = (start_position + jnp.arange(t, dtype=jnp.int32))[None]
@@ -248,14 +274,14 @@ class ModelRunner:
         return jnp.where(per_head[:, None], protected, plain)
 
     # ----- decode ----------------------------------------------------------------------------
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                lengths: np.ndarray, temperature: np.ndarray, top_k: np.ndarray,
                top_p: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> jax.Array:
         """One decode step for a padded batch (the bucket is `len(tokens)`).
 
-        tokens, positions: int [B] (each row's last token and its position); block_tables: int32
-        [B, layers, groups, max_pages]; lengths: int32 [B, layers, groups] retained tokens before
-        this step (pages for the new token already reserved); padded rows point at the null slot.
+        tokens, positions: int [B] (each row's last token and its position); slots: int [B] rows
+        of the block table (padded rows: the manager's null slot); lengths: int32 [B, layers,
+        groups] retained tokens before this step (pages for the new token already reserved).
         Sampling arrays [B] as in `tangram_jax.sampling`. Returns next tokens [B] (device).
         """
         bucket = len(tokens)
@@ -265,15 +291,17 @@ class ModelRunner:
                              f"{sorted(self.split_maps)}")
         self.k_pages, self.v_pages, next_tokens = self._decode(
             self.state, self.layer_states, self.k_pages, self.v_pages, jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(positions, jnp.int32), jnp.asarray(block_tables, jnp.int32),
+            jnp.asarray(positions, jnp.int32), self.block_tables, jnp.asarray(slots, jnp.int32),
             jnp.asarray(lengths, jnp.int32), jnp.asarray(temperature, jnp.float32),
             jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
             jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32), split_map=split_map)
         return next_tokens
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, tokens, positions,
-                     block_tables, lengths, temperature, top_k, top_p, seeds, steps, *, split_map):
+                     all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, *,
+                     split_map):
         model = nnx.merge(self.graphdef, state)
+        block_tables = all_tables[slots]                    # [B, layers, groups, max_pages]
         batch = tokens.shape[0]
         layout = self.layout
         g, n_groups, ps = layout.group_size, layout.num_groups, layout.page_size
