@@ -82,12 +82,14 @@ def _expected_lengths(layout, turns):
 
 
 def test_multi_turn_chat_pages_are_exactly_the_reservation():
-    llm = LLM(mode="tangram", ratio=0.5, group_size=1, **SMALL)
+    # Chunks of 64: the whole first turn is one compression chunk, later turns add more.
+    llm = LLM(mode="tangram", ratio=0.5, group_size=1, **dict(SMALL, chunk_size=64))
     engine, manager, layout = llm.engine, llm.engine.manager, llm.engine.layout
     assert layout.compresses
     questions = [["What is a hash map?", "How is it different from a tree map?"],
                  ["Write a haiku about autumn.", "Now one about winter."],
-                 ["Explain recursion to a child.", "Give an example in Python."]]
+                 ["Explain recursion to a child.", "Give an example in Python."],
+                 ["What is the capital of France?", "What is it famous for?"]]
     convs = [[{"role": "user", "content": q[0]}] for q in questions]
     history = [[] for _ in questions]
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -104,6 +106,9 @@ def test_multi_turn_chat_pages_are_exactly_the_reservation():
                 assert sid is not None, "the second turn must continue the first turn's session"
                 assert len(new) < len(ids)
         outs = llm.chat(convs, params, use_tqdm=False)
+        if turn == 0:
+            # Compression must not cost the answer (the window/generation prompt survives).
+            assert "Paris" in outs[3].outputs[0].text, outs[3].outputs[0].text
         for i, (c, out) in enumerate(zip(convs, outs)):
             assert out.finished and out.outputs[0].token_ids
             c.append({"role": "assistant", "content": out.outputs[0].text})

@@ -265,13 +265,20 @@ class ModelRunner:
         return jnp.roll(scores, -shift, axis=-1)
 
     def _group_scores(self, obs_probs, chunk_len, q_per_kv, keep):
-        """Scores with the observation window protected only in groups that keep at least the
-        window: a group keeping fewer tokens would otherwise keep nothing but the newest ones."""
-        protected = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=True)
+        """SnapKV scores where each group's newest ``min(window, keep // 2)`` tokens always stay.
+
+        SnapKV keeps its whole observation window; a group keeping fewer tokens than the window
+        keeps half its count from the newest tokens (the turn's last tokens, e.g. the chat
+        template's generation prompt, must survive) and the other half by attention.
+        """
+        t = obs_probs.shape[-1]
         plain = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=False)
         window = jnp.minimum(self.runner_config.obs_window, chunk_len)
-        per_head = jnp.repeat(keep >= window, self.layout.group_size)      # [num_kv_heads]
-        return jnp.where(per_head[:, None], protected, plain)
+        protected = jnp.minimum(window, jnp.maximum(keep // 2, 1))          # [groups]
+        protected = jnp.repeat(protected, self.layout.group_size)          # [num_kv_heads]
+        position = jnp.arange(t)[None, :]
+        recent = (position >= chunk_len - protected[:, None]) & (position < chunk_len)
+        return jnp.where(recent, jnp.float32(1e9), plain)
 
     # ----- decode ----------------------------------------------------------------------------
     def decode(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
