@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -33,6 +32,7 @@ sys.path.insert(0, ROOT)   # run from a checkout without installing the package
 
 from tangram_jax.compression.clustering import budget_aware_groups
 from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import SequenceStatus
@@ -248,19 +248,15 @@ def main(argv=None) -> None:
               f"{d['host_cpu_ms_per_step_median']:.3f}, best repeat "
               f"{d['best_repeat_median_ms']:.3f}), full table gather "
               f"{t['full_block_table_gather_ms_median']:.3f} ms", flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "unknown")
-    revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip()
     result = {
-        "device": f"CPU: {cpu} ({os.cpu_count()} logical cores visible)",
+        "device": device_description(),
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "timing_caveat": ("shared CPU: other processes ran during the measurement (see load "
                           "average), which inflates wall-clock figures; host_cpu_ms_* is the "
                           "same work in thread CPU time, closer to what a dedicated host core "
                           "would take. Medians over all steps of all repeats, plus each "
                           "repeat's median"),
-        "git_revision": revision,
+        "git_revision": git_revision() or "unknown",
         "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
         "model_shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                         "group_size": GROUP, "page_size": PAGE, "chunk_size": CHUNK,

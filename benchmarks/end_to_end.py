@@ -14,39 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def device_name() -> str:
-    import jax
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        try:
-            for line in open("/proc/cpuinfo"):
-                if line.startswith("model name"):
-                    return f"cpu: {line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-        except OSError:
-            pass
-        return f"cpu: {platform.processor()}"
-    return f"{dev.platform}: {dev.device_kind}"
-
-
-def git_revision() -> str:
-    rev = os.environ.get("GIT_REV")
-    if rev:
-        return rev
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def serve(mode: str, conversations: list[list[str]], args) -> dict:
@@ -145,8 +120,8 @@ def main(argv=None) -> int:
             r["peak_pool_vs_full"] = r["peak_pool_utilisation"] / max(base["peak_pool_utilisation"], 1e-9)
     report = {
         "benchmark": "end_to_end",
-        "device": device_name(),
-        "git_revision": git_revision(),
+        "device": device_description(),
+        "git_revision": git_revision() or "unknown",
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "config": vars(args),
         "conversations": len(conversations),

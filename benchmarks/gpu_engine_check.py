@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.end_to_end import device_name, git_revision  # noqa: E402
+from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
 
 def build_model(folder: Path, tokenizer_dir: Path, args) -> None:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     folder = Path("/tmp/tangram_random_llama")
     build_model(folder, Path(args.tokenizer_dir), args)
-    report = {"benchmark": "gpu_engine", "device": device_name(), "git_revision": git_revision(),
+    report = {"benchmark": "gpu_engine", "device": device_description(), "git_revision": git_revision() or "unknown",
               "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
               "config": vars(args)}
     if not args.skip_correctness:

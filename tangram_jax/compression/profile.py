@@ -23,13 +23,13 @@ import datetime
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from tangram_jax.compression.clustering import GROUPINGS, group_heads
 from tangram_jax.kv_layout import KVLayout
+from tangram_jax.provenance import git_revision
 
 FORMAT_VERSION = 1
 FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim")
@@ -46,18 +46,9 @@ def creation_metadata(samples: int, **extra) -> dict:
     """Date, sample count, package version and git revision (when the package is in a checkout)."""
     from tangram_jax import __version__
     meta = dict(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                samples=int(samples), tangram_jax_version=__version__, git_revision=_git_revision())
+                samples=int(samples), tangram_jax_version=__version__, git_revision=git_revision())
     meta.update(extra)
     return meta
-
-
-def _git_revision() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(__file__),
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
