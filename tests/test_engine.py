@@ -179,3 +179,23 @@ def test_profile_for_another_model_is_refused(full_llm, tmp_path):
     profile.model["num_layers"] = cfg.num_layers + 2
     with pytest.raises(ValueError, match="num_layers|layers|model"):
         Engine(EngineConfig(mode="tangram", profile=profile, **SMALL))
+
+
+def test_dynamic_mode_compresses_then_reclaims():
+    llm = LLM(mode="dynamic", ratio=0.5, **SMALL)
+    engine, manager = llm.engine, llm.engine.manager
+    prompt = llm.tokenizer.encode(PROMPTS[1])
+    engine.add_request("dyn", prompt_token_ids=prompt, session_id="s",
+                       sampling_params=SamplingParams(temperature=0, max_tokens=4))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert done and done[0].outputs[0].token_ids
+    slot = engine._sessions["s"].slot
+    cached = len(prompt) + len(done[0].outputs[0].token_ids) - 1
+    lengths = manager.lengths[slot]
+    # The per-input selection kept about half of the prompt; the pages above it went back.
+    assert (lengths < cached).all() and (lengths >= cached // 3).all()
+    assert manager.usage()["pages_reclaimed"] > 0
+    np.testing.assert_array_equal(manager.table.num_pages[slot],
+                                  pages_for(manager.reserved_lengths[slot], manager.page_size))

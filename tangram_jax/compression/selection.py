@@ -34,20 +34,24 @@ def _rank_desc(scores: jax.Array) -> jax.Array:
     return jnp.argsort(order, axis=-1, stable=True)
 
 
-def _select_with_floor(scores: jax.Array, ratio, safeguard) -> Selection:
-    """scores [N, T]: keep ceil(ratio * N * T) entries overall, >= floor(safeguard*ratio*T) per row."""
+def _select_with_floor(scores: jax.Array, ratio, safeguard, num_valid=None) -> Selection:
+    """scores [N, T]: keep ceil(ratio * N * V) entries overall, >= floor(safeguard*ratio*V) per
+    row, among the first V = `num_valid` (default T; may be traced) positions of every row."""
     n, t = scores.shape
+    valid_len = jnp.asarray(t if num_valid is None else num_valid, jnp.int32)
+    v = valid_len.astype(jnp.float32)
+    valid = jnp.arange(t) < valid_len
     ratio = jnp.asarray(ratio, jnp.float32)
-    total = jnp.minimum(jnp.ceil(ratio * n * t - _EPS), n * t).astype(jnp.int32)
-    floor = jnp.floor(jnp.asarray(safeguard, jnp.float32) * ratio * t + _EPS).astype(jnp.int32)
+    total = jnp.minimum(jnp.ceil(ratio * n * v - _EPS), n * valid_len).astype(jnp.int32)
+    floor = jnp.floor(jnp.asarray(safeguard, jnp.float32) * ratio * v + _EPS).astype(jnp.int32)
     floor = jnp.minimum(floor, total // n)
-    scores = scores.astype(jnp.float32)
-    guaranteed = _rank_desc(scores) < floor
+    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+    guaranteed = (_rank_desc(scores) < floor) & valid
     # Guaranteed tokens rank above everything else in the global top-k; the rest compete by score.
     # Flattened token-major so that equal scores are shared round-robin across heads, not all
     # given to head 0 (heads with identical scores, e.g. StreamingLLM's, get equal counts).
     lifted = jnp.where(guaranteed, jnp.inf, scores).T.reshape(-1)
-    keep = (_rank_desc(lifted) < total).reshape(t, n).T
+    keep = (_rank_desc(lifted) < total).reshape(t, n).T & valid
     return Selection(keep, keep.sum(axis=-1, dtype=jnp.int32))
 
 
@@ -59,10 +63,13 @@ def _check(scores, ndim, what, ratio, safeguard):
             raise ValueError(f"{name} must lie in [0, 1], got {value}")
 
 
-def dynamic_select(scores: jax.Array, ratio, *, safeguard=0.2) -> Selection:
-    """Ada-SnapKV selection over one layer: scores [num_kv_heads, T] -> Selection."""
+def dynamic_select(scores: jax.Array, ratio, *, safeguard=0.2, num_valid=None) -> Selection:
+    """Ada-SnapKV selection over one layer: scores [num_kv_heads, T] -> Selection.
+
+    num_valid: only the first `num_valid` tokens exist (a padded prefill chunk); may be traced.
+    """
     _check(scores, 2, "dynamic_select", ratio, safeguard)
-    return _select_with_floor(scores, ratio, safeguard)
+    return _select_with_floor(scores, ratio, safeguard, num_valid)
 
 
 def cross_layer_select(scores: jax.Array, ratio, *, safeguard=0.2) -> Selection:

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from tangram_jax.compression.scorers import snapkv_from_probs
+from tangram_jax.compression.selection import dynamic_select
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -95,23 +96,12 @@ class RunnerConfig:
 
 def dynamic_keep_count(scores: jax.Array, chunk_len: jax.Array, ratio: float,
                        safeguard: float) -> jax.Array:
-    """Tokens a monolithic layer keeps from a chunk under the per-input Ada-SnapKV selection.
+    """Tokens a monolithic layer keeps from a padded chunk under the per-input Ada-SnapKV
+    selection (`dynamic_select`): monolithic pages hold the largest head's count for every head.
 
-    scores: [num_kv_heads, T] (positions >= chunk_len are padding). One top-k of
-    ``ceil(ratio * heads * chunk_len)`` over all heads, each head guaranteed
-    ``floor(safeguard * ratio * chunk_len)``; monolithic pages hold the largest head's count for
-    every head. Returns an int32 scalar.
+    scores: [num_kv_heads, T] (positions >= chunk_len are padding). Returns an int32 scalar.
     """
-    heads, t = scores.shape
-    n = chunk_len.astype(jnp.float32)
-    valid = jnp.arange(t) < chunk_len
-    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    total = jnp.ceil(ratio * heads * n - 1e-6).astype(jnp.int32)
-    floor = jnp.minimum(jnp.floor(safeguard * ratio * n + 1e-6).astype(jnp.int32), total // heads)
-    rank_in_head = jnp.argsort(jnp.argsort(-scores, axis=-1, stable=True), axis=-1, stable=True)
-    lifted = jnp.where((rank_in_head < floor) & valid, jnp.inf, scores).reshape(-1)
-    global_rank = jnp.argsort(jnp.argsort(-lifted, stable=True), stable=True).reshape(heads, t)
-    counts = jnp.sum((global_rank < total) & valid, axis=-1, dtype=jnp.int32)
+    counts = dynamic_select(scores, ratio, safeguard=safeguard, num_valid=chunk_len).counts
     return jnp.maximum(jnp.max(counts), jnp.minimum(chunk_len, 1)).astype(jnp.int32)
 
 
