@@ -34,6 +34,7 @@ from flax import nnx
 
 from tangram_jax.compression.scorers import snapkv_from_probs
 from tangram_jax.compression.selection import dynamic_select
+from tangram_jax.engine.config import MODES
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -41,9 +42,6 @@ from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import sample_tokens, step_keys
-
-MODES = ("tangram", "full", "dynamic")
-
 
 class AttentionOps(NamedTuple):
     """The three attention pieces a step calls; Pallas kernels or their jnp references."""
