@@ -56,8 +56,10 @@ def run(args) -> int:
         if text == "/exit":
             return 0
         if text == "/reset":
-            if session in engine._sessions:
+            try:
                 engine.end_session(session)
+            except KeyError:      # no turn was answered yet: nothing cached
+                pass
             messages = messages[:1] if args.system else []
             turn += 1
             session = f"chat-{turn}"

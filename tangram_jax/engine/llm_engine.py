@@ -298,6 +298,7 @@ class Engine:
         """Pool usage, and the bytes the cached sequences hold against full KV for the same
         tokens (full KV: every layer and KV head keeps every token, in pages of page_size)."""
         usage = self.manager.usage()
+        scheduler = self.scheduler.metrics.summary(dict(usage))
         mc = self.model_config
         itemsize = jnp.dtype(self.runner.k_pages.dtype).itemsize
         cached = [s.num_computed_tokens for s in self._cached_sequences()]
@@ -307,7 +308,7 @@ class Engine:
             kv_bytes_held=(usage["pages_used"]) * self.runner.kv_bytes_per_page,
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
             tokens_processed=self.tokens_processed,
-            scheduler=self.scheduler.metrics.summary(self.manager.usage()),
+            scheduler=scheduler,
         )
         return usage
 

@@ -166,7 +166,7 @@ class ModelRunner:
         _, last = np.unique(flat_index[::-1], return_index=True)
         keep = len(flat_index) - 1 - last
         n = len(keep)
-        size = max(64, 1 << (n - 1).bit_length())        # few distinct shapes to compile
+        size = max(64, backend.next_power_of_2(n))        # few distinct shapes to compile
         index = np.full(size, self.block_tables.size, np.int32)   # out of range: dropped
         vals = np.zeros(size, np.int32)
         index[:n] = flat_index[keep]
