@@ -198,18 +198,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request_id: str) -> None:
-        """End a running request's turn: a session keeps slot and pages (IDLE), otherwise freed."""
+        """End a running request's turn: a session keeps slot and pages (IDLE), otherwise freed.
+
+        A request preempted after its last token was sampled (an engine that learns tokens one
+        step late, see `Engine.step`) can be finished from the waiting queue too; it holds no
+        cache then, so a session's next turn re-prefills its history."""
         t0 = time.perf_counter()
         seq = self._live(request_id)
-        if not seq.status.is_running:
+        if seq.status.is_running:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq.num_output_tokens and seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not running")
-        self.running.remove(seq)
         del self._requests[request_id]
         if seq.session_id is not None:
             seq.status = SequenceStatus.IDLE
             seq.last_used_step = self._step
-            self._lru[seq.session_id] = seq
-            self._lru_pages += self.manager.pages_held(seq.slot)
+            if seq.is_cached:
+                self._lru[seq.session_id] = seq
+                self._lru_pages += self.manager.pages_held(seq.slot)
         else:
             self._release(seq, SequenceStatus.FINISHED)
         self.metrics.add_to_step(time.perf_counter() - t0)
