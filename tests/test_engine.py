@@ -72,12 +72,12 @@ def test_rho_one_tangram_equals_full_and_dense_reference(full_llm):
 
 def _expected_lengths(layout, turns):
     """Retained tokens per (layer, group) after `turns` = [(new tokens, generated), ...]:
-    each turn's new tokens are compressed in chunks; decode tokens (all but the last sampled
-    one, which the next turn prefills) are appended uncompressed."""
+    each turn's new tokens are compressed in chunks; every generated token is appended
+    uncompressed (the last one by the step the engine had already dispatched when it learned
+    that the turn was over)."""
     total = np.zeros(layout.group_budgets.shape, np.int64)
-    for turn, (new_tokens, generated) in enumerate(turns):
-        carried = 1 if turn else 0   # the previous turn's last sampled token
-        total += layout.retained_counts(new_tokens + carried) + (generated - 1)
+    for new_tokens, generated in turns:
+        total += layout.retained_counts(new_tokens) + generated
     return total
 
 
@@ -143,6 +143,41 @@ def test_abort_mid_decode_returns_all_pages(full_llm):
     assert [o.request_id for o in outputs] == ["keep"]
     assert len(outputs[0].outputs[0].token_ids) == 50
     assert engine.manager.num_free_pages == free0
+
+
+def test_host_fetches_tokens_only_after_the_next_step_is_queued(full_llm, monkeypatch):
+    engine, runner = full_llm.engine, full_llm.engine.runner
+    events = []
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            tokens = fn(*args, **kwargs)
+            events.append(("dispatch", id(tokens)))
+            return tokens
+        monkeypatch.setattr(runner, name, wrapped)
+
+    record("decode", runner.decode)
+    record("sample", runner.sample)
+    resolve = engine._resolve
+
+    def resolve_spy(in_flight):
+        events.append(("resolve", {id(t.tokens) for t in in_flight}))
+        return resolve(in_flight)
+
+    monkeypatch.setattr(engine, "_resolve", resolve_spy)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("late", PROMPTS[0], sampling_params=params)
+    per_step = []
+    while engine.has_unfinished_requests():
+        per_step.append([len(o.outputs[0].token_ids) for o in engine.step()])
+    # Tokens arrive one step late: nothing after the prefill step, then one per step.
+    assert per_step == [[], [1], [2], [3], [4], [5], [6]]
+    for i, (kind, ids) in enumerate(events):
+        if kind == "resolve" and ids:
+            dispatched_at = max(j for j, e in enumerate(events[:i]) if e[1] in ids)
+            # A newer step was queued before the host blocked on these tokens.
+            assert any(e[0] == "dispatch" for e in events[dispatched_at + 1:i]), events
+    assert engine.manager.num_free_pages == engine.manager.pool.capacity
 
 
 def test_bad_input_is_refused_while_others_finish(full_llm):

@@ -6,13 +6,15 @@
         for out in engine.step():
             ...
 
-One step, top to bottom:
+One step, top to bottom (tokens arrive one step late, so the device never waits on Python):
 1. the scheduler decides (decode batch, prefill pieces, admissions by reservation);
 2. prefill pieces run chunk by chunk (each compresses and writes its kept K/V into the pool);
-3. the decode batch runs (one token for every decoding sequence, padded to its bucket);
-4. first tokens of finished prefills are sampled; all device work was dispatched before the
-   host waits for any token (JAX's asynchronous dispatch keeps the device busy meanwhile);
-5. the scheduler records lengths and tokens; stop conditions end requests.
+3. the decode batch runs (one token for every decoding sequence, padded to its bucket; input
+   tokens come from the device, so the previous step's tokens need not be on the host yet);
+4. first tokens of finished prefills are sampled;
+5. the scheduler commits this step's lengths with placeholder tokens;
+6. only now the host waits, for the *previous* step's tokens (the device is busy with this
+   step meanwhile): placeholders are filled in, stop conditions end requests, outputs return.
 
 Bad input raises from `add_request` (ValueError/TypeError naming the problem) before anything is
 queued, so the other requests keep being served.
@@ -23,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence as SequenceABC
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,6 +43,10 @@ from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
 
 
+# Token value of a sampled token the host has not fetched yet (token ids are never negative).
+_PLACEHOLDER = -1
+
+
 @dataclasses.dataclass
 class _Request:
     """Engine-side state of one live request (the scheduler holds its `Sequence`)."""
@@ -50,6 +58,16 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
+
+
+class _InFlightToken(NamedTuple):
+    """A token sampled by a dispatched step: row `row` of device array `tokens`, which goes to
+    ``request.seq.token_ids[index]`` (a placeholder until then)."""
+
+    request: _Request
+    tokens: jax.Array
+    row: int
+    index: int
 
 
 class Engine:
@@ -99,6 +117,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}
         self._next_id = 0
+        self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
 
     # ----- requests ----------------------------------------------------------------------
@@ -192,14 +211,30 @@ class Engine:
 
     # ----- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of requests that got a token or ended."""
+        """Dispatch one scheduler step to the device, then report the previous step's tokens.
+
+        Tokens are learned one step late (vLLM's asynchronous scheduling): the scheduler commits
+        this step's lengths with placeholder tokens before any token value is known, decode reads
+        its input tokens from the device, and only after this step's work is queued does the host
+        wait for the previous step's tokens, while the device runs this step. A request whose
+        stop condition is met at step N was also scheduled in step N+1; that row's token is
+        dropped (its input, the last real token, was written to the cache, so a session's next
+        turn need not prefill it).
+        """
         out = self.scheduler.schedule()
         self.runner.update_block_tables(*out.table_updates)
-        finished_early = [self._output(self._requests.pop(s.request_id), "length")
-                          for s in out.capped if s.request_id in self._requests]
-        if out.is_empty:
-            return finished_early
+        in_flight = self._dispatch(out) if not out.is_empty else []
+        outputs = self._resolve(self._in_flight)
+        self._in_flight = in_flight
+        for seq in out.capped:   # ended by the scheduler: no KV room left to decode
+            req = self._requests.pop(seq.request_id, None)
+            if req is not None:
+                self._drop_placeholders(seq)
+                outputs[seq.request_id] = self._output(req, "length")
+        return list(outputs.values())
 
+    def _dispatch(self, out) -> list[_InFlightToken]:
+        """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
         first_logits, first_reqs, reclaim = [], [], {}
         for chunk in out.prefill_chunks:
             seq = chunk.seq
@@ -220,56 +255,61 @@ class Engine:
                 first_reqs.append(self._requests[seq.request_id])
 
         decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
-        decode_tokens = None
+        pending: list[tuple[_Request, jax.Array, int]] = []
         if decode_reqs:
-            decode_tokens = self._run_decode(out, decode_reqs)
-        first_tokens = None
+            n, bucket = len(decode_reqs), out.decode_bucket
+            positions = np.zeros(bucket, np.int32)
+            steps = np.zeros(bucket, np.int32)
+            positions[:n] = [r.seq.num_tokens - 1 for r in decode_reqs]
+            steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
+            tokens = self.runner.decode(positions, out.decode_slots, out.decode_lengths,
+                                        *self._sampling_arrays(decode_reqs, bucket), steps)
+            pending += [(r, tokens, i) for i, r in enumerate(decode_reqs)]
+            self.tokens_processed += n
         if first_reqs:
-            t, k, p, seeds = self._sampling_arrays(first_reqs, len(first_reqs))
-            first_tokens = self.runner.sample(first_logits, t, k, p, seeds,
-                                              np.zeros(len(first_reqs), np.int32))
+            tokens = self.runner.sample(
+                first_logits, [r.seq.slot for r in first_reqs],
+                *self._sampling_arrays(first_reqs, len(first_reqs)),
+                [r.seq.num_output_tokens for r in first_reqs])
+            pending += [(r, tokens, i) for i, r in enumerate(first_reqs)]
 
-        sampled = {}
-        if decode_tokens is not None:
-            for req, tok in zip(decode_reqs, np.asarray(decode_tokens)[:len(decode_reqs)]):
-                sampled[req.seq.request_id] = int(tok)
-        if first_tokens is not None:
-            for req, tok in zip(first_reqs, np.asarray(first_tokens)):
-                sampled[req.seq.request_id] = int(tok)
-        self.scheduler.commit(out, sampled, reclaim if self.config.mode == "dynamic" else None)
-        self.tokens_processed += len(decode_reqs)
+        self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, _, _ in pending},
+                              reclaim if self.config.mode == "dynamic" else None)
+        # commit appended one placeholder per sampled token: remember where it sits.
+        return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1)
+                for r, tokens, row in pending]
 
+    def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
+        """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests."""
+        host = {id(t.tokens): np.asarray(t.tokens) for t in in_flight}
         now = time.perf_counter()
-        outputs = finished_early
-        for rid, token in sampled.items():
-            req = self._requests[rid]
+        outputs: dict[str, RequestOutput] = {}
+        for t in in_flight:
+            req, seq = t.request, t.request.seq
+            if self._requests.get(seq.request_id) is not req:
+                continue   # aborted meanwhile
+            token = int(host[id(t.tokens)][t.row])
+            seq.token_ids[t.index] = token
             req.metrics.token_times.append(now)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.stop.append(token)
             reason = req.stop.finish_reason
-            if reason is None and req.seq.num_tokens >= self.max_model_len:
+            if reason is None and t.index + 1 >= self.max_model_len:
                 reason = "length"
             if reason is not None:
-                self.scheduler.finish(rid)
-                del self._requests[rid]
-                outputs.append(self._output(req, reason))
-            else:
-                outputs.append(self._output(req, None))
+                self._drop_placeholders(seq)
+                if seq.status.is_running or seq.status is SequenceStatus.WAITING:
+                    self.scheduler.finish(seq.request_id)
+                del self._requests[seq.request_id]
+            outputs[seq.request_id] = self._output(req, reason)
         return outputs
 
-    def _run_decode(self, out, reqs: list[_Request]):
-        bucket = out.decode_bucket
-        n = len(reqs)
-        tokens = np.zeros(bucket, np.int32)
-        positions = np.zeros(bucket, np.int32)
-        tokens[:n] = [r.seq.token_ids[-1] for r in reqs]
-        positions[:n] = [r.seq.num_tokens - 1 for r in reqs]
-        t, k, p, seeds = self._sampling_arrays(reqs, bucket)
-        steps = np.zeros(bucket, np.int32)
-        steps[:n] = [len(r.stop.token_ids) for r in reqs]
-        return self.runner.decode(tokens, positions, out.decode_slots, out.decode_lengths,
-                                  t, k, p, seeds, steps)
+    @staticmethod
+    def _drop_placeholders(seq: Sequence) -> None:
+        """Forget the tokens of steps dispatched after the request ended."""
+        while seq.token_ids and seq.token_ids[-1] == _PLACEHOLDER:
+            seq.token_ids.pop()
 
     @staticmethod
     def _sampling_arrays(reqs: list[_Request], rows: int):

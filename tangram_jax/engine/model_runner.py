@@ -24,7 +24,6 @@ Modes (one runner, other configurations):
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -148,12 +147,16 @@ class ModelRunner:
         self.v_pages = jnp.zeros(shape, dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
+        # The last sampled token of every slot, kept on the device: a decode step reads its
+        # input tokens here, so the host can schedule the next step before it has seen them.
+        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
-                               donate_argnums=(2, 3))
+                               donate_argnums=(2, 3, 4))
+        self._sample_rows = jax.jit(_sample_into_slots, donate_argnums=0)
 
     # ----- block tables ----------------------------------------------------------------------
     def update_block_tables(self, flat_index: np.ndarray, values: np.ndarray) -> None:
@@ -268,34 +271,37 @@ class ModelRunner:
         recent = (position >= chunk_len - protected[:, None]) & (position < chunk_len)
         return jnp.where(recent, jnp.float32(1e9), plain)
 
-    # ----- decode ----------------------------------------------------------------------------
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               lengths: np.ndarray, temperature: np.ndarray, top_k: np.ndarray,
-               top_p: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> jax.Array:
-        """One decode step for a padded batch (the bucket is `len(tokens)`).
+    # ----- decode ---------------------------------------------------------------------------
+    def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
+               temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               seeds: np.ndarray, steps: np.ndarray) -> jax.Array:
+        """One decode step for a padded batch (the bucket is `len(slots)`).
 
-        tokens, positions: int [B] (each row's last token and its position); slots: int [B] rows
-        of the block table (padded rows: the manager's null slot); lengths: int32 [B, layers,
-        groups] retained tokens before this step (pages for the new token already reserved).
+        Each row's input token is its slot's last sampled token (`slot_tokens`, on the device),
+        and the token sampled here replaces it, so nothing waits for the host.
+        positions: int [B] position of each row's input token; slots: int [B] rows of the block
+        table (padded rows: the manager's null slot); lengths: int32 [B, layers, groups]
+        retained tokens before this step (pages for the new token already reserved).
         Sampling arrays [B] as in `tangram_jax.sampling`. Returns next tokens [B] (device).
         """
-        bucket = len(tokens)
+        bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
         if self.ops.name == "pallas" and split_map is None:
             raise ValueError(f"no split map for decode bucket {bucket}; have "
                              f"{sorted(self.split_maps)}")
-        self.k_pages, self.v_pages, next_tokens = self._decode(
-            self.state, self.layer_states, self.k_pages, self.v_pages, jnp.asarray(tokens, jnp.int32),
+        self.k_pages, self.v_pages, self.slot_tokens, next_tokens = self._decode(
+            self.state, self.layer_states, self.k_pages, self.v_pages, self.slot_tokens,
             jnp.asarray(positions, jnp.int32), self.block_tables, jnp.asarray(slots, jnp.int32),
             jnp.asarray(lengths, jnp.int32), jnp.asarray(temperature, jnp.float32),
             jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
             jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32), split_map=split_map)
         return next_tokens
 
-    def _decode_impl(self, state, layer_states, k_pages, v_pages, tokens, positions,
+    def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, *,
                      split_map):
         model = nnx.merge(self.graphdef, state)
+        tokens = slot_tokens[slots]
         block_tables = all_tables[slots]                    # [B, layers, groups, max_pages]
         batch = tokens.shape[0]
         layout = self.layout
@@ -331,17 +337,24 @@ class ModelRunner:
             (layer_states, jnp.swapaxes(block_tables, 0, 1), jnp.swapaxes(lengths, 0, 1),
              work_lists))
         logits = model.logits(h)[:, 0]
-        keys = step_keys(seeds, steps)
-        return k_pages, v_pages, sample_tokens(logits, temperature, top_k, top_p, keys)
+        next_tokens = sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps))
+        # Padded rows all point at the null slot; whichever write wins there is never read.
+        return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens
 
     # ----- sampling of prefill logits -----------------------------------------------------
-    @staticmethod
-    @functools.partial(jax.jit)
-    def _sample_rows(logits, temperature, top_k, top_p, seeds, steps):
-        return sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps))
+    def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
+               steps) -> jax.Array:
+        """Sample the first token of sequences whose prefill just ended (logits: list of [V],
+        slots: int [n] their block-table rows, which remember the token for the next decode).
+        Returns tokens [n] (device)."""
+        self.slot_tokens, tokens = self._sample_rows(
+            self.slot_tokens, jnp.stack(logits), jnp.asarray(slots, jnp.int32),
+            jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p, jnp.float32), jnp.asarray(seeds, jnp.uint32),
+            jnp.asarray(steps, jnp.int32))
+        return tokens
 
-    def sample(self, logits: list[jax.Array], temperature, top_k, top_p, seeds, steps) -> jax.Array:
-        """Sample the first token of sequences whose prefill just ended; logits: list of [V]."""
-        return self._sample_rows(jnp.stack(logits), jnp.asarray(temperature, jnp.float32),
-                                 jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
-                                 jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32))
+
+def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps):
+    tokens = sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps))
+    return slot_tokens.at[slots].set(tokens), tokens
