@@ -32,6 +32,8 @@ class BlockTable:
         self.tables = np.zeros((num_rows, num_layers, num_groups, max_pages), dtype=np.int32)
         self.num_pages = np.zeros((num_rows, num_layers, num_groups), dtype=np.int32)
         self.cells_per_row = num_layers * num_groups
+        self.row_size = self.cells_per_row * self.max_pages   # table entries per slot
+        self._cell_starts = np.arange(self.cells_per_row, dtype=np.int64) * self.max_pages
         self._log_index: list[np.ndarray] = []
         self._log_value: list[np.ndarray] = []
 
@@ -42,8 +44,8 @@ class BlockTable:
         pages: int32 [counts.sum()] ids, consumed cell by cell in C order of
         (slot, layer, group) and in token order within a cell.
         """
-        slots = np.asarray(slots, dtype=np.int64)
-        counts = np.asarray(counts, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.intp)
+        counts = np.asarray(counts)
         pages = np.asarray(pages, dtype=np.int32)
         if counts.shape != (slots.size,) + self.num_pages.shape[1:]:
             raise ValueError(f"counts has shape {counts.shape}, expected "
@@ -52,21 +54,16 @@ class BlockTable:
             raise ValueError(f"{pages.size} pages given for {counts.sum()} entries")
         if pages.size == 0:
             return
-        held = self.num_pages[slots].astype(np.int64)
-        if (held + counts).max() > self.max_pages:
-            raise BlockTableFullError(f"a group would need {(held + counts).max()} pages, "
+        if counts.min() < 0:
+            raise ValueError("counts must be >= 0")
+        held = self.num_pages[slots]
+        new_held = held + counts
+        if new_held.max() > self.max_pages:
+            raise BlockTableFullError(f"a group would need {new_held.max()} pages, "
                                       f"the table holds {self.max_pages}")
-        flat_counts = counts.ravel()
-        # Global cell id of every cell touched, then one entry per appended page.
-        cell = (slots[:, None] * self.cells_per_row
-                + np.arange(self.cells_per_row)[None, :]).ravel()
-        entry_cell = np.repeat(cell, flat_counts)
-        first_of_cell = np.repeat(np.cumsum(flat_counts) - flat_counts, flat_counts)
-        offset_in_cell = np.arange(pages.size) - first_of_cell
-        entry_col = np.repeat(held.ravel(), flat_counts) + offset_in_cell
-        flat_index = entry_cell * self.max_pages + entry_col
+        flat_index = self._entries(slots, held, counts)
         self.tables.reshape(-1)[flat_index] = pages
-        self.num_pages[slots] = (held + counts).astype(np.int32)
+        self.num_pages[slots] = new_held
         self._log(flat_index, pages)
 
     def append_to_cells(self, cells: np.ndarray, pages: np.ndarray) -> None:
@@ -94,40 +91,51 @@ class BlockTable:
         slots: int [n] distinct rows; keep: int [n, layers, groups] (cells already at or below
         their `keep` are untouched). Returned ids are in C order of (slot, layer, group, page).
         """
-        slots = np.asarray(slots, dtype=np.int64)
-        keep = np.asarray(keep, dtype=np.int64)
-        held = self.num_pages[slots].astype(np.int64)
+        slots = np.asarray(slots, dtype=np.intp)
+        held = self.num_pages[slots]
         new_held = np.minimum(held, keep)
-        col = np.arange(self.max_pages)
-        dropped = (col >= new_held[..., None]) & (col < held[..., None])
-        rows = self.tables[slots]
-        released = rows[dropped]
-        if released.size:
-            flat_index = (slots[:, None, None, None] * (self.cells_per_row * self.max_pages)
-                          + np.arange(self.cells_per_row * self.max_pages)
-                          .reshape(self.tables.shape[1:])[None])[dropped]
-            rows[dropped] = 0
-            self.tables[slots] = rows
-            self._log(flat_index, np.zeros(flat_index.size, dtype=np.int32))
-        self.num_pages[slots] = new_held.astype(np.int32)
+        flat_index = self._entries(slots, new_held, held - new_held)
+        released = self._clear_entries(flat_index)
+        self.num_pages[slots] = new_held
         return released
 
     def clear(self, slot: int) -> np.ndarray:
         """Empty one row; return the page ids it held (C order of layer, group, page)."""
-        row = self.tables[slot].reshape(-1)            # a view: writes land in the table
-        used = np.flatnonzero(np.arange(self.max_pages) < self.num_pages[slot][..., None])
-        released = row[used]
-        row[used] = 0
+        slots = np.array([slot], dtype=np.intp)
+        held = self.num_pages[slots]
+        released = self._clear_entries(self._entries(slots, np.zeros_like(held), held))
         self.num_pages[slot] = 0
-        if used.size:
-            self._log(slot * self.cells_per_row * self.max_pages + used,
-                      np.zeros(used.size, dtype=np.int32))
         return released
 
     def pages_of(self, slot: int) -> np.ndarray:
         """All page ids row `slot` holds (C order of layer, group, page)."""
-        col = np.arange(self.max_pages)
-        return self.tables[slot][col < self.num_pages[slot][..., None]]
+        slots = np.array([slot], dtype=np.intp)
+        held = self.num_pages[slots]
+        return self.tables.reshape(-1)[self._entries(slots, np.zeros_like(held), held)]
+
+    def _entries(self, slots: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """int64 flat indices into ``tables.ravel()`` of columns ``first .. first + counts - 1``
+        of every cell of `slots`, in C order of (slot, layer, group, column).
+
+        slots: intp [n]; first, counts: int [n, layers, groups], counts >= 0. One ragged arange
+        (a repeat and an arange over the entries): no loop over cells."""
+        counts = counts.reshape(-1)
+        ends = np.cumsum(counts)
+        total = int(ends[-1]) if ends.size else 0
+        if total == 0:
+            return np.zeros(0, dtype=np.int64)
+        cell_start = ((slots[:, None] * self.row_size + self._cell_starts).reshape(-1)
+                      + first.reshape(-1))
+        return np.repeat(cell_start - (ends - counts), counts) + np.arange(total)
+
+    def _clear_entries(self, flat_index: np.ndarray) -> np.ndarray:
+        """Zero the given entries (logged); return the page ids they held."""
+        flat = self.tables.reshape(-1)
+        released = flat[flat_index]
+        if flat_index.size:
+            flat[flat_index] = 0
+            self._log(flat_index, np.zeros(flat_index.size, dtype=np.int32))
+        return released
 
     def take_updates(self) -> tuple[np.ndarray, np.ndarray]:
         """Writes since the last call: (int64 flat indices into ``tables.ravel()``, int32 values).

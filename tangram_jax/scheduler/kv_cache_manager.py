@@ -29,7 +29,7 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
-from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.kv_layout import KVLayout, chunk_keep_count, pages_for
 from tangram_jax.scheduler.block_table import BlockTable
 from tangram_jax.scheduler.page_pool import PagePool
 
@@ -100,6 +100,11 @@ class KVCacheManager:
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._slot_in_use = np.zeros(rows, dtype=bool)
         self._grown = np.zeros(rows, dtype=bool)   # grown for decode, not yet advanced
+        # layout.retained_counts as a lookup: keep count of a chunk of every length 0..chunk_size
+        # ([chunk_size + 1, layers, groups]), from the one keep rule the prefill uses.
+        chunk = layout.chunk_size
+        self._keep_by_chunk_len = chunk_keep_count(layout.group_budgets,
+                                                   np.arange(chunk + 1)[:, None, None])
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
 
@@ -136,7 +141,7 @@ class KVCacheManager:
         """Return the slot and every page it holds. Returns the number of pages released."""
         self._check_slot(slot)
         released = self.table.clear(slot)
-        self.pool.release(released)
+        self.pool.release(released, distinct=True)   # table entries are allocated once each
         self.lengths[slot] = 0
         self.reserved_lengths[slot] = 0
         self._grown[slot] = False
@@ -145,10 +150,19 @@ class KVCacheManager:
         return int(released.size)
 
     # ----- reservation -------------------------------------------------------------------
+    def retained_counts(self, num_new_tokens: int) -> np.ndarray:
+        """int64 [layers, groups]: ``layout.retained_counts(num_new_tokens)`` (the same chunked
+        keep rule), read from a per-chunk-length table instead of recomputed."""
+        full, rest = divmod(int(num_new_tokens), self.layout.chunk_size)
+        if full < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        keep = self._keep_by_chunk_len
+        return keep[-1] * full + keep[rest]
+
     def reservation_target(self, base_lengths: np.ndarray, num_new_tokens: int) -> np.ndarray:
         """int64 [layers, groups]: tokens to hold after a turn of `num_new_tokens` new tokens
         on top of `base_lengths` (the session's retained lengths, 0 for a fresh sequence)."""
-        return np.asarray(base_lengths, dtype=np.int64) + self.layout.retained_counts(num_new_tokens)
+        return self.retained_counts(num_new_tokens) + base_lengths
 
     def pages_to_reserve(self, slot: int | None, num_new_tokens: int) -> int:
         """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
@@ -187,7 +201,7 @@ class KVCacheManager:
     def commit_prefill(self, slot: int, num_tokens: int) -> None:
         """The device has written a prefill piece of `num_tokens` new tokens, starting on a
         compression-chunk boundary of its turn: lengths grow by ``layout.retained_counts``."""
-        new = self.lengths[slot] + self.layout.retained_counts(num_tokens)
+        new = self.lengths[slot] + self.retained_counts(num_tokens)
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
         self.lengths[slot] = new
@@ -229,9 +243,9 @@ class KVCacheManager:
         overflow the block-table width fails too. Returns bool [n]: which can decode this step
         (call `advance_decode` for those after the device step).
         """
-        # Runs every step over [batch, layers, groups]: int32, and after the first pass only
-        # the cells that grow (about 1 in page_size) are touched.
-        slots = np.asarray(slots, dtype=np.int64)
+        # Runs every step over [batch, layers, groups]: int32, one pass to find the cells that
+        # cross a page boundary (about 1 in page_size), then only those cells are touched.
+        slots = np.asarray(slots, dtype=np.intp)
         n = slots.size
         if n == 0:
             return np.zeros(0, dtype=bool)
@@ -239,25 +253,30 @@ class KVCacheManager:
         held = self.table.num_pages[slots]
         # The token at index `lengths` needs a new page iff every held slot is already used.
         flat = np.flatnonzero(lengths >= held * np.int32(self.page_size))
-        row, cell_in_row = np.divmod(flat, self.table.cells_per_row)
-        over = held.reshape(-1)[flat] >= self.max_pages_per_group
-        if flat.size <= self.pool.num_free and not over.any():
+        cells_per_row = self.table.cells_per_row
+        row = flat // cells_per_row
+        over = flat.size and held.reshape(-1)[flat].max() >= self.max_pages_per_group
+        if flat.size <= self.pool.num_free and not over:
             ok = np.ones(n, dtype=bool)
             grow, grow_lengths = slots, lengths
         else:
-            fits_table = np.bincount(row[over], minlength=n) == 0
+            over_cell = held.reshape(-1)[flat] >= self.max_pages_per_group
+            fits_table = np.bincount(row[over_cell], minlength=n) == 0
             demand = np.where(fits_table, np.bincount(row, minlength=n), 0)
             # Prefix greedy: the failing sequences are the trailing ones (newest when the
             # caller orders oldest first), which is who gets preempted.
             ok = fits_table & (np.cumsum(demand) <= self.pool.num_free)
             keep = ok[row]
-            row, cell_in_row = row[keep], cell_in_row[keep]
+            flat, row = flat[keep], row[keep]
             grow, grow_lengths = slots[ok], lengths[ok]
+        if flat.size:
+            # Global cell id: the cell's offset within its row, in the slot's row.
+            cells = flat + (slots[row] - row) * cells_per_row
+            self.table.append_to_cells(cells, self.pool.allocate(flat.size))
         if grow.size:
-            cells = slots[row] * self.table.cells_per_row + cell_in_row
-            self.table.append_to_cells(cells, self.pool.allocate(cells.size))
             # A decoding sequence has reserved == lengths (or lengths + 1 if already grown).
-            self.reserved_lengths[grow] = grow_lengths + np.int32(1)
+            grow_lengths += np.int32(1)
+            self.reserved_lengths[grow] = grow_lengths
             self._grown[grow] = True
         return ok
 
@@ -268,7 +287,7 @@ class KVCacheManager:
 
     def advance_decode(self, slots: np.ndarray) -> None:
         """The device appended one token to every group of `slots` (each grown this step)."""
-        slots = np.asarray(slots, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.intp)
         if not self._grown[slots].all():
             raise ValueError("advance_decode for a sequence not grown this step "
                              "(grow_for_decode first)")

@@ -67,8 +67,13 @@ class PagePool:
         self._in_use[pages.astype(np.intp)] = True
         return pages
 
-    def release(self, pages: np.ndarray) -> None:
-        """Give pages back. Raises ValueError on the null page, foreign ids or double frees."""
+    def release(self, pages: np.ndarray, *, distinct: bool = False) -> None:
+        """Give pages back. Raises ValueError on the null page, foreign ids or double frees.
+
+        distinct: the caller guarantees no id repeats within `pages` (the KV-cache manager's
+        pages come from a block table, each entry allocated once), which skips the O(k)
+        within-call duplicate check; ids not allocated are refused either way.
+        """
         pages = np.asarray(pages, dtype=np.int32).ravel()
         if pages.size == 0:
             return
@@ -76,12 +81,15 @@ class PagePool:
             raise ValueError(f"page ids must lie in [1, {self.num_pages}), got "
                              f"[{pages.min()}, {pages.max()}]")
         index = pages.astype(np.intp)
-        # Duplicate check in O(k): after scattering positions, a repeated id reads back the
-        # position of its last occurrence at its first one.
-        order = np.arange(pages.size, dtype=np.int32)
-        self._position[index] = order
-        if not self._in_use.take(index).all() or (self._position.take(index) != order).any():
+        if not self._in_use.take(index).all():
             raise ValueError("releasing a page that is not allocated (double free)")
+        if not distinct:
+            # Duplicate check in O(k): after scattering positions, a repeated id reads back the
+            # position of its last occurrence at its first one.
+            order = np.arange(pages.size, dtype=np.int32)
+            self._position[index] = order
+            if (self._position.take(index) != order).any():
+                raise ValueError("releasing a page that is not allocated (double free)")
         self._in_use[index] = False
         top = self._num_free
         self._free[top:top + pages.size] = pages[::-1]

@@ -141,6 +141,12 @@ class Scheduler:
         self._step = 0
         self._admissions = 0
         self._aborted_since_schedule = False
+        # `running` split by status, and the decode slots, rebuilt only after `running` or a
+        # status in it changed: a step with no admission, transition or finish reuses them.
+        self._batch_stale = True
+        self._decoding: list[Sequence] = []
+        self._decoding_slots = np.zeros(0, dtype=np.intp)
+        self._prefilling: list[Sequence] = []
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
@@ -207,6 +213,7 @@ class Scheduler:
         seq = self._live(request_id)
         if seq.status.is_running:
             self.running.remove(seq)
+            self._batch_stale = True
         elif seq.status is SequenceStatus.WAITING and seq.num_output_tokens and seq in self.waiting:
             self.waiting.remove(seq)
         else:
@@ -229,6 +236,7 @@ class Scheduler:
         self._aborted_since_schedule = True
         if seq in self.running:
             self.running.remove(seq)
+            self._batch_stale = True
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq, SequenceStatus.ABORTED)
@@ -250,17 +258,17 @@ class Scheduler:
         preempted: list[Sequence] = []
         capped: list[Sequence] = []
 
-        decode = [s for s in self.running if s.status is SequenceStatus.DECODE]
-        decode = self._grow_for_decode(decode, preempted, capped)
+        self._refresh_batches()
+        decode, decode_slots = self._grow_for_decode(preempted, capped)
         budget -= len(decode)
 
+        self._refresh_batches()   # a preemption may have taken a prefilling sequence
         chunks: list[PrefillChunk] = []
-        for seq in self.running:
-            if seq.status is SequenceStatus.PREFILL:
-                take = self._piece_size(seq, budget)
-                if take:
-                    chunks.append(self._chunk(seq, take))
-                    budget -= take
+        for seq in self._prefilling:
+            take = self._piece_size(seq, budget)
+            if take:
+                chunks.append(self._chunk(seq, take))
+                budget -= take
         # A step that had to preempt is short of pages: admitting now would only thrash.
         if not preempted:
             self._admit(budget, chunks)
@@ -268,7 +276,7 @@ class Scheduler:
         n = len(decode)
         bucket = next(b for b in self.decode_buckets if b >= n) if n else 0
         slots = np.full(bucket, self.manager.null_slot, dtype=np.int32)
-        slots[:n] = [s.slot for s in decode]
+        slots[:n] = decode_slots
         out = SchedulerOutput(step=self._step, prefill_chunks=chunks, decode_seqs=decode,
                               decode_slots=slots, decode_lengths=self.manager.lengths[slots],
                               table_updates=self.manager.take_table_updates(),
@@ -298,12 +306,23 @@ class Scheduler:
             if chunk.is_last:
                 seq.token_ids.append(self._sampled(sampled_tokens, seq))
                 seq.status = SequenceStatus.DECODE
+                self._batch_stale = True
         seqs = output.decode_seqs
-        if seqs and self._aborted_since_schedule:
-            seqs = [q for q in seqs if q.status is SequenceStatus.DECODE]
         if seqs:
-            tokens = [self._sampled(sampled_tokens, q) for q in seqs]
-            self.manager.advance_decode(np.array([q.slot for q in seqs]))
+            if self._aborted_since_schedule:
+                seqs = [q for q in seqs if q.status is SequenceStatus.DECODE]
+                slots = np.array([q.slot for q in seqs], dtype=np.intp)
+            else:
+                slots = output.decode_slots[:len(seqs)]
+            try:
+                # Values are not checked: an engine that learns tokens a step late commits
+                # placeholders and overwrites `token_ids` later.
+                tokens = [int(sampled_tokens[q.request_id]) for q in seqs]
+            except KeyError:
+                for q in seqs:
+                    self._sampled(sampled_tokens, q)   # raises, naming the request
+                raise
+            self.manager.advance_decode(slots)
             for seq, token in zip(seqs, tokens):
                 seq.num_computed_tokens += 1
                 seq.token_ids.append(token)
@@ -311,35 +330,45 @@ class Scheduler:
         self.metrics.add_to_step(time.perf_counter() - t0)
 
     # ----- internals ---------------------------------------------------------------------
-    def _grow_for_decode(self, decode: list[Sequence], preempted: list[Sequence],
-                         capped: list[Sequence]) -> list[Sequence]:
-        granted: list[Sequence] = []
-        pending = decode
+    def _refresh_batches(self) -> None:
+        if self._batch_stale:
+            self._decoding = [s for s in self.running if s.status is SequenceStatus.DECODE]
+            self._prefilling = [s for s in self.running if s.status is SequenceStatus.PREFILL]
+            self._decoding_slots = np.array([s.slot for s in self._decoding], dtype=np.intp)
+            self._batch_stale = False
+
+    def _grow_for_decode(self, preempted: list[Sequence],
+                         capped: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
+        """Grow every decoding sequence by one token, preempting (or capping) when the pool or
+        the table cannot serve; returns the granted sequences (admission order) and slots."""
+        decode = self._decoding
+        ok = self.manager.grow_for_decode(self._decoding_slots)
+        if ok.all():   # the common case: the whole batch, its slot array reused
+            return decode, self._decoding_slots
+        granted = [s for s, o in zip(decode, ok) if o]
+        pending = [s for s, o in zip(decode, ok) if not o]
         while pending:
-            ok = self.manager.grow_for_decode(np.array([s.slot for s in pending]))
-            if ok.all():
-                granted += pending
-                break
-            granted += [s for s, o in zip(pending, ok) if o]
-            pending = [s for s, o in zip(pending, ok) if not o]
             first = pending[0]
             own = self.manager.pages_held(first.slot) + self._decode_demand(first)
             if self.manager.at_table_limit(first.slot) or own > self.manager.pool.capacity:
                 self._end_capped(first)
                 capped.append(first)
                 pending = pending[1:]
-                continue
-            if self._evict_lru():
-                continue
-            victim = self.running[-1]   # running is in admission order: the newest
-            self._preempt(victim)
-            preempted.append(victim)
-            granted = [s for s in granted if s is not victim]
-            pending = [s for s in pending if s is not victim]
-        if len(granted) != len(decode):
-            # Keep the batch in admission order (oldest first) for stable row positions.
-            granted.sort(key=lambda s: s.admission_order)
-        return granted
+            else:
+                if not self._evict_lru():
+                    victim = self.running[-1]   # running is in admission order: the newest
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    granted = [s for s in granted if s is not victim]
+                    pending = [s for s in pending if s is not victim]
+            if not pending:
+                break
+            ok = self.manager.grow_for_decode(np.array([s.slot for s in pending]))
+            granted += [s for s, o in zip(pending, ok) if o]
+            pending = [s for s, o in zip(pending, ok) if not o]
+        # Keep the batch in admission order (oldest first) for stable row positions.
+        granted.sort(key=lambda s: s.admission_order)
+        return granted, np.array([s.slot for s in granted], dtype=np.intp)
 
     def _decode_demand(self, seq: Sequence) -> int:
         m = self.manager
@@ -385,6 +414,7 @@ class Scheduler:
                 other.num_skips += 1
             self.waiting.remove(seq)
             self.running.append(seq)
+            self._batch_stale = True
             seq.status = SequenceStatus.PREFILL
             seq.turn_start = seq.num_computed_tokens
             seq.admission_order = self._admissions
@@ -443,6 +473,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._batch_stale = True
         self._drop_cache(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -451,6 +482,7 @@ class Scheduler:
 
     def _end_capped(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._batch_stale = True
         self._requests.pop(seq.request_id, None)
         self._release(seq, SequenceStatus.CAPPED)
         self.metrics.num_capped += 1
