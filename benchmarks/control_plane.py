@@ -41,10 +41,10 @@ LAYERS, KV_HEADS, HEAD_DIM, GROUP, PAGE, CHUNK, RHO = 32, 8, 128, 2, 16, 256, 0.
 PROMPT_RANGE, OUTPUT_RANGE = (2048, 4096), (64, 512)
 
 
-def skewed_head_budgets(rng: np.random.Generator) -> np.ndarray:
+def skewed_head_budgets(rng: np.random.Generator, num_layers: int = LAYERS) -> np.ndarray:
     """[layers, kv_heads] budgets, long-tailed (a few heads keep most, most keep little),
     rescaled so the mean is RHO; clipped to (0.02, 1]."""
-    raw = rng.lognormal(mean=0.0, sigma=1.0, size=(LAYERS, KV_HEADS))
+    raw = rng.lognormal(mean=0.0, sigma=1.0, size=(num_layers, KV_HEADS))
     b = raw / raw.mean() * RHO
     for _ in range(20):   # clipping at 1 lowers the mean; re-scale the unclipped part
         b = np.clip(b, 0.02, 1.0)
@@ -52,13 +52,15 @@ def skewed_head_budgets(rng: np.random.Generator) -> np.ndarray:
     return np.clip(b, 0.02, 1.0)
 
 
-def layouts(rng: np.random.Generator) -> tuple[KVLayout, KVLayout, np.ndarray]:
-    head_budgets = skewed_head_budgets(rng)
+def layouts(rng: np.random.Generator, num_layers: int = LAYERS
+            ) -> tuple[KVLayout, KVLayout, np.ndarray]:
+    """(Tangram layout, monolithic layout of the dynamic baseline, head budgets [layers, heads])."""
+    head_budgets = skewed_head_budgets(rng, num_layers)
     perm, group_budgets = budget_aware_groups(head_budgets, GROUP)
-    tangram = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    tangram = KVLayout(num_layers=num_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                        group_size=GROUP, page_size=PAGE, chunk_size=CHUNK, head_perm=perm,
                        group_budgets=group_budgets, name="tangram")
-    dynamic = KVLayout.monolithic(LAYERS, KV_HEADS, HEAD_DIM, page_size=PAGE, chunk_size=CHUNK,
+    dynamic = KVLayout.monolithic(num_layers, KV_HEADS, HEAD_DIM, page_size=PAGE, chunk_size=CHUNK,
                                   name="dynamic")
     return tangram, dynamic, head_budgets
 

@@ -1,0 +1,248 @@
+"""GPU time of a whole decode step and of one prefill chunk for a Llama-3.1-8B-shaped model,
+through the engine's own `ModelRunner`: the denominator of the control-plane goal.
+
+The model is the project's `Decoder` with random bf16 weights built on the device (nothing is
+downloaded): 32 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128, intermediate 14336,
+vocab 128256, untied head (8.0 B parameters, 16 GB). The KV layout is control_plane.py's Tangram
+layout (G 2, page 16, chunk 256, skewed per-head budgets averaging rho 0.25, clustered by budget).
+The block tables come from the project's `KVCacheManager`: every sequence of the batch holds a
+`--context`-token turn, retained per group by the chunked rule (`reserve` + `commit_prefill`),
+plus the page for its next decode token (`grow_for_decode`); the pool's free list is shuffled
+first so sequences own scattered pages, as after a while of serving. The pool's contents are
+zeros: attention time does not depend on the values.
+
+Timed, after warm-up (compilation) calls:
+- `ModelRunner.decode` at each `--batches` bucket: embedding, 32 layers (QKV/O/MLP GEMMs, KV
+  append, the Pallas decode kernel with the AOT split map), logits, sampling;
+- `ModelRunner.prefill_chunk` of one `--chunk`-token chunk at history 0 and at history
+  ``context - chunk`` (chunk attention over the retained history, scoring, compression into pages).
+
+Each figure is the median wall time of `--reps` calls, each ended by `block_until_ready`, and the
+GPU busy time per call from a profiler trace (the sum of GPU stream activity, no host gaps) when
+the trace has GPU events. Writes benchmarks/results/decode_step_gpu.json.
+
+    GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_step_gpu.py
+    python benchmarks/decode_step_gpu.py --tiny   # CPU smoke test of the same path, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from control_plane import CHUNK, layouts  # noqa: E402
+from tangram_jax.engine.config import EngineConfig  # noqa: E402
+from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from tangram_jax.kv_layout import pages_for  # noqa: E402
+from tangram_jax.models.config import ModelConfig  # noqa: E402
+from tangram_jax.models.decoder import Decoder  # noqa: E402
+from tangram_jax.pallas_kernels.split_map import build_split_map  # noqa: E402
+from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                num_heads=32, num_kv_heads=8, head_dim=128)
+# CPU smoke test: the KV shape of the layout (8 KV heads, head_dim 128), everything else small.
+TINY = dict(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_layers=2,
+            num_heads=8, num_kv_heads=8, head_dim=128)
+
+
+def model_config(shape: dict) -> ModelConfig:
+    return ModelConfig(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192},
+                       max_position_embeddings=131072, tie_word_embeddings=False,
+                       attention_bias=False, qk_norm=False, bos_token_id=128000,
+                       eos_token_ids=(128001,), **shape)
+
+
+def fill_manager(layout, max_batch: int, context: int, seed: int):
+    """A manager whose first `max_batch` slots each hold a `context`-token turn (plus the page of
+    the next decode token), and one more slot reserved for a prefill chunk, pages scattered."""
+    rows = max_batch + 1
+    per_seq = int(pages_for(layout.retained_counts(context) + 1, layout.page_size).sum())
+    num_pages = rows * per_seq + 1
+    max_pages = int(pages_for(context + 1, layout.page_size))
+    manager = KVCacheManager(layout, num_pages, rows, max_pages,
+                             model_kv_shape=(layout.num_layers, layout.num_kv_heads,
+                                             layout.head_dim))
+    pool = manager.pool
+    pool.release(np.random.default_rng(seed).permutation(pool.allocate(pool.capacity)))
+    slots = []
+    for _ in range(max_batch):
+        slot = manager.allocate_slot()
+        if not manager.reserve(slot, context):
+            raise RuntimeError("pool sized too small")
+        manager.commit_prefill(slot, context)
+        slots.append(slot)
+    slots = np.asarray(slots, np.int32)
+    if not manager.grow_for_decode(slots).all():
+        raise RuntimeError("pool sized too small for the decode token")
+    prefill_slot = manager.allocate_slot()
+    if not manager.reserve(prefill_slot, context):
+        raise RuntimeError("pool sized too small for the prefill slot")
+    return manager, slots, prefill_slot
+
+
+def gpu_busy_fn():
+    """decode_attention.py's profiler-trace busy time, if that module imports (else None)."""
+    try:
+        from decode_attention import _gpu_busy_time
+        return _gpu_busy_time
+    except Exception as e:   # noqa: BLE001 - a broken sibling benchmark must not stop this one
+        print(f"no GPU busy-time helper ({type(e).__name__}: {e}); wall time only", flush=True)
+        return None
+
+
+def measure(fn, reps: int, busy) -> dict:
+    """Median wall ms of `fn()` (each call ended by block_until_ready) and GPU busy ms."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())                # compiles
+    first = time.perf_counter() - t0
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    out = {"wall_ms_median": float(np.median(times) * 1e3),
+           "wall_ms_p10": float(np.percentile(times, 10) * 1e3),
+           "wall_ms_p90": float(np.percentile(times, 90) * 1e3),
+           "first_call_s": first, "reps": reps}
+    gpu = busy(lambda: fn(), (), max(3, reps // 2)) if busy is not None else None
+    out["gpu_busy_ms"] = float(gpu * 1e3) if gpu else None
+    out["ms"] = out["gpu_busy_ms"] or out["wall_ms_median"]
+    out["time_source"] = "gpu_busy" if out["gpu_busy_ms"] else "wall"
+    return out
+
+
+def decode_call(runner: ModelRunner, slots: np.ndarray, lengths: np.ndarray, context: int):
+    """A closure running `runner.decode` on this batch (greedy sampling). Works with the runner's
+    current signature (input tokens on the device) and the earlier one (a host `tokens` array)."""
+    b = len(slots)
+    arrays = dict(positions=np.full(b, context, np.int32), slots=slots, lengths=lengths,
+                  temperature=np.zeros(b, np.float32), top_k=np.full(b, -1, np.int32),
+                  top_p=np.ones(b, np.float32), seeds=np.zeros(b, np.uint32),
+                  steps=np.zeros(b, np.int32), tokens=np.ones(b, np.int32))
+    names = [p for p in inspect.signature(runner.decode).parameters]
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise RuntimeError(f"ModelRunner.decode takes {names}; this script does not know "
+                           f"{missing}")
+    args = [arrays[n] for n in names]
+    return lambda: runner.decode(*args)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context", type=int, default=3216,
+                        help="tokens of each sequence's turn (control_plane.py's mean context: "
+                             "mean prompt 3072 + half the mean output 144)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="small CPU smoke test")
+    parser.add_argument("--out", default=os.path.join(BENCH, "results", "decode_step_gpu.json"))
+    args = parser.parse_args(argv)
+    shape = TINY if args.tiny else LLAMA_8B
+    config = model_config(shape)
+    tangram, _, head_budgets = layouts(np.random.default_rng(args.seed), config.num_layers)
+    t0 = time.perf_counter()
+    manager, slots, prefill_slot = fill_manager(tangram, max(args.batches), args.context,
+                                                args.seed)
+    host_setup_s = time.perf_counter() - t0
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    t0 = time.perf_counter()
+    model = Decoder(config, dtype, rngs=nnx.Rngs(args.seed))
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    num_programs = EngineConfig().num_programs
+    split_maps = {b: build_split_map(tangram.group_budgets, num_programs, b,
+                                     group_size=tangram.group_size) for b in args.batches}
+    runner = ModelRunner(model, config, tangram, manager.pool.num_pages,
+                         manager.block_tables.shape, split_maps=split_maps,
+                         runner_config=RunnerConfig(mode="tangram", obs_window=32))
+    runner.update_block_tables(*manager.take_table_updates())
+    jax.block_until_ready(runner.block_tables)
+    build_s = time.perf_counter() - t0
+    print(f"model {params / 1e9:.2f} B params built in {build_s:.1f} s, pool "
+          f"{manager.pool.num_pages} pages ({manager.pool.num_pages * runner.kv_bytes_per_page / 2**30:.1f} GiB), "
+          f"attention ops {runner.ops.name}", flush=True)
+    busy = gpu_busy_fn() if jax.devices()[0].platform == "gpu" else None
+
+    decode = []
+    for b in args.batches:
+        rows = slots[:b]
+        fig = measure(decode_call(runner, rows, manager.lengths[rows], args.context), args.reps,
+                      busy)
+        retained = manager.lengths[rows].astype(np.int64)
+        fig.update(batch=b, retained_tokens_per_group_mean=float(retained.mean()),
+                   kv_bytes_read=int(retained.sum()) * tangram.group_size * tangram.head_dim
+                   * 2 * 2)
+        decode.append(fig)
+        print(f"decode batch {b}: {fig['ms']:.3f} ms ({fig['time_source']}; wall "
+              f"{fig['wall_ms_median']:.3f})", flush=True)
+
+    rng = np.random.default_rng(args.seed + 1)
+    prefill = []
+    for hist in (0, args.context - CHUNK):
+        tokens = rng.integers(0, config.vocab_size, CHUNK).astype(np.int32)
+        hist_lengths = manager.retained_counts(hist).astype(np.int32)
+        fig = measure(lambda: runner.prefill_chunk(tokens, hist, prefill_slot, hist_lengths)[0],
+                      args.reps, busy)
+        fig.update(chunk_tokens=CHUNK, history_tokens=hist,
+                   history_retained_per_group_mean=float(hist_lengths.mean()))
+        prefill.append(fig)
+        print(f"prefill chunk of {CHUNK} at history {hist}: {fig['ms']:.3f} ms "
+              f"({fig['time_source']})", flush=True)
+
+    weight_bytes = params * jnp.dtype(dtype).itemsize
+    result = {
+        "benchmark": "decode_step_gpu",
+        "device": device_description(),
+        "git_revision": git_revision() or "unknown",
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+        "jax_version": jax.__version__,
+        "model": dict(shape, params=params, dtype=str(jnp.dtype(dtype)),
+                      weight_bytes=weight_bytes, architecture="llama", random_weights=True),
+        "layout": {"name": tangram.name, "group_size": tangram.group_size,
+                   "page_size": tangram.page_size, "chunk_size": tangram.chunk_size,
+                   "head_budget_mean": float(head_budgets.mean()),
+                   "group_budget_mean": float(tangram.group_budgets.mean()),
+                   "num_programs": num_programs},
+        "context_tokens": args.context,
+        "what_is_timed": ("ModelRunner.decode (embedding, 32 layers of GEMMs + KV append + Pallas "
+                          "decode attention with the AOT split map, logits, sampling) per batch "
+                          "bucket; ModelRunner.prefill_chunk of one chunk (attention over the "
+                          "retained history, scoring, compression into pages, last logits). "
+                          "`ms` is GPU busy time per call when the profiler saw GPU events, "
+                          "else the median wall time with block_until_ready"),
+        "host_setup_s": host_setup_s,
+        "model_build_s": build_s,
+        "decode": decode,
+        "prefill_chunk": prefill,
+        "prefill_chunk_ms_mean": float(np.mean([p["ms"] for p in prefill])),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
