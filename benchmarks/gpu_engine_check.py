@@ -7,7 +7,8 @@ SmolLM2's, saved from this machine into --tokenizer-dir). Then:
 1. correctness: greedy tokens of the dense reference path, `full` mode and `tangram` mode with
    every budget 1 (heads permuted) must agree (float32);
 2. serving: `full`, `dynamic` and `tangram` (a skewed per-head profile averaging --ratio) serve the
-   same multi-turn workload with the same pool bytes, bf16; throughput, pool use and reclaim time.
+   same multi-turn workload with the same pool bytes, bf16; throughput, pool use and reclaim time;
+   `tangram-sync` is tangram without asynchronous scheduling (what the overlap buys).
 
 Writes benchmarks/results/gpu_engine.json (device, git revision, command, every mode in the same
 run, ratios against full KV).
@@ -99,7 +100,9 @@ def check_correctness(folder: Path, args) -> dict:
             "token_agreement_tangram_vs_dense": agree(tangram, dense)}
 
 
-def serve(folder: Path, mode: str, args) -> dict:
+def serve(folder: Path, variant: str, args) -> dict:
+    """Serve the workload with `variant`: a mode, or ``<mode>-sync`` for the same mode without
+    asynchronous scheduling (the host waits for every step's tokens)."""
     from tangram_jax.llm import LLM
     from tangram_jax.models.registry import load_model
     from tangram_jax.sampling import SamplingParams
@@ -108,7 +111,9 @@ def serve(folder: Path, mode: str, args) -> dict:
     kwargs = dict(max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
                   chunk_size=args.chunk_size, page_size=16, max_model_len=8192,
                   max_num_batched_tokens=args.max_num_seqs + 2 * args.chunk_size,
-                  dtype="bfloat16", ratio=args.ratio)
+                  dtype="bfloat16", ratio=args.ratio,
+                  async_scheduling=not variant.endswith("-sync"))
+    mode = variant.removesuffix("-sync")
     if mode == "tangram":
         kwargs.update(profile=skewed_profile(config, args.group_size, args.ratio),
                       group_size=args.group_size)
@@ -138,7 +143,7 @@ def serve(folder: Path, mode: str, args) -> dict:
     elapsed = time.perf_counter() - t0
     usage = engine.kv_usage()
     sched = usage["scheduler"]
-    return {"mode": mode, "seconds": elapsed, "generated_tokens": generated,
+    return {"mode": variant, "async_scheduling": kwargs["async_scheduling"], "seconds": elapsed, "generated_tokens": generated,
             "output_tokens_per_s": generated / elapsed,
             "processed_tokens_per_s": usage["tokens_processed"] / elapsed,
             "pool_pages": engine.manager.pool.capacity, "peak_pool_utilisation": peak / engine.manager.pool.capacity,
@@ -165,7 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--kv-cache-tokens", type=int, default=60000)
-    p.add_argument("--modes", default="full,dynamic,tangram")
+    p.add_argument("--modes", default="full,dynamic,tangram,tangram-sync",
+                   help="modes to serve; <mode>-sync: that mode without asynchronous scheduling")
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_engine.json"))
     args = p.parse_args(argv)

@@ -56,7 +56,9 @@ def test_rho_one_tangram_equals_full_and_dense_reference(full_llm):
     full = [o.outputs[0].token_ids for o in full_llm.generate(prompts, GREEDY, use_tqdm=False)]
 
     cfg = full_llm.engine.model_config
-    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1), **SMALL)
+    # Waiting for every step's tokens (no asynchronous scheduling) must not change them either.
+    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1),
+                  async_scheduling=False, **SMALL)
     assert tangram.engine.layout.num_groups == cfg.num_kv_heads
     ours = [o.outputs[0].token_ids for o in tangram.generate(prompts, GREEDY, use_tqdm=False)]
 
@@ -152,7 +154,7 @@ def test_host_fetches_tokens_only_after_the_next_step_is_queued(full_llm, monkey
     def record(name, fn):
         def wrapped(*args, **kwargs):
             tokens = fn(*args, **kwargs)
-            events.append(("dispatch", id(tokens)))
+            events.append(("dispatch", [tokens]))
             return tokens
         monkeypatch.setattr(runner, name, wrapped)
 
@@ -161,7 +163,7 @@ def test_host_fetches_tokens_only_after_the_next_step_is_queued(full_llm, monkey
     resolve = engine._resolve
 
     def resolve_spy(in_flight):
-        events.append(("resolve", {id(t.tokens) for t in in_flight}))
+        events.append(("resolve", [t.tokens for t in in_flight]))
         return resolve(in_flight)
 
     monkeypatch.setattr(engine, "_resolve", resolve_spy)
@@ -172,11 +174,15 @@ def test_host_fetches_tokens_only_after_the_next_step_is_queued(full_llm, monkey
         per_step.append([len(o.outputs[0].token_ids) for o in engine.step()])
     # Tokens arrive one step late: nothing after the prefill step, then one per step.
     assert per_step == [[], [1], [2], [3], [4], [5], [6]]
-    for i, (kind, ids) in enumerate(events):
-        if kind == "resolve" and ids:
-            dispatched_at = max(j for j, e in enumerate(events[:i]) if e[1] in ids)
+    checked = 0
+    for i, (kind, arrays) in enumerate(events):
+        dispatched = [j for j, (k, d) in enumerate(events[:i])
+                      if k == "dispatch" and any(d[0] is a for a in arrays)]
+        if kind == "resolve" and dispatched:   # (tokens of steps before the spy: not ours)
             # A newer step was queued before the host blocked on these tokens.
-            assert any(e[0] == "dispatch" for e in events[dispatched_at + 1:i]), events
+            assert any(k == "dispatch" for k, _ in events[max(dispatched) + 1:i]), events
+            checked += 1
+    assert checked == 6
     assert engine.manager.num_free_pages == engine.manager.pool.capacity
 
 

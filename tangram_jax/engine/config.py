@@ -47,6 +47,9 @@ class EngineConfig:
     max_num_seqs: concurrent sequence slots; max_num_batched_tokens: prefill tokens per step.
     max_model_len: longest sequence (prompt + output); default the model's context length.
     num_programs: concurrent programs the decode kernel's split map is sized for.
+    async_scheduling: learn each step's tokens one step late, so the host schedules step N+1
+      while the device runs step N (vLLM's `async_scheduling`); False waits for every step's
+      tokens before returning from `Engine.step` (outputs a step earlier, device idle meanwhile).
     """
 
     model: str | None = None
@@ -66,6 +69,7 @@ class EngineConfig:
     num_programs: int = 132 * 4
     obs_window: int = 32
     seed: int = 0
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:

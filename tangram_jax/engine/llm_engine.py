@@ -211,21 +211,25 @@ class Engine:
 
     # ----- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Dispatch one scheduler step to the device, then report the previous step's tokens.
+        """Dispatch one scheduler step to the device, then report tokens.
 
-        Tokens are learned one step late (vLLM's asynchronous scheduling): the scheduler commits
-        this step's lengths with placeholder tokens before any token value is known, decode reads
-        its input tokens from the device, and only after this step's work is queued does the host
-        wait for the previous step's tokens, while the device runs this step. A request whose
-        stop condition is met at step N was also scheduled in step N+1; that row's token is
-        dropped (its input, the last real token, was written to the cache, so a session's next
-        turn need not prefill it).
+        With ``config.async_scheduling`` (the default) tokens are learned one step late (vLLM's
+        asynchronous scheduling): the scheduler commits this step's lengths with placeholder
+        tokens before any token value is known, decode reads its input tokens from the device,
+        and only after this step's work is queued does the host wait for the *previous* step's
+        tokens, while the device runs this step. A request whose stop condition is met at step
+        N was also scheduled in step N+1; that row's token is dropped (its input, the last real
+        token, was written to the cache, so a session's next turn need not prefill it).
+        Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
         out = self.scheduler.schedule()
         self.runner.update_block_tables(*out.table_updates)
         in_flight = self._dispatch(out) if not out.is_empty else []
-        outputs = self._resolve(self._in_flight)
-        self._in_flight = in_flight
+        if self.config.async_scheduling:
+            outputs = self._resolve(self._in_flight)
+            self._in_flight = in_flight
+        else:
+            outputs = self._resolve(in_flight)
         for seq in out.capped:   # ended by the scheduler: no KV room left to decode
             req = self._requests.pop(seq.request_id, None)
             if req is not None:
