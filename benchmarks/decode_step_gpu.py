@@ -19,7 +19,7 @@ Timed, after warm-up (compilation) calls:
 
 Each figure is the median wall time of `--reps` calls, each ended by `block_until_ready`, and the
 GPU busy time per call from a profiler trace (the sum of GPU stream activity, no host gaps) when
-the trace has GPU events. Writes benchmarks/results/decode_step_gpu.json.
+the trace has GPU events, with the largest kernels/ops by GPU time. Writes benchmarks/results/decode_step_gpu.json.
 
     GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_step_gpu.py
     python benchmarks/decode_step_gpu.py --tiny   # CPU smoke test of the same path, small shapes
@@ -100,18 +100,37 @@ def fill_manager(layout, max_batch: int, context: int, seed: int):
     return manager, slots, prefill_slot
 
 
-def gpu_busy_fn():
-    """decode_attention.py's profiler-trace busy time, if that module imports (else None)."""
-    try:
-        from decode_attention import _gpu_busy_time
-        return _gpu_busy_time
-    except Exception as e:   # noqa: BLE001 - a broken sibling benchmark must not stop this one
-        print(f"no GPU busy-time helper ({type(e).__name__}: {e}); wall time only", flush=True)
-        return None
+def gpu_trace(fn, reps: int) -> tuple[float | None, dict[str, float]]:
+    """GPU busy seconds per call of `fn()` from a profiler trace (the sum of GPU stream
+    activity, no host gaps), and the same split by kernel/op name (seconds per call)."""
+    import glob
+    import tempfile
+    from jax._src.lib import _profile_data
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        for _ in range(reps):
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            return None, {}
+        data = _profile_data.ProfileData.from_file(paths[0])
+    by_name: dict[str, float] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                for e in line.events:
+                    name = getattr(e, "name", "?")
+                    by_name[name] = by_name.get(name, 0.0) + e.duration_ns * 1e-9 / reps
+    total = sum(by_name.values())
+    return (total or None), by_name
 
 
-def measure(fn, reps: int, busy) -> dict:
-    """Median wall ms of `fn()` (each call ended by block_until_ready) and GPU busy ms."""
+def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
+    """Median wall ms of `fn()` (each call ended by block_until_ready), GPU busy ms and the
+    `top` kernels/ops by GPU time."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn())                # compiles
     first = time.perf_counter() - t0
@@ -125,8 +144,10 @@ def measure(fn, reps: int, busy) -> dict:
            "wall_ms_p10": float(np.percentile(times, 10) * 1e3),
            "wall_ms_p90": float(np.percentile(times, 90) * 1e3),
            "first_call_s": first, "reps": reps}
-    gpu = busy(lambda: fn(), (), max(3, reps // 2)) if busy is not None else None
+    gpu, by_name = gpu_trace(fn, max(3, reps // 2)) if on_gpu else (None, {})
     out["gpu_busy_ms"] = float(gpu * 1e3) if gpu else None
+    out["top_gpu_ops_ms"] = {k: round(v * 1e3, 4) for k, v in
+                             sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
     out["ms"] = out["gpu_busy_ms"] or out["wall_ms_median"]
     out["time_source"] = "gpu_busy" if out["gpu_busy_ms"] else "wall"
     return out
@@ -151,7 +172,7 @@ def decode_call(runner: ModelRunner, slots: np.ndarray, lengths: np.ndarray, con
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--context", type=int, default=3216,
                         help="tokens of each sequence's turn (control_plane.py's mean context: "
                              "mean prompt 3072 + half the mean output 144)")
@@ -183,13 +204,13 @@ def main(argv=None) -> None:
     print(f"model {params / 1e9:.2f} B params built in {build_s:.1f} s, pool "
           f"{manager.pool.num_pages} pages ({manager.pool.num_pages * runner.kv_bytes_per_page / 2**30:.1f} GiB), "
           f"attention ops {runner.ops.name}", flush=True)
-    busy = gpu_busy_fn() if jax.devices()[0].platform == "gpu" else None
+    on_gpu = jax.devices()[0].platform == "gpu"
 
     decode = []
     for b in args.batches:
         rows = slots[:b]
         fig = measure(decode_call(runner, rows, manager.lengths[rows], args.context), args.reps,
-                      busy)
+                      on_gpu)
         retained = manager.lengths[rows].astype(np.int64)
         fig.update(batch=b, retained_tokens_per_group_mean=float(retained.mean()),
                    kv_bytes_read=int(retained.sum()) * tangram.group_size * tangram.head_dim
@@ -204,7 +225,7 @@ def main(argv=None) -> None:
         tokens = rng.integers(0, config.vocab_size, CHUNK).astype(np.int32)
         hist_lengths = manager.retained_counts(hist).astype(np.int32)
         fig = measure(lambda: runner.prefill_chunk(tokens, hist, prefill_slot, hist_lengths)[0],
-                      args.reps, busy)
+                      args.reps, on_gpu)
         fig.update(chunk_tokens=CHUNK, history_tokens=hist,
                    history_retained_per_group_mean=float(hist_lengths.mean()))
         prefill.append(fig)
