@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -54,9 +55,10 @@ def _median_time(fn, args, reps):
 _PRINTED_LINES = []
 
 
-def _gpu_busy_time(fn, args, reps):
+def _gpu_busy_time(fn, args, reps, per_kernel=None):
     """Seconds of GPU stream activity per call of fn(*args), from a profiler trace (CUPTI):
-    device time without the host's launch gaps. None if no GPU events were recorded."""
+    device time without the host's launch gaps. None if no GPU events were recorded.
+    `per_kernel`, a dict, receives seconds per call by kernel name."""
     import glob
     import tempfile
     from jax._src.lib import _profile_data
@@ -76,7 +78,11 @@ def _gpu_busy_time(fn, args, reps):
         for line in plane.lines:
             names.append(line.name)
             if line.name.startswith("Stream"):
-                total += sum(e.duration_ns for e in line.events)
+                for e in line.events:
+                    total += e.duration_ns
+                    if per_kernel is not None:      # fusion_3, fusion_12 -> fusion
+                        name = re.sub(r"([._]\d+)+$", "", e.name)
+                        per_kernel[name] = per_kernel.get(name, 0.0) + e.duration_ns * 1e-9 / reps
     if not _PRINTED_LINES:
         _PRINTED_LINES.append(names)
         print("profiler GPU lines:", sorted(set(names))[:12], flush=True)
@@ -150,9 +156,11 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin,
         f = jax.jit(block)
         f_args = (q, k, v, tables, lens_dev, jnp.zeros(1) if static else work)
         t, p10, p90 = _median_time(f, f_args, reps)
-        gpu = _gpu_busy_time(f, f_args, reps)
+        kernels = {}
+        gpu = _gpu_busy_time(f, f_args, reps, kernels)
         per_call = gpu / calls if gpu else t / calls
         row = dict(variant=name, batch=batch, context=context, page_size=page_size,
+                   kernels_s={k: v / calls for k, v in sorted(kernels.items())},
                    items_per_row=int(work.shape[-2]), time_s=per_call,
                    time_source="gpu_busy" if gpu else "wall", wall_time_s=t / calls,
                    wall_p10_s=p10 / calls, wall_p90_s=p90 / calls, bytes=kv_bytes,
@@ -226,33 +234,67 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
                 achieved_bytes_per_s=full_bytes / per_call)
 
 
+# Kernel configurations of the sweep (run 8): block_tokens / num_warps / num_stages; with 3+
+# stages the kernel carries the next block's page ids so Triton double-buffers the K/V tiles.
+# Registers and shared memory per program (Triton 3.6, sm_90a) are in benchmarks/NOTES.md.
 SWEEP = (
-    dict(block_tokens=64, num_warps=4, num_stages=2, heads_per_program=1),
-    dict(block_tokens=64, num_warps=4, num_stages=3, heads_per_program=1),
-    dict(block_tokens=64, num_warps=4, num_stages=2, heads_per_program=2),
-    dict(block_tokens=64, num_warps=4, num_stages=3, heads_per_program=2),
-    dict(block_tokens=64, num_warps=8, num_stages=2, heads_per_program=2),
-    dict(block_tokens=32, num_warps=4, num_stages=2, heads_per_program=2),
+    dict(block_tokens=64, num_warps=4, num_stages=2),
+    dict(block_tokens=32, num_warps=4, num_stages=2),
+    dict(block_tokens=32, num_warps=4, num_stages=3),
+    dict(block_tokens=32, num_warps=2, num_stages=3),
+    dict(block_tokens=16, num_warps=2, num_stages=3),
+    dict(block_tokens=16, num_warps=2, num_stages=4),
+    dict(block_tokens=64, num_warps=4, num_stages=3),
 )
-SWEEP_CASES = ((1, 131072), (8, 131072), (32, 32768))
+SWEEP_CASES = ((1, 8192), (8, 131072), (64, 32768), (64, 131072))
+CHECK_CASE = (4, 32768)           # every swept configuration is checked against the reference
+
+
+def check_config(rng, page_size, num_programs, config):
+    """Relative error of the AOT-map kernel against the jnp reference at a real shape."""
+    from tangram_jax.pallas_kernels.decode_attention import \
+        ragged_paged_decode_attention_reference as reference
+    batch, context = CHECK_CASE
+    k, v, tables, lens, _ = _compressed_case(rng, batch, context, page_size, 1)
+    groups = NUM_KV_HEADS // GROUP_SIZE
+    q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))),
+                          (batch, groups, NUM_Q_HEADS // groups, HEAD_DIM), DTYPE)
+    work = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE,
+                              max_splits=1024).work_list(0)
+    lens = jnp.asarray(lens)
+    out = ragged_paged_decode_attention(q, k, v, tables[0], lens, work_list=work, **config)
+    ref = reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                    tables[0], lens)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(out).all():
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def sweep_config(rng, page_size, num_programs, calls, reps):
-    """AOT time over a few Triton configurations on small- and large-batch cases."""
+    """AOT time over the Triton configurations on small- and large-batch cases; a
+    configuration whose output is off (relative error > 1e-2, bf16) is not eligible."""
     sweep, totals = [], []
     for config in SWEEP:
         total = 0.0
         try:
+            err = check_config(rng, page_size, num_programs, config)
             for batch, context in SWEEP_CASES:
                 [row] = run_case(rng, batch, context, page_size, num_programs, calls, reps,
                                  False, config, variants=("aot",))
                 total += row["time_s"]
-                sweep.append(dict(config, batch=batch, context=context, time_s=row["time_s"]))
+                sweep.append(dict(config, batch=batch, context=context, time_s=row["time_s"],
+                                  bw_bytes_per_s=row["achieved_bytes_per_s"],
+                                  kernels_s=row["kernels_s"], rel_err=err))
+                print(f"  B={batch} ctx={context} {row['time_s'] * 1e6:.1f}us "
+                      f"kernels={ {k: round(t * 1e6, 1) for k, t in row['kernels_s'].items()} }",
+                      flush=True)
         except Exception as e:  # noqa: BLE001 -- a configuration the lowering rejects
             print("sweep", config, f"failed: {type(e).__name__}: {e}"[:300], flush=True)
             continue
-        totals.append((total, config))
-        print("sweep", config, f"{total * 1e6:.1f}us", flush=True)
+        print("sweep", config, f"{total * 1e6:.1f}us rel_err {err:.2e}", flush=True)
+        if err < 1e-2:
+            totals.append((total, config))
     return min(totals, key=lambda t: t[0])[1], sweep
 
 
@@ -266,7 +308,9 @@ def main(argv=None):
                     help="programs per grid the split maps aim at (0: 4 x SMs)")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--sweep", action="store_true",
-                    help="first pick block_tokens/num_warps/num_stages on two cases")
+                    help="first pick block_tokens/num_warps/num_stages on a few cases")
+    ap.add_argument("--config", default="",
+                    help="kernel keyword arguments as JSON (default: the kernel's defaults)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-builtin", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048)
@@ -286,9 +330,12 @@ def main(argv=None):
                              page_size=args.page_size, chunk_size=CHUNK_SIZE,
                              group_budgets=BUDGETS[0].tolist()),
                   cases=[])
-    config = dict(SWEEP[0])
+    config = {k: v for k, v in ragged_paged_decode_attention.__kwdefaults__.items()
+              if k in ("block_tokens", "num_warps", "num_stages", "heads_per_program")}
+    config.update(json.loads(args.config) if args.config else {})
     if args.sweep:
-        config, sweep = sweep_config(rng, args.page_size, num_programs, args.calls, args.reps)
+        config, sweep = sweep_config(rng, args.page_size, num_programs, min(args.calls, 4),
+                                     min(args.reps, 10))
         result["sweep"] = sweep
     result["kernel_config"] = config
     print("kernel config", config, flush=True)

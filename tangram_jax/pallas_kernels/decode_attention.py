@@ -10,8 +10,9 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 `num_splits` page-aligned shares of ``ceil(pages / num_splits)`` (rounded up to whole compute
 blocks) and runs an online softmax over share `split` for `heads_per_program` KV heads (default 1:
 measured fastest, see benchmarks/NOTES.md) and their query heads, writing a normalised partial
-output and its log-sum-exp per head. A second, tiny jnp step merges the partials of each group
-by log-sum-exp. The work list is the only thing that differs between the AOT split map, uniform
+output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group, query head)``)
+merges the partials of each group by log-sum-exp into the output, so a call is two launches.
+The work list is the only thing that differs between the AOT split map, uniform
 splits and runtime planning (`split_map.py`): a static one becomes a constant of the jitted step,
 a planned one is a runtime int32 array of shape ``[batch, items, 3]``.
 """
@@ -35,17 +36,21 @@ from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
+# Work items one merge step reads at once (pass 1: whole row up to this; pass 2: per chunk).
+_MERGE_SCAN_ITEMS = 512
+_MERGE_CHUNK_ITEMS = 128
 
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
-                   o_ref, lse_ref, *, page_size: int, pages_per_block: int, q_per_kv: int,
-                   scale: float, max_pages: int):
+                   o_ref, lse_ref, *, page_size: int, block_tokens: int, q_per_kv: int,
+                   scale: float, max_pages: int, prefetch_page_ids: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
-    work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages];
-    q_ref [groups, H, rows, head_dim] (these KV heads' query rows, padded); k/v_pages_ref
-    [num_pages, H, page_size, head_dim] (these KV heads' slab of the pool);
-    o_ref [H, rows, head_dim] float32; lse_ref [H, rows] float32.
+    work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages (padded to
+    whole blocks)]; q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are
+    masked on load, never read); k/v_pages_ref [num_pages, H, page_size, head_dim] (these KV
+    heads' slab of the pool); o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32,
+    both over q_per_kv real rows (masked stores).
     """
     item = pl.program_id(1)
     group = work_ref[item, 0]
@@ -53,7 +58,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     num_splits = work_ref[item, 2]
     length = lengths_ref[group]
     heads = k_pages_ref.shape[1]
-    block_tokens = pages_per_block * page_size
+    pages_per_block = max(1, block_tokens // page_size)
 
     # Lengths past the block table (a caller's bug) are cut there rather than read out of bounds.
     num_pages = jnp.minimum(pl.cdiv(length, page_size), max_pages)
@@ -67,52 +72,125 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     end_token = jnp.minimum(length, end_page * page_size)
     num_blocks = pl.cdiv(end_page - start_page, pages_per_block)
 
-    qs = [q_ref[group, j] for j in range(heads)]                         # [rows, head_dim]
-    rows = qs[0].shape[0]
+    rows = q_ref.shape[-2]
+    row_real = jnp.arange(rows) < q_per_kv
+    # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
+    head_ids = [jnp.int32(j) for j in range(heads)]
+    qs = [plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)     # [rows, d]
+          for j in head_ids]
+    offsets = jnp.arange(block_tokens)
+    table_len = block_tables_ref.shape[-1]
+    # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
+    dims = jnp.arange(k_pages_ref.shape[-1])[None, :]
 
-    def body(block, carry):
-        first_page = start_page + block * pages_per_block
-        page_valid = first_page + jnp.arange(pages_per_block) < end_page
-        page_ids = block_tables_ref[group, pl.ds(first_page, pages_per_block)]
-        page_ids = jnp.where(page_valid, page_ids, 0)
-        # Every head's K and V gathers are issued before any is used.
-        ks = [k_pages_ref[page_ids, j].reshape(block_tokens, -1) for j in range(heads)]
-        vs = [v_pages_ref[page_ids, j].reshape(block_tokens, -1) for j in range(heads)]
-        token_valid = first_page * page_size + jnp.arange(block_tokens) < end_token
+    def page_ids(block):                                                     # [tokens]
+        token = (start_page + block * pages_per_block) * page_size + offsets
+        # Clamped: the prefetch reads one block past the share (its ids are never used).
+        return block_tables_ref[group, jnp.minimum(token // page_size, table_len - 1)]
+
+    def attend(block, page, states):
+        first_token = (start_page + block * pages_per_block) * page_size
+        token = first_token + offsets
+        token_valid = token < end_token
+        # The K/V tile is gathered as [tokens, head_dim] rows (one page id per token, each
+        # page a contiguous run of page_size rows), so it lands in shared memory in the layout
+        # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
+        # (masked: they may hold anything, NaN included) and read as 0.
+        slot = (token % page_size)[:, None]
+        mask = token_valid[:, None]
+        ks = [plgpu.load(k_pages_ref.at[page[:, None], j, slot, dims], mask=mask, other=0)
+              for j in head_ids]                                             # [tokens, d]
+        vs = [plgpu.load(v_pages_ref.at[page[:, None], j, slot, dims], mask=mask, other=0)
+              for j in head_ids]
         new = []
         for j in range(heads):
-            o_prev, m_prev, l_prev = carry[j]
+            o_prev, m_prev, l_prev = states[j]
             logits = _dot(qs[j], ks[j], trans_b=True) * scale
             logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = jnp.exp(m_prev - m_next)
             p = jnp.exp(logits - m_next[:, None])
             l_next = correction * l_prev + p.sum(axis=-1)
-            # Slots past the length are not ours (may hold anything, NaN included): zero them.
-            v = jnp.where(token_valid[:, None], vs[j], jnp.zeros_like(vs[j]))
-            o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
+            o_next = correction[:, None] * o_prev + _dot(p.astype(vs[j].dtype), vs[j])
             new.append((o_next, m_next, l_next))
         return tuple(new)
 
     init = tuple((jnp.zeros(qs[0].shape, jnp.float32),
                   jnp.full((rows,), _MASK_VALUE, jnp.float32),
                   jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
-    final = lax.fori_loop(0, num_blocks, body, init)
-    row_written = jnp.arange(rows) < q_per_kv
-    for j, (o, m, l) in enumerate(final):
+    if prefetch_page_ids:
+        # Page ids of the next block travel in the loop carry, so the K/V gathers do not
+        # depend on a load of their own iteration and Triton's pipeliner can keep
+        # num_stages - 1 blocks in flight (without this it single-buffers them).
+        def body(block, carry):
+            page, states = carry
+            return page_ids(block + 1), attend(block, page, states)
+        _, final = lax.fori_loop(0, num_blocks, body, (page_ids(0), init))
+    else:
+        final = lax.fori_loop(0, num_blocks,
+                              lambda block, states: attend(block, page_ids(block), states), init)
+    for j, (o, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
         o = o / jnp.where(has_tokens, l, 1.0)[:, None]
         lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
-        plgpu.store(o_ref.at[jnp.int32(j)], o, mask=jnp.broadcast_to(row_written[:, None], o.shape))
-        lse_ref[j, :] = lse
+        plgpu.store(o_ref.at[j], o, mask=row_real[:, None])
+        plgpu.store(lse_ref.at[j], lse, mask=row_real)
+
+
+def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int):
+    """One (sequence, group, query head of the group) program: log-sum-exp merge of the work
+    items that cover this group.
+
+    work_ref [items, 3]; o_part_ref [items, heads_per_group, head_dim] f32 (normalised);
+    lse_part_ref [items, heads_per_group] f32; out_ref [head_dim] in the output dtype.
+    Pass 1 scans every item of the row for the group's largest log-sum-exp and the range its
+    items occupy; pass 2 reads only that range, in chunks.
+    """
+    group = pl.program_id(1)
+    head = pl.program_id(2)
+    head_dim = out_ref.shape[-1]
+    dims = jnp.arange(head_dim)[None, :]
+    group_col, num_splits_col = jnp.int32(0), jnp.int32(2)
+    m = jnp.float32(-jnp.inf)
+    first = jnp.int32(num_items)
+    last = jnp.int32(-1)
+    for start in range(0, num_items, _MERGE_SCAN_ITEMS):
+        size = min(_MERGE_SCAN_ITEMS, backend.next_power_of_2(num_items - start))
+        idx = start + jnp.arange(size)
+        in_row = idx < num_items
+        owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
+            (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
+        lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)
+        m = jnp.maximum(m, lse.max())
+        first = jnp.minimum(first, jnp.where(owned, idx, num_items).min())
+        last = jnp.maximum(last, jnp.where(owned, idx, -1).max())
+    m = jnp.where(m > -jnp.inf, m, 0.0)
+    chunk = min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(num_items))
+
+    def body(c, carry):
+        num, den = carry
+        idx = first + c * chunk + jnp.arange(chunk)
+        in_row = idx <= last
+        owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
+            (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
+        lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)
+        w = jnp.where(owned, jnp.exp(lse - m), 0.0)                        # [chunk]
+        o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
+                       other=0.0)                                   # [chunk, d]
+        return num + (w[:, None] * o).sum(axis=0), den + w.sum()
+
+    num, den = lax.fori_loop(0, pl.cdiv(last - first + 1, chunk), body,
+                             (jnp.zeros((head_dim,), jnp.float32), jnp.float32(0.0)))
+    out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
 def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
                    num_groups: int) -> jax.Array:
-    """Log-sum-exp merge of the work items' partial results into one output per group.
+    """Log-sum-exp merge of the work items' partial results into one output per group (jnp).
 
     o_part [batch, items, G, q_per_kv, d] f32 (normalised), lse_part [batch, items, G, q_per_kv],
     work [batch, items, 3]. Returns [batch, groups, G, q_per_kv, d] f32; groups with no tokens 0.
+    The Pallas merge (`_merge_kernel`) computes the same; this one documents it and tests it.
     """
     owner = (work[..., 0:1] == jnp.arange(num_groups)) & (work[..., 2:3] > 0)  # [b, i, groups]
     lse = jnp.where(owner[..., None, None], lse_part[:, :, None], -jnp.inf)     # [b,i,n,G,q]
@@ -167,6 +245,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     q_per_kv = q_rows // group_size
     rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(q_per_kv))
     pages_per_block = max(1, block_tokens // page_size)
+    block_tokens = pages_per_block * page_size
     max_pages = table_pages = block_tables.shape[-1]
     if max_pages % pages_per_block:
         # Compute blocks start at multiples of pages_per_block: pad so they never read past.
@@ -176,17 +255,17 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     if work.ndim == 2:
         work = jnp.broadcast_to(work, (batch, *work.shape))
     num_items = work.shape[1]
-
-    q_pad = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
-    q_pad = jnp.pad(q_pad, ((0, 0), (0, 0), (0, 0), (0, rows - q_per_kv), (0, 0)))
-
-    kernel = functools.partial(_decode_kernel, page_size=page_size,
-                               pages_per_block=pages_per_block, q_per_kv=q_per_kv,
-                               scale=1.0 / math.sqrt(head_dim), max_pages=table_pages)
     heads = heads_per_program
     if group_size % heads:
         raise ValueError(f"heads_per_program {heads} must divide G={group_size}")
-    o_part, lse_part = pl.pallas_call(
+
+    kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
+                               q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
+                               max_pages=table_pages, prefetch_page_ids=num_stages >= 3)
+    # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
+    # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
+    q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
+    return *pl.pallas_call(
         kernel,
         grid=(batch, num_items, group_size // heads),
         in_specs=[
@@ -203,28 +282,54 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
             pl.BlockSpec((None, None, heads, rows), lambda b, i, j: (b, i, j, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, num_items, group_size, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_items, group_size, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv, head_dim),
+                                 jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
-    )(work, lengths, block_tables, q_pad, k_pages, v_pages)
+    )(work, lengths, block_tables, q, k_pages, v_pages), work
 
-    return o_part[..., :q_per_kv, :], lse_part[..., :q_per_kv], work
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "interpret"))
+def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
+                          interpret: bool):
+    """`merge_partials` as one Pallas launch, writing the final layout and dtype.
+
+    o_part [batch, items, G, q_per_kv, d], lse_part [batch, items, G, q_per_kv],
+    work [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`."""
+    batch, num_items, group_size, q_per_kv, head_dim = o_part.shape
+    heads = group_size * q_per_kv
+    o_part = o_part.reshape(batch, num_items, heads, head_dim)
+    lse_part = lse_part.reshape(batch, num_items, heads)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, num_items=num_items),
+        grid=(batch, num_groups, heads),
+        in_specs=[
+            pl.BlockSpec((None, num_items, 3), lambda b, n, h: (b, 0, 0)),
+            pl.BlockSpec((None, num_items, heads, head_dim), lambda b, n, h: (b, 0, 0, 0)),
+            pl.BlockSpec((None, num_items, heads), lambda b, n, h: (b, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, n, h: (b, n, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_groups, heads, head_dim), out_dtype),
+        interpret=interpret,
+        compiler_params=backend.compiler_params(num_warps=8, num_stages=2),
+        name="ragged_paged_decode_merge",
+    )(work, o_part, lse_part)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(q, k_pages, v_pages, block_tables, lengths, work, **kwargs):
     o_part, lse_part, work = decode_partials(q, k_pages, v_pages, block_tables, lengths, work,
                                              **kwargs)
-    out = merge_partials(o_part, lse_part, work, q.shape[1])
-    return out.reshape(q.shape).astype(q.dtype)
+    return merge_partials_pallas(o_part, lse_part, work, num_groups=q.shape[1],
+                                 out_dtype=q.dtype, interpret=kwargs["interpret"])
 
 
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
-                                  interpret: bool | None = None, block_tokens: int = 64,
-                                  num_warps: int = 4, num_stages: int = 2,
+                                  interpret: bool | None = None, block_tokens: int = 32,
+                                  num_warps: int = 2, num_stages: int = 3,
                                   heads_per_program: int = 1) -> jax.Array:
     """Decode attention of one layer for all its head groups, in one launch.
 
