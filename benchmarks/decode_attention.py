@@ -5,10 +5,11 @@ One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 group
 compressed cache holds, per (sequence, group), `kv_layout.retained_counts` of the context under a
 skewed calibrated-style profile averaging rho = 0.25; the built-in kernel reads the uncompressed
 context. `time_s` is GPU busy time per launch from a profiler trace (CUPTI; kernels of the
-whole step: pads, the Pallas kernel, the merge), `wall_time_s` the host wall clock; wall times are
+whole step: the decode kernel and the merge kernel), `wall_time_s` the host wall clock; wall times are
 medians over repetitions of a jitted block of `--calls` launches, divided by
 the launches. Every launch of a block has its own q (so XLA cannot merge identical calls) and,
-when one page set is small, its own page set (so the L2 cache does not serve them).
+when one page set is small, its own page set (so the L2 cache does not serve them), each passed
+as its own array. `kernels_s` splits `time_s` by kernel name.
 
     GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_attention.py --out results.json
 """
@@ -154,7 +155,8 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin,
             return [ragged_paged_decode_attention(q[c], k, v, tables[c % sets], lens,
                                                   work_list=w, **config) for c in range(calls)]
         f = jax.jit(block)
-        f_args = (q, k, v, tables, lens_dev, jnp.zeros(1) if static else work)
+        # Separate arrays per launch (not slices of one stack, which XLA would copy).
+        f_args = (list(q), k, v, list(tables), lens_dev, jnp.zeros(1) if static else work)
         t, p10, p90 = _median_time(f, f_args, reps)
         kernels = {}
         gpu = _gpu_busy_time(f, f_args, reps, kernels)
@@ -217,13 +219,13 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
     tables = jnp.asarray(rng.permutation(num_pages).astype(np.int32).reshape(
         sets, batch, pages_per_seq))
     lengths = jnp.full((batch,), context, jnp.int32)
-    q = q_grouped.reshape(calls, batch, NUM_Q_HEADS, HEAD_DIM)
+    q = list(q_grouped.reshape(calls, batch, NUM_Q_HEADS, HEAD_DIM))
     k_splits = 16 if pages_per_seq % 16 == 0 else 1
 
     def block(q, k, v, tables, lengths):
         return [paged_attention(q[c], k, v, tables[c % sets], lengths, k_splits=k_splits)
                 for c in range(calls)]
-    f, f_args = jax.jit(block), (q, k, v, tables, lengths)
+    f, f_args = jax.jit(block), (q, k, v, list(tables), lengths)
     t, p10, p90 = _median_time(f, f_args, reps)
     gpu = _gpu_busy_time(f, f_args, reps)
     per_call = gpu / calls if gpu else t / calls

@@ -36,8 +36,7 @@ from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
-# Work items one merge step reads at once (pass 1: whole row up to this; pass 2: per chunk).
-_MERGE_SCAN_ITEMS = 512
+# Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
 
 
@@ -46,8 +45,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
                    scale: float, max_pages: int, prefetch_page_ids: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
-    work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages (padded to
-    whole blocks)]; q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are
+    work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages]; q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are
     masked on load, never read); k/v_pages_ref [num_pages, H, page_size, head_dim] (these KV
     heads' slab of the pool); o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32,
     both over q_per_kv real rows (masked stores).
@@ -79,14 +77,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     qs = [plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)     # [rows, d]
           for j in head_ids]
     offsets = jnp.arange(block_tokens)
-    table_len = block_tables_ref.shape[-1]
     # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
     dims = jnp.arange(k_pages_ref.shape[-1])[None, :]
 
     def page_ids(block):                                                     # [tokens]
         token = (start_page + block * pages_per_block) * page_size + offsets
-        # Clamped: the prefetch reads one block past the share (its ids are never used).
-        return block_tables_ref[group, jnp.minimum(token // page_size, table_len - 1)]
+        # Clamped: a block may reach past the table's end (a share is rounded up to whole
+        # blocks; the prefetch reads one block past it); those ids are never used.
+        return block_tables_ref[group, jnp.minimum(token // page_size, max_pages - 1)]
 
     def attend(block, page, states):
         first_token = (start_page + block * pages_per_block) * page_size
@@ -137,50 +135,39 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
 
-def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int):
+def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int,
+                  chunk: int):
     """One (sequence, group, query head of the group) program: log-sum-exp merge of the work
     items that cover this group.
 
     work_ref [items, 3]; o_part_ref [items, heads_per_group, head_dim] f32 (normalised);
     lse_part_ref [items, heads_per_group] f32; out_ref [head_dim] in the output dtype.
-    Pass 1 scans every item of the row for the group's largest log-sum-exp and the range its
-    items occupy; pass 2 reads only that range, in chunks.
+    One pass over the row's items in `chunk`-item steps, unrolled (num_items is static), so all
+    loads can be in flight at once: only items of this group are read (masked loads), and the
+    running maximum rescales what earlier steps summed.
     """
     group = pl.program_id(1)
     head = pl.program_id(2)
-    head_dim = out_ref.shape[-1]
-    dims = jnp.arange(head_dim)[None, :]
+    dims = jnp.arange(out_ref.shape[-1])[None, :]
     group_col, num_splits_col = jnp.int32(0), jnp.int32(2)
     m = jnp.float32(-jnp.inf)
-    first = jnp.int32(num_items)
-    last = jnp.int32(-1)
-    for start in range(0, num_items, _MERGE_SCAN_ITEMS):
-        size = min(_MERGE_SCAN_ITEMS, backend.next_power_of_2(num_items - start))
-        idx = start + jnp.arange(size)
+    num = jnp.zeros(out_ref.shape, jnp.float32)
+    den = jnp.float32(0.0)
+    for start in range(0, num_items, chunk):
+        idx = start + jnp.arange(chunk)
         in_row = idx < num_items
         owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
             (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
-        lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)
-        m = jnp.maximum(m, lse.max())
-        first = jnp.minimum(first, jnp.where(owned, idx, num_items).min())
-        last = jnp.maximum(last, jnp.where(owned, idx, -1).max())
-    m = jnp.where(m > -jnp.inf, m, 0.0)
-    chunk = min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(num_items))
-
-    def body(c, carry):
-        num, den = carry
-        idx = first + c * chunk + jnp.arange(chunk)
-        in_row = idx <= last
-        owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
-            (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
-        lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)
-        w = jnp.where(owned, jnp.exp(lse - m), 0.0)                        # [chunk]
+        lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)   # [chunk]
         o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
-                       other=0.0)                                   # [chunk, d]
-        return num + (w[:, None] * o).sum(axis=0), den + w.sum()
-
-    num, den = lax.fori_loop(0, pl.cdiv(last - first + 1, chunk), body,
-                             (jnp.zeros((head_dim,), jnp.float32), jnp.float32(0.0)))
+                       other=0.0)                                               # [chunk, d]
+        m_next = jnp.maximum(m, lse.max())
+        m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
+        rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
+        w = jnp.where(owned, jnp.exp(lse - m_safe), 0.0)
+        num = num * rescale + (w[:, None] * o).sum(axis=0)
+        den = den * rescale + w.sum()
+        m = m_next
     out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
@@ -189,9 +176,11 @@ def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
     """Log-sum-exp merge of the work items' partial results into one output per group (jnp).
 
     o_part [batch, items, G, q_per_kv, d] f32 (normalised), lse_part [batch, items, G, q_per_kv],
-    work [batch, items, 3]. Returns [batch, groups, G, q_per_kv, d] f32; groups with no tokens 0.
-    The Pallas merge (`_merge_kernel`) computes the same; this one documents it and tests it.
+    work [items, 3] or [batch, items, 3]. Returns [batch, groups, G, q_per_kv, d] f32; groups
+    with no tokens 0. The Pallas merge (`_merge_kernel`) computes the same; this one documents
+    it and tests it.
     """
+    work = jnp.broadcast_to(work, (o_part.shape[0], *work.shape[-2:]))
     owner = (work[..., 0:1] == jnp.arange(num_groups)) & (work[..., 2:3] > 0)  # [b, i, groups]
     lse = jnp.where(owner[..., None, None], lse_part[:, :, None], -jnp.inf)     # [b,i,n,G,q]
     m = lse.max(axis=1)
@@ -229,6 +218,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, work):
                          f"{work.shape}")
 
 
+def _work_spec(work):
+    """A shared work list [items, 3] is read by every batch row; a planned one per row."""
+    if work.ndim == 2:
+        return pl.BlockSpec(work.shape, lambda b, *_: (0, 0))
+    return pl.BlockSpec((None, *work.shape[1:]), lambda b, *_: (b, 0, 0))
+
+
 _STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
@@ -239,29 +235,22 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     """The kernel alone: per work item normalised partial outputs and log-sum-exps.
 
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
-    work [batch, items, 3]). `ragged_paged_decode_attention` merges them."""
+    work as given). `ragged_paged_decode_attention` merges them."""
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape
     q_per_kv = q_rows // group_size
     rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(q_per_kv))
     pages_per_block = max(1, block_tokens // page_size)
     block_tokens = pages_per_block * page_size
-    max_pages = table_pages = block_tables.shape[-1]
-    if max_pages % pages_per_block:
-        # Compute blocks start at multiples of pages_per_block: pad so they never read past.
-        block_tables = jnp.pad(block_tables,
-                               ((0, 0), (0, 0), (0, -max_pages % pages_per_block)))
-        max_pages = block_tables.shape[-1]
-    if work.ndim == 2:
-        work = jnp.broadcast_to(work, (batch, *work.shape))
-    num_items = work.shape[1]
+    max_pages = block_tables.shape[-1]
+    num_items = work.shape[-2]
     heads = heads_per_program
     if group_size % heads:
         raise ValueError(f"heads_per_program {heads} must divide G={group_size}")
 
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
-                               max_pages=table_pages, prefetch_page_ids=num_stages >= 3)
+                               max_pages=max_pages, prefetch_page_ids=num_stages >= 3)
     # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
     # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
@@ -269,7 +258,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
         kernel,
         grid=(batch, num_items, group_size // heads),
         in_specs=[
-            pl.BlockSpec((None, num_items, 3), lambda b, i, j: (b, 0, 0)),
+            _work_spec(work),
             pl.BlockSpec((None, num_groups), lambda b, i, j: (b, 0)),
             pl.BlockSpec((None, num_groups, max_pages), lambda b, i, j: (b, 0, 0)),
             pl.BlockSpec((None, num_groups, heads, rows, head_dim),
@@ -298,23 +287,26 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     """`merge_partials` as one Pallas launch, writing the final layout and dtype.
 
     o_part [batch, items, G, q_per_kv, d], lse_part [batch, items, G, q_per_kv],
-    work [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`."""
+    work [items, 3] or [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`."""
     batch, num_items, group_size, q_per_kv, head_dim = o_part.shape
     heads = group_size * q_per_kv
     o_part = o_part.reshape(batch, num_items, heads, head_dim)
     lse_part = lse_part.reshape(batch, num_items, heads)
+    chunk = min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(num_items))
+    # ~32 f32 registers per thread for a chunk of partial outputs.
+    num_warps = int(min(8, max(1, chunk * head_dim // 1024)))
     return pl.pallas_call(
-        functools.partial(_merge_kernel, num_items=num_items),
+        functools.partial(_merge_kernel, num_items=num_items, chunk=chunk),
         grid=(batch, num_groups, heads),
         in_specs=[
-            pl.BlockSpec((None, num_items, 3), lambda b, n, h: (b, 0, 0)),
+            _work_spec(work),
             pl.BlockSpec((None, num_items, heads, head_dim), lambda b, n, h: (b, 0, 0, 0)),
             pl.BlockSpec((None, num_items, heads), lambda b, n, h: (b, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, n, h: (b, n, h, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, num_groups, heads, head_dim), out_dtype),
         interpret=interpret,
-        compiler_params=backend.compiler_params(num_warps=8, num_stages=2),
+        compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=1),
         name="ragged_paged_decode_merge",
     )(work, o_part, lse_part)
 
