@@ -102,11 +102,13 @@ def test_decode_matches_reference_for_every_work_list(dtype, shape):
         assert not np.asarray(out, np.float32)[lengths == 0].any(), name
 
 
-def test_merge_kernel_matches_jnp_merge():
+@pytest.mark.parametrize("items, d", [(37, 32), (300, 64)], ids=["one_chunk", "chunks_dim_split"])
+def test_merge_kernel_matches_jnp_merge(items, d):
     """The Pallas merge against the jnp one on random partials: items of every group in a
-    shuffled order, empty shares (lse -inf), no-op rows and one group with no items at all."""
+    shuffled order, empty shares (lse -inf), no-op rows and one group with no items at all;
+    long rows are merged in several chunks and over slices of head_dim."""
     rng = np.random.default_rng()
-    batch, items, groups, g, qpk, d = 3, 37, 4, 2, 3, 32
+    batch, groups, g, qpk = 3, 4, 2, 3
     work = np.zeros((batch, items, 3), np.int32)
     for b in range(batch):
         owner = rng.integers(0, groups - 1, size=items - 5)      # group groups-1 owns nothing

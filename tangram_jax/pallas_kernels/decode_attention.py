@@ -54,7 +54,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
-    length = lengths_ref[group]
+    # Every group's length is loaded alongside the work item (not after it: one dependent
+    # memory round trip less before the first K/V gather) and this group's is picked.
+    num_groups = lengths_ref.shape[0]
+    group_ids = jnp.arange(backend.next_power_of_2(num_groups))
+    lengths = plgpu.load(lengths_ref.at[group_ids], mask=group_ids < num_groups, other=0)
+    length = jnp.where(group_ids == group, lengths, 0).sum()
     heads = k_pages_ref.shape[1]
     pages_per_block = max(1, block_tokens // page_size)
 
@@ -136,19 +141,21 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
 
 
 def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int,
-                  chunk: int):
-    """One (sequence, group, query head of the group) program: log-sum-exp merge of the work
-    items that cover this group.
+                  chunk: int, dim_splits: int):
+    """One (sequence, group, query head of the group x head_dim slice) program: log-sum-exp
+    merge of the work items that cover this group.
 
     work_ref [items, 3]; o_part_ref [items, heads_per_group, head_dim] f32 (normalised);
-    lse_part_ref [items, heads_per_group] f32; out_ref [head_dim] in the output dtype.
+    lse_part_ref [items, heads_per_group] f32; out_ref [head_dim // dim_splits] in the output
+    dtype.
     One pass over the row's items in `chunk`-item steps, unrolled (num_items is static), so all
     loads can be in flight at once: only items of this group are read (masked loads), and the
     running maximum rescales what earlier steps summed.
     """
     group = pl.program_id(1)
-    head = pl.program_id(2)
-    dims = jnp.arange(out_ref.shape[-1])[None, :]
+    head = pl.program_id(2) // dim_splits
+    dim_block = out_ref.shape[-1]
+    dims = (pl.program_id(2) % dim_splits) * dim_block + jnp.arange(dim_block)[None, :]
     group_col, num_splits_col = jnp.int32(0), jnp.int32(2)
     m = jnp.float32(-jnp.inf)
     num = jnp.zeros(out_ref.shape, jnp.float32)
@@ -293,20 +300,24 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     o_part = o_part.reshape(batch, num_items, heads, head_dim)
     lse_part = lse_part.reshape(batch, num_items, heads)
     chunk = min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(num_items))
-    # ~32 f32 registers per thread for a chunk of partial outputs.
-    num_warps = int(min(8, max(1, chunk * head_dim // 1024)))
+    # A chunk of partial outputs is at most 4096 f32 (32 registers a thread at 4 warps), so all
+    # chunks of a program stay in flight: long rows (small batches) split head_dim instead.
+    dim_block = min(head_dim, max(16, 4096 // chunk))
+    dim_splits = head_dim // dim_block
     return pl.pallas_call(
-        functools.partial(_merge_kernel, num_items=num_items, chunk=chunk),
-        grid=(batch, num_groups, heads),
+        functools.partial(_merge_kernel, num_items=num_items, chunk=chunk,
+                          dim_splits=dim_splits),
+        grid=(batch, num_groups, heads * dim_splits),
         in_specs=[
             _work_spec(work),
             pl.BlockSpec((None, num_items, heads, head_dim), lambda b, n, h: (b, 0, 0, 0)),
             pl.BlockSpec((None, num_items, heads), lambda b, n, h: (b, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, n, h: (b, n, h, 0)),
+        out_specs=pl.BlockSpec((None, None, None, dim_block),
+                               lambda b, n, h: (b, n, h // dim_splits, h % dim_splits)),
         out_shape=jax.ShapeDtypeStruct((batch, num_groups, heads, head_dim), out_dtype),
         interpret=interpret,
-        compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=1),
+        compiler_params=backend.compiler_params(num_warps=4, num_stages=1),
         name="ragged_paged_decode_merge",
     )(work, o_part, lse_part)
 
