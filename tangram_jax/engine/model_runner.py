@@ -199,9 +199,9 @@ class ModelRunner:
         else:
             keep = self.layout.chunk_keep_counts(n).astype(np.int32)
         self.k_pages, self.v_pages, logits, kept = self._prefill(
-            self.state, self.layer_states, self.k_pages, self.v_pages, jnp.asarray(padded), np.int32(start_position),
-            np.int32(n), self.block_tables, np.int32(slot), jnp.asarray(hist_lengths, jnp.int32),
-            jnp.asarray(keep))
+            self.state, self.layer_states, self.k_pages, self.v_pages, padded, np.int32(start_position),
+            np.int32(n), self.block_tables, np.int32(slot), np.asarray(hist_lengths, np.int32),
+            keep)
         return logits, kept
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_position,
@@ -291,10 +291,10 @@ class ModelRunner:
                              f"{sorted(self.split_maps)}")
         self.k_pages, self.v_pages, self.slot_tokens, next_tokens = self._decode(
             self.state, self.layer_states, self.k_pages, self.v_pages, self.slot_tokens,
-            jnp.asarray(positions, jnp.int32), self.block_tables, jnp.asarray(slots, jnp.int32),
-            jnp.asarray(lengths, jnp.int32), jnp.asarray(temperature, jnp.float32),
-            jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
-            jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32), split_map=split_map)
+            np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
+            np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
+            np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+            np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), split_map=split_map)
         return next_tokens
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
@@ -348,10 +348,10 @@ class ModelRunner:
         slots: int [n] their block-table rows, which remember the token for the next decode).
         Returns tokens [n] (device)."""
         self.slot_tokens, tokens = self._sample_rows(
-            self.slot_tokens, jnp.stack(logits), jnp.asarray(slots, jnp.int32),
-            jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-            jnp.asarray(top_p, jnp.float32), jnp.asarray(seeds, jnp.uint32),
-            jnp.asarray(steps, jnp.int32))
+            self.slot_tokens, jnp.stack(logits), np.asarray(slots, np.int32),
+            np.asarray(temperature, np.float32), np.asarray(top_k, np.int32),
+            np.asarray(top_p, np.float32), np.asarray(seeds, np.uint32),
+            np.asarray(steps, np.int32))
         return tokens
 
 
