@@ -103,6 +103,10 @@ def test_block_table_refuses_overflow_and_bad_shapes():
         table.append(np.array([0]), np.ones((LAYERS, GROUPS), int), np.arange(1, 7))
     with pytest.raises(ValueError, match="pages given"):
         table.append(np.array([0]), np.ones((1, LAYERS, GROUPS), int), np.arange(1, 3))
+    counts = np.zeros((1, LAYERS, GROUPS), int)
+    counts[0, 0, :2] = [2, -1]
+    with pytest.raises(ValueError, match=">= 0"):
+        table.append(np.array([0]), counts, np.arange(1, 2))
 
 
 def test_page_pool_all_or_nothing_and_double_free():
@@ -121,5 +125,11 @@ def test_page_pool_all_or_nothing_and_double_free():
     with pytest.raises(ValueError, match="double free"):
         pool.release(np.array([pages[3], pages[3]]))
     assert pool.num_free == 4
+    # distinct=True (pages from a block table) skips only the within-call duplicate scan:
+    # ids that are not allocated are still refused, and a refused call changes nothing.
+    with pytest.raises(ValueError, match="double free"):
+        pool.release(pages[:1], distinct=True)
+    pool.release(pages[2:4], distinct=True)
+    assert pool.num_free == 6 and not pool.is_allocated(pages[2:4]).any()
     with pytest.raises(ValueError):
         PagePool(1)

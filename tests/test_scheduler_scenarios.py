@@ -325,3 +325,55 @@ def test_abort_between_schedule_and_commit_keeps_rows_aligned():
                                   layout().retained_counts(6) + 1)
     with pytest.raises(ValueError, match="no sampled token given for request 'c'"):
         s.commit(s.schedule(), {"a": 1})
+
+
+@pytest.mark.parametrize("budgets", [BUDGETS, np.array([[0.07, 0.33], [0.5, 0.999]])])
+def test_manager_retained_counts_lookup_equals_the_layout_rule(budgets):
+    lay = layout(budgets)
+    m, _ = make(lay=lay)
+    for n in list(range(0, 5 * CHUNK + 1)) + [97 * CHUNK + 3]:
+        got = m.retained_counts(n)
+        np.testing.assert_array_equal(got, lay.retained_counts(n))
+        assert got.dtype == np.int64
+    with pytest.raises(ValueError, match=">= 0"):
+        m.retained_counts(-1)
+
+
+def test_cached_decode_batch_follows_every_change_and_commit_takes_placeholders():
+    """The decode batch is cached between steps: after admissions, prefill->decode, finish,
+    abort and preemption it must equal the running decoding sequences (admission order), and
+    `commit` must accept the engine's placeholder token -1 (resolved one step late)."""
+    # Budget 1, 4 cells: a sequence of 8 tokens holds 8 pages; two fill 16 of 17, so decode
+    # growth preempts (as in the preemption test above) and requests take turns.
+    m, s = make(num_pages=18, lay=layout(np.ones((L, 2))))
+    for name in ("a", "b", "c"):
+        s.add_request(name, list(range(8)))
+
+    def check(out):
+        want = [q for q in s.running if q.status is SequenceStatus.DECODE]
+        assert out.decode_seqs == want
+        assert out.decode_slots[:len(want)].tolist() == [q.slot for q in want]
+        np.testing.assert_array_equal(out.decode_lengths[:len(want)],
+                                      m.lengths[[q.slot for q in want]])
+
+    seen_preemption = False
+    for step in range(400):
+        out = s.schedule()
+        check(out)
+        seen_preemption |= bool(out.preempted)
+        if step == 3:
+            s.add_request("d", list(range(5)))
+        if step == 5 and out.decode_seqs:
+            s.abort(out.decode_seqs[0].request_id)
+        sampled = {c.seq.request_id: -1 for c in out.prefill_chunks if c.is_last}
+        sampled.update({q.request_id: -1 for q in out.decode_seqs})
+        s.commit(out, sampled)
+        for q in out.decode_seqs:
+            if q.status is SequenceStatus.DECODE:
+                assert q.token_ids[-1] == -1
+                if len(q.output_token_ids) >= 6:
+                    s.finish(q.request_id)
+        if not s.has_unfinished():
+            break
+    assert not s.has_unfinished() and seen_preemption
+    assert m.pool.num_free == m.pool.capacity

@@ -118,6 +118,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.decode_bucket in (0,) + BUCKETS and out.decode_bucket >= len(out.decode_seqs)
         assert (out.decode_slots[len(out.decode_seqs):] == m.null_slot).all()
         assert len({s.slot for s in out.decode_seqs}) == len(out.decode_seqs)
+        # The cached decode batch is every decoding sequence, oldest admission first.
+        decoding = [s for s in sched.running if s.status is SequenceStatus.DECODE]
+        assert out.decode_seqs == decoding
+        assert out.decode_slots[:len(decoding)].tolist() == [s.slot for s in decoding]
         for seq in out.capped:
             self.ended[seq.request_id] = "capped"
             self.max_new.pop(seq.request_id, None)
