@@ -50,6 +50,7 @@ class EngineConfig:
     async_scheduling: learn each step's tokens one step late, so the host schedules step N+1
       while the device runs step N (vLLM's `async_scheduling`); False waits for every step's
       tokens before returning from `Engine.step` (outputs a step earlier, device idle meanwhile).
+    layer_loop: "scan", "unrolled" or None (unrolled on a GPU, scan on a CPU); see `RunnerConfig`.
     """
 
     model: str | None = None
@@ -70,6 +71,7 @@ class EngineConfig:
     obs_window: int = 32
     seed: int = 0
     async_scheduling: bool = True
+    layer_loop: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:

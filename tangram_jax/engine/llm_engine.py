@@ -113,7 +113,7 @@ class Engine:
             split_maps=split_maps,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=min(cfg.obs_window,
                                                                         cfg.chunk_size),
-                                       dynamic_ratio=cfg.ratio))
+                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop))
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}
         self._next_id = 0

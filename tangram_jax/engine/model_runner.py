@@ -42,6 +42,9 @@ from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import sample_tokens, step_keys
 
+LAYER_LOOPS = ("scan", "unrolled")
+
+
 class AttentionOps(NamedTuple):
     """The three attention pieces a step calls; Pallas kernels or their jnp references."""
 
@@ -75,16 +78,25 @@ class RunnerConfig:
 
     obs_window: SnapKV observation window (queries whose attention scores a chunk's tokens).
     dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
+    layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
+      layer body compiled, fast to compile, but XLA copies each layer's weights out of the
+      stack every step) or ``"unrolled"`` (one traced body per layer over separate parameter
+      arrays: no copies, compile time grows with depth). None: unrolled where the Pallas
+      kernels run (GPU), scan on the CPU.
     """
 
     mode: str = "tangram"
     obs_window: int = 32
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
+    layer_loop: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
+        if self.layer_loop not in (None, *LAYER_LOOPS):
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS} or None, got "
+                             f"{self.layer_loop!r}")
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
         if not 0 < self.dynamic_ratio <= 1:
@@ -131,13 +143,16 @@ class ModelRunner:
         if not np.array_equal(layout.head_perm, np.tile(np.arange(layout.num_kv_heads),
                                                         (layout.num_layers, 1))):
             permute_kv_heads(model, layout.head_perm)
-        # Layers run under lax.scan over stacked parameters: one layer body is compiled, not
-        # num_layers copies (compile time dominates on small models and CPUs). The runner takes
-        # the layers over; the stacked copy is the only one kept.
+        # The runner takes the layers over: stacked for lax.scan (one layer body is compiled,
+        # not num_layers copies: compile time dominates on small models and CPUs), or kept as
+        # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
         layers = list(model.layers)
+        self.layer_loop = runner_config.layer_loop or (
+            "unrolled" if self.ops.name == "pallas" else "scan")
         self.layer_graphdef = nnx.split(layers[0])[0]
-        self.layer_states = jax.tree.map(lambda *xs: jnp.stack(xs),
-                                         *[nnx.split(layer)[1] for layer in layers])
+        states = [nnx.split(layer)[1] for layer in layers]
+        self.layer_states = (jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+                             if self.layer_loop == "scan" else states)
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
@@ -157,6 +172,18 @@ class ModelRunner:
         self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
                                donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, donate_argnums=0)
+
+    def _over_layers(self, layer_step, carry, xs):
+        """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
+        (then ``xs[0]`` is that list and the other per-layer inputs are sliced statically)."""
+        if self.layer_loop == "scan":
+            return jax.lax.scan(layer_step, carry, xs)
+        layer_states, *rest = xs
+        ys = []
+        for i, layer_state in enumerate(layer_states):
+            carry, y = layer_step(carry, (layer_state, *(x[i] for x in rest)))
+            ys.append(y)
+        return carry, (None if ys[0] is None else jnp.stack(ys))
 
     # ----- block tables ----------------------------------------------------------------------
     def update_block_tables(self, flat_index: np.ndarray, values: np.ndarray) -> None:
@@ -236,7 +263,7 @@ class ModelRunner:
             return (h, k_pages, v_pages), keep
 
         h = model.embed(tokens[None])
-        (h, k_pages, v_pages), kept = jax.lax.scan(
+        (h, k_pages, v_pages), kept = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, block_tables, hist_lengths, keep_counts))
         last = jax.lax.dynamic_index_in_dim(h[0], chunk_len - 1, axis=0, keepdims=True)
@@ -332,7 +359,7 @@ class ModelRunner:
             return (h, k_pages, v_pages), None
 
         h = model.embed(tokens[:, None])
-        (h, k_pages, v_pages), _ = jax.lax.scan(
+        (h, k_pages, v_pages), _ = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, jnp.swapaxes(block_tables, 0, 1), jnp.swapaxes(lengths, 0, 1),
              work_lists))

@@ -1,0 +1,65 @@
+"""ModelRunner on a tiny random model: the two ways of looping over layers give the same step."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.kv_layout import KVLayout
+from tangram_jax.models.config import ModelConfig
+from tangram_jax.models.decoder import Decoder
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+
+CONFIG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                     num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+                     tie_word_embeddings=False, attention_bias=False, qk_norm=False,
+                     bos_token_id=None, eos_token_ids=(0,))
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, group_size=1, page_size=4,
+                  chunk_size=16, head_perm=np.array([[1, 0], [0, 1], [1, 0]]),
+                  group_budgets=np.array([[0.5, 1.0], [0.25, 0.75], [1.0, 0.5]]))
+
+
+def run_steps(layer_loop: str):
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, CONFIG, LAYOUT, 64, manager.block_tables.shape,
+                         runner_config=RunnerConfig(layer_loop=layer_loop))
+    assert runner.layer_loop == layer_loop
+    slot = manager.allocate_slot()
+    tokens = np.random.default_rng(0).integers(1, 97, 27)
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    logits = []
+    for start in (0, 16):
+        chunk = tokens[start:start + 16]
+        out, kept = runner.prefill_chunk(chunk, start, slot, manager.lengths[slot])
+        np.testing.assert_array_equal(kept, LAYOUT.chunk_keep_counts(len(chunk)))
+        manager.commit_prefill(slot, len(chunk))
+        logits.append(np.asarray(out))
+    greedy = (np.zeros(1, np.float32), np.full(1, -1, np.int32), np.ones(1, np.float32),
+              np.zeros(1, np.uint32), np.zeros(1, np.int32))
+    first = runner.sample(logits[-1:], [slot], *greedy)
+    decoded = [int(first[0])]
+    for step in range(3):
+        assert manager.grow_for_decode(np.array([slot])).all()
+        runner.update_block_tables(*manager.take_table_updates())
+        out = runner.decode(np.array([len(tokens) + step]), np.array([slot]),
+                            manager.lengths[[slot]], *greedy)
+        manager.advance_decode(np.array([slot]))
+        decoded.append(int(out[0]))
+    return np.stack(logits), decoded, np.asarray(runner.k_pages)
+
+
+def test_unrolled_layers_equal_the_scan():
+    scan_logits, scan_tokens, scan_pages = run_steps("scan")
+    unrolled_logits, unrolled_tokens, unrolled_pages = run_steps("unrolled")
+    np.testing.assert_allclose(unrolled_logits, scan_logits, rtol=1e-5, atol=1e-5)
+    assert unrolled_tokens == scan_tokens
+    np.testing.assert_allclose(unrolled_pages, scan_pages, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_layer_loop_is_refused():
+    with pytest.raises(ValueError, match="layer_loop"):
+        RunnerConfig(layer_loop="vmap")
