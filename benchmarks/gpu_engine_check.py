@@ -8,7 +8,8 @@ SmolLM2's, saved from this machine into --tokenizer-dir). Then:
    every budget 1 (heads permuted) must agree (float32);
 2. serving: `full`, `dynamic` and `tangram` (a skewed per-head profile averaging --ratio) serve the
    same multi-turn workload with the same pool bytes, bf16; throughput, pool use and reclaim time;
-   `tangram-sync` is tangram without asynchronous scheduling (what the overlap buys).
+   `tangram-sync` is tangram without asynchronous scheduling (what the overlap buys), `tangram-scan`
+   tangram with the layers under lax.scan over stacked weights (what unrolling buys).
 
 Writes benchmarks/results/gpu_engine.json (device, git revision, command, every mode in the same
 run, ratios against full KV).
@@ -101,8 +102,9 @@ def check_correctness(folder: Path, args) -> dict:
 
 
 def serve(folder: Path, variant: str, args) -> dict:
-    """Serve the workload with `variant`: a mode, or ``<mode>-sync`` for the same mode without
-    asynchronous scheduling (the host waits for every step's tokens)."""
+    """Serve the workload with `variant`: a mode, optionally with suffixes: ``-sync`` without
+    asynchronous scheduling (the host waits for every step's tokens), ``-scan`` with the layers
+    under `lax.scan` over stacked weights instead of unrolled."""
     from tangram_jax.llm import LLM
     from tangram_jax.models.registry import load_model
     from tangram_jax.sampling import SamplingParams
@@ -112,8 +114,9 @@ def serve(folder: Path, variant: str, args) -> dict:
                   chunk_size=args.chunk_size, page_size=16, max_model_len=8192,
                   max_num_batched_tokens=args.max_num_seqs + 2 * args.chunk_size,
                   dtype="bfloat16", ratio=args.ratio,
-                  async_scheduling=not variant.endswith("-sync"))
-    mode = variant.removesuffix("-sync")
+                  async_scheduling="-sync" not in variant,
+                  layer_loop="scan" if "-scan" in variant else None)
+    mode = variant.split("-")[0]
     if mode == "tangram":
         kwargs.update(profile=skewed_profile(config, args.group_size, args.ratio),
                       group_size=args.group_size)
@@ -123,7 +126,9 @@ def serve(folder: Path, variant: str, args) -> dict:
     rng = np.random.default_rng(2)
     # Warm-up: compile every decode bucket and the prefill step.
     warm = [[int(t) for t in rng.integers(3, 49152, 64)] for _ in range(args.max_num_seqs)]
+    t_warm = time.perf_counter()
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warmup_seconds = time.perf_counter() - t_warm
     engine.tokens_processed = 0
     generated, peak = 0, 0
     t0 = time.perf_counter()
@@ -143,7 +148,9 @@ def serve(folder: Path, variant: str, args) -> dict:
     elapsed = time.perf_counter() - t0
     usage = engine.kv_usage()
     sched = usage["scheduler"]
-    return {"mode": variant, "async_scheduling": kwargs["async_scheduling"], "seconds": elapsed, "generated_tokens": generated,
+    return {"mode": variant, "async_scheduling": kwargs["async_scheduling"],
+            "layer_loop": engine.runner.layer_loop, "warmup_compile_seconds": warmup_seconds,
+            "seconds": elapsed, "generated_tokens": generated,
             "output_tokens_per_s": generated / elapsed,
             "processed_tokens_per_s": usage["tokens_processed"] / elapsed,
             "pool_pages": engine.manager.pool.capacity, "peak_pool_utilisation": peak / engine.manager.pool.capacity,
@@ -171,7 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--kv-cache-tokens", type=int, default=60000)
     p.add_argument("--modes", default="full,dynamic,tangram,tangram-sync",
-                   help="modes to serve; <mode>-sync: that mode without asynchronous scheduling")
+                   help="modes to serve; suffix -sync: without asynchronous scheduling; -scan: layers "
+                        "under lax.scan")
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_engine.json"))
     args = p.parse_args(argv)
