@@ -377,3 +377,19 @@ def test_cached_decode_batch_follows_every_change_and_commit_takes_placeholders(
             break
     assert not s.has_unfinished() and seen_preemption
     assert m.pool.num_free == m.pool.capacity
+
+
+def test_preempted_sequence_that_could_never_be_recomputed_is_capped_not_requeued():
+    # Budget 1, 4 cells of at most 16 pages (64 tokens). "b" reaches 65 tokens of history in
+    # step 4, when its own growth overflows the table and "a"'s growth finds the pool empty:
+    # preempting "b" would requeue a history whose reservation can never fit the table.
+    m, s = make(num_pages=73, max_pages=16, lay=layout(np.ones((L, 2))),
+                max_num_batched_tokens=128)
+    a = s.add_request("a", list(range(6)))
+    b = s.add_request("b", list(range(62)))
+    outs = [run_step(s) for _ in range(4)]
+    assert [q.request_id for q in outs[-1].capped] == ["b"] and not outs[-1].preempted
+    assert b.status is SequenceStatus.CAPPED and b not in s.waiting
+    assert outs[-1].decode_seqs == [a] and s.metrics.num_capped == 1
+    drain(s, finish_after=4)
+    assert m.pool.num_free == m.pool.capacity

@@ -12,7 +12,8 @@ One engine step is::
 1. Decode: every decoding sequence gets one token. Groups crossing a page boundary take a page
    (`KVCacheManager.grow_for_decode`). When the pool is short, idle sessions are evicted (least
    recently used first), then the newest running sequence is preempted by recompute (pages
-   freed, requeued at the front, its whole history re-prefilled later). A sequence that could
+   freed, requeued at the front, its whole history re-prefilled later; if that history could
+   never be reserved again, by the pool or the block-table width, it ends as CAPPED instead). A sequence that could
    not grow even with the whole pool (or the full block-table width) to itself ends as CAPPED.
 2. Prefill pieces for sequences already admitted, under the per-step token budget.
 3. Admission, FCFS by reservation: a waiting request is admitted only if its whole turn's
@@ -144,6 +145,7 @@ class Scheduler:
         # `running` split by status, and the decode slots, rebuilt only after `running` or a
         # status in it changed: a step with no admission, transition or finish reuses them.
         self._batch_stale = True
+        self._no_cache = np.zeros(manager.lengths.shape[1:], dtype=np.int64)   # [layers, groups]
         self._decoding: list[Sequence] = []
         self._decoding_slots = np.zeros(0, dtype=np.intp)
         self._prefilling: list[Sequence] = []
@@ -167,7 +169,6 @@ class Scheduler:
         if np.asarray(tokens).dtype.kind not in "iu":
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
-        zeros = np.zeros(self.manager.lengths.shape[1:], dtype=np.int64)
         seq = self._sessions.get(session_id) if session_id is not None else None
         if seq is not None:
             if seq.status is not SequenceStatus.IDLE:
@@ -176,7 +177,7 @@ class Scheduler:
             total = seq.num_tokens + len(tokens)
         else:
             total = len(tokens)
-        if not self.manager.fits_ever(zeros, total):
+        if not self.manager.fits_ever(self._no_cache, total):
             self.metrics.num_rejected += 1
             need = self.manager.pages_to_reserve(None, total)
             raise RequestTooLargeError(
@@ -357,8 +358,12 @@ class Scheduler:
             else:
                 if not self._evict_lru():
                     victim = self.running[-1]   # running is in admission order: the newest
-                    self._preempt(victim)
-                    preempted.append(victim)
+                    if self.manager.fits_ever(self._no_cache, victim.num_tokens):
+                        self._preempt(victim)
+                        preempted.append(victim)
+                    else:   # its history re-prefilled could never be reserved again
+                        self._end_capped(victim)
+                        capped.append(victim)
                     granted = [s for s in granted if s is not victim]
                     pending = [s for s in pending if s is not victim]
             if not pending:
