@@ -54,12 +54,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
-    # Every group's length is loaded alongside the work item (not after it: one dependent
-    # memory round trip less before the first K/V gather) and this group's is picked.
-    num_groups = lengths_ref.shape[0]
-    group_ids = jnp.arange(backend.next_power_of_2(num_groups))
-    lengths = plgpu.load(lengths_ref.at[group_ids], mask=group_ids < num_groups, other=0)
-    length = jnp.where(group_ids == group, lengths, 0).sum()
+    length = lengths_ref[group]
     heads = k_pages_ref.shape[1]
     pages_per_block = max(1, block_tokens // page_size)
 
