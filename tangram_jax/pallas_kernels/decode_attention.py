@@ -10,9 +10,9 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 `num_splits` page-aligned shares of ``ceil(pages / num_splits)`` (rounded up to whole compute
 blocks) and runs an online softmax over share `split` for `heads_per_program` KV heads (default 1:
 measured fastest, see benchmarks/NOTES.md) and their query heads, writing a normalised partial
-output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group, query head)``)
-merges the partials of each group by log-sum-exp into the output, so a call is two launches.
-The work list is the only thing that differs between the AOT split map, uniform
+output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group, query head x
+head_dim slice)``) merges the partials of each group by log-sum-exp into the output, so a call
+is two launches. The work list is the only thing that differs between the AOT split map, uniform
 splits and runtime planning (`split_map.py`): a static one becomes a constant of the jitted step,
 a planned one is a runtime int32 array of shape ``[batch, items, 3]``.
 """
@@ -45,8 +45,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
                    scale: float, max_pages: int, prefetch_page_ids: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
-    work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages]; q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are
-    masked on load, never read); k/v_pages_ref [num_pages, H, page_size, head_dim] (these KV
+    work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages];
+    q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are masked on load,
+    never read); k/v_pages_ref [num_pages, H, page_size, head_dim] (these KV
     heads' slab of the pool); o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32,
     both over q_per_kv real rows (masked stores).
     """
