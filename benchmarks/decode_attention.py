@@ -5,9 +5,9 @@ One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 group
 compressed cache holds, per (sequence, group), `kv_layout.retained_counts` of the context under a
 skewed calibrated-style profile averaging rho = 0.25; the built-in kernel reads the uncompressed
 context. `time_s` is GPU busy time per launch from a profiler trace (CUPTI; kernels of the
-whole step: the decode kernel and the merge kernel), `wall_time_s` the host wall clock; wall times are
-medians over repetitions of a jitted block of `--calls` launches, divided by
-the launches. Every launch of a block has its own q (so XLA cannot merge identical calls) and,
+whole step: the decode kernel and the merge kernel), `wall_time_s` the host wall clock; wall
+times are medians over repetitions of a jitted block of `--calls` launches, divided by the
+launches. Every launch of a block has its own q (so XLA cannot merge identical calls) and,
 when one page set is small, its own page set (so the L2 cache does not serve them), each passed
 as its own array. `kernels_s` splits `time_s` by kernel name.
 
