@@ -14,6 +14,14 @@ to a bucket, their lengths, and the block-table writes since the last step). The
 table of the decode batch is NOT copied every step: the engine keeps a device-resident table and
 applies the update log; what that full copy would cost is reported separately for reference.
 
+The goal's denominator is the GPU time of what each step scheduled, from
+benchmarks/results/decode_step_gpu.json (the 8B model's whole decode step per batch bucket and its
+256-token prefill chunk, measured through the engine's ModelRunner): per step, host time / (decode
+step of its bucket + one prefill-chunk call per compression chunk it prefilled). Reported as
+median, p90, mean and max over steps, also against the full-batch decode step alone, also for a
+runner without its per-layer weight copies (a projection), and, for continuity, the earlier
+attention-kernel-only figure.
+
     python benchmarks/control_plane.py [--steps 400] [--out benchmarks/results/control_plane.json]
 """
 
@@ -296,13 +304,17 @@ def goal_note(batch: int, fr: dict | None, attention_note: str) -> str:
         e = fr[name]
         stats = e["per_step"]
         met = all(stats[k] < GOAL for k in ("median", "p90", "mean"))
-        worst = e["per_step_decode_only"] or stats
+        cpu = e["per_step_cpu_time"]
+        only = e["per_step_decode_only"]
         parts.append(
-            f"{name}: per-step fraction median {stats['median']:.2%}, p90 {stats['p90']:.2%}, "
-            f"mean {stats['mean']:.2%}, max {stats['max']:.2%} ({stats['steps_under_goal']:.0%} "
-            f"of steps under 2%) -> {'met' if met else 'MISSED'} at batch {batch}"
-            + (f"; decode-only steps median {worst['median']:.2%}, p90 {worst['p90']:.2%}"
-               if e["per_step_decode_only"] else "; no decode-only step"))
+            f"{name} ({e['full_decode_step_gpu_ms']:.1f} ms full decode step): per-step "
+            f"fraction median {stats['median']:.2%}, p90 {stats['p90']:.2%}, mean "
+            f"{stats['mean']:.2%}, max {stats['max']:.2%} ({stats['steps_under_goal']:.1%} of "
+            f"steps under 2%; thread CPU time: median {cpu['median']:.2%}, p90 {cpu['p90']:.2%})"
+            f" -> {'met' if met else 'MISSED'} at batch {batch} (criterion: median, p90 and "
+            "mean of the per-step fraction all under 2%)"
+            + (f"; steps without prefill (decode, and finishes): median {only['median']:.2%}, "
+               f"p90 {only['p90']:.2%}" if only else "; every step also prefilled"))
     return "; ".join(parts)
 
 
