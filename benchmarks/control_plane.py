@@ -265,7 +265,9 @@ def gpu_fractions(gpu: dict, batch: int, reps: list[dict]) -> dict:
     calls = [c for r in reps for c in r["_prefill_calls"]]
     decode_only = np.array([b > 0 and not c for b, c in zip(buckets, calls)])
     out = {"source": "benchmarks/results/decode_step_gpu.json", "device": gpu["device"],
-           "git_revision": gpu["git_revision"]}
+           "git_revision": gpu["git_revision"],
+           # Runs before the runner had a choice (20ee2cc) used lax.scan over stacked layers.
+           "layer_loop": gpu.get("layer_loop", "scan")}
     for name, without in (("measured", ()), ("without_weight_copies", REMOVABLE_OPS)):
         gpu_ms, unmeasured = step_gpu_ms(gpu, buckets, calls, without)
         full = {row["batch"]: row for row in gpu["decode"]}.get(batch)
@@ -291,7 +293,8 @@ def gpu_fractions(gpu: dict, batch: int, reps: list[dict]) -> dict:
     out["without_weight_copies_note"] = (
         "projection: the measured GPU times minus the ops " + ", ".join(REMOVABLE_OPS) +
         " (the per-layer weight copies of the runner's layer scan), i.e. the denominator if the "
-        "runner stops copying weights; the control plane's fraction grows by that much")
+        "runner stops copying weights (its 'unrolled' layer loop, default on GPU since 20ee2cc); "
+        "the control plane's fraction grows by that much")
     return out
 
 

@@ -178,6 +178,9 @@ def main(argv=None) -> None:
                              "mean prompt 3072 + half the mean output 144)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layer-loop", default=None,
+                        help="RunnerConfig.layer_loop ('scan' or 'unrolled'); default: the "
+                             "runner's default for the backend")
     parser.add_argument("--tiny", action="store_true", help="small CPU smoke test")
     parser.add_argument("--out", default=os.path.join(BENCH, "results", "decode_step_gpu.json"))
     args = parser.parse_args(argv)
@@ -197,13 +200,14 @@ def main(argv=None) -> None:
                                      group_size=tangram.group_size) for b in args.batches}
     runner = ModelRunner(model, config, tangram, manager.pool.num_pages,
                          manager.block_tables.shape, split_maps=split_maps,
-                         runner_config=RunnerConfig(mode="tangram", obs_window=32))
+                         runner_config=RunnerConfig(mode="tangram", obs_window=32,
+                                                    layer_loop=args.layer_loop))
     runner.update_block_tables(*manager.take_table_updates())
     jax.block_until_ready(runner.block_tables)
     build_s = time.perf_counter() - t0
     print(f"model {params / 1e9:.2f} B params built in {build_s:.1f} s, pool "
           f"{manager.pool.num_pages} pages ({manager.pool.num_pages * runner.kv_bytes_per_page / 2**30:.1f} GiB), "
-          f"attention ops {runner.ops.name}", flush=True)
+          f"attention ops {runner.ops.name}, layer loop {runner.layer_loop}", flush=True)
     on_gpu = jax.devices()[0].platform == "gpu"
 
     decode = []
@@ -246,6 +250,7 @@ def main(argv=None) -> None:
                    "head_budget_mean": float(head_budgets.mean()),
                    "group_budget_mean": float(tangram.group_budgets.mean()),
                    "num_programs": num_programs},
+        "layer_loop": runner.layer_loop,
         "context_tokens": args.context,
         "what_is_timed": ("ModelRunner.decode (embedding, 32 layers of GEMMs + KV append + Pallas "
                           "decode attention with the AOT split map, logits, sampling) per batch "
