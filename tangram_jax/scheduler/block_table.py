@@ -61,7 +61,7 @@ class BlockTable:
         if new_held.max() > self.max_pages:
             raise BlockTableFullError(f"a group would need {new_held.max()} pages, "
                                       f"the table holds {self.max_pages}")
-        flat_index = self._entries(slots, held, counts)
+        flat_index = self._entries(slots, counts, first=held)
         self.tables.reshape(-1)[flat_index] = pages
         self.num_pages[slots] = new_held
         self._log(flat_index, pages)
@@ -94,39 +94,42 @@ class BlockTable:
         slots = np.asarray(slots, dtype=np.intp)
         held = self.num_pages[slots]
         new_held = np.minimum(held, keep)
-        flat_index = self._entries(slots, new_held, held - new_held)
+        flat_index = self._entries(slots, held - new_held, first=new_held)
         released = self._clear_entries(flat_index)
         self.num_pages[slots] = new_held
         return released
 
     def clear(self, slot: int) -> np.ndarray:
         """Empty one row; return the page ids it held (C order of layer, group, page)."""
-        slots = np.array([slot], dtype=np.intp)
-        held = self.num_pages[slots]
-        released = self._clear_entries(self._entries(slots, np.zeros_like(held), held))
+        released = self._clear_entries(self._entries(np.array([slot], dtype=np.intp),
+                                                     self.num_pages[slot]))
         self.num_pages[slot] = 0
         return released
 
     def pages_of(self, slot: int) -> np.ndarray:
         """All page ids row `slot` holds (C order of layer, group, page)."""
-        slots = np.array([slot], dtype=np.intp)
-        held = self.num_pages[slots]
-        return self.tables.reshape(-1)[self._entries(slots, np.zeros_like(held), held)]
+        return self.tables.reshape(-1)[self._entries(np.array([slot], dtype=np.intp),
+                                                     self.num_pages[slot])]
 
-    def _entries(self, slots: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def _entries(self, slots: np.ndarray, counts: np.ndarray,
+                  first: np.ndarray | None = None) -> np.ndarray:
         """int64 flat indices into ``tables.ravel()`` of columns ``first .. first + counts - 1``
-        of every cell of `slots`, in C order of (slot, layer, group, column).
+        (first None: from column 0) of every cell of `slots`, in C order of (slot, layer, group,
+        column).
 
-        slots: intp [n]; first, counts: int [n, layers, groups], counts >= 0. One ragged arange
-        (a repeat and an arange over the entries): no loop over cells."""
+        slots: intp [n]; counts, first: int [n, layers, groups] (or [layers, groups] for one
+        slot), counts >= 0. One ragged arange (a repeat and an arange over the entries): no loop
+        over cells."""
         counts = counts.reshape(-1)
         ends = np.cumsum(counts)
         total = int(ends[-1]) if ends.size else 0
         if total == 0:
             return np.zeros(0, dtype=np.int64)
-        cell_start = ((slots[:, None] * self.row_size + self._cell_starts).reshape(-1)
-                      + first.reshape(-1))
-        return np.repeat(cell_start - (ends - counts), counts) + np.arange(total)
+        cell_start = (slots[:, None] * self.row_size + self._cell_starts).reshape(-1) - ends
+        cell_start += counts if first is None else counts + first.reshape(-1)
+        entries = np.repeat(cell_start, counts)
+        entries += np.arange(total)
+        return entries
 
     def _clear_entries(self, flat_index: np.ndarray) -> np.ndarray:
         """Zero the given entries (logged); return the page ids they held."""
