@@ -23,9 +23,7 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, group_size=1, page_s
 
 def run_steps(layer_loop: str):
     manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
-    model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
-    runner = ModelRunner(model, CONFIG, LAYOUT, 64, manager.block_tables.shape,
-                         runner_config=RunnerConfig(layer_loop=layer_loop))
+    runner = make_runner(manager, layer_loop)
     assert runner.layer_loop == layer_loop
     slot = manager.allocate_slot()
     tokens = np.random.default_rng(0).integers(1, 97, 27)
@@ -63,3 +61,51 @@ def test_unrolled_layers_equal_the_scan():
 def test_unknown_layer_loop_is_refused():
     with pytest.raises(ValueError, match="layer_loop"):
         RunnerConfig(layer_loop="vmap")
+
+
+def make_runner(manager, layer_loop="scan"):
+    model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    return ModelRunner(model, CONFIG, LAYOUT, 64, manager.block_tables.shape,
+                       runner_config=RunnerConfig(layer_loop=layer_loop))
+
+
+def test_prefill_rows_of_several_sequences_equal_one_call_each():
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 97, n) for n in (16, 9, 13)]
+    results = []
+    for batched in (False, True):
+        manager = KVCacheManager(LAYOUT, 64, 4, 16, model_kv_shape=(3, 2, 8))
+        runner = make_runner(manager)
+        slots = [manager.allocate_slot() for _ in prompts]
+        for slot, p in zip(slots, prompts):
+            assert manager.reserve(slot, len(p))
+        runner.update_block_tables(*manager.take_table_updates())
+        hist = [manager.lengths[s] for s in slots]
+        if batched:   # 3 rows, padded to 4 by repeating the first
+            logits, kept = runner.prefill(prompts, [0, 0, 0], slots, hist)
+            assert logits.shape[0] == 4
+            logits, kept = np.asarray(logits)[:3], np.asarray(kept)[:3]
+        else:
+            outs = [runner.prefill_chunk(p, 0, s, h) for p, s, h in zip(prompts, slots, hist)]
+            logits = np.stack([np.asarray(o[0]) for o in outs])
+            kept = np.stack([np.asarray(o[1]) for o in outs])
+        for slot, p in zip(slots, prompts):
+            manager.commit_prefill(slot, len(p))
+        tables = manager.block_tables
+        pages = [np.asarray(runner.k_pages)[tables[s][tables[s] > 0]] for s in slots]
+        results.append((logits, kept, pages))
+    (logits1, kept1, pages1), (logits2, kept2, pages2) = results
+    np.testing.assert_allclose(logits2, logits1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kept2, kept1)
+    np.testing.assert_array_equal(kept1, [LAYOUT.chunk_keep_counts(len(p)) for p in prompts])
+    for a, b in zip(pages2, pages1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_refuses_repeated_sequences():
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = make_runner(manager)
+    slot = manager.allocate_slot()
+    hist = manager.lengths[slot]
+    with pytest.raises(ValueError, match="distinct"):
+        runner.prefill([np.ones(4), np.ones(4)], [0, 0], [slot, slot], [hist, hist])

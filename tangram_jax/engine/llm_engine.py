@@ -239,25 +239,7 @@ class Engine:
 
     def _dispatch(self, out) -> list[_InFlightToken]:
         """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
-        first_logits, first_reqs, reclaim = [], [], {}
-        for chunk in out.prefill_chunks:
-            seq = chunk.seq
-            hist = self.manager.lengths[seq.slot].astype(np.int64)
-            for start in range(chunk.start, chunk.end, self.layout.chunk_size):
-                end = min(start + self.layout.chunk_size, chunk.end)
-                logits, kept = self.runner.prefill_chunk(
-                    np.asarray(seq.token_ids[start:end], np.int32), start, seq.slot, hist)
-                if self.config.mode == "dynamic":   # the per-input count: a host round trip
-                    hist = hist + np.asarray(kept)
-                else:
-                    hist = hist + self.layout.chunk_keep_counts(end - start)
-            if self.config.mode == "dynamic":
-                reclaim[seq.request_id] = hist
-            self.tokens_processed += chunk.num_tokens
-            if chunk.is_last:
-                first_logits.append(logits)
-                first_reqs.append(self._requests[seq.request_id])
-
+        first_logits, first_reqs, reclaim = self._prefill(out.prefill_chunks)
         decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
         pending: list[tuple[_Request, jax.Array, int]] = []
         if decode_reqs:
@@ -282,6 +264,36 @@ class Engine:
         # commit appended one placeholder per sampled token: remember where it sits.
         return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1)
                 for r, tokens, row in pending]
+
+    def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request], dict[str, np.ndarray]]:
+        """Run this step's prefill pieces, one compression chunk of each per runner call (the
+        chunks of one piece depend on each other, those of different pieces do not).
+        Returns the last logits [V] and requests of pieces that end their prompt, and (dynamic
+        mode) each piece's retained lengths after compression."""
+        chunk_size = self.layout.chunk_size
+        hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
+                for p in pieces}
+        first_logits, first_reqs = [], []
+        for offset in range(0, max((p.num_tokens for p in pieces), default=0), chunk_size):
+            rows = [p for p in pieces if p.start + offset < p.end]
+            starts = [p.start + offset for p in rows]
+            ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
+            logits, kept = self.runner.prefill(
+                [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
+                starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows])
+            kept_host = np.asarray(kept) if self.config.mode == "dynamic" else None
+            for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
+                rid = p.seq.request_id
+                if kept_host is not None:   # the per-input count: a host round trip
+                    hist[rid] = hist[rid] + kept_host[b]
+                else:
+                    hist[rid] = hist[rid] + self.layout.chunk_keep_counts(end - start)
+                if end == p.end and p.is_last:
+                    first_logits.append(logits[b])
+                    first_reqs.append(self._requests[rid])
+        self.tokens_processed += sum(p.num_tokens for p in pieces)
+        reclaim = hist if self.config.mode == "dynamic" else {}
+        return first_logits, first_reqs, reclaim
 
     def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
         """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests."""

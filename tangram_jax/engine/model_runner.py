@@ -204,71 +204,104 @@ class ModelRunner:
         self.block_tables = self._apply_table_updates(self.block_tables, index, vals)
 
     # ----- prefill ---------------------------------------------------------------------------
-    def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
-                      hist_lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """Run one prefill chunk of one sequence and write its kept K/V into the pool.
+    def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
+                hist_lengths: list[np.ndarray]) -> tuple[jax.Array, jax.Array]:
+        """Run one prefill chunk for each of several sequences in one call, writing each one's
+        kept K/V into its pages.
 
-        tokens: int [n] with 1 <= n <= layout.chunk_size (the chunk, starting on a compression
-        chunk boundary of its turn); start_position: absolute position of tokens[0]; slot: the
-        sequence's row of the block table (its reservation applied by `update_block_tables`);
-        hist_lengths: int32 [layers, groups] retained tokens before the chunk.
-        Returns (last_logits [vocab] float32, kept [layers, groups] int32), device arrays. In
-        ``tangram``/``full`` mode `kept` equals ``layout.chunk_keep_counts(n)``.
+        Row b: tokens[b] int [n_b] with 1 <= n_b <= layout.chunk_size (a chunk starting on a
+        compression-chunk boundary of its turn), start_positions[b] the absolute position of
+        its first token, slots[b] its block-table row (reservation applied by
+        `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens before the
+        chunk. The slots must be distinct. Rows are padded to a power of two by repeating row 0
+        (the same inputs write the same values to the same places), so few shapes compile.
+        Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
+        arrays whose first ``len(tokens)`` rows are the given chunks. In ``tangram``/``full``
+        mode `kept` equals ``layout.chunk_keep_counts(n_b)``.
         """
-        n = len(tokens)
+        n_rows = len(tokens)
         chunk = self.layout.chunk_size
-        if not 1 <= n <= chunk:
-            raise ValueError(f"a prefill chunk holds 1..{chunk} tokens, got {n}")
-        padded = np.zeros(chunk, np.int32)
-        padded[:n] = tokens
+        if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
+            raise ValueError("prefill needs one start position, slot and history per chunk")
+        if len(set(int(s) for s in slots)) != n_rows:
+            raise ValueError(f"prefill rows must be distinct sequences, got slots {list(slots)}")
+        rows = backend.next_power_of_2(n_rows)
+        pick = list(range(n_rows)) + [0] * (rows - n_rows)
+        padded = np.zeros((rows, chunk), np.int32)
+        lens = np.zeros(rows, np.int32)
+        for r, b in enumerate(pick):
+            n = len(tokens[b])
+            if not 1 <= n <= chunk:
+                raise ValueError(f"a prefill chunk holds 1..{chunk} tokens, got {n}")
+            padded[r, :n] = tokens[b]
+            lens[r] = n
         if self.runner_config.mode == "dynamic":
-            keep = np.zeros(self.layout.group_budgets.shape, np.int32)  # decided on device
+            keep = np.zeros((rows, *self.layout.group_budgets.shape), np.int32)  # on device
         else:
-            keep = self.layout.chunk_keep_counts(n).astype(np.int32)
+            keep = np.stack([self.layout.chunk_keep_counts(int(n)) for n in lens]).astype(np.int32)
         self.k_pages, self.v_pages, logits, kept = self._prefill(
-            self.state, self.layer_states, self.k_pages, self.v_pages, padded, np.int32(start_position),
-            np.int32(n), self.block_tables, np.int32(slot), np.asarray(hist_lengths, np.int32),
-            keep)
+            self.state, self.layer_states, self.k_pages, self.v_pages, padded,
+            np.asarray([start_positions[b] for b in pick], np.int32), lens, self.block_tables,
+            np.asarray([slots[b] for b in pick], np.int32),
+            np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick]), keep)
         return logits, kept
 
-    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_position,
-                      chunk_len, all_tables, slot, hist_lengths, keep_counts):
+    def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
+                      hist_lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """`prefill` of a single chunk: (last_logits [vocab], kept [layers, groups])."""
+        logits, kept = self.prefill([tokens], [start_position], [slot], [hist_lengths])
+        return logits[0], kept[0]
+
+    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_positions,
+                      chunk_lens, all_tables, slots, hist_lengths, keep_counts):
+        """tokens [rows, T]; start_positions, chunk_lens, slots [rows]; hist_lengths and
+        keep_counts [rows, layers, groups]."""
         model = nnx.merge(self.graphdef, state)
-        block_tables = all_tables[slot]                     # [layers, groups, max_pages]
-        t = tokens.shape[0]
+        rows, t = tokens.shape
         q_per_kv = self.config.q_per_kv
-        positions = (start_position + jnp.arange(t, dtype=jnp.int32))[None]
+        positions = start_positions[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         dynamic = self.runner_config.mode == "dynamic"
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
-            layer_state, tables, hist, keep = xs
+            layer_state, tables, hist, keep = xs          # [rows, Gn, P], [rows, Gn] x 2
             layer = nnx.merge(self.layer_graphdef, layer_state)
-            q, k, v = layer.qkv(h, positions)
+            q, k, v = layer.qkv(h, positions)            # GEMMs over all rows at once
             k = k.astype(k_pages.dtype)
             v = v.astype(v_pages.dtype)
-            out, obs_probs = self.ops.prefill_attention(
-                q[0], k[0], v[0], k_pages, v_pages, tables, hist, chunk_len,
-                obs_window=self.runner_config.obs_window)
-            if dynamic:
-                scores = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=True)
-                count = dynamic_keep_count(scores, chunk_len, self.runner_config.dynamic_ratio,
-                                           self.runner_config.dynamic_safeguard)
-                keep = jnp.full(keep.shape, count, jnp.int32)
-            else:
-                scores = self._group_scores(obs_probs, chunk_len, q_per_kv, keep)
-            k_pages, v_pages = self.ops.compress_chunk(k[0], v[0], scores, keep, chunk_len,
-                                                       k_pages, v_pages, tables, hist)
-            h = layer.finish(h, out[None].astype(h.dtype))
-            return (h, k_pages, v_pages), keep
+            outs, kept = [], []
+            # Attention and compression per row: each reads its own history from the pool and
+            # writes into its own pages (rows are distinct sequences, or repeats of row 0).
+            for b in range(rows):
+                out, obs_probs = self.ops.prefill_attention(
+                    q[b], k[b], v[b], k_pages, v_pages, tables[b], hist[b], chunk_lens[b],
+                    obs_window=self.runner_config.obs_window)
+                keep_b = keep[b]
+                if dynamic:
+                    scores = self._chunk_scores(obs_probs, chunk_lens[b], q_per_kv, protect=True)
+                    count = dynamic_keep_count(scores, chunk_lens[b],
+                                               self.runner_config.dynamic_ratio,
+                                               self.runner_config.dynamic_safeguard)
+                    keep_b = jnp.full(keep_b.shape, count, jnp.int32)
+                else:
+                    scores = self._group_scores(obs_probs, chunk_lens[b], q_per_kv, keep_b)
+                k_pages, v_pages = self.ops.compress_chunk(
+                    k[b], v[b], scores, keep_b, chunk_lens[b], k_pages, v_pages, tables[b],
+                    hist[b])
+                outs.append(out)
+                kept.append(keep_b)
+            h = layer.finish(h, jnp.stack(outs).astype(h.dtype))
+            return (h, k_pages, v_pages), jnp.stack(kept)
 
-        h = model.embed(tokens[None])
+        h = model.embed(tokens)
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         (h, k_pages, v_pages), kept = self._over_layers(
             layer_step, (h, k_pages, v_pages),
-            (layer_states, block_tables, hist_lengths, keep_counts))
-        last = jax.lax.dynamic_index_in_dim(h[0], chunk_len - 1, axis=0, keepdims=True)
-        logits = model.logits(last[None])[0, 0]
-        return k_pages, v_pages, logits, kept
+            (layer_states, per_layer(all_tables[slots]), per_layer(hist_lengths),
+             per_layer(keep_counts)))
+        last = h[jnp.arange(rows), chunk_lens - 1]      # [rows, hidden]
+        logits = model.logits(last[:, None])[:, 0]
+        return k_pages, v_pages, logits, per_layer(kept)
 
     def _chunk_scores(self, obs_probs, chunk_len, q_per_kv, protect: bool):
         """SnapKV scores [num_kv_heads, T] of a (padded) chunk from the window's probabilities.
