@@ -109,3 +109,26 @@ def test_prefill_refuses_repeated_sequences():
     hist = manager.lengths[slot]
     with pytest.raises(ValueError, match="distinct"):
         runner.prefill([np.ones(4), np.ones(4)], [0, 0], [slot, slot], [hist, hist])
+
+
+def test_warmup_compiles_on_the_null_slot_without_touching_sequences():
+    manager = KVCacheManager(LAYOUT, 64, 4, 16, model_kv_shape=(3, 2, 8))
+    runner = make_runner(manager)
+    slot = manager.allocate_slot()
+    assert manager.reserve(slot, 9)
+    runner.update_block_tables(*manager.take_table_updates())
+    runner.prefill_chunk(np.arange(1, 10), 0, slot, manager.lengths[slot])
+    held = manager.block_tables[slot][manager.block_tables[slot] > 0]
+    before = np.asarray(runner.k_pages)[held]
+    runner.warmup(decode_buckets=(1, 2), max_prefill_rows=2, max_first_tokens=2)
+    np.testing.assert_array_equal(np.asarray(runner.k_pages)[held], before)
+    # Padding rows of the first-token sampler write to the null slot only.
+    tokens_before = np.asarray(runner.slot_tokens)
+    logits, _ = runner.prefill([np.arange(1, 5)], [0], [slot], [manager.lengths[slot]])
+    greedy = (np.zeros(3, np.float32), np.full(3, -1, np.int32), np.ones(3, np.float32),
+              np.zeros(3, np.uint32), np.zeros(3, np.int32))
+    assert slot == 0
+    runner.sample([logits[0]] * 3, [0, 1, 2], *greedy)   # 3 rows, padded to 4
+    after = np.asarray(runner.slot_tokens)
+    assert after[:3].tolist() == [int(np.argmax(logits[0]))] * 3
+    assert after[3] == tokens_before[3]   # slot 3 untouched; the padding row went to slot 4

@@ -51,6 +51,9 @@ class EngineConfig:
       while the device runs step N (vLLM's `async_scheduling`); False waits for every step's
       tokens before returning from `Engine.step` (outputs a step earlier, device idle meanwhile).
     layer_loop: "scan", "unrolled" or None (unrolled on a GPU, scan on a CPU); see `RunnerConfig`.
+    max_prefill_rows: prefill chunks of different sequences run together in one call (rounded up
+      to a power of two). More rows mean fewer calls but a larger traced step (each row has its
+      own attention and compression per layer), so compile time grows with rows x layers.
     """
 
     model: str | None = None
@@ -72,6 +75,7 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = True
     layer_loop: str | None = None
+    max_prefill_rows: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -81,7 +85,7 @@ class EngineConfig:
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         for name in ("page_size", "chunk_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_tokens", "num_programs", "obs_window"):
+                     "kv_cache_tokens", "num_programs", "obs_window", "max_prefill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

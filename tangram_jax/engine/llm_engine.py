@@ -266,16 +266,21 @@ class Engine:
                 for r, tokens, row in pending]
 
     def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request], dict[str, np.ndarray]]:
-        """Run this step's prefill pieces, one compression chunk of each per runner call (the
-        chunks of one piece depend on each other, those of different pieces do not).
+        """Run this step's prefill pieces: a runner call takes the next compression chunk of up
+        to `max_prefill_rows` pieces (chunks of one piece depend on each other, those of
+        different pieces do not).
         Returns the last logits [V] and requests of pieces that end their prompt, and (dynamic
         mode) each piece's retained lengths after compression."""
         chunk_size = self.layout.chunk_size
         hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
                 for p in pieces}
         first_logits, first_reqs = [], []
+        per_call = self.config.max_prefill_rows
+        calls = []   # round by round: a piece's next chunk attends to its previous one
         for offset in range(0, max((p.num_tokens for p in pieces), default=0), chunk_size):
-            rows = [p for p in pieces if p.start + offset < p.end]
+            due = [p for p in pieces if p.start + offset < p.end]
+            calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
+        for offset, rows in calls:
             starts = [p.start + offset for p in rows]
             ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
             logits, kept = self.runner.prefill(
@@ -294,6 +299,12 @@ class Engine:
         self.tokens_processed += sum(p.num_tokens for p in pieces)
         reclaim = hist if self.config.mode == "dynamic" else {}
         return first_logits, first_reqs, reclaim
+
+    def warmup(self) -> None:
+        """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
+        instead of when the first requests meet them; takes a while on a GPU."""
+        self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
+                           self.config.max_num_seqs)
 
     def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
         """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests."""

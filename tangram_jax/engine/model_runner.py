@@ -162,6 +162,7 @@ class ModelRunner:
         self.v_pages = jnp.zeros(shape, dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
+        self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
         self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
@@ -405,14 +406,51 @@ class ModelRunner:
     def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
                steps) -> jax.Array:
         """Sample the first token of sequences whose prefill just ended (logits: list of [V],
-        slots: int [n] their block-table rows, which remember the token for the next decode).
-        Returns tokens [n] (device)."""
+        slots: int [n] their block-table rows, which remember the token for the next decode;
+        sampling arrays [n]). Rows are padded to a power of two (padding rows repeat row 0 and
+        write to the null slot). Returns tokens [rows] (device); the first n are the samples."""
+        n = len(logits)
+        pick = list(range(n)) + [0] * (backend.next_power_of_2(n) - n)
+        rows = lambda x, dtype: np.asarray(x, dtype)[pick]
+        padded_slots = rows(slots, np.int32)
+        padded_slots[n:] = self.null_slot
         self.slot_tokens, tokens = self._sample_rows(
-            self.slot_tokens, jnp.stack(logits), np.asarray(slots, np.int32),
-            np.asarray(temperature, np.float32), np.asarray(top_k, np.int32),
-            np.asarray(top_p, np.float32), np.asarray(seeds, np.uint32),
-            np.asarray(steps, np.int32))
+            self.slot_tokens, jnp.stack([logits[i] for i in pick]), padded_slots,
+            rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
+            rows(seeds, np.uint32), rows(steps, np.int32))
         return tokens
+
+    # ----- compile ahead -------------------------------------------------------------------
+    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
+        """Compile every step shape serving can meet (decode buckets, prefill row counts,
+        first-token sampling row counts) by running each once on the null slot, whose page 0
+        is scratch: nothing compiles while requests wait."""
+        null = self.null_slot
+        zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
+        greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
+                            np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
+        rows = 1
+        while True:
+            # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
+            self.k_pages, self.v_pages, logits, _ = self._prefill(
+                self.state, self.layer_states, self.k_pages, self.v_pages,
+                np.zeros((rows, self.layout.chunk_size), np.int32), np.zeros(rows, np.int32),
+                np.ones(rows, np.int32), self.block_tables, np.full(rows, null, np.int32),
+                np.stack([zeros] * rows), np.stack([self.layout.chunk_keep_counts(1)] * rows)
+                .astype(np.int32))
+            if rows >= max_prefill_rows:
+                break
+            rows *= 2
+        n = 1
+        while True:
+            self.sample([logits[0]] * n, [null] * n, *greedy(n))
+            if n >= max_first_tokens:
+                break
+            n *= 2
+        for bucket in decode_buckets:
+            self.decode(np.zeros(bucket, np.int32), np.full(bucket, null, np.int32),
+                        np.zeros((bucket, *zeros.shape), np.int32), *greedy(bucket))
+        jax.block_until_ready((self.k_pages, self.slot_tokens))
 
 
 def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps):
