@@ -54,6 +54,8 @@ class EngineConfig:
     max_prefill_rows: prefill chunks of different sequences run together in one call (rounded up
       to a power of two). More rows mean fewer calls but a larger traced step (each row has its
       own attention and compression per layer), so compile time grows with rows x layers.
+    warmup: compile every step shape when the engine is built (`Engine.warmup`); None: on a GPU
+      only (compiling a shape first met while serving stalls every request for it).
     """
 
     model: str | None = None
@@ -76,6 +78,7 @@ class EngineConfig:
     async_scheduling: bool = True
     layer_loop: str | None = None
     max_prefill_rows: int = 1
+    warmup: bool | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -119,6 +119,8 @@ class Engine:
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
+        if cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas"):
+            self.warmup()
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None, *,
