@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -56,7 +55,7 @@ def _median_time(fn, args, reps):
 _PRINTED_LINES = []
 
 
-def _gpu_busy_time(fn, args, reps, per_kernel=None):
+def gpu_busy_time(fn, args, reps, per_kernel=None):
     """Seconds of GPU stream activity per call of fn(*args), from a profiler trace (CUPTI):
     device time without the host's launch gaps. None if no GPU events were recorded.
     `per_kernel`, a dict, receives seconds per call by kernel name."""
@@ -95,7 +94,7 @@ def copy_bandwidth(mib=2048, reps=20):
     x = jax.random.normal(jax.random.key(0), (mib << 18,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
     t, _, _ = _median_time(f, (x,), reps)
-    gpu = _gpu_busy_time(f, (x,), reps)
+    gpu = gpu_busy_time(f, (x,), reps)
     t = gpu or t
     return 2 * x.nbytes / t
 
@@ -159,7 +158,7 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin,
         f_args = (list(q), k, v, list(tables), lens_dev, jnp.zeros(1) if static else work)
         t, p10, p90 = _median_time(f, f_args, reps)
         kernels = {}
-        gpu = _gpu_busy_time(f, f_args, reps, kernels)
+        gpu = gpu_busy_time(f, f_args, reps, kernels)
         per_call = gpu / calls if gpu else t / calls
         row = dict(variant=name, batch=batch, context=context, page_size=page_size,
                    kernels_s={k: v / calls for k, v in sorted(kernels.items())},
@@ -227,7 +226,7 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
                 for c in range(calls)]
     f, f_args = jax.jit(block), (q, k, v, list(tables), lengths)
     t, p10, p90 = _median_time(f, f_args, reps)
-    gpu = _gpu_busy_time(f, f_args, reps)
+    gpu = gpu_busy_time(f, f_args, reps)
     per_call = gpu / calls if gpu else t / calls
     return dict(variant="jax_builtin_paged_attention", batch=batch, context=context,
                 page_size=page_size, k_splits=k_splits, time_s=per_call,

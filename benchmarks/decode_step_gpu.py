@@ -46,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from control_plane import CHUNK, layouts  # noqa: E402
+from decode_attention import gpu_busy_time  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.kv_layout import pages_for  # noqa: E402
@@ -102,30 +103,11 @@ def fill_manager(layout, max_batch: int, context: int, seed: int):
 
 def gpu_trace(fn, reps: int) -> tuple[float | None, dict[str, float]]:
     """GPU busy seconds per call of `fn()` from a profiler trace (the sum of GPU stream
-    activity, no host gaps), and the same split by kernel/op name (seconds per call)."""
-    import glob
-    import tempfile
-    from jax._src.lib import _profile_data
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
-        for _ in range(reps):
-            jax.block_until_ready(fn())
-        jax.profiler.stop_trace()
-        paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
-        if not paths:
-            return None, {}
-        data = _profile_data.ProfileData.from_file(paths[0])
+    activity, no host gaps), and the same split by kernel/op name (seconds per call): the
+    decode-attention benchmark's trace reader."""
     by_name: dict[str, float] = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU:0"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                for e in line.events:
-                    name = getattr(e, "name", "?")
-                    by_name[name] = by_name.get(name, 0.0) + e.duration_ns * 1e-9 / reps
-    total = sum(by_name.values())
-    return (total or None), by_name
+    total = gpu_busy_time(fn, (), reps, per_kernel=by_name)
+    return total, by_name
 
 
 def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
