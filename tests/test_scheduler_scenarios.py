@@ -393,3 +393,24 @@ def test_preempted_sequence_that_could_never_be_recomputed_is_capped_not_requeue
     assert outs[-1].decode_seqs == [a] and s.metrics.num_capped == 1
     drain(s, finish_after=4)
     assert m.pool.num_free == m.pool.capacity
+
+
+def test_finished_pages_return_when_admission_wants_them_or_nothing_runs():
+    m, s = make(num_pages=64)
+    s.add_request("a", list(range(12)))
+    s.add_request("b", list(range(12)))
+    run_step(s)   # both prefill
+    run_step(s)   # both decode
+    free_before = m.num_free_pages
+    s.finish("a")
+    # "b" still decodes: the finished request's pages are not returned inside this step...
+    assert m.num_free_pages == free_before and s._parked
+    run_step(s)   # a decode-only step (nothing waits) leaves them parked
+    assert s._parked
+    s.add_request("c", list(range(5)))
+    out = run_step(s)   # ...the step that admits returns them first
+    assert not s._parked and [c.seq.request_id for c in out.prefill_chunks] == ["c"]
+    assert m.pool.num_used == m.pages_held(s.get("b").slot) + m.pages_held(s.get("c").slot)
+    s.finish("b")
+    s.finish("c")   # nothing runs any more: everything is back
+    assert m.pool.num_free == m.pool.capacity and m.num_free_slots == m.max_seqs

@@ -139,6 +139,7 @@ class Scheduler:
         # least recently used first; `_lru_pages` is the pages they hold.
         self._lru: collections.OrderedDict[str, Sequence] = collections.OrderedDict()
         self._lru_pages = 0
+        self._parked: list[int] = []               # slots of finished requests, pages not freed yet
         self._step = 0
         self._admissions = 0
         self._aborted_since_schedule = False
@@ -205,7 +206,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request_id: str) -> None:
-        """End a running request's turn: a session keeps slot and pages (IDLE), otherwise freed.
+        """End a running request's turn: a session keeps slot and pages (IDLE); otherwise slot
+        and pages are returned, lazily: when admission or decode growth wants them, or when
+        nothing else runs (see `_park`).
 
         A request preempted after its last token was sampled (an engine that learns tokens one
         step late, see `Engine.step`) can be finished from the waiting queue too; it holds no
@@ -227,7 +230,9 @@ class Scheduler:
                 self._lru[seq.session_id] = seq
                 self._lru_pages += self.manager.pages_held(seq.slot)
         else:
-            self._release(seq, SequenceStatus.FINISHED)
+            self._park(seq)
+        if self._parked and not self.running:
+            self._release_parked()
         self.metrics.add_to_step(time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> None:
@@ -259,6 +264,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         capped: list[Sequence] = []
 
+        if self._parked and (self.waiting or not self.running):
+            self._release_parked()   # admission may need the pages and slots
         self._refresh_batches()
         decode, decode_slots = self._grow_for_decode(preempted, capped)
         budget -= len(decode)
@@ -355,6 +362,8 @@ class Scheduler:
                 self._end_capped(first)
                 capped.append(first)
                 pending = pending[1:]
+            elif self._parked:   # pages of finished requests not returned yet
+                self._release_parked()
             else:
                 if not self._evict_lru():
                     victim = self.running[-1]   # running is in admission order: the newest
@@ -453,6 +462,23 @@ class Scheduler:
             raise AssertionError("reservation failed after the pool was checked")
         return True
 
+    def _park(self, seq: Sequence) -> None:
+        """A finished request without a session: its pages go back to the pool when they are
+        wanted (admission, decode growth short of pages) or when nothing else runs. Returning a
+        long sequence's thousands of pages is the costliest host work of a step; a step that
+        admits also runs prefill on the device, so it hides that work better than a decode-only
+        step does."""
+        slot = seq.slot
+        seq.drop_cache()
+        seq.status = SequenceStatus.FINISHED
+        if slot >= 0:
+            self._parked.append(slot)
+
+    def _release_parked(self) -> None:
+        for slot in self._parked:
+            self.manager.free(slot)
+        self._parked.clear()
+
     def _evict_lru(self) -> bool:
         """Evict the least recently used idle session; False if there is none."""
         if not self._lru:
@@ -497,6 +523,8 @@ class Scheduler:
         seq.status = status
         if seq.session_id is not None:
             self._sessions.pop(seq.session_id, None)
+        if self._parked and not self.running:
+            self._release_parked()
 
     @staticmethod
     def _sampled(sampled_tokens: Mapping[str, int], seq: Sequence) -> int:
