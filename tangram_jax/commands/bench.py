@@ -10,12 +10,17 @@ import runpy
 import sys
 from pathlib import Path
 
-HELP = "Run a benchmark (end_to_end, control_plane, decode_attention); writes benchmarks/results/*.json"
+HELP = ("Run a benchmark (end_to_end, control_plane, decode_attention, decode_step_gpu, "
+        "gpu_engine_check); writes benchmarks/results/*.json")
 
 BENCHMARKS = {
     "end_to_end": "multi-turn serving, tangram vs full KV vs dynamic reclaim, equal KV memory",
     "control_plane": "host time per scheduling step, Budget Reservation vs dynamic reclaim",
     "decode_attention": "decode attention kernel: AOT split map vs uniform vs runtime-planned (GPU)",
+    "decode_step_gpu": "a whole Llama-3.1-8B-shaped decode step and prefill chunk through the "
+                       "runner (GPU; the control plane's denominator)",
+    "gpu_engine_check": "the engine on a GPU: dense-reference equality, then every mode serving "
+                        "the same multi-turn workload (needs --tokenizer-dir)",
 }
 
 
