@@ -34,7 +34,8 @@ def serve(mode: str, conversations: list[list[str]], args) -> dict:
               dtype=args.dtype)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    # Warm-up compiles the steps on a throwaway request so timings measure serving.
+    # Compile every step shape (and run a throwaway request) so timings measure serving.
+    engine.warmup()
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     engine.tokens_processed = 0
     chats = [[{"role": "user", "content": turns[0]}] for turns in conversations]
