@@ -209,7 +209,7 @@ def main(argv=None) -> None:
     prefill = []
     for hist in (0, args.context - CHUNK):
         tokens = rng.integers(0, config.vocab_size, CHUNK).astype(np.int32)
-        hist_lengths = manager.retained_counts(hist).astype(np.int32)
+        hist_lengths = manager.layout.retained_counts(hist).astype(np.int32)
         fig = measure(lambda: runner.prefill_chunk(tokens, hist, prefill_slot, hist_lengths)[0],
                       args.reps, on_gpu)
         fig.update(chunk_tokens=CHUNK, history_tokens=hist,

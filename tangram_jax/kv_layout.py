@@ -120,6 +120,10 @@ class KVLayout:
             raise ValueError("group budgets must lie in (0, 1]")
         object.__setattr__(self, "head_perm", perm)
         object.__setattr__(self, "group_budgets", budgets)
+        # The keep rule as a lookup, [chunk_size + 1, layers, groups]: the count of a chunk of
+        # every length (the scheduler asks for retained counts on its hot path).
+        object.__setattr__(self, "_keep_by_chunk_len", chunk_keep_count(
+            budgets, np.arange(self.chunk_size + 1)[:, None, None]))
 
     @property
     def num_groups(self) -> int:
@@ -130,8 +134,13 @@ class KVLayout:
         return bool((self.group_budgets < 1).any())
 
     def retained_counts(self, num_tokens: int) -> np.ndarray:
-        """[layers, groups] tokens kept from a turn of `num_tokens` new prompt tokens."""
-        return retained_counts(self.group_budgets, num_tokens, self.chunk_size)
+        """int64 [layers, groups] tokens kept from a turn of `num_tokens` new prompt tokens
+        (`retained_counts` of this layout, read from the per-chunk-length keep table)."""
+        full, rest = divmod(int(num_tokens), self.chunk_size)
+        if full < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        keep = self._keep_by_chunk_len
+        return keep[-1] * full + keep[rest]
 
     def chunk_keep_counts(self, chunk_len: int) -> np.ndarray:
         """[layers, groups] tokens kept from one chunk of `chunk_len` tokens."""

@@ -4,7 +4,7 @@ and bad input."""
 import numpy as np
 import pytest
 
-from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.kv_layout import KVLayout, pages_for, retained_counts
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager, LayoutMismatchError
 from tangram_jax.scheduler.scheduler import RequestTooLargeError, Scheduler
 from tangram_jax.scheduler.sequence import SequenceStatus
@@ -328,15 +328,14 @@ def test_abort_between_schedule_and_commit_keeps_rows_aligned():
 
 
 @pytest.mark.parametrize("budgets", [BUDGETS, np.array([[0.07, 0.33], [0.5, 0.999]])])
-def test_manager_retained_counts_lookup_equals_the_layout_rule(budgets):
+def test_layout_retained_counts_lookup_equals_the_keep_rule(budgets):
     lay = layout(budgets)
-    m, _ = make(lay=lay)
     for n in list(range(0, 5 * CHUNK + 1)) + [97 * CHUNK + 3]:
-        got = m.retained_counts(n)
-        np.testing.assert_array_equal(got, lay.retained_counts(n))
+        got = lay.retained_counts(n)
+        np.testing.assert_array_equal(got, retained_counts(budgets, n, CHUNK))
         assert got.dtype == np.int64
     with pytest.raises(ValueError, match=">= 0"):
-        m.retained_counts(-1)
+        lay.retained_counts(-1)
 
 
 def test_cached_decode_batch_follows_every_change_and_commit_takes_placeholders():

@@ -29,7 +29,7 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
-from tangram_jax.kv_layout import KVLayout, chunk_keep_count, pages_for
+from tangram_jax.kv_layout import KVLayout, pages_for
 from tangram_jax.scheduler.block_table import BlockTable
 from tangram_jax.scheduler.page_pool import PagePool
 
@@ -100,11 +100,6 @@ class KVCacheManager:
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._slot_in_use = np.zeros(rows, dtype=bool)
         self._grown = np.zeros(rows, dtype=bool)   # grown for decode, not yet advanced
-        # layout.retained_counts as a lookup: keep count of a chunk of every length 0..chunk_size
-        # ([chunk_size + 1, layers, groups]), from the one keep rule the prefill uses.
-        chunk = layout.chunk_size
-        self._keep_by_chunk_len = chunk_keep_count(layout.group_budgets,
-                                                   np.arange(chunk + 1)[:, None, None])
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
 
@@ -150,19 +145,10 @@ class KVCacheManager:
         return int(released.size)
 
     # ----- reservation -------------------------------------------------------------------
-    def retained_counts(self, num_new_tokens: int) -> np.ndarray:
-        """int64 [layers, groups]: ``layout.retained_counts(num_new_tokens)`` (the same chunked
-        keep rule), read from a per-chunk-length table instead of recomputed."""
-        full, rest = divmod(int(num_new_tokens), self.layout.chunk_size)
-        if full < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        keep = self._keep_by_chunk_len
-        return keep[-1] * full + keep[rest]
-
     def reservation_target(self, base_lengths: np.ndarray, num_new_tokens: int) -> np.ndarray:
         """int64 [layers, groups]: tokens to hold after a turn of `num_new_tokens` new tokens
         on top of `base_lengths` (the session's retained lengths, 0 for a fresh sequence)."""
-        return self.retained_counts(num_new_tokens) + base_lengths
+        return self.layout.retained_counts(num_new_tokens) + base_lengths
 
     def pages_to_reserve(self, slot: int | None, num_new_tokens: int) -> int:
         """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
@@ -201,7 +187,7 @@ class KVCacheManager:
     def commit_prefill(self, slot: int, num_tokens: int) -> None:
         """The device has written a prefill piece of `num_tokens` new tokens, starting on a
         compression-chunk boundary of its turn: lengths grow by ``layout.retained_counts``."""
-        new = self.lengths[slot] + self.retained_counts(num_tokens)
+        new = self.lengths[slot] + self.layout.retained_counts(num_tokens)
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
         self.lengths[slot] = new
