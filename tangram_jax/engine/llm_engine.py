@@ -262,17 +262,18 @@ class Engine:
             pending += [(r, tokens, i) for i, r in enumerate(first_reqs)]
 
         self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, _, _ in pending},
-                              reclaim if self.config.mode == "dynamic" else None)
+                              reclaim)
         # commit appended one placeholder per sampled token: remember where it sits.
         return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1)
                 for r, tokens, row in pending]
 
-    def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request], dict[str, np.ndarray]]:
+    def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
+                                        dict[str, np.ndarray] | None]:
         """Run this step's prefill pieces: a runner call takes the next compression chunk of up
         to `max_prefill_rows` pieces (chunks of one piece depend on each other, those of
         different pieces do not).
-        Returns the last logits [V] and requests of pieces that end their prompt, and (dynamic
-        mode) each piece's retained lengths after compression."""
+        Returns the last logits [V] and requests of pieces that end their prompt, and each
+        piece's retained lengths after compression in dynamic mode (None otherwise)."""
         chunk_size = self.layout.chunk_size
         hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
                 for p in pieces}
@@ -299,8 +300,7 @@ class Engine:
                     first_logits.append(logits[b])
                     first_reqs.append(self._requests[rid])
         self.tokens_processed += sum(p.num_tokens for p in pieces)
-        reclaim = hist if self.config.mode == "dynamic" else {}
-        return first_logits, first_reqs, reclaim
+        return first_logits, first_reqs, (hist if self.config.mode == "dynamic" else None)
 
     def warmup(self) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
@@ -370,11 +370,15 @@ class Engine:
         scheduler = self.scheduler.metrics.summary(dict(usage))
         mc = self.model_config
         itemsize = jnp.dtype(self.runner.k_pages.dtype).itemsize
-        cached = [s.num_computed_tokens for s in self._cached_sequences()]
+        cached_seqs = self._cached_sequences()
+        cached = [s.num_computed_tokens for s in cached_seqs]
         full_slots = int(pages_for(np.asarray(cached, np.int64), self.layout.page_size).sum()) \
             * self.layout.page_size
+        # Not usage["pages_used"]: the pool also holds finished requests' pages until the
+        # scheduler returns them (it does so lazily).
+        held = sum(self.manager.pages_held(s.slot) for s in cached_seqs)
         usage.update(
-            kv_bytes_held=(usage["pages_used"]) * self.runner.kv_bytes_per_page,
+            kv_bytes_held=held * self.runner.kv_bytes_per_page,
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,

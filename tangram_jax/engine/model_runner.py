@@ -226,8 +226,8 @@ class ModelRunner:
             raise ValueError("prefill needs one start position, slot and history per chunk")
         if len(set(int(s) for s in slots)) != n_rows:
             raise ValueError(f"prefill rows must be distinct sequences, got slots {list(slots)}")
-        rows = backend.next_power_of_2(n_rows)
-        pick = list(range(n_rows)) + [0] * (rows - n_rows)
+        pick = _pad_rows(n_rows)
+        rows = len(pick)
         padded = np.zeros((rows, chunk), np.int32)
         lens = np.zeros(rows, np.int32)
         for r, b in enumerate(pick):
@@ -410,7 +410,7 @@ class ModelRunner:
         sampling arrays [n]). Rows are padded to a power of two (padding rows repeat row 0 and
         write to the null slot). Returns tokens [rows] (device); the first n are the samples."""
         n = len(logits)
-        pick = list(range(n)) + [0] * (backend.next_power_of_2(n) - n)
+        pick = _pad_rows(n)
         rows = lambda x, dtype: np.asarray(x, dtype)[pick]
         padded_slots = rows(slots, np.int32)
         padded_slots[n:] = self.null_slot
@@ -451,6 +451,11 @@ class ModelRunner:
             self.decode(np.zeros(bucket, np.int32), np.full(bucket, null, np.int32),
                         np.zeros((bucket, *zeros.shape), np.int32), *greedy(bucket))
         jax.block_until_ready((self.k_pages, self.slot_tokens))
+
+
+def _pad_rows(n: int) -> list[int]:
+    """Row order for `n` rows padded to a power of two by repeating row 0 (few shapes compile)."""
+    return list(range(n)) + [0] * (backend.next_power_of_2(n) - n)
 
 
 def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps):
