@@ -264,7 +264,9 @@ class Scheduler:
         preempted: list[Sequence] = []
         capped: list[Sequence] = []
 
-        if self._parked and (self.waiting or not self.running):
+        # (Parked pages never outlive the running sequences: finish and release return them
+        # when nothing runs any more, and growth returns them before it preempts.)
+        if self._parked and self.waiting:
             self._release_parked()   # admission may need the pages and slots
         self._refresh_batches()
         decode, decode_slots = self._grow_for_decode(preempted, capped)
