@@ -3,6 +3,8 @@ and bad input."""
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from tangram_jax.kv_layout import KVLayout, pages_for, retained_counts
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager, LayoutMismatchError
@@ -413,3 +415,63 @@ def test_finished_pages_return_when_admission_wants_them_or_nothing_runs():
     s.finish("b")
     s.finish("c")   # nothing runs any more: everything is back
     assert m.pool.num_free == m.pool.capacity and m.num_free_slots == m.max_seqs
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_grow_for_decode_matches_a_per_sequence_oracle(data):
+    # The manager grows the whole batch with masked whole-array passes; the oracle walks the
+    # sequences in the order given, cell by cell: a sequence gets a page for every group whose
+    # next token crosses a page boundary, all or nothing, unless a group is at the block-table
+    # width; once the pool has run out, no later sequence gets anything (the failing ones are
+    # the trailing ones, who get preempted).
+    max_pages = data.draw(st.integers(2, 6))
+    m, _ = make(num_pages=200, max_seqs=4, max_pages=max_pages)
+    slots = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        n = data.draw(st.integers(1, 40))
+        slot = m.allocate_slot()
+        if not m.reserve(slot, n):
+            m.free(slot)
+            continue
+        m.commit_prefill(slot, n)
+        for _ in range(data.draw(st.integers(0, 20))):   # some decode steps already taken
+            if not m.grow_for_decode(np.array([slot])).all():
+                break
+            m.advance_decode(np.array([slot]))
+        slots.append(slot)
+    if not slots:
+        return
+    order = np.array(data.draw(st.permutations(slots)), dtype=np.intp)
+    hog = m.pool.allocate(m.pool.num_free - data.draw(st.integers(0, 12)))   # a short pool
+    free = m.pool.num_free
+    lengths, held = m.lengths.copy(), m.table.num_pages.copy()
+    want_ok, asked = [], 0
+    for slot in order:
+        need = lengths[slot] >= held[slot] * PAGE
+        if (need & (held[slot] >= max_pages)).any():
+            want_ok.append(False)
+            continue
+        asked += int(need.sum())
+        want_ok.append(asked <= free)
+    free -= sum(int((lengths[s] >= held[s] * PAGE).sum()) for s, o in zip(order, want_ok) if o)
+    ok = m.grow_for_decode(order)
+    assert ok.tolist() == want_ok
+    event(f'{sum(want_ok)} of {len(want_ok)} granted')
+    assert m.pool.num_free == free
+    assert m.grow_for_decode(order[ok]).all()     # growing again this step changes nothing
+    assert m.pool.num_free == free
+    for slot, granted in zip(order, ok):
+        grew = (lengths[slot] >= held[slot] * PAGE) & granted
+        assert (m.table.num_pages[slot] == held[slot] + grew).all()
+        assert (m.reserved_lengths[slot] == lengths[slot] + granted).all()
+        assert (m.table.num_pages[slot] == pages_for(m.reserved_lengths[slot], PAGE)).all()
+    m.advance_decode(order[ok])
+    assert (m.lengths[order] == lengths[order] + ok[:, None, None]).all()
+    assert (m.lengths == m.reserved_lengths).all()
+    with pytest.raises(ValueError, match="not grown"):
+        m.advance_decode(order[:1])
+    m.pool.release(hog)
+    for slot in slots:
+        m.free(slot)
+    assert m.pool.num_free == m.pool.capacity

@@ -66,21 +66,24 @@ class BlockTable:
         self.num_pages[slots] = new_held
         self._log(flat_index, pages)
 
-    def append_to_cells(self, cells: np.ndarray, pages: np.ndarray) -> None:
+    def append_to_cells(self, cells: np.ndarray, pages: np.ndarray, *,
+                        columns: np.ndarray | None = None) -> None:
         """Append ``pages[i]`` to global cell ``cells[i]`` (distinct cells; a cell is
         ``(slot * layers + layer) * groups + group``). The decode hot path: it touches only the
-        cells that grow, never the whole batch."""
+        cells that grow, never the whole batch.
+
+        columns: ``num_pages.ravel()[cells]`` if the caller has already read it."""
         pages = np.asarray(pages, dtype=np.int32)
         if pages.size != cells.size:
             raise ValueError(f"{pages.size} pages given for {cells.size} cells")
         if cells.size == 0:
             return
         num_pages = self.num_pages.reshape(-1)
-        col = num_pages[cells]
+        col = num_pages[cells] if columns is None else columns
         if col.max() >= self.max_pages:
             raise BlockTableFullError(f"a group would need {col.max() + 1} pages, "
                                       f"the table holds {self.max_pages}")
-        flat_index = cells.astype(np.int64) * self.max_pages + col
+        flat_index = np.asarray(cells, dtype=np.int64) * self.max_pages + col
         self.tables.reshape(-1)[flat_index] = pages
         num_pages[cells] = col + 1
         self._log(flat_index, pages)

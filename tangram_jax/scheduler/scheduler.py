@@ -288,7 +288,8 @@ class Scheduler:
         slots = np.full(bucket, self.manager.null_slot, dtype=np.int32)
         slots[:n] = decode_slots
         out = SchedulerOutput(step=self._step, prefill_chunks=chunks, decode_seqs=decode,
-                              decode_slots=slots, decode_lengths=self.manager.lengths[slots],
+                              decode_slots=slots,
+                              decode_lengths=self.manager.lengths.take(slots, axis=0),
                               table_updates=self.manager.take_table_updates(),
                               preempted=preempted, capped=capped)
         self.metrics.start_step(time.perf_counter() - t0)
