@@ -44,8 +44,7 @@ def run_steps(layer_loop: str):
         assert manager.grow_for_decode(np.array([slot])).all()
         runner.update_block_tables(*manager.take_table_updates())
         out = runner.decode(np.array([len(tokens) + step]), np.array([slot]),
-                            manager.lengths[[slot]], *greedy)
-        manager.advance_decode(np.array([slot]))
+                            manager.lengths[[slot]] - 1, *greedy)   # growth counted the token
         decoded.append(int(out[0]))
     return np.stack(logits), decoded, np.asarray(runner.k_pages)
 

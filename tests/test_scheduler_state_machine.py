@@ -148,7 +148,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 written = m.lengths[seq.slot] + chunk.num_tokens
                 keep = np.ceil(written * self.rng.uniform(0.2, 1.0, written.shape)).astype(int)
                 reclaim[rid] = np.maximum(keep, m.lengths[seq.slot])
-        decode_before = {s.request_id: m.lengths[s.slot].copy() for s in out.decode_seqs}
+        # Growth has counted this step's token already; the device writes it at the old length.
+        for row, seq in enumerate(out.decode_seqs):
+            assert (m.lengths[seq.slot] == out.decode_lengths[row] + 1).all()
+        decode_before = {s.request_id: out.decode_lengths[row].copy()
+                         for row, s in enumerate(out.decode_seqs)}
         for row, seq in enumerate(out.decode_seqs):
             sampled[seq.request_id] = 100 + row
         sched.commit(out, sampled, reclaim_lengths=reclaim or None)

@@ -17,6 +17,7 @@ Arrays (row ``max_seqs`` is the *null slot*: always empty, padded decode rows po
 
     block_tables:     int32 [max_seqs + 1, layers, groups, max_pages]
     lengths:          int32 [max_seqs + 1, layers, groups]   retained tokens written so far
+                      (a decode token counts from `grow_for_decode`, the step that writes it)
     reserved_lengths: int32 [max_seqs + 1, layers, groups]   tokens the held pages are reserved
                       for; always ``num_pages == pages_for(reserved_lengths)`` and
                       ``lengths <= reserved_lengths``.
@@ -99,7 +100,6 @@ class KVCacheManager:
         # Free slots as a stack, lowest id on top.
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._slot_in_use = np.zeros(rows, dtype=bool)
-        self._grown = np.zeros(rows, dtype=bool)   # grown for decode, not yet advanced
         # Preallocated outputs of grow_for_decode's whole-array passes.
         self._scratch_int = np.zeros_like(self.lengths)
         self._scratch_bool = np.zeros(self.lengths.shape, dtype=bool)
@@ -142,7 +142,6 @@ class KVCacheManager:
         self.pool.release(released, distinct=True)   # table entries are allocated once each
         self.lengths[slot] = 0
         self.reserved_lengths[slot] = 0
-        self._grown[slot] = False
         self._slot_in_use[slot] = False
         self._free_slots.append(slot)
         return int(released.size)
@@ -224,19 +223,20 @@ class KVCacheManager:
 
     # ----- decode ------------------------------------------------------------------------
     def grow_for_decode(self, slots: np.ndarray) -> np.ndarray:
-        """Give one more token slot to every (layer, group) of `slots` for this decode step.
+        """Take this decode step's token for every (layer, group) of `slots`.
 
-        slots: int [n] distinct slots whose prefill is complete (lengths == reserved_lengths),
-        or already grown this step (then nothing changes for them). Only groups whose next
-        token crosses a page boundary take a page. Sequences are served in the order given,
+        slots: int [n] distinct slots whose prefill is complete (lengths == reserved_lengths).
+        Groups whose token crosses a page boundary take a page; then lengths and reserved
+        lengths count the token (the device writes it at the old length, which the scheduler
+        hands it as `SchedulerOutput.decode_lengths`). Sequences are served in the order given,
         all or nothing each, while the pool lasts (so the ones that fail are the last ones); a
         sequence that would overflow the block-table width fails too. Returns bool [n]: which
-        can decode this step (call `advance_decode` for those after the device step).
+        got their token (the others are unchanged).
         """
-        # Runs every step. It works on the whole [rows, layers, groups] arrays masked to the
-        # batch rather than on the batch's rows gathered out and scattered back: the decode batch
-        # is most of the slots when serving is busy, and a contiguous pass with preallocated
-        # outputs costs about a third less than the gathers (benchmarks/NOTES_control_plane.md).
+        # Runs every step, so it is written for few numpy calls (each costs microseconds when
+        # the caches are cold, more than the work): whole [rows, layers, groups] passes masked
+        # to the batch, with preallocated outputs, instead of gathering the batch's rows out and
+        # scattering them back; the batch is most of the slots when serving is busy.
         slots = np.asarray(slots, dtype=np.intp)
         n = slots.size
         if n == 0:
@@ -257,9 +257,9 @@ class KVCacheManager:
             cells, columns = cells[keep], columns[keep]
         if cells.size:
             self.table.append_to_cells(cells, self.pool.allocate(cells.size), columns=columns)
-        # reserved = lengths + 1 for the rows granted now (not for those grown before).
-        self.reserved_lengths += (rows & ~self._grown)[:, None, None]
-        self._grown |= rows
+        granted = rows.astype(np.int32)[:, None, None]   # int32: adding bools would cast
+        self.lengths += granted
+        self.reserved_lengths += granted
         return ok
 
     def _grant_prefix(self, slots: np.ndarray, cells: np.ndarray,
@@ -285,16 +285,6 @@ class KVCacheManager:
         """Whether one more decode token would overflow the block table width."""
         want = self.lengths[slot].astype(np.int64) + 1
         return bool(pages_for(want, self.page_size).max() > self.max_pages_per_group)
-
-    def advance_decode(self, slots: np.ndarray) -> None:
-        """The device appended one token to every group of `slots` (each grown this step)."""
-        slots = np.asarray(slots, dtype=np.intp)
-        if not self._grown[slots].all():
-            raise ValueError("advance_decode for a sequence not grown this step "
-                             "(grow_for_decode first)")
-        rows = self._row_mask(slots)
-        self.lengths += rows[:, None, None]   # = reserved_lengths of a grown row
-        self._grown &= ~rows
 
     # ----- device feed -------------------------------------------------------------------
     def take_table_updates(self) -> tuple[np.ndarray, np.ndarray]:

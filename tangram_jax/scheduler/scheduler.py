@@ -4,7 +4,7 @@ One engine step is::
 
     out = scheduler.schedule()            # what to run: prefill pieces + decode batch
     ... device runs out.prefill_chunks and out.decode_slots with manager.block_tables/lengths ...
-    scheduler.commit(out, sampled)        # lengths advance, sampled tokens appended
+    scheduler.commit(out, sampled)        # prefill lengths advance, sampled tokens appended
     scheduler.finish(request_id)          # for every request the engine's stop check ended
 
 `schedule` does, in order:
@@ -287,9 +287,10 @@ class Scheduler:
         bucket = next(b for b in self.decode_buckets if b >= n) if n else 0
         slots = np.full(bucket, self.manager.null_slot, dtype=np.int32)
         slots[:n] = decode_slots
+        lengths = self.manager.lengths.take(slots, axis=0)
+        lengths[:n] -= 1   # growth counted the token this step writes; the device wants before
         out = SchedulerOutput(step=self._step, prefill_chunks=chunks, decode_seqs=decode,
-                              decode_slots=slots,
-                              decode_lengths=self.manager.lengths.take(slots, axis=0),
+                              decode_slots=slots, decode_lengths=lengths,
                               table_updates=self.manager.take_table_updates(),
                               preempted=preempted, capped=capped)
         self.metrics.start_step(time.perf_counter() - t0)
@@ -320,11 +321,9 @@ class Scheduler:
                 self._batch_stale = True
         seqs = output.decode_seqs
         if seqs:
+            # (Their KV lengths already count this token: `grow_for_decode` took it.)
             if self._aborted_since_schedule:
                 seqs = [q for q in seqs if q.status is SequenceStatus.DECODE]
-                slots = np.array([q.slot for q in seqs], dtype=np.intp)
-            else:
-                slots = output.decode_slots[:len(seqs)]
             try:
                 # Values are not checked: an engine that learns tokens a step late commits
                 # placeholders and overwrites `token_ids` later.
@@ -333,7 +332,6 @@ class Scheduler:
                 for q in seqs:
                     self._sampled(sampled_tokens, q)   # raises, naming the request
                 raise
-            self.manager.advance_decode(slots)
             for seq, token in zip(seqs, tokens):
                 seq.num_computed_tokens += 1
                 seq.token_ids.append(token)
