@@ -18,9 +18,8 @@ The goal's denominator is the GPU time of what each step scheduled, from
 benchmarks/results/decode_step_gpu.json (the 8B model's whole decode step per batch bucket and its
 256-token prefill chunk, measured through the engine's ModelRunner): per step, host time / (decode
 step of its bucket + one prefill-chunk call per compression chunk it prefilled). Reported as
-median, p90, mean and max over steps, also against the full-batch decode step alone, also for a
-runner without its per-layer weight copies (a projection), and, for continuity, the earlier
-attention-kernel-only figure.
+median, p90, mean and max over steps, also against the full-batch decode step alone, and, for
+continuity, the earlier attention-kernel-only figure.
 
     python benchmarks/control_plane.py [--steps 400] [--out benchmarks/results/control_plane.json]
 """
@@ -209,9 +208,6 @@ def attention_step_gpu_ms(batch: int, context: float) -> tuple[float | None, str
 
 
 GOAL = 0.02
-# GPU ops of the measured step that a runner could drop: the layer scan's per-layer weight
-# copies (one memcpy of every step's ~14 GB of layer weights, 7 ms on the H200).
-REMOVABLE_OPS = ("memcpy128",)
 
 
 def load_gpu_step() -> dict | None:
@@ -223,20 +219,17 @@ def load_gpu_step() -> dict | None:
         return json.load(f)
 
 
-def step_gpu_ms(gpu: dict, buckets: np.ndarray, prefill_calls: list[list[int]],
-                without: tuple[str, ...] = ()) -> tuple[np.ndarray, int]:
+def step_gpu_ms(gpu: dict, buckets: np.ndarray,
+                prefill_calls: list[list[int]]) -> tuple[np.ndarray, int]:
     """GPU ms of what every step scheduled: the decode step of its bucket plus one prefill-chunk
     call per compression chunk, its time interpolated linearly in the chunk's history between
     the measured histories (attention over the history grows linearly with it).
 
-    `without`: GPU op names to subtract from every measured figure (a projection). A bucket with
-    no measurement takes the largest measured bucket below it (a smaller denominator), or the
-    smallest measured one; returns (ms per step, number of such steps)."""
-    def ms(row):
-        return row["ms"] - sum(row.get("top_gpu_ops_ms", {}).get(op, 0.0) for op in without)
-    decode = {row["batch"]: ms(row) for row in gpu["decode"]}
+    A bucket with no measurement takes the largest measured bucket below it (a smaller
+    denominator), or the smallest measured one; returns (ms per step, number of such steps)."""
+    decode = {row["batch"]: row["ms"] for row in gpu["decode"]}
     measured = sorted(decode)
-    (h0, p0), (h1, p1) = sorted((row["history_tokens"], ms(row)) for row in gpu["prefill_chunk"])
+    (h0, p0), (h1, p1) = sorted((row["history_tokens"], row["ms"]) for row in gpu["prefill_chunk"])
     per_step, unmeasured = [], 0
     for bucket, calls in zip(buckets, prefill_calls):
         t = 0.0
@@ -271,33 +264,23 @@ def gpu_fractions(gpu: dict, batch: int, reps: list[dict]) -> dict:
            "git_revision": gpu["git_revision"],
            # Runs before the runner had a choice (20ee2cc) used lax.scan over stacked layers.
            "layer_loop": gpu.get("layer_loop", "scan")}
-    for name, without in (("measured", ()), ("without_weight_copies", REMOVABLE_OPS)):
-        gpu_ms, unmeasured = step_gpu_ms(gpu, buckets, calls, without)
-        full = {row["batch"]: row for row in gpu["decode"]}.get(batch)
-        entry = {}
-        if full is not None:
-            full_ms = full["ms"] - sum(full.get("top_gpu_ops_ms", {}).get(op, 0.0)
-                                       for op in without)
-            entry["full_decode_step_gpu_ms"] = full_ms
-            entry["vs_full_decode_step"] = {
-                "median": float(np.median(host) * 1e3 / full_ms),
-                "p90": float(np.percentile(host, 90) * 1e3 / full_ms),
-                "mean": float(host.mean() * 1e3 / full_ms),
-                "cpu_time_median": float(np.median(host_cpu) * 1e3 / full_ms)}
-        entry["per_step_gpu_ms_median"] = float(np.median(gpu_ms))
-        entry["per_step"] = fraction_stats(host, gpu_ms)
-        entry["per_step_cpu_time"] = fraction_stats(host_cpu, gpu_ms)
-        entry["per_step_decode_only"] = (fraction_stats(host[decode_only], gpu_ms[decode_only])
-                                         if decode_only.any() else None)
-        entry["per_step_with_prefill"] = (fraction_stats(host[~decode_only], gpu_ms[~decode_only])
-                                          if (~decode_only).any() else None)
-        entry["steps_with_unmeasured_bucket"] = unmeasured
-        out[name] = entry
-    out["without_weight_copies_note"] = (
-        "projection: the measured GPU times minus the ops " + ", ".join(REMOVABLE_OPS) +
-        " (the per-layer weight copies of the runner's layer scan), i.e. the denominator if the "
-        "runner stops copying weights (its 'unrolled' layer loop, default on GPU since 20ee2cc); "
-        "the control plane's fraction grows by that much")
+    gpu_ms, unmeasured = step_gpu_ms(gpu, buckets, calls)
+    full = {row["batch"]: row for row in gpu["decode"]}.get(batch)
+    if full is not None:
+        out["full_decode_step_gpu_ms"] = full["ms"]
+        out["vs_full_decode_step"] = {
+            "median": float(np.median(host) * 1e3 / full["ms"]),
+            "p90": float(np.percentile(host, 90) * 1e3 / full["ms"]),
+            "mean": float(host.mean() * 1e3 / full["ms"]),
+            "cpu_time_median": float(np.median(host_cpu) * 1e3 / full["ms"])}
+    out["per_step_gpu_ms_median"] = float(np.median(gpu_ms))
+    out["per_step"] = fraction_stats(host, gpu_ms)
+    out["per_step_cpu_time"] = fraction_stats(host_cpu, gpu_ms)
+    out["per_step_decode_only"] = (fraction_stats(host[decode_only], gpu_ms[decode_only])
+                                   if decode_only.any() else None)
+    out["per_step_with_prefill"] = (fraction_stats(host[~decode_only], gpu_ms[~decode_only])
+                                    if (~decode_only).any() else None)
+    out["steps_with_unmeasured_bucket"] = unmeasured
     return out
 
 
@@ -305,15 +288,11 @@ def goal_note(batch: int, fr: dict | None, attention_note: str) -> str:
     if fr is None:
         return ("no benchmarks/results/decode_step_gpu.json: only the attention-only fraction "
                 "(" + attention_note + ")")
-    parts = []
-    for name in ("measured", "without_weight_copies"):
-        e = fr[name]
-        stats = e["per_step"]
-        met = all(stats[k] < GOAL for k in ("median", "p90", "mean"))
-        cpu = e["per_step_cpu_time"]
-        only = e["per_step_decode_only"]
-        parts.append(
-            f"{name} ({e['full_decode_step_gpu_ms']:.1f} ms full decode step): per-step "
+    stats, cpu, only = fr["per_step"], fr["per_step_cpu_time"], fr["per_step_decode_only"]
+    met = all(stats[k] < GOAL for k in ("median", "p90", "mean"))
+    full = fr.get("full_decode_step_gpu_ms")
+    return (f"against the measured GPU step ({fr['layer_loop']} runner"
+            + (f", {full:.1f} ms full decode step" if full else "") + "): per-step "
             f"fraction median {stats['median']:.2%}, p90 {stats['p90']:.2%}, mean "
             f"{stats['mean']:.2%}, max {stats['max']:.2%} ({stats['steps_under_goal']:.1%} of "
             f"steps under 2%; thread CPU time: median {cpu['median']:.2%}, p90 {cpu['p90']:.2%})"
@@ -321,7 +300,6 @@ def goal_note(batch: int, fr: dict | None, attention_note: str) -> str:
             "mean of the per-step fraction all under 2%)"
             + (f"; steps without prefill (decode, and finishes): median {only['median']:.2%}, "
                f"p90 {only['p90']:.2%}" if only else "; every step also prefilled"))
-    return "; ".join(parts)
 
 
 def main(argv=None) -> None:

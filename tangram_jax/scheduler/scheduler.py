@@ -442,7 +442,13 @@ class Scheduler:
     def _reserve(self, seq: Sequence) -> bool:
         """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
         m = self.manager
-        need = m.pages_to_reserve(seq.slot if seq.is_cached else None, seq.num_uncomputed_tokens)
+        # A request that does not fit is tried again every step; what it needs changes only
+        # with its cache (an eviction drops the slot) or its tokens, so it is computed once.
+        key = (seq.slot, seq.num_uncomputed_tokens)
+        if seq.reservation_need is None or seq.reservation_need[0] != key:
+            seq.reservation_need = (key, m.pages_to_reserve(seq.slot if seq.is_cached else None,
+                                                            seq.num_uncomputed_tokens))
+        need = seq.reservation_need[1]
         need_slot = not seq.is_cached
         own_listed = seq.session_id is not None and self._lru.get(seq.session_id) is seq
         others_pages = self._lru_pages - (m.pages_held(seq.slot) if own_listed else 0)
@@ -461,6 +467,7 @@ class Scheduler:
             seq.slot = m.allocate_slot()
         if not m.reserve(seq.slot, seq.num_uncomputed_tokens):
             raise AssertionError("reservation failed after the pool was checked")
+        seq.reservation_need = None   # the slot's contents change from here on
         return True
 
     def _park(self, seq: Sequence) -> None:

@@ -61,6 +61,8 @@ class Sequence:
         self.admission_order = -1         # larger = admitted more recently (preempted first)
         self.last_used_step = 0           # for LRU eviction of idle sessions
         self.num_preemptions = 0
+        # The scheduler's memo of the pages admission needs: ((slot, uncomputed tokens), pages).
+        self.reservation_need: tuple[tuple[int, int], int] | None = None
         self.token_timestamps: list[float] = []   # filled by the engine if it wants them
 
     @property
