@@ -72,17 +72,20 @@ class BlockTable:
         ``(slot * layers + layer) * groups + group``). The decode hot path: it touches only the
         cells that grow, never the whole batch.
 
-        columns: ``num_pages.ravel()[cells]`` if the caller has already read it."""
+        columns: ``num_pages.ravel()[cells]``, if the caller has already read it and checked
+        that every one is below `max_pages`."""
         pages = np.asarray(pages, dtype=np.int32)
         if pages.size != cells.size:
             raise ValueError(f"{pages.size} pages given for {cells.size} cells")
         if cells.size == 0:
             return
         num_pages = self.num_pages.reshape(-1)
-        col = num_pages[cells] if columns is None else columns
-        if col.max() >= self.max_pages:
-            raise BlockTableFullError(f"a group would need {col.max() + 1} pages, "
-                                      f"the table holds {self.max_pages}")
+        col = columns
+        if col is None:
+            col = num_pages[cells]
+            if col.max() >= self.max_pages:
+                raise BlockTableFullError(f"a group would need {col.max() + 1} pages, "
+                                          f"the table holds {self.max_pages}")
         flat_index = np.asarray(cells, dtype=np.int64) * self.max_pages + col
         self.tables.reshape(-1)[flat_index] = pages
         num_pages[cells] = col + 1

@@ -103,6 +103,8 @@ class KVCacheManager:
         # Preallocated outputs of grow_for_decode's whole-array passes.
         self._scratch_int = np.zeros_like(self.lengths)
         self._scratch_bool = np.zeros(self.lengths.shape, dtype=bool)
+        self._all_granted = np.ones(rows, dtype=bool)   # grow_for_decode's answer, read-only
+        self._all_granted.flags.writeable = False
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
 
@@ -230,8 +232,8 @@ class KVCacheManager:
         lengths count the token (the device writes it at the old length, which the scheduler
         hands it as `SchedulerOutput.decode_lengths`). Sequences are served in the order given,
         all or nothing each, while the pool lasts (so the ones that fail are the last ones); a
-        sequence that would overflow the block-table width fails too. Returns bool [n]: which
-        got their token (the others are unchanged).
+        sequence that would overflow the block-table width fails too. Returns bool [n]
+        (read-only): which got their token (the others are unchanged).
         """
         # Runs every step, so it is written for few numpy calls (each costs microseconds when
         # the caches are cold, more than the work): whole [rows, layers, groups] passes masked
@@ -246,9 +248,10 @@ class KVCacheManager:
         np.multiply(self.table.num_pages, np.int32(self.page_size), out=self._scratch_int)
         crossing = np.greater_equal(self.lengths, self._scratch_int, out=self._scratch_bool)
         crossing &= rows[:, None, None]
-        cells = np.flatnonzero(crossing)     # global cell ids, in slot order
+        # Array methods, not np.flatnonzero/np.ones: their Python wrappers cost more here.
+        cells = crossing.reshape(-1).nonzero()[0]     # global cell ids, in slot order
         columns = self.table.num_pages.reshape(-1)[cells]
-        ok = np.ones(n, dtype=bool)
+        ok = self._all_granted[:n]
         if cells.size > self.pool.num_free or (
                 cells.size and columns.max() >= self.max_pages_per_group):
             ok = self._grant_prefix(slots, cells, columns)
