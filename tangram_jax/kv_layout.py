@@ -121,9 +121,11 @@ class KVLayout:
         object.__setattr__(self, "head_perm", perm)
         object.__setattr__(self, "group_budgets", budgets)
         # The keep rule as a lookup, [chunk_size + 1, layers, groups]: the count of a chunk of
-        # every length (the scheduler asks for retained counts on its hot path).
-        object.__setattr__(self, "_keep_by_chunk_len", chunk_keep_count(
-            budgets, np.arange(self.chunk_size + 1)[:, None, None]))
+        # every length (the scheduler and the engine ask for it on their hot paths). Read-only:
+        # `chunk_keep_counts` hands out its rows.
+        keep_by_chunk_len = chunk_keep_count(budgets, np.arange(self.chunk_size + 1)[:, None, None])
+        keep_by_chunk_len.flags.writeable = False
+        object.__setattr__(self, "_keep_by_chunk_len", keep_by_chunk_len)
 
     @property
     def num_groups(self) -> int:
@@ -143,8 +145,11 @@ class KVLayout:
         return keep[-1] * full + keep[rest]
 
     def chunk_keep_counts(self, chunk_len: int) -> np.ndarray:
-        """[layers, groups] tokens kept from one chunk of `chunk_len` tokens."""
-        return chunk_keep_count(self.group_budgets, chunk_len)
+        """int64 [layers, groups] (read-only) tokens kept from one chunk of `chunk_len` tokens,
+        0 <= chunk_len <= chunk_size."""
+        if not 0 <= chunk_len <= self.chunk_size:
+            raise ValueError(f"a chunk holds 0..{self.chunk_size} tokens, got {chunk_len}")
+        return self._keep_by_chunk_len[chunk_len]
 
     @classmethod
     def monolithic(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
