@@ -28,7 +28,6 @@ the trace has GPU events, with the largest kernels/ops by GPU time. Writes bench
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -101,15 +100,6 @@ def fill_manager(layout, max_batch: int, context: int, seed: int):
     return manager, slots, prefill_slot
 
 
-def gpu_trace(fn, reps: int) -> tuple[float | None, dict[str, float]]:
-    """GPU busy seconds per call of `fn()` from a profiler trace (the sum of GPU stream
-    activity, no host gaps), and the same split by kernel/op name (seconds per call): the
-    decode-attention benchmark's trace reader."""
-    by_name: dict[str, float] = {}
-    total = gpu_busy_time(fn, (), reps, per_kernel=by_name)
-    return total, by_name
-
-
 def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
     """Median wall ms of `fn()` (each call ended by block_until_ready), GPU busy ms and the
     `top` kernels/ops by GPU time."""
@@ -126,7 +116,8 @@ def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
            "wall_ms_p10": float(np.percentile(times, 10) * 1e3),
            "wall_ms_p90": float(np.percentile(times, 90) * 1e3),
            "first_call_s": first, "reps": reps}
-    gpu, by_name = gpu_trace(fn, max(3, reps // 2)) if on_gpu else (None, {})
+    by_name: dict[str, float] = {}
+    gpu = gpu_busy_time(fn, (), max(3, reps // 2), per_kernel=by_name) if on_gpu else None
     out["gpu_busy_ms"] = float(gpu * 1e3) if gpu else None
     out["top_gpu_ops_ms"] = {k: round(v * 1e3, 4) for k, v in
                              sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
@@ -136,19 +127,11 @@ def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
 
 
 def decode_call(runner: ModelRunner, slots: np.ndarray, lengths: np.ndarray, context: int):
-    """A closure running `runner.decode` on this batch (greedy sampling). Works with the runner's
-    current signature (input tokens on the device) and the earlier one (a host `tokens` array)."""
+    """A closure running `runner.decode` on this batch (greedy sampling)."""
     b = len(slots)
-    arrays = dict(positions=np.full(b, context, np.int32), slots=slots, lengths=lengths,
-                  temperature=np.zeros(b, np.float32), top_k=np.full(b, -1, np.int32),
-                  top_p=np.ones(b, np.float32), seeds=np.zeros(b, np.uint32),
-                  steps=np.zeros(b, np.int32), tokens=np.ones(b, np.int32))
-    names = [p for p in inspect.signature(runner.decode).parameters]
-    missing = [n for n in names if n not in arrays]
-    if missing:
-        raise RuntimeError(f"ModelRunner.decode takes {names}; this script does not know "
-                           f"{missing}")
-    args = [arrays[n] for n in names]
+    args = (np.full(b, context, np.int32), slots, lengths, np.zeros(b, np.float32),
+            np.full(b, -1, np.int32), np.ones(b, np.float32), np.zeros(b, np.uint32),
+            np.zeros(b, np.int32))
     return lambda: runner.decode(*args)
 
 
