@@ -31,11 +31,11 @@ def serve(mode: str, conversations: list[list[str]], args) -> dict:
     llm = LLM(args.model, mode=mode, ratio=args.ratio, group_size=args.group_size,
               kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
               chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens,
-              dtype=args.dtype)
+              dtype=args.dtype, warmup=True)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    # Compile every step shape (and run a throwaway request) so timings measure serving.
-    engine.warmup()
+    # The engine compiled every step shape while it was built (warmup=True); a throwaway
+    # request too, so timings measure serving.
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     engine.tokens_processed = 0
     chats = [[{"role": "user", "content": turns[0]}] for turns in conversations]
