@@ -13,8 +13,9 @@ One engine step is::
    (`KVCacheManager.grow_for_decode`). When the pool is short, idle sessions are evicted (least
    recently used first), then the newest running sequence is preempted by recompute (pages
    freed, requeued at the front, its whole history re-prefilled later; if that history could
-   never be reserved again, by the pool or the block-table width, it ends as CAPPED instead). A sequence that could
-   not grow even with the whole pool (or the full block-table width) to itself ends as CAPPED.
+   never be reserved again, by the pool or the block-table width, it ends as CAPPED instead).
+   A sequence that could not grow even with the whole pool (or the full block-table width) to
+   itself ends as CAPPED.
 2. Prefill pieces for sequences already admitted, under the per-step token budget.
 3. Admission, FCFS by reservation: a waiting request is admitted only if its whole turn's
    post-compression reservation fits (evicting idle sessions if that makes it fit). A request that
@@ -216,8 +217,7 @@ class Scheduler:
         t0 = time.perf_counter()
         seq = self._live(request_id)
         if seq.status.is_running:
-            self.running.remove(seq)
-            self._batch_stale = True
+            self._stop_running(seq)
         elif seq.status is SequenceStatus.WAITING and seq.num_output_tokens and seq in self.waiting:
             self.waiting.remove(seq)
         else:
@@ -241,8 +241,7 @@ class Scheduler:
         del self._requests[request_id]
         self._aborted_since_schedule = True
         if seq in self.running:
-            self.running.remove(seq)
-            self._batch_stale = True
+            self._stop_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq, SequenceStatus.ABORTED)
@@ -345,6 +344,10 @@ class Scheduler:
             self._prefilling = [s for s in self.running if s.status is SequenceStatus.PREFILL]
             self._decoding_slots = np.array([s.slot for s in self._decoding], dtype=np.intp)
             self._batch_stale = False
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._batch_stale = True
 
     def _grow_for_decode(self, preempted: list[Sequence],
                          capped: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
@@ -511,8 +514,7 @@ class Scheduler:
         seq.drop_cache()
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._batch_stale = True
+        self._stop_running(seq)
         self._drop_cache(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -520,8 +522,7 @@ class Scheduler:
         self.metrics.num_preemptions += 1
 
     def _end_capped(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._batch_stale = True
+        self._stop_running(seq)
         self._requests.pop(seq.request_id, None)
         self._release(seq, SequenceStatus.CAPPED)
         self.metrics.num_capped += 1
