@@ -429,8 +429,7 @@ class ModelRunner:
         zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
         greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
                             np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
-        rows = 1
-        while True:
+        for rows in _padded_row_counts(max_prefill_rows):
             # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
             self.k_pages, self.v_pages, logits, _ = self._prefill(
                 self.state, self.layer_states, self.k_pages, self.v_pages,
@@ -438,19 +437,17 @@ class ModelRunner:
                 np.ones(rows, np.int32), self.block_tables, np.full(rows, null, np.int32),
                 np.stack([zeros] * rows), np.stack([self.layout.chunk_keep_counts(1)] * rows)
                 .astype(np.int32))
-            if rows >= max_prefill_rows:
-                break
-            rows *= 2
-        n = 1
-        while True:
+        for n in _padded_row_counts(max_first_tokens):
             self.sample([logits[0]] * n, [null] * n, *greedy(n))
-            if n >= max_first_tokens:
-                break
-            n *= 2
         for bucket in decode_buckets:
             self.decode(np.zeros(bucket, np.int32), np.full(bucket, null, np.int32),
                         np.zeros((bucket, *zeros.shape), np.int32), *greedy(bucket))
         jax.block_until_ready((self.k_pages, self.slot_tokens))
+
+
+def _padded_row_counts(max_rows: int) -> list[int]:
+    """Every row count `_pad_rows` makes for 1 .. max_rows rows: 1, 2, 4, ..."""
+    return [1 << i for i in range(backend.next_power_of_2(max_rows).bit_length())]
 
 
 def _pad_rows(n: int) -> list[int]:
