@@ -1,0 +1,1 @@
+"""Accuracy evaluation: generated multi-turn tasks, scoring, and the harness that serves them in every mode."""
