@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-prefill-rows", type=int, default=4)
     p.add_argument("--layer-loop", default=None, choices=[None, "scan", "unrolled"])
+    p.add_argument("--decode-buckets", type=_csv(int), default=None,
+                   help="decode batch shapes to compile (default: the engine's; on a GPU one "
+                        "bucket = --max-active saves compile time for every engine)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL pass")
     p.add_argument("--kl-top-k", type=int, default=256,
@@ -75,7 +78,9 @@ def main(argv=None) -> int:
         kl=not args.no_kl, kl_top_k=args.kl_top_k,
         engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop))
+                           max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,
+                           **({"decode_buckets": tuple(args.decode_buckets)}
+                              if args.decode_buckets else {})))
     table = run_table(samples, specs, cfg)
     report = {
         "benchmark": "accuracy",

@@ -10,6 +10,7 @@
 #
 #   bash benchmarks/kvpress_setup.sh && .cache/kvpress-venv/bin/python benchmarks/kvpress_accuracy.py
 set -euo pipefail
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
 cd "$(dirname "$0")/.."
 VENV="${KVPRESS_VENV:-.cache/kvpress-venv}"
 MODEL_DIR="${KVPRESS_MODEL_DIR:-.cache/smollm2-135m-hf}"

@@ -331,11 +331,13 @@ def _aggregate(rows: list[_Judged]) -> dict:
     return out
 
 
-def summarise(samples: list[Sample], specs: list[ModeSpec],
-              judged: dict[str, dict[tuple[str, int], _Judged]]) -> dict:
+def summarise(samples: list[Sample], specs: list,
+              judged: dict[str, dict[tuple[str, int], _Judged]],
+              library: str = "tangram-jax") -> dict:
     """Per task x spec: n, correct, accuracy, Wilson 95% CI, agreement, exact match, KL; for a
     multi-turn task also turn 1 and the follow-up turns separately. Flags tasks that full KV
-    answers less than half the time."""
+    answers less than half the time. `specs`: objects with mode, ratio and label (a `ModeSpec`,
+    or the kvpress script's press spec); `judged[label][(sample id, turn)]`."""
     tasks = list(dict.fromkeys(s.task for s in samples))
     results, checks = [], []
     for task in tasks:
@@ -344,7 +346,7 @@ def summarise(samples: list[Sample], specs: list[ModeSpec],
         for spec in specs:
             rows = judged[spec.label]
             all_rows = [rows[(s.id, t)] for s in task_samples for t in range(len(s.turns))]
-            entry = dict(library="tangram-jax", task=task, mode=spec.mode, ratio=spec.ratio,
+            entry = dict(library=library, task=task, mode=spec.mode, ratio=spec.ratio,
                          samples=len(task_samples), **_aggregate(all_rows))
             if multi:
                 entry["turn1"] = _aggregate([rows[(s.id, 0)] for s in task_samples])
