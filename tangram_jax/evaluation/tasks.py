@@ -131,7 +131,7 @@ def multi_turn(rng: random.Random, essays: str, chars: int, facts: int = 3) -> t
     return text, turns
 
 
-def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 2) -> tuple[str, list[Turn]]:
+def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1) -> tuple[str, list[Turn]]:
     names = rng.sample(_VARIABLES, 2 * (hops + 1))
     chains = []
     for c in range(2):   # the asked chain and a distractor with its own value
@@ -161,6 +161,7 @@ class TaskSizes:
     passkey_chars: int = 1800
     multi_turn_chars: int = 1800
     variable_filler_lines: int = 20
+    variable_hops: int = 1
 
 
 def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(),
@@ -180,7 +181,7 @@ def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(
     elif task == "multi_turn":
         context, turns = multi_turn(rng, essays, sizes.multi_turn_chars)
     else:
-        context, turns = variable_tracking(rng, sizes.variable_filler_lines)
+        context, turns = variable_tracking(rng, sizes.variable_filler_lines, sizes.variable_hops)
     return Sample(task=task, id=f"{task}-{index:04d}", seed=seed, context=context,
                   turns=tuple(turns))
 
