@@ -150,3 +150,33 @@ def test_warmup_compiles_on_the_null_slot_without_touching_sequences():
     after = np.asarray(runner.slot_tokens)
     assert after[:3].tolist() == [int(np.argmax(logits[0]))] * 3
     assert after[3] == tokens_before[3]   # slot 3 untouched; the padding row went to slot 4
+
+
+def test_prefill_of_a_protected_turn_writes_the_layouts_counts_and_keeps_the_tail():
+    from tangram_jax.compression.chunk_scoring import chunk_scores
+    from tangram_jax.pallas_kernels.chunk_compress import kept_token_sources
+    layout = LAYOUT.with_tail("window", 5)
+    manager = KVCacheManager(layout, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = ModelRunner(Decoder(CONFIG, rngs=nnx.Rngs(0)), CONFIG, layout, 64,
+                         manager.block_tables.shape, runner_config=RunnerConfig(obs_window=5))
+    slot = manager.allocate_slot()
+    tokens = np.random.default_rng(1).integers(1, 97, 27)
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    for start in (0, 16):
+        chunk = tokens[start:start + 16]
+        p = layout.chunk_protected(len(tokens), start, len(chunk))
+        assert p == (5 if start else 0)
+        _, kept = runner.prefill_chunk(chunk, start, slot, manager.lengths[slot], p)
+        np.testing.assert_array_equal(kept, layout.chunk_keep_counts(len(chunk), p))
+        manager.commit_prefill(slot, len(chunk), start=start, turn_len=len(tokens))
+    np.testing.assert_array_equal(manager.lengths[slot], layout.retained_counts(len(tokens)))
+    np.testing.assert_array_equal(manager.lengths[slot], manager.reserved_lengths[slot])
+    # The scores the runner ranks by keep every protected token, whatever the attention says.
+    probs = np.random.default_rng(2).random((4, 5, 16)).astype(np.float32)
+    scores = chunk_scores(jnp.asarray(probs), jnp.int32(11), jnp.int32(5), q_per_kv=2)
+    keep = jnp.asarray(layout.chunk_keep_counts(11, 5)[0], jnp.int32)
+    sources, counts = kept_token_sources(scores, keep, jnp.int32(11), 1)
+    for h in range(2):
+        kept_idx = set(np.asarray(sources[h, :counts[h]]).tolist())
+        assert set(range(6, 11)) <= kept_idx
