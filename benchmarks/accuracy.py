@@ -81,12 +81,23 @@ def main(argv=None) -> int:
                            max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,
                            **({"decode_buckets": tuple(args.decode_buckets)}
                               if args.decode_buckets else {})))
-    table = run_table(samples, specs, cfg)
+    command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
+
+    def write_partial(partial: dict) -> None:
+        # After every (mode, ratio): a run stopped by a time limit keeps its finished columns.
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(
+            {"benchmark": "accuracy", "device": device_description(),
+             "git_revision": git_revision() or "unknown", "command": command,
+             "config": vars(args), "seconds": round(time.perf_counter() - t0, 1), **partial},
+            indent=1))
+
+    table = run_table(samples, specs, cfg, on_partial=write_partial)
     report = {
         "benchmark": "accuracy",
         "device": device_description(),
         "git_revision": git_revision() or "unknown",
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "command": command,
         "config": vars(args),
         "tasks_file": str(Path(args.tasks_out).name),
         "seconds": round(time.perf_counter() - t0, 1),

@@ -125,9 +125,9 @@ def test_kl_rejects_mismatched_positions():
 
 def test_mode_specs_and_labels():
     specs = mode_specs(["full", "tangram", "dynamic", "uniform"], [1.0, 0.5, 0.25])
-    assert [s.label for s in specs] == ["full", "tangram@0.5", "tangram@0.25", "dynamic@0.5",
-                                        "dynamic@0.25", "uniform@1", "uniform@0.5",
-                                        "uniform@0.25"]
+    assert [s.label for s in specs] == ["full", "tangram@0.25", "dynamic@0.25", "uniform@0.25",
+                                        "tangram@0.5", "dynamic@0.5", "uniform@0.5",
+                                        "uniform@1"]
     with pytest.raises(ValueError, match="unknown mode"):
         ModeSpec("bogus", 0.5)
     with pytest.raises(ValueError, match="its ratio is 1"):

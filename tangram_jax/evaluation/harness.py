@@ -61,11 +61,10 @@ def mode_specs(modes: list[str], ratios: list[float]) -> list[ModeSpec]:
     compressing mode is kept only for uniform (an equality check against full: the same kernels
     keeping every token); tangram has no profile at 1 and dynamic at 1 keeps everything too."""
     specs = [ModeSpec("full", 1.0)] if "full" in modes else []
-    for mode in modes:
-        if mode == "full":
-            continue
-        for r in ratios:
-            if r < 1 or mode == "uniform":
+    # Lowest ratio first: where compression bites most is measured first if a run is cut short.
+    for r in sorted(ratios):
+        for mode in modes:
+            if mode != "full" and (r < 1 or mode == "uniform"):
                 specs.append(ModeSpec(mode, float(r)))
     return specs
 
@@ -235,8 +234,11 @@ class _Judged:
 
 
 def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
-              log: Callable[[str], None] = print) -> dict:
-    """Serve `samples` in every spec (full first) and return the table (see `summarise`)."""
+              log: Callable[[str], None] = print,
+              on_partial: Callable[[dict], None] | None = None) -> dict:
+    """Serve `samples` in every spec (full first) and return the table (see `summarise`).
+    `on_partial(table)` gets the table of the specs done so far after each one (a run cut short
+    by a time limit still leaves its finished columns)."""
     from tangram_jax.engine.llm_engine import Engine
     from tangram_jax.models.registry import load_model
 
@@ -301,6 +303,11 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
             preemptions=int(sched["preemptions"]), evictions=int(sched["evictions"]),
             layout=engine.layout.name, max_model_len=engine.max_model_len)
         judged[spec.label] = rows
+        if on_partial is not None:
+            done = specs[:specs.index(spec) + 1]
+            on_partial(dict(summarise(samples, done, judged), engines=dict(engines_info),
+                            kl_status="measured" if not kl_missing else kl_missing,
+                            max_model_len=max_model_len, complete=spec is specs[-1]))
         log(f"{spec.label}: built {build_s:.1f}s, served {serve_s:.1f}s"
             + (f", forced {forced_s:.1f}s" if forced_s is not None else "")
             + f", preemptions {sched['preemptions']}, evictions {sched['evictions']}")
@@ -309,6 +316,7 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
     table["engines"] = engines_info
     table["kl_status"] = "measured" if not kl_missing else kl_missing
     table["max_model_len"] = max_model_len
+    table["complete"] = True
     table["reference_answers"] = {f"{sid}/t{t}": o.text for (sid, t), o in
                                   list(reference.items())[:12]}
     return table
