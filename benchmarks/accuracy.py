@@ -18,6 +18,7 @@ Ada-SnapKV) and `uniform` (every head keeps the ratio) at each keep ratio, greed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -42,6 +43,10 @@ def main(argv=None) -> int:
     p.add_argument("--modes", type=_csv(str), default=["full", "tangram", "dynamic", "uniform"])
     p.add_argument("--ratios", type=_csv(float), default=[1.0, 0.5, 0.25])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pilot-samples", type=int, default=0,
+                   help="before the table, choose each task's size with a full-KV pilot of this "
+                        "many samples per candidate size (another seed): the hardest size full "
+                        "KV answers >= 65%% of the time; 0: the default sizes")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length limit")
     p.add_argument("--max-active", type=int, default=16,
                    help="sessions served at once (also max_num_seqs)")
@@ -64,14 +69,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from tangram_jax.evaluation import tasks as task_mod
-    from tangram_jax.evaluation.harness import HarnessConfig, mode_specs, run_table
+    from tangram_jax.evaluation.harness import HarnessConfig, choose_sizes, mode_specs, run_table
     from tangram_jax.evaluation.report import markdown_table, plot_accuracy
 
     tasks = tuple(args.tasks) if args.tasks else task_mod.TASKS
     t0 = time.perf_counter()
-    samples = task_mod.generate_all(tasks, args.samples, args.seed)
-    task_mod.write_jsonl(samples, args.tasks_out)
-    print(f"{len(samples)} samples of {len(tasks)} tasks -> {args.tasks_out}")
     specs = mode_specs(args.modes, args.ratios)
     cfg = HarnessConfig(
         model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
@@ -81,6 +83,12 @@ def main(argv=None) -> int:
                            max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,
                            **({"decode_buckets": tuple(args.decode_buckets)}
                               if args.decode_buckets else {})))
+    sizes, pilot = task_mod.TaskSizes(), None
+    if args.pilot_samples:
+        sizes, pilot = choose_sizes(tasks, args.pilot_samples, args.seed, cfg)
+    samples = task_mod.generate_all(tasks, args.samples, args.seed, sizes)
+    task_mod.write_jsonl(samples, args.tasks_out)
+    print(f"{len(samples)} samples of {len(tasks)} tasks ({sizes}) -> {args.tasks_out}")
     command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
 
     def write_partial(partial: dict) -> None:
@@ -89,7 +97,8 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(
             {"benchmark": "accuracy", "device": device_description(),
              "git_revision": git_revision() or "unknown", "command": command,
-             "config": vars(args), "seconds": round(time.perf_counter() - t0, 1), **partial},
+             "config": vars(args), "task_sizes": dataclasses.asdict(sizes), "pilot": pilot,
+             "seconds": round(time.perf_counter() - t0, 1), **partial},
             indent=1))
 
     table = run_table(samples, specs, cfg, on_partial=write_partial)
@@ -100,6 +109,8 @@ def main(argv=None) -> int:
         "command": command,
         "config": vars(args),
         "tasks_file": str(Path(args.tasks_out).name),
+        "task_sizes": dataclasses.asdict(sizes),
+        "pilot": pilot,
         "seconds": round(time.perf_counter() - t0, 1),
         **table,
     }

@@ -28,11 +28,15 @@ import numpy as np
 
 from tangram_jax.evaluation.scoring import (TopKDistribution, is_correct, kl_from_reference,
                                             token_agreement, wilson_interval)
-from tangram_jax.evaluation.tasks import Sample
+from tangram_jax.evaluation.tasks import LADDERS, Sample, TaskSizes, generate
 
 MODES = ("full", "tangram", "dynamic", "uniform")
 # A task full KV answers less often than this does not test compression (the model cannot do it).
 SOLVABLE_ACCURACY = 0.5
+# What the size pilot asks of full KV, with a margin over SOLVABLE_ACCURACY for sampling noise.
+PILOT_ACCURACY = 0.65
+# Pilot samples come from a seed range disjoint from the table's.
+PILOT_SEED_OFFSET = 1_000_003
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,3 +371,35 @@ def summarise(samples: list[Sample], specs: list,
             checks.append(dict(task=task, full_kv_accuracy=full["accuracy"],
                                solvable=ok, threshold=SOLVABLE_ACCURACY))
     return dict(results=results, checks=checks)
+
+
+def choose_sizes(tasks: tuple[str, ...], samples_per_size: int, seed: int, cfg: HarnessConfig,
+                 base: TaskSizes = TaskSizes(), log: Callable[[str], None] = print
+                 ) -> tuple[TaskSizes, dict]:
+    """Per task, the hardest size of `LADDERS` that full KV answers at least `PILOT_ACCURACY` of
+    the time on `samples_per_size` pilot samples (another seed than the table's), else the
+    easiest. Returns the sizes and the pilot's accuracies."""
+    pilot_seed = seed + PILOT_SEED_OFFSET
+    samples, where = [], {}
+    for task in tasks:
+        for rung, override in enumerate(LADDERS[task]):
+            sizes = dataclasses.replace(base, **override)
+            label = f"{task}#{rung}"
+            where[label] = (task, override)
+            samples += [dataclasses.replace(generate(task, i, pilot_seed, sizes), task=label,
+                                            id=f"{label}-{i:04d}")
+                        for i in range(samples_per_size)]
+    table = run_table(samples, [ModeSpec("full", 1.0)], dataclasses.replace(cfg, kl=False),
+                      log=log)
+    accuracy = {r["task"]: r["accuracy"] for r in table["results"]}
+    chosen, report = {}, {}
+    for task in tasks:
+        rungs = [f"{task}#{i}" for i in range(len(LADDERS[task]))]
+        pick = next((r for r in rungs if accuracy[r] >= PILOT_ACCURACY), rungs[-1])
+        chosen.update(where[pick][1])
+        report[task] = dict(chosen=where[pick][1], threshold=PILOT_ACCURACY,
+                            full_kv_accuracy={str(where[r][1]): accuracy[r] for r in rungs})
+        log(f"pilot {task}: " + ", ".join(f"{where[r][1]} {100 * accuracy[r]:.0f}%"
+                                          for r in rungs) + f" -> {where[pick][1]}")
+    return dataclasses.replace(base, **chosen), dict(samples_per_size=samples_per_size,
+                                                     seed=pilot_seed, tasks=report)

@@ -154,14 +154,27 @@ def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1) -> t
 
 @dataclasses.dataclass(frozen=True)
 class TaskSizes:
-    """How big each task's context is (the defaults give ~400-700 tokens with SmolLM2's
-    tokenizer: several 128-token compression chunks, and within the 135M model's reach)."""
+    """How big each task's context is. The defaults give ~150-550 tokens with SmolLM2's
+    tokenizer (one to five 128-token compression chunks) and are within the 135M model's reach;
+    `LADDERS` lists larger settings a full-KV pilot can choose from (`harness.choose_sizes`)."""
 
-    kv_pairs: int = 24
+    kv_pairs: int = 8
     passkey_chars: int = 1800
     multi_turn_chars: int = 1800
-    variable_filler_lines: int = 20
+    variable_filler_lines: int = 12
     variable_hops: int = 1
+
+
+# Per task, candidate sizes from hardest (longest context) to easiest: a pilot with full KV keeps
+# the hardest one the model still answers often enough (`harness.choose_sizes`).
+LADDERS: dict[str, tuple[dict, ...]] = {
+    "kv_retrieval": ({"kv_pairs": 24}, {"kv_pairs": 16}, {"kv_pairs": 12}, {"kv_pairs": 8}),
+    "passkey": ({"passkey_chars": 3600}, {"passkey_chars": 1800}),
+    "multi_turn": ({"multi_turn_chars": 2400}, {"multi_turn_chars": 1800},
+                   {"multi_turn_chars": 1200}),
+    "variable_tracking": ({"variable_filler_lines": 24}, {"variable_filler_lines": 12},
+                          {"variable_filler_lines": 6}),
+}
 
 
 def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(),
@@ -188,7 +201,7 @@ def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(
 
 def generate_all(tasks: tuple[str, ...] = TASKS, samples: int = 100, seed: int = 0,
                  sizes: TaskSizes = TaskSizes()) -> list[Sample]:
-    """`samples` samples of each task, task by task."""
+    """`samples` samples of each task, task by task, indices 0 .. samples-1."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     unknown = [t for t in tasks if t not in TASKS]
