@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16, help="answer length limit")
     p.add_argument("--max-active", type=int, default=16,
                    help="sessions served at once (also max_num_seqs)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest session's bound; fix it to share compiled "
+                        "programs between the pilot's and the table's full-KV engines")
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-prefill-rows", type=int, default=4)
@@ -77,6 +80,7 @@ def main(argv=None) -> int:
     specs = mode_specs(args.modes, args.ratios)
     cfg = HarnessConfig(
         model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
+        max_model_len=args.max_model_len,
         kl=not args.no_kl, kl_top_k=args.kl_top_k,
         engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens,

@@ -202,6 +202,9 @@ class HarnessConfig:
     max_active: int = 16
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
     group_size: int = 1
+    # None: the longest session's bound; a fixed value lets engines of different runs (the size
+    # pilot's and the table's full KV) compile to the same programs (JAX's compilation cache).
+    max_model_len: int | None = None
     kl: bool = True
     kl_top_k: int = 256
 
@@ -252,6 +255,11 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
     tokenizer, fingerprint = loaded.tokenizer, loaded.config.fingerprint()
     del loaded
     max_model_len = max(session_lengths(tokenizer, samples, cfg.max_tokens))
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len < max_model_len:
+            raise ValueError(f"max_model_len {cfg.max_model_len} is below the longest session's "
+                             f"{max_model_len} tokens (answers of max_tokens {cfg.max_tokens})")
+        max_model_len = cfg.max_model_len
     kl_missing = missing_logprob_api() if cfg.kl else "KL not requested (--no-kl)"
     if kl_missing:
         log(f"note: {kl_missing}")
