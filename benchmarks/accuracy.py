@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     p.add_argument("--kl-top-k", type=int, default=256,
                    help="full KV's distribution is kept as its top k tokens plus the rest")
     p.add_argument("--tasks-out", default=str(RESULTS / "accuracy_tasks.jsonl"))
+    p.add_argument("--tasks-in", default=None,
+                   help="serve the samples of this JSONL (e.g. a previous run's) instead of "
+                        "generating them (no pilot; --samples first samples of each task)")
     p.add_argument("--out", default=str(RESULTS / "accuracy.json"))
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--kvpress", default=str(RESULTS / "accuracy_kvpress.json"),
@@ -88,11 +91,17 @@ def main(argv=None) -> int:
                            **({"decode_buckets": tuple(args.decode_buckets)}
                               if args.decode_buckets else {})))
     sizes, pilot = task_mod.TaskSizes(), None
-    if args.pilot_samples:
-        sizes, pilot = choose_sizes(tasks, args.pilot_samples, args.seed, cfg)
-    samples = task_mod.generate_all(tasks, args.samples, args.seed, sizes)
-    task_mod.write_jsonl(samples, args.tasks_out)
-    print(f"{len(samples)} samples of {len(tasks)} tasks ({sizes}) -> {args.tasks_out}")
+    if args.tasks_in:
+        given = task_mod.read_jsonl(args.tasks_in)
+        samples = [x for t in tasks for x in [y for y in given if y.task == t][:args.samples]]
+        sizes = None
+        print(f"{len(samples)} samples of {len(tasks)} tasks from {args.tasks_in}")
+    else:
+        if args.pilot_samples:
+            sizes, pilot = choose_sizes(tasks, args.pilot_samples, args.seed, cfg)
+        samples = task_mod.generate_all(tasks, args.samples, args.seed, sizes)
+        task_mod.write_jsonl(samples, args.tasks_out)
+        print(f"{len(samples)} samples of {len(tasks)} tasks ({sizes}) -> {args.tasks_out}")
     command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
 
     def write_partial(partial: dict) -> None:
@@ -101,7 +110,8 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(
             {"benchmark": "accuracy", "device": device_description(),
              "git_revision": git_revision() or "unknown", "command": command,
-             "config": vars(args), "task_sizes": dataclasses.asdict(sizes), "pilot": pilot,
+             "config": vars(args), "task_sizes": sizes and dataclasses.asdict(sizes),
+             "pilot": pilot,
              "seconds": round(time.perf_counter() - t0, 1), **partial},
             indent=1))
 
@@ -112,8 +122,8 @@ def main(argv=None) -> int:
         "git_revision": git_revision() or "unknown",
         "command": command,
         "config": vars(args),
-        "tasks_file": str(Path(args.tasks_out).name),
-        "task_sizes": dataclasses.asdict(sizes),
+        "tasks_file": str(Path(args.tasks_in or args.tasks_out).name),
+        "task_sizes": sizes and dataclasses.asdict(sizes),
         "pilot": pilot,
         "seconds": round(time.perf_counter() - t0, 1),
         **table,

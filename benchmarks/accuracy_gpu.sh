@@ -16,8 +16,8 @@ cat "$MODEL_PARTS"/smollm2.gguf.part* > /tmp/smollm2.gguf || exit 1
 md5sum /tmp/smollm2.gguf
 if ! python3 -c "import gguf" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+    --upgrade "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null

@@ -217,7 +217,20 @@ def main(argv=None) -> int:
                 judged[spec.label][(sample.id, turn)] = j
         print(f"[{i + 1}/{len(samples)}] {sample.id} ({time.perf_counter() - t0:.0f}s)",
               flush=True)
-    table = summarise(samples, specs, judged, library="kvpress")
+        # After every sample: a run stopped early keeps the samples it finished.
+        write(summarise(samples[:i + 1], specs, judged, library="kvpress"), args, t0,
+              complete=i + 1 == len(samples))
+    report = write(summarise(samples, specs, judged, library="kvpress"), args, t0, complete=True)
+    from tangram_jax.evaluation.report import markdown_table
+    print(markdown_table(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def write(table: dict, args, t0: float, complete: bool) -> dict:
+    import kvpress
+    import torch
+
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=5).stdout.strip() or "unknown"
@@ -228,20 +241,18 @@ def main(argv=None) -> int:
         "device": f"CPU: {platform.processor() or platform.machine()} (torch "
                   f"{torch.__version__}, {args.threads} threads)",
         "git_revision": rev,
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "config": vars(args),
         "kvpress_version": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
         "transformers_version": _dist_version("transformers"),
         "seconds": round(time.perf_counter() - t0, 1),
         "kl_status": "measured (full vocabulary)" if not args.no_kl else "not requested",
+        "complete": complete,
         **table,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    from tangram_jax.evaluation.report import markdown_table
-    print(markdown_table(report))
-    print(f"wrote {args.out}")
-    return 0
+    return report
 
 
 def _dist_version(name: str) -> str | None:
