@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Pure-Python pieces of the harness (no JAX import): the samples, the judging, the table.
 from tangram_jax.evaluation.harness import _Judged, summarise  # noqa: E402
-from tangram_jax.evaluation.scoring import is_correct, kl_full_vocabulary, token_agreement  # noqa: E402
+from tangram_jax.evaluation.scoring import (is_correct, kl_full_vocabulary,  # noqa: E402
+                                            token_agreement)
 from tangram_jax.evaluation.tasks import read_jsonl  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -123,7 +123,8 @@ def passkey(rng: random.Random, essays: str, chars: int) -> tuple[str, list[Turn
     return text, [Turn(question, key)]
 
 
-def multi_turn(rng: random.Random, essays: str, chars: int, facts: int = 3) -> tuple[str, list[Turn]]:
+def multi_turn(rng: random.Random, essays: str, chars: int,
+               facts: int = 3) -> tuple[str, list[Turn]]:
     people = rng.sample(_PEOPLE, facts)
     rooms = [str(rng.randrange(100, 1000)) for _ in people]
     text = _essay_slice(rng, essays, chars)
