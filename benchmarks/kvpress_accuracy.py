@@ -42,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Pure-Python pieces of the harness (no JAX import): the samples, the judging, the table.
-from tangram_jax.evaluation.harness import _Judged, summarise  # noqa: E402
+from tangram_jax.evaluation.harness import (_Judged, followup_text,  # noqa: E402
+                                            followup_token_ids, summarise)
 from tangram_jax.evaluation.scoring import (is_correct, kl_full_vocabulary,  # noqa: E402
                                             token_agreement)
 from tangram_jax.evaluation.tasks import read_jsonl  # noqa: E402
@@ -105,17 +106,13 @@ class Session:
         q = self.sample.turns[turn].question
         if turn == 0:
             return self.tok.encode("\n\n" + q + self.first_suffix, add_special_tokens=False)
-        user = {"role": "user", "content": "x"}
-        answered = [user, {"role": "assistant", "content": ""}]
-        render = lambda m, g: self.tok.apply_chat_template(m, add_generation_prompt=g,  # noqa
-                                                           tokenize=False)
-        closing = render(answered, False)[len(render([user], True)):]
-        opening = render(answered + [{"role": "user", "content": q}], True)[
-            len(render(answered, False)):]
-        closing_ids = self.tok.encode(closing, add_special_tokens=False)
-        if self.pending and closing_ids and self.pending[-1] == closing_ids[0]:
-            closing_ids = closing_ids[1:]
-        return self.pending + closing_ids + self.tok.encode(opening, add_special_tokens=False)
+        closing, opening = followup_text(
+            lambda m, g: self.tok.apply_chat_template(m, add_generation_prompt=g, tokenize=False),
+            q)
+        # The pending token (the answer's last, not fed yet) goes first.
+        return self.pending + followup_token_ids(
+            lambda t: self.tok.encode(t, add_special_tokens=False), closing, opening,
+            self.pending)
 
     def _forward(self, ids: list[int]):
         torch = self.torch

@@ -190,3 +190,20 @@ def test_tiny_run_through_the_engine(tmp_path):
     if table["kl_status"] == "measured":
         assert same["kl"] < 1e-3
         assert rows[("multi_turn", "tangram", 0.25)]["kl"] >= 0
+
+
+def test_follow_up_turn_is_the_template_difference_without_a_repeated_end_of_turn():
+    from tangram_jax.evaluation.harness import followup_text, followup_token_ids
+
+    def chatml(messages, add_generation_prompt):
+        text = "".join(f"<s>{m['role']}\n{m['content']}<e>\n" for m in messages)
+        return text + ("<s>assistant\n" if add_generation_prompt else "")
+
+    closing, opening = followup_text(chatml, "Next?")
+    assert (closing, opening) == ("<e>\n", "<s>user\nNext?<e>\n<s>assistant\n")
+    vocab = {}
+    encode = lambda t: [vocab.setdefault(p, len(vocab)) for p in t.replace("<", " <").split()]  # noqa
+    end = encode("<e>")[0]
+    after_eos = followup_token_ids(encode, closing, opening, [5, 6, end])
+    cut_off = followup_token_ids(encode, closing, opening, [5, 6])
+    assert cut_off == [end] + after_eos       # a truncated answer gets its end-of-turn token

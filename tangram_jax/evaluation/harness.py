@@ -100,21 +100,33 @@ class TurnOutput:
     finish_reason: str | None
 
 
-def _followup_token_ids(tokenizer, question: str, previous_tokens: list[int]) -> list[int]:
-    """The tokens that continue a session after the model's answer: the end of the assistant
-    turn (unless the answer already ended with it) and the next user turn, as the chat template
-    spells them. Derived from the template by difference, so any supported chat format works."""
+def followup_text(render: Callable[[list[dict], bool], str], question: str) -> tuple[str, str]:
+    """What continues a session after the model's answer, as the chat template spells it: the
+    end of the assistant turn and the next user turn up to the assistant's prompt. Derived from
+    the template by difference (`render(messages, add_generation_prompt)` -> text), so any chat
+    format works; the kvpress script uses it with transformers' template."""
     user = {"role": "user", "content": "x"}
     answered = [user, {"role": "assistant", "content": ""}]
-    closing = tokenizer.render_chat(answered, add_generation_prompt=False)[
-        len(tokenizer.render_chat([user], add_generation_prompt=True)):]
-    opening = tokenizer.render_chat(answered + [{"role": "user", "content": question}],
-                                    add_generation_prompt=True)[
-        len(tokenizer.render_chat(answered, add_generation_prompt=False)):]
-    closing_ids = tokenizer.encode(closing, add_special_tokens=False)
+    closing = render(answered, False)[len(render([user], True)):]
+    opening = render(answered + [{"role": "user", "content": question}], True)[
+        len(render(answered, False)):]
+    return closing, opening
+
+
+def followup_token_ids(encode: Callable[[str], list[int]], closing: str, opening: str,
+                       previous_tokens: list[int]) -> list[int]:
+    """Token ids of `followup_text`, without the end-of-turn token when the answer already
+    ended with it (`previous_tokens`: the answer's tokens)."""
+    closing_ids = encode(closing)
     if previous_tokens and closing_ids and previous_tokens[-1] == closing_ids[0]:
-        closing_ids = closing_ids[1:]   # the answer ended with the end-of-turn token itself
-    return closing_ids + tokenizer.encode(opening, add_special_tokens=False)
+        closing_ids = closing_ids[1:]
+    return closing_ids + encode(opening)
+
+
+def _followup_token_ids(tokenizer, question: str, previous_tokens: list[int]) -> list[int]:
+    closing, opening = followup_text(tokenizer.render_chat, question)
+    return followup_token_ids(lambda t: tokenizer.encode(t, add_special_tokens=False),
+                              closing, opening, previous_tokens)
 
 
 def first_turn_token_ids(tokenizer, sample: Sample) -> list[int]:
