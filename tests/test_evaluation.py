@@ -169,13 +169,13 @@ def test_uniform_profile_keeps_the_same_share_in_every_head():
 
 @pytest.mark.slow
 def test_tiny_run_through_the_engine(tmp_path):
-    """Two short samples of two tasks (one multi-turn) through full and uniform@1 (which keeps
-    every token, so it must answer exactly as full KV does), plus tangram@0.25."""
+    """Two short samples of two tasks (one multi-turn) through full and uniform@1: tangram mode
+    keeping every token must answer exactly as full KV does, and its teacher-forced KL is ~0."""
     from tangram_jax.evaluation.harness import HarnessConfig, run_table
 
     sizes = T.TaskSizes(kv_pairs=6, multi_turn_chars=500)
     samples = [T.generate("kv_retrieval", 0, sizes=sizes), T.generate("multi_turn", 0, sizes=sizes)]
-    specs = [ModeSpec("full", 1.0), ModeSpec("uniform", 1.0), ModeSpec("tangram", 0.25)]
+    specs = [ModeSpec("full", 1.0), ModeSpec("uniform", 1.0)]
     cfg = HarnessConfig(max_tokens=6, max_active=2, kl=True,
                         engine_kwargs=dict(chunk_size=64, max_num_batched_tokens=128))
     table = run_table(samples, specs, cfg, log=lambda s: None)
@@ -187,9 +187,8 @@ def test_tiny_run_through_the_engine(tmp_path):
     assert same["correct"] == rows[("multi_turn", "full", 1.0)]["correct"]
     for label, info in table["engines"].items():
         assert info["preemptions"] == 0 and info["evictions"] == 0, label
-    if table["kl_status"] == "measured":
-        assert same["kl"] < 1e-3
-        assert rows[("multi_turn", "tangram", 0.25)]["kl"] >= 0
+    assert table["kl_status"] == "measured"
+    assert same["kl_positions"] > 0 and same["kl"] < 1e-4
 
 
 def test_follow_up_turn_is_the_template_difference_without_a_repeated_end_of_turn():
