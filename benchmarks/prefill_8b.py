@@ -1,0 +1,265 @@
+"""Long-context prefill of a Llama-3.1-8B-shaped model against the measured bf16 matmul roofline.
+
+Two parts, one JSON (benchmarks/results/prefill_8b.json):
+
+``--part kernel`` (one layer's attention shape: 32 query / 8 KV heads, head_dim 128, bf16, page 16)
+1. the roofline: a large bf16 matrix product (8192^3) on random data, TFLOP/s from GPU busy time;
+2. correctness at real shapes on fresh random data: `ragged_prefill_attention` against its float32
+   jnp reference on a ragged batch (rows of different lengths, an empty row, NaN in every pool slot
+   no group owns and in every padding token), for the full-KV pool (G 8) and a grouped one (G 2);
+3. a tuning sweep (block_q, block_k, warps, stages) on one 8192-token row over 32k of history;
+   the best tile then at histories 0, 32k and 90k, beside cuDNN's fused attention
+   (`jax.nn.dot_product_attention(implementation="cudnn")`) on the same keys made contiguous;
+4. balance across groups of different budgets: a 2048-token row over a grouped history with
+   skewed group lengths, items heaviest first (`prefill_work_items`) vs in row order.
+
+``--part runner`` (the whole model, `ModelRunner.prefill` on random bf16 weights built on the
+device): a first turn of 8k / 32k / 100k tokens in `full`, `dynamic` and `tangram` at 0.25 (a
+skewed profile), tokens/s and the fraction of the roofline, with the kernel breakdown from a
+profiler trace.
+
+FLOPs are counted honestly: GEMMs 2 * (non-embedding parameters) * tokens (the LM head once per
+call's last token), attention 4 * heads * head_dim * (keys each query sees), i.e. causal = half
+the square, history keys counted as retained (a compressed mode does less work, and the fraction
+is of the work it does).
+
+    GIT_REV=$(git rev-parse HEAD) python benchmarks/prefill_8b.py --part kernel --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from decode_attention import gpu_busy_time  # noqa: E402
+from tangram_jax.pallas_kernels.prefill_attention import (  # noqa: E402
+    PREFILL_TUNING, PrefillTuning, pack_rows, prefill_work_items, ragged_prefill_attention,
+    ragged_prefill_attention_reference, row_alignment)
+from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def busy(fn, args=(), reps=5, per_kernel=None):
+    """GPU busy seconds per call (profiler), or the median wall time where no trace exists."""
+    jax.block_until_ready(fn(*args))
+    t = gpu_busy_time(fn, args, reps, per_kernel=per_kernel)
+    if t:
+        return t
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def matmul_roofline(n=8192, reps=10):
+    """TFLOP/s of an n^3 bf16 matrix product on random data (f32 accumulation, bf16 out)."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    t = busy(f, (a, b), reps)
+    return 2 * n**3 / t / 1e12
+
+
+def attention_flops(q_lens, hist_lens_per_head):
+    """4 * d * sum over query heads and queries of the keys each one sees (history + causal)."""
+    total = 0.0
+    for n, hist in zip(q_lens, hist_lens_per_head):      # hist: [Hq] retained history per head
+        total += 4 * D * (n * float(np.sum(hist)) + len(hist) * n * (n + 1) / 2)
+    return total
+
+
+def make_case(rng, row_lens, hists, group_size, nan_unowned=True, dtype=jnp.bfloat16,
+              tuning=PREFILL_TUNING, spare_tokens=0):
+    """Random ragged case: hists int [rows, groups]; pages scattered over the pool."""
+    rows, groups = hists.shape
+    starts, used = pack_rows(row_lens, row_alignment(tuning))
+    n = used + spare_tokens
+    max_pages = max(1, int(math.ceil(hists.max() / PAGE)))
+    num_pages = rows * groups * max_pages + 1
+    tables = rng.permutation(np.arange(1, num_pages))[:rows * groups * max_pages]
+    tables = tables.reshape(rows, groups, max_pages).astype(np.int32)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    ks = jax.random.split(key, 5)
+    k_pages = jax.random.normal(ks[0], (num_pages, group_size, PAGE, D), dtype)
+    v_pages = jax.random.normal(ks[1], (num_pages, group_size, PAGE, D), dtype)
+    if nan_unowned:
+        owned = np.zeros((num_pages, PAGE), bool)
+        for r in range(rows):
+            for g in range(groups):
+                t = np.arange(hists[r, g])
+                owned[tables[r, g, t // PAGE], t % PAGE] = True
+        mask = jnp.asarray(owned)[:, None, :, None]
+        k_pages = jnp.where(mask, k_pages, jnp.nan)
+        v_pages = jnp.where(mask, v_pages, jnp.nan)
+    q = jax.random.normal(ks[2], (n, HQ, D), dtype)
+    k = jax.random.normal(ks[3], (n, HKV, D), dtype)
+    v = jax.random.normal(ks[4], (n, HKV, D), dtype)
+    inside = np.zeros(n, bool)
+    for s, ln in zip(starts, row_lens):
+        inside[s:s + ln] = True
+    pad = jnp.asarray(~inside)[:, None, None]
+    q, k, v = (jnp.where(pad, jnp.nan, x) for x in (q, k, v))
+    ints = [jnp.asarray(np.asarray(x, np.int32)) for x in (tables, hists, starts, row_lens)]
+    return [q, k, v, k_pages, v_pages, *ints], starts, inside
+
+
+def check_correctness(rng) -> list[dict]:
+    out = []
+    for group_size in (HKV, 2):
+        groups = HKV // group_size
+        row_lens = [700, 0, 256, 1300]
+        hists = rng.integers(0, 3000, size=(4, groups))
+        hists[0, 0] = 3000
+        args, starts, inside = make_case(rng, row_lens, hists, group_size, spare_tokens=128)
+        items = prefill_work_items(starts, row_lens, hists, block_q=PREFILL_TUNING.block_q)
+        got, lse = ragged_prefill_attention(*args, jnp.asarray(items))
+        ref, ref_lse = ragged_prefill_attention_reference(*args)
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+        err = float(np.linalg.norm(got[inside] - ref[inside]) / np.linalg.norm(ref[inside]))
+        row = dict(group_size=group_size, row_lens=row_lens, rel_err=err,
+                   lse_max_abs_err=float(np.abs(lse[:, inside] - ref_lse[:, inside]).max()),
+                   finite=bool(np.isfinite(got).all()), padding_zero=not got[~inside].any())
+        row["ok"] = bool(err < 1e-2 and row["finite"] and row["padding_zero"]
+                         and row["lse_max_abs_err"] < 0.05)
+        out.append(row)
+        print("correctness", row, flush=True)
+    return out
+
+
+def time_kernel(rng, row_lens, hists, group_size, tuning, order="heaviest", reps=5):
+    args, starts, _ = make_case(rng, row_lens, hists, group_size, nan_unowned=False,
+                                tuning=tuning)
+    items = prefill_work_items(starts, row_lens, hists, block_q=tuning.block_q)
+    if order == "row":     # the same items in row/block/group order
+        items = items[np.lexsort((items[:, 2], items[:, 1], items[:, 0]))]
+    items = jnp.asarray(items)
+    f = jax.jit(lambda *a: ragged_prefill_attention(*a, tuning=tuning))
+    per = {}
+    t = busy(f, (*args, items), reps, per_kernel=per)
+    kernel_s = sum(v for k, v in per.items() if "prefill" in k) or t
+    heads_hist = [np.repeat(h, group_size * (HQ // HKV)) for h in hists]
+    flops = attention_flops(row_lens, heads_hist)
+    return dict(row_lens=list(map(int, row_lens)), hist_per_group=hists.tolist(),
+                group_size=group_size, tuning=tuning.__dict__, order=order, total_ms=t * 1e3,
+                kernel_ms=kernel_s * 1e3, tflops_kernel=flops / kernel_s / 1e12,
+                tflops_total=flops / t / 1e12, flops=flops)
+
+
+def cudnn_reference(rng, t_len, hist, reps=5):
+    """cuDNN fused attention: t_len queries at the end of hist + t_len contiguous keys."""
+    s = hist + t_len
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+    q = jax.random.normal(ks[0], (1, t_len, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, s, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, s, HKV, D), jnp.bfloat16)
+    mask = (jnp.arange(s)[None, :] <= hist + jnp.arange(t_len)[:, None])[None, None]
+    f = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m,
+                                                               implementation="cudnn"))
+    try:
+        t = busy(f, (q, k, v, mask), reps)
+    except Exception as e:   # noqa: BLE001 - a yardstick, not the product
+        return dict(t_len=t_len, hist=hist, error=repr(e)[:300])
+    flops = attention_flops([t_len], [np.full(HQ, hist)])
+    return dict(t_len=t_len, hist=hist, ms=t * 1e3, tflops=flops / t / 1e12)
+
+
+def kernel_part(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    report = {"roofline_tflops": matmul_roofline()}
+    print(f"bf16 matmul roofline {report['roofline_tflops']:.0f} TFLOP/s", flush=True)
+    report["correctness"] = check_correctness(rng)
+    sweep = []
+    hist32 = np.array([[32768]])
+    for bq, bk, w, s in [(32, 64, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (32, 64, 8, 3),
+                         (16, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 3), (16, 128, 4, 3)]:
+        tuning = PrefillTuning(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+        try:
+            r = time_kernel(rng, [8192], hist32, HKV, tuning)
+        except Exception as e:   # noqa: BLE001 - a tile Triton cannot build is data too
+            r = dict(tuning=tuning.__dict__, error=repr(e)[:300])
+        sweep.append(r)
+        print("sweep", r, flush=True)
+    report["tuning_sweep"] = sweep
+    best = max((r for r in sweep if "error" not in r), key=lambda r: r["tflops_kernel"])
+    best_tuning = PrefillTuning(**best["tuning"])
+    report["best_tuning"] = best["tuning"]
+    full = []
+    for hist in (0, 32768, 90112):
+        r = time_kernel(rng, [8192], np.array([[hist]]), HKV, best_tuning)
+        r["cudnn"] = cudnn_reference(rng, 8192, hist)
+        full.append(r)
+        print("full", r, flush=True)
+    report["full_kv"] = full
+    # Balance: G 2 (4 groups), budgets like a skewed 0.25 profile's heaviest-vs-lightest layer.
+    balance = []
+    for t_len in (2048, 256):
+        hists = (np.array([[0.70, 0.20, 0.08, 0.02]]) * 32768).astype(np.int64)
+        for order in ("heaviest", "row"):
+            r = time_kernel(rng, [t_len], hists, 2, best_tuning, order=order)
+            balance.append(r)
+            print("balance", r, flush=True)
+        even = np.full_like(hists, int(hists.mean()))
+        r = time_kernel(rng, [t_len], even, 2, best_tuning)
+        r["order"] = "equal-lengths (same total)"
+        balance.append(r)
+        print("balance", r, flush=True)
+    report["balance"] = balance
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("kernel", "runner", "all"), default="all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(BENCH, "results", "prefill_8b.json"))
+    args = parser.parse_args(argv)
+    result = {"benchmark": "prefill_8b", "device": device_description(),
+              "git_revision": git_revision() or "unknown",
+              "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+              "jax_version": jax.__version__}
+    if args.part in ("kernel", "all"):
+        result["kernel"] = kernel_part(args)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}", flush=True)
+    k = result.get("kernel")
+    if k:
+        print(f"roofline {k['roofline_tflops']:.0f} TFLOP/s; correctness "
+              f"{[c['ok'] for c in k['correctness']]}")
+        print(f"{'what':34} {'ms':>8} {'TFLOP/s':>8}")
+        for r in k["tuning_sweep"]:
+            if "error" not in r:
+                print(f"{'sweep ' + str(tuple(r['tuning'].values())):34} {r['kernel_ms']:8.2f} "
+                      f"{r['tflops_kernel']:8.1f}")
+        for r in k["full_kv"]:
+            c = r["cudnn"]
+            print(f"{'full T8192 hist ' + str(r['hist_per_group'][0][0]):34} {r['kernel_ms']:8.2f} "
+                  f"{r['tflops_kernel']:8.1f}  cudnn {c.get('ms', float('nan')):.2f} ms "
+                  f"{c.get('tflops', float('nan')):.1f}")
+        for r in k["balance"]:
+            print(f"{'bal T' + str(r['row_lens'][0]) + ' ' + r['order'][:20]:34} "
+                  f"{r['kernel_ms']:8.2f} {r['tflops_kernel']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
