@@ -102,10 +102,9 @@ class Engine:
         buckets = [b for b in cfg.decode_buckets if b < cfg.max_num_seqs]
         buckets.append(next((b for b in cfg.decode_buckets if b >= cfg.max_num_seqs),
                             cfg.max_num_seqs))
-        self.scheduler = Scheduler(
-            self.manager, decode_buckets=tuple(buckets),
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens,
-                                       cfg.max_num_seqs + cfg.chunk_size))
+        token_budget = max(cfg.max_num_batched_tokens, cfg.max_num_seqs + cfg.chunk_size)
+        self.scheduler = Scheduler(self.manager, decode_buckets=tuple(buckets),
+                                   max_num_batched_tokens=token_budget)
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size) for b in buckets}
         self.runner = ModelRunner(
@@ -113,7 +112,8 @@ class Engine:
             split_maps=split_maps,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=min(cfg.obs_window,
                                                                         cfg.chunk_size),
-                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop))
+                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
+                                       max_prefill_tokens=token_budget))
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}
         self._next_id = 0
@@ -269,23 +269,31 @@ class Engine:
 
     def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
                                         dict[str, np.ndarray] | None]:
-        """Run this step's prefill pieces: a runner call takes the next compression chunk of up
-        to `max_prefill_rows` pieces (chunks of one piece depend on each other, those of
-        different pieces do not).
+        """Run this step's prefill pieces as runner calls of up to `max_prefill_rows` rows.
+
+        Where the layout keeps every token (`runner.prefill_whole_rows`: ``full``) a row is a
+        whole piece, so a call's GEMMs and attention see up to `max_num_batched_tokens` tokens.
+        Otherwise a row is one compression chunk, and a call takes the next chunk of up to
+        `max_prefill_rows` pieces (chunks of one piece depend on each other, those of different
+        pieces do not).
         Returns the last logits [V] and requests of pieces that end their prompt, and each
         piece's retained lengths after compression in dynamic mode (None otherwise)."""
-        chunk_size = self.layout.chunk_size
         hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
                 for p in pieces}
         first_logits, first_reqs = [], []
         per_call = self.config.max_prefill_rows
-        calls = []   # round by round: a piece's next chunk attends to its previous one
-        for offset in range(0, max((p.num_tokens for p in pieces), default=0), chunk_size):
-            due = [p for p in pieces if p.start + offset < p.end]
-            calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
+        calls = []   # (offset into each piece, its pieces), in dependency order
+        if self.runner.prefill_whole_rows:
+            calls = [(0, pieces[i:i + per_call]) for i in range(0, len(pieces), per_call)]
+            span = max((p.num_tokens for p in pieces), default=0)
+        else:
+            span = self.layout.chunk_size
+            for offset in range(0, max((p.num_tokens for p in pieces), default=0), span):
+                due = [p for p in pieces if p.start + offset < p.end]
+                calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
         for offset, rows in calls:
             starts = [p.start + offset for p in rows]
-            ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
+            ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
             logits, kept = self.runner.prefill(
                 [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
                 starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows])
@@ -295,7 +303,7 @@ class Engine:
                 if kept_host is not None:   # the per-input count: a host round trip
                     hist[rid] = hist[rid] + kept_host[b]
                 else:
-                    hist[rid] = hist[rid] + self.layout.chunk_keep_counts(end - start)
+                    hist[rid] = hist[rid] + self.layout.retained_counts(end - start)
                 if end == p.end and p.is_last:
                     first_logits.append(logits[b])
                     first_reqs.append(self._requests[rid])

@@ -39,6 +39,9 @@ from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, observation_probs,
+                                                           pack_rows, prefill_work_items,
+                                                           row_alignment)
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import sample_tokens, step_keys
 
@@ -48,7 +51,7 @@ LAYER_LOOPS = ("scan", "unrolled")
 class AttentionOps(NamedTuple):
     """The three attention pieces a step calls; Pallas kernels or their jnp references."""
 
-    prefill_attention: Callable   # chunk_prefill_attention signature
+    prefill_attention: Callable   # ragged_prefill_attention signature
     compress_chunk: Callable      # compress_chunk_into_pages signature
     decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
     name: str
@@ -60,12 +63,12 @@ class AttentionOps(NamedTuple):
         if use_kernels is None:
             use_kernels = not backend.default_interpret()
         if use_kernels:
-            return cls(prefill_attention.chunk_prefill_attention,
+            return cls(prefill_attention.ragged_prefill_attention,
                        chunk_compress.compress_chunk_into_pages,
                        lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
                            q, k, v, bt, ln, work_list=work),
                        "pallas")
-        return cls(prefill_attention.chunk_prefill_attention_reference,
+        return cls(prefill_attention.ragged_prefill_attention_reference,
                    chunk_compress.compress_chunk_into_pages_reference,
                    lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention_reference(
                        q, k, v, bt, ln),
@@ -83,6 +86,8 @@ class RunnerConfig:
       stack every step) or ``"unrolled"`` (one traced body per layer over separate parameter
       arrays: no copies, compile time grows with depth). None: unrolled where the Pallas
       kernels run (GPU), scan on the CPU.
+    max_prefill_tokens: the most tokens of one prefill call (the engine's token budget); the
+      largest flat-token bucket of a call of whole rows (`ModelRunner.prefill`).
     """
 
     mode: str = "tangram"
@@ -90,6 +95,7 @@ class RunnerConfig:
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
+    max_prefill_tokens: int = 8192
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -101,6 +107,8 @@ class RunnerConfig:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
         if not 0 < self.dynamic_ratio <= 1:
             raise ValueError(f"dynamic_ratio must be in (0, 1], got {self.dynamic_ratio}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
 def dynamic_keep_count(scores: jax.Array, chunk_len: jax.Array, ratio: float,
@@ -205,104 +213,164 @@ class ModelRunner:
         self.block_tables = self._apply_table_updates(self.block_tables, index, vals)
 
     # ----- prefill ---------------------------------------------------------------------------
+    @property
+    def prefill_whole_rows(self) -> bool:
+        """True when a prefill row may span several compression chunks: the layout keeps every
+        token (``full``, or a profile of budgets 1), so no chunk's selection depends on the
+        scores of the chunk before it, and a row is a whole piece of a turn (one long causal
+        attention, one KV append). Otherwise a row is one compression chunk."""
+        return not self.layout.compresses and self.runner_config.mode != "dynamic"
+
+    def prefill_token_buckets(self, max_rows: int = 1) -> list[int]:
+        """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): multiples
+        of the row alignment growing by ~1.5x (so at most a third is padding), up to
+        `max_prefill_tokens` plus one alignment of slack per extra row."""
+        align = row_alignment(PREFILL_TUNING)
+        cap = -(-self.runner_config.max_prefill_tokens // align) * align + align * (max_rows - 1)
+        sizes, size = [], align
+        while size < cap:
+            sizes += [size] + ([size * 3 // 2] if size * 3 // 2 < cap and size >= 2 * align
+                               else [])
+            size *= 2
+        return sorted(set(sizes)) + [cap]
+
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray]) -> tuple[jax.Array, jax.Array]:
-        """Run one prefill chunk for each of several sequences in one call, writing each one's
-        kept K/V into its pages.
+        """Run one prefill row for each of several sequences in one call (a ragged batch: the
+        GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
 
-        Row b: tokens[b] int [n_b] with 1 <= n_b <= layout.chunk_size (a chunk starting on a
-        compression-chunk boundary of its turn), start_positions[b] the absolute position of
-        its first token, slots[b] its block-table row (reservation applied by
-        `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens before the
-        chunk. The slots must be distinct. Rows are padded to a power of two by repeating row 0
-        (the same inputs write the same values to the same places), so few shapes compile.
+        Row b: tokens[b] int [n_b], start_positions[b] the absolute position of its first token
+        (a compression-chunk boundary of its turn), slots[b] its block-table row (reservation
+        applied by `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens
+        before the row. With `prefill_whole_rows` a row is any piece of a turn (n_b >= 1, all
+        rows together within `max_prefill_tokens`); otherwise one compression chunk
+        (1 <= n_b <= layout.chunk_size). The slots must be distinct. Rows are padded to a
+        power of two with empty rows on the null slot, so few shapes compile.
         Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
-        arrays whose first ``len(tokens)`` rows are the given chunks. In ``tangram``/``full``
-        mode `kept` equals ``layout.chunk_keep_counts(n_b)``.
+        arrays whose first ``len(tokens)`` rows are the given rows. Without dynamic selection
+        `kept` is the layout's keep rule for each row.
         """
         n_rows = len(tokens)
-        chunk = self.layout.chunk_size
         if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
-            raise ValueError("prefill needs one start position, slot and history per chunk")
+            raise ValueError("prefill needs one start position, slot and history per row")
         if len(set(int(s) for s in slots)) != n_rows:
             raise ValueError(f"prefill rows must be distinct sequences, got slots {list(slots)}")
-        pick = _pad_rows(n_rows)
-        rows = len(pick)
-        padded = np.zeros((rows, chunk), np.int32)
+        limit = None if self.prefill_whole_rows else self.layout.chunk_size
+        for t in tokens:
+            if len(t) < 1 or (limit is not None and len(t) > limit):
+                raise ValueError(f"a prefill row holds 1..{limit or 'max_prefill_tokens'} "
+                                 f"tokens, got {len(t)}")
+        return self._run_prefill(tokens, start_positions, slots, hist_lengths)
+
+    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_tokens=None):
+        """`prefill` without the checks; `num_tokens` forces the flat-token bucket (warm-up)."""
+        n_rows = len(tokens)
+        rows = backend.next_power_of_2(n_rows)
+        layout = self.layout
+        align = row_alignment(PREFILL_TUNING)
         lens = np.zeros(rows, np.int32)
-        for r, b in enumerate(pick):
-            n = len(tokens[b])
-            if not 1 <= n <= chunk:
-                raise ValueError(f"a prefill chunk holds 1..{chunk} tokens, got {n}")
-            padded[r, :n] = tokens[b]
-            lens[r] = n
-        if self.runner_config.mode == "dynamic":
-            keep = np.zeros((rows, *self.layout.group_budgets.shape), np.int32)  # on device
+        lens[:n_rows] = [len(t) for t in tokens]
+        starts, used = pack_rows(lens[:n_rows], align)
+        if self.prefill_whole_rows:
+            if num_tokens is None:
+                num_tokens = next((b for b in self.prefill_token_buckets(rows) if b >= used), None)
+                if num_tokens is None:
+                    raise ValueError(f"a prefill call of {int(lens.sum())} tokens in {n_rows} "
+                                     f"rows exceeds max_prefill_tokens "
+                                     f"{self.runner_config.max_prefill_tokens}")
         else:
-            keep = np.stack([self.layout.chunk_keep_counts(int(n)) for n in lens]).astype(np.int32)
+            num_tokens = rows * (-(-layout.chunk_size // align) * align)
+        # Empty padding rows start at the end of the flat axis (they own no token).
+        row_starts = np.full(rows, num_tokens, np.int32)
+        row_starts[:n_rows] = starts
+        flat = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        for b in range(n_rows):
+            s, n = starts[b], lens[b]
+            flat[s:s + n] = tokens[b]
+            positions[s:s + n] = int(start_positions[b]) + np.arange(n)
+        row_slots = np.full(rows, self.null_slot, np.int32)
+        row_slots[:n_rows] = slots
+        hist = np.zeros((rows, *layout.group_budgets.shape), np.int32)
+        hist[:n_rows] = np.stack([np.asarray(h, np.int32) for h in hist_lengths])
+        if self.prefill_whole_rows or self.runner_config.mode == "dynamic":
+            keep = np.zeros_like(hist)     # whole rows keep all; dynamic decides on device
+        else:
+            keep = np.stack([layout.chunk_keep_counts(int(n)) for n in lens]).astype(np.int32)
+        # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
+        items = prefill_work_items(row_starts, lens, np.swapaxes(hist, 0, 1),
+                                   block_q=PREFILL_TUNING.block_q,
+                                   num_items=num_tokens // PREFILL_TUNING.block_q
+                                   * layout.num_groups)
         self.k_pages, self.v_pages, logits, kept = self._prefill(
-            self.state, self.layer_states, self.k_pages, self.v_pages, padded,
-            np.asarray([start_positions[b] for b in pick], np.int32), lens, self.block_tables,
-            np.asarray([slots[b] for b in pick], np.int32),
-            np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick]), keep)
+            self.state, self.layer_states, self.k_pages, self.v_pages, flat, positions,
+            row_starts, lens, self.block_tables, row_slots, hist, keep, items)
         return logits, kept
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """`prefill` of a single chunk: (last_logits [vocab], kept [layers, groups])."""
+        """`prefill` of a single row: (last_logits [vocab], kept [layers, groups])."""
         logits, kept = self.prefill([tokens], [start_position], [slot], [hist_lengths])
         return logits[0], kept[0]
 
-    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_positions,
-                      chunk_lens, all_tables, slots, hist_lengths, keep_counts):
-        """tokens [rows, T]; start_positions, chunk_lens, slots [rows]; hist_lengths and
-        keep_counts [rows, layers, groups]."""
+    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
+                      row_lens, all_tables, slots, hist_lengths, keep_counts, work_items):
+        """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, slots [rows];
+        hist_lengths, keep_counts [rows, layers, groups]; work_items [layers, items, 3]."""
         model = nnx.merge(self.graphdef, state)
-        rows, t = tokens.shape
-        q_per_kv = self.config.q_per_kv
-        positions = start_positions[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        dynamic = self.runner_config.mode == "dynamic"
+        rows = row_starts.shape[0]
+        chunk = self.layout.chunk_size
+        whole_rows = self.prefill_whole_rows
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
-            layer_state, tables, hist, keep = xs          # [rows, Gn, P], [rows, Gn] x 2
+            layer_state, tables, hist, keep, items = xs   # [rows, Gn, P], [rows, Gn] x 2, [I, 3]
             layer = nnx.merge(self.layer_graphdef, layer_state)
-            q, k, v = layer.qkv(h, positions)            # GEMMs over all rows at once
-            k = k.astype(k_pages.dtype)
-            v = v.astype(v_pages.dtype)
-            outs, kept = [], []
-            # Attention and compression per row: each reads its own history from the pool and
-            # writes into its own pages (rows are distinct sequences, or repeats of row 0).
-            for b in range(rows):
-                out, obs_probs = self.ops.prefill_attention(
-                    q[b], k[b], v[b], k_pages, v_pages, tables[b], hist[b], chunk_lens[b],
-                    obs_window=self.runner_config.obs_window)
-                keep_b = keep[b]
-                if dynamic:
-                    scores = self._chunk_scores(obs_probs, chunk_lens[b], q_per_kv, protect=True)
-                    count = dynamic_keep_count(scores, chunk_lens[b],
-                                               self.runner_config.dynamic_ratio,
-                                               self.runner_config.dynamic_safeguard)
-                    keep_b = jnp.full(keep_b.shape, count, jnp.int32)
-                else:
-                    scores = self._group_scores(obs_probs, chunk_lens[b], q_per_kv, keep_b)
-                k_pages, v_pages = self.ops.compress_chunk(
-                    k[b], v[b], scores, keep_b, chunk_lens[b], k_pages, v_pages, tables[b],
-                    hist[b])
-                outs.append(out)
-                kept.append(keep_b)
-            h = layer.finish(h, jnp.stack(outs).astype(h.dtype))
-            return (h, k_pages, v_pages), jnp.stack(kept)
+            q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
+            q, k, v = q[0], k[0].astype(k_pages.dtype), v[0].astype(v_pages.dtype)
+            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
+                                                  row_starts, row_lens, items)
+            if whole_rows:   # every token kept: append the rows' K/V after their histories
+                k_pages, v_pages = _append_rows(k, v, k_pages, v_pages, tables, hist,
+                                                row_starts, row_lens)
+                kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
+            else:            # one compression chunk per row: score, select, write
+                obs = observation_probs(q, k, lse, row_starts, row_lens,
+                                        obs_window=self.runner_config.obs_window, chunk=chunk)
+                pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
+                k_flat, v_flat = jnp.pad(k, pad), jnp.pad(v, pad)
+                kept = []
+                for b in range(rows):
+                    scores, keep_b = self._row_scores(obs[b], row_lens[b], keep[b])
+                    k_pages, v_pages = self.ops.compress_chunk(
+                        jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], chunk),
+                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], chunk),
+                        scores, keep_b, row_lens[b], k_pages, v_pages, tables[b], hist[b])
+                    kept.append(keep_b)
+                kept = jnp.stack(kept)
+            h = layer.finish(h, out[None].astype(h.dtype))
+            return (h, k_pages, v_pages), kept
 
-        h = model.embed(tokens)
+        h = model.embed(tokens[None])                    # [1, N, hidden]
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         (h, k_pages, v_pages), kept = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, per_layer(all_tables[slots]), per_layer(hist_lengths),
-             per_layer(keep_counts)))
-        last = h[jnp.arange(rows), chunk_lens - 1]      # [rows, hidden]
+             per_layer(keep_counts), work_items))
+        last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         return k_pages, v_pages, logits, per_layer(kept)
+
+    def _row_scores(self, obs_probs, chunk_len, keep):
+        """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
+        [groups] (the one place prefill scoring is chosen). obs_probs [Hq, obs_window, T]."""
+        q_per_kv = self.config.q_per_kv
+        if self.runner_config.mode == "dynamic":
+            scores = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=True)
+            count = dynamic_keep_count(scores, chunk_len, self.runner_config.dynamic_ratio,
+                                       self.runner_config.dynamic_safeguard)
+            return scores, jnp.full(keep.shape, count, jnp.int32)
+        return self._group_scores(obs_probs, chunk_len, q_per_kv, keep), keep
 
     def _chunk_scores(self, obs_probs, chunk_len, q_per_kv, protect: bool):
         """SnapKV scores [num_kv_heads, T] of a (padded) chunk from the window's probabilities.
@@ -422,21 +490,21 @@ class ModelRunner:
 
     # ----- compile ahead -------------------------------------------------------------------
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
-        """Compile every step shape serving can meet (decode buckets, prefill row counts,
-        first-token sampling row counts) by running each once on the null slot, whose page 0
-        is scratch: nothing compiles while requests wait."""
+        """Compile every step shape serving can meet (decode buckets, prefill row counts and, for
+        whole rows, every flat-token bucket; first-token sampling row counts) by running each
+        once on the null slot, whose page 0 is scratch: nothing compiles while requests wait."""
         null = self.null_slot
         zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
         greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
                             np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
         for rows in _padded_row_counts(max_prefill_rows):
-            # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
-            self.k_pages, self.v_pages, logits, _ = self._prefill(
-                self.state, self.layer_states, self.k_pages, self.v_pages,
-                np.zeros((rows, self.layout.chunk_size), np.int32), np.zeros(rows, np.int32),
-                np.ones(rows, np.int32), self.block_tables, np.full(rows, null, np.int32),
-                np.stack([zeros] * rows), np.stack([self.layout.chunk_keep_counts(1)] * rows)
-                .astype(np.int32))
+            buckets = self.prefill_token_buckets(rows) if self.prefill_whole_rows else [None]
+            for num_tokens in buckets:
+                if num_tokens is not None and num_tokens < rows * row_alignment(PREFILL_TUNING):
+                    continue
+                # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
+                logits, _ = self._run_prefill([np.zeros(1, np.int32)] * rows, [0] * rows,
+                                              [null] * rows, [zeros] * rows, num_tokens)
         for n in _padded_row_counts(max_first_tokens):
             self.sample([logits[0]] * n, [null] * n, *greedy(n))
         for bucket in decode_buckets:
@@ -448,6 +516,30 @@ class ModelRunner:
 def _padded_row_counts(max_rows: int) -> list[int]:
     """Every row count `_pad_rows` makes for 1 .. max_rows rows: 1, 2, 4, ..."""
     return [1 << i for i in range(backend.next_power_of_2(max_rows).bit_length())]
+
+
+def _append_rows(k, v, k_pages, v_pages, tables, hist, row_starts, row_lens):
+    """Write every row token's K/V at slots ``hist[r, g] + i`` of its groups' pages (the keep-all
+    case of compression, as one scatter). k, v [N, num_kv_heads, d]; tables [rows, groups, P];
+    hist [rows, groups]; tokens outside every row write into the null page 0."""
+    n = k.shape[0]
+    rows, groups, max_pages = tables.shape
+    _, group_size, page_size, _ = k_pages.shape
+    token = jnp.arange(n)
+    member = (token[None] >= row_starts[:, None]) & (token[None] < (row_starts + row_lens)[:, None])
+    owner = jnp.argmax(member, axis=0)                                      # [N]
+    valid = member.any(axis=0)
+    slot = hist[owner] + (token - row_starts[owner])[:, None]             # [N, groups]
+    page_index = jnp.clip(slot // page_size, 0, max_pages - 1)
+    page = tables[owner[:, None], jnp.arange(groups)[None], page_index]
+    page = jnp.where(valid[:, None], page, 0)
+    offset = jnp.where(valid[:, None], slot % page_size, 0)
+    heads = jnp.arange(group_size)[None, None, :]
+    k_pages = k_pages.at[page[..., None], heads, offset[..., None]].set(
+        k.reshape(n, groups, group_size, -1))
+    v_pages = v_pages.at[page[..., None], heads, offset[..., None]].set(
+        v.reshape(n, groups, group_size, -1))
+    return k_pages, v_pages
 
 
 def _pad_rows(n: int) -> list[int]:
