@@ -226,10 +226,174 @@ def kernel_part(args) -> dict:
     return report
 
 
+# ----- the whole model through the runner -----------------------------------------------------
+def _layout(mode: str, chunk: int, seed: int, layers: int):
+    """full/dynamic: monolithic; tangram: control_plane.py's skewed profile (mean 0.25, G 2)."""
+    import dataclasses as dc
+    from control_plane import layouts
+    from tangram_jax.kv_layout import KVLayout
+    if mode == "tangram":
+        tangram, _, head_budgets = layouts(np.random.default_rng(seed), layers)
+        return dc.replace(tangram, chunk_size=chunk), float(head_budgets.mean())
+    return KVLayout.monolithic(layers, HKV, D, page_size=PAGE, chunk_size=chunk, name=mode), 1.0
+
+
+def _categories(per_kernel: dict) -> dict:
+    """GPU seconds per call by kind of op (names as XLA/Pallas report them)."""
+    import re
+    kinds = {"prefill_attention": r"prefill", "compress": r"compress",
+             "gemm": r"gemm|cublas|cutlass|matmul|dot|nvjet|sm90_xmma",
+             "scatter_gather_sort": r"scatter|gather|sort|argsort|dynamic"}
+    out = {k: 0.0 for k in (*kinds, "other")}
+    for name, sec in per_kernel.items():
+        kind = next((k for k, pat in kinds.items() if re.search(pat, name, re.I)), "other")
+        out[kind] += sec
+    return out
+
+
+def prefill_turn(runner, scheduler, manager, tokens, request_id, max_prefill_rows, record=None):
+    """Prefill one first turn through the scheduler and `run_prefill_pieces` (the engine's own
+    prefill loop); returns the turn's last logits (device)."""
+    from tangram_jax.engine.llm_engine import run_prefill_pieces
+    from tangram_jax.sampling import SamplingParams
+    scheduler.add_request(request_id, [int(t) for t in tokens],
+                          SamplingParams(temperature=0, max_tokens=1), arrival_time=0.0)
+    last = None
+    while last is None:
+        out = scheduler.schedule()
+        runner.update_block_tables(*out.table_updates)
+        finished, hist = run_prefill_pieces(runner, manager, out.prefill_chunks,
+                                            max_prefill_rows)
+        if record is not None:
+            record.append(len(out.prefill_chunks))
+        reclaim = hist if runner.runner_config.mode == "dynamic" else None
+        scheduler.commit(out, {p.seq.request_id: 0 for p, _ in finished}, reclaim)
+        if finished:
+            last = finished[0][1]
+    jax.block_until_ready(last)
+    scheduler.abort(request_id)
+    return last
+
+
+def runner_part(args, roofline_tflops: float) -> list[dict]:
+    import gc
+    from flax import nnx
+    from decode_step_gpu import LLAMA_8B, TINY, model_config
+    from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+    from tangram_jax.kv_layout import pages_for
+    from tangram_jax.models.decoder import Decoder
+    from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+    from tangram_jax.scheduler.scheduler import Scheduler
+
+    config = model_config(TINY if args.tiny else LLAMA_8B)
+    c = config
+    layers, hidden = c.num_layers, c.hidden_size
+    nonembed = layers * (hidden * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+                         + 3 * hidden * c.intermediate_size)
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    rng = np.random.default_rng(args.seed)
+    results = []
+    for variant in args.modes.split(","):
+        mode, _, chunk = variant.partition("@")
+        chunk = int(chunk or args.chunk_size)
+        layout, head_budget_mean = _layout(mode, chunk, args.seed, layers)
+        longest = max(args.turns)
+        per_seq = int(pages_for(layout.retained_counts(longest) + chunk, PAGE).sum())
+        num_pages = int(per_seq * 1.1) + 64
+        max_pages = int(pages_for(longest + chunk, PAGE))
+        t0 = time.perf_counter()
+        model = Decoder(config, dtype, rngs=nnx.Rngs(args.seed))
+        manager = KVCacheManager(layout, num_pages, 2, max_pages,
+                                 model_kv_shape=(layers, HKV, D),
+                                 policy="reclaim" if mode == "dynamic" else "reserve")
+        budget = args.max_num_batched_tokens
+        runner = ModelRunner(model, config, layout, num_pages, manager.block_tables.shape,
+                             runner_config=RunnerConfig(mode=mode, obs_window=32,
+                                                        dynamic_ratio=args.ratio,
+                                                        max_prefill_tokens=budget))
+        del model
+        scheduler = Scheduler(manager, max_num_batched_tokens=budget)
+        build_s = time.perf_counter() - t0
+        for turn in args.turns:
+            tokens = rng.integers(0, config.vocab_size, turn)
+            # Warm-up turn: the same piece shapes (a full budget piece and the tail), compiled
+            # outside the timed region.
+            warm = budget + turn % budget if runner.prefill_whole_rows else 2 * chunk + turn % chunk
+            t0 = time.perf_counter()
+            prefill_turn(runner, scheduler, manager, tokens[:warm], f"warm{turn}", 1)
+            warm_s = time.perf_counter() - t0
+            calls = []
+            orig = runner.prefill
+
+            def recording(tok, starts, slots, hists, _orig=orig, _calls=calls):
+                _calls.append(([len(t) for t in tok], [np.asarray(h) for h in hists]))
+                return _orig(tok, starts, slots, hists)
+            runner.prefill = recording
+            t0 = time.perf_counter()
+            prefill_turn(runner, scheduler, manager, tokens, f"t{turn}", 1)
+            seconds = time.perf_counter() - t0
+            runner.prefill = orig
+            # FLOPs of what this mode computed: GEMMs + LM head per call + attention over the
+            # retained history of each (layer, group) and the causal row.
+            gemm = 2.0 * nonembed * turn + 2.0 * hidden * config.vocab_size * len(calls)
+            attn = 0.0
+            q_heads_per_group = layout.group_size * (c.num_heads // c.num_kv_heads)
+            for lens, hists in calls:
+                for n, h in zip(lens, hists):
+                    attn += 4 * D * q_heads_per_group * float(
+                        (n * h.astype(np.float64) + n * (n + 1) / 2).sum())
+            flops = gemm + attn
+            row = dict(mode=mode, chunk_size=chunk, turn_tokens=turn, seconds=seconds,
+                       tokens_per_s=turn / seconds, runner_calls=len(calls),
+                       gemm_flops=gemm, attention_flops=attn,
+                       fraction_of_roofline=flops / seconds / (roofline_tflops * 1e12),
+                       roofline_seconds=flops / (roofline_tflops * 1e12),
+                       warm_turn_seconds=warm_s, model_build_s=build_s,
+                       head_budget_mean=head_budget_mean,
+                       group_budget_mean=float(layout.group_budgets.mean()),
+                       max_num_batched_tokens=budget)
+            if turn in args.trace_turns:
+                per = {}
+                traced = gpu_busy_time(lambda: prefill_turn(runner, scheduler, manager, tokens,
+                                                            f"trace{turn}", 1), (), 1,
+                                       per_kernel=per)
+                row["gpu_busy_s"] = traced
+                row["gpu_s_by_kind"] = _categories(per)
+                row["top_gpu_ops_s"] = {k: round(v, 5) for k, v in
+                                        sorted(per.items(), key=lambda kv: -kv[1])[:12]}
+            results.append(row)
+            print("runner", {k: v for k, v in row.items() if k != "top_gpu_ops_s"}, flush=True)
+        del runner, scheduler, manager
+        gc.collect()
+    full = {r["turn_tokens"]: r for r in results if r["mode"] == "full"}
+    for r in results:
+        f = full.get(r["turn_tokens"])
+        if f is None or r is f:
+            continue
+        r["speedup_vs_full"] = f["seconds"] / r["seconds"]
+        att_full = (f.get("gpu_s_by_kind") or {}).get("prefill_attention")
+        if att_full:   # half the attention time full KV would save at this mode's FLOPs
+            saving = att_full * (1 - r["attention_flops"] / f["attention_flops"])
+            r["attention_saving_s_at_full_rate"] = saving
+            r["meets_half_attention_saving"] = bool(f["seconds"] - r["seconds"] >= 0.5 * saving)
+    return results
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("kernel", "runner", "all"), default="all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="full,dynamic,tangram",
+                        help="runner part: modes, each optionally @chunk_size")
+    parser.add_argument("--turns", type=int, nargs="+", default=[8192, 32768, 100000])
+    parser.add_argument("--trace-turns", type=int, nargs="*", default=[32768, 100000])
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--tiny", action="store_true",
+                        help="runner part on a 2-layer model (CPU smoke test of the path)")
+    parser.add_argument("--roofline-tflops", type=float, default=None,
+                        help="skip measuring the matmul rate (runner part alone)")
     parser.add_argument("--out", default=os.path.join(BENCH, "results", "prefill_8b.json"))
     args = parser.parse_args(argv)
     result = {"benchmark": "prefill_8b", "device": device_description(),
@@ -238,6 +402,12 @@ def main(argv=None) -> None:
               "jax_version": jax.__version__}
     if args.part in ("kernel", "all"):
         result["kernel"] = kernel_part(args)
+        roofline = result["kernel"]["roofline_tflops"]
+    else:
+        roofline = args.roofline_tflops or matmul_roofline()
+        result["roofline_tflops"] = roofline
+    if args.part in ("runner", "all"):
+        result["runner"] = runner_part(args, roofline)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -259,6 +429,18 @@ def main(argv=None) -> None:
         for r in k["balance"]:
             print(f"{'bal T' + str(r['row_lens'][0]) + ' ' + r['order'][:20]:34} "
                   f"{r['kernel_ms']:8.2f} {r['tflops_kernel']:8.1f}")
+
+
+    if result.get("runner"):
+        print(f"roofline {roofline:.0f} TFLOP/s")
+        print(f"{'mode':8} {'chunk':>5} {'turn':>7} {'s':>7} {'tok/s':>8} {'roof%':>6} "
+              f"{'attn s':>7} {'gemm s':>7} {'vs full':>7}")
+        for r in result["runner"]:
+            kinds = r.get("gpu_s_by_kind") or {}
+            print(f"{r['mode']:8} {r['chunk_size']:5d} {r['turn_tokens']:7d} {r['seconds']:7.2f} "
+                  f"{r['tokens_per_s']:8.0f} {100 * r['fraction_of_roofline']:6.1f} "
+                  f"{kinds.get('prefill_attention', float('nan')):7.2f} "
+                  f"{kinds.get('gemm', float('nan')):7.2f} {r.get('speedup_vs_full', 1):7.2f}")
 
 
 if __name__ == "__main__":

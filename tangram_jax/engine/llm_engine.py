@@ -70,6 +70,52 @@ class _InFlightToken(NamedTuple):
     index: int
 
 
+def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
+                       max_prefill_rows: int) -> tuple[list, dict[str, np.ndarray]]:
+    """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
+    `max_prefill_rows` rows.
+
+    Where the layout keeps every token (`runner.prefill_whole_rows`: ``full``) a row is a whole
+    piece, so a call's GEMMs and attention see up to the step's token budget. Otherwise a row is
+    one compression chunk, and a call takes the next chunk of up to `max_prefill_rows` pieces
+    (chunks of one piece depend on each other, those of different pieces do not).
+    Returns ([(piece, last logits [V])] of pieces that end their prompt, {request id: retained
+    lengths [layers, groups] after the pieces}); in ``dynamic`` mode the lengths come back from
+    the device (a host round trip per call), otherwise from the layout's keep rule.
+    """
+    layout = runner.layout
+    dynamic = runner.runner_config.mode == "dynamic"
+    hist = {p.seq.request_id: manager.lengths[p.seq.slot].astype(np.int64) for p in pieces}
+    finished = []
+    calls = []   # (offset into each piece, its pieces), in dependency order
+    if runner.prefill_whole_rows:
+        calls = [(0, pieces[i:i + max_prefill_rows])
+                 for i in range(0, len(pieces), max_prefill_rows)]
+        span = max((p.num_tokens for p in pieces), default=0)
+    else:
+        span = layout.chunk_size
+        for offset in range(0, max((p.num_tokens for p in pieces), default=0), span):
+            due = [p for p in pieces if p.start + offset < p.end]
+            calls += [(offset, due[i:i + max_prefill_rows])
+                      for i in range(0, len(due), max_prefill_rows)]
+    for offset, rows in calls:
+        starts = [p.start + offset for p in rows]
+        ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
+        logits, kept = runner.prefill(
+            [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
+            starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows])
+        kept_host = np.asarray(kept) if dynamic else None
+        for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
+            rid = p.seq.request_id
+            if kept_host is not None:   # the per-input count: a host round trip
+                hist[rid] = hist[rid] + kept_host[b]
+            else:
+                hist[rid] = hist[rid] + layout.retained_counts(end - start)
+            if end == p.end and p.is_last:
+                finished.append((p, logits[b]))
+    return finished, hist
+
+
 class Engine:
     """The serving engine: model, KV layout, page manager, scheduler and runner of one config."""
 
@@ -269,46 +315,15 @@ class Engine:
 
     def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
                                         dict[str, np.ndarray] | None]:
-        """Run this step's prefill pieces as runner calls of up to `max_prefill_rows` rows.
-
-        Where the layout keeps every token (`runner.prefill_whole_rows`: ``full``) a row is a
-        whole piece, so a call's GEMMs and attention see up to `max_num_batched_tokens` tokens.
-        Otherwise a row is one compression chunk, and a call takes the next chunk of up to
-        `max_prefill_rows` pieces (chunks of one piece depend on each other, those of different
-        pieces do not).
+        """Run this step's prefill pieces (`run_prefill_pieces`).
         Returns the last logits [V] and requests of pieces that end their prompt, and each
         piece's retained lengths after compression in dynamic mode (None otherwise)."""
-        hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
-                for p in pieces}
-        first_logits, first_reqs = [], []
-        per_call = self.config.max_prefill_rows
-        calls = []   # (offset into each piece, its pieces), in dependency order
-        if self.runner.prefill_whole_rows:
-            calls = [(0, pieces[i:i + per_call]) for i in range(0, len(pieces), per_call)]
-            span = max((p.num_tokens for p in pieces), default=0)
-        else:
-            span = self.layout.chunk_size
-            for offset in range(0, max((p.num_tokens for p in pieces), default=0), span):
-                due = [p for p in pieces if p.start + offset < p.end]
-                calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
-        for offset, rows in calls:
-            starts = [p.start + offset for p in rows]
-            ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
-            logits, kept = self.runner.prefill(
-                [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
-                starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows])
-            kept_host = np.asarray(kept) if self.config.mode == "dynamic" else None
-            for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
-                rid = p.seq.request_id
-                if kept_host is not None:   # the per-input count: a host round trip
-                    hist[rid] = hist[rid] + kept_host[b]
-                else:
-                    hist[rid] = hist[rid] + self.layout.retained_counts(end - start)
-                if end == p.end and p.is_last:
-                    first_logits.append(logits[b])
-                    first_reqs.append(self._requests[rid])
+        finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
+                                            self.config.max_prefill_rows)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
-        return first_logits, first_reqs, (hist if self.config.mode == "dynamic" else None)
+        return ([logits for _, logits in finished],
+                [self._requests[p.seq.request_id] for p, _ in finished],
+                hist if self.config.mode == "dynamic" else None)
 
     def warmup(self) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
