@@ -131,3 +131,41 @@ def test_warmup_compiles_on_the_null_slot_without_touching_sequences():
     after = np.asarray(runner.slot_tokens)
     assert after[:3].tolist() == [int(np.argmax(logits[0]))] * 3
     assert after[3] == tokens_before[3]   # slot 3 untouched; the padding row went to slot 4
+
+
+def test_whole_row_prefill_of_a_full_layout_equals_the_dense_model():
+    """Full KV: rows are whole pieces (two sequences in one call, one of them in two pieces);
+    the last logits equal the dense reference decoder's and the pages hold every token's K."""
+    from tangram_jax.models.decoder import DenseKVCache
+    full = KVLayout.monolithic(3, 2, 8, page_size=4, chunk_size=16)
+    manager = KVCacheManager(full, 64, 4, 16, model_kv_shape=(3, 2, 8))
+    model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    dense_model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, CONFIG, full, 64, manager.block_tables.shape,
+                         runner_config=RunnerConfig(mode="full", max_prefill_tokens=64))
+    assert runner.prefill_whole_rows
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 97, 45), rng.integers(1, 97, 19)]
+    slots = [manager.allocate_slot() for _ in prompts]
+    for slot, p in zip(slots, prompts):
+        assert manager.reserve(slot, len(p))
+    runner.update_block_tables(*manager.take_table_updates())
+    # Call 1: the first 32 tokens of sequence 0 (two chunks in one row) and all of sequence 1.
+    logits, kept = runner.prefill([prompts[0][:32], prompts[1]], [0, 0], slots,
+                                  [manager.lengths[s] for s in slots])
+    np.testing.assert_array_equal(np.asarray(kept)[:2, 0, 0], [32, 19])
+    manager.commit_prefill(slots[0], 32)
+    manager.commit_prefill(slots[1], 19)
+    last1 = np.asarray(logits)[1]
+    logits, _ = runner.prefill([prompts[0][32:]], [32], [slots[0]], [manager.lengths[slots[0]]])
+    last0 = np.asarray(logits)[0]
+    for p, last in ((prompts[0], last0), (prompts[1], last1)):
+        cache = DenseKVCache.create(CONFIG, 1, 64)
+        want, cache = dense_model(jnp.asarray(p[None]), jnp.arange(len(p))[None], cache)
+        np.testing.assert_allclose(last, np.asarray(want)[0, -1], rtol=2e-4, atol=2e-4)
+    # Layer 0's K of sequence 1 sits in its pages in order.
+    table = manager.block_tables[slots[1], 0, 0]
+    pages = np.asarray(runner.k_pages)[table[:5]]                # [5, G, ps, d]
+    got = np.moveaxis(pages, 1, 0).reshape(2, -1, 8)[:, :19]
+    np.testing.assert_allclose(got, np.moveaxis(np.asarray(cache.k)[0, 0, :19], 1, 0),
+                               rtol=1e-5, atol=1e-5)

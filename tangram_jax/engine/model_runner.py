@@ -318,7 +318,7 @@ class ModelRunner:
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, slots [rows];
         hist_lengths, keep_counts [rows, layers, groups]; work_items [layers, items, 3]."""
         model = nnx.merge(self.graphdef, state)
-        rows = row_starts.shape[0]
+        rows, n = row_starts.shape[0], tokens.shape[0]
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
 
@@ -330,9 +330,18 @@ class ModelRunner:
             q, k, v = q[0], k[0].astype(k_pages.dtype), v[0].astype(v_pages.dtype)
             out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
                                                   row_starts, row_lens, items)
-            if whole_rows:   # every token kept: append the rows' K/V after their histories
-                k_pages, v_pages = _append_rows(k, v, k_pages, v_pages, tables, hist,
-                                                row_starts, row_lens)
+            if whole_rows:
+                # Every token kept: the fused compression kernel appends each row's K/V after its
+                # history in place (earliest-first scores keep the row's order).
+                pad = ((0, n), (0, 0), (0, 0))
+                k_flat, v_flat = jnp.pad(k, pad), jnp.pad(v, pad)
+                earliest = jnp.broadcast_to(-jnp.arange(n, dtype=jnp.float32), (k.shape[1], n))
+                for b in range(rows):
+                    keep_b = jnp.broadcast_to(row_lens[b], hist.shape[1:])
+                    k_pages, v_pages = self.ops.compress_chunk(
+                        jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
+                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n),
+                        earliest, keep_b, row_lens[b], k_pages, v_pages, tables[b], hist[b])
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
             else:            # one compression chunk per row: score, select, write
                 obs = observation_probs(q, k, lse, row_starts, row_lens,
@@ -516,30 +525,6 @@ class ModelRunner:
 def _padded_row_counts(max_rows: int) -> list[int]:
     """Every row count `_pad_rows` makes for 1 .. max_rows rows: 1, 2, 4, ..."""
     return [1 << i for i in range(backend.next_power_of_2(max_rows).bit_length())]
-
-
-def _append_rows(k, v, k_pages, v_pages, tables, hist, row_starts, row_lens):
-    """Write every row token's K/V at slots ``hist[r, g] + i`` of its groups' pages (the keep-all
-    case of compression, as one scatter). k, v [N, num_kv_heads, d]; tables [rows, groups, P];
-    hist [rows, groups]; tokens outside every row write into the null page 0."""
-    n = k.shape[0]
-    rows, groups, max_pages = tables.shape
-    _, group_size, page_size, _ = k_pages.shape
-    token = jnp.arange(n)
-    member = (token[None] >= row_starts[:, None]) & (token[None] < (row_starts + row_lens)[:, None])
-    owner = jnp.argmax(member, axis=0)                                      # [N]
-    valid = member.any(axis=0)
-    slot = hist[owner] + (token - row_starts[owner])[:, None]             # [N, groups]
-    page_index = jnp.clip(slot // page_size, 0, max_pages - 1)
-    page = tables[owner[:, None], jnp.arange(groups)[None], page_index]
-    page = jnp.where(valid[:, None], page, 0)
-    offset = jnp.where(valid[:, None], slot % page_size, 0)
-    heads = jnp.arange(group_size)[None, None, :]
-    k_pages = k_pages.at[page[..., None], heads, offset[..., None]].set(
-        k.reshape(n, groups, group_size, -1))
-    v_pages = v_pages.at[page[..., None], heads, offset[..., None]].set(
-        v.reshape(n, groups, group_size, -1))
-    return k_pages, v_pages
 
 
 def _pad_rows(n: int) -> list[int]:

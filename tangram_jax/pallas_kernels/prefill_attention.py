@@ -61,7 +61,7 @@ class PrefillTuning:
 
     block_q: int = 32
     block_k: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
@@ -74,8 +74,11 @@ class PrefillTuning:
                              f"{self.num_warps}, {self.num_stages}")
 
 
-# Measured defaults (benchmarks/prefill_8b.py, NOTES_prefill.md): head_dim 128 on Hopper.
-PREFILL_TUNING = PrefillTuning()
+# Measured (benchmarks/results/prefill_8b_kernel.json, H100, one 8192-token row over 32k of
+# history, TFLOP/s): (32, 64, 4 warps, 2 stages) 366; (32, 64, 8, 2) 235; (32, 128, 8, 2) 280;
+# (32, 64, 8, 3) 239; (16, 64, 4, 2) 263; (64, 64, 8, 2) 294; (32, 128, 8, 3) 297;
+# (16, 128, 4, 3) 197. cuDNN on the same keys made contiguous: 284.
+PREFILL_TUNING = PrefillTuning(block_q=32, block_k=64, num_warps=4, num_stages=2)
 
 
 def row_alignment(tuning: PrefillTuning = PREFILL_TUNING) -> int:
