@@ -99,7 +99,8 @@ def test_prefill_rejects_bad_inputs():
 
 # (Hq, Hkv, head_dim, G, page_size, max_pages); q_per_kv 3 exercises the padded head stack.
 RAGGED_SHAPE = (12, 4, 16, 2, 8, 6)
-RAGGED_TUNING = PrefillTuning(block_q=16, block_k=16, num_warps=4, num_stages=1)
+RAGGED_TUNING = PrefillTuning(block_q=16, block_k=16, num_warps=4, num_stages=1,
+                              max_splits=3, min_split_keys=8)
 
 
 def _ragged_case(rng, row_lens, dtype, hq=12):
@@ -132,8 +133,11 @@ def _ragged_case(rng, row_lens, dtype, hq=12):
         x[~inside] = np.nan                           # padding tokens: poison
     arrays = tuple(jnp.asarray(x, dtype) for x in (q, k, v, k_pages, v_pages))
     ints = tuple(jnp.asarray(np.asarray(x, np.int32)) for x in (tables, hist, starts, row_lens))
-    items = prefill_work_items(starts, row_lens, hist, block_q=RAGGED_TUNING.block_q,
-                               num_items=(n // RAGGED_TUNING.block_q) * groups + 3)
+    # Room for 40 more items than query blocks x groups: long histories split (at most 3
+    # ways), the rest are no-op padding items.
+    items = prefill_work_items(starts, row_lens, hist, tuning=RAGGED_TUNING,
+                               num_items=(n // RAGGED_TUNING.block_q) * groups + 40)
+    assert (items[:, 4] > 1).any() and (items[:, 0] == -1).any()
     return arrays + ints + (jnp.asarray(items),), dict(starts=starts, hist=hist, tables=tables,
                                                        inside=inside)
 
@@ -197,19 +201,34 @@ def test_ragged_prefill_item_order_and_padding_items_do_not_matter():
 
 
 def test_prefill_work_items_heaviest_first():
+    tuning = PrefillTuning(block_q=16, block_k=16, max_splits=4, min_split_keys=20)
     starts, _ = pack_rows([40, 16], 16)
     hist = np.array([[5, 100], [0, 50]])
-    items = prefill_work_items(starts, [40, 16], hist, block_q=16, num_items=12)
-    assert items.shape == (12, 3) and (items[8:, 0] == -1).all()
-    real = items[:8]
-    work = hist[real[:, 0], real[:, 2]] + np.minimum(
-        (real[:, 1] - starts[real[:, 0]] // 16 + 1) * 16, np.array([40, 16])[real[:, 0]])
-    assert (np.diff(work) <= 0).all()
-    assert sorted(map(tuple, real.tolist())) == sorted(
-        (r, int(starts[r]) // 16 + b, g) for r, nb in ((0, 3), (1, 1)) for b in range(nb)
-        for g in range(2))
+    lens = np.array([40, 16])
+    causal = lambda it: np.minimum((it[:, 1] - starts[it[:, 0]] // 16 + 1) * 16,  # noqa: E731
+                                   lens[it[:, 0]])
+    items = prefill_work_items(starts, lens, hist, num_items=12, tuning=tuning)
+    assert items.shape == (12, 5)
+    real = items[items[:, 0] >= 0]
+    per_split = hist[real[:, 0], real[:, 2]] / real[:, 4] + np.where(
+        real[:, 3] == real[:, 4] - 1, causal(real), 0)
+    assert (np.diff(per_split) <= 0).all()
+    # Every (row, block, group) is covered by splits 0 .. n-1, exactly once each.
+    cover = {}
+    for r, b, g, s, n in real.tolist():
+        cover.setdefault((r, b, g), []).append((s, n))
+    assert sorted(cover) == sorted((r, int(starts[r]) // 16 + b, g) for r, nb in ((0, 3), (1, 1))
+                                   for b in range(nb) for g in range(2))
+    for parts in cover.values():
+        n = parts[0][1]
+        assert sorted(s for s, _ in parts) == list(range(n)) and all(m == n for _, m in parts)
+    # The 4 spare items went to group 1's long histories (100 -> splits of >= 20 keys).
+    assert max(n for parts in cover.values() for _, n in parts) > 1
+    assert all(n == 1 for (r, _, g), parts in cover.items() for _, n in parts if g == 0)
+    unsplit = prefill_work_items(starts, lens, hist, tuning=tuning)
+    assert unsplit.shape == (8, 5) and (unsplit[:, 4] == 1).all()
     with pytest.raises(ValueError, match="num_items"):
-        prefill_work_items(starts, [40, 16], hist, block_q=16, num_items=4)
+        prefill_work_items(starts, lens, hist, num_items=4, tuning=tuning)
 
 
 def test_observation_probs_rows_sum_with_history():

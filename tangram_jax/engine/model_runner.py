@@ -39,9 +39,9 @@ from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.pallas_kernels import backend
-from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, observation_probs,
-                                                           pack_rows, prefill_work_items,
-                                                           row_alignment)
+from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, item_capacity,
+                                                           observation_probs, pack_rows,
+                                                           prefill_work_items, row_alignment)
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import sample_tokens, step_keys
 
@@ -299,9 +299,8 @@ class ModelRunner:
             keep = np.stack([layout.chunk_keep_counts(int(n)) for n in lens]).astype(np.int32)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
         items = prefill_work_items(row_starts, lens, np.swapaxes(hist, 0, 1),
-                                   block_q=PREFILL_TUNING.block_q,
-                                   num_items=num_tokens // PREFILL_TUNING.block_q
-                                   * layout.num_groups)
+                                   num_items=item_capacity(num_tokens, layout.num_groups,
+                                                           layout.group_size))
         self.k_pages, self.v_pages, logits, kept = self._prefill(
             self.state, self.layer_states, self.k_pages, self.v_pages, flat, positions,
             row_starts, lens, self.block_tables, row_slots, hist, keep, items)

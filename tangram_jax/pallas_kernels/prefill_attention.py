@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 
 import jax
@@ -57,12 +58,18 @@ class PrefillTuning:
     block_q: query tokens per item (the dots' M is ``block_q * q_per_kv``, q_per_kv rounded up to
       a power of two); block_k: keys per step (a multiple of the page size); num_warps,
       num_stages: Triton's warps per program and software-pipelining depth.
+    target_programs: programs a call should have (~ SMs x resident programs x 2 waves); when
+      the rows' query blocks give fewer, items split their history (flash-decoding style) up to
+      `max_splits` ways, never below `min_split_keys` history keys per split.
     """
 
     block_q: int = 32
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    target_programs: int = 528
+    max_splits: int = 16
+    min_split_keys: int = 512
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -95,16 +102,30 @@ def pack_rows(row_lens, alignment: int) -> tuple[np.ndarray, int]:
     return starts, int(extents.sum())
 
 
-def prefill_work_items(row_starts, row_lens, hist_len, *, block_q: int,
-                       num_items: int | None = None) -> np.ndarray:
+def item_capacity(num_tokens: int, num_groups: int, group_size: int,
+                  tuning: PrefillTuning = PREFILL_TUNING) -> int:
+    """Static item count of a call over `num_tokens` flat tokens: one per (query block, group),
+    raised to ``target_programs / group_size`` so short rows can split their history."""
+    base = (num_tokens // tuning.block_q) * num_groups
+    return max(base, -(-tuning.target_programs // group_size))
+
+
+def prefill_work_items(row_starts, row_lens, hist_len, *, num_items: int | None = None,
+                       tuning: PrefillTuning = PREFILL_TUNING) -> np.ndarray:
     """The kernel's item list, heaviest first (host side, ahead of the call).
 
     row_starts, row_lens: int [rows]; hist_len: int [rows, groups] or [layers, rows, groups].
-    Returns int32 [num_items, 3] (or [layers, num_items, 3]) rows ``(row, q_block, group)`` where
-    ``q_block`` indexes blocks of `block_q` tokens in the flat token axis; an item's work is the
-    group's history plus the causal keys of its block, and items are sorted by it, largest first
-    (ties: in order). Padding items (when `num_items` exceeds the count) have row -1: no-ops.
+    Returns int32 [num_items, 5] (or [layers, num_items, 5]) rows ``(row, q_block, group, split,
+    num_splits)``: ``q_block`` indexes blocks of ``tuning.block_q`` tokens in the flat token
+    axis; the item covers share `split` of `num_splits` of the group's history (the last share
+    also the causal keys of its block). With room beyond one item per (query block, group)
+    (`num_items` above that count), the items whose history dominates are split, one more split
+    at a time to the item of largest per-split work, as long as a split keeps at least
+    ``min_split_keys`` history keys (at most ``max_splits``): the work of a step is cut in
+    proportion to each group's retained length, so groups of large budgets do not set its time.
+    Items are sorted by per-split work, largest first. Padding items have row -1 (no-ops).
     """
+    block_q = tuning.block_q
     row_starts = np.asarray(row_starts, np.int64)
     row_lens = np.asarray(row_lens, np.int64)
     hist = np.asarray(hist_len, np.int64)
@@ -119,7 +140,7 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, block_q: int,
         raise ValueError(f"row starts {row_starts.tolist()} must be multiples of block_q {block_q}")
     blocks = -(-row_lens // block_q)
     item_row = np.repeat(np.arange(rows), blocks)
-    first = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
     block_in_row = np.arange(len(item_row)) - np.repeat(first, blocks)
     q_block = row_starts[item_row] // block_q + block_in_row
     causal = np.minimum((block_in_row + 1) * block_q, row_lens[item_row])    # keys of the chunk
@@ -128,23 +149,45 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, block_q: int,
         num_items = count
     if num_items < count:
         raise ValueError(f"num_items {num_items} < the {count} items of these rows")
-    out = np.full((layers, num_items, 3), -1, np.int32)
+    out = np.full((layers, num_items, 5), -1, np.int32)
     out[:, :, 1:] = 0
     for layer in range(layers):
-        work = hist[layer][item_row] + causal[:, None]                       # [items, groups]
-        order = np.argsort(-work.reshape(-1), kind="stable")
-        item, group = np.divmod(order, groups)
-        out[layer, :count] = np.stack([item_row[item], q_block[item], group], axis=1)
+        h = hist[layer][item_row].reshape(-1).astype(np.float64)              # [items]
+        c = np.repeat(causal, groups).astype(np.float64)
+        splits = np.ones(count, np.int64)
+        spare = num_items - count
+        if spare:
+            heap = [(-(hk + ck), i) for i, (hk, ck) in enumerate(zip(h, c))]
+            heapq.heapify(heap)
+            while spare and heap:
+                _, i = heapq.heappop(heap)
+                s = splits[i] + 1
+                if s > tuning.max_splits or h[i] / s < tuning.min_split_keys:
+                    continue                       # this item stays; try the next heaviest
+                splits[i] = s
+                spare -= 1
+                heapq.heappush(heap, (-(h[i] / s + c[i]), i))
+        item = np.repeat(np.arange(count), splits)
+        split = np.arange(len(item)) - np.repeat(np.cumsum(splits) - splits, splits)
+        work = h[item] / splits[item] + np.where(split == splits[item] - 1, c[item], 0)
+        order = np.argsort(-work, kind="stable")
+        item, split = item[order], split[order]
+        base, group = np.divmod(item, groups)
+        out[layer, :len(item)] = np.stack([item_row[base], q_block[base], group, split,
+                                           splits[item]], axis=1)
     return out if per_layer else out[0]
 
 
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
-                    v_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref, *, block_q: int,
+                    v_ref, k_pages_ref, v_pages_ref, lse_in_ref, o_ref, lse_ref, *, block_q: int,
                     block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float):
-    """items_ref [items, 3]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
+    """items_ref [items, 5]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
     tables_ref [rows, groups, max_pages]; q_ref [Hkv, N * q_per_kv, d]; k/v_ref [Hkv, N, d];
-    k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref like q_ref;
-    lse_ref [Hkv, N * q_per_kv]."""
+    k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref [splits, Hkv,
+    N * q_per_kv, d] float32 (each split's normalised partial output); lse_ref [splits, Hkv,
+    N * q_per_kv] (base-e log-sum-exp of each partial; the same buffer as lse_in_ref, which
+    arrives -inf, so splits nobody writes stay -inf)."""
+    del lse_in_ref
     j = pl.program_id(0)
     item = pl.program_id(1)
     row = items_ref[item, 0]
@@ -153,6 +196,8 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
     def _():
         q_block = items_ref[item, 1]
         group = items_ref[item, 2]
+        split = items_ref[item, 3]
+        num_splits = items_ref[item, 4]
         kv = group * group_size + j
         start = row_start_ref[row]
         row_len = row_len_ref[row]
@@ -197,15 +242,18 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
 
         carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((m_rows,), _MASK_VALUE, jnp.float32),
                  jnp.zeros((m_rows,), jnp.float32))
-        carry = lax.fori_loop(0, pl.cdiv(hist, block_k), history_body, carry)
+        hist_blocks = pl.cdiv(hist, block_k)
+        per_split = pl.cdiv(hist_blocks, num_splits)
+        lo = jnp.minimum(split * per_split, hist_blocks)
+        carry = lax.fori_loop(lo, jnp.minimum(lo + per_split, hist_blocks), history_body, carry)
         last_key = jnp.minimum(first_token - start + block_q, row_len)
-        carry = lax.fori_loop(0, pl.cdiv(last_key, block_k), chunk_body, carry)
+        chunk_blocks = jnp.where(split == num_splits - 1, pl.cdiv(last_key, block_k), 0)
+        carry = lax.fori_loop(0, chunk_blocks, chunk_body, carry)
         o, m, l = carry
         has_keys = l > 0.0
         safe_l = jnp.where(has_keys, l, 1.0)
-        o_ref[kv, pl.ds(first_token * q_per_kv, m_rows), :] = (
-            o / safe_l[:, None]).astype(o_ref.dtype)
-        lse_ref[kv, pl.ds(first_token * q_per_kv, m_rows)] = jnp.where(
+        o_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows), :] = o / safe_l[:, None]
+        lse_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows)] = jnp.where(
             has_keys, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)
 
 
@@ -228,22 +276,40 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     kernel = functools.partial(
         _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
         group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim))
+    # Split slots: only a call with room beyond one item per (query block, group) splits.
+    splits = tuning.max_splits if work_items.shape[0] > (n // tuning.block_q) * (
+        num_kv_heads // group_size) else 1
+    lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
     pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda j, i: (0, j, 0, 0))
-    out, lse = pl.pallas_call(
+    o_shape = (splits, *qg.shape)
+    parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(group_size, work_items.shape[0]),
         in_specs=[whole(work_items), whole(row_starts), whole(row_lens), whole(hist_len),
-                  whole(block_tables), whole(qg), whole(kt), whole(vt), pool_spec, pool_spec],
-        out_specs=[pl.BlockSpec(qg.shape, lambda j, i: (0, 0, 0)),
-                   pl.BlockSpec((num_kv_heads, n * stack), lambda j, i: (0, 0))],
-        out_shape=[jax.ShapeDtypeStruct(qg.shape, q.dtype),
-                   jax.ShapeDtypeStruct((num_kv_heads, n * stack), jnp.float32)],
+                  whole(block_tables), whole(qg), whole(kt), whole(vt), pool_spec, pool_spec,
+                  whole(lse_init)],
+        out_specs=[pl.BlockSpec(o_shape, lambda j, i: (0, 0, 0, 0)), whole(lse_init)],
+        out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
+                   jax.ShapeDtypeStruct(lse_init.shape, jnp.float32)],
+        input_output_aliases={10: 1},
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=tuning.num_warps,
                                                 num_stages=tuning.num_stages),
         name="ragged_prefill_attention",
-    )(work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages, v_pages)
+    )(work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages, v_pages,
+      lse_init)
+    if splits == 1:
+        out, lse = parts[0], lse_parts[0]
+    else:   # merge the splits' partials by their log-sum-exps
+        top = lse_parts.max(axis=0)
+        safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+        weight = jnp.exp(lse_parts - safe_top)                    # 0 where a split is empty
+        total = weight.sum(axis=0)
+        out = jnp.where(weight[..., None] > 0, parts, 0.0) * weight[..., None]
+        out = out.sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+        lse = jnp.where(total > 0, safe_top + jnp.log(jnp.where(total > 0, total, 1.0)),
+                        -jnp.inf)
     out = jnp.swapaxes(out.reshape(num_kv_heads, n, stack, head_dim)[:, :, :q_per_kv], 0, 1)
     lse = lse.reshape(num_kv_heads, n, stack)[:, :, :q_per_kv]
     lse = jnp.moveaxis(lse, 1, 2).reshape(num_q_heads, n)
@@ -293,7 +359,8 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
       row_starts: int32 [rows], multiples of `row_alignment(tuning)`; row_lens: int32 [rows]
         (a row may be empty); rows must not overlap and must fit in N rounded to the alignment
         (`pack_rows` makes such starts).
-      work_items: int32 [items, 3] from `prefill_work_items(..., block_q=tuning.block_q)`.
+      work_items: int32 [items, 5] from `prefill_work_items(..., tuning=tuning)`; more items than
+        one per (query block, group) (see `item_capacity`) lets items split their history.
     Returns (out [N, num_q_heads, head_dim] in q's dtype, 0 outside every row;
       lse float32 [num_q_heads, N], natural log-sum-exp of each query, -inf where a query has no
       key or lies outside every row).
@@ -305,8 +372,8 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
     if q.shape[0] % row_alignment(tuning):
         raise ValueError(f"N = {q.shape[0]} must be a multiple of {row_alignment(tuning)} "
                          f"(row_alignment)")
-    if work_items.ndim != 2 or work_items.shape[1] != 3 or work_items.dtype != jnp.int32:
-        raise ValueError(f"work_items must be int32 [items, 3], got {work_items.shape} "
+    if work_items.ndim != 2 or work_items.shape[1] != 5 or work_items.dtype != jnp.int32:
+        raise ValueError(f"work_items must be int32 [items, 5], got {work_items.shape} "
                          f"{work_items.dtype}")
     return _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
                            row_lens, work_items, interpret=backend.resolve_interpret(interpret),
@@ -437,7 +504,7 @@ def chunk_prefill_attention(q, k_chunk, v_chunk, k_pages, v_pages, block_table, 
     lens = jnp.reshape(jnp.asarray(chunk_len, jnp.int32), (1,))
     num_groups = hist_len.shape[0]
     # Items of the whole padded chunk in every group (the kernel stops at the row's length).
-    items = prefill_work_items([0], [chunk], np.zeros((1, num_groups)), block_q=tuning.block_q)
+    items = prefill_work_items([0], [chunk], np.zeros((1, num_groups)), tuning=tuning)
     out, lse = ragged_prefill_attention(
         jnp.pad(q, pad), jnp.pad(k_chunk, pad), jnp.pad(v_chunk, pad), k_pages, v_pages,
         block_table[None], hist_len[None], starts, lens, jnp.asarray(items),
