@@ -132,8 +132,9 @@ def check_correctness(rng) -> list[dict]:
         hists[0, 0] = 3000
         args, starts, inside = make_case(rng, row_lens, hists, group_size, spare_tokens=128)
         # The short rows leave room below target_programs: their histories split.
-        items = prefill_work_items(starts, row_lens, hists,
-                                   num_items=item_capacity(args[0].shape[0], groups, group_size))
+        n = args[0].shape[0]
+        items = prefill_work_items(starts, row_lens, hists, num_tokens=n,
+                                   num_items=item_capacity(n, groups, group_size))
         got, lse = ragged_prefill_attention(*args, jnp.asarray(items))
         ref, ref_lse = ragged_prefill_attention_reference(*args)
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
@@ -156,7 +157,7 @@ def time_kernel(rng, row_lens, hists, group_size, tuning, order="heaviest", reps
     args, starts, _ = make_case(rng, row_lens, hists, group_size, nan_unowned=False,
                                 tuning=tuning)
     capacity = item_capacity(args[0].shape[0], hists.shape[1], group_size, tuning)
-    items = prefill_work_items(starts, row_lens, hists, tuning=tuning,
+    items = prefill_work_items(starts, row_lens, hists, tuning=tuning, num_tokens=args[0].shape[0],
                                num_items=capacity if order == "heaviest" else None)
     if order == "row":
         items = items[np.lexsort((items[:, 2], items[:, 1], items[:, 0]))]

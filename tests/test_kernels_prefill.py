@@ -135,7 +135,7 @@ def _ragged_case(rng, row_lens, dtype, hq=12):
     ints = tuple(jnp.asarray(np.asarray(x, np.int32)) for x in (tables, hist, starts, row_lens))
     # Room for 40 more items than query blocks x groups: long histories split (at most 3
     # ways), the rest are no-op padding items.
-    items = prefill_work_items(starts, row_lens, hist, tuning=RAGGED_TUNING,
+    items = prefill_work_items(starts, row_lens, hist, tuning=RAGGED_TUNING, num_tokens=n,
                                num_items=(n // RAGGED_TUNING.block_q) * groups + 40)
     assert (items[:, 4] > 1).any() and (items[:, 0] == -1).any()
     return arrays + ints + (jnp.asarray(items),), dict(starts=starts, hist=hist, tables=tables,
@@ -207,7 +207,7 @@ def test_prefill_work_items_heaviest_first():
     lens = np.array([40, 16])
     causal = lambda it: np.minimum((it[:, 1] - starts[it[:, 0]] // 16 + 1) * 16,  # noqa: E731
                                    lens[it[:, 0]])
-    items = prefill_work_items(starts, lens, hist, num_items=12, tuning=tuning)
+    items = prefill_work_items(starts, lens, hist, num_tokens=64, num_items=12, tuning=tuning)
     assert items.shape == (12, 5)
     real = items[items[:, 0] >= 0]
     per_split = hist[real[:, 0], real[:, 2]] / real[:, 4] + np.where(
@@ -225,10 +225,14 @@ def test_prefill_work_items_heaviest_first():
     # The 4 spare items went to group 1's long histories (100 -> splits of >= 20 keys).
     assert max(n for parts in cover.values() for _, n in parts) > 1
     assert all(n == 1 for (r, _, g), parts in cover.items() for _, n in parts if g == 0)
-    unsplit = prefill_work_items(starts, lens, hist, tuning=tuning)
+    unsplit = prefill_work_items(starts, lens, hist, num_tokens=64, tuning=tuning)
     assert unsplit.shape == (8, 5) and (unsplit[:, 4] == 1).all()
+    # A flat axis with unused blocks (N = 96 has 12 blocks x 2 groups = 24 > 12 items): the
+    # spare items are padding, not splits (the kernel has one output slot for such a call).
+    gaps = prefill_work_items(starts, lens, hist, num_tokens=96, num_items=12, tuning=tuning)
+    assert (gaps[:, 4] <= 1).all() and (gaps[8:, 0] == -1).all()
     with pytest.raises(ValueError, match="num_items"):
-        prefill_work_items(starts, lens, hist, num_items=4, tuning=tuning)
+        prefill_work_items(starts, lens, hist, num_tokens=64, num_items=4, tuning=tuning)
 
 
 def test_observation_probs_rows_sum_with_history():

@@ -298,9 +298,9 @@ class ModelRunner:
         else:
             keep = np.stack([layout.chunk_keep_counts(int(n)) for n in lens]).astype(np.int32)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
-        items = prefill_work_items(row_starts, lens, np.swapaxes(hist, 0, 1),
-                                   num_items=item_capacity(num_tokens, layout.num_groups,
-                                                           layout.group_size))
+        items = prefill_work_items(
+            row_starts, lens, np.swapaxes(hist, 0, 1), num_tokens=num_tokens,
+            num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size))
         self.k_pages, self.v_pages, logits, kept = self._prefill(
             self.state, self.layer_states, self.k_pages, self.v_pages, flat, positions,
             row_starts, lens, self.block_tables, row_slots, hist, keep, items)

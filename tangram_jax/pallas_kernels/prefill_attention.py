@@ -110,11 +110,22 @@ def item_capacity(num_tokens: int, num_groups: int, group_size: int,
     return max(base, -(-tuning.target_programs // group_size))
 
 
-def prefill_work_items(row_starts, row_lens, hist_len, *, num_items: int | None = None,
+def split_slots(num_items: int, num_tokens: int, num_groups: int,
+                tuning: PrefillTuning = PREFILL_TUNING) -> int:
+    """Partial-output slots of a call: ``max_splits`` when its item list has room beyond one item
+    per (query block, group) of the flat axis (only then may items split), else 1. The kernel
+    and `prefill_work_items` both decide by this rule."""
+    return tuning.max_splits if num_items > (num_tokens // tuning.block_q) * num_groups else 1
+
+
+def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
+                       num_items: int | None = None,
                        tuning: PrefillTuning = PREFILL_TUNING) -> np.ndarray:
     """The kernel's item list, heaviest first (host side, ahead of the call).
 
-    row_starts, row_lens: int [rows]; hist_len: int [rows, groups] or [layers, rows, groups].
+    row_starts, row_lens: int [rows]; hist_len: int [rows, groups] or [layers, rows, groups];
+    num_tokens: N, the flat token axis of the call; num_items: the list's length (default: one
+    item per (query block, group) of the rows; `item_capacity` for the runner's calls).
     Returns int32 [num_items, 5] (or [layers, num_items, 5]) rows ``(row, q_block, group, split,
     num_splits)``: ``q_block`` indexes blocks of ``tuning.block_q`` tokens in the flat token
     axis; the item covers share `split` of `num_splits` of the group's history (the last share
@@ -156,7 +167,7 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_items: int | None 
         c = np.repeat(causal, groups).astype(np.float64)
         splits = np.ones(count, np.int64)
         spare = num_items - count
-        if spare:
+        if spare and split_slots(num_items, num_tokens, groups, tuning) > 1:
             heap = [(-(hk + ck), i) for i, (hk, ck) in enumerate(zip(h, c))]
             heapq.heapify(heap)
             while spare and heap:
@@ -276,9 +287,7 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     kernel = functools.partial(
         _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
         group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim))
-    # Split slots: only a call with room beyond one item per (query block, group) splits.
-    splits = tuning.max_splits if work_items.shape[0] > (n // tuning.block_q) * (
-        num_kv_heads // group_size) else 1
+    splits = split_slots(work_items.shape[0], n, num_kv_heads // group_size, tuning)
     lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
     pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda j, i: (0, j, 0, 0))
@@ -504,7 +513,8 @@ def chunk_prefill_attention(q, k_chunk, v_chunk, k_pages, v_pages, block_table, 
     lens = jnp.reshape(jnp.asarray(chunk_len, jnp.int32), (1,))
     num_groups = hist_len.shape[0]
     # Items of the whole padded chunk in every group (the kernel stops at the row's length).
-    items = prefill_work_items([0], [chunk], np.zeros((1, num_groups)), tuning=tuning)
+    items = prefill_work_items([0], [chunk], np.zeros((1, num_groups)), num_tokens=n,
+                               tuning=tuning)
     out, lse = ragged_prefill_attention(
         jnp.pad(q, pad), jnp.pad(k_chunk, pad), jnp.pad(v_chunk, pad), k_pages, v_pages,
         block_table[None], hist_len[None], starts, lens, jnp.asarray(items),
