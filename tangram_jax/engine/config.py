@@ -56,6 +56,9 @@ class EngineConfig:
       own attention and compression per layer), so compile time grows with rows x layers.
     warmup: compile every step shape when the engine is built (`Engine.warmup`); None: on a GPU
       only (compiling a shape first met while serving stalls every request for it).
+    tail_rule: which end of every turn is kept uncompressed until it is answered
+      (`tangram_jax.kv_layout.TAIL_RULES`): "window" (the last `obs_window` tokens, default),
+      "final_chunk" or "none".
     """
 
     model: str | None = None
@@ -79,6 +82,7 @@ class EngineConfig:
     layer_loop: str | None = None
     max_prefill_rows: int = 1
     warmup: bool | None = None
+    tail_rule: str = "window"
 
     def __post_init__(self):
         if self.mode not in MODES:
