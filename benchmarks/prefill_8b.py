@@ -239,15 +239,19 @@ def kernel_part(args) -> dict:
 
 
 # ----- the whole model through the runner -----------------------------------------------------
-def _layout(mode: str, chunk: int, seed: int, layers: int):
-    """full/dynamic: monolithic; tangram: control_plane.py's skewed profile (mean 0.25, G 2)."""
+def _layout(mode: str, chunk: int, seed: int, layers: int, obs_window: int = 32):
+    """full/dynamic: monolithic; tangram: control_plane.py's skewed profile (mean 0.25, G 2);
+    with the engine's default protected tail (`EngineConfig.tail_rule`, the obs window)."""
     import dataclasses as dc
     from control_plane import layouts
+    from tangram_jax.engine.config import EngineConfig
     from tangram_jax.kv_layout import KVLayout
+    tail = EngineConfig.tail_rule, min(obs_window, chunk)
     if mode == "tangram":
         tangram, _, head_budgets = layouts(np.random.default_rng(seed), layers)
-        return dc.replace(tangram, chunk_size=chunk), float(head_budgets.mean())
-    return KVLayout.monolithic(layers, HKV, D, page_size=PAGE, chunk_size=chunk, name=mode), 1.0
+        return dc.replace(tangram, chunk_size=chunk).with_tail(*tail), float(head_budgets.mean())
+    return KVLayout.monolithic(layers, HKV, D, page_size=PAGE, chunk_size=chunk,
+                               name=mode).with_tail(*tail), 1.0
 
 
 def _categories(per_kernel: dict) -> dict:
@@ -337,9 +341,9 @@ def runner_part(args, roofline_tflops: float, save=lambda rows: None) -> list[di
             calls = []
             orig = runner.prefill
 
-            def recording(tok, starts, slots, hists, _orig=orig, _calls=calls):
+            def recording(tok, starts, slots, hists, protected=None, _orig=orig, _calls=calls):
                 _calls.append(([len(t) for t in tok], [np.asarray(h) for h in hists]))
-                return _orig(tok, starts, slots, hists)
+                return _orig(tok, starts, slots, hists, protected)
             runner.prefill = recording
             t0 = time.perf_counter()
             prefill_turn(runner, scheduler, manager, tokens, f"t{turn}", 1)
