@@ -221,45 +221,63 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
         pages_per_block = block_k // page_size
 
         def step(k, v, valid, key_valid, carry):
+            """One block of keys; valid None: every key is visible to every row (an interior
+            block: no masks, and its slots are all written)."""
             o_prev, m_prev, l_prev = carry
             logits = _dot(q, k, trans_b=True) * scale
-            logits = jnp.where(valid, logits, _MASK_VALUE)
+            if valid is not None:
+                logits = jnp.where(valid, logits, _MASK_VALUE)
+                v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))   # unowned: NaN
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(logits - m_next[:, None])
             l_next = correction * l_prev + p.sum(axis=-1)
-            v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))   # unowned slots: NaN
             o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
             return o_next, m_next, l_next
 
-        def history_body(block, carry):
+        def history_body(masked, block, carry):
             first_page = block * pages_per_block
             page_ids = tables_ref[row, group, pl.ds(first_page, pages_per_block)]
-            page_ids = jnp.where(first_page + jnp.arange(pages_per_block)
-                                 < pl.cdiv(hist, page_size), page_ids, 0)
+            if masked:
+                page_ids = jnp.where(first_page + jnp.arange(pages_per_block)
+                                     < pl.cdiv(hist, page_size), page_ids, 0)
             k = k_pages_ref[page_ids].reshape(block_k, -1)
             v = v_pages_ref[page_ids].reshape(block_k, -1)
+            if not masked:
+                return step(k, v, None, None, carry)
             key_valid = first_page * page_size + jnp.arange(block_k) < hist
             valid = jnp.broadcast_to(key_valid[None, :], (m_rows, block_k))
             return step(k, v, valid, key_valid, carry)
 
-        def chunk_body(block, carry):
+        def chunk_body(masked, block, carry):
             keys = block * block_k + jnp.arange(block_k)
             k = k_ref[kv, pl.ds(start + block * block_k, block_k), :]
             v = v_ref[kv, pl.ds(start + block * block_k, block_k), :]
+            if not masked:
+                return step(k, v, None, None, carry)
             key_valid = keys < row_len
             valid = (keys[None, :] <= local[:, None]) & key_valid[None, :]
             return step(k, v, valid, key_valid, carry)
 
         carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((m_rows,), _MASK_VALUE, jnp.float32),
                  jnp.zeros((m_rows,), jnp.float32))
+        # This split's share of the history blocks; all but a partial last block are interior.
         hist_blocks = pl.cdiv(hist, block_k)
         per_split = pl.cdiv(hist_blocks, num_splits)
         lo = jnp.minimum(split * per_split, hist_blocks)
-        carry = lax.fori_loop(lo, jnp.minimum(lo + per_split, hist_blocks), history_body, carry)
-        last_key = jnp.minimum(first_token - start + block_q, row_len)
+        hi = jnp.minimum(lo + per_split, hist_blocks)
+        interior = jnp.clip(hist // block_k, lo, hi)
+        carry = lax.fori_loop(lo, interior, functools.partial(history_body, False), carry)
+        carry = lax.fori_loop(interior, hi, functools.partial(history_body, True), carry)
+        # The causal keys (last split only): blocks below every query of this item and inside
+        # the row are interior; the diagonal and the row's partial end are masked.
+        first_local = first_token - start
+        last_key = jnp.minimum(first_local + block_q, row_len)
         chunk_blocks = jnp.where(split == num_splits - 1, pl.cdiv(last_key, block_k), 0)
-        carry = lax.fori_loop(0, chunk_blocks, chunk_body, carry)
+        visible = jnp.clip(jnp.minimum((first_local + 1) // block_k, row_len // block_k), 0,
+                           chunk_blocks)
+        carry = lax.fori_loop(0, visible, functools.partial(chunk_body, False), carry)
+        carry = lax.fori_loop(visible, chunk_blocks, functools.partial(chunk_body, True), carry)
         o, m, l = carry
         has_keys = l > 0.0
         safe_l = jnp.where(has_keys, l, 1.0)
