@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tangram_jax.engine.config import EngineConfig, build_layout, pool_pages
+from tangram_jax.engine.config import EngineConfig, build_layout, pool_pages, resolve_profile
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tangram_jax.kv_layout import pages_for
@@ -110,6 +110,11 @@ class Engine:
             raise ValueError(f"{mc.architecture} with sliding_window {mc.sliding_window} is not "
                              f"supported by the paged engine; set max_model_len <= "
                              f"{mc.sliding_window}")
+        # Serve with the scorer the budgets were calibrated with (a profile made with a method
+        # the chunk compression cannot run is refused here, by RunnerConfig).
+        self.compression_method = (
+            resolve_profile(cfg, mc, is_embedded=loaded.name == DEFAULT_MODEL).method
+            if cfg.mode == "tangram" else "snapkv")
         num_pages = pool_pages(cfg, mc, self.layout)
         self.manager = KVCacheManager(
             self.layout, num_pages, cfg.max_num_seqs,
@@ -129,6 +134,7 @@ class Engine:
             loaded.model, mc, self.layout, num_pages, self.manager.block_tables.shape,
             split_maps=split_maps,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=obs_window,
+                                       method=self.compression_method,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop))
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}

@@ -35,12 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tangram_jax.compression.chunk_scoring import chunk_scores, dynamic_keep_count
+from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
+                                                   dynamic_keep_count)
 from tangram_jax.engine.config import MODES
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
+from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import (TokenLogprobs, force_tokens, sample_tokens, step_keys,
@@ -84,6 +86,8 @@ class RunnerConfig:
     """Static settings of the runner.
 
     obs_window: SnapKV observation window (queries whose attention scores a chunk's tokens).
+    method: the scorer of the chunk compression, the method the budget profile was calibrated
+      with (`chunk_scoring.SERVED_METHODS`); ``dynamic`` mode is Ada-SnapKV, so SnapKV.
     dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
@@ -94,6 +98,7 @@ class RunnerConfig:
 
     mode: str = "tangram"
     obs_window: int = 32
+    method: str = "snapkv"
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
@@ -108,6 +113,10 @@ class RunnerConfig:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
         if not 0 < self.dynamic_ratio <= 1:
             raise ValueError(f"dynamic_ratio must be in (0, 1], got {self.dynamic_ratio}")
+        check_served_method(self.method)
+        if self.mode == "dynamic" and self.method != "snapkv":
+            raise ValueError(f"dynamic mode selects with Ada-SnapKV; method must be 'snapkv', "
+                             f"got {self.method!r}")
 
 
 class ModelRunner:
@@ -159,6 +168,7 @@ class ModelRunner:
         self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
+        self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
         self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
@@ -288,8 +298,9 @@ class ModelRunner:
                     q[b], k[b], v[b], k_pages, v_pages, tables[b], hist[b], chunk_lens[b],
                     obs_window=self.runner_config.obs_window)
                 keep_b = keep[b]
-                scores = chunk_scores(obs_probs, chunk_lens[b], num_protected[b],
-                                      q_per_kv=q_per_kv)
+                scores = chunk_scores(self.runner_config.method, obs_probs, q[b], k[b], v[b],
+                                      chunk_lens[b], num_protected[b], start_positions[b],
+                                      q_per_kv=q_per_kv, inv_freq=self._inv_freq)
                 if dynamic:
                     count = dynamic_keep_count(scores, chunk_lens[b], num_protected[b],
                                                self.runner_config.dynamic_ratio,
