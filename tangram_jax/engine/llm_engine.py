@@ -354,9 +354,11 @@ class Engine:
         for offset, rows in calls:
             starts = [p.start + offset for p in rows]
             ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
-            # The protected tail of each chunk's turn (pieces start on the turn's chunk grid).
-            protected = [layout.chunk_protected(p.seq.num_tokens - p.seq.turn_start,
-                                                start - p.seq.turn_start, end - start)
+            # What each chunk keeps whole: the protected tail of its turn (pieces start on the
+            # chunk grid of their planned segment), or all of it in a segment decode wrote.
+            protected = [layout.chunk_protected(p.segment[1] - p.segment[0],
+                                                start - p.segment[0], end - start)
+                         if p.segment[2] else end - start
                          for p, start, end in zip(rows, starts, ends)]
             logits, kept = self.runner.prefill(
                 [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
