@@ -36,6 +36,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, profile=None, mode: str = "tangram", **kwargs):
         self.engine = Engine(EngineConfig(model=model, profile=profile, mode=mode, **kwargs))
         self._ids = itertools.count()
+        self._chat_sessions: set[str] = set()   # sessions `chat` opened and has not ended
 
     @property
     def tokenizer(self):
@@ -96,11 +97,26 @@ class LLM:
                 return self.engine.check_request(prompt_token_ids=new_ids, sampling_params=p,
                                                  session_id=session_id)
             requests.append(_checked(i, "conversations", check))
-        return self._run(requests, use_tqdm)
+        self._chat_sessions.update(r.session_id for r in requests)
+        outputs = self._run(requests, use_tqdm)
+        self._forget_evicted_sessions()
+        return outputs
 
     def end_session(self, session_id: str) -> None:
         """Free a conversation's pages now (otherwise they stay until evicted)."""
         self.engine.end_session(session_id)
+        self._chat_sessions.discard(session_id)
+
+    def _forget_evicted_sessions(self) -> None:
+        """End the sessions `chat` opened whose cache was evicted: continuing one re-prefills
+        the whole history, as a new session would, so keeping its history only costs memory
+        (a long-running chat loop would otherwise hold every conversation ever seen)."""
+        for sid in list(self._chat_sessions):
+            if not self.engine.has_session(sid):
+                self._chat_sessions.discard(sid)
+            elif not self.engine.session_is_cached(sid) and not self.engine.session_is_busy(sid):
+                self.engine.end_session(sid)
+                self._chat_sessions.discard(sid)
 
     def _new_session_id(self, claimed: set[str]) -> str:
         while True:

@@ -255,6 +255,17 @@ class Engine:
         seq = self._sessions.get(session_id)
         return seq is not None and not seq.status.is_done
 
+    def session_is_cached(self, session_id: str) -> bool:
+        """Whether an idle session still holds its compressed history in the pool (an evicted
+        one would re-prefill it)."""
+        seq = self._sessions.get(session_id)
+        return seq is not None and seq.status is SequenceStatus.IDLE and seq.is_cached
+
+    def session_is_busy(self, session_id: str) -> bool:
+        """Whether a session's turn is queued or running."""
+        seq = self._sessions.get(session_id)
+        return seq is not None and (seq.status.is_running or seq.status is SequenceStatus.WAITING)
+
     def is_live(self, request_id: str) -> bool:
         """Whether `request_id` is queued or running."""
         return request_id in self._requests
@@ -288,6 +299,8 @@ class Engine:
             if req is not None:
                 self._drop_placeholders(seq)
                 outputs[seq.request_id] = self._output(req, "length")
+            if seq.session_id is not None and self._sessions.get(seq.session_id) is seq:
+                del self._sessions[seq.session_id]   # its cache and slot are gone
         return list(outputs.values())
 
     def _dispatch(self, out) -> list[_InFlightToken]:
