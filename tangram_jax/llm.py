@@ -33,8 +33,14 @@ from tangram_jax.sampling import SamplingParams
 class LLM:
     """An engine plus the batch loop. Keyword arguments are `EngineConfig` fields."""
 
-    def __init__(self, model: str | None = None, *, profile=None, mode: str = "tangram", **kwargs):
-        self.engine = Engine(EngineConfig(model=model, profile=profile, mode=mode, **kwargs))
+    def __init__(self, model: str | None = None, *, profile=None, mode: str = "tangram",
+                 config: EngineConfig | None = None, **kwargs):
+        if config is not None:
+            if model is not None or profile is not None or mode != "tangram" or kwargs:
+                raise TypeError("pass either config= or EngineConfig fields, not both")
+        else:
+            config = EngineConfig(model=model, profile=profile, mode=mode, **kwargs)
+        self.engine = Engine(config)
         self._ids = itertools.count()
         self._chat_sessions: set[str] = set()   # sessions `chat` opened and has not ended
 
