@@ -23,9 +23,6 @@ from tiny_engine import build_tiny_model, tiny_engine_config
 
 MODES = ("full", "tangram", "dynamic")
 VOCAB = 259
-# One decode bucket: a row's arithmetic is the same whatever else is in the batch, so a greedy
-# request's tokens in a batch equal its tokens alone.
-FUZZ_CONFIG = dict(decode_buckets=(4,), num_pages=160)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +32,7 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_folder):
-    return {mode: Engine(tiny_engine_config(tiny_folder, mode, **FUZZ_CONFIG)) for mode in MODES}
+    return {mode: Engine(tiny_engine_config(tiny_folder, mode)) for mode in MODES}
 
 
 def _drain(engine: Engine, limit: int = 2000) -> dict:
@@ -199,7 +196,7 @@ class _ForcedParams:
 
 
 def test_soak_thousands_of_steps_with_a_flat_heap(engines):
-    """Requests keep arriving and finishing for 3000+ steps; the Python heap after the warm
+    """Requests keep arriving and finishing for 2300 steps; the Python heap after the warm
     half is no larger than after the first (no per-step growth: metrics, sessions, tables)."""
     engine = engines["tangram"]
     rng = np.random.default_rng(0)
@@ -226,18 +223,18 @@ def test_soak_thousands_of_steps_with_a_flat_heap(engines):
             engine.step()
             steps += 1
 
-    run(800)   # warm: every shape compiled, caches and windows filled
+    run(600)   # warm: every shape compiled, caches and windows filled
     gc.collect()
     tracemalloc.start()
-    run(1000)
+    run(700)
     gc.collect()
     first, _ = tracemalloc.get_traced_memory()
-    run(1500)
+    run(1000)
     gc.collect()
     second, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert steps >= 3000
-    assert engine.scheduler.metrics.num_steps >= 3000
+    assert steps >= 2300
+    assert engine.scheduler.metrics.num_steps >= 2300
     assert engine.scheduler.metrics.step_host_seconds.size <= 4096
     # Allow noise (live requests' token lists), not growth with steps.
     assert second - first < 256 * 1024, (first, second)

@@ -95,6 +95,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_run and not args.save_run.endswith(".npz"):
         args.save_run += ".npz"   # what numpy would name it
     _check_outputs(args, ratios, group_sizes)
+    # A saved run is read before the model is loaded: a bad file is reported at once.
+    calib = _load_run(CalibrationRun, args.from_run) if args.from_run else None
 
     from tangram_jax.models.registry import load_model
     loaded = load_model(args.model)
@@ -106,8 +108,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--group-size {g} does not divide the {heads} KV heads of "
                              f"{loaded.name}; valid group sizes: {divisors}")
 
-    if args.from_run:
-        calib = _load_run(CalibrationRun, args.from_run)
+    if calib is not None:
         shape = next(iter(calib.retention.values())).shape[1:]
         if shape != (config.num_layers, heads):
             raise ValueError(f"--from-run {args.from_run} has [layers, heads] {shape}, the model "

@@ -195,6 +195,20 @@ class EngineConfig:
             raise AttributeError(f"EngineConfig has no field {name!r}")
         super().__setattr__(name, f.metadata["check"](name, value))
 
+    def check(self) -> None:
+        """The rules between fields that need no model (each field alone was checked when it
+        was set); `Engine` calls this before loading the model, so such errors come at once."""
+        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
+        # prefill always progresses.
+        minimum = self.max_num_seqs + self.chunk_size
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
+            raise EngineConfigError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
+                f"chunk_size = {minimum} (a full decode batch plus one prefill chunk)")
+        if self.mode != "tangram" and self.profile is not None:
+            raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
+                                    f"with profile {self.profile!r}")
+
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
         scheduler and the CLI read these, never their own copies of the rules)."""
@@ -209,24 +223,13 @@ class EngineConfig:
             raise EngineConfigError(f"{mc.architecture} with sliding_window {mc.sliding_window} is "
                                     f"not supported by the paged engine; set max_model_len <= "
                                     f"{mc.sliding_window}")
-        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
-        # prefill always progresses.
+        self.check()
         minimum = self.max_num_seqs + self.chunk_size
-        if self.max_num_batched_tokens is None:
-            batched = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, minimum)
-        elif self.max_num_batched_tokens < minimum:
-            raise EngineConfigError(
-                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
-                f"chunk_size = {minimum} (a full decode batch plus one prefill chunk)")
-        else:
-            batched = self.max_num_batched_tokens
+        batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, minimum)
         # Buckets below max_num_seqs, then the first that holds max_num_seqs rows.
         buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
         buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),
                             self.max_num_seqs))
-        if self.mode != "tangram" and self.profile is not None:
-            raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
-                                    f"with profile {self.profile!r}")
         layout = build_layout(self, mc, is_embedded)
         return ResolvedConfig(
             layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
@@ -282,9 +285,11 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
     `defaults`: per-command defaults (still validated by the field's check)."""
     exclude, defaults = set(exclude), defaults or {}
     group = parser.add_argument_group("engine", "EngineConfig fields")
+    added = []
     for f in dataclasses.fields(EngineConfig):
         if f.name in exclude or not f.metadata["cli"]:
             continue
+        added.append(f.name)
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
@@ -296,13 +301,13 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
+    parser.set_defaults(_engine_fields=tuple(added))
 
 
 def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The `EngineConfig` of the flags `add_cli_args` added (fields without a flag keep their
     defaults unless given in `overrides`)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if hasattr(args, f.name) and f.metadata["cli"]}
+    values = {name: getattr(args, name) for name in getattr(args, "_engine_fields", ())}
     values.update(overrides)
     return EngineConfig(**values)
 

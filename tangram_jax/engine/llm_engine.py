@@ -96,6 +96,7 @@ class Engine:
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
+        cfg.check()   # before the model loads: a bad combination is reported at once
         loaded = load_model(cfg.model, dtype=jnp.dtype(cfg.dtype))
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
