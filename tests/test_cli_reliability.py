@@ -19,6 +19,10 @@ from tangram_jax.commands import atomic_path, check_output_path, UsageError
 from tiny_engine import build_tiny_model
 
 
+TINY_ENGINE_FLAGS = ["--mode", "full", "--max-model-len", "256", "--chunk-size", "16",
+                     "--kv-cache-tokens", "1024", "--max-num-seqs", "2"]
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
@@ -94,37 +98,45 @@ def test_output_paths_and_atomic_writes(tmp_path):
 def test_chat_refuses_invalid_utf8_lines_and_goes_on(tiny_folder, monkeypatch, capsys):
     stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff\nhello\n/exit\n"), encoding="utf-8")
     monkeypatch.setattr("sys.stdin", stdin)
-    assert main(["chat", "--model", str(tiny_folder), "--mode", "full", "--max-tokens", "4",
-                 "--temperature", "0", "--max-model-len", "256", "--chunk-size", "16",
-                 "--kv-cache-tokens", "1024", "--max-num-seqs", "2"]) == 0
+    assert main(["chat", "--model", str(tiny_folder), *TINY_ENGINE_FLAGS, "--max-tokens", "4",
+                 "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert "not valid UTF-8" in err and "Traceback" not in err
     assert out.count("assistant>") == 1
 
 
-def test_ctrl_c_exits_130_without_a_traceback(tiny_folder, tmp_path):
-    """SIGINT while the command works (loading, compiling or generating): status 130, one
-    line, no traceback, no crash, and no report file."""
-    report = tmp_path / "r.json"
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_ctrl_c_exits_130_without_a_traceback(tiny_folder, command):
+    """SIGINT while the command works (loading, compiling or generating): status 130 promptly,
+    one line, no traceback, no crash."""
+    if command == "chat":
+        argv, ready = ["chat", *TINY_ENGINE_FLAGS, "--max-tokens", "200"], b"assistant>"
+    else:
+        argv, ready = ["generate", "tell me a long story", "--max-tokens", "400",
+                       "--ignore-eos"], b"loading model"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tangram_jax.cli", "chat", "--model", str(tiny_folder),
-         "--mode", "full", "--max-model-len", "256", "--chunk-size", "16",
-         "--kv-cache-tokens", "1024", "--max-num-seqs", "2", "--max-tokens", "200"],
+        [sys.executable, "-m", "tangram_jax.cli", *argv, "--model", str(tiny_folder)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=dict(os.environ, JAX_PLATFORMS="cpu"))
     proc.stdin.write(b"tell me a long story\n")
     proc.stdin.flush()
-    # Wait for the prompt (the engine is built), then interrupt mid-answer.
+    # Wait until the command is at work, then interrupt it.
+    stream = proc.stdout if command == "chat" else proc.stderr
     deadline = time.monotonic() + 120
     seen = b""
-    while b"assistant>" not in seen and time.monotonic() < deadline:
-        seen += os.read(proc.stdout.fileno(), 64)
+    while ready not in seen and time.monotonic() < deadline:
+        chunk = os.read(stream.fileno(), 64)
+        if not chunk:
+            break
+        seen += chunk
+    assert ready in seen, seen
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("did not exit promptly after SIGINT")
-    assert proc.returncode == 130, err.decode()
+        raise AssertionError("did not exit promptly after SIGINT") from None
+    err = seen + err if command == "generate" else err
+    assert proc.returncode == 130, err.decode(errors="replace")
     assert b"Traceback" not in err and b"interrupted" in err
-    assert not report.exists()

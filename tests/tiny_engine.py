@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile
+from tangram_jax.models.tokenizer import _bytes_to_unicode
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -27,18 +28,8 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
 
 
 def _byte_vocab() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table: every byte a printable character (ByteLevel's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    chars = dict(zip(bs, map(chr, cs)))
-    return {chars[b]: b for b in range(256)}
+    """One token per byte, spelled in ByteLevel's alphabet (GPT-2's byte-to-unicode table)."""
+    return {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 def build_tiny_model(folder: str | Path, seed: int = 0) -> Path:

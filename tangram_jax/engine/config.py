@@ -90,22 +90,19 @@ def _flag(*, optional: bool = False) -> Callable[[str, Any], Any]:
     return check
 
 
-def _model(name, value):
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise EngineConfigError(f"{name} must be None (the embedded model), a model name, a Hugging "
-                                f"Face folder or a .gguf path, got {value!r}")
-    return value
-
-
-def _profile(name, value):
-    if value is None or isinstance(value, BudgetProfile):
+def _path_or(allowed: str, *objects: type) -> Callable[[str, Any], Any]:
+    """None, an instance of `objects`, or a non-empty path string."""
+    def check(name, value):
+        if value is None or isinstance(value, objects):
+            return value
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise EngineConfigError(f"{name} must be {allowed}, got {value!r}")
         return value
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise EngineConfigError(f"{name} must be a BudgetProfile, a profile file path or None, "
-                                f"got {value!r}")
-    return value
+    return check
+
+
+_model = _path_or("None (the embedded model), a model name, a Hugging Face folder or a .gguf path")
+_profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
 
 def _buckets(name, value):

@@ -182,10 +182,8 @@ class Engine:
         if total >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens (session history included) leaves "
                              f"no room to generate within max_model_len {self.max_model_len}")
-        if request_id is not None:
-            self.scheduler.check_request(request_id, len(ids), self._live_session(session_id))
-        else:
-            self.scheduler.check_request(self._fresh_id(), len(ids), self._live_session(session_id))
+        self.scheduler.check_request(request_id or self._fresh_id(), len(ids),
+                                     self._live_session(session_id))
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id)
 
     def enqueue(self, prepared: "PreparedRequest") -> str:
@@ -243,6 +241,7 @@ class Engine:
     def find_session(self, token_ids: SequenceABC[int]) -> tuple[str | None, list[int]]:
         """The idle session whose history is the longest prefix of `token_ids`, and the tokens
         after it (all of them and None when no session matches)."""
+        token_ids = inputs.check_token_ids("token_ids", token_ids, self.model_config.vocab_size)
         best, best_len = None, 0
         for sid, seq in self._sessions.items():
             n = seq.num_tokens
