@@ -175,8 +175,10 @@ class ModelRunner:
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("split_map", "logprobs"),
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("table_width",),
+                                donate_argnums=(2, 3))
+        self._decode = jax.jit(self._decode_impl,
+                               static_argnames=("split_map", "logprobs", "table_width"),
                                donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
@@ -258,11 +260,12 @@ class ModelRunner:
         else:
             keep = np.stack([self.layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
+        hist = np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick])
         self.k_pages, self.v_pages, logits, kept = self._prefill(
             self.state, self.layer_states, self.k_pages, self.v_pages, padded,
             np.asarray([start_positions[b] for b in pick], np.int32), lens, protected,
-            self.block_tables, np.asarray([slots[b] for b in pick], np.int32),
-            np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick]), keep)
+            self.block_tables, np.asarray([slots[b] for b in pick], np.int32), hist, keep,
+            table_width=self._table_width(int(hist.max()) + chunk))
         return logits, kept
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
@@ -274,9 +277,11 @@ class ModelRunner:
         return logits[0], kept[0]
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_positions,
-                      chunk_lens, num_protected, all_tables, slots, hist_lengths, keep_counts):
+                      chunk_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
+                      *, table_width):
         """tokens [rows, T]; start_positions, chunk_lens, num_protected, slots [rows];
-        hist_lengths and keep_counts [rows, layers, groups]."""
+        hist_lengths and keep_counts [rows, layers, groups]; table_width: static, the
+        block-table columns the rows can touch (see `_table_width`)."""
         model = nnx.merge(self.graphdef, state)
         rows, t = tokens.shape
         q_per_kv = self.config.q_per_kv
@@ -318,11 +323,27 @@ class ModelRunner:
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         (h, k_pages, v_pages), kept = self._over_layers(
             layer_step, (h, k_pages, v_pages),
-            (layer_states, per_layer(all_tables[slots]), per_layer(hist_lengths),
-             per_layer(keep_counts)))
+            (layer_states, per_layer(all_tables[slots][..., :table_width]),
+             per_layer(hist_lengths), per_layer(keep_counts)))
         last = h[jnp.arange(rows), chunk_lens - 1]      # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         return k_pages, v_pages, logits, per_layer(kept)
+
+    def _table_width(self, max_tokens: int) -> int:
+        """Block-table columns a step passes to attention when rows hold at most `max_tokens`
+        retained tokens per group (history plus what the step writes).
+
+        The Pallas kernels read only the pages a row's length covers, so they get the whole
+        table (one compiled shape). The XLA references gather every column they are given:
+        there the width is the pages `max_tokens` needs, rounded up to a power of two (at
+        least 16 pages), so a step reads what its batch holds, not `max_model_len`, and few
+        widths compile.
+        """
+        full = int(self.block_tables.shape[-1])
+        if self.ops.name == "pallas":
+            return full
+        pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
+        return min(full, max(16, backend.next_power_of_2(pages)))
 
     # ----- decode ---------------------------------------------------------------------------
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
@@ -355,15 +376,16 @@ class ModelRunner:
             np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
             np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
             np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced,
-            split_map=split_map, logprobs=logprobs)
+            split_map=split_map, logprobs=logprobs,
+            table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
         return next_tokens if logprobs is None else (next_tokens, lp)
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
-                     *, split_map, logprobs):
+                     *, split_map, logprobs, table_width):
         model = nnx.merge(self.graphdef, state)
         tokens = slot_tokens[slots]
-        block_tables = all_tables[slots]                    # [B, layers, groups, max_pages]
+        block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
         batch = tokens.shape[0]
         layout = self.layout
         g, n_groups, ps = layout.group_size, layout.num_groups, layout.page_size
@@ -442,7 +464,7 @@ class ModelRunner:
                 np.ones(rows, np.int32), np.zeros(rows, np.int32), self.block_tables,
                 np.full(rows, null, np.int32),
                 np.stack([zeros] * rows), np.stack([self.layout.chunk_keep_counts(1)] * rows)
-                .astype(np.int32))
+                .astype(np.int32), table_width=self._table_width(self.layout.chunk_size))
         for n in _padded_row_counts(max_first_tokens):
             self.sample([logits[0]] * n, [null] * n, *greedy(n))
         for bucket in decode_buckets:
