@@ -39,7 +39,8 @@ class EngineConfig:
       (dynamic).
     group_size: G (regroups a given profile; the shipped profiles of the embedded model, which
       has 3 KV heads, exist for G 1 (default) and 3).
-    dtype: "float32" or "bfloat16" (model weights and the KV pool).
+    dtype: "auto" (the checkpoint's dtype, see `models.registry`), "float32" or "bfloat16" (model
+      weights and the KV pool).
     page_size, chunk_size: tokens per page; prefill compression chunk (and prefill piece size).
     num_pages: KV pool pages; None sizes it from `kv_cache_tokens`.
     kv_cache_tokens: full-KV tokens' worth of memory the pool gets when num_pages is None (the
@@ -63,7 +64,7 @@ class EngineConfig:
     profile: Any = None
     ratio: float = 0.5
     group_size: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     page_size: int = 16
     chunk_size: int = 128
     num_pages: int | None = None
@@ -83,8 +84,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         for name in ("page_size", "chunk_size", "max_num_seqs", "max_num_batched_tokens",

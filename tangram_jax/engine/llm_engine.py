@@ -78,7 +78,7 @@ class Engine:
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
-        loaded = load_model(cfg.model, dtype=jnp.dtype(cfg.dtype))
+        loaded = load_model(cfg.model, dtype=cfg.dtype)
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
