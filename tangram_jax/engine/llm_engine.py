@@ -23,6 +23,7 @@ queued, so the other requests keep being served.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
@@ -33,7 +34,8 @@ import numpy as np
 
 from tangram_jax.engine.config import EngineConfig, build_layout, pool_pages
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
-from tangram_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tangram_jax.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
+                                        RequestOutputKind)
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map
@@ -58,6 +60,10 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_cached_tokens: int = 0   # session history this request continues
+    sent_chars: int = 0    # text already handed out (DELTA)
+    sent_tokens: int = 0   # token ids already handed out (DELTA)
 
 
 class _InFlightToken(NamedTuple):
@@ -127,13 +133,17 @@ class Engine:
                     prompt_token_ids: SequenceABC[int] | None = None,
                     messages: SequenceABC[dict] | None = None,
                     sampling_params: SamplingParams | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Queue a request; returns its id. Give exactly one of `prompt` (text),
         `prompt_token_ids` or `messages` (chat, templated here). With `session_id`, the request
-        is the next turn of that session: its tokens are appended to the session's history."""
+        is the next turn of that session: its tokens are appended to the session's history.
+        `output_kind`: what `step` reports for it (see `RequestOutputKind`)."""
         if request_id is None:
             request_id = f"request-{self._next_id}"
             self._next_id += 1
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -177,20 +187,33 @@ class Engine:
         if session_id is not None:
             self._sessions[session_id] = seq
         self._requests[request_id] = _Request(
-            seq=seq, params=sampling_params, seed=resolve_seed(sampling_params),
+            seq=seq, params=sampling_params, seed=self._request_seed(request_id, sampling_params),
             stop=StopChecker(self.tokenizer.decode, sampling_params,
                              self.tokenizer.eos_token_ids, ids),
-            prompt=prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now))
+            prompt=prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
+            output_kind=output_kind, num_cached_tokens=history)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its pages (a session's cache too)."""
+    def _request_seed(self, request_id: str, params: SamplingParams) -> int:
+        """The request's own seed, else one derived from `EngineConfig.seed` and the request id
+        (vLLM's engine `seed`: the same request sampled again, in this engine or another with the
+        same seed, draws the same tokens whatever else is batched with it); a fresh random seed
+        when the engine seed is None."""
+        if params.seed is not None or self.config.seed is None:
+            return resolve_seed(params)
+        digest = hashlib.sha256(f"{int(self.config.seed)}:{request_id}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now and free its pages (a session's cache too); returns its last
+        output (finish_reason "abort")."""
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.abort(request_id)
         if req.seq.session_id is not None:
             self._sessions.pop(req.seq.session_id, None)
+        return self._output(req, "abort")
 
     def end_session(self, session_id: str) -> None:
         """Free an idle session's pages."""
@@ -210,6 +233,12 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def stream(self):
+        """Step until every request has finished, yielding each output as it comes (an
+        iterator for a loop that owns the engine; `AsyncEngine` for an event loop)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
 
     # ----- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -236,7 +265,7 @@ class Engine:
             req = self._requests.pop(seq.request_id, None)
             if req is not None:
                 self._drop_placeholders(seq)
-                outputs[seq.request_id] = self._output(req, "length")
+                outputs[seq.request_id] = self._output(req, "length")   # finished: never None
         return list(outputs.values())
 
     def _dispatch(self, out) -> list[_InFlightToken]:
@@ -331,7 +360,9 @@ class Engine:
                 if seq.status.is_running or seq.status is SequenceStatus.WAITING:
                     self.scheduler.finish(seq.request_id)
                 del self._requests[seq.request_id]
-            outputs[seq.request_id] = self._output(req, reason)
+            output = self._output(req, reason)
+            if output is not None:
+                outputs[seq.request_id] = output
         return outputs
 
     @staticmethod
@@ -352,15 +383,30 @@ class Engine:
                                           r.seed)
         return t, k, p, seeds
 
-    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput:
-        if finish_reason is not None:
+    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput | None:
+        """The request's output after this step: only text that can no longer be taken back
+        (`StopChecker.final_text`), in the request's `output_kind`; None for a running
+        FINAL_ONLY request."""
+        finished = finish_reason is not None
+        if finished:
             req.metrics.finished_time = time.perf_counter()
+        elif req.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        # Once finished nothing can be taken back: a tail held back for a stop string that never
+        # came (the engine ended it: context length, abort) is final too.
+        text = req.stop.text if finished else req.stop.final_text
+        token_ids = req.stop.token_ids
+        if req.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = text[req.sent_chars:], token_ids[req.sent_tokens:]
+            req.sent_chars += len(text)
+            req.sent_tokens += len(token_ids)
+        completion = CompletionOutput(0, text, list(token_ids), finish_reason,
+                                      req.stop.stop_reason if finished else None)
         return RequestOutput(
             request_id=req.seq.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.stop.text, list(req.stop.token_ids), finish_reason)],
-            finished=finish_reason is not None, metrics=req.metrics,
-            session_id=req.seq.session_id)
+            prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
+            metrics=req.metrics, session_id=req.seq.session_id,
+            num_cached_tokens=req.num_cached_tokens)
 
     # ----- reports -----------------------------------------------------------------------
     def kv_usage(self) -> dict:
