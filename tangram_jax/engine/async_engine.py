@@ -19,6 +19,7 @@ iterating (a client that disconnected, a cancelled task) aborts its request, whi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -86,6 +87,7 @@ class AsyncEngine:
                        prompt_token_ids: Sequence[int] | None = None,
                        messages: Sequence[dict] | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       fill_context: bool = False,
                        ) -> AsyncIterator[RequestOutput]:
         """Serve one request; yields its outputs until the finished one.
 
@@ -94,7 +96,9 @@ class AsyncEngine:
         turn is prefilled, `num_cached_tokens` says how many were not), else starts a session
         that a later turn can continue. Bad input raises here (ValueError / TypeError from
         `Engine.add_request`); `EngineBusy` when the engine is full. Leaving the loop early
-        aborts the request.
+        aborts the request. `fill_context`: max_tokens is whatever room `max_model_len` leaves
+        after the prompt (session history included), as OpenAI's chat API does without
+        max_tokens.
         """
         if not self.is_alive:
             raise EngineDead(f"the engine is not running ({self.error!r})" if self.error
@@ -110,7 +114,8 @@ class AsyncEngine:
         added = loop.create_future()
         self._commands.put(("add", request_id, stream, added, dict(
             prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            sampling_params=sampling_params, output_kind=output_kind)))
+            sampling_params=sampling_params, output_kind=output_kind,
+            fill_context=fill_context)))
         try:
             await added
         except BaseException:
@@ -229,12 +234,22 @@ class AsyncEngine:
     def _add(self, request_id: str, request: dict) -> None:
         engine = self.engine
         messages = request.pop("messages")
+        total = None
         if messages is not None:
             ids = engine.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
             session_id, new_ids = engine.find_session(ids)
             if session_id is None:
                 session_id = f"async-session-{next(self._sessions)}"
             request.update(prompt_token_ids=new_ids, session_id=session_id)
+            total = len(ids)
+        if request.pop("fill_context"):
+            if total is None:
+                total = len(request["prompt_token_ids"]) if request["prompt"] is None \
+                    else len(engine.tokenizer.encode(request["prompt"]))
+            params = request["sampling_params"] or SamplingParams()
+            # Room left; add_request refuses a prompt that leaves none.
+            request["sampling_params"] = dataclasses.replace(
+                params, max_tokens=max(1, engine.max_model_len - total))
         engine.add_request(request_id, **request)
 
     def _deliver(self, out: RequestOutput) -> None:
