@@ -64,7 +64,7 @@ def _wait_idle(async_engine, seconds=60):
         time.sleep(0.05)
 
 
-def test_models_health_and_completion_matches_the_engine(server, client):
+def test_models_health_completions_and_streaming(server, client):
     base, async_engine = server
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     assert httpx.get(base + "/health").status_code == 200

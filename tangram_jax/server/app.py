@@ -142,27 +142,30 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
 async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_id: str,
                     **request) -> AsyncIterator[RequestOutput]:
     """The engine's DELTA outputs for one request, with API errors and metrics."""
+    gen = async_engine.generate(request_id=request_id, **request)
+    out = None
+    refused = False
     try:
-        gen = async_engine.generate(request_id=request_id, **request)
-        first = await gen.__anext__()
-    except EngineBusy as e:
-        metrics.rejected.inc()
-        raise APIError(429, str(e), "rate_limit_error", headers={"Retry-After": "1"}) from None
-    except EngineDead as e:
-        raise APIError(503, str(e), "service_unavailable") from None
-    except (ValueError, TypeError, ChatTemplateError) as e:
-        raise APIError(400, str(e)) from None
-    out = first
-    try:
-        yield first
+        try:
+            out = await gen.__anext__()
+        except EngineBusy as e:
+            refused = True
+            metrics.rejected.inc()
+            raise APIError(429, str(e), "rate_limit_error", headers={"Retry-After": "1"}) from None
+        except (ValueError, TypeError, ChatTemplateError) as e:
+            refused = True
+            raise APIError(400, str(e)) from None
+        yield out
         while not out.finished:
             out = await gen.__anext__()
             yield out
     except EngineDead as e:
+        refused = refused or out is None
         raise APIError(503, str(e), "service_unavailable") from None
     finally:
         await gen.aclose()
-        metrics.observe(out, aborted=not out.finished)
+        if not refused:   # ended, or aborted (also a client gone before the first token)
+            metrics.observe(out)
 
 
 async def _start_all(streams) -> list[RequestOutput]:

@@ -43,10 +43,15 @@ class ServerMetrics:
         self.kv_full = Gauge("tangram_kv_full_bytes", "KV bytes the same tokens take uncompressed",
                              registry=r)
 
-    def observe(self, last: RequestOutput, aborted: bool) -> None:
-        """Account one request that ended (`last`: its last output)."""
-        reason = "abort" if aborted else (last.outputs[0].finish_reason or "abort")
-        self.finished.labels(finish_reason=reason).inc()
+    def observe(self, last: RequestOutput | None) -> None:
+        """Account one request that ended: `last` is its last output (not finished: aborted),
+        None when it was aborted before its first output."""
+        if last is None or not last.finished:
+            self.finished.labels(finish_reason="abort").inc()
+            if last is None:
+                return
+        else:
+            self.finished.labels(finish_reason=last.outputs[0].finish_reason).inc()
         m = last.metrics
         self.prompt_tokens.inc(last.num_cached_tokens + len(last.prompt_token_ids))
         self.cached_prompt_tokens.inc(last.num_cached_tokens)
