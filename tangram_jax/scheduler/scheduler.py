@@ -24,8 +24,9 @@ One engine step is::
    fits. Requests larger than the whole pool are rejected by `add_request`.
 
 Prefill pieces start on compression-chunk boundaries of their turn (``turn_start + k *
-layout.chunk_size``) so the retained count of every piece is `layout.retained_counts(piece)` and
-the sum over a turn is `layout.retained_counts(turn)`, exactly what was reserved.
+layout.chunk_size``) so the retained count of every piece is `layout.piece_retained_counts` (the
+turn's protected tail kept whole) and the sum over a turn is `layout.retained_counts(turn)`,
+exactly what was reserved.
 """
 
 from __future__ import annotations
@@ -157,35 +158,14 @@ class Scheduler:
                     *, session_id: str | None = None, arrival_time: float | None = None) -> Sequence:
         """Queue a request (a new sequence, or the next turn of an idle session).
 
-        Raises RequestTooLargeError when its reservation (the whole history re-prefilled, plus one
-        decode token) exceeds the pool or the block-table width; ValueError for a duplicate
-        request id, an empty prompt or a session whose previous turn is still running.
+        Raises what `check_request` raises, before anything changes.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already live")
         tokens = list(prompt_token_ids)
-        if not tokens:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
-        if np.asarray(tokens).dtype.kind not in "iu":
+        if tokens and np.asarray(tokens).dtype.kind not in "iu":
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
+        self.check_request(request_id, len(tokens), session_id)
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         seq = self._sessions.get(session_id) if session_id is not None else None
-        if seq is not None:
-            if seq.status is not SequenceStatus.IDLE:
-                raise ValueError(f"session {session_id!r} is still serving request "
-                                 f"{seq.request_id!r} ({seq.status.value})")
-            total = seq.num_tokens + len(tokens)
-        else:
-            total = len(tokens)
-        if not self.manager.fits_ever(self._no_cache, total):
-            self.metrics.num_rejected += 1
-            need = self.manager.pages_to_reserve(None, total)
-            raise RequestTooLargeError(
-                f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
-                f"compression plus decode room; the pool has {self.manager.pool.capacity} pages "
-                f"and a group at most {self.manager.max_pages_per_group}")
         if seq is not None:
             if seq.is_cached and not self.manager.fits_ever(
                     self.manager.lengths[seq.slot], seq.num_uncomputed_tokens + len(tokens)):
@@ -199,6 +179,33 @@ class Scheduler:
         self._requests[request_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def check_request(self, request_id: str, num_tokens: int, session_id: str | None = None) -> None:
+        """Raise if `add_request` would refuse this request; queues nothing (a batch checks
+        every item before queuing any; a refusal is counted in `metrics.num_rejected`).
+
+        RequestTooLargeError when its reservation (the whole history re-prefilled, plus one
+        decode token) exceeds the pool or the block-table width; ValueError for a duplicate
+        request id, an empty prompt or a session whose previous turn is still running.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        if num_tokens < 1:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        seq = self._sessions.get(session_id) if session_id is not None else None
+        if seq is not None and seq.status is not SequenceStatus.IDLE:
+            raise ValueError(f"session {session_id!r} is still serving request "
+                             f"{seq.request_id!r} ({seq.status.value})")
+        total = num_tokens + (seq.num_tokens if seq is not None else 0)
+        if not self.manager.fits_ever(self._no_cache, total):
+            self.metrics.num_rejected += 1
+            need = self.manager.pages_to_reserve(None, total)
+            raise RequestTooLargeError(
+                f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
+                f"compression plus decode room; the pool has {self.manager.pool.capacity} pages "
+                f"and a group at most {self.manager.max_pages_per_group}")
 
     def get(self, request_id: str) -> Sequence:
         return self._requests[request_id]
@@ -310,7 +317,9 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.PREFILL or seq.num_computed_tokens != chunk.start:
                 continue
-            self.manager.commit_prefill(seq.slot, chunk.num_tokens)
+            self.manager.commit_prefill(seq.slot, chunk.num_tokens,
+                                        start=chunk.start - seq.turn_start,
+                                        turn_len=seq.num_tokens - seq.turn_start)
             if reclaim_lengths is not None and seq.request_id in reclaim_lengths:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
