@@ -18,6 +18,7 @@ COMMANDS = {
     "run": "tangram_jax.commands.run",
     "generate": "tangram_jax.commands.generate",
     "chat": "tangram_jax.commands.chat",
+    "serve": "tangram_jax.commands.serve",
     "calibrate": "tangram_jax.commands.calibrate",
     "bench": "tangram_jax.commands.bench",
 }
