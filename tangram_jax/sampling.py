@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
+# Most top log-probs a request may ask for per position (vLLM's default limit).
+MAX_TOP_LOGPROBS = 20
 # Largest value a per-row int32 sampling array holds (top_k, token ids).
 _INT32_MAX = 2**31 - 1
 # float32's largest finite value: temperature and top_p travel to the device as float32.
@@ -130,6 +133,16 @@ def _check_ignore_eos(value) -> bool:
     return bool(value)
 
 
+def _check_logprobs(value) -> int | None:
+    if value is None:
+        return None
+    n = _integer("logprobs", value)
+    if not -1 <= n <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be None, -1 (whole vocabulary) or 0..{MAX_TOP_LOGPROBS}, "
+                         f"got {n}")
+    return n
+
+
 def _check_unicode(what: str, text: str) -> None:
     """Refuse lone surrogates (text no tokenizer can encode and no UTF-8 stream can carry)."""
     try:
@@ -152,6 +165,10 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (in addition to EOS unless `ignore_eos`); the
       engine refuses ids outside the model's vocabulary.
     ignore_eos: keep generating past the model's EOS token(s).
+    logprobs: None (off); 0..20: the log-probabilities of the top `logprobs` tokens at every
+      generated position plus the sampled token's (vLLM's semantics); -1: the whole vocabulary.
+      They are the model's raw distribution, ``log_softmax(logits)``, before temperature, top-k
+      and top-p (vLLM's default).
 
     Validated once, on construction (each field by its entry in `_FIELD_CHECKS`, which also
     normalises: numpy scalars become Python numbers, `stop` and `stop_token_ids` tuples), and
@@ -166,6 +183,7 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         for name, check in _FIELD_CHECKS.items():
@@ -186,6 +204,7 @@ _FIELD_CHECKS: dict[str, Callable] = {
     "stop": _check_stop,
     "stop_token_ids": _check_stop_token_ids,
     "ignore_eos": _check_ignore_eos,
+    "logprobs": _check_logprobs,
 }
 
 
@@ -232,6 +251,38 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     # An all-greedy batch (the common benchmark case) skips the vocabulary sort entirely.
     return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy_ids,
                         lambda: _sample_rows(logits, greedy_ids, temperature, top_k, top_p, keys))
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of one step's rows (device arrays), of the raw model distribution
+    ``log_softmax(logits)``.
+
+    token_logprob: float32 [B] of the chosen token; token_rank: int32 [B] its rank (1 = most
+    likely; ties share the better rank); top_ids / top_logprobs: int32 / float32
+    [B, MAX_TOP_LOGPROBS], best first; full: float32 [B, V] (only when asked for, else None).
+    """
+
+    token_logprob: jax.Array
+    token_rank: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    full: jax.Array | None
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, *, full: bool) -> TokenLogprobs:
+    """Log-probabilities of `tokens` [B] under `logits` [B, V], with the top entries (and the
+    whole [B, V] log-softmax when `full`). Jittable; `full` is static."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    rank = (logprobs > chosen[:, None]).sum(axis=-1, dtype=jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+    return TokenLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_logprobs,
+                         logprobs if full else None)
+
+
+def force_tokens(sampled: jax.Array, forced: jax.Array) -> jax.Array:
+    """Teacher forcing: row i takes ``forced[i]`` where it is >= 0, its sample otherwise."""
+    return jnp.where(forced >= 0, forced.astype(jnp.int32), sampled)
 
 
 def _sample_rows(logits, greedy_ids, temperature, top_k, top_p, keys):

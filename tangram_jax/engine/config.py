@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
-from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
@@ -185,6 +185,11 @@ class EngineConfig:
                                  "compile every step shape when the engine is built (default: on "
                                  "a GPU only)")
 
+    tail_rule: str = _field("window", _choice(TAIL_RULES),
+                            "which end of every turn is kept uncompressed until it is answered "
+                            "(tangram_jax.kv_layout.TAIL_RULES): the last obs_window tokens "
+                            "(window), the final chunk, or none")
+
     def __setattr__(self, name, value):
         # Every assignment is checked, the constructor's and later ones alike.
         f = _FIELDS.get(name)
@@ -227,12 +232,15 @@ class EngineConfig:
         buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
         buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),
                             self.max_num_seqs))
-        layout = build_layout(self, mc, is_embedded)
+        # Every turn's last `obs_window` tokens (the question) stay uncompressed: the retention
+        # rule of `tangram_jax.kv_layout`, which reservation, prefill and the engine all read.
+        obs_window = min(self.obs_window, self.chunk_size)
+        layout = build_layout(self, mc, is_embedded).with_tail(self.tail_rule, obs_window)
         return ResolvedConfig(
             layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
             max_num_batched_tokens=batched, decode_buckets=tuple(buckets),
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
-            obs_window=min(self.obs_window, self.chunk_size),
+            obs_window=obs_window,
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 
 
@@ -295,7 +303,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
-            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS}.get(f.name)
+            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
+                       "tail_rule": TAIL_RULES}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))

@@ -34,11 +34,11 @@ import numpy as np
 from tangram_jax.engine import inputs
 from tangram_jax.engine.config import EngineConfig
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
-from tangram_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tangram_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map
-from tangram_jax.sampling import SamplingParams, StopChecker, resolve_seed
+from tangram_jax.sampling import SamplingParams, StopChecker, TokenLogprobs, resolve_seed
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
@@ -59,9 +59,20 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
+    forced: list[int] | None = None     # teacher forcing: the output tokens (`add_request`)
+    # With params.logprobs set: one dict per accepted token, their sum, and (logprobs -1) the
+    # whole log-softmax row of every accepted token.
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    full_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
     # Set when something failed for this request alone while a step was dispatched; the
     # request ends with finish_reason "error" when that step's tokens are resolved.
     error: str | None = None
+
+    def forced_token(self) -> int:
+        """The token the next generated position must take (-1: sample it)."""
+        step = self.seq.num_output_tokens
+        return self.forced[step] if self.forced is not None and step < len(self.forced) else -1
 
 
 class PreparedRequest(NamedTuple):
@@ -72,16 +83,19 @@ class PreparedRequest(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     session_id: str | None
+    forced_token_ids: list[int] | None = None
 
 
 class _InFlightToken(NamedTuple):
     """A token sampled by a dispatched step: row `row` of device array `tokens`, which goes to
-    ``request.seq.token_ids[index]`` (a placeholder until then)."""
+    ``request.seq.token_ids[index]`` (a placeholder until then); `logprobs` the step's
+    log-probabilities when a request of it asked for them."""
 
     request: _Request
     tokens: jax.Array
     row: int
     index: int
+    logprobs: TokenLogprobs | None = None
 
 
 class _RequestFailed(Exception):
@@ -131,22 +145,30 @@ class Engine:
                     prompt_token_ids: SequenceABC[int] | None = None,
                     messages: SequenceABC[dict] | None = None,
                     sampling_params: SamplingParams | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None,
+                    forced_token_ids: SequenceABC[int] | None = None) -> str:
         """Queue a request; returns its id (given, or a fresh one no live request uses). Give
         exactly one of `prompt` (text), `prompt_token_ids` or `messages` (chat, templated here).
         With `session_id`, the request is the next turn of that session: its tokens are
         appended to the session's history.
 
+        forced_token_ids: an evaluation hook (teacher forcing): the request's output tokens ARE
+        these (generation stops after the last one; EOS, stop strings and `max_tokens` do not
+        end it earlier), while `SamplingParams.logprobs` reports the model's own distribution
+        at each position. The forcing happens on the device, in the sampler.
+
         Raises TypeError / ValueError naming the argument before anything is queued."""
         return self.enqueue(self.check_request(
             request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            sampling_params=sampling_params, session_id=session_id))
+            sampling_params=sampling_params, session_id=session_id,
+            forced_token_ids=forced_token_ids))
 
     def check_request(self, request_id: str | None = None, prompt: str | None = None, *,
                       prompt_token_ids: SequenceABC[int] | None = None,
                       messages: SequenceABC[dict] | None = None,
                       sampling_params: SamplingParams | None = None,
-                      session_id: str | None = None) -> "PreparedRequest":
+                      session_id: str | None = None,
+                      forced_token_ids: SequenceABC[int] | None = None) -> "PreparedRequest":
         """Validate a request against the model and the engine's state without queuing it
         (`enqueue` queues it); a batch checks every item first, so nothing is half-queued."""
         if request_id is not None:
@@ -171,6 +193,8 @@ class Engine:
                                                          add_generation_prompt=True)
             else:
                 ids = inputs.check_token_ids("prompt_token_ids", prompt_token_ids, vocab)
+            forced = None if forced_token_ids is None else \
+                inputs.check_token_ids("forced_token_ids", forced_token_ids, vocab)
         except (TypeError, ValueError) as e:
             raise type(e)(where + str(e)) from None
         history = 0
@@ -179,12 +203,15 @@ class Engine:
             if seq is not None and not seq.status.is_done:
                 history = seq.num_tokens
         total = history + len(ids)
+        if forced is not None and total + len(forced) - 1 >= self.max_model_len:
+            raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
+                             f"exceeds max_model_len {self.max_model_len}")
         if total >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens (session history included) leaves "
                              f"no room to generate within max_model_len {self.max_model_len}")
         self.scheduler.check_request(request_id or self._fresh_id(), len(ids),
                                      self._live_session(session_id))
-        return PreparedRequest(request_id, prompt, ids, sampling_params, session_id)
+        return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
     def enqueue(self, prepared: "PreparedRequest") -> str:
         """Queue a request `check_request` accepted; returns its id."""
@@ -202,10 +229,17 @@ class Engine:
                                          arrival_time=now)
         if session_id is not None:
             self._sessions[session_id] = seq
+        forced = prepared.forced_token_ids
+        stop_params = params
+        if forced is not None:   # the forced tokens decide where the output ends
+            stop_params = dataclasses.replace(params, max_tokens=len(forced), ignore_eos=True,
+                                              stop=None, stop_token_ids=())
         self._requests[request_id] = _Request(
             seq=seq, params=params, seed=resolve_seed(params),
-            stop=StopChecker(self.tokenizer.decode, params, self.tokenizer.eos_token_ids, ids),
-            prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now))
+            stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids,
+                             ids),
+            prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
+            forced=forced)
         return request_id
 
     def _fresh_id(self) -> str:
@@ -307,29 +341,51 @@ class Engine:
         """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
         first_logits, first_reqs, reclaim = self._prefill(out.prefill_chunks)
         decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
-        pending: list[tuple[_Request, jax.Array, int]] = []
+        pending: list[tuple[_Request, jax.Array, int, TokenLogprobs | None]] = []
         if decode_reqs:
             n, bucket = len(decode_reqs), out.decode_bucket
             positions = np.zeros(bucket, np.int32)
             steps = np.zeros(bucket, np.int32)
             positions[:n] = [r.seq.num_tokens - 1 for r in decode_reqs]
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
-            tokens = self.runner.decode(positions, out.decode_slots, out.decode_lengths,
-                                        *self._sampling_arrays(decode_reqs, bucket), steps)
-            pending += [(r, tokens, i) for i, r in enumerate(decode_reqs)]
+            mode = self._logprob_mode(decode_reqs)
+            result = self.runner.decode(positions, out.decode_slots, out.decode_lengths,
+                                        *self._sampling_arrays(decode_reqs, bucket), steps,
+                                        forced_tokens=self._forced_tokens(decode_reqs, bucket),
+                                        logprobs=mode)
+            tokens, lp = result if mode is not None else (result, None)
+            pending += [(r, tokens, i, lp) for i, r in enumerate(decode_reqs)]
             self.tokens_processed += n
         if first_reqs:
-            tokens = self.runner.sample(
+            mode = self._logprob_mode(first_reqs)
+            result = self.runner.sample(
                 first_logits, [r.seq.slot for r in first_reqs],
                 *self._sampling_arrays(first_reqs, len(first_reqs)),
-                [r.seq.num_output_tokens for r in first_reqs])
-            pending += [(r, tokens, i) for i, r in enumerate(first_reqs)]
+                [r.seq.num_output_tokens for r in first_reqs],
+                forced_tokens=self._forced_tokens(first_reqs, len(first_reqs)), logprobs=mode)
+            tokens, lp = result if mode is not None else (result, None)
+            pending += [(r, tokens, i, lp) for i, r in enumerate(first_reqs)]
 
-        self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, _, _ in pending},
+        self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, *_ in pending},
                               reclaim)
         # commit appended one placeholder per sampled token: remember where it sits.
-        return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1)
-                for r, tokens, row in pending]
+        return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
+                for r, tokens, row, lp in pending]
+
+    @staticmethod
+    def _logprob_mode(reqs: list[_Request]) -> str | None:
+        """What the step must compute besides tokens for these requests (`LOGPROB_MODES`)."""
+        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        return None if not asked else "full" if -1 in asked else "top"
+
+    @staticmethod
+    def _forced_tokens(reqs: list[_Request], rows: int) -> np.ndarray | None:
+        """int32 [rows]: each request's forced next token, -1 to sample (None: nobody forced)."""
+        if all(r.forced is None for r in reqs):
+            return None
+        forced = np.full(rows, -1, np.int32)
+        forced[:len(reqs)] = [r.forced_token() for r in reqs]
+        return forced
 
     def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
                                         dict[str, np.ndarray] | None]:
@@ -347,19 +403,25 @@ class Engine:
         for offset in range(0, max((p.num_tokens for p in pieces), default=0), chunk_size):
             due = [p for p in pieces if p.start + offset < p.end]
             calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
+        layout = self.layout
         for offset, rows in calls:
             starts = [p.start + offset for p in rows]
             ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
+            # The protected tail of each chunk's turn (pieces start on the turn's chunk grid).
+            protected = [layout.chunk_protected(p.seq.num_tokens - p.seq.turn_start,
+                                                start - p.seq.turn_start, end - start)
+                         for p, start, end in zip(rows, starts, ends)]
             logits, kept = self.runner.prefill(
                 [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
-                starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows])
+                starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
+                protected)
             kept_host = np.asarray(kept) if self.config.mode == "dynamic" else None
             for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
                 rid = p.seq.request_id
                 if kept_host is not None:   # the per-input count: a host round trip
                     hist[rid] = hist[rid] + kept_host[b]
                 else:
-                    hist[rid] = hist[rid] + self.layout.chunk_keep_counts(end - start)
+                    hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
                 if end == p.end and p.is_last:
                     first_logits.append(logits[b])
                     first_reqs.append(self._requests[rid])
@@ -378,6 +440,7 @@ class Engine:
         Whatever fails for one request (detokenisation, stop checks, a sampling row that could
         not be built) ends that request alone with finish_reason "error"; the others go on."""
         host = {id(t.tokens): np.asarray(t.tokens) for t in in_flight}
+        host_logprobs: dict[tuple[int, str], np.ndarray] = {}   # fetched once per step array
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
         for t in in_flight:
@@ -387,7 +450,8 @@ class Engine:
             try:
                 if req.error is not None:
                     raise _RequestFailed(req.error)
-                reason = self._accept_token(req, t, int(host[id(t.tokens)][t.row]), now)
+                reason = self._accept_token(req, t, int(host[id(t.tokens)][t.row]), now,
+                                            host_logprobs)
                 if reason is not None:
                     self._drop_placeholders(seq)
                     if seq.status.is_running or seq.status is SequenceStatus.WAITING:
@@ -398,10 +462,12 @@ class Engine:
                 outputs[seq.request_id] = self._end_with_error(req, e)
         return outputs
 
-    def _accept_token(self, req: _Request, t: _InFlightToken, token: int,
-                      now: float) -> str | None:
+    def _accept_token(self, req: _Request, t: _InFlightToken, token: int, now: float,
+                      host_logprobs: dict[tuple[int, str], np.ndarray]) -> str | None:
         """Record one resolved token of `req`; returns its finish reason (None: goes on)."""
         req.seq.token_ids[t.index] = token
+        if req.params.logprobs is not None:
+            self._record_logprobs(req, t, token, host_logprobs)
         req.metrics.token_times.append(now)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -431,6 +497,27 @@ class Engine:
         out.error = text
         return out
 
+    def _record_logprobs(self, req: _Request, t: _InFlightToken, token: int,
+                         host: dict[tuple[int, str], np.ndarray]) -> None:
+        """Append the accepted token's log-probs (fetching only the arrays it asked for)."""
+        def fetch(name):
+            key = (id(t.logprobs), name)
+            if key not in host:
+                host[key] = np.asarray(getattr(t.logprobs, name))
+            return host[key][t.row]
+        want = req.params.logprobs
+        entry: dict[int, Logprob] = {}
+        if want > 0:
+            ids, values = fetch("top_ids"), fetch("top_logprobs")
+            for rank, (i, v) in enumerate(zip(ids[:want].tolist(), values[:want].tolist()), 1):
+                entry[i] = Logprob(v, rank, self.tokenizer.decode([i]))
+        chosen = float(fetch("token_logprob"))
+        entry[token] = Logprob(chosen, int(fetch("token_rank")), self.tokenizer.decode([token]))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += chosen
+        if want == -1:
+            req.full_logprobs.append(fetch("full"))
+
     @staticmethod
     def _drop_placeholders(seq: Sequence) -> None:
         """Forget the tokens of steps dispatched after the request ended."""
@@ -457,10 +544,19 @@ class Engine:
     def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput:
         if finish_reason is not None:
             req.metrics.finished_time = time.perf_counter()
+        completion = CompletionOutput(0, req.stop.text, list(req.stop.token_ids), finish_reason)
+        if req.params.logprobs is not None:
+            completion.logprobs = list(req.logprobs)
+            completion.cumulative_logprob = req.cumulative_logprob
+            # Stacked once, at the end ([tokens, vocab] per step would copy quadratically).
+            if req.params.logprobs == -1 and finish_reason is not None:
+                completion.full_logprobs = (
+                    np.stack(req.full_logprobs).astype(np.float32) if req.full_logprobs
+                    else np.zeros((0, self.model_config.vocab_size), np.float32))
         return RequestOutput(
             request_id=req.seq.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.stop.text, list(req.stop.token_ids), finish_reason)],
+            outputs=[completion],
             finished=finish_reason is not None, metrics=req.metrics,
             session_id=req.seq.session_id)
 

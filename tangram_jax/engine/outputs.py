@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -32,11 +34,27 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's shape): `logprob` of the model's raw
+    distribution (log_softmax of the logits), `rank` 1 = most likely, `decoded_token` its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One generated completion: text so far, its token ids, and why it ended (None: running).
 
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or context),
     "abort", or "error" (see `RequestOutput.error`).
+    logprobs: with `SamplingParams.logprobs` set, one dict per generated token: token id ->
+      `Logprob`, holding the top `logprobs` tokens and the generated one (only the generated
+      one when `logprobs` is -1); None otherwise.
+    cumulative_logprob: sum of the generated tokens' log-probabilities (with logprobs set).
+    full_logprobs: with `logprobs` -1, float32 [num_tokens, vocab]: the whole log-softmax at
+      every generated position (set in the request's final output).
     """
 
     index: int
@@ -44,6 +62,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    full_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass

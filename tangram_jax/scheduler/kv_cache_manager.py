@@ -4,8 +4,9 @@ One manager, configured by a `KVLayout` and a policy, serves every mode of the e
 
 - ``policy="reserve"`` with a Tangram layout: Budget Reservation. `reserve` takes, for every
   (layer, group), exactly ``pages_for(lengths + layout.retained_counts(n))`` pages, all or
-  nothing. `layout.retained_counts` is the same function the prefill uses to decide how many
-  tokens to keep, so what is reserved is what the prefill writes, by construction.
+  nothing. `layout.retained_counts` is the same rule (chunked compression, the turn's protected
+  tail kept whole) the prefill uses to decide how many tokens to keep, so what is reserved is
+  what the prefill writes, by construction.
 - ``policy="reserve"`` with ``KVLayout.monolithic(...)``: full KV (what vLLM's PagedAttention
   does): one group of all heads, budget 1, so the reservation is the uncompressed length.
 - ``policy="reclaim"`` with a monolithic layout: the published dynamic method. Reserve for the
@@ -188,10 +189,15 @@ class KVCacheManager:
         self.reserved_lengths[slot] = target
         return True
 
-    def commit_prefill(self, slot: int, num_tokens: int) -> None:
-        """The device has written a prefill piece of `num_tokens` new tokens, starting on a
-        compression-chunk boundary of its turn: lengths grow by ``layout.retained_counts``."""
-        new = self.lengths[slot] + self.layout.retained_counts(num_tokens)
+    def commit_prefill(self, slot: int, num_tokens: int, *, start: int = 0,
+                       turn_len: int | None = None) -> None:
+        """The device has written a prefill piece of `num_tokens` new tokens starting at token
+        `start` of a turn of `turn_len` new tokens (default: the piece is the whole turn),
+        `start` on a compression-chunk boundary of the turn: lengths grow by what
+        ``layout.piece_retained_counts`` says the piece keeps."""
+        turn_len = start + num_tokens if turn_len is None else turn_len
+        new = self.lengths[slot] + self.layout.piece_retained_counts(turn_len, start,
+                                                                     start + num_tokens)
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
         self.lengths[slot] = new

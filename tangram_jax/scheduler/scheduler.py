@@ -24,8 +24,9 @@ One engine step is::
    fits. Requests larger than the whole pool are rejected by `add_request`.
 
 Prefill pieces start on compression-chunk boundaries of their turn (``turn_start + k *
-layout.chunk_size``) so the retained count of every piece is `layout.retained_counts(piece)` and
-the sum over a turn is `layout.retained_counts(turn)`, exactly what was reserved.
+layout.chunk_size``) so the retained count of every piece is `layout.piece_retained_counts` (the
+turn's protected tail kept whole) and the sum over a turn is `layout.retained_counts(turn)`,
+exactly what was reserved.
 """
 
 from __future__ import annotations
@@ -316,7 +317,9 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.PREFILL or seq.num_computed_tokens != chunk.start:
                 continue
-            self.manager.commit_prefill(seq.slot, chunk.num_tokens)
+            self.manager.commit_prefill(seq.slot, chunk.num_tokens,
+                                        start=chunk.start - seq.turn_start,
+                                        turn_len=seq.num_tokens - seq.turn_start)
             if reclaim_lengths is not None and seq.request_id in reclaim_lengths:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
