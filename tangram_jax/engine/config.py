@@ -298,7 +298,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = f"{f.metadata['help']} (default: {shown})"
+        # A None default is described by the help itself.
+        help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
         if isinstance(f.default, bool) or f.metadata["check"].__qualname__.startswith("_flag"):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
