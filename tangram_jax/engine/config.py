@@ -300,12 +300,14 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = f"{f.metadata['help']} (default: {shown})"
+        # A None default is described by the help itself.
+        help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
         if isinstance(f.default, bool) or f.metadata["check"].__qualname__.startswith("_flag"):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
-            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS}.get(f.name)
+            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
+                       "tail_rule": TAIL_RULES}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))
