@@ -35,12 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tangram_jax.compression.chunk_scoring import chunk_scores, dynamic_keep_count
+from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
+                                                   dynamic_keep_count)
 from tangram_jax.engine.config import MODES
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
+from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, item_capacity,
                                                            observation_probs, pack_rows,
@@ -87,6 +89,8 @@ class RunnerConfig:
     """Static settings of the runner.
 
     obs_window: SnapKV observation window (queries whose attention scores a chunk's tokens).
+    method: the scorer of the chunk compression, the method the budget profile was calibrated
+      with (`chunk_scoring.SERVED_METHODS`); ``dynamic`` mode is Ada-SnapKV, so SnapKV.
     dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
@@ -99,6 +103,7 @@ class RunnerConfig:
 
     mode: str = "tangram"
     obs_window: int = 32
+    method: str = "snapkv"
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
@@ -116,6 +121,10 @@ class RunnerConfig:
             raise ValueError(f"dynamic_ratio must be in (0, 1], got {self.dynamic_ratio}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        check_served_method(self.method)
+        if self.mode == "dynamic" and self.method != "snapkv":
+            raise ValueError(f"dynamic mode selects with Ada-SnapKV; method must be 'snapkv', "
+                             f"got {self.method!r}")
 
 
 class ModelRunner:
@@ -167,6 +176,7 @@ class ModelRunner:
         self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
+        self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
         self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
@@ -364,15 +374,17 @@ class ModelRunner:
                 obs = observation_probs(q, k, lse, row_starts, row_lens,
                                         obs_window=self.runner_config.obs_window, chunk=chunk)
                 pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
-                k_flat, v_flat = jnp.pad(k, pad), jnp.pad(v, pad)
+                q_flat, k_flat, v_flat = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
                 kept = []
                 for b in range(rows):
-                    scores, keep_b = self._row_scores(obs[b], row_lens[b], num_protected[b],
-                                                      keep[b])
+                    q_row, k_row, v_row = (jax.lax.dynamic_slice_in_dim(x, row_starts[b], chunk)
+                                           for x in (q_flat, k_flat, v_flat))
+                    scores, keep_b = self._row_scores(
+                        obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
+                        positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
                     k_pages, v_pages = self.ops.compress_chunk(
-                        jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], chunk),
-                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], chunk),
-                        scores, keep_b, row_lens[b], k_pages, v_pages, tables[b], hist[b])
+                        k_row, v_row, scores, keep_b, row_lens[b], k_pages, v_pages, tables[b],
+                        hist[b])
                     kept.append(keep_b)
                 kept = jnp.stack(kept)
             h = layer.finish(h, out[None].astype(h.dtype))
@@ -388,11 +400,14 @@ class ModelRunner:
         logits = model.logits(last[:, None])[:, 0]
         return k_pages, v_pages, logits, per_layer(kept)
 
-    def _row_scores(self, obs_probs, chunk_len, num_protected, keep):
+    def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
-        [groups] (`tangram_jax.compression.chunk_scoring`; dynamic mode decides the count on the
-        device). obs_probs [Hq, obs_window, T]."""
-        scores = chunk_scores(obs_probs, chunk_len, num_protected, q_per_kv=self.config.q_per_kv)
+        [groups] (`tangram_jax.compression.chunk_scoring`, by the runner's method; dynamic mode
+        decides the count on the device). obs_probs [Hq, obs_window, T]; q, k, v the row's
+        [T, heads, d] (padded); first_position: the row's first token position."""
+        scores = chunk_scores(self.runner_config.method, obs_probs, q, k, v, chunk_len,
+                              num_protected, first_position, q_per_kv=self.config.q_per_kv,
+                              inv_freq=self._inv_freq)
         if self.runner_config.mode == "dynamic":
             count = dynamic_keep_count(scores, chunk_len, num_protected,
                                        self.runner_config.dynamic_ratio,
