@@ -25,6 +25,7 @@ from tangram_jax.models.config import ModelConfig
 
 MODES = ("tangram", "full", "dynamic")
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 
 
 @dataclasses.dataclass
@@ -43,7 +44,13 @@ class EngineConfig:
     page_size, chunk_size: tokens per page; prefill compression chunk (and prefill piece size).
     num_pages: KV pool pages; None sizes it from `kv_cache_tokens`.
     kv_cache_tokens: full-KV tokens' worth of memory the pool gets when num_pages is None (the
-      same bytes in every mode, so modes compare at equal memory).
+      same bytes in every mode, so modes compare at equal memory). None: on a GPU the pool takes
+      what `gpu_memory_utilization` leaves after the weights and the largest step
+      (`engine/memory.py`); elsewhere DEFAULT_KV_CACHE_TOKENS.
+    gpu_memory_utilization: the share of the GPU the engine may use (vLLM's meaning), in (0, 1];
+      sets JAX's allocator cap when the engine is the first to start JAX's GPU backend.
+    compile_cache_dir: JAX's persistent compilation cache folder; None: $TANGRAM_JAX_COMPILE_CACHE
+      or ~/.cache/tangram_jax/jax; "" or "off": no cache (`engine/compile_cache.py`).
     max_num_seqs: concurrent sequence slots; max_num_batched_tokens: prefill tokens per step.
     max_model_len: longest sequence (prompt + output); default the model's context length.
     num_programs: concurrent programs the decode kernel's split map is sized for.
@@ -67,7 +74,7 @@ class EngineConfig:
     page_size: int = 16
     chunk_size: int = 128
     num_pages: int | None = None
-    kv_cache_tokens: int = 16384
+    kv_cache_tokens: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -79,6 +86,8 @@ class EngineConfig:
     layer_loop: str | None = None
     max_prefill_rows: int = 1
     warmup: bool | None = None
+    gpu_memory_utilization: float = 0.9
+    compile_cache_dir: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -90,8 +99,19 @@ class EngineConfig:
         for name in ("page_size", "chunk_size", "max_num_seqs", "max_num_batched_tokens",
                      "kv_cache_tokens", "num_programs", "obs_window", "max_prefill_rows"):
             value = getattr(self, name)
+            if value is None and name == "kv_cache_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if (isinstance(self.gpu_memory_utilization, bool)
+                or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir,
+                                                                 (str, os.PathLike)):
+            raise ValueError(f"compile_cache_dir must be a folder path, '' / 'off' or None, got "
+                             f"{self.compile_cache_dir!r}")
         if self.max_num_batched_tokens < self.chunk_size:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                              f"least chunk_size ({self.chunk_size}): prefill runs whole chunks")
@@ -133,8 +153,15 @@ def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool
                                chunk_size=cfg.chunk_size, name=cfg.mode)
 
 
+def pool_is_fixed(cfg: EngineConfig) -> bool:
+    """Whether the user fixed the pool (`num_pages` or `kv_cache_tokens`); else a GPU sizes it
+    from `gpu_memory_utilization`."""
+    return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
+
+
 def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -> int:
-    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens.
+    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens
+    (DEFAULT_KV_CACHE_TOKENS when None).
 
     A page of G heads holds ``page_size * G`` head-token slots; a full-KV token needs
     ``layers * kv_heads`` of them. Plus the null page 0.
@@ -143,5 +170,6 @@ def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -
         if cfg.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {cfg.num_pages}")
         return int(cfg.num_pages)
-    slots = cfg.kv_cache_tokens * model_config.num_layers * model_config.num_kv_heads
+    tokens = cfg.kv_cache_tokens if cfg.kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
+    slots = tokens * model_config.num_layers * model_config.num_kv_heads
     return int(np.ceil(slots / (layout.page_size * layout.group_size))) + 1

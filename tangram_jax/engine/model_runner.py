@@ -121,7 +121,8 @@ class ModelRunner:
       model: the decoder (its KV heads are permuted in place to `layout.head_perm`).
       config: the model's config.
       layout: the KV layout (groups, budgets, page and chunk size).
-      num_pages: pool pages (page 0 is the null page padded rows read and write).
+      num_pages: pool pages (page 0 is the null page padded rows read and write); None: no
+        pool until `allocate_pool` (the engine sizes it after compiling the largest steps).
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
@@ -130,7 +131,7 @@ class ModelRunner:
       ops: attention implementations (default: by backend).
     """
 
-    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int,
+    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int | None,
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
@@ -156,11 +157,11 @@ class ModelRunner:
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
-        dtype = jnp.dtype(kv_dtype or model.dtype)
-        shape = (int(num_pages), layout.group_size, layout.page_size, layout.head_dim)
-        self.k_pages = jnp.zeros(shape, dtype)
-        self.v_pages = jnp.zeros(shape, dtype)
-        self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
+        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
+        self.k_pages = self.v_pages = None
+        if num_pages is not None:
+            self.allocate_pool(num_pages)
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         # The last sampled token of every slot, kept on the device: a decode step reads its
@@ -173,6 +174,18 @@ class ModelRunner:
         self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
                                donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, donate_argnums=0)
+
+    # ----- the pool ----------------------------------------------------------------------
+    def pool_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """``[num_pages, G, page_size, head_dim]``: the shape of `k_pages` and of `v_pages`."""
+        return (int(num_pages), self.layout.group_size, self.layout.page_size,
+                self.layout.head_dim)
+
+    def allocate_pool(self, num_pages: int) -> None:
+        """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
+        self.k_pages = self.v_pages = None         # the old pool's memory goes first
+        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
+        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -345,18 +358,25 @@ class ModelRunner:
         retained tokens before this step (pages for the new token already reserved).
         Sampling arrays [B] as in `tangram_jax.sampling`. Returns next tokens [B] (device).
         """
+        *args, split_map = self._decode_inputs(self.k_pages, self.v_pages, positions, slots,
+                                               lengths, temperature, top_k, top_p, seeds, steps)
+        self.k_pages, self.v_pages, self.slot_tokens, next_tokens = self._decode(
+            *args, split_map=split_map)
+        return next_tokens
+
+    def _decode_inputs(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
+                       top_p, seeds, steps) -> tuple:
+        """`_decode`'s positional inputs, then its split map (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
         if self.ops.name == "pallas" and split_map is None:
             raise ValueError(f"no split map for decode bucket {bucket}; have "
                              f"{sorted(self.split_maps)}")
-        self.k_pages, self.v_pages, self.slot_tokens, next_tokens = self._decode(
-            self.state, self.layer_states, self.k_pages, self.v_pages, self.slot_tokens,
-            np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
-            np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
-            np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-            np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), split_map=split_map)
-        return next_tokens
+        return (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
+                np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
+                np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
+                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), split_map)
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, *,
@@ -421,27 +441,55 @@ class ModelRunner:
         return tokens
 
     # ----- compile ahead -------------------------------------------------------------------
+    def _null_prefill_inputs(self, rows: int, k_pages, v_pages) -> tuple:
+        """`_prefill` inputs of `rows` one-token chunks on the null slot, whose page 0 is
+        scratch (`prefill` refuses repeated slots; the null slot may repeat: it holds nothing)."""
+        zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
+        return (self.state, self.layer_states, k_pages, v_pages,
+                np.zeros((rows, self.layout.chunk_size), np.int32), np.zeros(rows, np.int32),
+                np.ones(rows, np.int32), self.block_tables, np.full(rows, self.null_slot, np.int32),
+                np.stack([zeros] * rows),
+                np.stack([self.layout.chunk_keep_counts(1)] * rows).astype(np.int32))
+
+    def _null_decode_inputs(self, bucket: int, k_pages, v_pages) -> tuple:
+        """`_decode` inputs (and its split map) of `bucket` greedy rows on the null slot."""
+        greedy = (np.zeros(bucket, np.float32), np.full(bucket, -1, np.int32),
+                  np.ones(bucket, np.float32), np.zeros(bucket, np.uint32),
+                  np.zeros(bucket, np.int32))
+        return self._decode_inputs(k_pages, v_pages, np.zeros(bucket, np.int32),
+                                   np.full(bucket, self.null_slot, np.int32),
+                                   np.zeros((bucket, *self.layout.group_budgets.shape), np.int32),
+                                   *greedy)
+
+    def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:
+        """Compile (without running, and without a pool in memory) the decode step at
+        `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
+        pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
+        `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
+        called with the same shapes."""
+        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
+        rows = backend.next_power_of_2(prefill_rows)
+        *decode_args, split_map = self._null_decode_inputs(decode_bucket, pool, pool)
+        return {"decode": self._decode.lower(*decode_args, split_map=split_map).compile(),
+                "prefill": self._prefill.lower(*self._null_prefill_inputs(rows, pool, pool))
+                .compile()}
+
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
         """Compile every step shape serving can meet (decode buckets, prefill row counts,
         first-token sampling row counts) by running each once on the null slot, whose page 0
         is scratch: nothing compiles while requests wait."""
         null = self.null_slot
-        zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
         greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
                             np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
         for rows in _padded_row_counts(max_prefill_rows):
-            # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
             self.k_pages, self.v_pages, logits, _ = self._prefill(
-                self.state, self.layer_states, self.k_pages, self.v_pages,
-                np.zeros((rows, self.layout.chunk_size), np.int32), np.zeros(rows, np.int32),
-                np.ones(rows, np.int32), self.block_tables, np.full(rows, null, np.int32),
-                np.stack([zeros] * rows), np.stack([self.layout.chunk_keep_counts(1)] * rows)
-                .astype(np.int32))
+                *self._null_prefill_inputs(rows, self.k_pages, self.v_pages))
         for n in _padded_row_counts(max_first_tokens):
             self.sample([logits[0]] * n, [null] * n, *greedy(n))
         for bucket in decode_buckets:
-            self.decode(np.zeros(bucket, np.int32), np.full(bucket, null, np.int32),
-                        np.zeros((bucket, *zeros.shape), np.int32), *greedy(bucket))
+            *args, split_map = self._null_decode_inputs(bucket, self.k_pages, self.v_pages)
+            self.k_pages, self.v_pages, self.slot_tokens, _ = self._decode(
+                *args, split_map=split_map)
         jax.block_until_ready((self.k_pages, self.slot_tokens))
 
 
