@@ -59,9 +59,9 @@ def build_engine(model: str, engine_kwargs: dict):
     from tangram_jax.engine import llm_engine
     from tangram_jax.engine.config import EngineConfig
 
-    if model == RANDOM_8B:
-        loaded = random_llama_8b(engine_kwargs.get("dtype", "bfloat16"))
-        llm_engine.load_model = lambda *args, **kwargs: loaded
+    if model == RANDOM_8B:   # built inside Engine(), after it has set JAX's allocator up
+        llm_engine.load_model = lambda *args, **kwargs: random_llama_8b(
+            engine_kwargs.get("dtype", "bfloat16"))
     return llm_engine.Engine(EngineConfig(model=None if model == RANDOM_8B else model,
                                           **engine_kwargs))
 
