@@ -55,9 +55,9 @@ def test_provisional_size_is_kept_only_when_it_fits():
 
 
 def test_no_room_for_the_pool_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2 .*14.00 GiB in use.*"
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.18 .*14.00 GiB in use.*"
                                          r"kv_cache_tokens / num_pages"):
-        memory.plan_pool(fake(72, 14, 0.9), 0.2, GIB, PAGE, min_pages=10)
+        memory.plan_pool(fake(72, 14, 0.9), 0.18, GIB, PAGE, min_pages=10)
 
 
 def test_step_reserve_is_a_gib_or_a_32nd_of_the_budget():

@@ -476,21 +476,31 @@ class ModelRunner:
 
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
         """Compile every step shape serving can meet (decode buckets, prefill row counts,
-        first-token sampling row counts) by running each once on the null slot, whose page 0
-        is scratch: nothing compiles while requests wait."""
-        null = self.null_slot
-        greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
-                            np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
+        first-token sampling row counts) ahead of time, without running them: jit reuses these
+        executables when serving meets the shapes, so nothing compiles while requests wait
+        (running the steps would add nothing but time: on a CPU the reference attention over
+        a whole block table is slow)."""
         for rows in _padded_row_counts(max_prefill_rows):
-            self.k_pages, self.v_pages, logits, _ = self._prefill(
-                *self._null_prefill_inputs(rows, self.k_pages, self.v_pages))
+            self._prefill.lower(*self._null_prefill_inputs(rows, self.k_pages,
+                                                           self.v_pages)).compile()
         for n in _padded_row_counts(max_first_tokens):
-            self.sample([logits[0]] * n, [null] * n, *greedy(n))
+            self._sample_rows.lower(
+                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
+                np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32),
+                np.zeros(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32)).compile()
         for bucket in decode_buckets:
             *args, split_map = self._null_decode_inputs(bucket, self.k_pages, self.v_pages)
-            self.k_pages, self.v_pages, self.slot_tokens, _ = self._decode(
-                *args, split_map=split_map)
-        jax.block_until_ready((self.k_pages, self.slot_tokens))
+            self._decode.lower(*args, split_map=split_map).compile()
+        # The small ops between the steps, run once: a row of the prefill logits, a stack of
+        # rows for `sample`, a block-table write (all dropped: out of range).
+        for rows in _padded_row_counts(max_prefill_rows):
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32)[0]
+        for n in _padded_row_counts(max_first_tokens):
+            jnp.stack([row] * n)
+        self.block_tables = self._apply_table_updates(
+            self.block_tables, np.full(64, self.block_tables.size, np.int32),
+            np.zeros(64, np.int32))
+        jax.block_until_ready(self.block_tables)
 
 
 def _padded_row_counts(max_rows: int) -> list[int]:
