@@ -162,3 +162,19 @@ def test_compiled_steps_keep_the_pool_in_place(layer_loop):
     # keeps apart with one V copy per layer (NOTES_memory.md); the GPU kernels do not copy.
     prefill = steps["prefill"].memory_analysis()
     assert prefill.temp_size_in_bytes <= 2 * pool_array + pool_array / 20
+
+
+def test_compile_cache_stores_even_quick_compiles(tmp_path):
+    """In a fresh process (JAX sets its cache up once per process): the engine's folder receives
+    the executable of a jit that compiles in well under JAX's default 1 s threshold."""
+    import subprocess
+    import sys
+    code = ("import jax, jax.numpy as jnp\n"
+            "from tangram_jax.engine.compile_cache import enable_compile_cache\n"
+            f"assert str(enable_compile_cache({str(tmp_path)!r})) == {str(tmp_path)!r}\n"
+            "jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    assert any(p.name.startswith("jit__lambda") for p in tmp_path.iterdir()), \
+        sorted(p.name for p in tmp_path.iterdir())
