@@ -51,7 +51,7 @@ def test_provisional_size_is_kept_only_when_it_fits():
     too_big = 72 * GIB // PAGE
     plan = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, prefer_pages=too_big)
     assert plan.num_pages < too_big and plan.num_pages == memory.pages_that_fit(
-        72 * GIB, 15 * GIB, GIB, memory.DEFAULT_HEADROOM, PAGE)
+        72 * GIB, 15 * GIB, GIB, memory.default_headroom(72 * GIB), PAGE)
 
 
 def test_no_room_for_the_pool_is_one_clear_error():
@@ -60,9 +60,10 @@ def test_no_room_for_the_pool_is_one_clear_error():
         memory.plan_pool(fake(72, 14, 0.9), 0.18, GIB, PAGE, min_pages=10)
 
 
-def test_step_reserve_is_a_gib_or_a_32nd_of_the_budget():
-    assert memory.step_reserve(8 * GIB) == GIB
+def test_step_reserve_is_a_32nd_of_the_budget_at_least_a_gib_or_an_8th():
     assert memory.step_reserve(64 * GIB) == 2 * GIB
+    assert memory.step_reserve(16 * GIB) == GIB
+    assert memory.step_reserve(GIB) == GIB // 8
 
 
 @pytest.fixture
@@ -178,3 +179,52 @@ def test_compile_cache_stores_even_quick_compiles(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert any(p.name.startswith("jit__lambda") for p in tmp_path.iterdir()), \
         sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
+    """The sizing hook end to end on a tiny model, with a made-up device (the CPU reports no
+    allocator): budget, weights, compiled step peak and headroom decide the pool, the manager
+    gets the same pages, and a request is served from it."""
+    import tokenizers
+    from tokenizers import models as tok_models
+
+    from tangram_jax.engine import llm_engine
+    from tangram_jax.models.registry import LoadedModel
+    from tangram_jax.models.tokenizer import Tokenizer
+    from tangram_jax.sampling import SamplingParams
+
+    backend = tokenizers.Tokenizer(tok_models.WordLevel(
+        {f"t{i}": i for i in range(CONFIG.vocab_size)}, unk_token="t0"))
+    loaded = LoadedModel(CONFIG, Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)),
+                         Tokenizer(backend, eos_token_ids=(0,)), "tiny", None)
+    monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: loaded)
+    card, in_use = 1200 * 2**20, 50 * 2**20
+    device = memory.DeviceMemory(int(0.9 * card), in_use, 0, 0.9)
+    monkeypatch.setattr(memory.DeviceMemory, "read", classmethod(lambda cls, d, f: device))
+    engine = llm_engine.Engine(EngineConfig(
+        mode="full", max_num_seqs=2, max_model_len=128, chunk_size=16, page_size=4,
+        max_num_batched_tokens=32, gpu_memory_utilization=0.5, compile_cache_dir="off",
+        warmup=False))
+    plan = engine.memory_plan
+    page_bytes = engine.runner.kv_bytes_per_page
+    assert plan.budget_bytes == int(0.5 * card) and plan.capped_by == "utilization"
+    assert plan.in_use_bytes == in_use and plan.step_peak_bytes > 0
+    assert plan.headroom_bytes == plan.budget_bytes // 16
+    # The CPU prefill's V copy (NOTES_memory.md) made the peak at the provisional pool larger
+    # than the reserve, so the pool was shrunk to fit what was measured.
+    assert plan.num_pages == memory.pages_that_fit(plan.budget_bytes, in_use,
+                                                   plan.step_peak_bytes, plan.headroom_bytes,
+                                                   page_bytes)
+    assert plan.pool_bytes + in_use + plan.step_peak_bytes + plan.headroom_bytes \
+        <= plan.budget_bytes
+    assert engine.runner.k_pages.shape[0] == engine.manager.pool.num_pages == plan.num_pages
+    pool = engine.kv_usage()["pool"]
+    assert pool["sized_by"] == "gpu_memory_utilization" and pool["plan"]["num_pages"] == \
+        plan.num_pages
+    engine.add_request("a", prompt_token_ids=list(range(1, 30)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=3,
+                                                      ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 3

@@ -34,7 +34,8 @@ import numpy as np
 
 from tangram_jax.engine import memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
-from tangram_jax.engine.config import EngineConfig, build_layout, pool_is_fixed, pool_pages
+from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, build_layout,
+                                       pool_is_fixed, pool_pages)
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tangram_jax.kv_layout import pages_for
@@ -114,6 +115,11 @@ class Engine:
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups, max_pages)
         device_memory = None if pool_is_fixed(cfg) else memory.DeviceMemory.read(
             jax.devices()[0], allocator.fraction)
+        if device_memory is None and not pool_is_fixed(cfg) and jax.default_backend() != "cpu":
+            log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
+                        "platform?): gpu_memory_utilization cannot size the KV pool, which gets "
+                        "the default %d tokens; set kv_cache_tokens or num_pages",
+                        jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
             loaded.model, mc, self.layout,
             pool_pages(cfg, mc, self.layout) if device_memory is None else None, table_shape,
@@ -168,12 +174,14 @@ class Engine:
         # One max_model_len sequence must fit, or nothing could be served.
         min_pages = int(pages_for(layout.retained_counts(self.max_model_len),
                                   layout.page_size).sum()) + 1
-        provisional = max(min_pages, memory.pages_that_fit(
-            budget, now.bytes_in_use, memory.step_reserve(budget), 0, page_bytes))
-        compiled = self.runner.compile_steps(provisional, max_bucket, cfg.max_prefill_rows)
+        provisional = memory.pages_that_fit(budget, now.bytes_in_use,
+                                            memory.step_reserve(budget), 0, page_bytes)
+        compiled = self.runner.compile_steps(max(provisional, min_pages), max_bucket,
+                                             cfg.max_prefill_rows)
         peak = max(memory.step_peak_bytes(c) for c in compiled.values())
         return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, page_bytes,
-                                min_pages=min_pages, prefer_pages=provisional)
+                                min_pages=min_pages,
+                                prefer_pages=provisional if provisional >= min_pages else None)
 
     def _pool_line(self) -> str:
         pool = self.kv_pool()

@@ -12,6 +12,10 @@ allocator takes a fixed fraction of the card when its backend starts (75% unless
    pool is updated in place, so a step's temp does not grow with the pool),
 4. gives the pool what is left (`plan_pool`): ``budget - in_use - step_peak - headroom``.
 
+The step peak is measured at a provisional pool size; where a step's temp grows with the pool
+(the CPU's jnp reference prefill copies V, see benchmarks/NOTES_memory.md) the measured peak
+includes that copy, so the pool that follows is smaller than needed, never larger.
+
 The arithmetic is plain integers (unit-tested on the CPU with made-up numbers); the engine feeds
 it what the device reports.
 """
@@ -156,13 +160,17 @@ class PoolPlan:
                 f"{self.headroom_bytes / GIB:.2f} GiB headroom")
 
 
-DEFAULT_HEADROOM = 512 * 2 ** 20
+def default_headroom(budget: int) -> int:
+    """Bytes kept free for small outputs (tokens, a prefill's logits) and allocator slack:
+    512 MiB, or 1/16 of a smaller budget."""
+    return min(512 * 2 ** 20, budget // 16)
 
 
 def step_reserve(budget: int) -> int:
-    """Bytes a provisional pool leaves for the steps before their peak is known: 1 GiB or 1/32
-    of the budget, whichever is larger (an 8B step at batch 256 needs ~1.2 GiB)."""
-    return max(GIB, budget // 32)
+    """Bytes a provisional pool leaves for the steps before their peak is known: 1/32 of the
+    budget, at least 1 GiB (an 8B step at batch 256 needs ~1.2 GiB) unless the budget is under
+    8 GiB (then 1/8 of it)."""
+    return max(min(GIB, budget // 8), budget // 32)
 
 
 def budget_bytes(card_bytes: int, utilization: float, allocator_limit: int) -> tuple[int, str]:
@@ -181,7 +189,7 @@ def pages_that_fit(budget: int, in_use: int, step_peak: int, headroom: int,
 
 
 def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int, page_bytes: int,
-              *, min_pages: int, headroom_bytes: int = DEFAULT_HEADROOM,
+              *, min_pages: int, headroom_bytes: int | None = None,
               prefer_pages: int | None = None) -> PoolPlan:
     """The pool that fits: see the module docstring. With `prefer_pages` (the size the steps
     were compiled for), that size is kept whenever it fits, so the compiled steps are reused.
@@ -190,6 +198,8 @@ def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int, pa
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     budget, capped_by = budget_bytes(memory.card_bytes, utilization, memory.bytes_limit)
+    if headroom_bytes is None:
+        headroom_bytes = default_headroom(budget)
     pages = pages_that_fit(budget, memory.bytes_in_use, step_peak_bytes, headroom_bytes,
                            page_bytes)
     if pages < min_pages:
