@@ -19,9 +19,21 @@ Within a group, head ``j`` of the page is the layer's KV head ``head_perm[layer,
 (weights are permuted at load time so that this is a contiguous slice of heads).
 
 Chunked-compression rule (the single source of truth for how many tokens a group keeps; the
-scheduler reserves exactly this and the prefill writes exactly this): a turn's new tokens are cut
-into chunks of `chunk_size` (the last one may be shorter); from a chunk of n tokens a group of
-budget r keeps ``min(n, ceil(r * n))`` tokens. Decode appends one token to every group per step.
+scheduler reserves exactly this, the prefill writes exactly this and the engine's history
+bookkeeping counts exactly this): a turn's new tokens are cut into chunks of `chunk_size` from the
+turn's start (the last one may be shorter). The turn's *protected tail* (`KVLayout.protected_tail`)
+is kept whole: the model has not answered the turn yet, and its last tokens are the question and
+the chat template's generation prompt, which compression must not cut before they are used
+(compressing them cost SmolLM2 every follow-up answer at ratio 0.25: `benchmarks/
+NOTES_accuracy.md`, "retention rule"). From a chunk of n tokens of which the last p are protected,
+a group of budget r keeps ``min(u, ceil(r * u)) + p`` tokens, u = n - p (the top of the
+unprotected part by score, plus every protected token). Tail rules (`TAIL_RULES`):
+
+- ``"window"``       the last ``tail_window`` tokens of the turn (the observation window);
+- ``"final_chunk"``  the whole last chunk of the turn;
+- ``"none"``         nothing (every chunk compressed as it is written).
+
+Decode appends one token to every group per step, uncompressed.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ import numpy as np
 # Guards ceil() against r * n landing a hair above an integer in floating point
 # (0.1 * 30 = 3.0000000000000004 must keep 3, not 4).
 _CEIL_EPS = 1e-6
+
+TAIL_RULES = ("window", "final_chunk", "none")
 
 
 def chunk_keep_count(group_budgets: np.ndarray, chunk_len: int | np.ndarray) -> np.ndarray:
@@ -55,14 +69,30 @@ def chunk_lengths(num_tokens: int, chunk_size: int) -> list[int]:
     return [chunk_size] * full + ([rest] if rest else [])
 
 
-def retained_counts(group_budgets: np.ndarray, num_tokens: int, chunk_size: int) -> np.ndarray:
-    """Tokens each group retains after chunked compression of `num_tokens` new prompt tokens.
+def protected_tail(turn_len: int, chunk_size: int, rule: str, window: int) -> int:
+    """Tokens at the end of a turn of `turn_len` new tokens that are kept uncompressed."""
+    if turn_len < 0:
+        raise ValueError(f"turn_len must be >= 0, got {turn_len}")
+    if rule == "window":
+        return min(turn_len, window)
+    if rule == "final_chunk":
+        return turn_len - chunk_size * ((turn_len - 1) // chunk_size) if turn_len else 0
+    if rule == "none":
+        return 0
+    raise ValueError(f"unknown tail rule {rule!r}; expected one of {TAIL_RULES}")
+
+
+def retained_counts(group_budgets: np.ndarray, num_tokens: int, chunk_size: int, *,
+                    tail: int = 0) -> np.ndarray:
+    """Tokens each group retains after chunked compression of a turn of `num_tokens` new prompt
+    tokens whose last `tail` tokens are protected (kept whole).
 
     group_budgets: [layers, groups] (or any [..., groups]). Returns int64 of the same shape.
     """
     budgets = np.asarray(group_budgets, dtype=np.float64)
-    full, rest = divmod(int(num_tokens), chunk_size)
-    counts = full * chunk_keep_count(budgets, chunk_size)
+    tail = min(int(tail), int(num_tokens))
+    full, rest = divmod(int(num_tokens) - tail, chunk_size)
+    counts = full * chunk_keep_count(budgets, chunk_size) + tail
     if rest:
         counts = counts + chunk_keep_count(budgets, rest)
     return np.asarray(counts, dtype=np.int64)
@@ -87,6 +117,8 @@ class KVLayout:
         ``head_perm[l, g*G:(g+1)*G]``.
       group_budgets: float64 [layers, groups] in (0, 1]; 1 means nothing dropped.
       name: a label for reports (``tangram``, ``full``, ``adjacent`` ...).
+      tail_rule, tail_window: which end of every turn is kept uncompressed (`TAIL_RULES`; the
+        module docstring). The engine uses ``"window"`` with its observation window.
     """
 
     num_layers: int
@@ -98,6 +130,8 @@ class KVLayout:
     head_perm: np.ndarray
     group_budgets: np.ndarray
     name: str = "tangram"
+    tail_rule: str = "none"
+    tail_window: int = 0
 
     def __post_init__(self):
         if self.group_size <= 0 or self.num_kv_heads % self.group_size:
@@ -106,6 +140,11 @@ class KVLayout:
         if self.page_size <= 0 or self.chunk_size <= 0:
             raise ValueError(f"page_size ({self.page_size}) and chunk_size ({self.chunk_size}) "
                              "must be positive")
+        if self.tail_rule not in TAIL_RULES:
+            raise ValueError(f"tail_rule must be one of {TAIL_RULES}, got {self.tail_rule!r}")
+        if self.tail_rule == "window" and self.tail_window < 1:
+            raise ValueError(f"tail_window must be >= 1 for the 'window' tail rule, got "
+                             f"{self.tail_window}")
         perm = np.asarray(self.head_perm, dtype=np.int32)
         if perm.shape != (self.num_layers, self.num_kv_heads):
             raise ValueError(f"head_perm has shape {perm.shape}, expected "
@@ -135,27 +174,73 @@ class KVLayout:
     def compresses(self) -> bool:
         return bool((self.group_budgets < 1).any())
 
-    def retained_counts(self, num_tokens: int) -> np.ndarray:
-        """int64 [layers, groups] tokens kept from a turn of `num_tokens` new prompt tokens
-        (`retained_counts` of this layout, read from the per-chunk-length keep table)."""
-        full, rest = divmod(int(num_tokens), self.chunk_size)
-        if full < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        keep = self._keep_by_chunk_len
-        return keep[-1] * full + keep[rest]
+    def protected_tail(self, turn_len: int) -> int:
+        """Tokens at the end of a turn of `turn_len` new tokens kept uncompressed."""
+        return protected_tail(int(turn_len), self.chunk_size, self.tail_rule, self.tail_window)
 
-    def chunk_keep_counts(self, chunk_len: int) -> np.ndarray:
-        """int64 [layers, groups] (read-only) tokens kept from one chunk of `chunk_len` tokens,
-        0 <= chunk_len <= chunk_size."""
+    def retained_counts(self, num_tokens: int, *, upto: int | None = None) -> np.ndarray:
+        """int64 [layers, groups] tokens kept from a turn of `num_tokens` new prompt tokens
+        (`retained_counts` of this layout, read from the per-chunk-length keep table).
+
+        upto: count only the turn's first `upto` tokens (a chunk boundary of the turn, or
+        `num_tokens`): what the prefill pieces up to there write. Default: the whole turn.
+        """
+        n = int(num_tokens)
+        if n < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        upto = n if upto is None else int(upto)
+        if not 0 <= upto <= n or (upto % self.chunk_size and upto != n):
+            raise ValueError(f"upto must be a chunk boundary of the turn in [0, {n}] or {n}, "
+                             f"got {upto}")
+        boundary = n - self.protected_tail(n)       # tokens [boundary, n) are kept whole
+        compressed = min(upto, boundary)
+        full, rest = divmod(compressed, self.chunk_size)
+        keep = self._keep_by_chunk_len
+        return keep[-1] * full + keep[rest] + max(0, upto - boundary)
+
+    def segments_retained_counts(self, segments) -> np.ndarray:
+        """int64 [layers, groups] tokens kept from prefill segments ``(length, compressed)``:
+        a compressed one is a turn (`retained_counts`), the others are kept whole (tokens a
+        decode step wrote, replayed after a preemption)."""
+        total = np.zeros(self.group_budgets.shape, np.int64)
+        for length, compressed in segments:
+            total = total + (self.retained_counts(length) if compressed else int(length))
+        return total
+
+    def piece_retained_counts(self, turn_len: int, start: int, end: int) -> np.ndarray:
+        """int64 [layers, groups] tokens kept from tokens [start, end) of a turn of `turn_len`
+        new tokens (start and end on chunk boundaries of the turn, or end == turn_len)."""
+        return (self.retained_counts(turn_len, upto=end)
+                - self.retained_counts(turn_len, upto=start))
+
+    def chunk_protected(self, turn_len: int, start: int, chunk_len: int) -> int:
+        """How many of the last tokens of the chunk [start, start + chunk_len) of a turn of
+        `turn_len` tokens are protected (the tail is the turn's end, so always the last ones)."""
+        boundary = turn_len - self.protected_tail(turn_len)
+        return max(0, min(chunk_len, start + chunk_len - boundary))
+
+    def chunk_keep_counts(self, chunk_len: int, num_protected: int = 0) -> np.ndarray:
+        """int64 [layers, groups] tokens kept from one chunk of `chunk_len` tokens whose last
+        `num_protected` are protected, 0 <= num_protected <= chunk_len <= chunk_size."""
         if not 0 <= chunk_len <= self.chunk_size:
             raise ValueError(f"a chunk holds 0..{self.chunk_size} tokens, got {chunk_len}")
-        return self._keep_by_chunk_len[chunk_len]
+        if not 0 <= num_protected <= chunk_len:
+            raise ValueError(f"num_protected must be in [0, {chunk_len}], got {num_protected}")
+        if num_protected == 0:
+            return self._keep_by_chunk_len[chunk_len]
+        return self._keep_by_chunk_len[chunk_len - num_protected] + num_protected
 
     @classmethod
     def monolithic(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
-                   chunk_size: int, name: str = "full") -> "KVLayout":
+                   chunk_size: int, name: str = "full", tail_rule: str = "none",
+                   tail_window: int = 0) -> "KVLayout":
         """One group of all KV heads, nothing dropped: what vLLM's PagedAttention stores."""
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    group_size=num_kv_heads, page_size=page_size, chunk_size=chunk_size,
                    head_perm=np.tile(np.arange(num_kv_heads), (num_layers, 1)),
-                   group_budgets=np.ones((num_layers, 1)), name=name)
+                   group_budgets=np.ones((num_layers, 1)), name=name, tail_rule=tail_rule,
+                   tail_window=tail_window)
+
+    def with_tail(self, rule: str, window: int) -> "KVLayout":
+        """This layout with another protected-tail rule."""
+        return dataclasses.replace(self, tail_rule=rule, tail_window=window)

@@ -217,7 +217,7 @@ def test_bad_input_is_refused_while_others_finish(full_llm):
 
 
 def test_bad_engine_configuration_is_refused():
-    with pytest.raises(ValueError, match="unknown mode"):
+    with pytest.raises(ValueError, match="mode must be one of"):
         EngineConfig(mode="turbo")
     with pytest.raises(ValueError, match="ratio"):
         EngineConfig(ratio=0)
@@ -249,3 +249,93 @@ def test_dynamic_mode_compresses_then_reclaims():
     assert manager.usage()["pages_reclaimed"] > 0
     np.testing.assert_array_equal(manager.table.num_pages[slot],
                                   pages_for(manager.reserved_lengths[slot], manager.page_size))
+
+
+def test_logprobs_under_forced_tokens_are_the_dense_models(full_llm):
+    """Teacher forcing: the output is the forced tokens (an EOS among them does not stop it),
+    and the log-probs are log_softmax of the dense reference's logits at every position."""
+    import jax
+    import jax.numpy as jnp
+    from tangram_jax.models.decoder import DenseKVCache
+    from tangram_jax.models.registry import load_model
+    engine, tok = full_llm.engine, full_llm.tokenizer
+    prompt = tok.encode(PROMPTS[0])
+    forced = tok.encode(" a small town by the sea")[:4] + [tok.eos_token_ids[0]] + \
+        tok.encode(" and")[:1]
+    engine.add_request("top", prompt_token_ids=prompt, forced_token_ids=forced,
+                       sampling_params=SamplingParams(temperature=0, max_tokens=2, logprobs=5))
+    engine.add_request("all", prompt_token_ids=prompt, forced_token_ids=forced,
+                       sampling_params=SamplingParams(temperature=0.8, seed=3, logprobs=-1))
+    engine.add_request("plain", prompt_token_ids=prompt, sampling_params=GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+
+    loaded = load_model(None)
+    seq = prompt + forced
+    cache = DenseKVCache.create(loaded.config, 1, 64)
+    logits, _ = loaded.model(jnp.asarray([seq], jnp.int32),
+                             jnp.arange(len(seq), dtype=jnp.int32)[None], cache)
+    ref = np.asarray(jax.nn.log_softmax(logits[0, len(prompt) - 1:len(seq) - 1], axis=-1))
+
+    top, full = done["top"].outputs[0], done["all"].outputs[0]
+    assert top.token_ids == forced and full.token_ids == forced
+    assert done["plain"].outputs[0].logprobs is None
+    assert len(top.logprobs) == len(forced)
+    for i, (entry, token) in enumerate(zip(top.logprobs, forced)):
+        order = np.argsort(-ref[i], kind="stable")
+        assert set(entry) == set(order[:5].tolist()) | {token}
+        np.testing.assert_allclose(entry[token].logprob, ref[i, token], atol=2e-3)
+        # (float noise may swap near-ties between the engine and the dense path)
+        assert abs(entry[token].rank - (int((ref[i] > ref[i, token]).sum()) + 1)) <= 1
+        for rank, t in enumerate(order[:5].tolist(), 1):
+            if t != token:
+                assert abs(entry[t].rank - rank) <= 1
+            np.testing.assert_allclose(entry[t].logprob, ref[i, t], atol=2e-3)
+        assert entry[token].decoded_token == tok.decode([token])
+    np.testing.assert_allclose(top.cumulative_logprob, ref[np.arange(len(forced)), forced].sum(),
+                               atol=1e-2)
+    assert full.full_logprobs.shape == (len(forced), loaded.config.vocab_size)
+    assert full.full_logprobs.dtype == np.float32
+    np.testing.assert_allclose(full.full_logprobs, ref, atol=2e-3)
+    assert all(list(entry) == [t] for entry, t in zip(full.logprobs, forced))
+
+
+def test_bad_logprobs_and_forced_tokens_are_refused(full_llm):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(TypeError, match="logprobs"):
+        SamplingParams(logprobs=1.5)
+    with pytest.raises(ValueError, match="forced_token_ids"):
+        full_llm.engine.add_request("bad", prompt="Hi", forced_token_ids=[-3])
+    with pytest.raises(ValueError, match="forced_token_ids"):
+        full_llm.engine.add_request("bad", prompt="Hi", forced_token_ids=[])
+    assert not full_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])
+def test_greedy_output_does_not_depend_on_preemption(mode):
+    """A pool too small for three requests at once preempts the newest while it decodes; its
+    recompute replays the prompt with its own chunking and the generated tokens whole, so every
+    greedy answer equals the one served alone."""
+    from tangram_jax.engine.config import build_layout
+    from tangram_jax.models.registry import load_model
+    cfg = dict(SMALL, chunk_size=32, ratio=0.25)
+    max_new = 40
+    tok_prompts = [PROMPTS[1], PROMPTS[1].replace("Paul Graham", "Someone"),
+                   "Write a short story about a robot who learns to paint. " * 3]
+    loaded = load_model(None)
+    layout = build_layout(EngineConfig(mode=mode, **cfg), loaded.config,
+                          is_embedded=True).with_tail("window", 32)
+    lengths = [len(loaded.tokenizer.encode(p)) for p in tok_prompts]
+    one = max(int(pages_for(layout.retained_counts(n) + max_new, layout.page_size).sum())
+              for n in lengths)
+    llm = LLM(mode=mode, num_pages=int(1.6 * one) + 1, **cfg)
+    engine = llm.engine
+    prompts = [llm.tokenizer.encode(p) for p in tok_prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert engine.scheduler.metrics.num_preemptions == 0
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert engine.scheduler.metrics.num_preemptions > 0
+    assert together == alone

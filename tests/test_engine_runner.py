@@ -21,9 +21,11 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, group_size=1, page_s
                   group_budgets=np.array([[0.5, 1.0], [0.25, 0.75], [1.0, 0.5]]))
 
 
-def run_steps(layer_loop: str):
-    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+def run_steps(layer_loop: str, max_pages: int = 16, whole_table: bool = False):
+    manager = KVCacheManager(LAYOUT, 64, 2, max_pages, model_kv_shape=(3, 2, 8))
     runner = make_runner(manager, layer_loop)
+    if whole_table:   # what the Pallas kernels get: every column of the block table
+        runner._table_width = lambda max_tokens: max_pages
     assert runner.layer_loop == layer_loop
     slot = manager.allocate_slot()
     tokens = np.random.default_rng(0).integers(1, 97, 27)
@@ -55,6 +57,23 @@ def test_unrolled_layers_equal_the_scan():
     np.testing.assert_allclose(unrolled_logits, scan_logits, rtol=1e-5, atol=1e-5)
     assert unrolled_tokens == scan_tokens
     np.testing.assert_allclose(unrolled_pages, scan_pages, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_path_reads_only_the_columns_the_batch_holds():
+    """On the CPU the references gather every column they are given: the runner passes the
+    width the rows' lengths need (a power of two, >= 16 pages), with the same results as the
+    whole table of a long max_model_len."""
+    manager = KVCacheManager(LAYOUT, 64, 2, 64, model_kv_shape=(3, 2, 8))
+    runner = make_runner(manager)
+    assert runner._table_width(30) == 16            # 8 pages of 4 tokens -> the floor, 16
+    assert runner._table_width(4 * 17) == 32
+    assert runner._table_width(10_000) == 64        # capped at the table
+    narrow = run_steps("scan", max_pages=64)
+    whole = run_steps("scan", max_pages=64, whole_table=True)
+    # (Softmax sums over fewer masked columns: equal up to float32 summation order.)
+    np.testing.assert_allclose(narrow[0], whole[0], rtol=1e-5, atol=1e-5)
+    assert narrow[1] == whole[1]
+    np.testing.assert_allclose(narrow[2], whole[2], rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_layer_loop_is_refused():
@@ -131,3 +150,92 @@ def test_warmup_compiles_on_the_null_slot_without_touching_sequences():
     after = np.asarray(runner.slot_tokens)
     assert after[:3].tolist() == [int(np.argmax(logits[0]))] * 3
     assert after[3] == tokens_before[3]   # slot 3 untouched; the padding row went to slot 4
+
+
+def test_prefill_of_a_protected_turn_writes_the_layouts_counts_and_keeps_the_tail():
+    from tangram_jax.compression.chunk_scoring import chunk_scores
+    from tangram_jax.pallas_kernels.chunk_compress import kept_token_sources
+    layout = LAYOUT.with_tail("window", 5)
+    manager = KVCacheManager(layout, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = ModelRunner(Decoder(CONFIG, rngs=nnx.Rngs(0)), CONFIG, layout, 64,
+                         manager.block_tables.shape, runner_config=RunnerConfig(obs_window=5))
+    slot = manager.allocate_slot()
+    tokens = np.random.default_rng(1).integers(1, 97, 27)
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    for start in (0, 16):
+        chunk = tokens[start:start + 16]
+        p = layout.chunk_protected(len(tokens), start, len(chunk))
+        assert p == (5 if start else 0)
+        _, kept = runner.prefill_chunk(chunk, start, slot, manager.lengths[slot], p)
+        np.testing.assert_array_equal(kept, layout.chunk_keep_counts(len(chunk), p))
+        manager.commit_prefill(slot, len(chunk), start=start, turn_len=len(tokens))
+    np.testing.assert_array_equal(manager.lengths[slot], layout.retained_counts(len(tokens)))
+    np.testing.assert_array_equal(manager.lengths[slot], manager.reserved_lengths[slot])
+    # The scores the runner ranks by keep every protected token, whatever the attention says.
+    probs = np.random.default_rng(2).random((4, 5, 16)).astype(np.float32)
+    qkv = jnp.asarray(np.random.default_rng(3).normal(size=(16, 4, 8)), jnp.float32)
+    scores = chunk_scores("snapkv", jnp.asarray(probs), qkv, qkv[:, :2], qkv[:, :2],
+                          jnp.int32(11), jnp.int32(5), jnp.int32(16), q_per_kv=2)
+    keep = jnp.asarray(layout.chunk_keep_counts(11, 5)[0], jnp.int32)
+    sources, counts = kept_token_sources(scores, keep, jnp.int32(11), 1)
+    for h in range(2):
+        kept_idx = set(np.asarray(sources[h, :counts[h]]).tolist())
+        assert set(range(6, 11)) <= kept_idx
+
+
+def _kept_layer0_keys(method: str, tokens: np.ndarray):
+    """Prefill one chunk with `method` on an identity-permuted layout of budget 0.5; returns the
+    layer-0 keys each head kept ([heads] arrays [count, D]) and the chunk's layer-0 keys."""
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, group_size=1, page_size=4,
+                      chunk_size=16, head_perm=np.tile(np.arange(2), (3, 1)),
+                      group_budgets=np.full((3, 2), 0.5))
+    manager = KVCacheManager(layout, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = ModelRunner(Decoder(CONFIG, rngs=nnx.Rngs(0)), CONFIG, layout, 64,
+                         manager.block_tables.shape,
+                         runner_config=RunnerConfig(obs_window=4, method=method))
+    slot = manager.allocate_slot()
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    _, kept = runner.prefill_chunk(tokens, 0, slot, manager.lengths[slot])
+    pages = np.asarray(runner.k_pages)
+    kept_keys = [pages[manager.block_tables[slot, 0, h]][:, 0].reshape(-1, 8)[:int(kept[0, h])]
+                 for h in range(2)]
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    positions = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+    _, k, v = model.layers[0].qkv(model.embed(jnp.asarray(tokens, jnp.int32)[None]), positions)
+    return kept_keys, np.asarray(k[0]), np.asarray(v[0])
+
+
+def test_the_profile_method_is_the_served_scorer():
+    """A profile calibrated with KeyDiff is served with KeyDiff: each head keeps KeyDiff's top-k
+    of the chunk (in temporal order), which is not what SnapKV keeps."""
+    from tangram_jax.compression.scorers import keydiff
+    tokens = np.random.default_rng(3).integers(1, 97, 16)
+    kept, k, v = _kept_layer0_keys("keydiff", tokens)
+    count = len(kept[0])
+    assert count == 8
+    q_dummy = jnp.zeros((4, 16, 8))
+    scores = np.asarray(keydiff(q_dummy, jnp.moveaxis(k, 0, 1), jnp.moveaxis(v, 0, 1),
+                                q_per_kv=2))
+    for h in range(2):
+        top = np.sort(np.argsort(-scores[h], kind="stable")[:count])
+        np.testing.assert_allclose(kept[h], k[top, h], rtol=1e-5, atol=1e-6)
+    snap, _, _ = _kept_layer0_keys("snapkv", tokens)
+    assert any(not np.allclose(a, b) for a, b in zip(kept, snap))
+
+
+@pytest.mark.parametrize("method", ["expected_attention", "tova", "streaming_llm"])
+def test_every_served_method_runs_in_the_chunk_compression(method):
+    kept, k, _ = _kept_layer0_keys(method, np.random.default_rng(4).integers(1, 97, 13))
+    for h in range(2):   # kept rows are rows of the chunk, in temporal order
+        rows = [int(np.argmin(np.abs(k[:, h] - row).sum(-1))) for row in kept[h]]
+        assert len(kept[h]) == 7 and rows == sorted(set(rows))
+        np.testing.assert_allclose(kept[h], k[rows, h], rtol=1e-5, atol=1e-6)
+
+
+def test_a_method_the_chunk_compression_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="'h2o' cannot be served"):
+        RunnerConfig(method="h2o")
+    with pytest.raises(ValueError, match="dynamic mode"):
+        RunnerConfig(mode="dynamic", method="keydiff")

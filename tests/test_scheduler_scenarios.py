@@ -115,14 +115,24 @@ def test_lru_eviction_of_idle_sessions_and_transparent_reprefill():
     assert not old.is_cached and new.is_cached and s.metrics.num_evictions == 1
     assert old.status is SequenceStatus.IDLE and m.pages_held(new.slot) == held_new
     drain(s, finish_after=1)
-    # The evicted session's next turn re-prefills its whole history from position 0.
+    # The evicted session's next turn re-prefills its whole history from position 0, as it was
+    # first written: turn 1 with its own chunking, then the new turn from where the cache ended
+    # (the turn-1 token no decode step wrote, and the new prompt).
     history = old.num_tokens
     s.add_request("old2", [3] * 5, session_id="old")
     out = s.schedule()
     (chunk,) = out.prefill_chunks
-    assert chunk.seq is old and (chunk.start, chunk.end) == (0, history + 5)
+    end = old.turns[-1][0]    # the cache held turn 1 and the generated tokens a decode wrote
+    assert 24 <= end < history
+    assert old.segments == [(0, 24, True)] + ([(24, end, False)] if end > 24 else []) + \
+        [(end, history + 5, True)]
+    assert chunk.seq is old and (chunk.start, chunk.end) == (0, 24)
     np.testing.assert_array_equal(m.reserved_lengths[old.slot],
-                                  layout().retained_counts(history + 5))
+                                  layout().retained_counts(24) + (end - 24)
+                                  + layout().retained_counts(history + 5 - end))
+    s.commit(out, {})
+    (chunk,) = s.schedule().prefill_chunks
+    assert (chunk.start, chunk.end, chunk.is_last) == (24, old.segments[1][1], end == 24)
 
 
 def test_decode_growth_failure_preempts_the_newest_and_it_recomputes():
@@ -469,3 +479,56 @@ def test_grow_for_decode_matches_a_per_sequence_oracle(data):
     for slot in slots:
         m.free(slot)
     assert m.pool.num_free == m.pool.capacity
+
+
+# ----- the protected tail of a turn (kv_layout's retention rule) -----------------------------
+
+@pytest.mark.parametrize("rule,window", [("window", 5), ("window", 11), ("final_chunk", 0),
+                                         ("none", 0)])
+def test_retained_counts_equal_the_sum_of_the_chunks_prefill_writes(rule, window):
+    budgets = np.array([[0.25, 0.5], [0.1, 1.0]])
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, group_size=1, page_size=PAGE,
+                   chunk_size=CHUNK, head_perm=np.tile(np.arange(2), (2, 1)),
+                   group_budgets=budgets, tail_rule=rule, tail_window=window)
+    for n in range(0, 5 * CHUNK + 3):
+        tail = lay.protected_tail(n)
+        assert tail == {"window": min(n, window), "none": 0,
+                        "final_chunk": n - CHUNK * ((n - 1) // CHUNK) if n else 0}[rule]
+        # What the engine's prefill writes, chunk by chunk from the turn's start.
+        written = np.zeros(budgets.shape, np.int64)
+        protected_total = 0
+        for start in range(0, n, CHUNK):
+            length = min(CHUNK, n - start)
+            p = lay.chunk_protected(n, start, length)
+            protected_total += p
+            keep = lay.chunk_keep_counts(length, p)
+            np.testing.assert_array_equal(
+                keep, np.minimum(np.ceil(budgets * (length - p) - 1e-6), length - p)
+                .clip(min=min(length - p, 1)) + p)
+            np.testing.assert_array_equal(
+                lay.piece_retained_counts(n, start, start + length), keep)
+            written += keep
+        assert protected_total == tail
+        np.testing.assert_array_equal(lay.retained_counts(n), written)
+        np.testing.assert_array_equal(lay.retained_counts(n),
+                                      retained_counts(budgets, n, CHUNK, tail=tail))
+        # A piece of several chunks keeps their sum.
+        if n > 2 * CHUNK:
+            np.testing.assert_array_equal(lay.piece_retained_counts(n, CHUNK, n),
+                                          written - lay.chunk_keep_counts(CHUNK,
+                                                                          lay.chunk_protected(
+                                                                              n, 0, CHUNK)))
+
+
+def test_manager_commits_pieces_of_a_protected_turn_up_to_its_reservation():
+    lay = layout().with_tail("window", 6)
+    m = KVCacheManager(lay, 64, 2, 16, model_kv_shape=(lay.num_layers, lay.num_kv_heads,
+                                                        lay.head_dim))
+    slot = m.allocate_slot()
+    n = 3 * CHUNK + 3
+    assert m.reserve(slot, n)
+    for start in range(0, n, 2 * CHUNK):
+        m.commit_prefill(slot, min(2 * CHUNK, n - start), start=start, turn_len=n)
+    np.testing.assert_array_equal(m.lengths[slot], m.reserved_lengths[slot])
+    np.testing.assert_array_equal(m.lengths[slot], lay.retained_counts(n))
+    assert (lay.retained_counts(n) > layout().retained_counts(n)).any()

@@ -14,11 +14,15 @@ Where attention comes from: on a GPU the Pallas kernels of `tangram_jax.pallas_k
 their XLA references (same signatures); `AttentionOps.for_backend` makes that choice.
 
 Modes (one runner, other configurations):
-- ``tangram`` / ``full``: every (layer, group) keeps ``layout.chunk_keep_counts(n)`` tokens of a
-  chunk of n tokens (``full`` is the monolithic layout with budget 1: everything is kept).
+- ``tangram`` / ``full``: every (layer, group) keeps ``layout.chunk_keep_counts(n, p)`` tokens of
+  a chunk of n tokens whose last p are the turn's protected tail (``full`` is the monolithic
+  layout with budget 1: everything is kept).
 - ``dynamic``: monolithic pages; the per-input Ada-SnapKV selection (one top-k over the layer's
-  heads, with a per-head safeguard) decides on device how many tokens the layer keeps; the counts
-  come back to the host, which then reclaims the pages above them.
+  heads, with a per-head safeguard) decides on device how many of the unprotected tokens the
+  layer keeps (the protected ones are kept on top); the counts come back to the host, which then
+  reclaims the pages above them.
+Scores and counts of a chunk come from `tangram_jax.compression.chunk_scoring`, one sequence's
+chunk at a time.
 """
 
 from __future__ import annotations
@@ -31,18 +35,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tangram_jax.compression.scorers import snapkv_from_probs
-from tangram_jax.compression.selection import dynamic_select
+from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
+                                                   dynamic_keep_count)
 from tangram_jax.engine.config import MODES
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
+from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.split_map import SplitMap
-from tangram_jax.sampling import sample_tokens, step_keys
+from tangram_jax.sampling import (TokenLogprobs, force_tokens, sample_tokens, step_keys,
+                                  token_logprobs)
 
 LAYER_LOOPS = ("scan", "unrolled")
+# What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
+# whole [rows, vocab] log-softmax (each a separately compiled variant of the step).
+LOGPROB_MODES = (None, "top", "full")
 
 
 class AttentionOps(NamedTuple):
@@ -77,6 +86,8 @@ class RunnerConfig:
     """Static settings of the runner.
 
     obs_window: SnapKV observation window (queries whose attention scores a chunk's tokens).
+    method: the scorer of the chunk compression, the method the budget profile was calibrated
+      with (`chunk_scoring.SERVED_METHODS`); ``dynamic`` mode is Ada-SnapKV, so SnapKV.
     dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
@@ -87,6 +98,7 @@ class RunnerConfig:
 
     mode: str = "tangram"
     obs_window: int = 32
+    method: str = "snapkv"
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
@@ -101,17 +113,10 @@ class RunnerConfig:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
         if not 0 < self.dynamic_ratio <= 1:
             raise ValueError(f"dynamic_ratio must be in (0, 1], got {self.dynamic_ratio}")
-
-
-def dynamic_keep_count(scores: jax.Array, chunk_len: jax.Array, ratio: float,
-                       safeguard: float) -> jax.Array:
-    """Tokens a monolithic layer keeps from a padded chunk under the per-input Ada-SnapKV
-    selection (`dynamic_select`): monolithic pages hold the largest head's count for every head.
-
-    scores: [num_kv_heads, T] (positions >= chunk_len are padding). Returns an int32 scalar.
-    """
-    counts = dynamic_select(scores, ratio, safeguard=safeguard, num_valid=chunk_len).counts
-    return jnp.maximum(jnp.max(counts), jnp.minimum(chunk_len, 1)).astype(jnp.int32)
+        check_served_method(self.method)
+        if self.mode == "dynamic" and self.method != "snapkv":
+            raise ValueError(f"dynamic mode selects with Ada-SnapKV; method must be 'snapkv', "
+                             f"got {self.method!r}")
 
 
 class ModelRunner:
@@ -164,16 +169,20 @@ class ModelRunner:
             self.allocate_pool(num_pages)
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
+        self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
         self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("split_map",),
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("table_width",),
+                                donate_argnums=(2, 3))
+        self._decode = jax.jit(self._decode_impl,
+                               static_argnames=("split_map", "logprobs", "table_width"),
                                donate_argnums=(2, 3, 4))
-        self._sample_rows = jax.jit(_sample_into_slots, donate_argnums=0)
+        self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
+                                    donate_argnums=0)
 
     # ----- the pool ----------------------------------------------------------------------
     def pool_shape(self, num_pages: int) -> tuple[int, int, int, int]:
@@ -219,7 +228,8 @@ class ModelRunner:
 
     # ----- prefill ---------------------------------------------------------------------------
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
-                hist_lengths: list[np.ndarray]) -> tuple[jax.Array, jax.Array]:
+                hist_lengths: list[np.ndarray],
+                num_protected: list[int] | None = None) -> tuple[jax.Array, jax.Array]:
         """Run one prefill chunk for each of several sequences in one call, writing each one's
         kept K/V into its pages.
 
@@ -227,11 +237,13 @@ class ModelRunner:
         compression-chunk boundary of its turn), start_positions[b] the absolute position of
         its first token, slots[b] its block-table row (reservation applied by
         `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens before the
-        chunk. The slots must be distinct. Rows are padded to a power of two by repeating row 0
-        (the same inputs write the same values to the same places), so few shapes compile.
+        chunk, num_protected[b] how many of its last tokens are the turn's protected tail
+        (`KVLayout.chunk_protected`; default none). The slots must be distinct. Rows are padded
+        to a power of two by repeating row 0 (the same inputs write the same values to the same
+        places), so few shapes compile.
         Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
         arrays whose first ``len(tokens)`` rows are the given chunks. In ``tangram``/``full``
-        mode `kept` equals ``layout.chunk_keep_counts(n_b)``.
+        mode `kept` equals ``layout.chunk_keep_counts(n_b, num_protected[b])``.
         """
         n_rows = len(tokens)
         chunk = self.layout.chunk_size
@@ -239,37 +251,50 @@ class ModelRunner:
             raise ValueError("prefill needs one start position, slot and history per chunk")
         if len(set(int(s) for s in slots)) != n_rows:
             raise ValueError(f"prefill rows must be distinct sequences, got slots {list(slots)}")
+        if num_protected is None:
+            num_protected = [0] * n_rows
         pick = _pad_rows(n_rows)
         rows = len(pick)
         padded = np.zeros((rows, chunk), np.int32)
         lens = np.zeros(rows, np.int32)
+        protected = np.zeros(rows, np.int32)
         for r, b in enumerate(pick):
             n = len(tokens[b])
             if not 1 <= n <= chunk:
                 raise ValueError(f"a prefill chunk holds 1..{chunk} tokens, got {n}")
+            if not 0 <= num_protected[b] <= n:
+                raise ValueError(f"num_protected must be in [0, {n}] for a chunk of {n} tokens, "
+                                 f"got {num_protected[b]}")
             padded[r, :n] = tokens[b]
             lens[r] = n
+            protected[r] = num_protected[b]
         if self.runner_config.mode == "dynamic":
             keep = np.zeros((rows, *self.layout.group_budgets.shape), np.int32)  # on device
         else:
-            keep = np.stack([self.layout.chunk_keep_counts(int(n)) for n in lens]).astype(np.int32)
+            keep = np.stack([self.layout.chunk_keep_counts(int(n), int(p))
+                             for n, p in zip(lens, protected)]).astype(np.int32)
+        hist = np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick])
         self.k_pages, self.v_pages, logits, kept = self._prefill(
             self.state, self.layer_states, self.k_pages, self.v_pages, padded,
-            np.asarray([start_positions[b] for b in pick], np.int32), lens, self.block_tables,
-            np.asarray([slots[b] for b in pick], np.int32),
-            np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick]), keep)
+            np.asarray([start_positions[b] for b in pick], np.int32), lens, protected,
+            self.block_tables, np.asarray([slots[b] for b in pick], np.int32), hist, keep,
+            table_width=self._table_width(int(hist.max()) + chunk))
         return logits, kept
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
-                      hist_lengths: np.ndarray) -> tuple[jax.Array, jax.Array]:
+                      hist_lengths: np.ndarray,
+                      num_protected: int = 0) -> tuple[jax.Array, jax.Array]:
         """`prefill` of a single chunk: (last_logits [vocab], kept [layers, groups])."""
-        logits, kept = self.prefill([tokens], [start_position], [slot], [hist_lengths])
+        logits, kept = self.prefill([tokens], [start_position], [slot], [hist_lengths],
+                                    [num_protected])
         return logits[0], kept[0]
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_positions,
-                      chunk_lens, all_tables, slots, hist_lengths, keep_counts):
-        """tokens [rows, T]; start_positions, chunk_lens, slots [rows]; hist_lengths and
-        keep_counts [rows, layers, groups]."""
+                      chunk_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
+                      *, table_width):
+        """tokens [rows, T]; start_positions, chunk_lens, num_protected, slots [rows];
+        hist_lengths and keep_counts [rows, layers, groups]; table_width: static, the
+        block-table columns the rows can touch (see `_table_width`)."""
         model = nnx.merge(self.graphdef, state)
         rows, t = tokens.shape
         q_per_kv = self.config.q_per_kv
@@ -291,14 +316,14 @@ class ModelRunner:
                     q[b], k[b], v[b], k_pages, v_pages, tables[b], hist[b], chunk_lens[b],
                     obs_window=self.runner_config.obs_window)
                 keep_b = keep[b]
+                scores = chunk_scores(self.runner_config.method, obs_probs, q[b], k[b], v[b],
+                                      chunk_lens[b], num_protected[b], start_positions[b],
+                                      q_per_kv=q_per_kv, inv_freq=self._inv_freq)
                 if dynamic:
-                    scores = self._chunk_scores(obs_probs, chunk_lens[b], q_per_kv, protect=True)
-                    count = dynamic_keep_count(scores, chunk_lens[b],
+                    count = dynamic_keep_count(scores, chunk_lens[b], num_protected[b],
                                                self.runner_config.dynamic_ratio,
                                                self.runner_config.dynamic_safeguard)
                     keep_b = jnp.full(keep_b.shape, count, jnp.int32)
-                else:
-                    scores = self._group_scores(obs_probs, chunk_lens[b], q_per_kv, keep_b)
                 k_pages, v_pages = self.ops.compress_chunk(
                     k[b], v[b], scores, keep_b, chunk_lens[b], k_pages, v_pages, tables[b],
                     hist[b])
@@ -311,44 +336,33 @@ class ModelRunner:
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         (h, k_pages, v_pages), kept = self._over_layers(
             layer_step, (h, k_pages, v_pages),
-            (layer_states, per_layer(all_tables[slots]), per_layer(hist_lengths),
-             per_layer(keep_counts)))
+            (layer_states, per_layer(all_tables[slots][..., :table_width]),
+             per_layer(hist_lengths), per_layer(keep_counts)))
         last = h[jnp.arange(rows), chunk_lens - 1]      # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         return k_pages, v_pages, logits, per_layer(kept)
 
-    def _chunk_scores(self, obs_probs, chunk_len, q_per_kv, protect: bool):
-        """SnapKV scores [num_kv_heads, T] of a (padded) chunk from the window's probabilities.
+    def _table_width(self, max_tokens: int) -> int:
+        """Block-table columns a step passes to attention when rows hold at most `max_tokens`
+        retained tokens per group (history plus what the step writes).
 
-        `snapkv_from_probs` takes the window to be the last keys, so the valid keys are rotated
-        to the end first (padding keys have probability 0) and the scores rotated back.
+        The Pallas kernels read only the pages a row's length covers, so they get the whole
+        table (one compiled shape). The XLA references gather every column they are given:
+        there the width is the pages `max_tokens` needs, rounded up to a power of two (at
+        least 16 pages), so a step reads what its batch holds, not `max_model_len`, and few
+        widths compile.
         """
-        t = obs_probs.shape[-1]
-        shift = t - chunk_len
-        rolled = jnp.roll(obs_probs, shift, axis=-1)
-        scores = snapkv_from_probs(rolled, q_per_kv, protect_window=protect)
-        return jnp.roll(scores, -shift, axis=-1)
-
-    def _group_scores(self, obs_probs, chunk_len, q_per_kv, keep):
-        """SnapKV scores where each group's newest ``min(window, keep // 2)`` tokens always stay.
-
-        SnapKV keeps its whole observation window; a group keeping fewer tokens than the window
-        keeps half its count from the newest tokens (the turn's last tokens, e.g. the chat
-        template's generation prompt, must survive) and the other half by attention.
-        """
-        t = obs_probs.shape[-1]
-        plain = self._chunk_scores(obs_probs, chunk_len, q_per_kv, protect=False)
-        window = jnp.minimum(self.runner_config.obs_window, chunk_len)
-        protected = jnp.minimum(window, jnp.maximum(keep // 2, 1))          # [groups]
-        protected = jnp.repeat(protected, self.layout.group_size)          # [num_kv_heads]
-        position = jnp.arange(t)[None, :]
-        recent = (position >= chunk_len - protected[:, None]) & (position < chunk_len)
-        return jnp.where(recent, jnp.float32(1e9), plain)
+        full = int(self.block_tables.shape[-1])
+        if self.ops.name == "pallas":
+            return full
+        pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
+        return min(full, max(16, backend.next_power_of_2(pages)))
 
     # ----- decode ---------------------------------------------------------------------------
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               seeds: np.ndarray, steps: np.ndarray) -> jax.Array:
+               seeds: np.ndarray, steps: np.ndarray, *, forced_tokens: np.ndarray | None = None,
+               logprobs: str | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """One decode step for a padded batch (the bucket is `len(slots)`).
 
         Each row's input token is its slot's last sampled token (`slot_tokens`, on the device),
@@ -356,34 +370,44 @@ class ModelRunner:
         positions: int [B] position of each row's input token; slots: int [B] rows of the block
         table (padded rows: the manager's null slot); lengths: int32 [B, layers, groups]
         retained tokens before this step (pages for the new token already reserved).
-        Sampling arrays [B] as in `tangram_jax.sampling`. Returns next tokens [B] (device).
+        Sampling arrays [B] as in `tangram_jax.sampling`. forced_tokens: int [B], the token row
+        i must take (teacher forcing; -1: sample), default none. logprobs: one of
+        `LOGPROB_MODES`. Returns next tokens [B] (device), and with `logprobs` set also their
+        `TokenLogprobs` (device arrays, the model's distribution at each row).
         """
-        *args, split_map = self._decode_inputs(self.k_pages, self.v_pages, positions, slots,
-                                               lengths, temperature, top_k, top_p, seeds, steps)
-        self.k_pages, self.v_pages, self.slot_tokens, next_tokens = self._decode(
-            *args, split_map=split_map)
-        return next_tokens
+        args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
+                                         temperature, top_k, top_p, seeds, steps,
+                                         forced_tokens, logprobs)
+        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
+            *args, **static)
+        return next_tokens if logprobs is None else (next_tokens, lp)
 
-    def _decode_inputs(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
-                       top_p, seeds, steps) -> tuple:
-        """`_decode`'s positional inputs, then its split map (the bucket is `len(slots)`)."""
+    def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
+                     top_p, seeds, steps, forced_tokens=None,
+                     logprobs: str | None = None) -> tuple[tuple, dict]:
+        """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
         if self.ops.name == "pallas" and split_map is None:
             raise ValueError(f"no split map for decode bucket {bucket}; have "
                              f"{sorted(self.split_maps)}")
-        return (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
+        _check_logprob_mode(logprobs)
+        forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
+                  else np.asarray(forced_tokens, np.int32))
+        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
                 np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), split_map)
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced)
+        return args, dict(split_map=split_map, logprobs=logprobs,
+                          table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
-                     all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, *,
-                     split_map):
+                     all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
+                     *, split_map, logprobs, table_width):
         model = nnx.merge(self.graphdef, state)
         tokens = slot_tokens[slots]
-        block_tables = all_tables[slots]                    # [B, layers, groups, max_pages]
+        block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
         batch = tokens.shape[0]
         layout = self.layout
         g, n_groups, ps = layout.group_size, layout.num_groups, layout.page_size
@@ -418,48 +442,52 @@ class ModelRunner:
             (layer_states, jnp.swapaxes(block_tables, 0, 1), jnp.swapaxes(lengths, 0, 1),
              work_lists))
         logits = model.logits(h)[:, 0]
-        next_tokens = sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps))
+        next_tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced,
+                                         logprobs)
         # Padded rows all point at the null slot; whichever write wins there is never read.
-        return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens
+        return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens, lp
 
     # ----- sampling of prefill logits -----------------------------------------------------
     def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
-               steps) -> jax.Array:
+               steps, *, forced_tokens=None,
+               logprobs: str | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """Sample the first token of sequences whose prefill just ended (logits: list of [V],
         slots: int [n] their block-table rows, which remember the token for the next decode;
-        sampling arrays [n]). Rows are padded to a power of two (padding rows repeat row 0 and
-        write to the null slot). Returns tokens [rows] (device); the first n are the samples."""
+        sampling arrays [n]; forced_tokens and logprobs as in `decode`). Rows are padded to a
+        power of two (padding rows repeat row 0 and write to the null slot). Returns tokens
+        [rows] (device), the first n the samples (and their `TokenLogprobs` when asked)."""
+        _check_logprob_mode(logprobs)
         n = len(logits)
         pick = _pad_rows(n)
         rows = lambda x, dtype: np.asarray(x, dtype)[pick]
         padded_slots = rows(slots, np.int32)
         padded_slots[n:] = self.null_slot
-        self.slot_tokens, tokens = self._sample_rows(
+        forced = rows(np.full(n, -1) if forced_tokens is None else forced_tokens, np.int32)
+        self.slot_tokens, tokens, lp = self._sample_rows(
             self.slot_tokens, jnp.stack([logits[i] for i in pick]), padded_slots,
             rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
-            rows(seeds, np.uint32), rows(steps, np.int32))
-        return tokens
+            rows(seeds, np.uint32), rows(steps, np.int32), forced, logprobs=logprobs)
+        return tokens if logprobs is None else (tokens, lp)
 
     # ----- compile ahead -------------------------------------------------------------------
-    def _null_prefill_inputs(self, rows: int, k_pages, v_pages) -> tuple:
-        """`_prefill` inputs of `rows` one-token chunks on the null slot, whose page 0 is
-        scratch (`prefill` refuses repeated slots; the null slot may repeat: it holds nothing)."""
+    def _null_prefill_call(self, rows: int, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_prefill` inputs and static arguments of `rows` one-token chunks on the null slot,
+        whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
+        it holds nothing)."""
         zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
-        return (self.state, self.layer_states, k_pages, v_pages,
+        args = (self.state, self.layer_states, k_pages, v_pages,
                 np.zeros((rows, self.layout.chunk_size), np.int32), np.zeros(rows, np.int32),
-                np.ones(rows, np.int32), self.block_tables, np.full(rows, self.null_slot, np.int32),
-                np.stack([zeros] * rows),
+                np.ones(rows, np.int32), np.zeros(rows, np.int32), self.block_tables,
+                np.full(rows, self.null_slot, np.int32), np.stack([zeros] * rows),
                 np.stack([self.layout.chunk_keep_counts(1)] * rows).astype(np.int32))
+        return args, dict(table_width=self._table_width(self.layout.chunk_size))
 
-    def _null_decode_inputs(self, bucket: int, k_pages, v_pages) -> tuple:
-        """`_decode` inputs (and its split map) of `bucket` greedy rows on the null slot."""
-        greedy = (np.zeros(bucket, np.float32), np.full(bucket, -1, np.int32),
-                  np.ones(bucket, np.float32), np.zeros(bucket, np.uint32),
-                  np.zeros(bucket, np.int32))
-        return self._decode_inputs(k_pages, v_pages, np.zeros(bucket, np.int32),
-                                   np.full(bucket, self.null_slot, np.int32),
-                                   np.zeros((bucket, *self.layout.group_budgets.shape), np.int32),
-                                   *greedy)
+    def _null_decode_call(self, bucket: int, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
+        return self._decode_call(k_pages, v_pages, np.zeros(bucket, np.int32),
+                                 np.full(bucket, self.null_slot, np.int32),
+                                 np.zeros((bucket, *self.layout.group_budgets.shape), np.int32),
+                                 *_greedy(bucket))
 
     def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:
         """Compile (without running, and without a pool in memory) the decode step at
@@ -469,28 +497,28 @@ class ModelRunner:
         called with the same shapes."""
         pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
         rows = backend.next_power_of_2(prefill_rows)
-        *decode_args, split_map = self._null_decode_inputs(decode_bucket, pool, pool)
-        return {"decode": self._decode.lower(*decode_args, split_map=split_map).compile(),
-                "prefill": self._prefill.lower(*self._null_prefill_inputs(rows, pool, pool))
-                .compile()}
+        decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
+        prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
+        return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
+                "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
 
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
         """Compile every step shape serving can meet (decode buckets, prefill row counts,
         first-token sampling row counts) ahead of time, without running them: jit reuses these
         executables when serving meets the shapes, so nothing compiles while requests wait
-        (running the steps would add nothing but time: on a CPU the reference attention over
-        a whole block table is slow)."""
+        (running the steps would add nothing but time: on a CPU the reference attention is
+        slow)."""
         for rows in _padded_row_counts(max_prefill_rows):
-            self._prefill.lower(*self._null_prefill_inputs(rows, self.k_pages,
-                                                           self.v_pages)).compile()
+            args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages)
+            self._prefill.lower(*args, **static).compile()
         for n in _padded_row_counts(max_first_tokens):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
-                np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32),
-                np.zeros(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32)).compile()
+                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
+                logprobs=None).compile()
         for bucket in decode_buckets:
-            *args, split_map = self._null_decode_inputs(bucket, self.k_pages, self.v_pages)
-            self._decode.lower(*args, split_map=split_map).compile()
+            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+            self._decode.lower(*args, **static).compile()
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
@@ -503,6 +531,12 @@ class ModelRunner:
         jax.block_until_ready(self.block_tables)
 
 
+def _greedy(rows: int) -> tuple[np.ndarray, ...]:
+    """Sampling arrays (temperature, top_k, top_p, seeds, steps) of `rows` greedy rows."""
+    return (np.zeros(rows, np.float32), np.full(rows, -1, np.int32), np.ones(rows, np.float32),
+            np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+
 def _padded_row_counts(max_rows: int) -> list[int]:
     """Every row count `_pad_rows` makes for 1 .. max_rows rows: 1, 2, 4, ..."""
     return [1 << i for i in range(backend.next_power_of_2(max_rows).bit_length())]
@@ -513,6 +547,21 @@ def _pad_rows(n: int) -> list[int]:
     return list(range(n)) + [0] * (backend.next_power_of_2(n) - n)
 
 
-def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps):
-    tokens = sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps))
-    return slot_tokens.at[slots].set(tokens), tokens
+def _check_logprob_mode(logprobs) -> None:
+    if logprobs not in LOGPROB_MODES:
+        raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
+
+
+def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs):
+    """Each row's token (sampled, or forced where ``forced >= 0``) and, with `logprobs` set,
+    the model's log-probabilities at that row (computed here on the device)."""
+    tokens = force_tokens(sample_tokens(logits, temperature, top_k, top_p,
+                                        step_keys(seeds, steps)), forced)
+    lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
+    return tokens, lp
+
+
+def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,
+                       forced, *, logprobs):
+    tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs)
+    return slot_tokens.at[slots].set(tokens), tokens, lp

@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a running request carries (vLLM's `RequestOutputKind`).
+
+    CUMULATIVE: the whole text and token ids so far; DELTA: only what is new since the request's
+    previous output; FINAL_ONLY: nothing until the request finishes, then everything. In every
+    kind the text is only what can no longer be taken back (see `StopChecker.final_text`), so a
+    stream of outputs never shrinks.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -32,11 +49,29 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's shape): `logprob` of the model's raw
+    distribution (log_softmax of the logits), `rank` 1 = most likely, `decoded_token` its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One generated completion: text so far, its token ids, and why it ended (None: running).
 
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or context),
     "abort", or "error" (see `RequestOutput.error`).
+    stop_reason: the stop string or stop token id that ended it (None for EOS, length, abort).
+    With `RequestOutputKind.DELTA`, text, token_ids and logprobs hold only what is new.
+    logprobs: with `SamplingParams.logprobs` set, one dict per generated token: token id ->
+      `Logprob`, holding the top `logprobs` tokens and the generated one (only the generated
+      one when `logprobs` is -1); None otherwise.
+    cumulative_logprob: sum of the generated tokens' log-probabilities (with logprobs set).
+    full_logprobs: with `logprobs` -1, float32 [num_tokens, vocab]: the whole log-softmax at
+      every generated position (set in the request's final output).
     """
 
     index: int
@@ -44,6 +79,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    full_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -58,3 +96,5 @@ class RequestOutput:
     metrics: RequestMetrics
     session_id: str | None = None
     error: str | None = None
+    # Prompt tokens already in the KV cache: the session history this request continues.
+    num_cached_tokens: int = 0
