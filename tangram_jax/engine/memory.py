@@ -23,10 +23,7 @@ it what the device reports.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-
-log = logging.getLogger(__name__)
 
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_FRACTION = 0.75     # what JAX's GPU client takes when the variable is unset
@@ -79,7 +76,9 @@ def configure_allocator(gpu_memory_utilization: float) -> AllocatorSetup:
     user = _parse_fraction(os.environ.get(FRACTION_ENV))
     if backends_started():
         fraction = user or JAX_DEFAULT_FRACTION
-        note = "" if abs(fraction - gpu_memory_utilization) < 1e-9 else (
+        # A larger cap than asked is harmless (the budget takes the utilization); a smaller
+        # one bounds the pool, and the user should know why and how to change it.
+        note = "" if fraction >= gpu_memory_utilization - 1e-9 else (
             f"JAX's GPU backend started before the Engine, with its allocator capped at "
             f"{fraction:.2f} of the card ({FRACTION_ENV}="
             f"{os.environ.get(FRACTION_ENV, 'unset: JAX default 0.75')}); "
