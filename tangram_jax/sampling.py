@@ -359,11 +359,21 @@ class StopChecker:
         self._emitted = 0  # how much of _text was returned by append
         self.finished = False
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string or stop token id that ended the request (None for
+        # EOS or max_tokens).
+        self.stop_reason: str | int | None = None
 
     @property
     def text(self) -> str:
         """The output text so far (final once `finished`)."""
         return self._text if not self.finished else self._text[:self._emitted]
+
+    @property
+    def final_text(self) -> str:
+        """The text `append` has returned so far: what can no longer be taken back (a tail that
+        could still turn into a stop string, or half a UTF-8 character, is not in it). Streaming
+        this only ever grows."""
+        return self._text[:self._emitted]
 
     def append(self, token_id: int) -> str:
         if self.finished:
@@ -371,6 +381,8 @@ class StopChecker:
         token_id = int(token_id)
         self.token_ids.append(token_id)
         if token_id in self._stop_ids:
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
             return self._finish("stop", flush=True)
 
         self._ids.append(token_id)
@@ -383,6 +395,7 @@ class StopChecker:
 
         cut = find_stop(self._text, self.params.stop, start=checked)
         if cut is not None:
+            self.stop_reason = next(s for s in self.params.stop if self._text.startswith(s, cut))
             self._text = self._text[:cut]
             return self._finish("stop", flush=True)
         if len(self.token_ids) >= self.params.max_tokens:

@@ -32,6 +32,7 @@ def run(args) -> int:
     from tangram_jax.engine.config import from_cli_args
     from tangram_jax.engine.inputs import check_unicode
     from tangram_jax.engine.llm_engine import Engine
+    from tangram_jax.engine.outputs import RequestOutputKind
     from tangram_jax.sampling import SamplingParams
 
     try:
@@ -84,7 +85,8 @@ def run(args) -> int:
             ids = engine.tokenizer.apply_chat_template(messages)
             found, new_ids = engine.find_session(ids)
             request = engine.add_request(prompt_token_ids=new_ids, sampling_params=params,
-                                         session_id=found or session)
+                                         session_id=found or session,
+                                         output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             messages.pop()
             print(f"error: {e}", file=sys.stderr)
@@ -99,15 +101,15 @@ def run(args) -> int:
 
 
 def _stream(engine, request: str) -> tuple[str, str | None]:
-    """Step the engine until `request` ends, printing its text as it grows; returns the text
-    and the request's error (None if it ended normally)."""
-    shown = ""
+    """Step the engine until `request` ends, printing each new piece of its text (DELTA
+    outputs: only text that can no longer be taken back, so nothing printed is ever wrong);
+    returns the whole text and the request's error (None if it ended normally)."""
+    pieces = []
     while engine.is_live(request):
         for out in engine.step():
             if out.request_id == request:
-                answer = out.outputs[0].text
-                print(answer[len(shown):], end="", flush=True)
-                shown = answer
+                pieces.append(out.outputs[0].text)
+                print(pieces[-1], end="", flush=True)
                 if out.finished:
-                    return shown, out.error
-    return shown, None
+                    return "".join(pieces), out.error
+    return "".join(pieces), None

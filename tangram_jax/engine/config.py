@@ -30,10 +30,10 @@ import numpy as np
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
 from tangram_jax.models.config import ModelConfig
+from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
-DTYPES = ("float32", "bfloat16")
 LAYER_LOOPS = ("scan", "unrolled")
 # The per-step token budget when `max_num_batched_tokens` is not given (raised to the minimum
 # the scheduler needs when that is larger).
@@ -145,7 +145,8 @@ class EngineConfig:
     group_size: int | None = _field(None, _int_at_least(1, optional=True),
                                     "KV heads per group G (regroups the profile; default: the "
                                     "profile's)")
-    dtype: str = _field("float32", _choice(DTYPES), "model weights and KV pool dtype")
+    dtype: str = _field("auto", _choice(DTYPES), "model weights and KV pool dtype (auto: the "
+                        "checkpoint's, see models.registry)")
     page_size: int = _field(16, _int_at_least(1), "tokens per KV page")
     chunk_size: int = _field(128, _int_at_least(1),
                              "prefill compression chunk (and prefill piece size), tokens")
@@ -171,7 +172,8 @@ class EngineConfig:
                                "concurrent programs the decode kernel's split map is sized for")
     obs_window: int = _field(32, _int_at_least(1),
                              "observation window of the compression scorer (capped at chunk_size)")
-    seed: int = _field(0, _int_at_least(0), "engine seed")
+    seed: int = _field(0, _int_at_least(0), "engine seed: seeds requests that bring no seed of "
+                       "their own, per (seed, request id), as vLLM's seed")
     async_scheduling: bool = _field(
         True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
         "while the device runs step N (vLLM's async_scheduling)")
@@ -298,12 +300,14 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = f"{f.metadata['help']} (default: {shown})"
+        # A None default is described by the help itself.
+        help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
         if isinstance(f.default, bool) or f.metadata["check"].__qualname__.startswith("_flag"):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
-            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS}.get(f.name)
+            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
+                       "tail_rule": TAIL_RULES}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))

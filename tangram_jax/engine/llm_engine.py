@@ -23,6 +23,7 @@ queued, so the other requests keep being served.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
@@ -34,7 +35,8 @@ import numpy as np
 from tangram_jax.engine import inputs
 from tangram_jax.engine.config import EngineConfig, resolve_profile
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
-from tangram_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                                        RequestOutputKind)
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map
@@ -59,6 +61,10 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_cached_tokens: int = 0   # session history this request continues
+    sent_chars: int = 0    # text already handed out (DELTA)
+    sent_tokens: int = 0   # token ids (and logprobs) already handed out (DELTA)
     forced: list[int] | None = None     # teacher forcing: the output tokens (`add_request`)
     # With params.logprobs set: one dict per accepted token, their sum, and (logprobs -1) the
     # whole log-softmax row of every accepted token.
@@ -111,7 +117,7 @@ class Engine:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
         cfg.check()   # before the model loads: a bad combination is reported at once
-        loaded = load_model(cfg.model, dtype=jnp.dtype(cfg.dtype))
+        loaded = load_model(cfg.model, dtype=cfg.dtype)
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -152,7 +158,8 @@ class Engine:
                     messages: SequenceABC[dict] | None = None,
                     sampling_params: SamplingParams | None = None,
                     session_id: str | None = None,
-                    forced_token_ids: SequenceABC[int] | None = None) -> str:
+                    forced_token_ids: SequenceABC[int] | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Queue a request; returns its id (given, or a fresh one no live request uses). Give
         exactly one of `prompt` (text), `prompt_token_ids` or `messages` (chat, templated here).
         With `session_id`, the request is the next turn of that session: its tokens are
@@ -163,11 +170,13 @@ class Engine:
         end it earlier), while `SamplingParams.logprobs` reports the model's own distribution
         at each position. The forcing happens on the device, in the sampler.
 
+        output_kind: what `step` reports for it (see `RequestOutputKind`).
+
         Raises TypeError / ValueError naming the argument before anything is queued."""
         return self.enqueue(self.check_request(
             request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             sampling_params=sampling_params, session_id=session_id,
-            forced_token_ids=forced_token_ids))
+            forced_token_ids=forced_token_ids), output_kind=output_kind)
 
     def check_request(self, request_id: str | None = None, prompt: str | None = None, *,
                       prompt_token_ids: SequenceABC[int] | None = None,
@@ -219,8 +228,12 @@ class Engine:
                                      self._live_session(session_id))
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
-    def enqueue(self, prepared: "PreparedRequest") -> str:
-        """Queue a request `check_request` accepted; returns its id."""
+    def enqueue(self, prepared: "PreparedRequest",
+                output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+        """Queue a request `check_request` accepted; returns its id. `output_kind`: what `step`
+        reports for it (see `RequestOutputKind`)."""
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         request_id = prepared.request_id
         if request_id is None:
             request_id = self._fresh_id()
@@ -230,21 +243,34 @@ class Engine:
         if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
             stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
                                               ignore_eos=True, stop=None, stop_token_ids=())
+        history = 0   # tokens of the session this request continues (already cached)
         if session_id is not None:
             seq = self._sessions.get(session_id)
             if seq is not None and seq.status.is_done:
                 del self._sessions[session_id]
+            elif seq is not None:
+                history = seq.num_tokens
         now = time.perf_counter()
         seq = self.scheduler.add_request(request_id, ids, params, session_id=session_id,
                                          arrival_time=now)
         if session_id is not None:
             self._sessions[session_id] = seq
         self._requests[request_id] = _Request(
-            seq=seq, params=params, seed=resolve_seed(params),
+            seq=seq, params=params, seed=self._request_seed(request_id, params),
             stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
             prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
-            forced=prepared.forced_token_ids)
+            forced=prepared.forced_token_ids, output_kind=output_kind,
+            num_cached_tokens=history)
         return request_id
+
+    def _request_seed(self, request_id: str, params: SamplingParams) -> int:
+        """The request's own seed, else one derived from `EngineConfig.seed` and the request id
+        (vLLM's engine `seed`: the same request sampled again, in this engine or another with the
+        same seed, draws the same tokens whatever else is batched with it)."""
+        if params.seed is not None:
+            return resolve_seed(params)
+        digest = hashlib.sha256(f"{int(self.config.seed)}:{request_id}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
 
     def _fresh_id(self) -> str:
         """An id no live request has (a caller may have chosen "request-N" itself)."""
@@ -310,6 +336,12 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def stream(self):
+        """Step until every request has finished, yielding each output as it comes (an
+        iterator for a loop that owns the engine; `AsyncEngine` for an event loop)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
 
     # ----- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -463,7 +495,9 @@ class Engine:
                     if seq.status.is_running or seq.status is SequenceStatus.WAITING:
                         self.scheduler.finish(seq.request_id)
                     del self._requests[seq.request_id]
-                outputs[seq.request_id] = self._output(req, reason)
+                output = self._output(req, reason)
+                if output is not None:   # None: a running FINAL_ONLY request
+                    outputs[seq.request_id] = output
             except Exception as e:   # noqa: BLE001 - isolate any failure to its own request
                 outputs[seq.request_id] = self._end_with_error(req, e)
         return outputs
@@ -547,24 +581,39 @@ class Engine:
                 r.error = f"sampling parameters could not be used ({type(e).__name__}: {e})"
         return t, k, p, seeds
 
-    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput:
-        if finish_reason is not None:
+    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput | None:
+        """The request's output after this step: only text that can no longer be taken back
+        (`StopChecker.final_text`), in the request's `output_kind`; None for a running
+        FINAL_ONLY request."""
+        finished = finish_reason is not None
+        if finished:
             req.metrics.finished_time = time.perf_counter()
-        completion = CompletionOutput(0, req.stop.text, list(req.stop.token_ids), finish_reason)
+        elif req.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        # Once finished nothing can be taken back: a tail held back for a stop string that never
+        # came (the engine ended it: context length, abort) is final too.
+        text = req.stop.text if finished else req.stop.final_text
+        token_ids, logprobs = req.stop.token_ids, req.logprobs
+        if req.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = text[req.sent_chars:], token_ids[req.sent_tokens:]
+            logprobs = logprobs[req.sent_tokens:]
+            req.sent_chars += len(text)
+            req.sent_tokens += len(token_ids)
+        completion = CompletionOutput(0, text, list(token_ids), finish_reason,
+                                      req.stop.stop_reason if finished else None)
         if req.params.logprobs is not None:
-            completion.logprobs = list(req.logprobs)
+            completion.logprobs = list(logprobs)
             completion.cumulative_logprob = req.cumulative_logprob
             # Stacked once, at the end ([tokens, vocab] per step would copy quadratically).
-            if req.params.logprobs == -1 and finish_reason is not None:
+            if req.params.logprobs == -1 and finished:
                 completion.full_logprobs = (
                     np.stack(req.full_logprobs).astype(np.float32) if req.full_logprobs
                     else np.zeros((0, self.model_config.vocab_size), np.float32))
         return RequestOutput(
             request_id=req.seq.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finish_reason is not None, metrics=req.metrics,
-            session_id=req.seq.session_id)
+            prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
+            metrics=req.metrics, session_id=req.seq.session_id,
+            num_cached_tokens=req.num_cached_tokens)
 
     # ----- reports -----------------------------------------------------------------------
     def kv_usage(self) -> dict:
