@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm", default=None, help="path of the `vllm` executable (its own venv); "
                    "omit to measure tangram-jax only")
-    p.add_argument("--hf-folder", default=str(Path.home() / ".cache" / "tangram_jax" /
+    p.add_argument("--hf-folder", default=str(Path.home() / ".cache" / "tangram_jax_peers" /
                                              "smollm2-hf-f32"))
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=2)
