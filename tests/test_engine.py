@@ -134,6 +134,15 @@ def test_multi_turn_chat_pages_are_exactly_the_reservation():
     assert manager.pool.num_used == 0
 
 
+def test_pool_size_and_startup_times_are_reported(full_llm):
+    engine = full_llm.engine
+    pool = engine.kv_usage()["pool"]
+    assert pool["sized_by"] == "kv_cache_tokens" and "plan" not in pool   # CPU: no GPU sizing
+    assert pool["full_kv_tokens"] == SMALL["kv_cache_tokens"]
+    assert pool["bytes"] == pool["num_pages"] * engine.runner.kv_bytes_per_page
+    assert set(engine.startup_seconds) == {"load_model", "build", "warmup", "total"}
+
+
 def test_abort_mid_decode_returns_all_pages(full_llm):
     engine = full_llm.engine
     free0 = engine.manager.num_free_pages
