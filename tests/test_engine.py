@@ -31,13 +31,14 @@ PROMPTS = [
 ]
 
 
-def _identity_budget_profile(model_config, group_size: int) -> BudgetProfile:
+def _identity_budget_profile(model_config, group_size: int,
+                             method: str = "snapkv") -> BudgetProfile:
     """Every budget 1 (nothing dropped), heads in a non-trivial (reversed) order."""
     layers, heads = model_config.num_layers, model_config.num_kv_heads
     ones = np.ones((layers, heads))
     perm = np.tile(np.arange(heads)[::-1], (layers, 1))
     return BudgetProfile(
-        model=dict(model_config.fingerprint(), name="smollm2"), method="snapkv", rho=1.0,
+        model=dict(model_config.fingerprint(), name="smollm2"), method=method, rho=1.0,
         lambda_=2.0, mean=ones, std=np.zeros_like(ones), budget=ones, group_size=group_size,
         grouping="budget", head_perm=perm, group_budgets=np.ones((layers, heads // group_size)))
 
@@ -57,8 +58,12 @@ def test_rho_one_tangram_equals_full_and_dense_reference(full_llm):
 
     cfg = full_llm.engine.model_config
     # Waiting for every step's tokens (no asynchronous scheduling) must not change them either.
-    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1),
+    # (A profile calibrated with KeyDiff is served with KeyDiff: tests/test_engine_runner.py
+    # checks what that scorer keeps; budgets of 1 keep everything whatever the scorer.)
+    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1,
+                                                                   method="keydiff"),
                   async_scheduling=False, **SMALL)
+    assert tangram.engine.runner.runner_config.method == "keydiff"
     assert tangram.engine.layout.num_groups == cfg.num_kv_heads
     ours = [o.outputs[0].token_ids for o in tangram.generate(prompts, GREEDY, use_tqdm=False)]
 
@@ -127,6 +132,15 @@ def test_multi_turn_chat_pages_are_exactly_the_reservation():
     for out in outs:
         llm.end_session(out.session_id)
     assert manager.pool.num_used == 0
+
+
+def test_pool_size_and_startup_times_are_reported(full_llm):
+    engine = full_llm.engine
+    pool = engine.kv_usage()["pool"]
+    assert pool["sized_by"] == "kv_cache_tokens" and "plan" not in pool   # CPU: no GPU sizing
+    assert pool["full_kv_tokens"] == SMALL["kv_cache_tokens"]
+    assert pool["bytes"] == pool["num_pages"] * engine.runner.kv_bytes_per_page
+    assert set(engine.startup_seconds) == {"load_model", "build", "warmup", "total"}
 
 
 def test_abort_mid_decode_returns_all_pages(full_llm):

@@ -38,6 +38,7 @@ LAYER_LOOPS = ("scan", "unrolled")
 # The per-step token budget when `max_num_batched_tokens` is not given (raised to the minimum
 # the scheduler needs when that is larger).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 
 
 class EngineConfigError(ValueError):
@@ -101,6 +102,14 @@ def _path_or(allowed: str, *objects: type) -> Callable[[str, Any], Any]:
     return check
 
 
+def _cache_folder(name, value):
+    """None, or a folder path ('' and 'off' turn the cache off: `engine/compile_cache.py`)."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise EngineConfigError(f"{name} must be a folder path, '' / 'off' or None, got "
+                                f"{value!r}")
+    return value
+
+
 _model = _path_or("None (the embedded model), a model name, a Hugging Face folder or a .gguf path")
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
@@ -153,9 +162,11 @@ class EngineConfig:
     num_pages: int | None = _field(None, _int_at_least(2, optional=True),
                                    "KV pool pages (page 0 is the null page); default: sized from "
                                    "--kv-cache-tokens")
-    kv_cache_tokens: int = _field(16384, _int_at_least(1),
-                                  "full-KV tokens' worth of memory the pool gets when --num-pages "
-                                  "is not given (the same bytes in every mode)")
+    kv_cache_tokens: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        "full-KV tokens' worth of memory the pool gets when --num-pages is not given (the same "
+        "bytes in every mode); default: on a GPU what --gpu-memory-utilization leaves after the "
+        f"weights and the largest step (engine/memory.py), elsewhere {DEFAULT_KV_CACHE_TOKENS}")
     max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
     max_num_batched_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),
@@ -186,6 +197,13 @@ class EngineConfig:
     warmup: bool | None = _field(None, _flag(optional=True),
                                  "compile every step shape when the engine is built (default: on "
                                  "a GPU only)")
+    gpu_memory_utilization: float = _field(
+        0.9, _fraction, "share of the GPU the engine may use (vLLM's meaning): sets JAX's "
+        "allocator cap when the engine starts JAX's GPU backend, and sizes the KV pool when "
+        "neither --num-pages nor --kv-cache-tokens is given")
+    compile_cache_dir: str | None = _field(
+        None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
+        "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
     tail_rule: str = _field("window", _choice(TAIL_RULES),
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
@@ -353,13 +371,21 @@ def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool
                                chunk_size=cfg.chunk_size, name=cfg.mode)
 
 
+def pool_is_fixed(cfg: EngineConfig) -> bool:
+    """Whether the user fixed the pool (`num_pages` or `kv_cache_tokens`); else a GPU sizes it
+    from `gpu_memory_utilization`."""
+    return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
+
+
 def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -> int:
-    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens.
+    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens
+    (DEFAULT_KV_CACHE_TOKENS when None; on a GPU the engine sizes the pool instead).
 
     A page of G heads holds ``page_size * G`` head-token slots; a full-KV token needs
     ``layers * kv_heads`` of them. Plus the null page 0.
     """
     if cfg.num_pages is not None:
         return cfg.num_pages
-    slots = cfg.kv_cache_tokens * model_config.num_layers * model_config.num_kv_heads
+    tokens = cfg.kv_cache_tokens if cfg.kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
+    slots = tokens * model_config.num_layers * model_config.num_kv_heads
     return int(np.ceil(slots / (layout.page_size * layout.group_size))) + 1

@@ -134,7 +134,8 @@ class ModelRunner:
       model: the decoder (its KV heads are permuted in place to `layout.head_perm`).
       config: the model's config.
       layout: the KV layout (groups, budgets, page and chunk size).
-      num_pages: pool pages (page 0 is the null page padded rows read and write).
+      num_pages: pool pages (page 0 is the null page padded rows read and write); None: no
+        pool until `allocate_pool` (the engine sizes it after compiling the largest steps).
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
@@ -143,7 +144,7 @@ class ModelRunner:
       ops: attention implementations (default: by backend).
     """
 
-    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int,
+    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int | None,
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
@@ -169,11 +170,11 @@ class ModelRunner:
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
-        dtype = jnp.dtype(kv_dtype or model.dtype)
-        shape = (int(num_pages), layout.group_size, layout.page_size, layout.head_dim)
-        self.k_pages = jnp.zeros(shape, dtype)
-        self.v_pages = jnp.zeros(shape, dtype)
-        self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
+        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
+        self.k_pages = self.v_pages = None
+        if num_pages is not None:
+            self.allocate_pool(num_pages)
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
@@ -190,6 +191,18 @@ class ModelRunner:
                                donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
+
+    # ----- the pool ----------------------------------------------------------------------
+    def pool_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """``[num_pages, G, page_size, head_dim]``: the shape of `k_pages` and of `v_pages`."""
+        return (int(num_pages), self.layout.group_size, self.layout.page_size,
+                self.layout.head_dim)
+
+    def allocate_pool(self, num_pages: int) -> None:
+        """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
+        self.k_pages = self.v_pages = None         # the old pool's memory goes first
+        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
+        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -280,9 +293,17 @@ class ModelRunner:
                                  f"tokens, got {p}")
         return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected)
 
-    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected,
-                     num_tokens=None):
-        """`prefill` without the checks; `num_tokens` forces the flat-token bucket (warm-up)."""
+    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected):
+        """`prefill` without the checks."""
+        args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
+                                          num_protected, None, self.k_pages, self.v_pages)
+        self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
+        return logits, kept
+
+    def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                      num_tokens, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_prefill`'s inputs and static arguments for these rows; `num_tokens` forces the
+        flat-token bucket of whole rows (warm-up)."""
         n_rows = len(tokens)
         rows = backend.next_power_of_2(n_rows)
         layout = self.layout
@@ -323,11 +344,9 @@ class ModelRunner:
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(hist, 0, 1), num_tokens=num_tokens,
             num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size))
-        self.k_pages, self.v_pages, logits, kept = self._prefill(
-            self.state, self.layer_states, self.k_pages, self.v_pages, flat, positions,
-            row_starts, lens, protected, self.block_tables, row_slots, hist, keep, items,
-            table_width=self._table_width(int(hist.max()) + int(lens.max())))
-        return logits, kept
+        args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
+                lens, protected, self.block_tables, row_slots, hist, keep, items)
+        return args, dict(table_width=self._table_width(int(hist.max()) + int(lens.max())))
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray,
@@ -448,6 +467,17 @@ class ModelRunner:
         `LOGPROB_MODES`. Returns next tokens [B] (device), and with `logprobs` set also their
         `TokenLogprobs` (device arrays, the model's distribution at each row).
         """
+        args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
+                                         temperature, top_k, top_p, seeds, steps,
+                                         forced_tokens, logprobs)
+        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
+            *args, **static)
+        return next_tokens if logprobs is None else (next_tokens, lp)
+
+    def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
+                     top_p, seeds, steps, forced_tokens=None,
+                     logprobs: str | None = None) -> tuple[tuple, dict]:
+        """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
         if self.ops.name == "pallas" and split_map is None:
@@ -456,15 +486,13 @@ class ModelRunner:
         _check_logprob_mode(logprobs)
         forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
                   else np.asarray(forced_tokens, np.int32))
-        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
-            self.state, self.layer_states, self.k_pages, self.v_pages, self.slot_tokens,
-            np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
-            np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
-            np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-            np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced,
-            split_map=split_map, logprobs=logprobs,
-            table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
-        return next_tokens if logprobs is None else (next_tokens, lp)
+        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
+                np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
+                np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
+                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced)
+        return args, dict(split_map=split_map, logprobs=logprobs,
+                          table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
@@ -534,29 +562,78 @@ class ModelRunner:
         return tokens if logprobs is None else (tokens, lp)
 
     # ----- compile ahead -------------------------------------------------------------------
-    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
-        """Compile every step shape serving can meet (decode buckets, prefill row counts and, for
-        whole rows, every flat-token bucket; first-token sampling row counts) by running each
-        once on the null slot, whose page 0 is scratch: nothing compiles while requests wait."""
-        null = self.null_slot
+    def _null_prefill_call(self, rows: int, k_pages, v_pages,
+                           num_tokens: int | None = None) -> tuple[tuple, dict]:
+        """`_prefill` inputs and static arguments of `rows` one-token rows on the null slot,
+        whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
+        it holds nothing), over a flat axis of `num_tokens` (whole rows; default the largest
+        bucket)."""
         zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
-        greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
-                            np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
+        if self.prefill_whole_rows and num_tokens is None:
+            num_tokens = self.prefill_token_buckets(rows)[-1]
+        return self._prefill_args([np.zeros(1, np.int32)] * rows, [0] * rows,
+                                  [self.null_slot] * rows, [zeros] * rows, [0] * rows,
+                                  num_tokens, k_pages, v_pages)
+
+    def _null_decode_call(self, bucket: int, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
+        return self._decode_call(k_pages, v_pages, np.zeros(bucket, np.int32),
+                                 np.full(bucket, self.null_slot, np.int32),
+                                 np.zeros((bucket, *self.layout.group_budgets.shape), np.int32),
+                                 *_greedy(bucket))
+
+    def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:
+        """Compile (without running, and without a pool in memory) the decode step at
+        `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
+        pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
+        `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
+        called with the same shapes."""
+        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
+        rows = backend.next_power_of_2(prefill_rows)
+        decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
+        prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
+        return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
+                "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
+
+    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
+        """Compile every step shape serving can meet (decode buckets, prefill row counts and,
+        for whole rows, flat-token buckets; first-token sampling row counts) ahead of time, without running them: jit reuses these
+        executables when serving meets the shapes, so nothing compiles while requests wait
+        (running the steps would add nothing but time: on a CPU the reference attention is
+        slow)."""
         for rows in _padded_row_counts(max_prefill_rows):
-            buckets = self.prefill_token_buckets(rows) if self.prefill_whole_rows else [None]
+            # Whole rows: every flat-token bucket a call of `rows` rows can meet.
+            buckets = [b for b in self.prefill_token_buckets(rows)
+                       if b >= rows * row_alignment(PREFILL_TUNING)] \
+                if self.prefill_whole_rows else [None]
             for num_tokens in buckets:
-                if num_tokens is not None and num_tokens < rows * row_alignment(PREFILL_TUNING):
-                    continue
-                # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
-                logits, _ = self._run_prefill([np.zeros(1, np.int32)] * rows, [0] * rows,
-                                              [null] * rows, [zeros] * rows, [0] * rows,
-                                              num_tokens)
+                args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                       num_tokens)
+                self._prefill.lower(*args, **static).compile()
         for n in _padded_row_counts(max_first_tokens):
-            self.sample([logits[0]] * n, [null] * n, *greedy(n))
+            self._sample_rows.lower(
+                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
+                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
+                logprobs=None).compile()
         for bucket in decode_buckets:
-            self.decode(np.zeros(bucket, np.int32), np.full(bucket, null, np.int32),
-                        np.zeros((bucket, *zeros.shape), np.int32), *greedy(bucket))
-        jax.block_until_ready((self.k_pages, self.slot_tokens))
+            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+            self._decode.lower(*args, **static).compile()
+        # The small ops between the steps, run once: a row of the prefill logits, a stack of
+        # rows for `sample`, a block-table write (all dropped: out of range).
+        for rows in _padded_row_counts(max_prefill_rows):
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32)[0]
+        for n in _padded_row_counts(max_first_tokens):
+            jnp.stack([row] * n)
+        self.block_tables = self._apply_table_updates(
+            self.block_tables, np.full(64, self.block_tables.size, np.int32),
+            np.zeros(64, np.int32))
+        jax.block_until_ready(self.block_tables)
+
+
+def _greedy(rows: int) -> tuple[np.ndarray, ...]:
+    """Sampling arrays (temperature, top_k, top_p, seeds, steps) of `rows` greedy rows."""
+    return (np.zeros(rows, np.float32), np.full(rows, -1, np.int32), np.ones(rows, np.float32),
+            np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
 
 
 def _padded_row_counts(max_rows: int) -> list[int]:

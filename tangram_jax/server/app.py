@@ -89,13 +89,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, model_name)
-        _check_supported(body.unsupported())
-        try:
-            prompts = body.prompts()
-            params = body.sampling_params(body.max_tokens)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+        prompts, params = _accept(body, model_name, body.prompts, body.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [_generate(async_engine, metrics, f"{request_id}-{i}", sampling_params=params, **p)
                    for i, p in enumerate(prompts)]
@@ -113,13 +107,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, model_name)
-        _check_supported(body.unsupported())
-        try:
-            messages = body.engine_messages()
-            params = body.sampling_params(body.requested_max_tokens)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+        messages, params = _accept(body, model_name, body.engine_messages,
+                                   body.requested_max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = _generate(async_engine, metrics, request_id, sampling_params=params,
                            messages=messages, fill_context=body.requested_max_tokens is None)
@@ -332,12 +321,16 @@ def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+def _accept(body, served: str, engine_input, max_tokens: int | None):
+    """(engine input, SamplingParams) of a request body, or the APIError that refuses it: 404
+    for another model, 400 for an unsupported field or a bad value."""
+    if body.model is not None and body.model != served:
+        raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                             f"`{served}`", "NotFoundError", param="model")
-
-
-def _check_supported(unsupported: list[str]) -> None:
+    unsupported = body.unsupported()
     if unsupported:
         raise APIError(400, f"not supported by this server yet: {', '.join(unsupported)}")
+    try:
+        return engine_input(), body.sampling_params(max_tokens)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
