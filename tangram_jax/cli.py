@@ -2,21 +2,37 @@
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their command runs, so `--help` stays fast.
+
+Exit status: 0 done; 2 a user error (bad flag or input, unusable file), reported as one line on
+stderr; 130 interrupted (Ctrl-C), with no traceback and no partial output file.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import os
 import sys
 
 COMMANDS = {
     "run": "tangram_jax.commands.run",
     "generate": "tangram_jax.commands.generate",
     "chat": "tangram_jax.commands.chat",
+    "serve": "tangram_jax.commands.serve",
     "calibrate": "tangram_jax.commands.calibrate",
     "bench": "tangram_jax.commands.bench",
 }
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, what a shell reports for a Ctrl-C'd program
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (`tangram-jax run: error: ...`), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _available() -> dict[str, str]:
@@ -25,7 +41,20 @@ def _available() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Outputs are written atomically and caches renamed into place (their `finally` blocks
+        # ran while the interrupt unwound), so nothing half-written is left. Leave at once:
+        # tearing down the interpreter with XLA's threads mid-computation can crash it.
+        print("\ntangram-jax: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+
+def _main(argv: list[str]) -> int:
+    parser = _Parser(
         prog="tangram-jax",
         description="Serve LLMs with non-uniform (head-wise) KV-cache compression on JAX/Pallas.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -42,20 +71,27 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_parser(name, help=_one_line_help(mod_name), add_help=False)
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 2
-    return int(modules[args.command].run(args) or 0)
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from tangram_jax.commands import UsageError
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except UsageError as e:
+        print(f"tangram-jax {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _one_line_help(mod_name: str) -> str:
+    """The module's HELP constant, read from its source (importing it would import JAX, which
+    `--help` should not wait for); HELP may span lines (implicitly joined string literals)."""
     spec = importlib.util.find_spec(mod_name)
-    # Read the HELP constant from source to avoid importing the module (and JAX) for --help.
     with open(spec.origin, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("HELP = "):
-                return line[len("HELP = "):].strip().strip("\"'")
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "HELP" for t in node.targets):
+            return ast.literal_eval(node.value)
     return ""
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -24,24 +24,145 @@ import numpy as np
 
 # Most top log-probs a request may ask for per position (vLLM's default limit).
 MAX_TOP_LOGPROBS = 20
+# Largest value a per-row int32 sampling array holds (top_k, token ids).
+_INT32_MAX = 2**31 - 1
+# float32's largest finite value: temperature and top_p travel to the device as float32.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Below this a temperature overflows the scaled logits (vLLM clamps to the same floor).
+MIN_TEMPERATURE = 1e-2
 
 
-@dataclasses.dataclass
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value) -> bool:
+    return _is_int(value) or isinstance(value, (float, np.floating))
+
+
+def _number(name: str, value) -> float:
+    """A real number (Python or numpy scalar, not bool), as a Python float."""
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _integer(name: str, value) -> int:
+    """An integer (Python or numpy scalar, not bool), as a Python int."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _check_temperature(value) -> float:
+    t = _number("temperature", value)
+    if t != 0 and not MIN_TEMPERATURE <= t <= _FLOAT32_MAX:
+        raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                         f"{_FLOAT32_MAX:.3g}], got {t}")
+    return t
+
+
+def _check_top_p(value) -> float:
+    p = _number("top_p", value)
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    return p
+
+
+def _check_top_k(value) -> int:
+    k = _integer("top_k", value)
+    if not -1 <= k <= _INT32_MAX:
+        raise ValueError(f"top_k must be -1 or 0 (disabled) or a number of tokens in [1, "
+                         f"{_INT32_MAX}] (at most the vocabulary, checked by the engine), got {k}")
+    return k
+
+
+def _check_max_tokens(value) -> int:
+    n = _integer("max_tokens", value)
+    if n < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {n}")
+    return n
+
+
+def _check_seed(value) -> int | None:
+    if value is None:
+        return None
+    s = _integer("seed", value)
+    if s < 0:
+        raise ValueError(f"seed must be an int >= 0 or None, got {s}")
+    return s
+
+
+def _check_stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"stop must be a string or a list of strings, got "
+                        f"{type(value).__name__}")
+    stop = tuple(value)
+    for s in stop:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must be a string or a list of strings, got {s!r} in it")
+        if s == "":
+            raise ValueError("stop strings must be non-empty, got ''")
+        _check_unicode(f"stop string {s!r}", s)
+    return stop
+
+
+def _check_stop_token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"stop_token_ids must be a list of token ids, got {type(value).__name__}")
+    ids = tuple(value)
+    for t in ids:
+        if not _is_int(t) or not 0 <= t <= _INT32_MAX:
+            raise ValueError(f"stop_token_ids must be token ids (ints in [0, vocabulary)), got "
+                             f"{t!r} in {list(ids)!r}")
+    return tuple(int(t) for t in ids)
+
+
+def _check_ignore_eos(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"ignore_eos must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _check_unicode(what: str, text: str) -> None:
+    """Refuse lone surrogates (text no tokenizer can encode and no UTF-8 stream can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {e.object[e.start:e.end]!r} at index "
+                         f"{e.start} is a lone surrogate") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling parameters (same names and meanings as vLLM's).
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it (>= 0.01).
     top_p: nucleus mass in (0, 1]; 1 disables.
-    top_k: keep the k most likely tokens; -1 or 0 disables.
+    top_k: keep the k most likely tokens; -1 or 0 disables (the engine refuses k > vocabulary).
     max_tokens: most tokens to generate (>= 1).
     seed: PRNG seed for this request; None draws a fresh one (see `resolve_seed`).
     stop: string(s) that end generation; the text is cut before the stop string.
-    stop_token_ids: token ids that end generation (in addition to EOS unless `ignore_eos`).
+    stop_token_ids: token ids that end generation (in addition to EOS unless `ignore_eos`); the
+      engine refuses ids outside the model's vocabulary.
     ignore_eos: keep generating past the model's EOS token(s).
     logprobs: None (off); 0..20: the log-probabilities of the top `logprobs` tokens at every
       generated position plus the sampled token's (vLLM's semantics); -1: the whole vocabulary.
       They are the model's raw distribution, ``log_softmax(logits)``, before temperature, top-k
       and top-p (vLLM's default).
+
+    Validated once, on construction (each field by its entry in `_FIELD_CHECKS`, which also
+    normalises: numpy scalars become Python numbers, `stop` and `stop_token_ids` tuples), and
+    immutable afterwards: `dataclasses.replace(params, max_tokens=32)` makes a validated copy.
     """
 
     temperature: float = 1.0
@@ -50,60 +171,41 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int | None = None
     stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] = ()
+    stop_token_ids: Sequence[int] | None = ()
     ignore_eos: bool = False
     logprobs: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise TypeError(f"top_p must be a number, got {self.top_p!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
-            raise TypeError(f"top_k must be an int, got {self.top_k!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):
-            raise TypeError(f"max_tokens must be an int, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
-            if self.seed < 0:
-                raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        for s in self.stop:
-            if not isinstance(s, str):
-                raise TypeError(f"stop must be a string or a list of strings, got {s!r} in it")
-            if s == "":
-                raise ValueError("stop strings must be non-empty")
-        ids = list(self.stop_token_ids or ())
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
-        self.stop_token_ids = [int(t) for t in ids]
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, (int, np.integer)):
-                raise TypeError(f"logprobs must be an int or None, got {self.logprobs!r}")
-            if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"logprobs must be None, -1 (whole vocabulary) or 0.."
-                                 f"{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        for name, check in _FIELD_CHECKS.items():
+            object.__setattr__(self, name, check(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_logprobs(value) -> int | None:
+    if value is None:
+        return None
+    k = _integer("logprobs", value)
+    if not -1 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be None, -1 (whole vocabulary) or 0..{MAX_TOP_LOGPROBS}, "
+                         f"got {k}")
+    return k
+
+
+# One entry per field: the check that validates and normalises it (a new field adds its entry).
+_FIELD_CHECKS: dict[str, Callable] = {
+    "temperature": _check_temperature,
+    "top_p": _check_top_p,
+    "top_k": _check_top_k,
+    "max_tokens": _check_max_tokens,
+    "seed": _check_seed,
+    "stop": _check_stop,
+    "stop_token_ids": _check_stop_token_ids,
+    "ignore_eos": _check_ignore_eos,
+    "logprobs": _check_logprobs,
+}
 
 
 def resolve_seed(params: SamplingParams) -> int:
@@ -257,11 +359,21 @@ class StopChecker:
         self._emitted = 0  # how much of _text was returned by append
         self.finished = False
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string or stop token id that ended the request (None for
+        # EOS or max_tokens).
+        self.stop_reason: str | int | None = None
 
     @property
     def text(self) -> str:
         """The output text so far (final once `finished`)."""
         return self._text if not self.finished else self._text[:self._emitted]
+
+    @property
+    def final_text(self) -> str:
+        """The text `append` has returned so far: what can no longer be taken back (a tail that
+        could still turn into a stop string, or half a UTF-8 character, is not in it). Streaming
+        this only ever grows."""
+        return self._text[:self._emitted]
 
     def append(self, token_id: int) -> str:
         if self.finished:
@@ -269,6 +381,8 @@ class StopChecker:
         token_id = int(token_id)
         self.token_ids.append(token_id)
         if token_id in self._stop_ids:
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
             return self._finish("stop", flush=True)
 
         self._ids.append(token_id)
@@ -281,6 +395,7 @@ class StopChecker:
 
         cut = find_stop(self._text, self.params.stop, start=checked)
         if cut is not None:
+            self.stop_reason = next(s for s in self.params.stop if self._text.startswith(s, cut))
             self._text = self._text[:cut]
             return self._finish("stop", flush=True)
         if len(self.token_ids) >= self.params.max_tokens:

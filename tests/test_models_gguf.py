@@ -6,6 +6,7 @@ one tensor Q8_0-quantized. Reading it back must give the original HF state dict.
 """
 
 import importlib.util
+import json
 import os
 import time
 
@@ -182,7 +183,9 @@ def test_load_model_caches_converted_params(tiny, tmp_path):
     assert second.config == first.config
     text = "héllo <|im_start|>x 12"
     assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
-    assert second.tokenizer.chat_format == "chatml" and second.tokenizer.eos_token_ids == (2,)
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
+    assert second.tokenizer.special_tokens == first.tokenizer.special_tokens
+    assert second.tokenizer.eos_token_ids == (2,)
     # The GGUF path (with the un-permutation) gives the same logits as the HF weights directly.
     config = ModelConfig.from_hf_dict(HF_CONFIG)
     exact = dict(sd)
@@ -281,13 +284,53 @@ def test_hf_folder_and_gguf_load_the_same_model(tmp_path):
     save_file(sd, str(folder / "model.safetensors"))
     from_gguf.tokenizer.backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    from_hf = load_model(folder)
+    cache = tmp_path / "cache"
+    from_hf = load_model(folder, cache_dir=cache)
     assert from_hf.config == from_gguf.config and from_hf.name == str(folder)
-    assert from_hf.tokenizer.eos_token_ids == (2,) and from_hf.tokenizer.chat_format == "chatml"
+    assert from_hf.tokenizer.eos_token_ids == (2,)
+    assert from_hf.tokenizer.special_tokens == {"eos_token": "<|im_end|>"}
     messages = [{"role": "user", "content": "héllo 42"}]
     assert from_hf.tokenizer.apply_chat_template(messages) == from_gguf.tokenizer.apply_chat_template(messages)
     ids = [7, 8, 9, 250]
     np.testing.assert_allclose(_logits(from_hf.model, ids), _logits(from_gguf.model, ids), atol=1e-6)
+    # HF folders are cached as GGUF files are: the second load restores the entry.
+    (entry,) = cache.iterdir()
+    assert json.loads((entry / "manifest.json").read_text())["fingerprint"]["source"] == str(folder.resolve())
+    again = load_model(folder, cache_dir=cache)
+    assert again.tokenizer.apply_chat_template(messages) == from_hf.tokenizer.apply_chat_template(messages)
+    np.testing.assert_array_equal(_logits(again.model, ids), _logits(from_hf.model, ids))
+    # Editing any file the load reads (here the chat template) invalidates the entry.
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'x' }}", "eos_token": "<|im_end|>"}))
+    edited = load_model(folder, cache_dir=cache)
+    assert edited.tokenizer.chat_template == "{{ 'x' }}" and len(list(cache.iterdir())) == 1
+
+
+def test_dtype_auto_is_the_checkpoints(tmp_path):
+    """dtype="auto" (the default) loads a HF folder in its stored dtype; a quantized GGUF in float32."""
+    import json
+
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    sd = _hf_state_dict(seed=2)
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf", sd)
+    tokenizer = load_model(gguf_path, use_cache=False).tokenizer
+    assert load_model(gguf_path, use_cache=False).model.embed_tokens[...].dtype == jnp.float32
+    for stored, config_says, expected in [(np.float32, None, jnp.float32),
+                                          (ml_dtypes.bfloat16, None, jnp.bfloat16),
+                                          (np.float16, "float16", jnp.bfloat16),
+                                          (np.float32, "bfloat16", jnp.bfloat16)]:
+        folder = tmp_path / f"hf-{np.dtype(stored).name}-{config_says}"
+        folder.mkdir()
+        config = dict(HF_CONFIG, **({"torch_dtype": config_says} if config_says else {}))
+        (folder / "config.json").write_text(json.dumps(config))
+        save_file({k: v.astype(stored) for k, v in sd.items()}, str(folder / "model.safetensors"))
+        tokenizer.backend.save(str(folder / "tokenizer.json"))
+        loaded = load_model(folder, use_cache=False)
+        assert loaded.model.embed_tokens[...].dtype == expected, (stored, config_says)
+        assert load_model(folder, dtype="float32", use_cache=False).model.embed_tokens[...].dtype == jnp.float32
+    with pytest.raises(ValueError, match="auto, float32, bfloat16"):
+        load_model(gguf_path, dtype="float16", use_cache=False)
 
 
 def test_saving_over_a_complete_entry_keeps_it(tiny, tmp_path):

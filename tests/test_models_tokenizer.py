@@ -1,6 +1,7 @@
 """Tokenizer and chat formats: our GGUF tokenizer against transformers', message validation."""
 
 import json
+from pathlib import Path
 
 import pytest
 import tokenizers
@@ -68,8 +69,7 @@ def test_digits_are_isolated_as_llama_cpp_smollm_does(ours):
 
 @pytest.mark.slow
 def test_chat_template_matches_transformers(ours, theirs):
-    assert ours.chat_format == "chatml"
-    assert ours.default_system_prompt == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert "You are a helpful AI assistant named SmolLM" in ours.chat_template   # the GGUF's own
     for messages in CONVERSATIONS:
         text = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert ours.render_chat(messages) == text
@@ -128,21 +128,28 @@ def test_llama3_format_and_hf_folder(tmp_path):
         {"chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 3]}))
     tok = Tokenizer.from_hf_folder(tmp_path)
-    assert tok.chat_format == "llama3" and tok.eos_token_ids == (4, 3) and tok.bos_token_id == 0
+    assert tok.eos_token_ids == (4, 3) and tok.bos_token_id == 0
+    assert tok.special_tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     messages = [{"role": "system", "content": " sys "}, {"role": "user", "content": "hello there\n"}]
     assert tok.render_chat(messages) == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nsys<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>")
     ids = tok.apply_chat_template(messages)
-    assert ids[0] == 0 and ids.count(3) == 2 and ids[-1] == 2
+    assert ids[0] == 0 and ids.count(3) == 2 and ids[-1] == 3
 
 
 def test_model_without_usable_template(tmp_path):
     backend = _tiny_word_level(["<unk>"])
-    tok = Tokenizer(backend, eos_token_ids=[0], chat_template="{{ messages }}")
+    tok = Tokenizer(backend, eos_token_ids=[0], chat_template=None)
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    bad = Tokenizer(backend, eos_token_ids=[0], chat_template="{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        bad.render_chat([{"role": "user", "content": "hello"}])
+    refusing = Tokenizer(backend, eos_token_ids=[0],
+                         chat_template="{{ raise_exception('System role not supported') }}")
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        refusing.render_chat([{"role": "user", "content": "hello"}])
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)
     with pytest.raises(TypeError, match="text must be a str"):
@@ -158,21 +165,69 @@ def test_unsupported_gguf_tokenizers(smollm_spec):
         Tokenizer.from_gguf_spec(dataclasses.replace(smollm_spec, pre="mystery"))
 
 
-def test_default_system_prompt_only_from_a_literal():
-    # Qwen2.5-style: the given-system branch concatenates content; only the literal is a default.
-    qwen = ("{%- if messages[0]['role'] == 'system' %}"
-            "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-            "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
-            "You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}")
-    tok = Tokenizer(_tiny_word_level(["<unk>", "<|im_start|>", "<|im_end|>"]), eos_token_ids=[2],
-                    chat_template=qwen)
-    assert tok.chat_format == "chatml"
-    assert tok.default_system_prompt == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    assert tok.render_chat([{"role": "user", "content": "hello"}]).startswith(
-        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nhello<|im_end|>\n")
-    # Qwen3-style: a system turn only when given.
-    qwen3 = "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
-    tok3 = Tokenizer(tok.backend, eos_token_ids=[2], chat_template=qwen3)
-    assert tok3.default_system_prompt is None
-    assert tok3.render_chat([{"role": "user", "content": "a"}]) == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATE_CONVERSATIONS = CONVERSATIONS + [
+    [{"role": "system", "content": "  You answer in French.  "}, {"role": "user", "content": " Bonjour \n"}],
+    [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA1"},
+     {"role": "user", "content": "Q2 with {{ braces }} and {% tags %} and </script>"}],
+]
+
+
+def _hf_folder(tmp_path, template: str, specials: dict[str, str]):
+    """A tokenizer folder (tiny vocabulary holding the special tokens) with `template`."""
+    backend = _tiny_word_level(["<unk>"] + sorted(set(specials.values())))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast", **specials}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, specials, kwargs", [
+    ("llama-3.1-8b-instruct.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, {}),
+    ("llama-3.1-8b-instruct.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+     {"date_string": "01 Jan 2026"}),
+    ("qwen3.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, {}),
+    ("qwen3.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, {"enable_thinking": False}),
+])
+def test_shipped_templates_render_as_transformers(tmp_path, name, specials, kwargs):
+    transformers = pytest.importorskip("transformers")
+    folder = _hf_folder(tmp_path, (TEMPLATES / name).read_text(encoding="utf-8"), specials)
+    ours_tok = Tokenizer.from_hf_folder(folder)
+    theirs_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for messages in TEMPLATE_CONVERSATIONS:
+        for gen in (True, False):
+            if not gen and messages[-1]["role"] == "user":
+                continue
+            expected = theirs_tok.apply_chat_template(messages, add_generation_prompt=gen,
+                                                      tokenize=False, **kwargs)
+            assert ours_tok.render_chat(messages, add_generation_prompt=gen, **kwargs) == expected
+    # The date preamble and the thinking switch really came from the template.
+    text = ours_tok.render_chat(TEMPLATE_CONVERSATIONS[0], **kwargs)
+    if name.startswith("llama"):
+        assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                               "Cutting Knowledge Date: December 2023\nToday Date: "
+                               + kwargs.get("date_string", "26 Jul 2024"))
+    elif kwargs.get("enable_thinking") is False:
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_chat_template_jinja_file_wins_and_tojson_is_plain(tmp_path):
+    folder = _hf_folder(tmp_path, "ignored", {"eos_token": "<|im_end|>"})
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m | tojson }}{% if loop.last %}{% break %}{% endif %}{% endfor %}")
+    tok = Tokenizer.from_hf_folder(folder)
+    # transformers' tojson: no HTML escaping, non-ASCII kept.
+    assert tok.render_chat([{"role": "user", "content": "<a> & 'é'"}]) == \
+        '{"role": "user", "content": "<a> & \'é\'"}'
+
+
+def test_templates_run_sandboxed():
+    backend = _tiny_word_level(["<unk>"])
+    escape = Tokenizer(backend, eos_token_ids=[0],
+                       chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(Exception, match="unsafe|access"):
+        escape.render_chat([{"role": "user", "content": "a"}])
+    underscore = Tokenizer(backend, eos_token_ids=[0],
+                           chat_template="{% set ns = namespace(_x=1) %}{{ ns._x }}")
+    with pytest.raises(Exception, match="underscore"):
+        underscore.render_chat([{"role": "user", "content": "a"}])

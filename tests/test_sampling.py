@@ -42,8 +42,8 @@ def test_bad_types_name_the_field(kwargs, field):
 
 def test_defaults_and_normalisation():
     p = SamplingParams(stop="###", top_k=0, temperature=0)
-    assert p.stop == ["###"] and p.greedy and p.top_k == 0
-    assert SamplingParams().stop == [] and not SamplingParams().greedy
+    assert p.stop == ("###",) and p.greedy and p.top_k == 0
+    assert SamplingParams().stop == () and not SamplingParams().greedy
     assert resolve_seed(SamplingParams(seed=7)) == 7
     t, k, tp = batch_sampling_arrays([SamplingParams(temperature=0.5, top_k=3, top_p=0.9), p])
     np.testing.assert_array_equal(k, [3, 0])

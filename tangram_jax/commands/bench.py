@@ -51,6 +51,9 @@ def run(args) -> int:
     sys.argv = [str(script), *args.args]
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
+    except SystemExit as e:   # the benchmark's own exit: a status, or a message (status 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
         return int(e.code or 0)
     return 0

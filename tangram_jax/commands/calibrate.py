@@ -60,13 +60,16 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except ValueError as e:
+    except ValueError as e:   # UsageError included; model and file errors are ValueErrors too
         return _fail(str(e))
+    except OSError as e:
+        return _fail(f"{e.filename or ''}: {e.strerror or e}" if e.filename else str(e))
 
 
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from tangram_jax.commands import atomic_path, write_text_atomic
     from tangram_jax.compression.calibration import (CalibrationRun, chat_tokenizer,
                                                      profile_from_run, run_calibration)
     from tangram_jax.compression.pilot_data import build_pilot_samples
@@ -89,6 +92,11 @@ def _run(args: argparse.Namespace) -> int:
                          "placeholders, e.g. profile_rho{rho:.2f}_g{g}.json")
     if args.plot and len(ratios) > 1 and "{rho" not in args.plot:
         raise ValueError("with several ratios, --plot must contain a {rho} placeholder")
+    if args.save_run and not args.save_run.endswith(".npz"):
+        args.save_run += ".npz"   # what numpy would name it
+    _check_outputs(args, ratios, group_sizes)
+    # A saved run is read before the model is loaded: a bad file is reported at once.
+    calib = _load_run(CalibrationRun, args.from_run) if args.from_run else None
 
     from tangram_jax.models.registry import load_model
     loaded = load_model(args.model)
@@ -100,8 +108,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--group-size {g} does not divide the {heads} KV heads of "
                              f"{loaded.name}; valid group sizes: {divisors}")
 
-    if args.from_run:
-        calib = CalibrationRun.load(args.from_run)
+    if calib is not None:
         shape = next(iter(calib.retention.values())).shape[1:]
         if shape != (config.num_layers, heads):
             raise ValueError(f"--from-run {args.from_run} has [layers, heads] {shape}, the model "
@@ -120,7 +127,8 @@ def _run(args: argparse.Namespace) -> int:
                                 safeguard=args.safeguard,
                                 progress=lambda it: tqdm(it, desc="calibrating", unit="sample"))
         if args.save_run:
-            calib.save(args.save_run)
+            with atomic_path(args.save_run) as tmp:
+                calib.save(tmp)
 
     fingerprint = dict(config.fingerprint(), name=loaded.name)
     summaries = {}
@@ -137,19 +145,50 @@ def _run(args: argparse.Namespace) -> int:
         profile = _with_summary(profile, summary)
         for g in group_sizes:
             out = args.out.format(rho=rho, g=g)
-            profile.regroup(g, args.grouping).save(out)
+            with atomic_path(out) as tmp:
+                profile.regroup(g, args.grouping).save(tmp)
             print(f"profile written to {out}", file=sys.stderr)
         if args.plot:
             plot = args.plot.format(rho=rho)
-            retention_boxplot(calib.retention[rho], profile.budget, rho, plot,
-                              title=f"{loaded.name}: {calib.method} rho={rho}, "
-                                    f"{len(calib.tasks)} samples (heads by budget)")
+            with atomic_path(plot) as tmp:
+                retention_boxplot(calib.retention[rho], profile.budget, rho, tmp,
+                                  title=f"{loaded.name}: {calib.method} rho={rho}, "
+                                        f"{len(calib.tasks)} samples (heads by budget)")
             print(f"plot written to {plot}", file=sys.stderr)
         print(format_summary(summary))
     if args.summary_json:
-        with open(args.summary_json, "w", encoding="utf-8") as f:
-            json.dump({str(r): s for r, s in summaries.items()}, f, indent=1)
+        write_text_atomic(args.summary_json,
+                          json.dumps({str(r): s for r, s in summaries.items()}, indent=1))
     return 0
+
+
+def _check_outputs(args, ratios, group_sizes) -> None:
+    """Every output path (each ratio's and group size's) writable before any work starts."""
+    from tangram_jax.commands import check_output_path
+    try:
+        outs = {args.out.format(rho=r, g=g) for r in ratios for g in group_sizes}
+        plots = {args.plot.format(rho=r) for r in ratios} if args.plot else set()
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"--out / --plot placeholders must be {{rho}} and {{g}} (with a format "
+                         f"such as {{rho:.2f}}), got an error formatting them: {e}") from None
+    for flag, paths in (("--out", outs), ("--plot", plots),
+                        ("--summary-json", {args.summary_json} - {None}),
+                        ("--save-run", {args.save_run} - {None})):
+        for path in sorted(paths):
+            check_output_path(flag, path)
+    if args.from_run:
+        import os
+        if not os.path.isfile(args.from_run):
+            raise ValueError(f"--from-run {args.from_run!r}: no such file")
+
+
+def _load_run(run_cls, path: str):
+    """A saved calibration run, or one clear error naming the file."""
+    try:
+        return run_cls.load(path)
+    except Exception as e:   # noqa: BLE001 - np.load raises many kinds for a bad file
+        raise ValueError(f"--from-run {path!r} is not a calibration run saved by --save-run "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def _with_summary(profile, summary):

@@ -31,17 +31,22 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from tangram_jax.engine.inputs import check_unicode
     from tangram_jax.sampling import SamplingParams
 
+    prompt = " ".join(args.prompt)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos)
         if args.system is not None and not args.chat:
             raise ValueError("--system needs --chat")
+        # Command-line bytes that are not UTF-8 reach Python as lone surrogates.
+        check_unicode("the prompt", prompt)
+        if args.system is not None:
+            check_unicode("--system", args.system)
     except (ValueError, TypeError) as e:
         return _fail(e)
-    prompt = " ".join(args.prompt)
 
     from tangram_jax.models.registry import load_model
 
@@ -57,8 +62,11 @@ def run(args) -> int:
             prompt_ids = tokenizer.encode(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if params.top_k > loaded.config.vocab_size:
+            raise ValueError(f"--top-k {params.top_k} exceeds the vocabulary size "
+                             f"{loaded.config.vocab_size}")
         text = _generate(loaded, prompt_ids, params)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:
         return _fail(e)
     print(text)
     return 0

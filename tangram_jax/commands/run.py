@@ -16,43 +16,44 @@ HELP = "Serve a batch of multi-turn ShareGPT conversations and report throughput
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--mode", default="tangram", choices=("tangram", "full", "dynamic"),
-                        help="KV handling: calibrated non-uniform budgets (tangram), uncompressed "
-                             "(full), or per-input selection with reclaim (dynamic)")
-    parser.add_argument("--profile", default=None,
-                        help="budget profile file (default: the shipped one of the embedded model)")
-    parser.add_argument("--ratio", type=float, default=0.5,
-                        help="target retention ratio rho (shipped profiles: 0.5, 0.25)")
-    parser.add_argument("--group-size", type=int, default=None,
-                        help="KV heads per group G (default: the profile's)")
-    parser.add_argument("--conversations", type=int, default=8, help="conversations in the batch")
-    parser.add_argument("--turns", type=int, default=2, help="user turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=48, help="answer length per turn")
-    parser.add_argument("--max-user-chars", type=int, default=1200,
+    from tangram_jax.commands import positive_int
+    from tangram_jax.engine.config import add_cli_args
+
+    parser.add_argument("--conversations", type=positive_int, default=8,
+                        help="conversations in the batch")
+    parser.add_argument("--turns", type=positive_int, default=2, help="user turns per conversation")
+    parser.add_argument("--max-tokens", type=positive_int, default=48, help="answer length per turn")
+    parser.add_argument("--max-user-chars", type=positive_int, default=1200,
                         help="user messages are cut to this many characters")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default=None, help="also write the report to this JSON file")
+    add_cli_args(parser)
 
 
 def run(args) -> int:
+    from tangram_jax.commands import UsageError, check_output_path, write_text_atomic
     from tangram_jax.compression.pilot_data import sharegpt_conversations
+    from tangram_jax.engine.config import from_cli_args
     from tangram_jax.llm import LLM
     from tangram_jax.sampling import SamplingParams
 
     try:
+        if args.json:
+            check_output_path("--json", args.json)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-        llm = LLM(args.model, mode=args.mode, profile=args.profile, ratio=args.ratio,
-                  group_size=args.group_size)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        config = from_cli_args(args)
+        llm = LLM(config=config)
+    except UsageError:
+        raise
+    except (ValueError, TypeError, OSError) as e:
+        raise UsageError(str(e)) from None
     sources = sharegpt_conversations(min_chars=400, limit=args.conversations)
     user_turns = [[m["content"][:args.max_user_chars] for m in conv if m["role"] == "user"]
                   for conv in sources]
     user_turns = [turns[:args.turns] for turns in user_turns if turns]
     conversations = [[{"role": "user", "content": turns[0]}] for turns in user_turns]
+    if not conversations:
+        raise UsageError("no ShareGPT conversations to serve")
 
     generated = 0
     t0 = time.perf_counter()
@@ -70,7 +71,7 @@ def run(args) -> int:
     usage = llm.engine.kv_usage()
     report = {
         "model": llm.engine.model_name,
-        "mode": args.mode,
+        "mode": config.mode,
         "layout": llm.engine.layout.name,
         "group_size": llm.engine.layout.group_size,
         "conversations": len(conversations),
@@ -83,7 +84,7 @@ def run(args) -> int:
         "full_kv_bytes_for_same_tokens": usage["full_kv_bytes"],
         "kv_memory_vs_full": usage["kv_bytes_held"] / max(usage["full_kv_bytes"], 1),
     }
-    print(f"model {report['model']}  mode {args.mode}  G={report['group_size']}  "
+    print(f"model {report['model']}  mode {config.mode}  G={report['group_size']}  "
           f"{report['conversations']} conversations x {args.turns} turns")
     print(f"throughput: {report['output_tokens_per_s']:.1f} output tok/s, "
           f"{report['processed_tokens_per_s']:.1f} processed tok/s ({elapsed:.1f} s)")
@@ -96,6 +97,5 @@ def run(args) -> int:
         text = m["content"] if len(m["content"]) < 300 else m["content"][:300] + " [...]"
         print(f"[{m['role']}] {text}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
     return 0

@@ -170,15 +170,22 @@ class BudgetProfile:
                                f"(this tangram_jax reads version {FORMAT_VERSION})")
         try:
             heads, groups = d["heads"], d["groups"]
+            rescaled = d.get("rescaled", False)
+            if not isinstance(rescaled, bool):
+                raise ProfileError(f"profile field 'rescaled' must be true or false, got {rescaled!r}")
+            metadata = d.get("metadata", {})
+            if not isinstance(metadata, dict):
+                raise ProfileError(f"profile field 'metadata' must be an object, got "
+                                   f"{type(metadata).__name__}")
             profile = cls(
-                model=d["model"], method=d["method"], rho=float(d["rho"]),
-                lambda_=float(d["lambda"]), safeguard=float(d.get("safeguard", 0.2)),
-                rescaled=bool(d.get("rescaled", False)),
+                model=d["model"], method=d["method"], rho=_number(d, "rho"),
+                lambda_=_number(d, "lambda"), safeguard=_number(d, "safeguard", 0.2),
+                rescaled=rescaled,
                 mean=_array(heads, "mean", np.float64), std=_array(heads, "std", np.float64),
                 budget=_array(heads, "budget", np.float64), group_size=d["group_size"],
                 grouping=d["grouping"], head_perm=_array(groups, "head_perm", np.int64),
                 group_budgets=_array(groups, "group_budgets", np.float64),
-                metadata=d.get("metadata", {}))
+                metadata=metadata)
         except KeyError as e:
             raise ProfileError(f"profile is missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -195,15 +202,22 @@ class BudgetProfile:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
-            raise ProfileError(f"cannot read profile {path}: {e}") from None
+            raise ProfileError(f"cannot read profile {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"profile {path} is not UTF-8 text (byte {e.object[e.start]:#04x} "
+                               f"at offset {e.start}); a profile is a JSON file") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ProfileError(f"profile {path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ProfileError(f"profile {path} nests JSON too deeply to be a profile") from None
         try:
             return cls.from_dict(d, expected_fingerprint)
         except ProfileError as e:
             raise ProfileError(f"{path}: {e}") from None
+        except RecursionError:
+            raise ProfileError(f"{path}: a profile field nests too deeply") from None
 
     def check_fingerprint(self, expected: dict) -> None:
         """Raises ProfileError if `expected` (e.g. `ModelConfig.fingerprint()`) names another model.
@@ -217,6 +231,13 @@ class BudgetProfile:
         if diffs:
             raise ProfileError("profile was calibrated for a different model (" + "; ".join(diffs)
                                + ")")
+
+
+def _number(d: dict, key: str, default: float | None = None) -> float:
+    value = d.get(key, default) if default is not None else d[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"profile field {key!r} must be a number, got {value!r}")
+    return float(value)
 
 
 def _array(section, key, dtype) -> np.ndarray:

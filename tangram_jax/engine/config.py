@@ -1,4 +1,5 @@
-"""Engine configuration, and how a mode becomes a KV layout.
+"""Engine configuration: the fields users set, their validation, their CLI flags, and
+`EngineConfig.resolve`, the one place every derived setting is computed.
 
 The three modes are configurations of the same manager, runner and kernels:
 
@@ -9,100 +10,358 @@ full       monolithic (all heads, r = 1)  reserve           all of them
 dynamic    monolithic (all heads, r = 1)  reclaim           per-input top-k, then reclaim
 tangram    calibrated groups of G         reserve           ``ceil(r_g * n)`` per group
 =========  =============================  ================  ==============================
+
+Every field is declared with `_field(default, check, help)`: `check` validates and normalises
+the value (numpy scalars become Python numbers; an error names the field, the value and what is
+allowed) and `help` is its CLI help. `add_cli_args` generates one flag per field from the same
+declarations (as vLLM's `EngineArgs.add_cli_args`), so a new field is one declaration.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
-from tangram_jax.kv_layout import KVLayout
+from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
 from tangram_jax.models.config import ModelConfig
+from tangram_jax.models.registry import DTYPES
+from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LAYER_LOOPS = ("scan", "unrolled")
+# Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
+# backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
+# 2048-token compression chunks prefill tangram 1.2x / 1.7x faster than 256-token ones at
+# 32k / 100k (`benchmarks/NOTES_prefill.md`, run 5), and a chunk that holds the whole turn is
+# scored by the turn's own question: tangram@0.25 passkey 85% vs 28% with 128-token chunks
+# (`benchmarks/results/accuracy.json` vs `accuracy_chunk128.json`); 8192 tokens a step is
+# vLLM's budget on large GPUs. CPU: the reference path pads every compression chunk to
+# `chunk_size`, so it keeps small chunks (speed over accuracy; pass chunk_size to choose).
+DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
+DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
+
+
+def _backend_kind() -> str:
+    """"gpu" or "cpu": which column of the backend-dependent defaults applies."""
+    import jax
+    return "cpu" if jax.default_backend() == "cpu" else "gpu"
+
+
+class EngineConfigError(ValueError):
+    """A field of `EngineConfig` with a value it cannot take; the message names both."""
+
+
+# ----- field checks: each returns the normalised value or raises naming field and value ------
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _int_at_least(lo: int, *, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(name, value):
+        if value is None and optional:
+            return None
+        if not _is_int(value) or value < lo:
+            allowed = f"an int >= {lo}" + (" or None" if optional else "")
+            raise EngineConfigError(f"{name} must be {allowed}, got {value!r}")
+        return int(value)
+    return check
+
+
+def _fraction(name, value):
+    if (not _is_int(value) and not isinstance(value, (float, np.floating))) \
+            or not 0 < float(value) <= 1:
+        raise EngineConfigError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _choice(choices: tuple, *, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(name, value):
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or value not in choices:
+            allowed = ", ".join(map(repr, choices)) + (" or None" if optional else "")
+            raise EngineConfigError(f"{name} must be one of {allowed}, got {value!r}")
+        return value
+    return check
+
+
+def _flag(*, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(name, value):
+        if value is None and optional:
+            return None
+        if not isinstance(value, (bool, np.bool_)):
+            allowed = "True or False" + (" or None" if optional else "")
+            raise EngineConfigError(f"{name} must be {allowed}, got {value!r}")
+        return bool(value)
+    return check
+
+
+def _path_or(allowed: str, *objects: type) -> Callable[[str, Any], Any]:
+    """None, an instance of `objects`, or a non-empty path string."""
+    def check(name, value):
+        if value is None or isinstance(value, objects):
+            return value
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise EngineConfigError(f"{name} must be {allowed}, got {value!r}")
+        return value
+    return check
+
+
+def _cache_folder(name, value):
+    """None, or a folder path ('' and 'off' turn the cache off: `engine/compile_cache.py`)."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise EngineConfigError(f"{name} must be a folder path, '' / 'off' or None, got "
+                                f"{value!r}")
+    return value
+
+
+_model = _path_or("None (the embedded model), a model name, a Hugging Face folder or a .gguf path")
+_profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
+
+
+def _buckets(name, value):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
+                                f"{value!r}")
+    values = list(value)
+    if not values or any(not _is_int(b) or b < 1 for b in values):
+        raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
+                                f"{value!r}")
+    return tuple(sorted({int(b) for b in values}))
+
+
+def _field(default, check: Callable[[str, Any], Any], help: str, *, cli: bool = True):
+    """A config field: its default, the check that validates it, its CLI help (`cli=False`: no
+    flag, e.g. a field that takes objects)."""
+    return dataclasses.field(default=default, metadata={"check": check, "help": help, "cli": cli})
 
 
 @dataclasses.dataclass
 class EngineConfig:
     """Everything an `Engine` is built from (vLLM's engine args, Tangram's additions).
 
-    model: None or "smollm2" (the embedded SmolLM2-135M), a Hugging Face folder or a .gguf file.
-    mode: "tangram" | "full" | "dynamic".
-    profile: a `BudgetProfile`, a path to a profile file, or None (the shipped profile of the
-      embedded model at `ratio` and `group_size`; required for other models in tangram mode).
-    ratio: target retention rho for the shipped profile (tangram) or the per-input selection
-      (dynamic).
-    group_size: G (regroups a given profile; the shipped profiles of the embedded model, which
-      has 3 KV heads, exist for G 1 (default) and 3).
-    dtype: "float32" or "bfloat16" (model weights and the KV pool).
-    page_size, chunk_size: tokens per page; prefill compression chunk (and prefill piece size).
-    num_pages: KV pool pages; None sizes it from `kv_cache_tokens`.
-    kv_cache_tokens: full-KV tokens' worth of memory the pool gets when num_pages is None (the
-      same bytes in every mode, so modes compare at equal memory).
-    max_num_seqs: concurrent sequence slots; max_num_batched_tokens: prefill tokens per step.
-    max_model_len: longest sequence (prompt + output); default the model's context length.
-    num_programs: concurrent programs the decode kernel's split map is sized for.
-    async_scheduling: learn each step's tokens one step late, so the host schedules step N+1
-      while the device runs step N (vLLM's `async_scheduling`); False waits for every step's
-      tokens before returning from `Engine.step` (outputs a step earlier, device idle meanwhile).
-    layer_loop: "scan", "unrolled" or None (unrolled on a GPU, scan on a CPU); see `RunnerConfig`.
-    max_prefill_rows: prefill chunks of different sequences run together in one call (rounded up
-      to a power of two). More rows mean fewer calls but a larger traced step (each row has its
-      own attention and compression per layer), so compile time grows with rows x layers.
-    warmup: compile every step shape when the engine is built (`Engine.warmup`); None: on a GPU
-      only (compiling a shape first met while serving stalls every request for it).
-    tail_rule: which end of every turn is kept uncompressed until it is answered
-      (`tangram_jax.kv_layout.TAIL_RULES`): "window" (the last `obs_window` tokens, default),
-      "final_chunk" or "none".
+    Each field's meaning is its `help` below; `resolve` turns the fields into the settings the
+    engine runs with (model-dependent defaults, minimums, the layout and the pool size).
     """
 
-    model: str | None = None
-    mode: str = "tangram"
-    profile: Any = None
-    ratio: float = 0.5
-    group_size: int | None = None
-    dtype: str = "float32"
-    page_size: int = 16
-    chunk_size: int = 128
-    num_pages: int | None = None
-    kv_cache_tokens: int = 16384
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
-    num_programs: int = 132 * 4
-    obs_window: int = 32
-    seed: int = 0
-    async_scheduling: bool = True
-    layer_loop: str | None = None
-    max_prefill_rows: int = 1
-    warmup: bool | None = None
-    tail_rule: str = "window"
+    model: str | None = _field(
+        None, _model, "model: 'smollm2' (the embedded SmolLM2-135M, default), a Hugging Face "
+        "folder or a .gguf file")
+    mode: str = _field("tangram", _choice(MODES),
+                       "KV handling: calibrated non-uniform budgets (tangram), uncompressed "
+                       "(full), or per-input selection with reclaim (dynamic)")
+    profile: Any = _field(None, _profile,
+                          "budget profile file (default: the shipped one of the embedded model "
+                          "at --ratio and --group-size; required for other models in tangram mode)")
+    ratio: float = _field(0.5, _fraction,
+                          "target retention rho in (0, 1]: of the shipped profile (tangram) or of "
+                          "the per-input selection (dynamic); shipped profiles: 0.5, 0.25")
+    group_size: int | None = _field(None, _int_at_least(1, optional=True),
+                                    "KV heads per group G (regroups the profile; default: the "
+                                    "profile's)")
+    dtype: str = _field("auto", _choice(DTYPES), "model weights and KV pool dtype (auto: the "
+                        "checkpoint's, see models.registry)")
+    page_size: int = _field(16, _int_at_least(1), "tokens per KV page")
+    chunk_size: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        f"prefill compression chunk (and prefill piece size), tokens; default "
+        f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU, {DEFAULT_CHUNK_SIZE['cpu']} on a CPU")
+    num_pages: int | None = _field(None, _int_at_least(2, optional=True),
+                                   "KV pool pages (page 0 is the null page); default: sized from "
+                                   "--kv-cache-tokens")
+    kv_cache_tokens: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        "full-KV tokens' worth of memory the pool gets when --num-pages is not given (the same "
+        "bytes in every mode); default: on a GPU what --gpu-memory-utilization leaves after the "
+        f"weights and the largest step (engine/memory.py), elsewhere {DEFAULT_KV_CACHE_TOKENS}")
+    max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
+    max_num_batched_tokens: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        f"tokens per step (decode + prefill); at least max_num_seqs + chunk_size; default "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['gpu']} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} "
+        f"on a CPU, or that minimum if larger")
+    max_model_len: int | None = _field(None, _int_at_least(2, optional=True),
+                                       "longest sequence, prompt + output (default: the model's "
+                                       "context length)")
+    decode_buckets: tuple[int, ...] = _field(
+        DEFAULT_DECODE_BUCKETS, _buckets,
+        "batch sizes the decode step is compiled for (comma-separated); sizes above max_num_seqs "
+        "beyond the first are dropped")
+    num_programs: int = _field(132 * 4, _int_at_least(1),
+                               "concurrent programs the decode kernel's split map is sized for")
+    obs_window: int = _field(32, _int_at_least(1),
+                             "observation window of the compression scorer (capped at chunk_size)")
+    seed: int = _field(0, _int_at_least(0), "engine seed: seeds requests that bring no seed of "
+                       "their own, per (seed, request id), as vLLM's seed")
+    async_scheduling: bool = _field(
+        True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
+        "while the device runs step N (vLLM's async_scheduling)")
+    layer_loop: str | None = _field(None, _choice(LAYER_LOOPS, optional=True),
+                                    "layer loop of the runner: scan or unrolled (default: "
+                                    "unrolled on a GPU, scan on a CPU)")
+    max_prefill_rows: int = _field(1, _int_at_least(1),
+                                   "prefill chunks of different sequences run together in one "
+                                   "call (more rows: fewer calls, longer compiles)")
+    warmup: bool | None = _field(None, _flag(optional=True),
+                                 "compile every step shape when the engine is built (default: on "
+                                 "a GPU only)")
+    gpu_memory_utilization: float = _field(
+        0.9, _fraction, "share of the GPU the engine may use (vLLM's meaning): sets JAX's "
+        "allocator cap when the engine starts JAX's GPU backend, and sizes the KV pool when "
+        "neither --num-pages nor --kv-cache-tokens is given")
+    compile_cache_dir: str | None = _field(
+        None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
+        "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
+    tail_rule: str = _field("window", _choice(TAIL_RULES),
+                            "which end of every turn stays uncompressed until it is answered "
+                            "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
+                            "turn's final chunk (final_chunk), or none")
 
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not 0 < self.ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
-        for name in ("page_size", "chunk_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_tokens", "num_programs", "obs_window", "max_prefill_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_num_batched_tokens < self.chunk_size:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
-                             f"least chunk_size ({self.chunk_size}): prefill runs whole chunks")
-        self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
-        if self.decode_buckets[0] < 1:
-            raise ValueError(f"decode buckets must be positive, got {self.decode_buckets}")
+    def __setattr__(self, name, value):
+        # Every assignment is checked, the constructor's and later ones alike.
+        f = _FIELDS.get(name)
+        if f is None:
+            raise AttributeError(f"EngineConfig has no field {name!r}")
+        super().__setattr__(name, f.metadata["check"](name, value))
 
+    def resolved_chunk_size(self) -> int:
+        """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
+        return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind()]
+
+    def check(self) -> None:
+        """The rules between fields that need no model (each field alone was checked when it
+        was set); `Engine` calls this before loading the model, so such errors come at once."""
+        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
+        # prefill always progresses.
+        minimum = self.max_num_seqs + self.resolved_chunk_size()
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
+            raise EngineConfigError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
+                f"chunk_size = {minimum} (a full decode batch plus one prefill chunk)")
+        if self.mode != "tangram" and self.profile is not None:
+            raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
+                                    f"with profile {self.profile!r}")
+
+    def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
+        """Every setting derived from the fields and the model, computed once (the engine, the
+        scheduler and the CLI read these, never their own copies of the rules)."""
+        mc = model_config
+        max_model_len = self.max_model_len or int(mc.max_position_embeddings)
+        if max_model_len > mc.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len {max_model_len} exceeds the model's context "
+                                    f"length {mc.max_position_embeddings}")
+        if mc.sliding_window is not None and mc.sliding_window < max_model_len:
+            # Paged attention here reads every retained token; a window would need a per-step
+            # lower bound on positions, which the kernels do not take.
+            raise EngineConfigError(f"{mc.architecture} with sliding_window {mc.sliding_window} is "
+                                    f"not supported by the paged engine; set max_model_len <= "
+                                    f"{mc.sliding_window}")
+        self.check()
+        chunk = self.resolved_chunk_size()
+        minimum = self.max_num_seqs + chunk
+        batched = self.max_num_batched_tokens or max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind()], minimum)
+        # Buckets below max_num_seqs, then the first that holds max_num_seqs rows.
+        buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
+        buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),
+                            self.max_num_seqs))
+        obs_window = min(self.obs_window, chunk)
+        # Every turn's tail (the question) stays uncompressed until it is answered: the
+        # retention rule of `tangram_jax.kv_layout`, which reservation, prefill and the engine
+        # all read from the layout.
+        layout = build_layout(self, mc, is_embedded).with_tail(self.tail_rule, obs_window)
+        return ResolvedConfig(
+            layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
+            max_num_batched_tokens=batched, decode_buckets=tuple(buckets),
+            max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
+            obs_window=obs_window,
+            policy="reclaim" if self.mode == "dynamic" else "reserve")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """The settings an engine runs with (see `EngineConfig.resolve`)."""
+
+    layout: KVLayout
+    num_pages: int               # KV pool pages, null page included
+    max_model_len: int
+    max_num_batched_tokens: int
+    decode_buckets: tuple[int, ...]   # strictly increasing; the last holds max_num_seqs rows
+    max_pages_per_seq: int       # block-table width
+    obs_window: int
+    policy: str                  # the KV manager's: "reserve" or "reclaim" (dynamic mode)
+
+
+# ----- command line -------------------------------------------------------------------------
+
+def _cli_type(f: dataclasses.Field):
+    """argparse `type` for a field: the string becomes the Python value its check expects (the
+    check itself runs when the `EngineConfig` is built, so CLI and API report the same error)."""
+    default = f.default
+    if f.name == "decode_buckets":
+        return _comma_ints
+    if isinstance(default, float):
+        return float
+    if isinstance(default, int) or "int" in str(f.type):
+        return int
+    return str
+
+
+def _comma_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = (),
+                 defaults: dict | None = None) -> None:
+    """One flag per `EngineConfig` field (`--max-num-seqs` for `max_num_seqs`, `--x/--no-x`
+    for booleans), with the field's help. `exclude`: fields the command sets itself;
+    `defaults`: per-command defaults (still validated by the field's check)."""
+    exclude, defaults = set(exclude), defaults or {}
+    group = parser.add_argument_group("engine", "EngineConfig fields")
+    added = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in exclude or not f.metadata["cli"]:
+            continue
+        added.append(f.name)
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        # A None default is described by the help itself.
+        help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
+        if isinstance(f.default, bool) or f.metadata["check"].__qualname__.startswith("_flag"):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=default, help=help_text)
+        else:
+            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
+                       "tail_rule": TAIL_RULES}.get(f.name)
+            group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
+                               choices=choices, help=help_text)
+    parser.set_defaults(_engine_fields=tuple(added))
+
+
+def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The `EngineConfig` of the flags `add_cli_args` added (fields without a flag keep their
+    defaults unless given in `overrides`)."""
+    values = {name: getattr(args, name) for name in getattr(args, "_engine_fields", ())}
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+# ----- layout and pool ----------------------------------------------------------------------
 
 def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool) -> BudgetProfile:
     """The budget profile of tangram mode, validated against the model."""
@@ -112,16 +371,13 @@ def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: b
         profile.check_fingerprint(fingerprint)
     elif isinstance(profile, (str, os.PathLike)):
         profile = BudgetProfile.load(profile, expected_fingerprint=fingerprint)
-    elif profile is None:
+    else:
         if not is_embedded:
-            raise ValueError("tangram mode needs a budget profile for this model: pass profile= "
-                             "(make one with `tangram-jax calibrate --model ...`)")
+            raise EngineConfigError("tangram mode needs a budget profile for this model: pass "
+                                    "profile= (make one with `tangram-jax calibrate --model ...`)")
         # The embedded model has 3 KV heads: per-head groups (G = 1) are its only ragged layout.
         group_size = cfg.group_size or 1
         profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint)
-    else:
-        raise TypeError(f"profile must be a BudgetProfile, a path or None, got "
-                        f"{type(profile).__name__}")
     if cfg.group_size is not None and profile.group_size != cfg.group_size:
         profile = profile.regroup(cfg.group_size)
     return profile
@@ -131,21 +387,27 @@ def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool
     """The KV layout of `cfg.mode` for this model."""
     if cfg.mode == "tangram":
         profile = resolve_profile(cfg, model_config, is_embedded)
-        return profile.to_layout(cfg.page_size, cfg.chunk_size)
+        return profile.to_layout(cfg.page_size, cfg.resolved_chunk_size())
     return KVLayout.monolithic(model_config.num_layers, model_config.num_kv_heads,
                                model_config.head_dim, page_size=cfg.page_size,
-                               chunk_size=cfg.chunk_size, name=cfg.mode)
+                               chunk_size=cfg.resolved_chunk_size(), name=cfg.mode)
+
+
+def pool_is_fixed(cfg: EngineConfig) -> bool:
+    """Whether the user fixed the pool (`num_pages` or `kv_cache_tokens`); else a GPU sizes it
+    from `gpu_memory_utilization`."""
+    return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
 
 
 def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -> int:
-    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens.
+    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens
+    (DEFAULT_KV_CACHE_TOKENS when None; on a GPU the engine sizes the pool instead).
 
     A page of G heads holds ``page_size * G`` head-token slots; a full-KV token needs
     ``layers * kv_heads`` of them. Plus the null page 0.
     """
     if cfg.num_pages is not None:
-        if cfg.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {cfg.num_pages}")
-        return int(cfg.num_pages)
-    slots = cfg.kv_cache_tokens * model_config.num_layers * model_config.num_kv_heads
+        return cfg.num_pages
+    tokens = cfg.kv_cache_tokens if cfg.kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
+    slots = tokens * model_config.num_layers * model_config.num_kv_heads
     return int(np.ceil(slots / (layout.page_size * layout.group_size))) + 1

@@ -23,6 +23,8 @@ queued, so the other requests keep being served.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
@@ -31,9 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tangram_jax.engine.config import EngineConfig, build_layout, pool_pages
+from tangram_jax.engine import inputs, memory
+from tangram_jax.engine.compile_cache import enable_compile_cache
+from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, pool_is_fixed,
+                                       resolve_profile)
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
-from tangram_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                                        RequestOutputKind)
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map
@@ -41,6 +47,8 @@ from tangram_jax.sampling import SamplingParams, StopChecker, TokenLogprobs, res
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 # Token value of a sampled token the host has not fetched yet (token ids are never negative).
@@ -58,17 +66,35 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_cached_tokens: int = 0   # session history this request continues
+    sent_chars: int = 0    # text already handed out (DELTA)
+    sent_tokens: int = 0   # token ids (and logprobs) already handed out (DELTA)
     forced: list[int] | None = None     # teacher forcing: the output tokens (`add_request`)
     # With params.logprobs set: one dict per accepted token, their sum, and (logprobs -1) the
     # whole log-softmax row of every accepted token.
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     full_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # Set when something failed for this request alone while a step was dispatched; the
+    # request ends with finish_reason "error" when that step's tokens are resolved.
+    error: str | None = None
 
     def forced_token(self) -> int:
         """The token the next generated position must take (-1: sample it)."""
         step = self.seq.num_output_tokens
         return self.forced[step] if self.forced is not None and step < len(self.forced) else -1
+
+
+class PreparedRequest(NamedTuple):
+    """A request `Engine.check_request` validated, ready for `Engine.enqueue`."""
+
+    request_id: str | None       # None: the engine assigns one when it is queued
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    session_id: str | None
+    forced_token_ids: list[int] | None = None   # teacher forcing (`add_request`)
 
 
 class _InFlightToken(NamedTuple):
@@ -83,6 +109,66 @@ class _InFlightToken(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
+def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
+                       max_prefill_rows: int) -> tuple[list, dict[str, np.ndarray]]:
+    """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
+    `max_prefill_rows` rows.
+
+    Where the layout keeps every token (`runner.prefill_whole_rows`: ``full``) a row is a whole
+    piece, so a call's GEMMs and attention see up to the step's token budget. Otherwise a row is
+    one compression chunk, and a call takes the next chunk of up to `max_prefill_rows` pieces
+    (chunks of one piece depend on each other, those of different pieces do not).
+    Returns ([(piece, last logits [V])] of pieces that end their prompt, {request id: retained
+    lengths [layers, groups] after the pieces}); in ``dynamic`` mode the lengths come back from
+    the device (a host round trip per call), otherwise from the layout's keep rule.
+    """
+    layout = runner.layout
+    dynamic = runner.runner_config.mode == "dynamic"
+    hist = {p.seq.request_id: manager.lengths[p.seq.slot].astype(np.int64) for p in pieces}
+    finished = []
+    calls = []   # (offset into each piece, its pieces), in dependency order
+    if runner.prefill_whole_rows:
+        calls = [(0, pieces[i:i + max_prefill_rows])
+                 for i in range(0, len(pieces), max_prefill_rows)]
+        span = max((p.num_tokens for p in pieces), default=0)
+    else:
+        span = layout.chunk_size
+        for offset in range(0, max((p.num_tokens for p in pieces), default=0), span):
+            due = [p for p in pieces if p.start + offset < p.end]
+            calls += [(offset, due[i:i + max_prefill_rows])
+                      for i in range(0, len(due), max_prefill_rows)]
+    for offset, rows in calls:
+        starts = [p.start + offset for p in rows]
+        ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
+        # What each chunk keeps whole: the protected tail of its turn (pieces start on the chunk
+        # grid of their planned segment), or all of it in a segment decode wrote. A whole row
+        # keeps every token anyway.
+        protected = [0 if runner.prefill_whole_rows else
+                     layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
+                                            end - start) if p.segment[2] else end - start
+                     for p, start, end in zip(rows, starts, ends)]
+        logits, kept = runner.prefill(
+            [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
+            starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
+            protected)
+        kept_host = np.asarray(kept) if dynamic else None
+        for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
+            rid = p.seq.request_id
+            if kept_host is not None:   # the per-input count: a host round trip
+                hist[rid] = hist[rid] + kept_host[b]
+            elif runner.prefill_whole_rows:   # every token kept
+                hist[rid] = hist[rid] + (end - start)
+            else:
+                hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
+            if end == p.end and p.is_last:
+                finished.append((p, logits[b]))
+    return finished, hist
+
+
+class _RequestFailed(Exception):
+    """A failure recorded for one request while its step was dispatched (`_Request.error`)."""
+
+
 class Engine:
     """The serving engine: model, KV layout, page manager, scheduler and runner of one config."""
 
@@ -91,52 +177,118 @@ class Engine:
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
-        loaded = load_model(cfg.model, dtype=jnp.dtype(cfg.dtype))
+        cfg.check()   # before the model loads: a bad combination is reported at once
+        started = time.perf_counter()
+        # Both before anything compiles or touches the GPU: JAX fixes its allocator cap when
+        # its backend starts, and caches only what compiles after the folder is set.
+        self.compile_cache_dir = enable_compile_cache(cfg.compile_cache_dir)
+        allocator = memory.configure_allocator(cfg.gpu_memory_utilization)
+        loaded = load_model(cfg.model, dtype=cfg.dtype)
+        load_seconds = time.perf_counter() - started
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
-        # Every turn's last `obs_window` tokens (the question) stay uncompressed: the retention
-        # rule of `tangram_jax.kv_layout`, which reservation, prefill and this engine all read.
-        obs_window = min(cfg.obs_window, cfg.chunk_size)
-        self.layout = build_layout(cfg, mc, is_embedded=loaded.name == DEFAULT_MODEL).with_tail(
-            cfg.tail_rule, obs_window)
-        self.max_model_len = int(cfg.max_model_len or mc.max_position_embeddings)
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
-                             f"length {mc.max_position_embeddings}")
-        if mc.sliding_window is not None and mc.sliding_window < self.max_model_len:
-            # Paged attention here reads every retained token; a window would need a per-step
-            # lower bound on positions, which the kernels do not take.
-            raise ValueError(f"{mc.architecture} with sliding_window {mc.sliding_window} is not "
-                             f"supported by the paged engine; set max_model_len <= "
-                             f"{mc.sliding_window}")
-        num_pages = pool_pages(cfg, mc, self.layout)
-        self.manager = KVCacheManager(
-            self.layout, num_pages, cfg.max_num_seqs,
-            int(pages_for(self.max_model_len, cfg.page_size)) + 1,
-            model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim),
-            policy="reclaim" if cfg.mode == "dynamic" else "reserve")
-        buckets = [b for b in cfg.decode_buckets if b < cfg.max_num_seqs]
-        buckets.append(next((b for b in cfg.decode_buckets if b >= cfg.max_num_seqs),
-                            cfg.max_num_seqs))
-        self.scheduler = Scheduler(
-            self.manager, decode_buckets=tuple(buckets),
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens,
-                                       cfg.max_num_seqs + cfg.chunk_size))
+        self.resolved = rc = cfg.resolve(mc, is_embedded=loaded.name == DEFAULT_MODEL)
+        self.layout = rc.layout
+        self.max_model_len = rc.max_model_len
+        # Serve with the scorer the budgets were calibrated with (a profile made with a method
+        # the chunk compression cannot run is refused here, by RunnerConfig).
+        self.compression_method = (
+            resolve_profile(cfg, mc, is_embedded=loaded.name == DEFAULT_MODEL).method
+            if cfg.mode == "tangram" else "snapkv")
+        buckets = rc.decode_buckets
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size) for b in buckets}
+        # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
+        table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
+                       rc.max_pages_per_seq)
+        device_memory = None if pool_is_fixed(cfg) else memory.DeviceMemory.read(
+            jax.devices()[0], allocator.fraction)
+        if device_memory is None and not pool_is_fixed(cfg) and jax.default_backend() != "cpu":
+            log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
+                        "platform?): gpu_memory_utilization cannot size the KV pool, which gets "
+                        "the default %d tokens; set kv_cache_tokens or num_pages",
+                        jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
-            loaded.model, mc, self.layout, num_pages, self.manager.block_tables.shape,
-            split_maps=split_maps,
-            runner_config=RunnerConfig(mode=cfg.mode, obs_window=obs_window,
-                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop))
+            loaded.model, mc, self.layout, rc.num_pages if device_memory is None else None,
+            table_shape, split_maps=split_maps,
+            runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
+                                       method=self.compression_method,
+                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
+                                       max_prefill_tokens=rc.max_num_batched_tokens))
+        del loaded
+        self.memory_plan: memory.PoolPlan | None = None
+        if device_memory is not None:
+            if allocator.note:
+                log.warning(allocator.note)
+            self.memory_plan = self._size_pool(max(buckets), allocator.fraction)
+            self.runner.allocate_pool(self.memory_plan.num_pages)
+        self.manager = KVCacheManager(
+            self.layout, int(self.runner.k_pages.shape[0]), cfg.max_num_seqs,
+            rc.max_pages_per_seq,
+            model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim), policy=rc.policy)
+        assert self.manager.block_tables.shape == table_shape, (self.manager.block_tables.shape,
+                                                                table_shape)
+        self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
+                                   max_num_batched_tokens=rc.max_num_batched_tokens)
+        log.info("%s", self._pool_line())
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
+        # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
+        # included), warm-up (compiling every step shape), total.
+        self.startup_seconds = {"load_model": load_seconds,
+                                "build": time.perf_counter() - started - load_seconds,
+                                "warmup": 0.0}
         if cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas"):
             self.warmup()
+        self.startup_seconds["total"] = time.perf_counter() - started
+
+    def _size_pool(self, max_bucket: int, fraction: float) -> memory.PoolPlan:
+        """The pool under `gpu_memory_utilization` (see `engine/memory.py`): compile the largest
+        decode bucket and prefill for a provisional pool that leaves `step_reserve` free, read
+        their peak, and keep the provisional size when the peak fits in the reserve (the
+        compiled steps are then reused as they are), else shrink the pool to fit."""
+        cfg, layout = self.config, self.layout
+        now = memory.DeviceMemory.read(jax.devices()[0], fraction)   # weights are in now
+        page_bytes = self.runner.kv_bytes_per_page
+        budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
+                                        now.bytes_limit)
+        # One max_model_len sequence must fit, or nothing could be served.
+        min_pages = int(pages_for(layout.retained_counts(self.max_model_len),
+                                  layout.page_size).sum()) + 1
+        provisional = memory.pages_that_fit(budget, now.bytes_in_use,
+                                            memory.step_reserve(budget), 0, page_bytes)
+        compiled = self.runner.compile_steps(max(provisional, min_pages), max_bucket,
+                                             cfg.max_prefill_rows)
+        peak = max(memory.step_peak_bytes(c) for c in compiled.values())
+        return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, page_bytes,
+                                min_pages=min_pages,
+                                prefer_pages=provisional if provisional >= min_pages else None)
+
+    def _pool_line(self) -> str:
+        pool = self.kv_pool()
+        if self.memory_plan is not None:
+            return self.memory_plan.describe(pool["full_kv_tokens"])
+        return (f"KV pool {pool['num_pages']:,} pages ({pool['full_kv_tokens']:,} full-KV "
+                f"tokens, {pool['bytes'] / memory.GIB:.2f} GiB), sized by {pool['sized_by']}")
+
+    def kv_pool(self) -> dict:
+        """The pool's size: pages, bytes, full-KV tokens it holds (every layer and KV head
+        keeping every token; compressed modes hold more), what sized it and, when
+        `gpu_memory_utilization` did, the figures it used (`memory.PoolPlan`)."""
+        mc, cfg = self.model_config, self.config
+        num_pages = int(self.runner.k_pages.shape[0])
+        slots = (num_pages - 1) * self.layout.page_size * self.layout.group_size  # no null page
+        pool = {"num_pages": num_pages, "bytes": num_pages * self.runner.kv_bytes_per_page,
+                "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
+                "sized_by": ("num_pages" if cfg.num_pages is not None else "kv_cache_tokens"
+                             if self.memory_plan is None else "gpu_memory_utilization")}
+        if self.memory_plan is not None:
+            pool["plan"] = dataclasses.asdict(self.memory_plan)
+        return pool
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None, *,
@@ -144,101 +296,154 @@ class Engine:
                     messages: SequenceABC[dict] | None = None,
                     sampling_params: SamplingParams | None = None,
                     session_id: str | None = None,
-                    forced_token_ids: SequenceABC[int] | None = None) -> str:
-        """Queue a request; returns its id. Give exactly one of `prompt` (text),
-        `prompt_token_ids` or `messages` (chat, templated here). With `session_id`, the request
-        is the next turn of that session: its tokens are appended to the session's history.
+                    forced_token_ids: SequenceABC[int] | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+        """Queue a request; returns its id (given, or a fresh one no live request uses). Give
+        exactly one of `prompt` (text), `prompt_token_ids` or `messages` (chat, templated here).
+        With `session_id`, the request is the next turn of that session: its tokens are
+        appended to the session's history.
 
         forced_token_ids: an evaluation hook (teacher forcing): the request's output tokens ARE
         these (generation stops after the last one; EOS, stop strings and `max_tokens` do not
         end it earlier), while `SamplingParams.logprobs` reports the model's own distribution
-        at each position. The forcing happens on the device, in the sampler."""
-        if request_id is None:
-            request_id = f"request-{self._next_id}"
-            self._next_id += 1
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got "
-                            f"{type(sampling_params).__name__}")
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-            if not prompt:
-                raise ValueError(f"request {request_id!r}: the prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        elif messages is not None:
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        else:
-            ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        at each position. The forcing happens on the device, in the sampler.
+
+        output_kind: what `step` reports for it (see `RequestOutputKind`).
+
+        Raises TypeError / ValueError naming the argument before anything is queued."""
+        return self.enqueue(self.check_request(
+            request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+            sampling_params=sampling_params, session_id=session_id,
+            forced_token_ids=forced_token_ids), output_kind=output_kind)
+
+    def check_request(self, request_id: str | None = None, prompt: str | None = None, *,
+                      prompt_token_ids: SequenceABC[int] | None = None,
+                      messages: SequenceABC[dict] | None = None,
+                      sampling_params: SamplingParams | None = None,
+                      session_id: str | None = None,
+                      forced_token_ids: SequenceABC[int] | None = None) -> "PreparedRequest":
+        """Validate a request against the model and the engine's state without queuing it
+        (`enqueue` queues it); a batch checks every item first, so nothing is half-queued."""
+        if request_id is not None:
+            inputs.check_id("request_id", request_id)
+        if session_id is not None:
+            inputs.check_id("session_id", session_id)
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
-                             f"vocabulary [0, {vocab})")
-        forced = None
-        if forced_token_ids is not None:
-            forced = [int(t) for t in forced_token_ids]
-            bad = [t for t in forced if not 0 <= t < vocab]
-            if not forced or bad:
-                raise ValueError(f"request {request_id!r}: forced_token_ids must be a non-empty "
-                                 f"list of token ids in [0, {vocab}), got "
-                                 f"{bad[:5] if bad else 'an empty list'}")
-        stop_params = sampling_params
-        if forced is not None:   # the forced tokens decide where the output ends
-            stop_params = dataclasses.replace(sampling_params, max_tokens=len(forced),
-                                              ignore_eos=True, stop=None, stop_token_ids=())
+        sampling_params = inputs.check_sampling_params(sampling_params, vocab)
+        given = [name for name, x in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
+                                      ("messages", messages)) if x is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, prompt_token_ids or messages, got "
+                             f"{', '.join(given) or 'none'}")
+        where = f"request {request_id!r}: " if request_id is not None else ""
+        try:
+            if prompt is not None:
+                ids = self.tokenizer.encode(inputs.check_prompt(prompt))
+                if not ids:
+                    raise ValueError("prompt encodes to no tokens")
+            elif messages is not None:
+                ids = self.tokenizer.apply_chat_template(inputs.check_messages(messages),
+                                                         add_generation_prompt=True)
+            else:
+                ids = inputs.check_token_ids("prompt_token_ids", prompt_token_ids, vocab)
+            forced = (None if forced_token_ids is None else
+                      inputs.check_token_ids("forced_token_ids", forced_token_ids, vocab))
+        except (TypeError, ValueError) as e:
+            raise type(e)(where + str(e)) from None
         history = 0
+        if session_id is not None:
+            seq = self._sessions.get(session_id)
+            if seq is not None and not seq.status.is_done:
+                history = seq.num_tokens
+        total = history + len(ids)
+        if total >= self.max_model_len:
+            raise ValueError(f"{where}prompt of {total} tokens (session history included) leaves "
+                             f"no room to generate within max_model_len {self.max_model_len}")
+        if forced is not None and total + len(forced) - 1 >= self.max_model_len:
+            raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
+                             f"exceeds max_model_len {self.max_model_len}")
+        self.scheduler.check_request(request_id or self._fresh_id(), len(ids),
+                                     self._live_session(session_id))
+        return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
+
+    def enqueue(self, prepared: "PreparedRequest",
+                output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+        """Queue a request `check_request` accepted; returns its id. `output_kind`: what `step`
+        reports for it (see `RequestOutputKind`)."""
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
+        request_id = prepared.request_id
+        if request_id is None:
+            request_id = self._fresh_id()
+            self._next_id += 1
+        session_id, ids, params = prepared.session_id, prepared.prompt_token_ids, prepared.params
+        stop_params = params
+        if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
+            stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
+                                              ignore_eos=True, stop=None, stop_token_ids=())
+        history = 0   # tokens of the session this request continues (already cached)
         if session_id is not None:
             seq = self._sessions.get(session_id)
             if seq is not None and seq.status.is_done:
                 del self._sessions[session_id]
-                seq = None
-            history = seq.num_tokens if seq is not None else 0
-        total = history + len(ids)
-        if forced is not None and total + len(forced) - 1 >= self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {total} tokens plus "
-                             f"{len(forced)} forced tokens exceeds max_model_len "
-                             f"{self.max_model_len}")
-        if total >= self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {total} tokens (session history "
-                             f"included) leaves no room to generate within max_model_len "
-                             f"{self.max_model_len}")
+            elif seq is not None:
+                history = seq.num_tokens
         now = time.perf_counter()
-        seq = self.scheduler.add_request(request_id, ids, sampling_params, session_id=session_id,
+        seq = self.scheduler.add_request(request_id, ids, params, session_id=session_id,
                                          arrival_time=now)
         if session_id is not None:
             self._sessions[session_id] = seq
         self._requests[request_id] = _Request(
-            seq=seq, params=sampling_params, seed=resolve_seed(sampling_params),
-            stop=StopChecker(self.tokenizer.decode, stop_params,
-                             self.tokenizer.eos_token_ids, ids),
-            prompt=prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
-            forced=forced)
+            seq=seq, params=params, seed=self._request_seed(request_id, params),
+            stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
+            prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
+            forced=prepared.forced_token_ids, output_kind=output_kind,
+            num_cached_tokens=history)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its pages (a session's cache too)."""
+    def _request_seed(self, request_id: str, params: SamplingParams) -> int:
+        """The request's own seed, else one derived from `EngineConfig.seed` and the request id
+        (vLLM's engine `seed`: the same request sampled again, in this engine or another with the
+        same seed, draws the same tokens whatever else is batched with it)."""
+        if params.seed is not None:
+            return resolve_seed(params)
+        digest = hashlib.sha256(f"{int(self.config.seed)}:{request_id}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
+
+    def _fresh_id(self) -> str:
+        """An id no live request has (a caller may have chosen "request-N" itself)."""
+        while f"request-{self._next_id}" in self._requests:
+            self._next_id += 1
+        return f"request-{self._next_id}"
+
+    def _live_session(self, session_id: str | None) -> str | None:
+        """`session_id` if it names a session the scheduler still holds, else None."""
+        seq = self._sessions.get(session_id) if session_id is not None else None
+        return session_id if seq is not None and not seq.status.is_done else None
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now and free its pages (a session's cache too). Returns its final
+        output (finish_reason "abort")."""
+        inputs.check_id("request_id", request_id)
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.abort(request_id)
         if req.seq.session_id is not None:
             self._sessions.pop(req.seq.session_id, None)
+        self._drop_placeholders(req.seq)
+        return self._output(req, "abort")
 
     def end_session(self, session_id: str) -> None:
         """Free an idle session's pages."""
+        inputs.check_id("session_id", session_id)
         self.scheduler.close_session(session_id)
         self._sessions.pop(session_id, None)
 
     def find_session(self, token_ids: SequenceABC[int]) -> tuple[str | None, list[int]]:
         """The idle session whose history is the longest prefix of `token_ids`, and the tokens
         after it (all of them and None when no session matches)."""
+        token_ids = inputs.check_token_ids("token_ids", token_ids, self.model_config.vocab_size)
         best, best_len = None, 0
         for sid, seq in self._sessions.items():
             n = seq.num_tokens
@@ -247,8 +452,34 @@ class Engine:
                 best, best_len = sid, n
         return best, list(token_ids[best_len:])
 
+    def has_session(self, session_id: str) -> bool:
+        """Whether `session_id` names a session the engine holds (running or idle)."""
+        seq = self._sessions.get(session_id)
+        return seq is not None and not seq.status.is_done
+
+    def session_is_cached(self, session_id: str) -> bool:
+        """Whether an idle session still holds its compressed history in the pool (an evicted
+        one would re-prefill it)."""
+        seq = self._sessions.get(session_id)
+        return seq is not None and seq.status is SequenceStatus.IDLE and seq.is_cached
+
+    def session_is_busy(self, session_id: str) -> bool:
+        """Whether a session's turn is queued or running."""
+        seq = self._sessions.get(session_id)
+        return seq is not None and (seq.status.is_running or seq.status is SequenceStatus.WAITING)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether `request_id` is queued or running."""
+        return request_id in self._requests
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def stream(self):
+        """Step until every request has finished, yielding each output as it comes (an
+        iterator for a loop that owns the engine; `AsyncEngine` for an event loop)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
 
     # ----- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -276,6 +507,8 @@ class Engine:
             if req is not None:
                 self._drop_placeholders(seq)
                 outputs[seq.request_id] = self._output(req, "length")
+            if seq.session_id is not None and self._sessions.get(seq.session_id) is seq:
+                del self._sessions[seq.session_id]   # its cache and slot are gone
         return list(outputs.values())
 
     def _dispatch(self, out) -> list[_InFlightToken]:
@@ -330,53 +563,31 @@ class Engine:
 
     def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
                                         dict[str, np.ndarray] | None]:
-        """Run this step's prefill pieces: a runner call takes the next compression chunk of up
-        to `max_prefill_rows` pieces (chunks of one piece depend on each other, those of
-        different pieces do not).
+        """Run this step's prefill pieces (`run_prefill_pieces`).
         Returns the last logits [V] and requests of pieces that end their prompt, and each
         piece's retained lengths after compression in dynamic mode (None otherwise)."""
-        chunk_size = self.layout.chunk_size
-        hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
-                for p in pieces}
-        first_logits, first_reqs = [], []
-        per_call = self.config.max_prefill_rows
-        calls = []   # round by round: a piece's next chunk attends to its previous one
-        for offset in range(0, max((p.num_tokens for p in pieces), default=0), chunk_size):
-            due = [p for p in pieces if p.start + offset < p.end]
-            calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
-        layout = self.layout
-        for offset, rows in calls:
-            starts = [p.start + offset for p in rows]
-            ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
-            # The protected tail of each chunk's turn (pieces start on the turn's chunk grid).
-            protected = [layout.chunk_protected(p.seq.num_tokens - p.seq.turn_start,
-                                                start - p.seq.turn_start, end - start)
-                         for p, start, end in zip(rows, starts, ends)]
-            logits, kept = self.runner.prefill(
-                [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
-                starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-                protected)
-            kept_host = np.asarray(kept) if self.config.mode == "dynamic" else None
-            for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
-                rid = p.seq.request_id
-                if kept_host is not None:   # the per-input count: a host round trip
-                    hist[rid] = hist[rid] + kept_host[b]
-                else:
-                    hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
-                if end == p.end and p.is_last:
-                    first_logits.append(logits[b])
-                    first_reqs.append(self._requests[rid])
+        finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
+                                            self.config.max_prefill_rows)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
-        return first_logits, first_reqs, (hist if self.config.mode == "dynamic" else None)
+        return ([logits for _, logits in finished],
+                [self._requests[p.seq.request_id] for p, _ in finished],
+                hist if self.config.mode == "dynamic" else None)
 
     def warmup(self) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
         instead of when the first requests meet them; takes a while on a GPU."""
+        started = time.perf_counter()
         self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
                            self.config.max_num_seqs)
+        self.startup_seconds["warmup"] = time.perf_counter() - started
+        log.info("warm-up compiled every step shape in %.1f s (compile cache: %s)",
+                 self.startup_seconds["warmup"], self.compile_cache_dir or "off")
 
     def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
-        """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests."""
+        """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests.
+
+        Whatever fails for one request (detokenisation, stop checks, a sampling row that could
+        not be built) ends that request alone with finish_reason "error"; the others go on."""
         host = {id(t.tokens): np.asarray(t.tokens) for t in in_flight}
         host_logprobs: dict[tuple[int, str], np.ndarray] = {}   # fetched once per step array
         now = time.perf_counter()
@@ -385,24 +596,57 @@ class Engine:
             req, seq = t.request, t.request.seq
             if self._requests.get(seq.request_id) is not req:
                 continue   # aborted meanwhile
-            token = int(host[id(t.tokens)][t.row])
-            seq.token_ids[t.index] = token
-            if req.params.logprobs is not None:
-                self._record_logprobs(req, t, token, host_logprobs)
-            req.metrics.token_times.append(now)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.stop.append(token)
-            reason = req.stop.finish_reason
-            if reason is None and t.index + 1 >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                self._drop_placeholders(seq)
-                if seq.status.is_running or seq.status is SequenceStatus.WAITING:
-                    self.scheduler.finish(seq.request_id)
-                del self._requests[seq.request_id]
-            outputs[seq.request_id] = self._output(req, reason)
+            try:
+                if req.error is not None:
+                    raise _RequestFailed(req.error)
+                reason = self._accept_token(req, t, int(host[id(t.tokens)][t.row]), now,
+                                            host_logprobs)
+                if reason is not None:
+                    self._drop_placeholders(seq)
+                    if seq.status.is_running or seq.status is SequenceStatus.WAITING:
+                        self.scheduler.finish(seq.request_id)
+                    del self._requests[seq.request_id]
+                output = self._output(req, reason)
+                if output is not None:   # None: a running FINAL_ONLY request
+                    outputs[seq.request_id] = output
+            except Exception as e:   # noqa: BLE001 - isolate any failure to its own request
+                outputs[seq.request_id] = self._end_with_error(req, e)
         return outputs
+
+    def _accept_token(self, req: _Request, t: _InFlightToken, token: int, now: float,
+                      host_logprobs: dict[tuple[int, str], np.ndarray]) -> str | None:
+        """Record one resolved token of `req`; returns its finish reason (None: goes on)."""
+        req.seq.token_ids[t.index] = token
+        if req.params.logprobs is not None:
+            self._record_logprobs(req, t, token, host_logprobs)
+        req.metrics.token_times.append(now)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.stop.append(token)
+        reason = req.stop.finish_reason
+        if reason is None and t.index + 1 >= self.max_model_len:
+            reason = "length"
+        return reason
+
+    def _end_with_error(self, req: _Request, error: Exception) -> RequestOutput:
+        """End `req` now because something failed for it alone: its pages (and its session's
+        cache, whose state is unknown) are freed; the output carries the error text."""
+        rid = req.seq.request_id
+        text = str(error) if isinstance(error, _RequestFailed) else \
+            f"{type(error).__name__}: {error}"
+        if self._requests.get(rid) is req:
+            del self._requests[rid]
+            status = req.seq.status
+            if status.is_running or status is SequenceStatus.WAITING:
+                self.scheduler.abort(rid)
+            elif status is SequenceStatus.IDLE:   # failed after its turn was finished
+                self.scheduler.close_session(req.seq.session_id)
+        if req.seq.session_id is not None and self._sessions.get(req.seq.session_id) is req.seq:
+            del self._sessions[req.seq.session_id]
+        self._drop_placeholders(req.seq)
+        out = self._output(req, "error")
+        out.error = text
+        return out
 
     def _record_logprobs(self, req: _Request, t: _InFlightToken, token: int,
                          host: dict[tuple[int, str], np.ndarray]) -> None:
@@ -433,34 +677,54 @@ class Engine:
 
     @staticmethod
     def _sampling_arrays(reqs: list[_Request], rows: int):
-        """Per-row sampling arrays for `rows` rows (padding rows greedy)."""
+        """Per-row sampling arrays for `rows` rows (padding rows greedy). A request whose row
+        cannot be built samples greedily and is marked failed (it ends at resolution)."""
         t = np.zeros(rows, np.float32)
         k = np.full(rows, -1, np.int32)
         p = np.ones(rows, np.float32)
         seeds = np.zeros(rows, np.uint32)
         for i, r in enumerate(reqs):
-            t[i], k[i], p[i], seeds[i] = (r.params.temperature, r.params.top_k, r.params.top_p,
-                                          r.seed)
+            try:
+                t[i], k[i], p[i], seeds[i] = (r.params.temperature, r.params.top_k,
+                                              r.params.top_p, r.seed)
+            except Exception as e:   # noqa: BLE001 - isolate any failure to its own request
+                t[i], k[i], p[i], seeds[i] = 0.0, -1, 1.0, 0
+                r.error = f"sampling parameters could not be used ({type(e).__name__}: {e})"
         return t, k, p, seeds
 
-    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput:
-        if finish_reason is not None:
+    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput | None:
+        """The request's output after this step: only text that can no longer be taken back
+        (`StopChecker.final_text`), in the request's `output_kind`; None for a running
+        FINAL_ONLY request."""
+        finished = finish_reason is not None
+        if finished:
             req.metrics.finished_time = time.perf_counter()
-        completion = CompletionOutput(0, req.stop.text, list(req.stop.token_ids), finish_reason)
+        elif req.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        # Once finished nothing can be taken back: a tail held back for a stop string that never
+        # came (the engine ended it: context length, abort) is final too.
+        text = req.stop.text if finished else req.stop.final_text
+        token_ids, logprobs = req.stop.token_ids, req.logprobs
+        if req.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = text[req.sent_chars:], token_ids[req.sent_tokens:]
+            logprobs = logprobs[req.sent_tokens:]
+            req.sent_chars += len(text)
+            req.sent_tokens += len(token_ids)
+        completion = CompletionOutput(0, text, list(token_ids), finish_reason,
+                                      req.stop.stop_reason if finished else None)
         if req.params.logprobs is not None:
-            completion.logprobs = list(req.logprobs)
+            completion.logprobs = list(logprobs)
             completion.cumulative_logprob = req.cumulative_logprob
             # Stacked once, at the end ([tokens, vocab] per step would copy quadratically).
-            if req.params.logprobs == -1 and finish_reason is not None:
+            if req.params.logprobs == -1 and finished:
                 completion.full_logprobs = (
                     np.stack(req.full_logprobs).astype(np.float32) if req.full_logprobs
                     else np.zeros((0, self.model_config.vocab_size), np.float32))
         return RequestOutput(
             request_id=req.seq.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finish_reason is not None, metrics=req.metrics,
-            session_id=req.seq.session_id)
+            prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
+            metrics=req.metrics, session_id=req.seq.session_id,
+            num_cached_tokens=req.num_cached_tokens)
 
     # ----- reports -----------------------------------------------------------------------
     def kv_usage(self) -> dict:
@@ -482,6 +746,7 @@ class Engine:
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,
+            pool=self.kv_pool(),
         )
         return usage
 

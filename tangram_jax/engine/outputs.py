@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a running request carries (vLLM's `RequestOutputKind`).
+
+    CUMULATIVE: the whole text and token ids so far; DELTA: only what is new since the request's
+    previous output; FINAL_ONLY: nothing until the request finishes, then everything. In every
+    kind the text is only what can no longer be taken back (see `StopChecker.final_text`), so a
+    stream of outputs never shrinks.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 import numpy as np
 
@@ -49,6 +64,8 @@ class CompletionOutput:
 
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or context),
     "abort", or "error" (see `RequestOutput.error`).
+    stop_reason: the stop string or stop token id that ended it (None for EOS, length, abort).
+    With `RequestOutputKind.DELTA`, text, token_ids and logprobs hold only what is new.
     logprobs: with `SamplingParams.logprobs` set, one dict per generated token: token id ->
       `Logprob`, holding the top `logprobs` tokens and the generated one (only the generated
       one when `logprobs` is -1); None otherwise.
@@ -79,3 +96,5 @@ class RequestOutput:
     metrics: RequestMetrics
     session_id: str | None = None
     error: str | None = None
+    # Prompt tokens already in the KV cache: the session history this request continues.
+    num_cached_tokens: int = 0

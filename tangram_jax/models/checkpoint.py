@@ -1,8 +1,9 @@
 """Cache of converted model parameters (orbax), so a model's second load skips conversion.
 
-A GGUF load dequantizes every tensor and builds the tokenizer from the file's metadata; the
-result depends only on the file and the target dtype. One cache entry per (source file's resolved
-path, size, mtime, dtype) lives under `cache_root()/<key>/`:
+A GGUF load dequantizes every tensor and builds the tokenizer from the file's metadata; a HF
+folder load transposes and casts every tensor. The result depends only on the source and the target
+dtype. One cache entry per (source's resolved path, size and mtime of the file or of each file in
+the folder the load reads, dtype) lives under `cache_root()/<key>/`:
 
     manifest.json   what the entry was made from + the HF config dict + tokenizer facts
     tokenizer.json  the built `tokenizers.Tokenizer`
@@ -26,7 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FORMAT_VERSION = 2  # 2: float32 metadata read back as shortest decimals
+FORMAT_VERSION = 3  # 2: float32 metadata read back as shortest decimals; 3: HF folders, special tokens
+
+# What a HF-folder load reads besides the weights (their changes invalidate an entry too).
+_FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "model.safetensors.index.json")
 _MANIFEST = "manifest.json"
 
 
@@ -45,9 +50,17 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 def source_fingerprint(source: Path, dtype) -> dict:
     """The facts a cache entry is valid for."""
     source = Path(source).resolve()
-    st = source.stat()
-    return {"format_version": FORMAT_VERSION, "source": str(source), "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns, "dtype": jnp.dtype(dtype).name}
+    if source.is_dir():
+        files = sorted({p for name in _FOLDER_FILES if (p := source / name).is_file()}
+                       | set(source.glob("*.safetensors")))
+        stats = [(p.name, p.stat()) for p in files]
+        size = sum(st.st_size for _, st in stats)
+        mtime = {name: st.st_mtime_ns for name, st in stats}
+    else:
+        st = source.stat()
+        size, mtime = st.st_size, st.st_mtime_ns
+    return {"format_version": FORMAT_VERSION, "source": str(source), "size": size,
+            "mtime_ns": mtime, "dtype": jnp.dtype(dtype).name}
 
 
 def entry_dir(root: Path, fingerprint: dict) -> Path:

@@ -3,32 +3,24 @@
 `decoder_from_state_dict` is the one place that maps HF parameter names onto the decoder; the GGUF
 loader produces an HF-named state dict and goes through it too.
 
-safetensors files are read by a small reader here rather than by the `safetensors` package because
-numpy has no bfloat16 (`safetensors.numpy` refuses bf16 checkpoints); `ml_dtypes`, which JAX
-already depends on, provides it. The reader checks every offset against the file size, so a
-truncated or corrupt file is reported by name instead of failing somewhere inside numpy.
+Weights are read with the `safetensors` library (`safe_open(framework="numpy")`, which maps the
+file and gives bfloat16 tensors as `ml_dtypes.bfloat16` arrays). A truncated or corrupt file is
+reported by name as a `CheckpointError` instead of the library's bare message.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
-
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
 
 # Checkpoint entries that carry no weights the decoder needs (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,49 +31,46 @@ class CheckpointError(ValueError):
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped)."""
+    """All tensors of one .safetensors file as numpy arrays."""
+    from safetensors import SafetensorError, safe_open
+
     path = Path(path)
-    size = path.stat().st_size
-    if size < 8:
-        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > size - 8:
-            raise CheckpointError(
-                f"{path}: truncated or corrupt safetensors file (header claims {header_len} bytes, "
-                f"file has {size - 8} after the length field)"
-            )
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        # The library's header checks: a bad JSON header is corrupt; a header or data region
+        # that does not fit the file means the file was cut short.
+        kind = "corrupt safetensors header" if "JSON" in str(e) else \
+            "truncated or damaged safetensors file"
+        raise CheckpointError(f"{path}: {kind} ({e})") from None
+
+
+def checkpoint_dtype(folder: str | os.PathLike) -> str | None:
+    """The floating dtype a HF folder's weights are stored in ("float32", "bfloat16",
+    "float16"), from config.json's `torch_dtype` / `dtype`, else from the first floating tensor
+    of the weight files; None when neither says."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        config = {}
+    named = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(named, str) and named in ("float32", "bfloat16", "float16"):
+        return named
+    from safetensors import safe_open
+
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for file in sorted(folder.glob("*.safetensors")):
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    data_start = 8 + header_len
-    buffer = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
-            shape = tuple(int(n) for n in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt or unsupported header entry for tensor {name!r}: {entry!r}") from None
-        expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        if end - begin != expected or begin < 0:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} spans {end - begin} bytes but dtype {entry['dtype']} shape {shape} "
-                f"needs {expected}"
-            )
-        if data_start + end > size:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, "
-                f"file has {size} bytes"
-            )
-        tensors[name] = buffer[data_start + begin : data_start + end].view(dtype).reshape(shape)
-    return tensors
+            with safe_open(str(file), framework="numpy") as f:
+                for key in f.keys():
+                    stored = names.get(f.get_slice(key).get_dtype())
+                    if stored is not None:
+                        return stored
+        except Exception:
+            return None   # unreadable: the load reports it by name
+    return None
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -104,6 +93,13 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Decoder]:
     """Reads `path/config.json` and its safetensors weights (single file or sharded with an index)."""
+    config_dict, state_dict = read_hf_folder(path)
+    config = ModelConfig.from_hf_dict(config_dict)
+    return config, decoder_from_state_dict(config, state_dict, dtype)
+
+
+def read_hf_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json as a dict, HF-named state dict) of a model folder; the config is validated."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist or is not a directory")
@@ -114,11 +110,11 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelCon
         config_dict = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    config = ModelConfig.from_hf_dict(config_dict)
+    ModelConfig.from_hf_dict(config_dict)   # unsupported models fail before reading weights
     state_dict: dict[str, np.ndarray] = {}
     for file in _weight_files(folder):
         state_dict.update(read_safetensors(file))
-    return config, decoder_from_state_dict(config, state_dict, dtype)
+    return config_dict, state_dict
 
 
 def decoder_from_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], dtype=jnp.float32) -> Decoder:

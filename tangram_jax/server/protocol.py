@@ -1,0 +1,134 @@
+"""Request bodies of the OpenAI API subset the server speaks (pydantic), and their mapping onto
+`SamplingParams`.
+
+Fields follow OpenAI's names and defaults, plus the vLLM extensions its clients send (`top_k`,
+`ignore_eos`, `stop_token_ids`). A field the engine cannot honour yet (`n` > 1, logprobs,
+penalties, `echo`, `best_of`) is refused with a 400 naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tangram_jax.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    # Unknown fields are accepted and ignored, as OpenAI clients send many (user, metadata, ...).
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def unsupported(self) -> list[str]:
+        """Fields set to something the engine cannot do yet."""
+        bad = []
+        if self.n != 1:
+            bad.append(f"n={self.n} (one completion per request)")
+        if self.presence_penalty or self.frequency_penalty:
+            bad.append("presence_penalty / frequency_penalty")
+        return bad
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """Raises ValueError / TypeError (from SamplingParams) for out-of-range values."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            max_tokens=16 if max_tokens is None else max_tokens,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or (),
+            ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        if self.echo:
+            bad.append("echo")
+        if self.best_of not in (None, 1):
+            bad.append(f"best_of={self.best_of}")
+        return bad
+
+    def prompts(self) -> list[dict]:
+        """One engine input per prompt: {"prompt": str} or {"prompt_token_ids": [int]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        if p and all(isinstance(x, str) for x in p):
+            return [{"prompt": x} for x in p]
+        if p and all(isinstance(x, list) for x in p):
+            return [{"prompt_token_ids": list(x)} for x in p]
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
+                         "list of token-id lists, and not empty")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart] | None = None
+
+    def as_engine_message(self, index: int) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise ValueError(f"messages[{index}]: only text content parts are supported")
+            content = "".join(part.text for part in content)
+        if content is None:
+            raise ValueError(f"messages[{index}] ({self.role}) has no content")
+        # OpenAI's "developer" role is the system prompt of newer models.
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            bad.append("logprobs / top_logprobs")
+        return bad
+
+    def engine_messages(self) -> list[dict]:
+        return [m.as_engine_message(i) for i, m in enumerate(self.messages)]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens

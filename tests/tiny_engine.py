@@ -1,0 +1,108 @@
+"""A tiny random-weight Llama in a Hugging Face folder, for engine tests that need many steps.
+
+Real tokenizer machinery (a byte-level BPE `tokenizer.json` with ChatML special tokens and a
+chat template), real loader (`load_model` on the folder), random weights: a decode step costs
+milliseconds on a CPU, so fuzz and soak tests can run thousands of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tangram_jax.compression.profile import BudgetProfile
+from tangram_jax.models.tokenizer import _bytes_to_unicode
+
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32,
+              intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256 + len(SPECIAL), max_position_embeddings=512,
+              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+              hidden_act="silu", eos_token_id=256 + SPECIAL.index(EOS_TOKEN))
+
+
+def _byte_vocab() -> dict[str, int]:
+    """One token per byte, spelled in ByteLevel's alphabet (GPT-2's byte-to-unicode table)."""
+    return {char: byte for byte, char in _bytes_to_unicode().items()}
+
+
+def build_tiny_model(folder: str | Path, seed: int = 0) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = CONFIG
+    rng = np.random.default_rng(seed)
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head_dim = hidden // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head_dim
+
+    def linear(out_dim, in_dim):
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32),
+               "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        tensors.update({
+            f"{p}.input_layernorm.weight": np.ones(hidden, np.float32),
+            f"{p}.post_attention_layernorm.weight": np.ones(hidden, np.float32),
+            f"{p}.self_attn.q_proj.weight": linear(hidden, hidden),
+            f"{p}.self_attn.k_proj.weight": linear(kv, hidden),
+            f"{p}.self_attn.v_proj.weight": linear(kv, hidden),
+            f"{p}.self_attn.o_proj.weight": linear(hidden, hidden),
+            f"{p}.mlp.gate_proj.weight": linear(inter, hidden),
+            f"{p}.mlp.up_proj.weight": linear(inter, hidden),
+            f"{p}.mlp.down_proj.weight": linear(hidden, inter),
+        })
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(c), encoding="utf-8")
+
+    tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        dict(chat_template=CHAT_TEMPLATE, eos_token=EOS_TOKEN, bos_token=None)), encoding="utf-8")
+    return folder
+
+
+def tiny_profile(name: str, seed: int = 0) -> BudgetProfile:
+    """A tangram budget profile for the tiny model: random per-head budgets in [0.3, 1]."""
+    c = CONFIG
+    layers, heads = c["num_hidden_layers"], c["num_key_value_heads"]
+    rng = np.random.default_rng(seed)
+    budget = rng.uniform(0.3, 1.0, (layers, heads))
+    perm = np.argsort(-budget, axis=1)
+    return BudgetProfile(
+        model=dict(architecture="llama", num_layers=layers, num_kv_heads=heads,
+                   head_dim=c["hidden_size"] // c["num_attention_heads"], name=name),
+        method="snapkv", rho=float(budget.mean()), lambda_=2.0, mean=budget,
+        std=np.zeros_like(budget), budget=budget, group_size=1, grouping="budget",
+        head_perm=perm, group_budgets=np.take_along_axis(budget, perm, axis=1))
+
+
+# Engine settings small enough for thousands of CPU steps. One decode bucket: a row's arithmetic
+# is the same whatever else is in the batch (a greedy request's tokens in a batch equal its
+# tokens alone), and one shape to compile.
+SMALL = dict(max_num_seqs=4, num_pages=160, max_model_len=256, chunk_size=16, page_size=8,
+             max_num_batched_tokens=64, decode_buckets=(4,), num_programs=8)
+
+
+def tiny_engine_config(folder: str | Path, mode: str, **overrides):
+    from tangram_jax.engine.config import EngineConfig
+    kwargs = dict(SMALL, model=str(folder), mode=mode, **overrides)
+    if mode == "tangram":
+        kwargs.setdefault("profile", tiny_profile(str(folder)))
+    elif mode == "dynamic":
+        kwargs.setdefault("ratio", 0.5)
+    return EngineConfig(**kwargs)
