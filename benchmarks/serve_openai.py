@@ -58,6 +58,11 @@ def make_hf_folder(folder: Path) -> Path:
     fresh.save_pretrained(folder)
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(folder)
+    # The GGUF load leaves quantization_config {"quant_method": "gguf"} in the config; the saved
+    # weights are plain float32, and vLLM refuses a folder that claims GGUF quantization.
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
