@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--kv-gib", type=int, default=1, help="KV memory, GiB (vLLM takes whole GiB)")
     p.add_argument("--mode", default="tangram", choices=("tangram", "full", "dynamic"))
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--out", required=True)
