@@ -49,6 +49,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def compiled_executables(engine) -> int:
+    """Executables the runner's jitted step functions hold (one per step shape met)."""
+    total = 0
+    for fn in vars(engine.runner).values():
+        size = getattr(fn, "_cache_size", None)
+        if callable(size):
+            total += size()
+    return total
+
+
 def soak(mode: str, n_steps: int, args, folder: Path | None) -> dict:
     from tangram_jax.engine.llm_engine import Engine
     from tangram_jax.sampling import SamplingParams
@@ -66,7 +76,7 @@ def soak(mode: str, n_steps: int, args, folder: Path | None) -> dict:
     rng = np.random.default_rng(args.seed)
     counts = dict(added=0, finished=0, aborted=0, errors=0, refused=0, sessions_ended=0,
                   generated_tokens=0)
-    samples = []   # (step, rss bytes)
+    samples = []   # (step, RSS bytes, Python heap blocks, compiled step executables)
 
     def add_one():
         r = rng.random()
@@ -111,11 +121,12 @@ def soak(mode: str, n_steps: int, args, folder: Path | None) -> dict:
                 counts["errors"] += out.error is not None
                 counts["generated_tokens"] += len(out.outputs[0].token_ids)
         if step % args.sample == 0 or step == n_steps - 1:
-            samples.append((step, rss_bytes()))
+            samples.append((step, rss_bytes(), sys.getallocatedblocks(),
+                            compiled_executables(engine)))
     seconds = time.perf_counter() - t0
     for rid in list(engine._requests):
         engine.abort(rid)
-    steps, rss = np.array(samples, np.float64).T
+    steps, rss, blocks, compiled = np.array(samples, np.float64).T
     measured = steps >= n_steps * args.warm_fraction   # after every shape compiled
     slope = np.polyfit(steps[measured], rss[measured], 1)[0] * 1000 if measured.sum() > 1 else 0.0
     half = steps >= (n_steps * (1 + args.warm_fraction)) / 2
@@ -128,10 +139,19 @@ def soak(mode: str, n_steps: int, args, folder: Path | None) -> dict:
         rss_mib_peak_first_half=float(rss[measured & ~half].max() / 2**20),
         rss_mib_peak_second_half=float(rss[half].max() / 2**20),
         rss_growth_bytes_per_1000_steps=float(slope),
+        # RSS also grows in steps when a new step shape is compiled (XLA's code and buffers,
+        # bounded by the shapes there are); the Python heap holds the engine's own state.
+        python_heap_blocks_start_of_measure=int(blocks[measured][0]),
+        python_heap_blocks_end=int(blocks[-1]),
+        python_heap_blocks_peak_first_half=int(blocks[measured & ~half].max()),
+        python_heap_blocks_peak_second_half=int(blocks[half].max()),
+        compiled_executables_start_of_measure=int(compiled[measured][0]),
+        compiled_executables_end=int(compiled[-1]),
         host_time_window_steps=int(engine.scheduler.metrics.step_host_seconds.size),
         preemptions=usage["scheduler"]["preemptions"], evictions=usage["scheduler"]["evictions"],
         pages_used_after_abort_all=int(usage["pages_used"]),
-        rss_samples=[[int(s), int(r)] for s, r in zip(steps, rss)],
+        samples_step_rss_heapblocks_compiled=[list(map(int, x)) for x in zip(steps, rss, blocks,
+                                                                             compiled)],
     )
 
 
@@ -159,7 +179,7 @@ def main() -> None:
     for item in args.modes.split(","):
         mode, _, n = item.partition(":")
         r = soak(mode, int(n) if n else args.steps, args, folder)
-        print(json.dumps({k: v for k, v in r.items() if k != "rss_samples"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if not k.startswith("samples")}), flush=True)
         results.append(r)
     report = dict(benchmark="soak", device=device_description(), git_revision=git_revision(),
                   command="python " + " ".join(sys.argv), config=vars(args), results=results)

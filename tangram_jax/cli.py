@@ -10,6 +10,7 @@ stderr; 130 interrupted (Ctrl-C), with no traceback and no partial output file.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import os
 import sys
@@ -81,14 +82,16 @@ def _main(argv: list[str]) -> int:
 
 
 def _one_line_help(mod_name: str) -> str:
+    """The module's HELP constant, read from its source (importing it would import JAX, which
+    `--help` should not wait for); HELP may span lines (implicitly joined string literals)."""
     spec = importlib.util.find_spec(mod_name)
-    # Read the HELP constant from source to avoid importing the module (and JAX) for --help.
     with open(spec.origin, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("HELP = "):
-                return line[len("HELP = "):].strip().strip("\"'")
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "HELP" for t in node.targets):
+            return ast.literal_eval(node.value)
     return ""
-
 
 if __name__ == "__main__":
     sys.exit(main())

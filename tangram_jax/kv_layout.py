@@ -198,6 +198,15 @@ class KVLayout:
         keep = self._keep_by_chunk_len
         return keep[-1] * full + keep[rest] + max(0, upto - boundary)
 
+    def segments_retained_counts(self, segments) -> np.ndarray:
+        """int64 [layers, groups] tokens kept from prefill segments ``(length, compressed)``:
+        a compressed one is a turn (`retained_counts`), the others are kept whole (tokens a
+        decode step wrote, replayed after a preemption)."""
+        total = np.zeros(self.group_budgets.shape, np.int64)
+        for length, compressed in segments:
+            total = total + (self.retained_counts(length) if compressed else int(length))
+        return total
+
     def piece_retained_counts(self, turn_len: int, start: int, end: int) -> np.ndarray:
         """int64 [layers, groups] tokens kept from tokens [start, end) of a turn of `turn_len`
         new tokens (start and end on chunk boundaries of the turn, or end == turn_len)."""

@@ -31,13 +31,14 @@ PROMPTS = [
 ]
 
 
-def _identity_budget_profile(model_config, group_size: int) -> BudgetProfile:
+def _identity_budget_profile(model_config, group_size: int,
+                             method: str = "snapkv") -> BudgetProfile:
     """Every budget 1 (nothing dropped), heads in a non-trivial (reversed) order."""
     layers, heads = model_config.num_layers, model_config.num_kv_heads
     ones = np.ones((layers, heads))
     perm = np.tile(np.arange(heads)[::-1], (layers, 1))
     return BudgetProfile(
-        model=dict(model_config.fingerprint(), name="smollm2"), method="snapkv", rho=1.0,
+        model=dict(model_config.fingerprint(), name="smollm2"), method=method, rho=1.0,
         lambda_=2.0, mean=ones, std=np.zeros_like(ones), budget=ones, group_size=group_size,
         grouping="budget", head_perm=perm, group_budgets=np.ones((layers, heads // group_size)))
 
@@ -57,8 +58,12 @@ def test_rho_one_tangram_equals_full_and_dense_reference(full_llm):
 
     cfg = full_llm.engine.model_config
     # Waiting for every step's tokens (no asynchronous scheduling) must not change them either.
-    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1),
+    # (A profile calibrated with KeyDiff is served with KeyDiff: tests/test_engine_runner.py
+    # checks what that scorer keeps; budgets of 1 keep everything whatever the scorer.)
+    tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1,
+                                                                   method="keydiff"),
                   async_scheduling=False, **SMALL)
+    assert tangram.engine.runner.runner_config.method == "keydiff"
     assert tangram.engine.layout.num_groups == cfg.num_kv_heads
     ours = [o.outputs[0].token_ids for o in tangram.generate(prompts, GREEDY, use_tqdm=False)]
 
@@ -127,6 +132,15 @@ def test_multi_turn_chat_pages_are_exactly_the_reservation():
     for out in outs:
         llm.end_session(out.session_id)
     assert manager.pool.num_used == 0
+
+
+def test_pool_size_and_startup_times_are_reported(full_llm):
+    engine = full_llm.engine
+    pool = engine.kv_usage()["pool"]
+    assert pool["sized_by"] == "kv_cache_tokens" and "plan" not in pool   # CPU: no GPU sizing
+    assert pool["full_kv_tokens"] == SMALL["kv_cache_tokens"]
+    assert pool["bytes"] == pool["num_pages"] * engine.runner.kv_bytes_per_page
+    assert set(engine.startup_seconds) == {"load_model", "build", "warmup", "total"}
 
 
 def test_abort_mid_decode_returns_all_pages(full_llm):
@@ -208,7 +222,7 @@ def test_bad_input_is_refused_while_others_finish(full_llm):
 
 
 def test_bad_engine_configuration_is_refused():
-    with pytest.raises(ValueError, match="unknown mode"):
+    with pytest.raises(ValueError, match="mode must be one of"):
         EngineConfig(mode="turbo")
     with pytest.raises(ValueError, match="ratio"):
         EngineConfig(ratio=0)
@@ -302,3 +316,31 @@ def test_bad_logprobs_and_forced_tokens_are_refused(full_llm):
     with pytest.raises(ValueError, match="forced_token_ids"):
         full_llm.engine.add_request("bad", prompt="Hi", forced_token_ids=[])
     assert not full_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])
+def test_greedy_output_does_not_depend_on_preemption(mode):
+    """A pool too small for three requests at once preempts the newest while it decodes; its
+    recompute replays the prompt with its own chunking and the generated tokens whole, so every
+    greedy answer equals the one served alone."""
+    from tangram_jax.engine.config import build_layout
+    from tangram_jax.models.registry import load_model
+    cfg = dict(SMALL, chunk_size=32, ratio=0.25)
+    max_new = 40
+    tok_prompts = [PROMPTS[1], PROMPTS[1].replace("Paul Graham", "Someone"),
+                   "Write a short story about a robot who learns to paint. " * 3]
+    loaded = load_model(None)
+    layout = build_layout(EngineConfig(mode=mode, **cfg), loaded.config,
+                          is_embedded=True).with_tail("window", 32)
+    lengths = [len(loaded.tokenizer.encode(p)) for p in tok_prompts]
+    one = max(int(pages_for(layout.retained_counts(n) + max_new, layout.page_size).sum())
+              for n in lengths)
+    llm = LLM(mode=mode, num_pages=int(1.6 * one) + 1, **cfg)
+    engine = llm.engine
+    prompts = [llm.tokenizer.encode(p) for p in tok_prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert engine.scheduler.metrics.num_preemptions == 0
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert engine.scheduler.metrics.num_preemptions > 0
+    assert together == alone

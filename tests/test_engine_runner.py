@@ -152,6 +152,44 @@ def test_warmup_compiles_on_the_null_slot_without_touching_sequences():
     assert after[3] == tokens_before[3]   # slot 3 untouched; the padding row went to slot 4
 
 
+def test_whole_row_prefill_of_a_full_layout_equals_the_dense_model():
+    """Full KV: rows are whole pieces (two sequences in one call, one of them in two pieces);
+    the last logits equal the dense reference decoder's and the pages hold every token's K."""
+    from tangram_jax.models.decoder import DenseKVCache
+    full = KVLayout.monolithic(3, 2, 8, page_size=4, chunk_size=16)
+    manager = KVCacheManager(full, 64, 4, 16, model_kv_shape=(3, 2, 8))
+    model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    dense_model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, CONFIG, full, 64, manager.block_tables.shape,
+                         runner_config=RunnerConfig(mode="full", max_prefill_tokens=64))
+    assert runner.prefill_whole_rows
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 97, 45), rng.integers(1, 97, 19)]
+    slots = [manager.allocate_slot() for _ in prompts]
+    for slot, p in zip(slots, prompts):
+        assert manager.reserve(slot, len(p))
+    runner.update_block_tables(*manager.take_table_updates())
+    # Call 1: the first 32 tokens of sequence 0 (two chunks in one row) and all of sequence 1.
+    logits, kept = runner.prefill([prompts[0][:32], prompts[1]], [0, 0], slots,
+                                  [manager.lengths[s] for s in slots])
+    np.testing.assert_array_equal(np.asarray(kept)[:2, 0, 0], [32, 19])
+    manager.commit_prefill(slots[0], 32)
+    manager.commit_prefill(slots[1], 19)
+    last1 = np.asarray(logits)[1]
+    logits, _ = runner.prefill([prompts[0][32:]], [32], [slots[0]], [manager.lengths[slots[0]]])
+    last0 = np.asarray(logits)[0]
+    for p, last in ((prompts[0], last0), (prompts[1], last1)):
+        cache = DenseKVCache.create(CONFIG, 1, 64)
+        want, cache = dense_model(jnp.asarray(p[None]), jnp.arange(len(p))[None], cache)
+        np.testing.assert_allclose(last, np.asarray(want)[0, -1], rtol=2e-4, atol=2e-4)
+    # Layer 0's K of sequence 1 sits in its pages in order.
+    table = manager.block_tables[slots[1], 0, 0]
+    pages = np.asarray(runner.k_pages)[table[:5]]                # [5, G, ps, d]
+    got = np.moveaxis(pages, 1, 0).reshape(2, -1, 8)[:, :19]
+    np.testing.assert_allclose(got, np.moveaxis(np.asarray(cache.k)[0, 0, :19], 1, 0),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_of_a_protected_turn_writes_the_layouts_counts_and_keeps_the_tail():
     from tangram_jax.compression.chunk_scoring import chunk_scores
     from tangram_jax.pallas_kernels.chunk_compress import kept_token_sources
@@ -174,9 +212,68 @@ def test_prefill_of_a_protected_turn_writes_the_layouts_counts_and_keeps_the_tai
     np.testing.assert_array_equal(manager.lengths[slot], manager.reserved_lengths[slot])
     # The scores the runner ranks by keep every protected token, whatever the attention says.
     probs = np.random.default_rng(2).random((4, 5, 16)).astype(np.float32)
-    scores = chunk_scores(jnp.asarray(probs), jnp.int32(11), jnp.int32(5), q_per_kv=2)
+    qkv = jnp.asarray(np.random.default_rng(3).normal(size=(16, 4, 8)), jnp.float32)
+    scores = chunk_scores("snapkv", jnp.asarray(probs), qkv, qkv[:, :2], qkv[:, :2],
+                          jnp.int32(11), jnp.int32(5), jnp.int32(16), q_per_kv=2)
     keep = jnp.asarray(layout.chunk_keep_counts(11, 5)[0], jnp.int32)
     sources, counts = kept_token_sources(scores, keep, jnp.int32(11), 1)
     for h in range(2):
         kept_idx = set(np.asarray(sources[h, :counts[h]]).tolist())
         assert set(range(6, 11)) <= kept_idx
+
+
+def _kept_layer0_keys(method: str, tokens: np.ndarray):
+    """Prefill one chunk with `method` on an identity-permuted layout of budget 0.5; returns the
+    layer-0 keys each head kept ([heads] arrays [count, D]) and the chunk's layer-0 keys."""
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, group_size=1, page_size=4,
+                      chunk_size=16, head_perm=np.tile(np.arange(2), (3, 1)),
+                      group_budgets=np.full((3, 2), 0.5))
+    manager = KVCacheManager(layout, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = ModelRunner(Decoder(CONFIG, rngs=nnx.Rngs(0)), CONFIG, layout, 64,
+                         manager.block_tables.shape,
+                         runner_config=RunnerConfig(obs_window=4, method=method))
+    slot = manager.allocate_slot()
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    _, kept = runner.prefill_chunk(tokens, 0, slot, manager.lengths[slot])
+    pages = np.asarray(runner.k_pages)
+    kept_keys = [pages[manager.block_tables[slot, 0, h]][:, 0].reshape(-1, 8)[:int(kept[0, h])]
+                 for h in range(2)]
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    positions = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+    _, k, v = model.layers[0].qkv(model.embed(jnp.asarray(tokens, jnp.int32)[None]), positions)
+    return kept_keys, np.asarray(k[0]), np.asarray(v[0])
+
+
+def test_the_profile_method_is_the_served_scorer():
+    """A profile calibrated with KeyDiff is served with KeyDiff: each head keeps KeyDiff's top-k
+    of the chunk (in temporal order), which is not what SnapKV keeps."""
+    from tangram_jax.compression.scorers import keydiff
+    tokens = np.random.default_rng(3).integers(1, 97, 16)
+    kept, k, v = _kept_layer0_keys("keydiff", tokens)
+    count = len(kept[0])
+    assert count == 8
+    q_dummy = jnp.zeros((4, 16, 8))
+    scores = np.asarray(keydiff(q_dummy, jnp.moveaxis(k, 0, 1), jnp.moveaxis(v, 0, 1),
+                                q_per_kv=2))
+    for h in range(2):
+        top = np.sort(np.argsort(-scores[h], kind="stable")[:count])
+        np.testing.assert_allclose(kept[h], k[top, h], rtol=1e-5, atol=1e-6)
+    snap, _, _ = _kept_layer0_keys("snapkv", tokens)
+    assert any(not np.allclose(a, b) for a, b in zip(kept, snap))
+
+
+@pytest.mark.parametrize("method", ["expected_attention", "tova", "streaming_llm"])
+def test_every_served_method_runs_in_the_chunk_compression(method):
+    kept, k, _ = _kept_layer0_keys(method, np.random.default_rng(4).integers(1, 97, 13))
+    for h in range(2):   # kept rows are rows of the chunk, in temporal order
+        rows = [int(np.argmin(np.abs(k[:, h] - row).sum(-1))) for row in kept[h]]
+        assert len(kept[h]) == 7 and rows == sorted(set(rows))
+        np.testing.assert_allclose(kept[h], k[rows, h], rtol=1e-5, atol=1e-6)
+
+
+def test_a_method_the_chunk_compression_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="'h2o' cannot be served"):
+        RunnerConfig(method="h2o")
+    with pytest.raises(ValueError, match="dynamic mode"):
+        RunnerConfig(mode="dynamic", method="keydiff")

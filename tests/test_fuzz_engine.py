@@ -177,22 +177,16 @@ def test_an_unusable_sampling_row_fails_only_its_request(engines):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     good = dict(prompt_token_ids=[3, 4, 5], sampling_params=params)
     solo = _solo(engine, good)
+    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    object.__setattr__(forced, "top_k", 2**40)   # past the frozen dataclass's validation
     engine.add_request("bad-k", prompt_token_ids=[9, 9, 9], sampling_params=params)
-    object.__setattr__(engine._requests["bad-k"], "params",
-                       _ForcedParams(temperature=0.0, top_k=2**40, top_p=1.0))
+    engine._requests["bad-k"].params = forced
     rid = engine.add_request(**good)
     outs = _drain(engine)
     assert outs["bad-k"].outputs[0].finish_reason == "error"
     assert "top_k" in outs["bad-k"].error or "Overflow" in outs["bad-k"].error
     assert outs[rid].outputs[0].token_ids == solo
     _assert_idle(engine)
-
-
-class _ForcedParams:
-    """Sampling parameters that skipped validation (what a mutable SamplingParams allowed)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def test_soak_thousands_of_steps_with_a_flat_heap(engines):

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from tangram_jax.pallas_kernels.prefill_attention import (
-    chunk_prefill_attention, chunk_prefill_attention_reference)
+    PrefillTuning, chunk_prefill_attention, chunk_prefill_attention_reference, observation_probs,
+    pack_rows, prefill_work_items, ragged_prefill_attention, ragged_prefill_attention_reference,
+    row_alignment)
 
 GPU_SCALE = os.environ.get("TANGRAM_KERNEL_SCALE") == "gpu"
 # (T, Hq, Hkv, head_dim, G, page_size, max_pages, obs_window, block)
@@ -60,7 +62,8 @@ def test_prefill_matches_reference(dtype):
     chunk, _, _, _, _, _, _, obs_window, block = SHAPE
     for chunk_len in (chunk, chunk - 7, obs_window // 2, 1):
         args = _case(rng, chunk_len, _hists(rng), dtype)
-        out, obs = chunk_prefill_attention(*args, obs_window=obs_window, block=block)
+        out, obs = chunk_prefill_attention(*args, obs_window=obs_window,
+                                       tuning=PrefillTuning(block_q=block, block_k=block))
         ref, ref_obs = chunk_prefill_attention_reference(*args, obs_window=obs_window)
         out = np.asarray(out, np.float64)
         assert out.shape == args[0].shape and obs.shape == (args[0].shape[1], obs_window, chunk)
@@ -78,7 +81,8 @@ def test_prefill_without_any_key_is_zero():
     rng = np.random.default_rng()
     chunk, _, hkv, _, g, _, _, obs_window, block = SHAPE
     args = _case(rng, 0, np.zeros(hkv // g, np.int64), jnp.float32)
-    out, obs = chunk_prefill_attention(*args, obs_window=obs_window, block=block)
+    out, obs = chunk_prefill_attention(*args, obs_window=obs_window,
+                                       tuning=PrefillTuning(block_q=block, block_k=block))
     assert np.isfinite(np.asarray(out)).all() and not np.asarray(obs).any()
 
 
@@ -87,5 +91,161 @@ def test_prefill_rejects_bad_inputs():
     args = _case(rng, 4, _hists(rng), jnp.float32)
     with pytest.raises(ValueError, match="obs_window"):
         chunk_prefill_attention(*args, obs_window=0)
-    with pytest.raises(ValueError, match="block"):
-        chunk_prefill_attention(*args, obs_window=2, block=24)
+    with pytest.raises(ValueError, match="block_q"):
+        PrefillTuning(block_q=24)
+
+
+# ----- ragged batch of rows ---------------------------------------------------------------------
+
+# (Hq, Hkv, head_dim, G, page_size, max_pages); q_per_kv 3 exercises the padded head stack.
+RAGGED_SHAPE = (12, 4, 16, 2, 8, 6)
+RAGGED_TUNING = PrefillTuning(block_q=16, block_k=16, num_warps=4, num_stages=1,
+                              max_splits=3, min_split_keys=8)
+
+
+def _ragged_case(rng, row_lens, dtype, hq=12):
+    _, hkv, d, g, ps, max_pages = RAGGED_SHAPE
+    rows, groups = len(row_lens), hkv // g
+    starts, used = pack_rows(row_lens, row_alignment(RAGGED_TUNING))
+    n = used + row_alignment(RAGGED_TUNING)           # a spare tile of bucket padding
+    num_pages = rows * groups * max_pages + 1
+    tables = rng.permutation(num_pages)[:rows * groups * max_pages].reshape(rows, groups,
+                                                                             max_pages)
+    hist = rng.integers(0, max_pages * ps + 1, size=(rows, groups))
+    hist[0, 0] = max_pages * ps
+    hist[-1, -1] = 0
+    k_pages = rng.standard_normal((num_pages, g, ps, d)).astype(np.float32)
+    v_pages = rng.standard_normal((num_pages, g, ps, d)).astype(np.float32)
+    owned = np.zeros((num_pages, g, ps), bool)
+    for r in range(rows):
+        for grp in range(groups):
+            t = np.arange(hist[r, grp])
+            owned[tables[r, grp, t // ps], :, t % ps] = True
+    k_pages[~owned] = np.nan
+    v_pages[~owned] = np.nan
+    q = rng.standard_normal((n, hq, d)).astype(np.float32)
+    k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    inside = np.zeros(n, bool)
+    for s, ln in zip(starts, row_lens):
+        inside[s:s + ln] = True
+    for x in (q, k, v):
+        x[~inside] = np.nan                           # padding tokens: poison
+    arrays = tuple(jnp.asarray(x, dtype) for x in (q, k, v, k_pages, v_pages))
+    ints = tuple(jnp.asarray(np.asarray(x, np.int32)) for x in (tables, hist, starts, row_lens))
+    # Room for 40 more items than query blocks x groups: long histories split (at most 3
+    # ways), the rest are no-op padding items.
+    items = prefill_work_items(starts, row_lens, hist, tuning=RAGGED_TUNING, num_tokens=n,
+                               num_items=(n // RAGGED_TUNING.block_q) * groups + 40)
+    assert (items[:, 4] > 1).any() and (items[:, 0] == -1).any()
+    return arrays + ints + (jnp.asarray(items),), dict(starts=starts, hist=hist, tables=tables,
+                                                       inside=inside)
+
+
+def _oracle(q, k, v, k_pages, v_pages, tables, hist, starts, lens):
+    """float64 numpy attention of each row, row by row (independent of both jnp paths)."""
+    q, k, v, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k, v, k_pages, v_pages))
+    n, hq, d = q.shape
+    hkv, g, ps = k.shape[1], k_pages.shape[1], k_pages.shape[2]
+    out = np.zeros_like(q)
+    lse = np.full((hq, n), -np.inf)
+    for r, (s, ln) in enumerate(zip(starts, lens)):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            grp, j = divmod(kv, g)
+            t = np.arange(hist[r, grp])
+            hk = k_pages[tables[r, grp, t // ps], j, t % ps]
+            hv = v_pages[tables[r, grp, t // ps], j, t % ps]
+            for i in range(ln):
+                keys = np.concatenate([hk, k[s:s + i + 1, kv]])
+                vals = np.concatenate([hv, v[s:s + i + 1, kv]])
+                logit = keys @ q[s + i, h] / np.sqrt(d)
+                m = logit.max()
+                p = np.exp(logit - m)
+                out[s + i, h] = p @ vals / p.sum()
+                lse[h, s + i] = m + np.log(p.sum())
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_ragged_prefill_matches_oracle_and_reference(dtype):
+    rng = np.random.default_rng()
+    row_lens = [int(rng.integers(20, 40)), 0, 16, int(rng.integers(1, 16))]
+    args, meta = _ragged_case(rng, row_lens, dtype)
+    out, lse = ragged_prefill_attention(*args, tuning=RAGGED_TUNING)
+    ref, ref_lse = ragged_prefill_attention_reference(*args)
+    want, want_lse = _oracle(*args[:5], meta["tables"], meta["hist"], meta["starts"], row_lens)
+    inside = meta["inside"]
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all() and not out[~inside].any()
+    assert np.isneginf(np.asarray(lse)[:, ~inside]).all()
+    for got, tol in ((out, RTOL[dtype]), (ref, RTOL[dtype] if dtype == jnp.bfloat16 else 1e-6)):
+        err = np.linalg.norm(got[inside] - want[inside]) / np.linalg.norm(want[inside])
+        assert err < tol, err
+    for got in (lse, ref_lse):
+        got = np.asarray(got, np.float64)[:, inside]
+        assert np.abs(got - want_lse[:, inside]).max() < 50 * RTOL[dtype]
+
+
+def test_ragged_prefill_item_order_and_padding_items_do_not_matter():
+    rng = np.random.default_rng()
+    row_lens = [33, 17]
+    args, meta = _ragged_case(rng, row_lens, jnp.float32)
+    out, lse = ragged_prefill_attention(*args, tuning=RAGGED_TUNING)
+    items = np.asarray(args[-1])
+    shuffled = np.concatenate([rng.permutation(items[items[:, 0] >= 0]),
+                               items[items[:, 0] < 0]])
+    out2, lse2 = ragged_prefill_attention(*args[:-1], jnp.asarray(shuffled), tuning=RAGGED_TUNING)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+
+
+def test_prefill_work_items_heaviest_first():
+    tuning = PrefillTuning(block_q=16, block_k=16, max_splits=4, min_split_keys=20)
+    starts, _ = pack_rows([40, 16], 16)
+    hist = np.array([[5, 100], [0, 50]])
+    lens = np.array([40, 16])
+    causal = lambda it: np.minimum((it[:, 1] - starts[it[:, 0]] // 16 + 1) * 16,  # noqa: E731
+                                   lens[it[:, 0]])
+    items = prefill_work_items(starts, lens, hist, num_tokens=64, num_items=12, tuning=tuning)
+    assert items.shape == (12, 5)
+    real = items[items[:, 0] >= 0]
+    per_split = hist[real[:, 0], real[:, 2]] / real[:, 4] + np.where(
+        real[:, 3] == real[:, 4] - 1, causal(real), 0)
+    assert (np.diff(per_split) <= 0).all()
+    # Every (row, block, group) is covered by splits 0 .. n-1, exactly once each.
+    cover = {}
+    for r, b, g, s, n in real.tolist():
+        cover.setdefault((r, b, g), []).append((s, n))
+    assert sorted(cover) == sorted((r, int(starts[r]) // 16 + b, g) for r, nb in ((0, 3), (1, 1))
+                                   for b in range(nb) for g in range(2))
+    for parts in cover.values():
+        n = parts[0][1]
+        assert sorted(s for s, _ in parts) == list(range(n)) and all(m == n for _, m in parts)
+    # The 4 spare items went to group 1's long histories (100 -> splits of >= 20 keys).
+    assert max(n for parts in cover.values() for _, n in parts) > 1
+    assert all(n == 1 for (r, _, g), parts in cover.items() for _, n in parts if g == 0)
+    unsplit = prefill_work_items(starts, lens, hist, num_tokens=64, tuning=tuning)
+    assert unsplit.shape == (8, 5) and (unsplit[:, 4] == 1).all()
+    # A flat axis with unused blocks (N = 96 has 12 blocks x 2 groups = 24 > 12 items): the
+    # spare items are padding, not splits (the kernel has one output slot for such a call).
+    gaps = prefill_work_items(starts, lens, hist, num_tokens=96, num_items=12, tuning=tuning)
+    assert (gaps[:, 4] <= 1).all() and (gaps[8:, 0] == -1).all()
+    with pytest.raises(ValueError, match="num_items"):
+        prefill_work_items(starts, lens, hist, num_tokens=64, num_items=4, tuning=tuning)
+
+
+def test_observation_probs_rows_sum_with_history():
+    """A row without history: its window queries' probabilities over its own keys sum to 1."""
+    rng = np.random.default_rng()
+    row_lens = [30, 9]
+    args, meta = _ragged_case(rng, row_lens, jnp.float32)
+    args = list(args)
+    args[6] = jnp.zeros_like(args[6])                 # no history
+    out, lse = ragged_prefill_attention(*args, tuning=RAGGED_TUNING)
+    obs = np.asarray(observation_probs(args[0], args[1], lse, args[7], args[8], obs_window=12,
+                                       chunk=32))
+    assert obs.shape == (2, 12, 12, 32)
+    np.testing.assert_allclose(obs[0].sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(obs[1][:, 3:].sum(-1), 1.0, rtol=1e-5)
+    assert not obs[1][:, :3].any() and not obs[1][..., 9:].any()

@@ -115,14 +115,24 @@ def test_lru_eviction_of_idle_sessions_and_transparent_reprefill():
     assert not old.is_cached and new.is_cached and s.metrics.num_evictions == 1
     assert old.status is SequenceStatus.IDLE and m.pages_held(new.slot) == held_new
     drain(s, finish_after=1)
-    # The evicted session's next turn re-prefills its whole history from position 0.
+    # The evicted session's next turn re-prefills its whole history from position 0, as it was
+    # first written: turn 1 with its own chunking, then the new turn from where the cache ended
+    # (the turn-1 token no decode step wrote, and the new prompt).
     history = old.num_tokens
     s.add_request("old2", [3] * 5, session_id="old")
     out = s.schedule()
     (chunk,) = out.prefill_chunks
-    assert chunk.seq is old and (chunk.start, chunk.end) == (0, history + 5)
+    end = old.turns[-1][0]    # the cache held turn 1 and the generated tokens a decode wrote
+    assert 24 <= end < history
+    assert old.segments == [(0, 24, True)] + ([(24, end, False)] if end > 24 else []) + \
+        [(end, history + 5, True)]
+    assert chunk.seq is old and (chunk.start, chunk.end) == (0, 24)
     np.testing.assert_array_equal(m.reserved_lengths[old.slot],
-                                  layout().retained_counts(history + 5))
+                                  layout().retained_counts(24) + (end - 24)
+                                  + layout().retained_counts(history + 5 - end))
+    s.commit(out, {})
+    (chunk,) = s.schedule().prefill_chunks
+    assert (chunk.start, chunk.end, chunk.is_last) == (24, old.segments[1][1], end == 24)
 
 
 def test_decode_growth_failure_preempts_the_newest_and_it_recomputes():

@@ -131,14 +131,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             seq = chunk.seq
             rid = seq.request_id
             self.admitted.add(rid)
-            # Pieces start on compression-chunk boundaries of the turn.
-            assert (chunk.start - seq.turn_start) % CHUNK == 0
+            # Pieces start on compression-chunk boundaries of their planned segment (the turn,
+            # or a replayed turn / generated span after a preemption or eviction).
+            assert chunk.segment in seq.segments
+            assert (chunk.start - chunk.segment[0]) % CHUNK == 0
             assert chunk.is_last == (chunk.end == seq.num_tokens)
             if chunk.start == seq.turn_start:
                 # Admitted this step: nothing written yet, so lengths are the turn's base.
+                assert seq.segments[0][0] == seq.turn_start
+                assert seq.segments[-1][1] == seq.num_tokens
                 self.turn_target[rid] = (m.lengths[seq.slot].astype(np.int64)
-                                         + self.layout.retained_counts(seq.num_tokens
-                                                                       - seq.turn_start))
+                                         + self.layout.segments_retained_counts(
+                                             [(b - a, c) for a, b, c in seq.segments]))
             if self.policy == "reserve":
                 assert (m.reserved_lengths[seq.slot] == self.turn_target[rid]).all()
                 assert (m.table.num_pages[seq.slot] == pages_for(self.turn_target[rid], PAGE)).all()

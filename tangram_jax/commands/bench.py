@@ -10,10 +10,13 @@ import runpy
 import sys
 from pathlib import Path
 
-HELP = ("Run a benchmark (end_to_end, control_plane, decode_attention, decode_step_gpu, "
-        "gpu_engine_check); writes benchmarks/results/*.json")
+HELP = ("Run a benchmark (accuracy, end_to_end, control_plane, decode_attention, "
+        "decode_step_gpu, gpu_engine_check); writes benchmarks/results/*.json")
 
 BENCHMARKS = {
+    "accuracy": "task accuracy under compression: generated multi-turn tasks in every mode and "
+                "ratio, CIs, agreement and KL with full KV (kvpress beside it: "
+                "benchmarks/kvpress_accuracy.py)",
     "end_to_end": "multi-turn serving, tangram vs full KV vs dynamic reclaim, equal KV memory",
     "control_plane": "host time per scheduling step, Budget Reservation vs dynamic reclaim",
     "decode_attention": "decode attention kernel: AOT split map vs uniform vs runtime-planned (GPU)",

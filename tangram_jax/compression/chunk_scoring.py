@@ -5,8 +5,10 @@ chunk's tokens are scored, and each head keeps its group's count of them. These 
 for ONE sequence's (padded) chunk, so a runner can call them per row whatever its batching:
 
 - `chunk_scores`: the scores of a chunk's tokens, by the method the budget profile was calibrated
-  with, with the chunk's protected tokens (the end of the turn, `KVLayout.chunk_protected`)
-  lifted above every other score so any count >= their number keeps them;
+  with (`SERVED_METHODS`: the scorers of `tangram_jax.compression.scorers` that a chunk's
+  inputs can feed), with the chunk's protected tokens (the end of the turn,
+  `KVLayout.chunk_protected`) lifted above every other score so any count >= their number keeps
+  them. The Pallas path and the XLA reference path of the runner both call it, after attention;
 - `dynamic_keep_count`: the per-input (Ada-SnapKV) count of ``dynamic`` mode on monolithic pages,
   the protected tokens kept on top of it.
 
@@ -19,8 +21,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tangram_jax.compression.scorers import snapkv_from_probs
+from tangram_jax.compression.scorers import (expected_attention, keydiff, snapkv_from_probs,
+                                             streaming_llm)
 from tangram_jax.compression.selection import dynamic_select
+
+# Methods a profile may be calibrated with and served by. H2O needs every query's attention over
+# the chunk (the prefill attention hands out only the observation window's), so it is refused.
+SERVED_METHODS = ("snapkv", "expected_attention", "keydiff", "tova", "streaming_llm")
+
+
+def check_served_method(method: str) -> str:
+    """`method`, or a ValueError naming it and what can be served."""
+    if method not in SERVED_METHODS:
+        raise ValueError(f"a budget profile calibrated with {method!r} cannot be served: the "
+                         f"chunk compression scores with one of {', '.join(SERVED_METHODS)} "
+                         f"(calibrate the profile with one of them)")
+    return method
 
 # Above every scorer's score (SnapKV's are at most the window length); protected tokens get it.
 PROTECTED_SCORE = 1e9
@@ -50,12 +66,41 @@ def protect_tail(scores: jax.Array, chunk_len: jax.Array, num_protected: jax.Arr
     return jnp.where(tail, jnp.float32(PROTECTED_SCORE), scores.astype(jnp.float32))
 
 
-def chunk_scores(obs_probs: jax.Array, chunk_len: jax.Array, num_protected: jax.Array, *,
-                 q_per_kv: int) -> jax.Array:
+def method_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                  chunk_len: jax.Array, first_position: jax.Array, *, q_per_kv: int,
+                  inv_freq=None) -> jax.Array:
+    """Scores [num_kv_heads, T] of a padded chunk's tokens by `method` (`SERVED_METHODS`; static).
+
+    obs_probs: float32 [num_q_heads, W, T] (the prefill attention's observation window);
+    q: [T, num_q_heads, D], k, v: [T, num_kv_heads, D] (RoPE applied); chunk_len, first_position
+    (absolute position of token 0): int32 scalars. inv_freq: the model's RoPE frequencies
+    (Expected Attention). Scores of padding positions are meaningless (masked by the caller).
+    """
+    check_served_method(method)
+    if method == "snapkv":
+        return snapkv_chunk_scores(obs_probs, chunk_len, q_per_kv)
+    if method == "tova":   # the last query's attention: the window's last row
+        last = obs_probs[:, -1, :].astype(jnp.float32)
+        return last.reshape(-1, q_per_kv, last.shape[-1]).mean(axis=1)
+    heads = lambda x: jnp.moveaxis(x, 0, 1)   # [T, H, D] -> [H, T, D]   # noqa: E731
+    if method == "keydiff":
+        return keydiff(heads(q), heads(k), heads(v), q_per_kv=q_per_kv, num_valid=chunk_len)
+    if method == "streaming_llm":
+        return streaming_llm(heads(q), heads(k), heads(v), q_per_kv=q_per_kv,
+                             first_position=first_position, num_valid=chunk_len)
+    return expected_attention(heads(q), heads(k), heads(v), q_per_kv=q_per_kv,
+                              inv_freq=inv_freq, first_position=first_position,
+                              num_valid=chunk_len)
+
+
+def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                 chunk_len: jax.Array, num_protected: jax.Array, first_position: jax.Array, *,
+                 q_per_kv: int, inv_freq=None) -> jax.Array:
     """Scores [num_kv_heads, T] that the chunk compression ranks by (higher = kept first):
-    SnapKV on the chunk's observation window, the protected tail above everything."""
-    return protect_tail(snapkv_chunk_scores(obs_probs, chunk_len, q_per_kv), chunk_len,
-                        num_protected)
+    `method_scores`, the protected tail above everything."""
+    scores = method_scores(method, obs_probs, q, k, v, chunk_len, first_position,
+                           q_per_kv=q_per_kv, inv_freq=inv_freq)
+    return protect_tail(scores, chunk_len, num_protected)
 
 
 def dynamic_keep_count(scores: jax.Array, chunk_len: jax.Array, num_protected: jax.Array,

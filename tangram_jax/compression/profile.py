@@ -87,6 +87,24 @@ class BudgetProfile:
                    budget=budget, group_size=int(group_size), grouping=grouping, head_perm=perm,
                    group_budgets=group_budgets, **kwargs)
 
+    @classmethod
+    def uniform(cls, model: dict, ratio: float, *, method: str = "snapkv",
+                group_size: int = 1) -> "BudgetProfile":
+        """Every head keeps the same share `ratio`: the uniform per-head top-k baseline, served
+        by tangram mode like any calibrated profile. `model` is the fingerprint
+        (`ModelConfig.fingerprint()`); nothing is calibrated, so mean = budget = ratio, std = 0."""
+        for key in ("num_layers", "num_kv_heads"):
+            if key not in model:
+                raise ProfileError(f"model fingerprint lacks {key!r}: {model}")
+        if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise ProfileError(f"ratio must lie in (0, 1], got {ratio!r}")
+        shape = (int(model["num_layers"]), int(model["num_kv_heads"]))
+        budget = np.full(shape, float(ratio))
+        return cls.from_budgets(model=model, method=method, rho=float(ratio), lambda_=0.0,
+                                mean=budget, std=np.zeros(shape), budget=budget,
+                                group_size=group_size,
+                                metadata=creation_metadata(0, kind="uniform"))
+
     def regroup(self, group_size: int, grouping: str = "budget") -> "BudgetProfile":
         """The same budgets grouped with another G or grouping rule."""
         perm, group_budgets = group_heads(self.budget, group_size, grouping)

@@ -137,32 +137,41 @@ def h2o(queries, keys, values, *, q_per_kv: int):
     return _mean_over_query_heads(probs.sum(axis=1), q_per_kv)
 
 
-def keydiff(queries, keys, values, *, q_per_kv: int):
+def keydiff(queries, keys, values, *, q_per_kv: int, num_valid=None):
     """KeyDiff: keys least aligned with the head's mean key direction are the distinctive ones.
 
     score = -cos(k_j, a) with anchor a = mean_j(k_j / |k_j|) (kvpress KeyDiffPress). Query-free.
+    num_valid: only the first `num_valid` keys exist (a padded chunk; may be traced); the anchor
+    is their mean.
     """
     _check_shapes(queries, keys, values, q_per_kv)
     k = keys.astype(jnp.float32)
     unit = k / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
-    anchor = unit.mean(axis=1, keepdims=True)
+    t_k = k.shape[1]
+    valid = jnp.arange(t_k) < (t_k if num_valid is None else num_valid)
+    anchor = (unit * valid[None, :, None]).sum(axis=1, keepdims=True)
     anchor = anchor / jnp.maximum(jnp.linalg.norm(anchor, axis=-1, keepdims=True), 1e-12)
     return -(unit * anchor).sum(axis=-1)
 
 
-def streaming_llm(queries, keys, values, *, q_per_kv: int, n_sink: int = 4, window: int = 64):
+def streaming_llm(queries, keys, values, *, q_per_kv: int, n_sink: int = 4, window: int = 64,
+                  first_position=0, num_valid=None):
     """StreamingLLM: attention sinks + recent window, the same for every head.
 
     Sinks score 2 (kept first), the last `window` keys 1 + recency, the rest recency/2 in [0, 0.5):
     a budget of sinks + window keeps exactly those, a smaller one the sinks and the most recent
     keys, a larger one extends the window backwards.
+    first_position / num_valid: the keys are positions first_position .. of a longer sequence,
+    of which the first `num_valid` exist (a padded prefill chunk; both may be traced): the sinks
+    are the sequence's first `n_sink` positions, recency counts from the last valid key.
     """
     _check_shapes(queries, keys, values, q_per_kv)
     num_kv, t_k, _ = keys.shape
     pos = jnp.arange(t_k)
+    last = t_k if num_valid is None else num_valid
     recency = pos / t_k
-    score = jnp.where(pos < n_sink, 2.0,
-                      jnp.where(pos >= t_k - window, 1.0 + recency, 0.5 * recency))
+    score = jnp.where(first_position + pos < n_sink, 2.0,
+                      jnp.where(pos >= last - window, 1.0 + recency, 0.5 * recency))
     score = score.astype(jnp.float32)
     return jnp.broadcast_to(score, (num_kv, t_k))
 
@@ -188,7 +197,7 @@ def average_rope_rotation(inv_freq: jax.Array, start: int | jax.Array, count: in
 
 def expected_attention(queries, keys, values, *, q_per_kv: int, inv_freq=None,
                        n_future: int = 512, n_sink: int = 4, use_covariance: bool = True,
-                       use_vnorm: bool = True):
+                       use_vnorm: bool = True, first_position=0, num_valid=None):
     """Expected Attention (kvpress): attention that *future* queries are expected to pay each key.
 
     Model: a future query of head h is Gaussian, q ~ N(mu_h, Sigma_h), with mu_h and Sigma_h the
@@ -207,6 +216,11 @@ def expected_attention(queries, keys, values, *, q_per_kv: int, inv_freq=None,
     mean and covariance are moved by the average rotation over the next `n_future` positions
     (kvpress's approximation: R_bar mu, R_bar Sigma R_bar^T). Without `inv_freq` the statistics of
     the rotated queries are used as they are (future queries assumed to look like recent ones).
+
+    first_position / num_valid: the keys are positions first_position .. of a longer sequence and
+    only the first `num_valid` of them (and of the queries, which are then the same positions:
+    Tq == Tk) exist, as in a padded prefill chunk (both may be traced). Sinks are the sequence's
+    first `n_sink` positions; padding is left out of the statistics and scores -inf.
     """
     _check_shapes(queries, keys, values, q_per_kv)
     num_q, t_q, dim = queries.shape
@@ -214,7 +228,10 @@ def expected_attention(queries, keys, values, *, q_per_kv: int, inv_freq=None,
     n_sink = min(n_sink, t_k - 1)  # keep at least one key in the softmax
     q = queries.astype(jnp.float32)
     k = keys.astype(jnp.float32)
-    q_pos = t_k - t_q + jnp.arange(t_q)
+    local = t_k - t_q + jnp.arange(t_q)
+    q_pos = first_position + local
+    valid_len = t_k if num_valid is None else num_valid
+    key_valid = jnp.arange(t_k) < valid_len
     if inv_freq is not None:
         inv_freq = jnp.asarray(inv_freq, jnp.float32)
         angles = q_pos[:, None].astype(jnp.float32) * inv_freq[None, :]
@@ -224,27 +241,30 @@ def expected_attention(queries, keys, values, *, q_per_kv: int, inv_freq=None,
         # R(-p) q = q cos(p f) - rotate_half(q) sin(p f)
         rotated = jnp.concatenate([-q[..., half:], q[..., :half]], axis=-1)
         q = q * cos - rotated * sin
-    weight = (q_pos >= n_sink).astype(jnp.float32)  # sinks are not typical queries
+    # Sinks are not typical queries; padding is no query at all.
+    weight = ((q_pos >= n_sink) & (local < valid_len)).astype(jnp.float32)
     count = jnp.maximum(weight.sum(), 1.0)
     mean = (q * weight[None, :, None]).sum(axis=1) / count  # [Hq, D]
     centered = (q - mean[:, None, :]) * weight[None, :, None]
     cov = jnp.einsum("hti,htj->hij", centered, centered) / count  # [Hq, D, D]
     if inv_freq is not None:
-        r_bar = average_rope_rotation(inv_freq, t_k, n_future)
+        r_bar = average_rope_rotation(inv_freq, first_position + valid_len, n_future)
         mean = mean @ r_bar.T
         cov = r_bar @ cov @ r_bar.T
     k_rep = jnp.repeat(k, q_per_kv, axis=0)  # [Hq, Tk, D]
     logits = jnp.einsum("hd,htd->ht", mean, k_rep) / jnp.sqrt(jnp.float32(dim))
     if use_covariance:
         logits = logits + jnp.einsum("hti,hij,htj->ht", k_rep, cov, k_rep) / (2.0 * dim)
-    is_sink = jnp.arange(t_k) < n_sink
-    logits = jnp.where(is_sink[None], -jnp.inf, logits)
-    probs = jax.nn.softmax(logits, axis=-1)
+    is_sink = (first_position + jnp.arange(t_k) < n_sink) & key_valid
+    logits = jnp.where(is_sink[None] | ~key_valid[None], -jnp.inf, logits)
+    # (A chunk of sinks only has no key left in the softmax: all -inf, scores then 0.)
+    probs = jnp.nan_to_num(jax.nn.softmax(logits, axis=-1))
     scores = _mean_over_query_heads(probs, q_per_kv)
     if use_vnorm:
         scores = scores * jnp.linalg.norm(values.astype(jnp.float32), axis=-1)
-    top = jnp.max(jnp.where(is_sink[None], -jnp.inf, scores))
-    return jnp.where(is_sink[None], top, scores).astype(jnp.float32)
+    top = jnp.max(jnp.where(is_sink[None] | ~key_valid[None], -jnp.inf, scores))
+    scores = jnp.where(is_sink[None], jnp.maximum(top, 0.0), scores)
+    return jnp.where(key_valid[None], scores, -jnp.inf).astype(jnp.float32)
 
 
 SCORERS: dict[str, Scorer] = {

@@ -35,9 +35,23 @@ from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
 LAYER_LOOPS = ("scan", "unrolled")
-# The per-step token budget when `max_num_batched_tokens` is not given (raised to the minimum
-# the scheduler needs when that is larger).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
+# backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
+# 2048-token compression chunks prefill tangram 1.2x / 1.7x faster than 256-token ones at
+# 32k / 100k (`benchmarks/NOTES_prefill.md`, run 5), and a chunk that holds the whole turn is
+# scored by the turn's own question: tangram@0.25 passkey 85% vs 28% with 128-token chunks
+# (`benchmarks/results/accuracy.json` vs `accuracy_chunk128.json`); 8192 tokens a step is
+# vLLM's budget on large GPUs. CPU: the reference path pads every compression chunk to
+# `chunk_size`, so it keeps small chunks (speed over accuracy; pass chunk_size to choose).
+DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
+DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
+
+
+def _backend_kind() -> str:
+    """"gpu" or "cpu": which column of the backend-dependent defaults applies."""
+    import jax
+    return "cpu" if jax.default_backend() == "cpu" else "gpu"
 
 
 class EngineConfigError(ValueError):
@@ -101,6 +115,14 @@ def _path_or(allowed: str, *objects: type) -> Callable[[str, Any], Any]:
     return check
 
 
+def _cache_folder(name, value):
+    """None, or a folder path ('' and 'off' turn the cache off: `engine/compile_cache.py`)."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise EngineConfigError(f"{name} must be a folder path, '' / 'off' or None, got "
+                                f"{value!r}")
+    return value
+
+
 _model = _path_or("None (the embedded model), a model name, a Hugging Face folder or a .gguf path")
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
@@ -148,19 +170,24 @@ class EngineConfig:
     dtype: str = _field("auto", _choice(DTYPES), "model weights and KV pool dtype (auto: the "
                         "checkpoint's, see models.registry)")
     page_size: int = _field(16, _int_at_least(1), "tokens per KV page")
-    chunk_size: int = _field(128, _int_at_least(1),
-                             "prefill compression chunk (and prefill piece size), tokens")
+    chunk_size: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        f"prefill compression chunk (and prefill piece size), tokens; default "
+        f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU, {DEFAULT_CHUNK_SIZE['cpu']} on a CPU")
     num_pages: int | None = _field(None, _int_at_least(2, optional=True),
                                    "KV pool pages (page 0 is the null page); default: sized from "
                                    "--kv-cache-tokens")
-    kv_cache_tokens: int = _field(16384, _int_at_least(1),
-                                  "full-KV tokens' worth of memory the pool gets when --num-pages "
-                                  "is not given (the same bytes in every mode)")
+    kv_cache_tokens: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        "full-KV tokens' worth of memory the pool gets when --num-pages is not given (the same "
+        "bytes in every mode); default: on a GPU what --gpu-memory-utilization leaves after the "
+        f"weights and the largest step (engine/memory.py), elsewhere {DEFAULT_KV_CACHE_TOKENS}")
     max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
     max_num_batched_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),
         f"tokens per step (decode + prefill); at least max_num_seqs + chunk_size; default "
-        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} or that minimum if larger")
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['gpu']} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} "
+        f"on a CPU, or that minimum if larger")
     max_model_len: int | None = _field(None, _int_at_least(2, optional=True),
                                        "longest sequence, prompt + output (default: the model's "
                                        "context length)")
@@ -186,6 +213,13 @@ class EngineConfig:
     warmup: bool | None = _field(None, _flag(optional=True),
                                  "compile every step shape when the engine is built (default: on "
                                  "a GPU only)")
+    gpu_memory_utilization: float = _field(
+        0.9, _fraction, "share of the GPU the engine may use (vLLM's meaning): sets JAX's "
+        "allocator cap when the engine starts JAX's GPU backend, and sizes the KV pool when "
+        "neither --num-pages nor --kv-cache-tokens is given")
+    compile_cache_dir: str | None = _field(
+        None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
+        "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
     tail_rule: str = _field("window", _choice(TAIL_RULES),
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
@@ -198,12 +232,16 @@ class EngineConfig:
             raise AttributeError(f"EngineConfig has no field {name!r}")
         super().__setattr__(name, f.metadata["check"](name, value))
 
+    def resolved_chunk_size(self) -> int:
+        """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
+        return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind()]
+
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
         was set); `Engine` calls this before loading the model, so such errors come at once."""
         # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
         # prefill always progresses.
-        minimum = self.max_num_seqs + self.chunk_size
+        minimum = self.max_num_seqs + self.resolved_chunk_size()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
             raise EngineConfigError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
@@ -227,13 +265,15 @@ class EngineConfig:
                                     f"not supported by the paged engine; set max_model_len <= "
                                     f"{mc.sliding_window}")
         self.check()
-        minimum = self.max_num_seqs + self.chunk_size
-        batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, minimum)
+        chunk = self.resolved_chunk_size()
+        minimum = self.max_num_seqs + chunk
+        batched = self.max_num_batched_tokens or max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind()], minimum)
         # Buckets below max_num_seqs, then the first that holds max_num_seqs rows.
         buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
         buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),
                             self.max_num_seqs))
-        obs_window = min(self.obs_window, self.chunk_size)
+        obs_window = min(self.obs_window, chunk)
         # Every turn's tail (the question) stays uncompressed until it is answered: the
         # retention rule of `tangram_jax.kv_layout`, which reservation, prefill and the engine
         # all read from the layout.
@@ -300,12 +340,14 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = f"{f.metadata['help']} (default: {shown})"
+        # A None default is described by the help itself.
+        help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
         if isinstance(f.default, bool) or f.metadata["check"].__qualname__.startswith("_flag"):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
-            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS}.get(f.name)
+            choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
+                       "tail_rule": TAIL_RULES}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))
@@ -345,19 +387,27 @@ def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool
     """The KV layout of `cfg.mode` for this model."""
     if cfg.mode == "tangram":
         profile = resolve_profile(cfg, model_config, is_embedded)
-        return profile.to_layout(cfg.page_size, cfg.chunk_size)
+        return profile.to_layout(cfg.page_size, cfg.resolved_chunk_size())
     return KVLayout.monolithic(model_config.num_layers, model_config.num_kv_heads,
                                model_config.head_dim, page_size=cfg.page_size,
-                               chunk_size=cfg.chunk_size, name=cfg.mode)
+                               chunk_size=cfg.resolved_chunk_size(), name=cfg.mode)
+
+
+def pool_is_fixed(cfg: EngineConfig) -> bool:
+    """Whether the user fixed the pool (`num_pages` or `kv_cache_tokens`); else a GPU sizes it
+    from `gpu_memory_utilization`."""
+    return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
 
 
 def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -> int:
-    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens.
+    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens
+    (DEFAULT_KV_CACHE_TOKENS when None; on a GPU the engine sizes the pool instead).
 
     A page of G heads holds ``page_size * G`` head-token slots; a full-KV token needs
     ``layers * kv_heads`` of them. Plus the null page 0.
     """
     if cfg.num_pages is not None:
         return cfg.num_pages
-    slots = cfg.kv_cache_tokens * model_config.num_layers * model_config.num_kv_heads
+    tokens = cfg.kv_cache_tokens if cfg.kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
+    slots = tokens * model_config.num_layers * model_config.num_kv_heads
     return int(np.ceil(slots / (layout.page_size * layout.group_size))) + 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
@@ -32,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tangram_jax.engine import inputs
-from tangram_jax.engine.config import EngineConfig
+from tangram_jax.engine import inputs, memory
+from tangram_jax.engine.compile_cache import enable_compile_cache
+from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, pool_is_fixed,
+                                       resolve_profile)
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -44,6 +47,8 @@ from tangram_jax.sampling import SamplingParams, StopChecker, TokenLogprobs, res
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 # Token value of a sampled token the host has not fetched yet (token ids are never negative).
@@ -104,6 +109,62 @@ class _InFlightToken(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
+def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
+                       max_prefill_rows: int) -> tuple[list, dict[str, np.ndarray]]:
+    """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
+    `max_prefill_rows` rows.
+
+    Where the layout keeps every token (`runner.prefill_whole_rows`: ``full``) a row is a whole
+    piece, so a call's GEMMs and attention see up to the step's token budget. Otherwise a row is
+    one compression chunk, and a call takes the next chunk of up to `max_prefill_rows` pieces
+    (chunks of one piece depend on each other, those of different pieces do not).
+    Returns ([(piece, last logits [V])] of pieces that end their prompt, {request id: retained
+    lengths [layers, groups] after the pieces}); in ``dynamic`` mode the lengths come back from
+    the device (a host round trip per call), otherwise from the layout's keep rule.
+    """
+    layout = runner.layout
+    dynamic = runner.runner_config.mode == "dynamic"
+    hist = {p.seq.request_id: manager.lengths[p.seq.slot].astype(np.int64) for p in pieces}
+    finished = []
+    calls = []   # (offset into each piece, its pieces), in dependency order
+    if runner.prefill_whole_rows:
+        calls = [(0, pieces[i:i + max_prefill_rows])
+                 for i in range(0, len(pieces), max_prefill_rows)]
+        span = max((p.num_tokens for p in pieces), default=0)
+    else:
+        span = layout.chunk_size
+        for offset in range(0, max((p.num_tokens for p in pieces), default=0), span):
+            due = [p for p in pieces if p.start + offset < p.end]
+            calls += [(offset, due[i:i + max_prefill_rows])
+                      for i in range(0, len(due), max_prefill_rows)]
+    for offset, rows in calls:
+        starts = [p.start + offset for p in rows]
+        ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
+        # What each chunk keeps whole: the protected tail of its turn (pieces start on the chunk
+        # grid of their planned segment), or all of it in a segment decode wrote. A whole row
+        # keeps every token anyway.
+        protected = [0 if runner.prefill_whole_rows else
+                     layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
+                                            end - start) if p.segment[2] else end - start
+                     for p, start, end in zip(rows, starts, ends)]
+        logits, kept = runner.prefill(
+            [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
+            starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
+            protected)
+        kept_host = np.asarray(kept) if dynamic else None
+        for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
+            rid = p.seq.request_id
+            if kept_host is not None:   # the per-input count: a host round trip
+                hist[rid] = hist[rid] + kept_host[b]
+            elif runner.prefill_whole_rows:   # every token kept
+                hist[rid] = hist[rid] + (end - start)
+            else:
+                hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
+            if end == p.end and p.is_last:
+                finished.append((p, logits[b]))
+    return finished, hist
+
+
 class _RequestFailed(Exception):
     """A failure recorded for one request while its step was dispatched (`_Request.error`)."""
 
@@ -117,34 +178,117 @@ class Engine:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
         cfg.check()   # before the model loads: a bad combination is reported at once
+        started = time.perf_counter()
+        # Both before anything compiles or touches the GPU: JAX fixes its allocator cap when
+        # its backend starts, and caches only what compiles after the folder is set.
+        self.compile_cache_dir = enable_compile_cache(cfg.compile_cache_dir)
+        allocator = memory.configure_allocator(cfg.gpu_memory_utilization)
         loaded = load_model(cfg.model, dtype=cfg.dtype)
+        load_seconds = time.perf_counter() - started
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.resolved = rc = cfg.resolve(mc, is_embedded=loaded.name == DEFAULT_MODEL)
         self.layout = rc.layout
         self.max_model_len = rc.max_model_len
-        num_pages = rc.num_pages
-        self.manager = KVCacheManager(
-            self.layout, num_pages, cfg.max_num_seqs, rc.max_pages_per_seq,
-            model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim), policy=rc.policy)
+        # Serve with the scorer the budgets were calibrated with (a profile made with a method
+        # the chunk compression cannot run is refused here, by RunnerConfig).
+        self.compression_method = (
+            resolve_profile(cfg, mc, is_embedded=loaded.name == DEFAULT_MODEL).method
+            if cfg.mode == "tangram" else "snapkv")
         buckets = rc.decode_buckets
-        self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
-                                   max_num_batched_tokens=rc.max_num_batched_tokens)
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size) for b in buckets}
+        # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
+        table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
+                       rc.max_pages_per_seq)
+        device_memory = None if pool_is_fixed(cfg) else memory.DeviceMemory.read(
+            jax.devices()[0], allocator.fraction)
+        if device_memory is None and not pool_is_fixed(cfg) and jax.default_backend() != "cpu":
+            log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
+                        "platform?): gpu_memory_utilization cannot size the KV pool, which gets "
+                        "the default %d tokens; set kv_cache_tokens or num_pages",
+                        jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
-            loaded.model, mc, self.layout, num_pages, self.manager.block_tables.shape,
-            split_maps=split_maps,
+            loaded.model, mc, self.layout, rc.num_pages if device_memory is None else None,
+            table_shape, split_maps=split_maps,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
-                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop))
+                                       method=self.compression_method,
+                                       dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
+                                       max_prefill_tokens=rc.max_num_batched_tokens))
+        del loaded
+        self.memory_plan: memory.PoolPlan | None = None
+        if device_memory is not None:
+            if allocator.note:
+                log.warning(allocator.note)
+            self.memory_plan = self._size_pool(max(buckets), allocator.fraction)
+            self.runner.allocate_pool(self.memory_plan.num_pages)
+        self.manager = KVCacheManager(
+            self.layout, int(self.runner.k_pages.shape[0]), cfg.max_num_seqs,
+            rc.max_pages_per_seq,
+            model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim), policy=rc.policy)
+        assert self.manager.block_tables.shape == table_shape, (self.manager.block_tables.shape,
+                                                                table_shape)
+        self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
+                                   max_num_batched_tokens=rc.max_num_batched_tokens)
+        log.info("%s", self._pool_line())
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
+        # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
+        # included), warm-up (compiling every step shape), total.
+        self.startup_seconds = {"load_model": load_seconds,
+                                "build": time.perf_counter() - started - load_seconds,
+                                "warmup": 0.0}
         if cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas"):
             self.warmup()
+        self.startup_seconds["total"] = time.perf_counter() - started
+
+    def _size_pool(self, max_bucket: int, fraction: float) -> memory.PoolPlan:
+        """The pool under `gpu_memory_utilization` (see `engine/memory.py`): compile the largest
+        decode bucket and prefill for a provisional pool that leaves `step_reserve` free, read
+        their peak, and keep the provisional size when the peak fits in the reserve (the
+        compiled steps are then reused as they are), else shrink the pool to fit."""
+        cfg, layout = self.config, self.layout
+        now = memory.DeviceMemory.read(jax.devices()[0], fraction)   # weights are in now
+        page_bytes = self.runner.kv_bytes_per_page
+        budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
+                                        now.bytes_limit)
+        # One max_model_len sequence must fit, or nothing could be served.
+        min_pages = int(pages_for(layout.retained_counts(self.max_model_len),
+                                  layout.page_size).sum()) + 1
+        provisional = memory.pages_that_fit(budget, now.bytes_in_use,
+                                            memory.step_reserve(budget), 0, page_bytes)
+        compiled = self.runner.compile_steps(max(provisional, min_pages), max_bucket,
+                                             cfg.max_prefill_rows)
+        peak = max(memory.step_peak_bytes(c) for c in compiled.values())
+        return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, page_bytes,
+                                min_pages=min_pages,
+                                prefer_pages=provisional if provisional >= min_pages else None)
+
+    def _pool_line(self) -> str:
+        pool = self.kv_pool()
+        if self.memory_plan is not None:
+            return self.memory_plan.describe(pool["full_kv_tokens"])
+        return (f"KV pool {pool['num_pages']:,} pages ({pool['full_kv_tokens']:,} full-KV "
+                f"tokens, {pool['bytes'] / memory.GIB:.2f} GiB), sized by {pool['sized_by']}")
+
+    def kv_pool(self) -> dict:
+        """The pool's size: pages, bytes, full-KV tokens it holds (every layer and KV head
+        keeping every token; compressed modes hold more), what sized it and, when
+        `gpu_memory_utilization` did, the figures it used (`memory.PoolPlan`)."""
+        mc, cfg = self.model_config, self.config
+        num_pages = int(self.runner.k_pages.shape[0])
+        slots = (num_pages - 1) * self.layout.page_size * self.layout.group_size  # no null page
+        pool = {"num_pages": num_pages, "bytes": num_pages * self.runner.kv_bytes_per_page,
+                "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
+                "sized_by": ("num_pages" if cfg.num_pages is not None else "kv_cache_tokens"
+                             if self.memory_plan is None else "gpu_memory_utilization")}
+        if self.memory_plan is not None:
+            pool["plan"] = dataclasses.asdict(self.memory_plan)
+        return pool
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None, *,
@@ -419,50 +563,25 @@ class Engine:
 
     def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
                                         dict[str, np.ndarray] | None]:
-        """Run this step's prefill pieces: a runner call takes the next compression chunk of up
-        to `max_prefill_rows` pieces (chunks of one piece depend on each other, those of
-        different pieces do not).
+        """Run this step's prefill pieces (`run_prefill_pieces`).
         Returns the last logits [V] and requests of pieces that end their prompt, and each
         piece's retained lengths after compression in dynamic mode (None otherwise)."""
-        chunk_size = self.layout.chunk_size
-        hist = {p.seq.request_id: self.manager.lengths[p.seq.slot].astype(np.int64)
-                for p in pieces}
-        first_logits, first_reqs = [], []
-        per_call = self.config.max_prefill_rows
-        calls = []   # round by round: a piece's next chunk attends to its previous one
-        for offset in range(0, max((p.num_tokens for p in pieces), default=0), chunk_size):
-            due = [p for p in pieces if p.start + offset < p.end]
-            calls += [(offset, due[i:i + per_call]) for i in range(0, len(due), per_call)]
-        layout = self.layout
-        for offset, rows in calls:
-            starts = [p.start + offset for p in rows]
-            ends = [min(start + chunk_size, p.end) for start, p in zip(starts, rows)]
-            # The protected tail of each chunk's turn (pieces start on the turn's chunk grid).
-            protected = [layout.chunk_protected(p.seq.num_tokens - p.seq.turn_start,
-                                                start - p.seq.turn_start, end - start)
-                         for p, start, end in zip(rows, starts, ends)]
-            logits, kept = self.runner.prefill(
-                [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
-                starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-                protected)
-            kept_host = np.asarray(kept) if self.config.mode == "dynamic" else None
-            for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
-                rid = p.seq.request_id
-                if kept_host is not None:   # the per-input count: a host round trip
-                    hist[rid] = hist[rid] + kept_host[b]
-                else:
-                    hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
-                if end == p.end and p.is_last:
-                    first_logits.append(logits[b])
-                    first_reqs.append(self._requests[rid])
+        finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
+                                            self.config.max_prefill_rows)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
-        return first_logits, first_reqs, (hist if self.config.mode == "dynamic" else None)
+        return ([logits for _, logits in finished],
+                [self._requests[p.seq.request_id] for p, _ in finished],
+                hist if self.config.mode == "dynamic" else None)
 
     def warmup(self) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
         instead of when the first requests meet them; takes a while on a GPU."""
+        started = time.perf_counter()
         self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
                            self.config.max_num_seqs)
+        self.startup_seconds["warmup"] = time.perf_counter() - started
+        log.info("warm-up compiled every step shape in %.1f s (compile cache: %s)",
+                 self.startup_seconds["warmup"], self.compile_cache_dir or "off")
 
     def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
         """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests.
@@ -627,6 +746,7 @@ class Engine:
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,
+            pool=self.kv_pool(),
         )
         return usage
 

@@ -35,13 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tangram_jax.compression.chunk_scoring import chunk_scores, dynamic_keep_count
+from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
+                                                   dynamic_keep_count)
 from tangram_jax.engine.config import MODES
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
+from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, item_capacity,
+                                                           observation_probs, pack_rows,
+                                                           prefill_work_items, row_alignment)
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import (TokenLogprobs, force_tokens, sample_tokens, step_keys,
                                   token_logprobs)
@@ -55,7 +60,7 @@ LOGPROB_MODES = (None, "top", "full")
 class AttentionOps(NamedTuple):
     """The three attention pieces a step calls; Pallas kernels or their jnp references."""
 
-    prefill_attention: Callable   # chunk_prefill_attention signature
+    prefill_attention: Callable   # ragged_prefill_attention signature
     compress_chunk: Callable      # compress_chunk_into_pages signature
     decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
     name: str
@@ -67,12 +72,12 @@ class AttentionOps(NamedTuple):
         if use_kernels is None:
             use_kernels = not backend.default_interpret()
         if use_kernels:
-            return cls(prefill_attention.chunk_prefill_attention,
+            return cls(prefill_attention.ragged_prefill_attention,
                        chunk_compress.compress_chunk_into_pages,
                        lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
                            q, k, v, bt, ln, work_list=work),
                        "pallas")
-        return cls(prefill_attention.chunk_prefill_attention_reference,
+        return cls(prefill_attention.ragged_prefill_attention_reference,
                    chunk_compress.compress_chunk_into_pages_reference,
                    lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention_reference(
                        q, k, v, bt, ln),
@@ -84,19 +89,25 @@ class RunnerConfig:
     """Static settings of the runner.
 
     obs_window: SnapKV observation window (queries whose attention scores a chunk's tokens).
+    method: the scorer of the chunk compression, the method the budget profile was calibrated
+      with (`chunk_scoring.SERVED_METHODS`); ``dynamic`` mode is Ada-SnapKV, so SnapKV.
     dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
       stack every step) or ``"unrolled"`` (one traced body per layer over separate parameter
       arrays: no copies, compile time grows with depth). None: unrolled where the Pallas
       kernels run (GPU), scan on the CPU.
+    max_prefill_tokens: the most tokens of one prefill call (the engine's token budget); the
+      largest flat-token bucket of a call of whole rows (`ModelRunner.prefill`).
     """
 
     mode: str = "tangram"
     obs_window: int = 32
+    method: str = "snapkv"
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
+    max_prefill_tokens: int = 8192
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -108,6 +119,12 @@ class RunnerConfig:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
         if not 0 < self.dynamic_ratio <= 1:
             raise ValueError(f"dynamic_ratio must be in (0, 1], got {self.dynamic_ratio}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        check_served_method(self.method)
+        if self.mode == "dynamic" and self.method != "snapkv":
+            raise ValueError(f"dynamic mode selects with Ada-SnapKV; method must be 'snapkv', "
+                             f"got {self.method!r}")
 
 
 class ModelRunner:
@@ -117,7 +134,8 @@ class ModelRunner:
       model: the decoder (its KV heads are permuted in place to `layout.head_perm`).
       config: the model's config.
       layout: the KV layout (groups, budgets, page and chunk size).
-      num_pages: pool pages (page 0 is the null page padded rows read and write).
+      num_pages: pool pages (page 0 is the null page padded rows read and write); None: no
+        pool until `allocate_pool` (the engine sizes it after compiling the largest steps).
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
@@ -126,7 +144,7 @@ class ModelRunner:
       ops: attention implementations (default: by backend).
     """
 
-    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int,
+    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int | None,
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
@@ -152,13 +170,14 @@ class ModelRunner:
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
-        dtype = jnp.dtype(kv_dtype or model.dtype)
-        shape = (int(num_pages), layout.group_size, layout.page_size, layout.head_dim)
-        self.k_pages = jnp.zeros(shape, dtype)
-        self.v_pages = jnp.zeros(shape, dtype)
-        self.kv_bytes_per_page = 2 * int(np.prod(shape[1:])) * dtype.itemsize
+        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
+        self.k_pages = self.v_pages = None
+        if num_pages is not None:
+            self.allocate_pool(num_pages)
         self.block_tables = jnp.zeros(table_shape, jnp.int32)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
+        self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
         self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
@@ -172,6 +191,18 @@ class ModelRunner:
                                donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
+
+    # ----- the pool ----------------------------------------------------------------------
+    def pool_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """``[num_pages, G, page_size, head_dim]``: the shape of `k_pages` and of `v_pages`."""
+        return (int(num_pages), self.layout.group_size, self.layout.page_size,
+                self.layout.head_dim)
+
+    def allocate_pool(self, num_pages: int) -> None:
+        """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
+        self.k_pages = self.v_pages = None         # the old pool's memory goes first
+        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
+        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -204,119 +235,204 @@ class ModelRunner:
         self.block_tables = self._apply_table_updates(self.block_tables, index, vals)
 
     # ----- prefill ---------------------------------------------------------------------------
+    @property
+    def prefill_whole_rows(self) -> bool:
+        """True when a prefill row may span several compression chunks: the layout keeps every
+        token (``full``, or a profile of budgets 1), so no chunk's selection depends on the
+        scores of the chunk before it, and a row is a whole piece of a turn (one long causal
+        attention, one KV append). Otherwise a row is one compression chunk."""
+        return not self.layout.compresses and self.runner_config.mode != "dynamic"
+
+    def prefill_token_buckets(self, max_rows: int = 1) -> list[int]:
+        """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): multiples
+        of the row alignment growing by ~1.5x (so at most a third is padding), up to
+        `max_prefill_tokens` plus one alignment of slack per extra row."""
+        align = row_alignment(PREFILL_TUNING)
+        cap = -(-self.runner_config.max_prefill_tokens // align) * align + align * (max_rows - 1)
+        sizes, size = [], align
+        while size < cap:
+            sizes += [size] + ([size * 3 // 2] if size * 3 // 2 < cap and size >= 2 * align
+                               else [])
+            size *= 2
+        return sorted(set(sizes)) + [cap]
+
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
                 num_protected: list[int] | None = None) -> tuple[jax.Array, jax.Array]:
-        """Run one prefill chunk for each of several sequences in one call, writing each one's
-        kept K/V into its pages.
+        """Run one prefill row for each of several sequences in one call (a ragged batch: the
+        GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
 
-        Row b: tokens[b] int [n_b] with 1 <= n_b <= layout.chunk_size (a chunk starting on a
-        compression-chunk boundary of its turn), start_positions[b] the absolute position of
-        its first token, slots[b] its block-table row (reservation applied by
-        `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens before the
-        chunk, num_protected[b] how many of its last tokens are the turn's protected tail
-        (`KVLayout.chunk_protected`; default none). The slots must be distinct. Rows are padded
-        to a power of two by repeating row 0 (the same inputs write the same values to the same
-        places), so few shapes compile.
+        Row b: tokens[b] int [n_b], start_positions[b] the absolute position of its first token
+        (a compression-chunk boundary of its turn), slots[b] its block-table row (reservation
+        applied by `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens
+        before the row, num_protected[b] how many of its last tokens are the turn's protected
+        tail (`KVLayout.chunk_protected`; default none). With `prefill_whole_rows` a row is any
+        piece of a turn (n_b >= 1, all rows together within `max_prefill_tokens`; every token
+        is kept, so protection changes nothing); otherwise one compression chunk
+        (1 <= n_b <= layout.chunk_size). The slots must be distinct. Rows are padded to a
+        power of two with empty rows on the null slot, so few shapes compile.
         Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
-        arrays whose first ``len(tokens)`` rows are the given chunks. In ``tangram``/``full``
-        mode `kept` equals ``layout.chunk_keep_counts(n_b, num_protected[b])``.
+        arrays whose first ``len(tokens)`` rows are the given rows. Without dynamic selection
+        `kept` is the layout's keep rule for each row (``chunk_keep_counts(n_b, num_protected[b])``
+        for a chunk, n_b for a whole row).
         """
         n_rows = len(tokens)
-        chunk = self.layout.chunk_size
         if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
-            raise ValueError("prefill needs one start position, slot and history per chunk")
+            raise ValueError("prefill needs one start position, slot and history per row")
         if len(set(int(s) for s in slots)) != n_rows:
             raise ValueError(f"prefill rows must be distinct sequences, got slots {list(slots)}")
         if num_protected is None:
             num_protected = [0] * n_rows
-        pick = _pad_rows(n_rows)
-        rows = len(pick)
-        padded = np.zeros((rows, chunk), np.int32)
-        lens = np.zeros(rows, np.int32)
-        protected = np.zeros(rows, np.int32)
-        for r, b in enumerate(pick):
-            n = len(tokens[b])
-            if not 1 <= n <= chunk:
-                raise ValueError(f"a prefill chunk holds 1..{chunk} tokens, got {n}")
-            if not 0 <= num_protected[b] <= n:
-                raise ValueError(f"num_protected must be in [0, {n}] for a chunk of {n} tokens, "
-                                 f"got {num_protected[b]}")
-            padded[r, :n] = tokens[b]
-            lens[r] = n
-            protected[r] = num_protected[b]
-        if self.runner_config.mode == "dynamic":
-            keep = np.zeros((rows, *self.layout.group_budgets.shape), np.int32)  # on device
-        else:
-            keep = np.stack([self.layout.chunk_keep_counts(int(n), int(p))
-                             for n, p in zip(lens, protected)]).astype(np.int32)
-        hist = np.stack([np.asarray(hist_lengths[b], np.int32) for b in pick])
-        self.k_pages, self.v_pages, logits, kept = self._prefill(
-            self.state, self.layer_states, self.k_pages, self.v_pages, padded,
-            np.asarray([start_positions[b] for b in pick], np.int32), lens, protected,
-            self.block_tables, np.asarray([slots[b] for b in pick], np.int32), hist, keep,
-            table_width=self._table_width(int(hist.max()) + chunk))
+        limit = None if self.prefill_whole_rows else self.layout.chunk_size
+        for t, p in zip(tokens, num_protected):
+            if len(t) < 1 or (limit is not None and len(t) > limit):
+                raise ValueError(f"a prefill row holds 1..{limit or 'max_prefill_tokens'} "
+                                 f"tokens, got {len(t)}")
+            if not 0 <= p <= len(t):
+                raise ValueError(f"num_protected must be in [0, {len(t)}] for a row of {len(t)} "
+                                 f"tokens, got {p}")
+        return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected)
+
+    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected):
+        """`prefill` without the checks."""
+        args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
+                                          num_protected, None, self.k_pages, self.v_pages)
+        self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
         return logits, kept
+
+    def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                      num_tokens, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_prefill`'s inputs and static arguments for these rows; `num_tokens` forces the
+        flat-token bucket of whole rows (warm-up)."""
+        n_rows = len(tokens)
+        rows = backend.next_power_of_2(n_rows)
+        layout = self.layout
+        align = row_alignment(PREFILL_TUNING)
+        lens = np.zeros(rows, np.int32)
+        lens[:n_rows] = [len(t) for t in tokens]
+        protected = np.zeros(rows, np.int32)
+        protected[:n_rows] = num_protected
+        starts, used = pack_rows(lens[:n_rows], align)
+        if self.prefill_whole_rows:
+            if num_tokens is None:
+                num_tokens = next((b for b in self.prefill_token_buckets(rows) if b >= used), None)
+                if num_tokens is None:
+                    raise ValueError(f"a prefill call of {int(lens.sum())} tokens in {n_rows} "
+                                     f"rows exceeds max_prefill_tokens "
+                                     f"{self.runner_config.max_prefill_tokens}")
+        else:
+            num_tokens = rows * (-(-layout.chunk_size // align) * align)
+        # Empty padding rows start at the end of the flat axis (they own no token).
+        row_starts = np.full(rows, num_tokens, np.int32)
+        row_starts[:n_rows] = starts
+        flat = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        for b in range(n_rows):
+            s, n = starts[b], lens[b]
+            flat[s:s + n] = tokens[b]
+            positions[s:s + n] = int(start_positions[b]) + np.arange(n)
+        row_slots = np.full(rows, self.null_slot, np.int32)
+        row_slots[:n_rows] = slots
+        hist = np.zeros((rows, *layout.group_budgets.shape), np.int32)
+        hist[:n_rows] = np.stack([np.asarray(h, np.int32) for h in hist_lengths])
+        if self.prefill_whole_rows or self.runner_config.mode == "dynamic":
+            keep = np.zeros_like(hist)     # whole rows keep all; dynamic decides on device
+        else:
+            keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
+                             for n, p in zip(lens, protected)]).astype(np.int32)
+        # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
+        items = prefill_work_items(
+            row_starts, lens, np.swapaxes(hist, 0, 1), num_tokens=num_tokens,
+            num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size))
+        args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
+                lens, protected, self.block_tables, row_slots, hist, keep, items)
+        return args, dict(table_width=self._table_width(int(hist.max()) + int(lens.max())))
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray,
                       num_protected: int = 0) -> tuple[jax.Array, jax.Array]:
-        """`prefill` of a single chunk: (last_logits [vocab], kept [layers, groups])."""
+        """`prefill` of a single row: (last_logits [vocab], kept [layers, groups])."""
         logits, kept = self.prefill([tokens], [start_position], [slot], [hist_lengths],
                                     [num_protected])
         return logits[0], kept[0]
 
-    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, start_positions,
-                      chunk_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
-                      *, table_width):
-        """tokens [rows, T]; start_positions, chunk_lens, num_protected, slots [rows];
-        hist_lengths and keep_counts [rows, layers, groups]; table_width: static, the
-        block-table columns the rows can touch (see `_table_width`)."""
+    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
+                      row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
+                      work_items, *, table_width):
+        """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
+        slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
+        items, 5]; table_width: static, the block-table columns the rows can touch (see
+        `_table_width`)."""
         model = nnx.merge(self.graphdef, state)
-        rows, t = tokens.shape
-        q_per_kv = self.config.q_per_kv
-        positions = start_positions[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        dynamic = self.runner_config.mode == "dynamic"
+        rows, n = row_starts.shape[0], tokens.shape[0]
+        chunk = self.layout.chunk_size
+        whole_rows = self.prefill_whole_rows
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
-            layer_state, tables, hist, keep = xs          # [rows, Gn, P], [rows, Gn] x 2
+            layer_state, tables, hist, keep, items = xs   # [rows, Gn, P], [rows, Gn] x 2, [I, 3]
             layer = nnx.merge(self.layer_graphdef, layer_state)
-            q, k, v = layer.qkv(h, positions)            # GEMMs over all rows at once
-            k = k.astype(k_pages.dtype)
-            v = v.astype(v_pages.dtype)
-            outs, kept = [], []
-            # Attention and compression per row: each reads its own history from the pool and
-            # writes into its own pages (rows are distinct sequences, or repeats of row 0).
-            for b in range(rows):
-                out, obs_probs = self.ops.prefill_attention(
-                    q[b], k[b], v[b], k_pages, v_pages, tables[b], hist[b], chunk_lens[b],
-                    obs_window=self.runner_config.obs_window)
-                keep_b = keep[b]
-                scores = chunk_scores(obs_probs, chunk_lens[b], num_protected[b],
-                                      q_per_kv=q_per_kv)
-                if dynamic:
-                    count = dynamic_keep_count(scores, chunk_lens[b], num_protected[b],
-                                               self.runner_config.dynamic_ratio,
-                                               self.runner_config.dynamic_safeguard)
-                    keep_b = jnp.full(keep_b.shape, count, jnp.int32)
-                k_pages, v_pages = self.ops.compress_chunk(
-                    k[b], v[b], scores, keep_b, chunk_lens[b], k_pages, v_pages, tables[b],
-                    hist[b])
-                outs.append(out)
-                kept.append(keep_b)
-            h = layer.finish(h, jnp.stack(outs).astype(h.dtype))
-            return (h, k_pages, v_pages), jnp.stack(kept)
+            q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
+            q, k, v = q[0], k[0].astype(k_pages.dtype), v[0].astype(v_pages.dtype)
+            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
+                                                  row_starts, row_lens, items)
+            if whole_rows:
+                # Every token kept: the fused compression kernel appends each row's K/V after its
+                # history in place (earliest-first scores keep the row's order).
+                pad = ((0, n), (0, 0), (0, 0))
+                k_flat, v_flat = jnp.pad(k, pad), jnp.pad(v, pad)
+                earliest = jnp.broadcast_to(-jnp.arange(n, dtype=jnp.float32), (k.shape[1], n))
+                for b in range(rows):
+                    keep_b = jnp.broadcast_to(row_lens[b], hist.shape[1:])
+                    k_pages, v_pages = self.ops.compress_chunk(
+                        jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
+                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n),
+                        earliest, keep_b, row_lens[b], k_pages, v_pages, tables[b], hist[b])
+                kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
+            else:            # one compression chunk per row: score, select, write
+                obs = observation_probs(q, k, lse, row_starts, row_lens,
+                                        obs_window=self.runner_config.obs_window, chunk=chunk)
+                pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
+                q_flat, k_flat, v_flat = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+                kept = []
+                for b in range(rows):
+                    q_row, k_row, v_row = (jax.lax.dynamic_slice_in_dim(x, row_starts[b], chunk)
+                                           for x in (q_flat, k_flat, v_flat))
+                    scores, keep_b = self._row_scores(
+                        obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
+                        positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
+                    k_pages, v_pages = self.ops.compress_chunk(
+                        k_row, v_row, scores, keep_b, row_lens[b], k_pages, v_pages, tables[b],
+                        hist[b])
+                    kept.append(keep_b)
+                kept = jnp.stack(kept)
+            h = layer.finish(h, out[None].astype(h.dtype))
+            return (h, k_pages, v_pages), kept
 
-        h = model.embed(tokens)
+        h = model.embed(tokens[None])                    # [1, N, hidden]
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         (h, k_pages, v_pages), kept = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, per_layer(all_tables[slots][..., :table_width]),
-             per_layer(hist_lengths), per_layer(keep_counts)))
-        last = h[jnp.arange(rows), chunk_lens - 1]      # [rows, hidden]
+             per_layer(hist_lengths), per_layer(keep_counts), work_items))
+        last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         return k_pages, v_pages, logits, per_layer(kept)
+
+    def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
+        """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
+        [groups] (`tangram_jax.compression.chunk_scoring`, by the runner's method; dynamic mode
+        decides the count on the device). obs_probs [Hq, obs_window, T]; q, k, v the row's
+        [T, heads, d] (padded); first_position: the row's first token position."""
+        scores = chunk_scores(self.runner_config.method, obs_probs, q, k, v, chunk_len,
+                              num_protected, first_position, q_per_kv=self.config.q_per_kv,
+                              inv_freq=self._inv_freq)
+        if self.runner_config.mode == "dynamic":
+            count = dynamic_keep_count(scores, chunk_len, num_protected,
+                                       self.runner_config.dynamic_ratio,
+                                       self.runner_config.dynamic_safeguard)
+            return scores, jnp.full(keep.shape, count, jnp.int32)
+        return scores, keep
 
     def _table_width(self, max_tokens: int) -> int:
         """Block-table columns a step passes to attention when rows hold at most `max_tokens`
@@ -351,6 +467,17 @@ class ModelRunner:
         `LOGPROB_MODES`. Returns next tokens [B] (device), and with `logprobs` set also their
         `TokenLogprobs` (device arrays, the model's distribution at each row).
         """
+        args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
+                                         temperature, top_k, top_p, seeds, steps,
+                                         forced_tokens, logprobs)
+        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
+            *args, **static)
+        return next_tokens if logprobs is None else (next_tokens, lp)
+
+    def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
+                     top_p, seeds, steps, forced_tokens=None,
+                     logprobs: str | None = None) -> tuple[tuple, dict]:
+        """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
         if self.ops.name == "pallas" and split_map is None:
@@ -359,15 +486,13 @@ class ModelRunner:
         _check_logprob_mode(logprobs)
         forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
                   else np.asarray(forced_tokens, np.int32))
-        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
-            self.state, self.layer_states, self.k_pages, self.v_pages, self.slot_tokens,
-            np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
-            np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
-            np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-            np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced,
-            split_map=split_map, logprobs=logprobs,
-            table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
-        return next_tokens if logprobs is None else (next_tokens, lp)
+        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
+                np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
+                np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
+                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced)
+        return args, dict(split_map=split_map, logprobs=logprobs,
+                          table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
@@ -437,29 +562,78 @@ class ModelRunner:
         return tokens if logprobs is None else (tokens, lp)
 
     # ----- compile ahead -------------------------------------------------------------------
-    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
-        """Compile every step shape serving can meet (decode buckets, prefill row counts,
-        first-token sampling row counts) by running each once on the null slot, whose page 0
-        is scratch: nothing compiles while requests wait."""
-        null = self.null_slot
+    def _null_prefill_call(self, rows: int, k_pages, v_pages,
+                           num_tokens: int | None = None) -> tuple[tuple, dict]:
+        """`_prefill` inputs and static arguments of `rows` one-token rows on the null slot,
+        whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
+        it holds nothing), over a flat axis of `num_tokens` (whole rows; default the largest
+        bucket)."""
         zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
-        greedy = lambda b: (np.zeros(b, np.float32), np.full(b, -1, np.int32),
-                            np.ones(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32))
+        if self.prefill_whole_rows and num_tokens is None:
+            num_tokens = self.prefill_token_buckets(rows)[-1]
+        return self._prefill_args([np.zeros(1, np.int32)] * rows, [0] * rows,
+                                  [self.null_slot] * rows, [zeros] * rows, [0] * rows,
+                                  num_tokens, k_pages, v_pages)
+
+    def _null_decode_call(self, bucket: int, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
+        return self._decode_call(k_pages, v_pages, np.zeros(bucket, np.int32),
+                                 np.full(bucket, self.null_slot, np.int32),
+                                 np.zeros((bucket, *self.layout.group_budgets.shape), np.int32),
+                                 *_greedy(bucket))
+
+    def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:
+        """Compile (without running, and without a pool in memory) the decode step at
+        `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
+        pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
+        `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
+        called with the same shapes."""
+        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
+        rows = backend.next_power_of_2(prefill_rows)
+        decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
+        prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
+        return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
+                "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
+
+    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
+        """Compile every step shape serving can meet (decode buckets, prefill row counts and,
+        for whole rows, flat-token buckets; first-token sampling row counts) ahead of time, without running them: jit reuses these
+        executables when serving meets the shapes, so nothing compiles while requests wait
+        (running the steps would add nothing but time: on a CPU the reference attention is
+        slow)."""
         for rows in _padded_row_counts(max_prefill_rows):
-            # `prefill` refuses repeated slots; the null slot may repeat (it holds nothing).
-            self.k_pages, self.v_pages, logits, _ = self._prefill(
-                self.state, self.layer_states, self.k_pages, self.v_pages,
-                np.zeros((rows, self.layout.chunk_size), np.int32), np.zeros(rows, np.int32),
-                np.ones(rows, np.int32), np.zeros(rows, np.int32), self.block_tables,
-                np.full(rows, null, np.int32),
-                np.stack([zeros] * rows), np.stack([self.layout.chunk_keep_counts(1)] * rows)
-                .astype(np.int32), table_width=self._table_width(self.layout.chunk_size))
+            # Whole rows: every flat-token bucket a call of `rows` rows can meet.
+            buckets = [b for b in self.prefill_token_buckets(rows)
+                       if b >= rows * row_alignment(PREFILL_TUNING)] \
+                if self.prefill_whole_rows else [None]
+            for num_tokens in buckets:
+                args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                       num_tokens)
+                self._prefill.lower(*args, **static).compile()
         for n in _padded_row_counts(max_first_tokens):
-            self.sample([logits[0]] * n, [null] * n, *greedy(n))
+            self._sample_rows.lower(
+                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
+                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
+                logprobs=None).compile()
         for bucket in decode_buckets:
-            self.decode(np.zeros(bucket, np.int32), np.full(bucket, null, np.int32),
-                        np.zeros((bucket, *zeros.shape), np.int32), *greedy(bucket))
-        jax.block_until_ready((self.k_pages, self.slot_tokens))
+            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+            self._decode.lower(*args, **static).compile()
+        # The small ops between the steps, run once: a row of the prefill logits, a stack of
+        # rows for `sample`, a block-table write (all dropped: out of range).
+        for rows in _padded_row_counts(max_prefill_rows):
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32)[0]
+        for n in _padded_row_counts(max_first_tokens):
+            jnp.stack([row] * n)
+        self.block_tables = self._apply_table_updates(
+            self.block_tables, np.full(64, self.block_tables.size, np.int32),
+            np.zeros(64, np.int32))
+        jax.block_until_ready(self.block_tables)
+
+
+def _greedy(rows: int) -> tuple[np.ndarray, ...]:
+    """Sampling arrays (temperature, top_k, top_p, seeds, steps) of `rows` greedy rows."""
+    return (np.zeros(rows, np.float32), np.full(rows, -1, np.int32), np.ones(rows, np.float32),
+            np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
 
 
 def _padded_row_counts(max_rows: int) -> list[int]:

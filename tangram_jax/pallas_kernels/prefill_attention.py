@@ -1,20 +1,40 @@
-"""Chunked-prefill attention: one chunk's queries over the group's paged history plus the chunk.
+"""Ragged (varlen) prefill attention over the paged, compressed history plus each row's causal chunk.
 
-Flash-attention style: each program keeps an online softmax for a block of query rows of one
-query head, first over the retained history of that head's KV head (pages of its group; all of it
-is in the past, so only the length masks it), then over the chunk's keys up to the causal limit.
-It writes the output and the row's log-sum-exp. The scorers need the softmax of the last
-`obs_window` valid queries over the chunk's keys (normalised over history + chunk): with the
-log-sum-exp in hand those rows are ``exp(q . k * scale - lse)``, an [heads, obs_window, T] product
-computed beside the kernel; no [T, T] matrix is built for the other queries.
+A call takes the prefill chunks of several sequences as one ragged batch of rows, flattened along
+the token axis (vLLM/FlashAttention's ``cu_seqlens`` layout)::
 
-Grid: ``(num_q_heads, T_padded // block_q)``. Query head h reads KV head ``h // q_per_kv``, which
-is head ``(h // q_per_kv) % G`` of group ``(h // q_per_kv) // G`` in the pool.
+    q     [N, num_q_heads, head_dim]        row r's tokens are q[row_start[r] : row_start[r] + row_len[r]]
+    k, v  [N, num_kv_heads, head_dim]       (RoPE applied, heads in the layout's permuted order)
+
+Row r attends to its retained history (``hist_len[r, g]`` tokens of group g, in the pages of
+``block_tables[r, g]``; all of it is in the past, so only the length masks it) and then to its own
+keys up to the causal limit. Row starts are multiples of the key block (`row_alignment`), so no
+block of queries or keys straddles two rows.
+
+Work decomposition (GQA): one program per (head j of a group, work item); an item is one block of
+``block_q`` tokens of one row for one group, and its program computes all ``q_per_kv`` query heads
+of KV head ``group * G + j`` at once: the queries of those heads are stacked into the M dimension
+of the dots (``block_q * q_per_kv`` rows; q is laid out ``[num_kv_heads, N * q_per_kv, d]``
+outside the kernel so the stack is one contiguous tile). The item list is built on the host ahead
+of the call (`prefill_work_items`) with the heaviest items first (work = the group's retained
+history of that row plus the causal keys), so programs of long-history groups start first and the
+short ones fill in behind them: the step does not follow its heaviest group.
+
+Flash-attention online softmax in base 2 (logits scaled by ``log2(e) / sqrt(d)``), float32
+accumulation; writes the output and every query's natural log-sum-exp. The scorers need the softmax
+of the last `obs_window` valid queries of a row over the row's keys (normalised over history +
+chunk): with the log-sum-exp in hand those are ``exp(q . k * scale - lse)``, an
+[heads, obs_window, T] product computed beside the kernel (`observation_probs`).
+
+Tuning data (block sizes, warps, stages) lives in `PREFILL_TUNING`, measured by
+`benchmarks/prefill_8b.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import heapq
 import math
 
 import jax
@@ -27,141 +47,462 @@ from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
-def _online_softmax_step(q, k, v, valid, key_valid, carry, scale):
-    """One block of keys: valid [rows, keys] bool, key_valid [keys] (the keys any row may see);
-    k, v [keys, d]. Returns the new carry."""
-    o_prev, m_prev, l_prev = carry
-    logits = _dot(q, k, trans_b=True) * scale
-    logits = jnp.where(valid, logits, _MASK_VALUE)
-    m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-    correction = jnp.exp(m_prev - m_next)
-    p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
-    l_next = correction * l_prev + p.sum(axis=-1)
-    v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))      # unowned slots may hold NaN
-    o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
-    return o_next, m_next, l_next
+@dataclasses.dataclass(frozen=True)
+class PrefillTuning:
+    """Tile shape of the prefill kernel (hashable: a static jit argument).
+
+    block_q: query tokens per item (the dots' M is ``block_q * q_per_kv``, q_per_kv rounded up to
+      a power of two); block_k: keys per step (a multiple of the page size); num_warps,
+      num_stages: Triton's warps per program and software-pipelining depth.
+    target_programs: programs a call should have (~ SMs x resident programs x 2 waves); when
+      the rows' query blocks give fewer, items split their history (flash-decoding style) up to
+      `max_splits` ways, never below `min_split_keys` history keys per split.
+    """
+
+    block_q: int = 32
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 528
+    max_splits: int = 16
+    min_split_keys: int = 512
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got "
+                             f"{self.num_warps}, {self.num_stages}")
 
 
-def _prefill_kernel(hist_ref, chunk_len_ref, block_table_ref, q_ref, k_chunk_ref, v_chunk_ref,
-                    k_pages_ref, v_pages_ref, o_ref, lse_ref, *, page_size: int,
-                    pages_per_block: int, block_k: int, q_per_kv: int, group_size: int,
-                    scale: float, table_pages: int):
-    """hist_ref [groups]; chunk_len_ref [1]; block_table_ref [groups, max_pages];
-    q_ref [block_q, d]; k/v_chunk_ref [T_padded, d] (this KV head's); k/v_pages_ref
-    [num_pages, page_size, d] (this KV head's slab); o_ref [block_q, d]; lse_ref [block_q]."""
-    head = pl.program_id(0)
-    q_block = pl.program_id(1)
-    group = (head // q_per_kv) // group_size
-    # History past the block table (a caller's bug) is cut there rather than read out of bounds.
-    hist = jnp.minimum(hist_ref[group], table_pages * page_size)
-    chunk_len = chunk_len_ref[0]
-    q = q_ref[...]
-    block_q = q.shape[0]
-    rows = q_block * block_q + jnp.arange(block_q)
-
-    hist_tokens = pages_per_block * page_size
-
-    def history_body(block, carry):
-        first_page = block * pages_per_block
-        page_ids = block_table_ref[group, pl.ds(first_page, pages_per_block)]
-        page_ids = jnp.where(first_page + jnp.arange(pages_per_block) < pl.cdiv(hist, page_size),
-                             page_ids, 0)
-        k = k_pages_ref[page_ids].reshape(hist_tokens, -1)
-        v = v_pages_ref[page_ids].reshape(hist_tokens, -1)
-        key_valid = first_page * page_size + jnp.arange(hist_tokens) < hist
-        valid = jnp.broadcast_to(key_valid[None, :], (block_q, hist_tokens))
-        return _online_softmax_step(q, k, v, valid, key_valid, carry, scale)
-
-    def chunk_body(block, carry):
-        keys = block * block_k + jnp.arange(block_k)
-        k = k_chunk_ref[pl.ds(block * block_k, block_k), :]
-        v = v_chunk_ref[pl.ds(block * block_k, block_k), :]
-        key_valid = keys < chunk_len
-        valid = (keys[None, :] <= rows[:, None]) & key_valid[None, :]
-        return _online_softmax_step(q, k, v, valid, key_valid, carry, scale)
-
-    carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), _MASK_VALUE, jnp.float32),
-             jnp.zeros((block_q,), jnp.float32))
-    carry = lax.fori_loop(0, pl.cdiv(hist, hist_tokens), history_body, carry)
-    last_key = jnp.minimum((q_block + 1) * block_q, chunk_len)
-    carry = lax.fori_loop(0, pl.cdiv(last_key, block_k), chunk_body, carry)
-    o, m, l = carry
-    has_keys = l > 0.0
-    safe_l = jnp.where(has_keys, l, 1.0)
-    o_ref[...] = (o / safe_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has_keys, m + jnp.log(safe_l), -jnp.inf)
+# Measured (benchmarks/results/prefill_8b_kernel.json, H100, one 8192-token row over 32k of
+# history, TFLOP/s): (32, 64, 4 warps, 2 stages) 366; (32, 64, 8, 2) 235; (32, 128, 8, 2) 280;
+# (32, 64, 8, 3) 239; (16, 64, 4, 2) 263; (64, 64, 8, 2) 294; (32, 128, 8, 3) 297;
+# (16, 128, 4, 3) 197. cuDNN on the same keys made contiguous: 284.
+PREFILL_TUNING = PrefillTuning(block_q=32, block_k=64, num_warps=4, num_stages=2)
 
 
-def _observation_probs(q, k_chunk, lse, chunk_len, obs_window, scale):
-    """[num_q_heads, obs_window, T] softmax rows of queries chunk_len - obs_window + i over the
-    chunk's keys (0 for rows before the chunk start and for masked keys)."""
-    chunk, num_q_heads, _ = q.shape
-    q_per_kv = num_q_heads // k_chunk.shape[1]
-    rows = chunk_len - obs_window + jnp.arange(obs_window)
-    row_ok = rows >= 0
-    safe_rows = jnp.clip(rows, 0, chunk - 1)
-    q_obs = q[safe_rows].astype(jnp.float32)                                 # [W, Hq, d]
-    k = jnp.repeat(k_chunk.astype(jnp.float32), q_per_kv, axis=1)            # [T, Hq, d]
-    logits = jnp.einsum("whd,thd->hwt", q_obs, k, precision=lax.Precision.HIGHEST) * scale
-    keys = jnp.arange(chunk)
-    valid = (keys[None, :] <= rows[:, None]) & (keys[None, :] < chunk_len) & row_ok[:, None]
-    row_lse = lse[:, safe_rows]                                              # [Hq, W]
-    probs = jnp.exp(jnp.where(valid[None], logits - row_lse[..., None], -jnp.inf))
-    return jnp.where(valid[None], probs, 0.0)
+def row_alignment(tuning: PrefillTuning = PREFILL_TUNING) -> int:
+    """Row starts in the flat token axis are multiples of this (no tile straddles two rows)."""
+    return max(tuning.block_q, tuning.block_k)
 
 
-@functools.partial(jax.jit, static_argnames=("obs_window", "interpret", "block"))
-def _prefill(q, k_chunk, v_chunk, k_pages, v_pages, block_table, hist_len, chunk_len, *,
-             obs_window: int, interpret: bool, block: int):
-    chunk, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_chunk.shape[1]
+def pack_rows(row_lens, alignment: int) -> tuple[np.ndarray, int]:
+    """Row starts (int32 [rows]) packing rows of `row_lens` tokens back to back at `alignment`,
+    and the tokens they span (the smallest valid N)."""
+    lens = np.asarray(row_lens, np.int64)
+    extents = -(-lens // alignment) * alignment
+    starts = np.concatenate([[0], np.cumsum(extents)[:-1]]).astype(np.int32)
+    return starts, int(extents.sum())
+
+
+def item_capacity(num_tokens: int, num_groups: int, group_size: int,
+                  tuning: PrefillTuning = PREFILL_TUNING) -> int:
+    """Static item count of a call over `num_tokens` flat tokens: one per (query block, group),
+    raised to ``target_programs / group_size`` so short rows can split their history."""
+    base = (num_tokens // tuning.block_q) * num_groups
+    return max(base, -(-tuning.target_programs // group_size))
+
+
+def split_slots(num_items: int, num_tokens: int, num_groups: int,
+                tuning: PrefillTuning = PREFILL_TUNING) -> int:
+    """Partial-output slots of a call: ``max_splits`` when its item list has room beyond one item
+    per (query block, group) of the flat axis (only then may items split), else 1. The kernel
+    and `prefill_work_items` both decide by this rule."""
+    return tuning.max_splits if num_items > (num_tokens // tuning.block_q) * num_groups else 1
+
+
+def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
+                       num_items: int | None = None,
+                       tuning: PrefillTuning = PREFILL_TUNING) -> np.ndarray:
+    """The kernel's item list, heaviest first (host side, ahead of the call).
+
+    row_starts, row_lens: int [rows]; hist_len: int [rows, groups] or [layers, rows, groups];
+    num_tokens: N, the flat token axis of the call; num_items: the list's length (default: one
+    item per (query block, group) of the rows; `item_capacity` for the runner's calls).
+    Returns int32 [num_items, 5] (or [layers, num_items, 5]) rows ``(row, q_block, group, split,
+    num_splits)``: ``q_block`` indexes blocks of ``tuning.block_q`` tokens in the flat token
+    axis; the item covers share `split` of `num_splits` of the group's history (the last share
+    also the causal keys of its block). With room beyond one item per (query block, group)
+    (`num_items` above that count), the items whose history dominates are split, one more split
+    at a time to the item of largest per-split work, as long as a split keeps at least
+    ``min_split_keys`` history keys (at most ``max_splits``): the work of a step is cut in
+    proportion to each group's retained length, so groups of large budgets do not set its time.
+    Items are sorted by per-split work, largest first. Padding items have row -1 (no-ops).
+    """
+    block_q = tuning.block_q
+    row_starts = np.asarray(row_starts, np.int64)
+    row_lens = np.asarray(row_lens, np.int64)
+    hist = np.asarray(hist_len, np.int64)
+    per_layer = hist.ndim == 3
+    if not per_layer:
+        hist = hist[None]
+    layers, rows, groups = hist.shape
+    if row_starts.shape != (rows,) or row_lens.shape != (rows,):
+        raise ValueError(f"row_starts {row_starts.shape} and row_lens {row_lens.shape} must be "
+                         f"[{rows}] like hist_len's rows")
+    if (row_starts % block_q).any():
+        raise ValueError(f"row starts {row_starts.tolist()} must be multiples of block_q {block_q}")
+    blocks = -(-row_lens // block_q)
+    item_row = np.repeat(np.arange(rows), blocks)
+    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+    block_in_row = np.arange(len(item_row)) - np.repeat(first, blocks)
+    q_block = row_starts[item_row] // block_q + block_in_row
+    causal = np.minimum((block_in_row + 1) * block_q, row_lens[item_row])    # keys of the chunk
+    count = len(item_row) * groups
+    if num_items is None:
+        num_items = count
+    if num_items < count:
+        raise ValueError(f"num_items {num_items} < the {count} items of these rows")
+    out = np.full((layers, num_items, 5), -1, np.int32)
+    out[:, :, 1:] = 0
+    for layer in range(layers):
+        h = hist[layer][item_row].reshape(-1).astype(np.float64)              # [items]
+        c = np.repeat(causal, groups).astype(np.float64)
+        splits = np.ones(count, np.int64)
+        spare = num_items - count
+        if spare and split_slots(num_items, num_tokens, groups, tuning) > 1:
+            heap = [(-(hk + ck), i) for i, (hk, ck) in enumerate(zip(h, c))]
+            heapq.heapify(heap)
+            while spare and heap:
+                _, i = heapq.heappop(heap)
+                s = splits[i] + 1
+                if s > tuning.max_splits or h[i] / s < tuning.min_split_keys:
+                    continue                       # this item stays; try the next heaviest
+                splits[i] = s
+                spare -= 1
+                heapq.heappush(heap, (-(h[i] / s + c[i]), i))
+        item = np.repeat(np.arange(count), splits)
+        split = np.arange(len(item)) - np.repeat(np.cumsum(splits) - splits, splits)
+        work = h[item] / splits[item] + np.where(split == splits[item] - 1, c[item], 0)
+        order = np.argsort(-work, kind="stable")
+        item, split = item[order], split[order]
+        base, group = np.divmod(item, groups)
+        out[layer, :len(item)] = np.stack([item_row[base], q_block[base], group, split,
+                                           splits[item]], axis=1)
+    return out if per_layer else out[0]
+
+
+def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
+                    v_ref, k_pages_ref, v_pages_ref, lse_in_ref, o_ref, lse_ref, *, block_q: int,
+                    block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float):
+    """items_ref [items, 5]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
+    tables_ref [rows, groups, max_pages]; q_ref [Hkv, N * q_per_kv, d]; k/v_ref [Hkv, N, d];
+    k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref [splits, Hkv,
+    N * q_per_kv, d] float32 (each split's normalised partial output); lse_ref [splits, Hkv,
+    N * q_per_kv] (base-e log-sum-exp of each partial; the same buffer as lse_in_ref, which
+    arrives -inf, so splits nobody writes stay -inf)."""
+    del lse_in_ref
+    j = pl.program_id(0)
+    item = pl.program_id(1)
+    row = items_ref[item, 0]
+
+    @pl.when(row >= 0)
+    def _():
+        q_block = items_ref[item, 1]
+        group = items_ref[item, 2]
+        split = items_ref[item, 3]
+        num_splits = items_ref[item, 4]
+        kv = group * group_size + j
+        start = row_start_ref[row]
+        row_len = row_len_ref[row]
+        table_pages = tables_ref.shape[2]
+        hist = jnp.minimum(hist_ref[row, group], table_pages * page_size)
+        m_rows = block_q * q_per_kv
+        first_token = q_block * block_q                          # in the flat token axis
+        q = q_ref[kv, pl.ds(first_token * q_per_kv, m_rows), :]
+        local = first_token - start + jnp.arange(m_rows) // q_per_kv   # query's index in the row
+        pages_per_block = block_k // page_size
+
+        def step(k, v, valid, key_valid, carry):
+            """One block of keys; valid None: every key is visible to every row (an interior
+            block: no masks, and its slots are all written)."""
+            o_prev, m_prev, l_prev = carry
+            logits = _dot(q, k, trans_b=True) * scale
+            if valid is not None:
+                logits = jnp.where(valid, logits, _MASK_VALUE)
+                v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))   # unowned: NaN
+            m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+            correction = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(logits - m_next[:, None])
+            l_next = correction * l_prev + p.sum(axis=-1)
+            o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
+            return o_next, m_next, l_next
+
+        def history_body(masked, block, carry):
+            first_page = block * pages_per_block
+            page_ids = tables_ref[row, group, pl.ds(first_page, pages_per_block)]
+            if masked:
+                page_ids = jnp.where(first_page + jnp.arange(pages_per_block)
+                                     < pl.cdiv(hist, page_size), page_ids, 0)
+            k = k_pages_ref[page_ids].reshape(block_k, -1)
+            v = v_pages_ref[page_ids].reshape(block_k, -1)
+            if not masked:
+                return step(k, v, None, None, carry)
+            key_valid = first_page * page_size + jnp.arange(block_k) < hist
+            valid = jnp.broadcast_to(key_valid[None, :], (m_rows, block_k))
+            return step(k, v, valid, key_valid, carry)
+
+        def chunk_body(masked, block, carry):
+            keys = block * block_k + jnp.arange(block_k)
+            k = k_ref[kv, pl.ds(start + block * block_k, block_k), :]
+            v = v_ref[kv, pl.ds(start + block * block_k, block_k), :]
+            if not masked:
+                return step(k, v, None, None, carry)
+            key_valid = keys < row_len
+            valid = (keys[None, :] <= local[:, None]) & key_valid[None, :]
+            return step(k, v, valid, key_valid, carry)
+
+        carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((m_rows,), _MASK_VALUE, jnp.float32),
+                 jnp.zeros((m_rows,), jnp.float32))
+        # This split's share of the history blocks; all but a partial last block are interior.
+        hist_blocks = pl.cdiv(hist, block_k)
+        per_split = pl.cdiv(hist_blocks, num_splits)
+        lo = jnp.minimum(split * per_split, hist_blocks)
+        hi = jnp.minimum(lo + per_split, hist_blocks)
+        interior = jnp.clip(hist // block_k, lo, hi)
+        carry = lax.fori_loop(lo, interior, functools.partial(history_body, False), carry)
+        carry = lax.fori_loop(interior, hi, functools.partial(history_body, True), carry)
+        # The causal keys (last split only): blocks below every query of this item and inside
+        # the row are interior; the diagonal and the row's partial end are masked.
+        first_local = first_token - start
+        last_key = jnp.minimum(first_local + block_q, row_len)
+        chunk_blocks = jnp.where(split == num_splits - 1, pl.cdiv(last_key, block_k), 0)
+        visible = jnp.clip(jnp.minimum((first_local + 1) // block_k, row_len // block_k), 0,
+                           chunk_blocks)
+        carry = lax.fori_loop(0, visible, functools.partial(chunk_body, False), carry)
+        carry = lax.fori_loop(visible, chunk_blocks, functools.partial(chunk_body, True), carry)
+        o, m, l = carry
+        has_keys = l > 0.0
+        safe_l = jnp.where(has_keys, l, 1.0)
+        o_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows), :] = o / safe_l[:, None]
+        lse_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows)] = jnp.where(
+            has_keys, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens,
+                    work_items, *, interpret: bool, tuning: PrefillTuning):
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     num_pages, group_size, page_size, _ = k_pages.shape
     q_per_kv = num_q_heads // num_kv_heads
-    pages_per_block = max(1, block // page_size)
-    padded = -(-chunk // block) * block
-    pad_rows = ((0, padded - chunk), (0, 0), (0, 0))
-    q_p, k_p, v_p = (jnp.pad(x, pad_rows) for x in (q, k_chunk, v_chunk))
-    max_pages = block_table.shape[1]
-    block_table = jnp.pad(block_table, ((0, 0), (0, -max_pages % pages_per_block)))
-    chunk_len_arr = jnp.reshape(chunk_len, (1,)).astype(jnp.int32)
-
-    kv_head = lambda h: h // q_per_kv  # noqa: E731
-    chunk_spec = pl.BlockSpec((padded, None, head_dim), lambda h, b: (0, kv_head(h), 0))
-    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim),
-                             lambda h, b: (0, kv_head(h) % group_size, 0, 0))
-    kernel = functools.partial(_prefill_kernel, page_size=page_size,
-                               pages_per_block=pages_per_block, block_k=block,
-                               q_per_kv=q_per_kv, group_size=group_size,
-                               scale=1.0 / math.sqrt(head_dim), table_pages=max_pages)
-    out, lse = pl.pallas_call(
+    stack = backend.next_power_of_2(q_per_kv)          # Triton tiles are powers of two
+    qg = q.reshape(n, num_kv_heads, q_per_kv, head_dim)
+    if stack != q_per_kv:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, stack - q_per_kv), (0, 0)))
+    qg = jnp.swapaxes(qg, 0, 1).reshape(num_kv_heads, n * stack, head_dim)
+    kt, vt = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)            # [Hkv, N, d]
+    max_pages = block_tables.shape[-1]
+    ppb = tuning.block_k // page_size
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, 0), (0, -max_pages % ppb)))
+    kernel = functools.partial(
+        _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
+        group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim))
+    splits = split_slots(work_items.shape[0], n, num_kv_heads // group_size, tuning)
+    lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
+    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda j, i: (0, j, 0, 0))
+    o_shape = (splits, *qg.shape)
+    parts, lse_parts = pl.pallas_call(
         kernel,
-        grid=(num_q_heads, padded // block),
-        in_specs=[
-            pl.BlockSpec(hist_len.shape, lambda h, b: (0,)),
-            pl.BlockSpec((1,), lambda h, b: (0,)),
-            pl.BlockSpec(block_table.shape, lambda h, b: (0, 0)),
-            pl.BlockSpec((block, None, head_dim), lambda h, b: (b, h, 0)),
-            chunk_spec, chunk_spec, pool_spec, pool_spec,
-        ],
-        out_specs=[pl.BlockSpec((block, None, head_dim), lambda h, b: (b, h, 0)),
-                   pl.BlockSpec((None, block), lambda h, b: (h, b))],
-        out_shape=[jax.ShapeDtypeStruct((padded, num_q_heads, head_dim), q.dtype),
-                   jax.ShapeDtypeStruct((num_q_heads, padded), jnp.float32)],
+        grid=(group_size, work_items.shape[0]),
+        in_specs=[whole(work_items), whole(row_starts), whole(row_lens), whole(hist_len),
+                  whole(block_tables), whole(qg), whole(kt), whole(vt), pool_spec, pool_spec,
+                  whole(lse_init)],
+        out_specs=[pl.BlockSpec(o_shape, lambda j, i: (0, 0, 0, 0)), whole(lse_init)],
+        out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
+                   jax.ShapeDtypeStruct(lse_init.shape, jnp.float32)],
+        input_output_aliases={10: 1},
         interpret=interpret,
-        compiler_params=backend.compiler_params(num_warps=4, num_stages=2),
-        name="chunk_prefill_attention",
-    )(hist_len, chunk_len_arr, block_table, q_p, k_p, v_p, k_pages, v_pages)
-    obs = _observation_probs(q, k_chunk, lse[:, :chunk], chunk_len, obs_window,
-                             1.0 / math.sqrt(head_dim))
-    return out[:chunk], obs
+        compiler_params=backend.compiler_params(num_warps=tuning.num_warps,
+                                                num_stages=tuning.num_stages),
+        name="ragged_prefill_attention",
+    )(work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages, v_pages,
+      lse_init)
+    if splits == 1:
+        out, lse = parts[0], lse_parts[0]
+    else:   # merge the splits' partials by their log-sum-exps
+        top = lse_parts.max(axis=0)
+        safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+        weight = jnp.exp(lse_parts - safe_top)                    # 0 where a split is empty
+        total = weight.sum(axis=0)
+        out = jnp.where(weight[..., None] > 0, parts, 0.0) * weight[..., None]
+        out = out.sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+        lse = jnp.where(total > 0, safe_top + jnp.log(jnp.where(total > 0, total, 1.0)),
+                        -jnp.inf)
+    out = jnp.swapaxes(out.reshape(num_kv_heads, n, stack, head_dim)[:, :, :q_per_kv], 0, 1)
+    lse = lse.reshape(num_kv_heads, n, stack)[:, :, :q_per_kv]
+    lse = jnp.moveaxis(lse, 1, 2).reshape(num_q_heads, n)
+    # Tokens outside every row (alignment gaps, bucket padding) are not computed: zero them.
+    token = jnp.arange(n)
+    in_row = ((token[None, :] >= row_starts[:, None]) &
+              (token[None, :] < row_starts[:, None] + row_lens[:, None])).any(axis=0)
+    out = jnp.where(in_row[:, None, None], out.reshape(n, num_q_heads, head_dim), 0)
+    return out.astype(q.dtype), jnp.where(in_row[None, :], lse, -jnp.inf)
 
 
+def _check_ragged(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens):
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(f"q must be [N, Hq, d] and k/v [N, Hkv, d]; got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on N or head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads "
+                         f"{k.shape[1]}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != q.shape[2]:
+        raise ValueError(f"k_pages/v_pages must be [num_pages, G, page_size, {q.shape[2]}], got "
+                         f"{k_pages.shape}, {v_pages.shape}")
+    if k.shape[1] % k_pages.shape[1]:
+        raise ValueError(f"num_kv_heads {k.shape[1]} is not a multiple of G {k_pages.shape[1]}")
+    rows, groups = len(row_starts), k.shape[1] // k_pages.shape[1]
+    if hist_len.shape != (rows, groups) or block_tables.ndim != 3 or \
+            block_tables.shape[:2] != (rows, groups) or row_lens.shape != (rows,):
+        raise ValueError(f"expected {rows} rows of {groups} groups: block_tables "
+                         f"{block_tables.shape}, hist_len {hist_len.shape}, row_lens "
+                         f"{row_lens.shape}")
+    for name, x in (("block_tables", block_tables), ("hist_len", hist_len),
+                    ("row_starts", row_starts), ("row_lens", row_lens)):
+        if x.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {x.dtype}")
+
+
+def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
+                             row_lens, work_items, *, interpret: bool | None = None,
+                             tuning: PrefillTuning = PREFILL_TUNING):
+    """Attention of a ragged batch of prefill rows over their retained histories and themselves.
+
+    Args:
+      q: [N, num_q_heads, head_dim]; k, v: [N, num_kv_heads, head_dim] (flat token axis).
+      k_pages, v_pages: [num_pages, G, page_size, head_dim].
+      block_tables: int32 [rows, groups, max_pages]; hist_len: int32 [rows, groups].
+      row_starts: int32 [rows], multiples of `row_alignment(tuning)`; row_lens: int32 [rows]
+        (a row may be empty); rows must not overlap and must fit in N rounded to the alignment
+        (`pack_rows` makes such starts).
+      work_items: int32 [items, 5] from `prefill_work_items(..., tuning=tuning)`; more items than
+        one per (query block, group) (see `item_capacity`) lets items split their history.
+    Returns (out [N, num_q_heads, head_dim] in q's dtype, 0 outside every row;
+      lse float32 [num_q_heads, N], natural log-sum-exp of each query, -inf where a query has no
+      key or lies outside every row).
+    """
+    _check_ragged(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens)
+    if tuning.block_k % k_pages.shape[2]:
+        raise ValueError(f"block_k {tuning.block_k} must be a multiple of page_size "
+                         f"{k_pages.shape[2]}")
+    if q.shape[0] % row_alignment(tuning):
+        raise ValueError(f"N = {q.shape[0]} must be a multiple of {row_alignment(tuning)} "
+                         f"(row_alignment)")
+    if work_items.ndim != 2 or work_items.shape[1] != 5 or work_items.dtype != jnp.int32:
+        raise ValueError(f"work_items must be int32 [items, 5], got {work_items.shape} "
+                         f"{work_items.dtype}")
+    return _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
+                           row_lens, work_items, interpret=backend.resolve_interpret(interpret),
+                           tuning=tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def _row_slices(x, row_starts, chunk: int):
+    """[rows, chunk, ...] rows of the flat token axis (clamped at the end; callers mask)."""
+    idx = jnp.minimum(row_starts[:, None] + jnp.arange(chunk)[None], x.shape[0] - 1)
+    return x[idx]
+
+
+@functools.partial(jax.jit, static_argnames=("obs_window", "chunk"))
+def observation_probs(q, k, lse, row_starts, row_lens, *, obs_window: int, chunk: int):
+    """Softmax rows of each row's last `obs_window` valid queries over the row's own keys.
+
+    q [N, Hq, d], k [N, Hkv, d], lse [Hq, N] (from the kernel); row_starts, row_lens [rows].
+    Returns float32 [rows, Hq, obs_window, chunk]: entry (r, h, i, t) is the probability that
+    query ``row_len - obs_window + i`` of row r puts on the row's key t (normalised over history +
+    chunk); 0 for queries before the row's start, masked keys and keys t >= row_len.
+    """
+    num_q_heads, head_dim = q.shape[1:]
+    q_per_kv = num_q_heads // k.shape[1]
+    local = row_lens[:, None] - obs_window + jnp.arange(obs_window)[None]    # [rows, W]
+    row_ok = local >= 0
+    token = row_starts[:, None] + jnp.clip(local, 0, None)
+    token = jnp.minimum(token, q.shape[0] - 1)
+    q_obs = q[token].astype(jnp.float32)                                       # [rows, W, Hq, d]
+    keys = jnp.repeat(_row_slices(k, row_starts, chunk).astype(jnp.float32), q_per_kv, axis=2)
+    logits = jnp.einsum("rwhd,rthd->rhwt", q_obs, keys,
+                        precision=lax.Precision.HIGHEST) / math.sqrt(head_dim)
+    t = jnp.arange(chunk)
+    valid = (t[None, None, :] <= local[..., None]) & (t[None, None, :] < row_lens[:, None, None]) \
+        & row_ok[..., None]                                                    # [rows, W, T]
+    row_lse = jnp.moveaxis(lse[:, token], 0, 1)                               # [rows, Hq, W]
+    probs = jnp.exp(jnp.where(valid[:, None], logits - row_lse[..., None], -jnp.inf))
+    return jnp.where(valid[:, None], probs, 0.0)
+
+
+@jax.jit
+def ragged_prefill_attention_reference(q, k, v, k_pages, v_pages, block_tables, hist_len,
+                                       row_starts, row_lens, work_items=None):
+    """Float32 jnp reference of `ragged_prefill_attention`: per row, one full softmax of every
+    token over [the row's gathered history ; all N keys], masked to the row's own queries and
+    causal keys (builds an N x keys matrix per row). `work_items` is accepted for a uniform
+    signature and ignored."""
+    del work_items
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_pages, group_size, page_size, _ = k_pages.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    rows, groups, max_pages = block_tables.shape
+    tables = jnp.clip(block_tables, 0, num_pages - 1)
+    num_hist = max_pages * page_size
+    qg = q.astype(jnp.float32).reshape(n, num_kv_heads, q_per_kv, head_dim)
+    new_k = jnp.moveaxis(k, 0, 1).astype(jnp.float32)                        # [Hkv, N, d]
+    new_v = jnp.moveaxis(v, 0, 1).astype(jnp.float32)
+    token = jnp.arange(n)
+    s = jnp.arange(num_hist)
+    out = jnp.zeros((n, num_kv_heads, q_per_kv, head_dim), jnp.float32)
+    lse = jnp.full((n, num_kv_heads, q_per_kv), -jnp.inf, jnp.float32)
+    for r in range(rows):
+        def history(pages):   # -> [num_kv_heads, num_hist, d]
+            x = pages[tables[r]]                                # [groups, P, G, ps, d]
+            x = jnp.moveaxis(x, 2, 1).reshape(num_kv_heads, num_hist, head_dim)
+            return x.astype(jnp.float32)
+
+        keys = jnp.concatenate([history(k_pages), new_k], axis=1)            # [Hkv, S, d]
+        vals = jnp.concatenate([history(v_pages), new_v], axis=1)
+        local = token - row_starts[r]
+        member = (local >= 0) & (local < row_lens[r])                         # [N]
+        hist_ok = s[None, :] < jnp.repeat(hist_len[r], group_size)[:, None]  # [Hkv, H]
+        chunk_ok = member[None, :] & (local[None, :] <= local[:, None])       # [N(q), N(k)]
+        valid = jnp.concatenate([jnp.broadcast_to(hist_ok[None], (n, num_kv_heads, num_hist)),
+                                 jnp.broadcast_to(chunk_ok[:, None], (n, num_kv_heads, n))],
+                                axis=2) & member[:, None, None]               # [N, Hkv, S]
+        logits = jnp.einsum("nkjd,ksd->nkjs", qg, keys,
+                            precision=lax.Precision.HIGHEST) / math.sqrt(head_dim)
+        logits = jnp.where(valid[:, :, None], logits, -jnp.inf)
+        m = logits.max(axis=-1, keepdims=True)
+        safe_m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(valid[:, :, None], jnp.exp(logits - safe_m), 0.0)
+        l = p.sum(axis=-1, keepdims=True)
+        p = p / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)
+        key_used = valid.any(axis=0)                                          # [Hkv, S]
+        o = jnp.einsum("nkjs,ksd->nkjd", p, jnp.where(key_used[..., None], vals, 0.0),
+                       precision=lax.Precision.HIGHEST)
+        row_lse = jnp.where(l[..., 0] > 0, safe_m[..., 0] + jnp.log(jnp.maximum(l[..., 0],
+                                                                                1e-30)), -jnp.inf)
+        out = jnp.where(member[:, None, None, None], o, out)
+        lse = jnp.where(member[:, None, None], row_lse, lse)
+    return (out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
+            jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1))
+
+
+# ----- one chunk of one sequence (the runner's per-chunk contract) -----------------------------
 def chunk_prefill_attention(q, k_chunk, v_chunk, k_pages, v_pages, block_table, hist_len,
                             chunk_len, *, obs_window: int, interpret: bool | None = None,
-                            block: int = 64):
-    """Attention of one sequence's prefill chunk over its retained history and itself (causal).
+                            tuning: PrefillTuning = PREFILL_TUNING):
+    """Attention of one sequence's prefill chunk over its retained history and itself (causal):
+    `ragged_prefill_attention` with one row, plus the observation-window probabilities.
 
     Args:
       q: [T, num_q_heads, head_dim]; k_chunk, v_chunk: [T, num_kv_heads, head_dim] (RoPE applied,
@@ -170,79 +511,45 @@ def chunk_prefill_attention(q, k_chunk, v_chunk, k_pages, v_pages, block_table, 
         max_pages]; hist_len: int32 [groups] retained history tokens.
       chunk_len: int32 scalar, valid rows.
       obs_window: rows of the observation window (static).
-      block: query/key block (a power of two; history steps cover block // page_size pages).
-    Returns (out [T, num_q_heads, head_dim] in q's dtype, finite on padding rows;
+    Returns (out [T, num_q_heads, head_dim] in q's dtype, 0 on padding rows;
       obs_probs float32 [num_q_heads, obs_window, T]: row i is query chunk_len - obs_window + i,
       its softmax over history + chunk restricted to the chunk's keys; rows before the chunk
       start are 0).
     """
-    if q.ndim != 3 or k_chunk.ndim != 3 or k_chunk.shape != v_chunk.shape:
-        raise ValueError(f"q must be [T, Hq, d] and k_chunk/v_chunk [T, Hkv, d]; got {q.shape}, "
-                         f"{k_chunk.shape}, {v_chunk.shape}")
-    if q.shape[0] != k_chunk.shape[0] or q.shape[2] != k_chunk.shape[2]:
-        raise ValueError(f"q {q.shape} and k_chunk {k_chunk.shape} disagree on T or head_dim")
-    if q.shape[1] % k_chunk.shape[1]:
-        raise ValueError(f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads "
-                         f"{k_chunk.shape[1]}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != q.shape[2]:
-        raise ValueError(f"k_pages/v_pages must be [num_pages, G, page_size, {q.shape[2]}], got "
-                         f"{k_pages.shape}, {v_pages.shape}")
-    num_groups = k_chunk.shape[1] // k_pages.shape[1]
-    if k_chunk.shape[1] % k_pages.shape[1] or hist_len.shape != (num_groups,) or \
-            block_table.ndim != 2 or block_table.shape[0] != num_groups:
-        raise ValueError(f"expected {num_groups} groups of G={k_pages.shape[1]}: block_table "
-                         f"{block_table.shape}, hist_len {hist_len.shape}")
-    if block_table.dtype != jnp.int32 or hist_len.dtype != jnp.int32:
-        raise TypeError("block_table and hist_len must be int32")
-    if obs_window < 1 or obs_window > q.shape[0]:
-        raise ValueError(f"obs_window must be in [1, T={q.shape[0]}], got {obs_window}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    return _prefill(q, k_chunk, v_chunk, k_pages, v_pages, block_table, hist_len,
-                    jnp.asarray(chunk_len, jnp.int32), obs_window=obs_window,
-                    interpret=backend.resolve_interpret(interpret), block=block)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, d], got {q.shape}")
+    chunk = q.shape[0]
+    if obs_window < 1 or obs_window > chunk:
+        raise ValueError(f"obs_window must be in [1, T={chunk}], got {obs_window}")
+    if block_table.ndim != 2 or hist_len.ndim != 1:
+        raise ValueError(f"block_table must be [groups, max_pages] and hist_len [groups], got "
+                         f"{block_table.shape}, {hist_len.shape}")
+    align = row_alignment(tuning)
+    n = -(-chunk // align) * align
+    pad = ((0, n - chunk), (0, 0), (0, 0))
+    starts = jnp.zeros((1,), jnp.int32)
+    lens = jnp.reshape(jnp.asarray(chunk_len, jnp.int32), (1,))
+    num_groups = hist_len.shape[0]
+    # Items of the whole padded chunk in every group (the kernel stops at the row's length).
+    items = prefill_work_items([0], [chunk], np.zeros((1, num_groups)), num_tokens=n,
+                               tuning=tuning)
+    out, lse = ragged_prefill_attention(
+        jnp.pad(q, pad), jnp.pad(k_chunk, pad), jnp.pad(v_chunk, pad), k_pages, v_pages,
+        block_table[None], hist_len[None], starts, lens, jnp.asarray(items),
+        interpret=interpret, tuning=tuning)
+    obs = observation_probs(q, k_chunk, lse[:, :chunk], starts, lens, obs_window=obs_window,
+                            chunk=chunk)
+    return out[:chunk], obs[0]
 
 
 @functools.partial(jax.jit, static_argnames=("obs_window",))
 def chunk_prefill_attention_reference(q, k_chunk, v_chunk, k_pages, v_pages, block_table,
                                       hist_len, chunk_len, *, obs_window: int):
-    """Full softmax over [gathered history ; chunk] in float32 jnp (builds the T x keys matrix)."""
-    chunk, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_chunk.shape[1]
-    num_pages, group_size, page_size, _ = k_pages.shape
-    q_per_kv = num_q_heads // num_kv_heads
-    max_pages = block_table.shape[1]
-    tables = jnp.clip(block_table, 0, num_pages - 1)
-
-    def history(pages):   # -> [num_kv_heads, max_pages * page_size, d]
-        x = pages[tables]                                    # [groups, max_pages, G, ps, d]
-        x = jnp.moveaxis(x, 2, 1).reshape(num_kv_heads, max_pages * page_size, head_dim)
-        return x.astype(jnp.float32)
-
-    keys = jnp.concatenate([history(k_pages), jnp.moveaxis(k_chunk, 0, 1).astype(jnp.float32)],
-                           axis=1)
-    vals = jnp.concatenate([history(v_pages), jnp.moveaxis(v_chunk, 0, 1).astype(jnp.float32)],
-                           axis=1)
-    keys = jnp.repeat(keys, q_per_kv, axis=0)                # [Hq, S, d]
-    vals = jnp.repeat(vals, q_per_kv, axis=0)
-    hist_per_head = jnp.repeat(jnp.repeat(hist_len, group_size), q_per_kv)  # [Hq]
-    num_hist = max_pages * page_size
-    rows = jnp.arange(chunk)
-    s = jnp.arange(num_hist + chunk)
-    hist_ok = (s[None, None, :] < num_hist) & (s[None, None, :] < hist_per_head[:, None, None])
-    c = s - num_hist
-    chunk_ok = (c >= 0)[None, None, :] & (c[None, None, :] <= rows[None, :, None]) & \
-        (c[None, None, :] < chunk_len)
-    valid = hist_ok | chunk_ok                                # [Hq, T, S]
-    logits = jnp.einsum("thd,hsd->hts", q.astype(jnp.float32), keys,
-                        precision=lax.Precision.HIGHEST) / math.sqrt(head_dim)
-    logits = jnp.where(valid, logits, -jnp.inf)
-    m = logits.max(axis=-1, keepdims=True)
-    p = jnp.where(valid, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = jnp.einsum("hts,hsd->thd", p, jnp.where(valid.any(axis=1)[..., None], vals, 0.0),
-                     precision=lax.Precision.HIGHEST)
-    obs_rows = chunk_len - obs_window + jnp.arange(obs_window)
-    obs = p[:, jnp.clip(obs_rows, 0, chunk - 1), num_hist:]
-    obs = jnp.where((obs_rows >= 0)[None, :, None], obs, 0.0)
-    return out.astype(q.dtype), obs
+    """Float32 jnp reference of `chunk_prefill_attention` (through the ragged reference)."""
+    chunk = q.shape[0]
+    starts = jnp.zeros((1,), jnp.int32)
+    lens = jnp.reshape(jnp.asarray(chunk_len, jnp.int32), (1,))
+    out, lse = ragged_prefill_attention_reference(q, k_chunk, v_chunk, k_pages, v_pages,
+                                                  block_table[None], hist_len[None], starts, lens)
+    obs = observation_probs(q, k_chunk, lse, starts, lens, obs_window=obs_window, chunk=chunk)
+    return out, obs[0]

@@ -150,12 +150,16 @@ class KVCacheManager:
         return int(released.size)
 
     # ----- reservation -------------------------------------------------------------------
-    def reservation_target(self, base_lengths: np.ndarray, num_new_tokens: int) -> np.ndarray:
+    def reservation_target(self, base_lengths: np.ndarray, num_new_tokens) -> np.ndarray:
         """int64 [layers, groups]: tokens to hold after a turn of `num_new_tokens` new tokens
-        on top of `base_lengths` (the session's retained lengths, 0 for a fresh sequence)."""
+        on top of `base_lengths` (the session's retained lengths, 0 for a fresh sequence).
+        `num_new_tokens` may also be a prefill plan, a list of ``(length, compressed)``
+        segments (`KVLayout.segments_retained_counts`: a history replayed after preemption)."""
+        if isinstance(num_new_tokens, (list, tuple)):
+            return self.layout.segments_retained_counts(num_new_tokens) + base_lengths
         return self.layout.retained_counts(num_new_tokens) + base_lengths
 
-    def pages_to_reserve(self, slot: int | None, num_new_tokens: int) -> int:
+    def pages_to_reserve(self, slot: int | None, num_new_tokens) -> int:
         """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
         if slot is None:
             base = np.zeros(self.lengths.shape[1:], dtype=np.int64)
@@ -165,14 +169,15 @@ class KVCacheManager:
         need = pages_for(self.reservation_target(base, num_new_tokens), self.page_size) - held
         return int(np.maximum(need, 0).sum())
 
-    def fits_ever(self, base_lengths: np.ndarray, num_new_tokens: int) -> bool:
+    def fits_ever(self, base_lengths: np.ndarray, num_new_tokens) -> bool:
         """Whether a turn (plus one decode token) could be held by an otherwise empty pool."""
         need = pages_for(self.reservation_target(base_lengths, num_new_tokens) + 1, self.page_size)
         return bool(need.max() <= self.max_pages_per_group and need.sum() <= self.pool.capacity)
 
-    def reserve(self, slot: int, num_new_tokens: int) -> bool:
-        """Reserve, for every (layer, group), the pages a turn of `num_new_tokens` new tokens
-        ends up retaining on top of what the slot already holds. All or nothing: returns False
+    def reserve(self, slot: int, num_new_tokens) -> bool:
+        """Reserve, for every (layer, group), the pages a turn of `num_new_tokens` new tokens (or
+        a prefill plan, see `reservation_target`) ends up retaining on top of what the slot
+        already holds. All or nothing: returns False
         (and changes nothing) when the pool or the block table cannot hold it."""
         self._check_slot(slot)
         if (self.reserved_lengths[slot] != self.lengths[slot]).any():
@@ -190,14 +195,16 @@ class KVCacheManager:
         return True
 
     def commit_prefill(self, slot: int, num_tokens: int, *, start: int = 0,
-                       turn_len: int | None = None) -> None:
+                       turn_len: int | None = None, compressed: bool = True) -> None:
         """The device has written a prefill piece of `num_tokens` new tokens starting at token
         `start` of a turn of `turn_len` new tokens (default: the piece is the whole turn),
         `start` on a compression-chunk boundary of the turn: lengths grow by what
-        ``layout.piece_retained_counts`` says the piece keeps."""
+        ``layout.piece_retained_counts`` says the piece keeps (by `num_tokens` for a segment
+        that is not `compressed`)."""
         turn_len = start + num_tokens if turn_len is None else turn_len
-        new = self.lengths[slot] + self.layout.piece_retained_counts(turn_len, start,
-                                                                     start + num_tokens)
+        kept = (self.layout.piece_retained_counts(turn_len, start, start + num_tokens)
+                if compressed else num_tokens)
+        new = self.lengths[slot] + kept
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
         self.lengths[slot] = new

@@ -61,6 +61,8 @@ class PrefillChunk:
     start: int
     end: int
     is_last: bool
+    # The planned segment the piece lies in (`Sequence.segments`): (start, end, compressed).
+    segment: tuple[int, int, bool] = (0, 0, True)
 
     @property
     def num_tokens(self) -> int:
@@ -317,9 +319,9 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.PREFILL or seq.num_computed_tokens != chunk.start:
                 continue
-            self.manager.commit_prefill(seq.slot, chunk.num_tokens,
-                                        start=chunk.start - seq.turn_start,
-                                        turn_len=seq.num_tokens - seq.turn_start)
+            seg_start, seg_end, compressed = chunk.segment
+            self.manager.commit_prefill(seq.slot, chunk.num_tokens, start=chunk.start - seg_start,
+                                        turn_len=seg_end - seg_start, compressed=compressed)
             if reclaim_lengths is not None and seq.request_id in reclaim_lengths:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
@@ -380,7 +382,8 @@ class Scheduler:
             else:
                 if not self._evict_lru():
                     victim = self.running[-1]   # running is in admission order: the newest
-                    if self.manager.fits_ever(self._no_cache, victim.num_tokens):
+                    replay = [(b - a, c) for a, b, c in victim.replay_plan()]
+                    if self.manager.fits_ever(self._no_cache, replay):
                         self._preempt(victim)
                         preempted.append(victim)
                     else:   # its history re-prefilled could never be reserved again
@@ -403,8 +406,9 @@ class Scheduler:
         return int(np.maximum(want - m.table.num_pages[seq.slot], 0).sum())
 
     def _piece_size(self, seq: Sequence, budget: int) -> int:
-        """Largest piece from the sequence's next chunk boundary that fits `budget`."""
-        remaining = seq.num_uncomputed_tokens
+        """Largest piece from the sequence's next chunk boundary that fits `budget`, within
+        its planned segment (a replayed history runs segment by segment)."""
+        remaining = seq.segment_at(seq.num_computed_tokens)[1] - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
         chunk = self.layout.chunk_size
@@ -412,7 +416,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, take: int) -> PrefillChunk:
         start = seq.num_computed_tokens
-        return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens)
+        return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens,
+                            seq.segment_at(start))
 
     def _admit(self, budget: int, chunks: list[PrefillChunk]) -> None:
         # With every slot held by a running sequence (and no idle session to evict) nobody can
@@ -430,7 +435,8 @@ class Scheduler:
                 passed_over.append(seq)
                 continue
             # A cached session evicted by an earlier admission this step re-prefills everything,
-            # so the size is read here, not before the loop.
+            # so the plan and size are read here, not before the loop.
+            seq.plan_prefill()
             take = self._piece_size(seq, budget)
             if take == 0:
                 break
@@ -459,7 +465,7 @@ class Scheduler:
         key = (seq.slot, seq.num_uncomputed_tokens)
         if seq.reservation_need is None or seq.reservation_need[0] != key:
             seq.reservation_need = (key, m.pages_to_reserve(seq.slot if seq.is_cached else None,
-                                                            seq.num_uncomputed_tokens))
+                                                            self._plan(seq)))
         need = seq.reservation_need[1]
         need_slot = not seq.is_cached
         own_listed = seq.session_id is not None and self._lru.get(seq.session_id) is seq
@@ -477,10 +483,15 @@ class Scheduler:
         self._unlist(seq)   # before its page count changes
         if need_slot:
             seq.slot = m.allocate_slot()
-        if not m.reserve(seq.slot, seq.num_uncomputed_tokens):
+        if not m.reserve(seq.slot, self._plan(seq)):
             raise AssertionError("reservation failed after the pool was checked")
         seq.reservation_need = None   # the slot's contents change from here on
         return True
+
+    @staticmethod
+    def _plan(seq: Sequence) -> list[tuple[int, bool]]:
+        """The admission's prefill plan as ``(length, compressed)`` segments (what to reserve)."""
+        return [(b - a, c) for a, b, c in seq.plan_prefill()]
 
     def _park(self, seq: Sequence) -> None:
         """A finished request without a session: its pages go back to the pool when they are

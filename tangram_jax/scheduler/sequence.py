@@ -9,10 +9,16 @@ Token bookkeeping (indices into `token_ids`, the full history of every turn):
 
 - ``num_computed_tokens``: the prefix whose KV has been written to the cache. While decoding it
   is ``len(token_ids) - 1``: the last sampled token is written by the next decode step.
-- ``turn_start``: where this turn's uncached tokens began when it was admitted; prefill pieces
-  start on ``turn_start + k * chunk_size`` so chunked compression matches
-  `KVLayout.retained_counts`. After an eviction or a preemption everything is uncached and the
-  whole history is re-prefilled (``turn_start = 0``).
+- ``turn_start``: where this turn's uncached tokens began when it was admitted.
+- ``turns``: the span ``[start, end)`` of every turn's prompt prefill as first admitted: what
+  chunked compression cut, from the span's start (`KVLayout.retained_counts` of its length).
+  Tokens outside every span were generated and kept whole by decode.
+- ``segments``: the prefill plan of the current admission, ``(start, end, compressed)`` spans
+  covering the uncomputed tokens; prefill pieces start on ``start + k * chunk_size`` of their
+  segment. Normally one segment, the new turn. After an eviction or a preemption everything is
+  uncached and the history is re-prefilled *as it was first written* (`plan_prefill`): every
+  recorded turn compressed with its own chunking, generated tokens kept whole, so the retained
+  KV (and hence greedy output) does not depend on whether the pool ran short.
 - ``prompt_start``: where this turn's new prompt tokens begin; ``token_ids[prompt_start:
   prompt_start + num_prompt_tokens]`` is the prompt, what follows is this turn's output.
 """
@@ -55,6 +61,10 @@ class Sequence:
         self.slot = -1                    # -1: holds no slot (and no pages)
         self.num_computed_tokens = 0
         self.turn_start = 0
+        self.turns: list[tuple[int, int]] = []
+        self.segments: list[tuple[int, int, bool]] = []
+        self._turn_recorded = False       # the newest turn's span is in `turns`
+        self._cache_end = 0               # most tokens the cache ever held (for a replayed turn)
         self.prompt_start = 0
         self.num_prompt_tokens = len(self.token_ids)
         self.num_skips = 0                # admissions that overtook it while it did not fit
@@ -97,9 +107,47 @@ class Sequence:
         self.token_ids.extend(prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.num_skips = 0
+        self._turn_recorded = False
+
+    def plan_prefill(self) -> list[tuple[int, int, bool]]:
+        """At admission: record the new turn's span (if not yet) and set `segments`, the plan
+        of the uncomputed tokens ``(start, end, compressed)``; returns it.
+
+        A new turn starts where the cache ends (``num_computed_tokens``; after an eviction,
+        where it ended before). With the cache in place the plan is that turn; without it
+        (eviction, preemption) it replays the whole history: recorded turns compressed, the
+        generated tokens between and after them kept whole."""
+        start = self.num_computed_tokens
+        if not self._turn_recorded:
+            self.turns.append((start if start or not self.turns else self._cache_end,
+                               self.num_tokens))
+            self._turn_recorded = True
+        self.segments = [(start, self.num_tokens, True)] if start else self.replay_plan()
+        return self.segments
+
+    def replay_plan(self) -> list[tuple[int, int, bool]]:
+        """The whole history as first written, ``(start, end, compressed)`` segments: recorded
+        turns compressed, the tokens between and after them (decode wrote them) kept whole."""
+        plan, pos = [], 0
+        for a, b in self.turns:
+            if pos < a:
+                plan.append((pos, a, False))
+            plan.append((a, b, True))
+            pos = b
+        if pos < self.num_tokens:
+            plan.append((pos, self.num_tokens, False))
+        return plan
+
+    def segment_at(self, index: int) -> tuple[int, int, bool]:
+        """The planned segment holding token `index` (an uncomputed one)."""
+        for seg in self.segments:
+            if seg[0] <= index < seg[1]:
+                return seg
+        raise ValueError(f"token {index} is in no planned segment of {self.request_id!r}")
 
     def drop_cache(self) -> None:
         """Forget the cache (after eviction or preemption): everything is re-prefilled."""
+        self._cache_end = max(self._cache_end, self.num_computed_tokens)
         self.slot = -1
         self.num_computed_tokens = 0
         self.turn_start = 0

@@ -1,0 +1,150 @@
+"""Accuracy under KV compression: generated multi-turn tasks, every mode against full KV.
+
+Serves the tasks of `tangram_jax.evaluation.tasks` (key-value retrieval, passkey in essays,
+three facts asked over three turns of one session, variable tracking) on the embedded
+SmolLM2-135M-Instruct in `full`, `tangram` (shipped calibrated profiles), `dynamic` (per-input
+Ada-SnapKV) and `uniform` (every head keeps the ratio) at each keep ratio, greedy. Writes:
+
+- the task samples as JSONL (`--tasks-out`; benchmarks/kvpress_accuracy.py reads the same file);
+- benchmarks/results/accuracy.json: device, git revision, command, and per task x mode x ratio
+  n, correct, accuracy, Wilson 95% CI, greedy agreement and KL with full KV (follow-up turns of
+  the multi-turn task separately), plus a check that full KV solves every task >= 50%;
+- a PNG of accuracy vs ratio per task (with kvpress's lines when its JSON exists).
+
+    tangram-jax bench accuracy -- --samples 100                 # the table in the README
+    tangram-jax bench accuracy -- --samples 2 --modes full,tangram --ratios 0.25   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help="model to serve (default: the embedded SmolLM2; or a .gguf / HF folder)")
+    p.add_argument("--samples", type=int, default=100, help="samples per task")
+    p.add_argument("--tasks", type=_csv(str), default=None, help="comma-separated (default all)")
+    p.add_argument("--modes", type=_csv(str), default=["full", "tangram", "dynamic", "uniform"])
+    p.add_argument("--ratios", type=_csv(float), default=[1.0, 0.5, 0.25])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pilot-samples", type=int, default=0,
+                   help="before the table, choose each task's size with a full-KV pilot of this "
+                        "many samples per candidate size (another seed): the hardest size full "
+                        "KV answers >= 65%% of the time; 0: the default sizes")
+    p.add_argument("--max-tokens", type=int, default=16, help="answer length limit")
+    p.add_argument("--max-active", type=int, default=16,
+                   help="sessions served at once (also max_num_seqs)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest session's bound; fix it to share compiled "
+                        "programs between the pilot's and the table's full-KV engines")
+    p.add_argument("--chunk-size", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-prefill-rows", type=int, default=4)
+    p.add_argument("--layer-loop", default=None, choices=[None, "scan", "unrolled"])
+    p.add_argument("--decode-buckets", type=_csv(int), default=None,
+                   help="decode batch shapes to compile (default: the engine's; on a GPU one "
+                        "bucket = --max-active saves compile time for every engine)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL pass")
+    p.add_argument("--kl-top-k", type=int, default=256,
+                   help="full KV's distribution is kept as its top k tokens plus the rest")
+    p.add_argument("--tasks-out", default=str(RESULTS / "accuracy_tasks.jsonl"))
+    p.add_argument("--tasks-in", default=None,
+                   help="serve the samples of this JSONL (e.g. a previous run's) instead of "
+                        "generating them (no pilot; --samples first samples of each task)")
+    p.add_argument("--out", default=str(RESULTS / "accuracy.json"))
+    p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    p.add_argument("--kvpress", default=str(RESULTS / "accuracy_kvpress.json"),
+                   help="kvpress results to draw beside ours, if the file exists")
+    args = p.parse_args(argv)
+
+    from tangram_jax.evaluation import tasks as task_mod
+    from tangram_jax.evaluation.harness import HarnessConfig, choose_sizes, mode_specs, run_table
+    from tangram_jax.evaluation.report import markdown_table, plot_accuracy
+
+    tasks = tuple(args.tasks) if args.tasks else task_mod.TASKS
+    t0 = time.perf_counter()
+    specs = mode_specs(args.modes, args.ratios)
+    cfg = HarnessConfig(
+        model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
+        max_model_len=args.max_model_len,
+        kl=not args.no_kl, kl_top_k=args.kl_top_k,
+        engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,
+                           **({"decode_buckets": tuple(args.decode_buckets)}
+                              if args.decode_buckets else {})))
+    sizes, pilot = task_mod.TaskSizes(), None
+    if args.tasks_in:
+        given = task_mod.read_jsonl(args.tasks_in)
+        samples = [x for t in tasks for x in [y for y in given if y.task == t][:args.samples]]
+        sizes = None
+        print(f"{len(samples)} samples of {len(tasks)} tasks from {args.tasks_in}")
+    else:
+        if args.pilot_samples:
+            sizes, pilot = choose_sizes(tasks, args.pilot_samples, args.seed, cfg)
+        samples = task_mod.generate_all(tasks, args.samples, args.seed, sizes)
+        task_mod.write_jsonl(samples, args.tasks_out)
+        print(f"{len(samples)} samples of {len(tasks)} tasks ({sizes}) -> {args.tasks_out}")
+    command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
+
+    def write_partial(partial: dict) -> None:
+        # After every (mode, ratio): a run stopped by a time limit keeps its finished columns.
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(
+            {"benchmark": "accuracy", "device": device_description(),
+             "git_revision": git_revision() or "unknown", "command": command,
+             "config": vars(args), "task_sizes": sizes and dataclasses.asdict(sizes),
+             "pilot": pilot,
+             "seconds": round(time.perf_counter() - t0, 1), **partial},
+            indent=1))
+
+    table = run_table(samples, specs, cfg, on_partial=write_partial)
+    report = {
+        "benchmark": "accuracy",
+        "device": device_description(),
+        "git_revision": git_revision() or "unknown",
+        "command": command,
+        "config": vars(args),
+        "tasks_file": str(Path(args.tasks_in or args.tasks_out).name),
+        "task_sizes": sizes and dataclasses.asdict(sizes),
+        "pilot": pilot,
+        "seconds": round(time.perf_counter() - t0, 1),
+        **table,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    reports = [report]
+    if args.kvpress and Path(args.kvpress).is_file():
+        reports.append(json.loads(Path(args.kvpress).read_text()))
+    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    plot_accuracy(plot, *reports)
+    print(markdown_table(*reports))
+    for c in report["checks"]:
+        if not c["solvable"]:
+            print(f"WARNING: full KV answers {c['task']} only {100 * c['full_kv_accuracy']:.0f}% "
+                  f"of the time (< {100 * c['threshold']:.0f}%): the task does not test "
+                  "compression on this model")
+    print(f"KL: {report['kl_status']}")
+    print(f"wrote {args.out} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

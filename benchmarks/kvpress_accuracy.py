@@ -1,0 +1,265 @@
+"""kvpress as the outside reference: the same task samples through NVIDIA's kvpress presses.
+
+Runs in kvpress's own environment (`bash benchmarks/kvpress_setup.sh` makes it and the Hugging
+Face folder of the embedded SmolLM2 from the same GGUF the engine serves):
+
+    .cache/kvpress-venv/bin/python benchmarks/kvpress_accuracy.py --samples 25
+
+Reads the task JSONL that `tangram-jax bench accuracy` wrote (the same samples), and writes
+benchmarks/results/accuracy_kvpress.json in the harness's shape (library "kvpress"), so one
+table and one plot hold both libraries (`tangram_jax.evaluation.report`).
+
+How kvpress compresses, and how that differs from the engine:
+- kvpress compresses the *context* once, in one prefill, with the press as a forward hook:
+  here the context is the chat-templated prompt up to the end of the context text, and the
+  question, the answers and every later turn are appended uncompressed afterwards (its default
+  question-agnostic mode, as in its own pipeline). SnapKV's observation window is therefore the
+  last 64 tokens of the context, not the question.
+- The engine compresses each turn chunk by chunk (`chunk_size` tokens) as it prefills, scoring
+  each chunk with that chunk's last queries; how the current question is kept uncompressed until
+  it is answered is the engine's retention rule (see `kv_layout.py`).
+- kvpress's AdaKVPress masks the pruned entries (fake keys) instead of shrinking the cache.
+- Sessions: this script continues each session turn after turn on one cache (the previous answers
+  stay in it, uncompressed) like the engine's sessions; kvpress's pipeline would instead answer
+  each question separately after the context.
+
+Teacher forcing for KL: each press is run again from the same compressed context (a copy of the
+cache), fed full KV's answer tokens, and KL(full || press) is taken at every answer position over
+the whole vocabulary (both distributions are in memory here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# Pure-Python pieces of the harness (no JAX import): the samples, the judging, the table.
+from tangram_jax.evaluation.harness import (_Judged, followup_text,  # noqa: E402
+                                            followup_token_ids, summarise)
+from tangram_jax.evaluation.scoring import (is_correct, kl_full_vocabulary,  # noqa: E402
+                                            token_agreement)
+from tangram_jax.evaluation.tasks import read_jsonl  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+PRESSES = ("snapkv", "adakv_snapkv", "expected_attention", "streaming_llm")
+
+
+class PressSpec:
+    def __init__(self, mode: str, ratio: float):
+        self.mode, self.ratio = mode, ratio
+        self.label = "full" if mode == "full" else f"{mode}@{ratio:g}"
+
+
+def make_press(name: str, keep_ratio: float):
+    """kvpress's compression_ratio is the share *removed*."""
+    from kvpress import (AdaKVPress, ExpectedAttentionPress, SnapKVPress, StreamingLLMPress)
+    removed = 1.0 - keep_ratio
+    if name == "snapkv":
+        return SnapKVPress(compression_ratio=removed)
+    if name == "adakv_snapkv":
+        return AdaKVPress(SnapKVPress(compression_ratio=removed))
+    if name == "expected_attention":
+        return ExpectedAttentionPress(compression_ratio=removed)
+    if name == "streaming_llm":
+        return StreamingLLMPress(compression_ratio=removed)
+    raise ValueError(f"unknown press {name!r}; presses: {', '.join(PRESSES)}")
+
+
+class Session:
+    """One sample's chat on one (possibly compressed) cache; `pos` counts every token fed (the
+    position of the next one), whatever the press removed."""
+
+    def __init__(self, model, tokenizer, sample, press):
+        import torch
+        from transformers import DynamicCache
+
+        self.model, self.tok, self.sample = model, tokenizer, sample
+        self.torch = torch
+        sep = "\u2063" * 4   # split marker the template leaves untouched, as kvpress does
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": sample.context + sep}], add_generation_prompt=True,
+            tokenize=False)
+        context_text, self.first_suffix = text.split(sep)
+        context_ids = tokenizer.encode(context_text, add_special_tokens=False, return_tensors="pt")
+        self.cache = DynamicCache()
+        with torch.no_grad(), (press(model) if press is not None else _nullcontext()):
+            model.model(input_ids=context_ids, past_key_values=self.cache)
+        self.pos = context_ids.shape[1]
+        self.context_tokens = self.pos
+        self.pending: list[int] = []   # generated but not yet fed (the last answer token)
+
+    def clone(self) -> "Session":
+        other = copy.copy(self)
+        other.cache = copy.deepcopy(self.cache)
+        other.pending = list(self.pending)
+        return other
+
+    def turn_ids(self, turn: int) -> list[int]:
+        q = self.sample.turns[turn].question
+        if turn == 0:
+            return self.tok.encode("\n\n" + q + self.first_suffix, add_special_tokens=False)
+        closing, opening = followup_text(
+            lambda m, g: self.tok.apply_chat_template(m, add_generation_prompt=g, tokenize=False),
+            q)
+        # The pending token (the answer's last, not fed yet) goes first.
+        return self.pending + followup_token_ids(
+            lambda t: self.tok.encode(t, add_special_tokens=False), closing, opening,
+            self.pending)
+
+    def _forward(self, ids: list[int]):
+        torch = self.torch
+        x = torch.tensor([ids])
+        positions = torch.arange(self.pos, self.pos + len(ids)).unsqueeze(0)
+        with torch.no_grad():
+            out = self.model(input_ids=x, past_key_values=self.cache, position_ids=positions)
+        self.pos += len(ids)
+        return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+    def answer(self, turn: int, max_tokens: int, eos: set[int], forced: list[int] | None = None):
+        """Greedy answer (or the forced tokens); returns (tokens, log-probs [T, V] numpy)."""
+        ids = self.turn_ids(turn)
+        self.pending = []
+        if forced is not None:
+            lp = self._forward(ids + forced[:-1])[len(ids) - 1:]
+            self.pending = forced[-1:]
+            return list(forced), lp.numpy()
+        rows, tokens = [], []
+        lp = self._forward(ids)[-1]
+        while True:
+            rows.append(lp)
+            t = int(lp.argmax())
+            tokens.append(t)
+            if t in eos or len(tokens) >= max_tokens:
+                break
+            lp = self._forward([t])[-1]
+        self.pending = tokens[-1:]
+        return tokens, self.torch.stack(rows).numpy()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks-file", default=str(RESULTS / "accuracy_tasks.jsonl"))
+    p.add_argument("--model-dir", default=str(ROOT / ".cache" / "smollm2-135m-hf"))
+    p.add_argument("--samples", type=int, default=100, help="samples per task (first N)")
+    p.add_argument("--presses", default=",".join(PRESSES))
+    p.add_argument("--ratios", default="0.5,0.25", help="keep ratios")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--no-kl", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS / "accuracy_kvpress.json"))
+    args = p.parse_args(argv)
+
+    import kvpress
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        print(f"error: --model-dir {model_dir} holds no Hugging Face model; run "
+              "benchmarks/kvpress_setup.sh first", file=sys.stderr)
+        return 2
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    eos = set(model.generation_config.eos_token_id if isinstance(
+        model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    eos.add(tok.convert_tokens_to_ids("<|im_end|>"))
+    everything = read_jsonl(args.tasks_file)
+    tasks = list(dict.fromkeys(s.task for s in everything))
+    samples = [s for t in tasks for s in [x for x in everything if x.task == t][:args.samples]]
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    specs = [PressSpec("full", 1.0)] + [PressSpec(name, r) for name in args.presses.split(",")
+                                        for r in ratios]
+    judged = {s.label: {} for s in specs}
+    t0 = time.perf_counter()
+    for i, sample in enumerate(samples):
+        ref = Session(model, tok, sample, None)
+        ref_tokens, ref_lp = [], []
+        for turn in range(len(sample.turns)):
+            tokens, lp = ref.answer(turn, args.max_tokens, eos)
+            ref_tokens.append(tokens)
+            ref_lp.append(lp)
+            judged["full"][(sample.id, turn)] = _Judged(
+                is_correct(sample.turns[turn].answer, tok.decode(tokens, skip_special_tokens=True)))
+        for spec in specs[1:]:
+            session = Session(model, tok, sample, make_press(spec.mode, spec.ratio))
+            forced_session = None if args.no_kl else session.clone()
+            for turn in range(len(sample.turns)):
+                tokens, _ = session.answer(turn, args.max_tokens, eos)
+                j = _Judged(is_correct(sample.turns[turn].answer,
+                                       tok.decode(tokens, skip_special_tokens=True)),
+                            agreement=token_agreement(ref_tokens[turn], tokens),
+                            exact=ref_tokens[turn] == tokens)
+                if forced_session is not None:
+                    _, lp = forced_session.answer(turn, args.max_tokens, eos,
+                                                  forced=ref_tokens[turn])
+                    kl = kl_full_vocabulary(ref_lp[turn], lp)
+                    j.kl_sum, j.kl_positions = float(kl.sum()), int(kl.size)
+                judged[spec.label][(sample.id, turn)] = j
+        print(f"[{i + 1}/{len(samples)}] {sample.id} ({time.perf_counter() - t0:.0f}s)",
+              flush=True)
+        # After every sample: a run stopped early keeps the samples it finished.
+        write(summarise(samples[:i + 1], specs, judged, library="kvpress"), args, t0,
+              complete=i + 1 == len(samples))
+    report = write(summarise(samples, specs, judged, library="kvpress"), args, t0, complete=True)
+    from tangram_jax.evaluation.report import markdown_table
+    print(markdown_table(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def write(table: dict, args, t0: float, complete: bool) -> dict:
+    import kvpress
+    import torch
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=5).stdout.strip() or "unknown"
+    except OSError:
+        rev = "unknown"
+    report = {
+        "benchmark": "accuracy_kvpress",
+        "device": f"CPU: {platform.processor() or platform.machine()} (torch "
+                  f"{torch.__version__}, {args.threads} threads)",
+        "git_revision": rev,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "config": vars(args),
+        "kvpress_version": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
+        "transformers_version": _dist_version("transformers"),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "kl_status": "measured (full vocabulary)" if not args.no_kl else "not requested",
+        "complete": complete,
+        **table,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""GPU memory: JAX's allocator cap, and the KV pool that fits under `gpu_memory_utilization`.
+
+vLLM's meaning: the engine may use ``gpu_memory_utilization`` of the card. On a GPU JAX's
+allocator takes a fixed fraction of the card when its backend starts (75% unless
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise) and never grows past it, so the engine
+
+1. sets that fraction to the utilization before JAX's backend starts (`configure_allocator`;
+   once the backend runs it is too late, and the engine sizes against the cap in force and says
+   so),
+2. loads the weights and reads what the allocator holds (`DeviceMemory.read`),
+3. compiles its largest steps and reads their temporary bytes (XLA's `memory_analysis`; the
+   pool is updated in place, so a step's temp does not grow with the pool),
+4. gives the pool what is left (`plan_pool`): ``budget - in_use - step_peak - headroom``.
+
+The step peak is measured at a provisional pool size; where a step's temp grows with the pool
+(the CPU's jnp reference prefill copies V, see benchmarks/NOTES_memory.md) the measured peak
+includes that copy, so the pool that follows is smaller than needed, never larger.
+
+The arithmetic is plain integers (unit-tested on the CPU with made-up numbers); the engine feeds
+it what the device reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_DEFAULT_FRACTION = 0.75     # what JAX's GPU client takes when the variable is unset
+GIB = 2 ** 30
+
+
+def _parse_fraction(value: str | None) -> float | None:
+    try:
+        fraction = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return fraction if fraction is not None and 0 < fraction <= 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorSetup:
+    """What `configure_allocator` found and did.
+
+    fraction: the allocator's share of the card in force (or about to be) for this process.
+    set_by_engine: True when the engine wrote ``XLA_PYTHON_CLIENT_MEM_FRACTION`` itself.
+    too_late: JAX's backend had started before the engine could set the fraction (the cap is
+      whatever was in force then; `note` says how to change it).
+    """
+
+    fraction: float
+    set_by_engine: bool
+    too_late: bool
+    note: str = ""
+
+
+def backends_started() -> bool:
+    """Whether JAX's backends are already initialised (then allocator settings are fixed)."""
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):   # private API moved: assume the worst
+        return True
+
+
+_SETUP: AllocatorSetup | None = None
+
+
+def configure_allocator(gpu_memory_utilization: float) -> AllocatorSetup:
+    """Set JAX's GPU allocator cap to `gpu_memory_utilization` of the card, if JAX's backend
+    has not started yet and the user has not set ``XLA_PYTHON_CLIENT_MEM_FRACTION`` themselves
+    (their setting wins). Idempotent within a process: the first call decides."""
+    global _SETUP
+    if _SETUP is not None and not _SETUP.too_late and backends_started():
+        return _SETUP            # an earlier engine of this process set it up
+    user = _parse_fraction(os.environ.get(FRACTION_ENV))
+    if backends_started():
+        fraction = user or JAX_DEFAULT_FRACTION
+        # A larger cap than asked is harmless (the budget takes the utilization); a smaller
+        # one bounds the pool, and the user should know why and how to change it.
+        note = "" if fraction >= gpu_memory_utilization - 1e-9 else (
+            f"JAX's GPU backend started before the Engine, with its allocator capped at "
+            f"{fraction:.2f} of the card ({FRACTION_ENV}="
+            f"{os.environ.get(FRACTION_ENV, 'unset: JAX default 0.75')}); "
+            f"gpu_memory_utilization={gpu_memory_utilization} cannot change that any more. "
+            f"Create the Engine before any other JAX work, or start Python with "
+            f"{FRACTION_ENV}={gpu_memory_utilization}.")
+        _SETUP = AllocatorSetup(fraction, set_by_engine=False, too_late=True, note=note)
+    elif user is not None:
+        _SETUP = AllocatorSetup(user, set_by_engine=False, too_late=False)
+    else:
+        os.environ[FRACTION_ENV] = repr(float(gpu_memory_utilization))
+        _SETUP = AllocatorSetup(float(gpu_memory_utilization), set_by_engine=True,
+                                too_late=False)
+    return _SETUP
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What JAX's allocator on one device reports (bytes).
+
+    bytes_limit: the allocator's cap; bytes_in_use: live buffers now; peak_bytes_in_use: the
+    largest bytes_in_use so far; fraction: the share of the card the cap is (so
+    ``card_bytes = bytes_limit / fraction`` is the memory JAX based it on).
+    """
+
+    bytes_limit: int
+    bytes_in_use: int
+    peak_bytes_in_use: int
+    fraction: float
+
+    @property
+    def card_bytes(self) -> int:
+        return int(round(self.bytes_limit / self.fraction))
+
+    @classmethod
+    def read(cls, device, fraction: float) -> "DeviceMemory | None":
+        """The device's allocator statistics, or None where it reports none (CPU) or no cap
+        (e.g. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``)."""
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or not stats.get("bytes_limit"):
+            return None
+        return cls(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)),
+                   int(stats.get("peak_bytes_in_use", 0)), float(fraction))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """How the pool was sized (bytes unless named otherwise).
+
+    budget_bytes: what the engine may use, ``min(utilization * card, allocator cap)``;
+    in_use_bytes: held before the pool (weights, tables); step_peak_bytes: the largest step's
+    temporary bytes; headroom_bytes: kept free for small outputs and allocator slack;
+    num_pages: pool pages (page 0, the null page, included); pool_bytes = num_pages * page_bytes.
+    capped_by: "utilization" or "allocator" (the cap in force was lower than asked).
+    """
+
+    card_bytes: int
+    utilization: float
+    budget_bytes: int
+    in_use_bytes: int
+    step_peak_bytes: int
+    headroom_bytes: int
+    page_bytes: int
+    num_pages: int
+    capped_by: str
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def describe(self, tokens: int | None = None) -> str:
+        held = f"{tokens:,} full-KV tokens, " if tokens is not None else ""
+        return (f"KV pool {self.num_pages:,} pages ({held}{self.pool_bytes / GIB:.2f} GiB): "
+                f"gpu_memory_utilization {self.utilization} of {self.card_bytes / GIB:.2f} GiB "
+                f"-> budget {self.budget_bytes / GIB:.2f} GiB (capped by {self.capped_by}), "
+                f"minus {self.in_use_bytes / GIB:.2f} GiB in use (weights), "
+                f"{self.step_peak_bytes / GIB:.2f} GiB step peak, "
+                f"{self.headroom_bytes / GIB:.2f} GiB headroom")
+
+
+def default_headroom(budget: int) -> int:
+    """Bytes kept free for small outputs (tokens, a prefill's logits) and allocator slack:
+    512 MiB, or 1/16 of a smaller budget."""
+    return min(512 * 2 ** 20, budget // 16)
+
+
+def step_reserve(budget: int) -> int:
+    """Bytes a provisional pool leaves for the steps before their peak is known: 1/32 of the
+    budget, at least 1 GiB (an 8B step at batch 256 needs ~1.2 GiB) unless the budget is under
+    8 GiB (then 1/8 of it)."""
+    return max(min(GIB, budget // 8), budget // 32)
+
+
+def budget_bytes(card_bytes: int, utilization: float, allocator_limit: int) -> tuple[int, str]:
+    """``min(utilization * card, allocator cap)`` and which of the two bound it."""
+    wanted = int(utilization * card_bytes)
+    return (wanted, "utilization") if wanted <= allocator_limit else (int(allocator_limit),
+                                                                       "allocator")
+
+
+def pages_that_fit(budget: int, in_use: int, step_peak: int, headroom: int,
+                   page_bytes: int) -> int:
+    """Pages of `page_bytes` in ``budget - in_use - step_peak - headroom`` (may be <= 0)."""
+    if page_bytes <= 0:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    return (budget - in_use - step_peak - headroom) // page_bytes
+
+
+def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int, page_bytes: int,
+              *, min_pages: int, headroom_bytes: int | None = None,
+              prefer_pages: int | None = None) -> PoolPlan:
+    """The pool that fits: see the module docstring. With `prefer_pages` (the size the steps
+    were compiled for), that size is kept whenever it fits, so the compiled steps are reused.
+    Raises ValueError (naming the figures and what to change) when fewer than `min_pages` pages
+    fit."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget, capped_by = budget_bytes(memory.card_bytes, utilization, memory.bytes_limit)
+    if headroom_bytes is None:
+        headroom_bytes = default_headroom(budget)
+    pages = pages_that_fit(budget, memory.bytes_in_use, step_peak_bytes, headroom_bytes,
+                           page_bytes)
+    if pages < min_pages:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for the KV pool: budget "
+            f"{budget / GIB:.2f} GiB (of {memory.card_bytes / GIB:.2f} GiB, capped by "
+            f"{capped_by}) minus {memory.bytes_in_use / GIB:.2f} GiB in use (weights), "
+            f"{step_peak_bytes / GIB:.2f} GiB step peak and {headroom_bytes / GIB:.2f} GiB "
+            f"headroom fits {max(pages, 0)} pages of {page_bytes} bytes, fewer than the "
+            f"{min_pages} needed; raise gpu_memory_utilization, lower max_num_seqs or "
+            f"max_num_batched_tokens, or set kv_cache_tokens / num_pages")
+    if prefer_pages is not None and min_pages <= prefer_pages <= pages:
+        pages = prefer_pages
+    return PoolPlan(card_bytes=memory.card_bytes, utilization=float(utilization),
+                    budget_bytes=budget, in_use_bytes=memory.bytes_in_use,
+                    step_peak_bytes=int(step_peak_bytes), headroom_bytes=int(headroom_bytes),
+                    page_bytes=int(page_bytes), num_pages=int(pages), capped_by=capped_by)
+
+
+def step_peak_bytes(compiled) -> int:
+    """Bytes a compiled step allocates beyond its (donated, aliased) arguments: XLA's temp
+    buffer plus the outputs that do not reuse an argument's buffer."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + max(m.output_size_in_bytes - m.alias_size_in_bytes, 0))

@@ -1,0 +1,98 @@
+"""The accuracy table as text (markdown) and as a plot of accuracy vs keep ratio per task.
+
+Both read the harness JSON (`benchmarks/results/accuracy.json`) and, when given, the kvpress
+script's JSON of the same shape, so one table and one figure hold both libraries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}"
+
+
+def _row_label(r: dict) -> str:
+    lib = "" if r.get("library", "tangram-jax") == "tangram-jax" else f"{r['library']} "
+    return f"{lib}{r['mode']}"
+
+
+def markdown_table(*reports: dict) -> str:
+    """One line per (library, mode, ratio), one column group per task: accuracy % [95% CI],
+    then agreement and KL with full KV (of the report's own library)."""
+    rows = [r for rep in reports for r in rep["results"]]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    header = ["method", "ratio"] + [f"{t} acc % [CI]" for t in tasks] + \
+        ["follow-up acc %", "agreement %", "KL (nats/token)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    keys = list(dict.fromkeys((r.get("library", "tangram-jax"), r["mode"], r["ratio"])
+                              for r in rows))
+    for lib, mode, ratio in keys:
+        mine = {r["task"]: r for r in rows if (r.get("library", "tangram-jax"), r["mode"],
+                                               r["ratio"]) == (lib, mode, ratio)}
+        cells = []
+        for t in tasks:
+            r = mine.get(t)
+            cells.append("-" if r is None else
+                         f"{_pct(r['accuracy'])} [{_pct(r['ci95'][0])}-{_pct(r['ci95'][1])}]")
+        follow = next((r["followup"]["accuracy"] for r in mine.values() if "followup" in r), None)
+        all_rows = list(mine.values())
+        n_agree = [(r["agreement"], r["n"]) for r in all_rows if r.get("agreement") is not None]
+        agree = (sum(a * n for a, n in n_agree) / sum(n for _, n in n_agree)) if n_agree else None
+        kl_pos = sum(r.get("kl_positions") or 0 for r in all_rows)
+        kl = (sum((r.get("kl") or 0) * (r.get("kl_positions") or 0) for r in all_rows) / kl_pos
+              if kl_pos else None)
+        label = _row_label(next(iter(mine.values())))
+        lines.append("| " + " | ".join([label, f"{ratio:g}"] + cells + [
+            _pct(follow), _pct(agree), "-" if kl is None else f"{kl:.3f}"]) + " |")
+    return "\n".join(lines)
+
+
+def plot_accuracy(out: str | Path, *reports: dict) -> None:
+    """Accuracy (with 95% CI bars) vs keep ratio, one panel per task, one line per method; full
+    KV is the point at ratio 1 of every line of its library."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for rep in reports for r in rep["results"]]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, task in zip(axes[0], tasks):
+        task_rows = [r for r in rows if r["task"] == task]
+        for lib in dict.fromkeys(r.get("library", "tangram-jax") for r in task_rows):
+            lib_rows = [r for r in task_rows if r.get("library", "tangram-jax") == lib]
+            full = next((r for r in lib_rows if r["mode"] == "full"), None)
+            style = "-" if lib == "tangram-jax" else "--"
+            for mode in dict.fromkeys(r["mode"] for r in lib_rows if r["mode"] != "full"):
+                pts = sorted((r for r in lib_rows if r["mode"] == mode), key=lambda r: r["ratio"])
+                if full is not None and all(p["ratio"] < 1 for p in pts):
+                    pts = pts + [full]
+                xs = [p["ratio"] for p in pts]
+                ys = [p["accuracy"] for p in pts]
+                err = [[p["accuracy"] - p["ci95"][0] for p in pts],
+                       [p["ci95"][1] - p["accuracy"] for p in pts]]
+                label = mode if lib == "tangram-jax" else f"{lib}: {mode}"
+                ax.errorbar(xs, ys, yerr=err, fmt=style + "o", capsize=3, markersize=4,
+                            label=label, alpha=0.85)
+            if full is not None:
+                ax.axhline(full["accuracy"], color="gray", linestyle=":" if lib == "tangram-jax"
+                           else "-.", linewidth=1,
+                           label="full KV" if lib == "tangram-jax" else f"{lib}: full KV")
+        n = max(r["n"] for r in task_rows)
+        ax.set_title(f"{task} (n={n})")
+        ax.set_xlabel("keep ratio")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([0.25, 0.5, 1.0], ["0.25", "0.5", "1"])
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (95% Wilson CI)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

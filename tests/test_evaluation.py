@@ -1,0 +1,208 @@
+"""The accuracy harness: task generation, answer judging, confidence intervals, KL under
+top-k coarse-graining, the uniform profile, and one tiny end-to-end run on the real model."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tangram_jax.compression.profile import BudgetProfile, ProfileError
+from tangram_jax.evaluation import tasks as T
+from tangram_jax.evaluation.harness import ModeSpec, mode_specs, summarise, _Judged
+from tangram_jax.evaluation.scoring import (TopKDistribution, is_correct, kl_from_reference,
+                                            kl_full_vocabulary, normalise, token_agreement,
+                                            wilson_interval)
+
+
+# ----- tasks ---------------------------------------------------------------------------------
+
+def test_tasks_are_deterministic_and_hold_their_answers(tmp_path):
+    samples = T.generate_all(samples=3, seed=7)
+    assert [s.task for s in samples] == [t for t in T.TASKS for _ in range(3)]
+    again = T.generate_all(samples=3, seed=7)
+    assert samples == again
+    assert T.generate_all(samples=3, seed=8) != samples
+    for s in samples:
+        if s.task == "variable_tracking":
+            # the asked chain starts from its value: "X = value"
+            assert f"= {s.turns[0].answer}\n" in s.context + "\n"
+        else:
+            for turn in s.turns:
+                assert turn.answer in s.context, (s.id, turn)
+    multi = [s for s in samples if s.task == "multi_turn"]
+    assert all(len(s.turns) == 3 and len({t.answer for t in s.turns}) == 3 for s in multi)
+    path = tmp_path / "t.jsonl"
+    T.write_jsonl(samples, path)
+    assert T.read_jsonl(path) == samples
+    first = json.loads(path.read_text().splitlines()[0])
+    assert set(first) == {"task", "id", "seed", "context", "turns"}
+
+
+def test_variable_tracking_chain_resolves_to_the_answer():
+    for i in range(10):
+        s = T.generate("variable_tracking", i)
+        assign = {}
+        for line in s.context.splitlines():
+            if " = " in line and len(line.split(" = ")[0]) == 1:
+                name, value = line.split(" = ")
+                assign[name] = assign.get(value, value)   # statements come in chain order
+        asked = s.turns[0].question.split("value of ")[1].split("?")[0]
+        assert assign[asked] == s.turns[0].answer
+
+
+def test_task_arguments_are_checked():
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        T.generate("nope", 0)
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        T.generate_all(samples=0)
+
+
+# ----- scoring -------------------------------------------------------------------------------
+
+def test_answers_are_judged_by_normalised_containment_on_word_boundaries():
+    assert normalise("  The Pass-Key is: 71432! ") == "the pass key is 71432"
+    assert is_correct("71432", "The pass key is 71432.")
+    assert is_correct("4821", "4821")
+    assert not is_correct("482", "4821")
+    assert not is_correct("4821", "48 21")
+    with pytest.raises(ValueError, match="empty"):
+        is_correct("!!", "x")
+
+
+def test_wilson_interval_matches_the_formula_and_edges():
+    lo, hi = wilson_interval(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson_interval(10, 10)
+    assert hi == 1.0 and lo == pytest.approx(0.7225, abs=1e-4)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+def test_token_agreement():
+    assert token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert token_agreement([1, 2, 3, 4], [1, 9, 3]) == 0.5
+    assert token_agreement([], []) == 1.0
+
+
+def _log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_kl_top_k_is_exact_for_the_full_vocabulary_and_a_lower_bound_below_it():
+    rng = np.random.default_rng(0)
+    ref = _log_softmax(rng.normal(size=(5, 300)) * 3)
+    mode = _log_softmax(np.log(np.exp(ref) + 0.01 * rng.random((5, 300))))
+    exact = kl_full_vocabulary(ref, mode)
+    # by hand for one row
+    p = np.exp(ref[2])
+    assert exact[2] == pytest.approx(float((p * (ref[2] - mode[2])).sum()), rel=1e-12)
+    whole = kl_from_reference(TopKDistribution.from_logprobs(ref, 300), mode)
+    np.testing.assert_allclose(whole, exact, rtol=1e-6, atol=1e-12)
+    for k in (1, 10, 100):
+        approx = kl_from_reference(TopKDistribution.from_logprobs(ref, k), mode)
+        assert (approx <= exact + 1e-12).all()
+    # a peaked reference (a small model answering greedily) is captured by a small k
+    peaked = _log_softmax(rng.normal(size=(4, 300)) + np.eye(4, 300) * 30)
+    peaked_mode = _log_softmax(np.log(np.exp(peaked) * (1 + 0.3 * rng.random((4, 300)))))
+    dist = TopKDistribution.from_logprobs(peaked, 16)
+    assert dist.uncovered_mass().max() < 1e-6
+    np.testing.assert_allclose(kl_from_reference(dist, peaked_mode),
+                               kl_full_vocabulary(peaked, peaked_mode), rtol=1e-3, atol=1e-9)
+    assert (kl_from_reference(dist, peaked) < 1e-9).all()    # identical distributions: 0
+
+
+def test_kl_rejects_mismatched_positions():
+    dist = TopKDistribution.from_logprobs(_log_softmax(np.zeros((3, 8))), 4)
+    with pytest.raises(ValueError, match="3 positions"):
+        kl_from_reference(dist, np.zeros((2, 8)))
+
+
+# ----- harness pieces ------------------------------------------------------------------------
+
+def test_mode_specs_and_labels():
+    specs = mode_specs(["full", "tangram", "dynamic", "uniform"], [1.0, 0.5, 0.25])
+    assert [s.label for s in specs] == ["full", "tangram@0.25", "dynamic@0.25", "uniform@0.25",
+                                        "tangram@0.5", "dynamic@0.5", "uniform@0.5",
+                                        "uniform@1"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        ModeSpec("bogus", 0.5)
+    with pytest.raises(ValueError, match="its ratio is 1"):
+        ModeSpec("full", 0.5)
+
+
+def test_summary_counts_follow_up_turns_and_flags_unsolvable_tasks():
+    samples = [T.generate("multi_turn", i) for i in range(4)] + \
+        [T.generate("kv_retrieval", i) for i in range(4)]
+    specs = [ModeSpec("full", 1.0), ModeSpec("tangram", 0.5)]
+    full = {(s.id, t): _Judged(correct=(s.task == "multi_turn")) for s in samples
+            for t in range(len(s.turns))}
+    comp = {(s.id, t): _Judged(correct=(t == 0), agreement=0.5, exact=False, kl_sum=0.2,
+                               kl_positions=2) for s in samples for t in range(len(s.turns))}
+    out = summarise(samples, specs, {"full": full, "tangram@0.5": comp})
+    rows = {(r["task"], r["mode"]): r for r in out["results"]}
+    multi = rows[("multi_turn", "tangram")]
+    assert multi["n"] == 12 and multi["correct"] == 4
+    assert multi["turn1"]["accuracy"] == 1.0 and multi["followup"]["accuracy"] == 0.0
+    assert multi["followup"]["n"] == 8
+    assert multi["kl"] == pytest.approx(0.1) and multi["agreement"] == 0.5
+    assert "followup" not in rows[("kv_retrieval", "full")]
+    checks = {c["task"]: c["solvable"] for c in out["checks"]}
+    assert checks == {"multi_turn": True, "kv_retrieval": False}
+
+
+def test_uniform_profile_keeps_the_same_share_in_every_head():
+    model = dict(architecture="llama", num_layers=4, num_kv_heads=3, head_dim=64)
+    prof = BudgetProfile.uniform(model, 0.25)
+    assert prof.group_size == 1 and np.all(prof.budget == 0.25)
+    assert np.all(prof.group_budgets == 0.25) and prof.method == "snapkv"
+    layout = prof.to_layout(page_size=16, chunk_size=128)
+    assert np.all(layout.group_budgets == 0.25)
+    with pytest.raises(ProfileError, match="ratio must lie in"):
+        BudgetProfile.uniform(model, 0.0)
+
+
+# ----- end to end on the real model ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_tiny_run_through_the_engine(tmp_path):
+    """Two short samples of two tasks (one multi-turn) through full and uniform@1: tangram mode
+    keeping every token must answer exactly as full KV does, and its teacher-forced KL is ~0."""
+    from tangram_jax.evaluation.harness import HarnessConfig, run_table
+
+    sizes = T.TaskSizes(kv_pairs=6, multi_turn_chars=500)
+    samples = [T.generate("kv_retrieval", 0, sizes=sizes), T.generate("multi_turn", 0, sizes=sizes)]
+    specs = [ModeSpec("full", 1.0), ModeSpec("uniform", 1.0)]
+    cfg = HarnessConfig(max_tokens=6, max_active=2, kl=True,
+                        engine_kwargs=dict(chunk_size=64, max_num_batched_tokens=128))
+    table = run_table(samples, specs, cfg, log=lambda s: None)
+    rows = {(r["task"], r["mode"], r["ratio"]): r for r in table["results"]}
+    assert rows[("multi_turn", "full", 1.0)]["n"] == 3
+    assert rows[("multi_turn", "full", 1.0)]["followup"]["n"] == 2
+    same = rows[("multi_turn", "uniform", 1.0)]
+    assert same["agreement"] == 1.0 and same["exact_match"] == 1.0
+    assert same["correct"] == rows[("multi_turn", "full", 1.0)]["correct"]
+    for label, info in table["engines"].items():
+        assert info["preemptions"] == 0 and info["evictions"] == 0, label
+    assert table["kl_status"] == "measured"
+    assert same["kl_positions"] > 0 and same["kl"] < 1e-4
+
+
+def test_follow_up_turn_is_the_template_difference_without_a_repeated_end_of_turn():
+    from tangram_jax.evaluation.harness import followup_text, followup_token_ids
+
+    def chatml(messages, add_generation_prompt):
+        text = "".join(f"<s>{m['role']}\n{m['content']}<e>\n" for m in messages)
+        return text + ("<s>assistant\n" if add_generation_prompt else "")
+
+    closing, opening = followup_text(chatml, "Next?")
+    assert (closing, opening) == ("<e>\n", "<s>user\nNext?<e>\n<s>assistant\n")
+    vocab = {}
+    encode = lambda t: [vocab.setdefault(p, len(vocab)) for p in t.replace("<", " <").split()]  # noqa
+    end = encode("<e>")[0]
+    after_eos = followup_token_ids(encode, closing, opening, [5, 6, end])
+    cut_off = followup_token_ids(encode, closing, opening, [5, 6])
+    assert cut_off == [end] + after_eos       # a truncated answer gets its end-of-turn token
