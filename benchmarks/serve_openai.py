@@ -58,6 +58,11 @@ def make_hf_folder(folder: Path) -> Path:
     fresh.save_pretrained(folder)
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(folder)
+    # The GGUF load leaves quantization_config {"quant_method": "gguf"} in the config; the saved
+    # weights are plain float32, and vLLM refuses a folder that claims GGUF quantization.
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--kv-gib", type=int, default=1, help="KV memory, GiB (vLLM takes whole GiB)")
     p.add_argument("--mode", default="tangram", choices=("tangram", "full", "dynamic"))
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--out", required=True)
