@@ -52,11 +52,20 @@ def test_request_preempted_before_its_last_token_is_known_can_finish():
     assert second not in s.waiting and "chat" not in s._lru
     s.finish("first")
     assert m.pool.num_free == m.pool.capacity
-    # The session's next turn re-prefills its whole history.
+    # The session's next turn re-prefills its whole history, replaying it as first written:
+    # the first turn's prompt as one piece, then the rest (its sampled token, whose KV was
+    # never written, goes with the new turn).
     s.add_request("second-2", [3, 4, 5], session_id="chat")
-    out = s.schedule()
-    (chunk,) = out.prefill_chunks
-    assert (chunk.start, chunk.end) == (0, second.num_tokens)
+    total = second.num_tokens
+    pieces = []
+    while not pieces or not pieces[-1].is_last:
+        out, _ = step_with_placeholders(s)
+        (chunk,) = out.prefill_chunks
+        pieces.append(chunk)
+    assert pieces[0].start == 0 and pieces[0].end == 8      # the first turn's prompt
+    assert [(a.end, b.start) for a, b in zip(pieces, pieces[1:])] == \
+        [(a.end, a.end) for a in pieces[:-1]]               # contiguous
+    assert pieces[-1].end == total and pieces[-1].start <= total - 3   # the new turn
 
 
 def test_a_waiting_turn_that_produced_nothing_cannot_be_finished():

@@ -89,8 +89,10 @@ def _expected_lengths(layout, turns):
 
 
 def test_multi_turn_chat_pages_are_exactly_the_reservation():
-    # Chunks of 64: the whole first turn is one compression chunk, later turns add more.
-    llm = LLM(mode="tangram", ratio=0.5, group_size=1, **dict(SMALL, chunk_size=64))
+    # Chunks of 64: the whole first turn is one compression chunk, later turns add more. A
+    # window of 8: every turn's last 8 tokens stay whole (the tail rule), the rest compresses
+    # (with the default 32 these short turns would be nearly all tail).
+    llm = LLM(mode="tangram", ratio=0.5, group_size=1, **dict(SMALL, chunk_size=64, obs_window=8))
     engine, manager, layout = llm.engine, llm.engine.manager, llm.engine.layout
     assert layout.compresses
     questions = [["What is a hash map?", "How is it different from a tree map?"],
