@@ -13,7 +13,9 @@ import argparse
 import ast
 import importlib
 import os
+import signal
 import sys
+import threading
 
 COMMANDS = {
     "run": "tangram_jax.commands.run",
@@ -39,18 +41,41 @@ def _available() -> dict[str, str]:
     return {name: mod for name, mod in COMMANDS.items() if importlib.util.find_spec(mod)}
 
 
+# After Ctrl-C, how long the interrupt may take to unwind before the process leaves anyway.
+_INTERRUPT_GRACE_S = 1.0
+
+
+def _exit_interrupted() -> None:
+    # Outputs are written atomically and caches renamed into place (their `finally` blocks
+    # ran while the interrupt unwound), so nothing half-written is left. Leave at once:
+    # tearing down the interpreter with XLA's threads mid-computation can crash it.
+    print("\ntangram-jax: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: raise KeyboardInterrupt so `finally` blocks run, and leave after a grace period
+    if it has not unwound by then (code that waits in a library may catch the interrupt and
+    carry on: seen as a Ctrl-C during model loading that let the command finish with 0)."""
+    timer = threading.Timer(_INTERRUPT_GRACE_S, _exit_interrupted)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_sigint) if in_main_thread else None
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        # Outputs are written atomically and caches renamed into place (their `finally` blocks
-        # ran while the interrupt unwound), so nothing half-written is left. Leave at once:
-        # tearing down the interpreter with XLA's threads mid-computation can crash it.
-        print("\ntangram-jax: interrupted", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)
+        _exit_interrupted()
+    finally:   # main() called in-process (tests, embedding) leaves the caller's handler
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: list[str]) -> int:
