@@ -277,12 +277,16 @@ class EngineConfig:
         # Every turn's tail (the question) stays uncompressed until it is answered: the
         # retention rule of `tangram_jax.kv_layout`, which reservation, prefill and the engine
         # all read from the layout.
-        layout = build_layout(self, mc, is_embedded).with_tail(self.tail_rule, obs_window)
+        # The profile is read once: it gives the layout and the method the compression serves.
+        profile = resolve_profile(self, mc, is_embedded) if self.mode == "tangram" else None
+        layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
+            self.tail_rule, obs_window)
         return ResolvedConfig(
             layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
             max_num_batched_tokens=batched, decode_buckets=tuple(buckets),
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
+            compression_method=profile.method if profile is not None else "snapkv",
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 
 
@@ -301,6 +305,7 @@ class ResolvedConfig:
     max_pages_per_seq: int       # block-table width
     obs_window: int
     policy: str                  # the KV manager's: "reserve" or "reclaim" (dynamic mode)
+    compression_method: str      # the scorer chunks are compressed with (the profile's method)
 
 
 # ----- command line -------------------------------------------------------------------------
@@ -383,10 +388,12 @@ def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: b
     return profile
 
 
-def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool) -> KVLayout:
-    """The KV layout of `cfg.mode` for this model."""
+def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool, *,
+                 profile: BudgetProfile | None = None) -> KVLayout:
+    """The KV layout of `cfg.mode` for this model (tangram: of `profile`, resolved here when
+    not given)."""
     if cfg.mode == "tangram":
-        profile = resolve_profile(cfg, model_config, is_embedded)
+        profile = profile or resolve_profile(cfg, model_config, is_embedded)
         return profile.to_layout(cfg.page_size, cfg.resolved_chunk_size())
     return KVLayout.monolithic(model_config.num_layers, model_config.num_kv_heads,
                                model_config.head_dim, page_size=cfg.page_size,

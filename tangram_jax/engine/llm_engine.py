@@ -35,8 +35,7 @@ import numpy as np
 
 from tangram_jax.engine import inputs, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
-from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, pool_is_fixed,
-                                       resolve_profile)
+from tangram_jax.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig, pool_is_fixed
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -193,9 +192,7 @@ class Engine:
         self.max_model_len = rc.max_model_len
         # Serve with the scorer the budgets were calibrated with (a profile made with a method
         # the chunk compression cannot run is refused here, by RunnerConfig).
-        self.compression_method = (
-            resolve_profile(cfg, mc, is_embedded=loaded.name == DEFAULT_MODEL).method
-            if cfg.mode == "tangram" else "snapkv")
+        self.compression_method = rc.compression_method
         buckets = rc.decode_buckets
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size) for b in buckets}
