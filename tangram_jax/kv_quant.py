@@ -212,15 +212,16 @@ def value_dtype(pages: Pages):
     return pages.dtype
 
 
-def write_slots(pages: Pages, index: tuple, values: jax.Array) -> Pages:
+def write_slots(pages: Pages, index: tuple, values: jax.Array, *, mode=None) -> Pages:
     """Set the slots `pages[index]` (an index of the first three axes: page, head, slot) to
-    `values` [..., head_dim], quantising them for `QuantPages`."""
+    `values` [..., head_dim], quantising them for `QuantPages`; `mode` as for ``.at[].set``
+    (``"drop"``: out-of-range indices are skipped)."""
     if isinstance(pages, QuantPages):
         codes, scale, zero = quantise(values, pages.bits)
-        return dataclasses.replace(pages, codes=pages.codes.at[index].set(codes),
-                                   scale=pages.scale.at[index].set(scale),
-                                   zero=pages.zero.at[index].set(zero))
-    return pages.at[index].set(values.astype(pages.dtype))
+        return dataclasses.replace(pages, codes=pages.codes.at[index].set(codes, mode=mode),
+                                   scale=pages.scale.at[index].set(scale, mode=mode),
+                                   zero=pages.zero.at[index].set(zero, mode=mode))
+    return pages.at[index].set(values.astype(pages.dtype), mode=mode)
 
 
 def take_pages(pages: Pages, page_ids: jax.Array, dtype=None) -> jax.Array:
