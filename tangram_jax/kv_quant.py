@@ -237,3 +237,18 @@ def take_pages(pages: Pages, page_ids: jax.Array, dtype=None) -> jax.Array:
 def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
     """The whole pool as dense values [num_pages, G, page_size, head_dim]."""
     return take_pages(pages, jnp.arange(pages.shape[0]), dtype)
+
+
+def quantise_pages(pages: jax.Array, bits: int | None, dtype=None) -> Pages:
+    """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
+    pool itself, cast to `dtype`). Rows holding a NaN get NaN scale and zero (codes cannot be
+    NaN), so a poisoned slot stays poisoned (what the kernel tests rely on)."""
+    dtype = jnp.dtype(dtype or pages.dtype)
+    if bits is None:
+        return pages.astype(dtype)
+    x = jnp.asarray(pages, jnp.float32)
+    poisoned = jnp.isnan(x).any(axis=-1)
+    codes, scale, zero = quantise(jnp.nan_to_num(x), bits)
+    return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),
+                      zero=jnp.where(poisoned, jnp.nan, zero), bits=_check_bits(bits),
+                      dtype=dtype)
