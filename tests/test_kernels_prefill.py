@@ -274,3 +274,15 @@ def test_ragged_prefill_over_quantised_history(precision):
         assert np.isfinite(got).all()
         err = np.linalg.norm(got[inside] - want[inside]) / np.linalg.norm(want[inside])
         assert err < tol, err
+
+
+def test_fit_tuning_shrinks_float32_tiles_to_shared_memory():
+    """The H100 refused float32 at block_q 64 / block_k 64 with 4 query heads per KV head (289 KiB
+    of shared memory asked, 227 available): such tiles are shrunk; bf16 at the default stays."""
+    from tangram_jax.pallas_kernels.prefill_attention import PREFILL_TUNING, fit_tuning
+    big = PrefillTuning(block_q=64, block_k=64)
+    fitted = fit_tuning(big, 4, 128, 4)
+    assert fitted.block_q < 64 and fitted.block_k <= 64
+    assert fit_tuning(PREFILL_TUNING, 4, 128, 2) == PREFILL_TUNING
+    assert fit_tuning(big, 4, 128, 2) == big                   # bf16 fits as it is
+    assert fit_tuning(PREFILL_TUNING, 4, 128, 4).block_q == 16  # float32 at the default shrinks
