@@ -65,8 +65,9 @@ def test_tiny_engine_runs_every_precision(tiny_folder, mode, precisions):
 
 @pytest.mark.slow
 def test_embedded_model_greedy_output_stays_close_to_bf16():
-    """SmolLM2-135M, tangram at ratio 0.5: K8V8 and K8V4 answer as bf16 does; K4V2 stays on
-    topic (the answer still names the city)."""
+    """SmolLM2-135M, tangram at ratio 0.5: K8V4 answers as bf16 does (K8V8 keeps more bits
+    than K8V4 in every place, so it is not built again here); K4V2 stays on topic (the answer
+    still names the city). Seen: K8V4 gave bf16's 12 tokens exactly on both prompts."""
     small = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=32,
                  page_size=16, max_num_batched_tokens=256)
     prompts = ["The capital of France is",
@@ -75,14 +76,11 @@ def test_embedded_model_greedy_output_stays_close_to_bf16():
                "yourself. Question: what should you look for to get startup ideas? Answer:"]
     params = SamplingParams(temperature=0, max_tokens=12)
     outs = {}
-    for precision in kv_quant.KV_PRECISIONS:
+    for precision in ("bf16", "k8v4", "k4v2"):
         llm = LLM(mode="tangram", ratio=0.5, kv_precision=precision, **small)
         outs[precision] = llm.generate(prompts, params, use_tqdm=False)
-        print(precision, [o.outputs[0].text for o in outs[precision]])
     base = _greedy_ids(outs["bf16"])
-    for precision in ("k8v8", "k8v4"):
-        got = _greedy_ids(outs[precision])
-        for g, b in zip(got, base):
-            same = next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), min(len(g), len(b)))
-            assert same >= 6, (precision, g, b)
+    for g, b in zip(_greedy_ids(outs["k8v4"]), base):
+        same = next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), min(len(g), len(b)))
+        assert same >= 6, (g, b)
     assert "Paris" in outs["k4v2"][0].outputs[0].text
