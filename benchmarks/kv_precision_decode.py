@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,9 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
                                                          ragged_paged_decode_attention_reference)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_attention import _median_time  # noqa: E402  (the timing of the decode benchmark)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
 BUDGETS = np.array([[0.2, 0.4, 0.6, 0.8]])
@@ -69,17 +71,6 @@ def random_pool(key, num_pages: int, bits: int | None):
                                dtype=jnp.dtype(DTYPE))
 
 
-def timed(fn, args, reps=7):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def run_config(key, batch, context, block_tokens_by_precision, correctness_rows):
     lengths, tables, num_pages = make_case(key, batch, context)
     groups = lengths.shape[1]
@@ -104,7 +95,7 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows)
                 return [ragged_paged_decode_attention(qs[i], k_pages, v_pages, tbl, lens,
                                                       work_list=work, block_tokens=block_tokens)
                         for i in range(CALLS)]
-            t = timed(block, (qs, k_pages, v_pages)) / CALLS
+            t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
             entry["by_block_tokens"][str(block_tokens)] = t
         best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
         entry["block_tokens"] = int(best)
