@@ -112,9 +112,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
               for p in range(k_planes)]
     v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
               for p in range(v_planes)]
-    qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
-           for cols in k_cols] for j in head_ids]                 # per head, planes [rows, d/n]
-    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs]
+    if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
+        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)]
+              for j in head_ids]
+    else:                   # per head, planes [rows, d/n]
+        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
+               for cols in k_cols] for j in head_ids]
+    # sum(q) per query row, what a key's zero point adds to its logit.
+    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
+        if key_bits is not None else None
     offsets = jnp.arange(block_tokens)
 
     def page_ids(block):                                                     # [tokens]
@@ -155,8 +161,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
             k_tile, k_scale, k_zero = ks[j]
             v_tile, v_scale, v_zero = vs[j]
-            logits = sum(_dot(qp, kp.astype(qp.dtype), trans_b=True)
-                         for qp, kp in zip(qs[j], k_tile))
+            logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
+            for qp, kp in zip(qs[j][1:], k_tile[1:]):
+                logits = logits + _dot(qp, kp, trans_b=True)
             if key_bits is not None:
                 logits = logits * k_scale[None, :] + q_sums[j][:, None] * k_zero[None, :]
             logits = jnp.where(token_valid[None, :], logits * scale, _MASK_VALUE)
@@ -192,10 +199,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                               lambda block, states: attend(block, page_ids(block), states), init)
     for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
-        inv = 1.0 / jnp.where(has_tokens, l, 1.0)
+        denominator = jnp.where(has_tokens, l, 1.0)[:, None]
         lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
-        for o, cols in zip(o_planes, v_cols):
-            plgpu.store(o_ref.at[j, row_ids, cols], (o + o_zero[:, None]) * inv[:, None],
+        if value_bits is None:
+            plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
+        for o, cols in zip(o_planes if value_bits is not None else (), v_cols):
+            plgpu.store(o_ref.at[j, row_ids, cols], (o + o_zero[:, None]) / denominator,
                         mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
