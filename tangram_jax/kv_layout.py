@@ -13,6 +13,12 @@ Page layout (one pool serves every layer and group because every page has the sa
 
     k_pages, v_pages: [num_pages, G, page_size, head_dim]
 
+The pool's page format is `EngineConfig.kv_precision` (`tangram_jax.kv_quant`): ``bf16`` pages
+of values as above, or quantised K8V8 / K8V4 / K4V2 pages (packed codes plus a float32 scale and
+zero per slot) of the same logical shape, equal bytes within a format. Precision tiers
+(`TieredLayout`, ``k8v4-k4v2``) split each group's retained tokens into a high and a low tier
+with static budgets, reserved per (layer, group, tier).
+
 A page holds `page_size` token slots of the G heads of ONE group of ONE layer. Block tables are
 ``[seq_slot, layer, group, max_pages]`` int32 and retained lengths ``[seq_slot, layer, group]``.
 Within a group, head ``j`` of the page is the layer's KV head ``head_perm[layer, group*G + j]``
