@@ -154,8 +154,9 @@ def test_decode_rejects_bad_inputs():
                                       work_list=work)
 
 
-@pytest.mark.parametrize("precision", ["k8v8", "k8v4", "k4v2"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("precision, dtype", [("k8v8", jnp.float32), ("k8v4", jnp.bfloat16),
+                                              ("k4v2", jnp.float32), ("k4v2", jnp.bfloat16)],
+                         ids=["k8v8-f32", "k8v4-bf16", "k4v2-f32", "k4v2-bf16"])
 def test_quantised_decode_matches_reference(precision, dtype):
     """Packed pages dequantised on the fly: the kernel against the jnp reference on the same
     quantised pool (every work list), and against attention over the unquantised pool within
