@@ -184,7 +184,7 @@ def test_profile_carries_tier_budgets_versioned_and_validated(tmp_path):
 
 
 @pytest.mark.slow
-def test_calibration_measures_tier_shares_on_the_embedded_model():
+def test_calibration_measures_tier_shares_on_the_embedded_model(tmp_path):
     from tangram_jax.compression.calibration import chat_tokenizer, run_calibration
     from tangram_jax.compression.pilot_data import build_pilot_samples
     from tangram_jax.models.registry import load_model
@@ -198,3 +198,15 @@ def test_calibration_measures_tier_shares_on_the_embedded_model():
     # Attention is concentrated: most heads need well under all their retained tokens to hold
     # 90% of the retained importance, and heads differ.
     assert np.median(shares) < 0.9 and shares.std() > 0.01
+    # The CLI makes a tiered profile from the saved run without running the model again.
+    import json
+    from tangram_jax.cli import main
+    from tangram_jax.compression.profile import BudgetProfile
+    run.save(tmp_path / "run.npz")
+    out = tmp_path / "tiered.json"
+    assert main(["calibrate", "--ratio", "0.25", "--from-run", str(tmp_path / "run.npz"),
+                 "--tiers", "k8v4-k4v2", "--group-size", "3", "--out", str(out)]) == 0
+    profile = BudgetProfile.load(out)
+    assert json.loads(out.read_text())["format_version"] == 2
+    np.testing.assert_allclose(profile.tiers.mean, shares.mean(0))
+    assert profile.to_tiered_layout(16, 128).num_groups == 2
