@@ -84,51 +84,64 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows)
     lens = jnp.asarray(lengths)
     tbl = jnp.asarray(tables)
     for precision, block_list in block_tokens_by_precision.items():
-        fmt = kv_quant.page_format(precision)
-        kk, vk = jax.random.split(jax.random.fold_in(key, hash(precision) % 1000))
-        k_pages = random_pool(kk, num_pages, fmt.key_bits)
-        v_pages = random_pool(vk, num_pages, fmt.value_bits)
-        entry = {"bytes_read": slots * slot_bytes(precision), "by_block_tokens": {}}
-        for block_tokens in block_list:
-            @jax.jit
-            def block(qs, k_pages, v_pages, block_tokens=block_tokens):
-                return [ragged_paged_decode_attention(qs[i], k_pages, v_pages, tbl, lens,
-                                                      work_list=work, block_tokens=block_tokens)
-                        for i in range(CALLS)]
-            t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
-            entry["by_block_tokens"][str(block_tokens)] = t
-        best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
-        entry["block_tokens"] = int(best)
-        entry["time_s"] = entry["by_block_tokens"][best]
-        entry["bandwidth_gb_s"] = entry["bytes_read"] / entry["time_s"] / 1e9
-        if correctness_rows:
-            r = correctness_rows
-            q = qs[0, :r]
-            got = ragged_paged_decode_attention(q, k_pages, v_pages, tbl[:r], lens[:r],
-                                                work_list=work, block_tokens=int(best))
-            ref = ragged_paged_decode_attention_reference(q, k_pages, v_pages, tbl[:r], lens[:r])
-            got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-            entry["check_rows"] = r
-            entry["rel_err_vs_reference"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            entry["finite"] = bool(np.isfinite(got).all())
-        out["formats"][precision] = entry
-        del k_pages, v_pages
-        print(f"batch {batch} ctx {context} {precision}: {entry['time_s'] * 1e6:.1f} us "
-              f"{entry['bandwidth_gb_s']:.0f} GB/s blocks {entry['by_block_tokens']} "
-              f"err {entry.get('rel_err_vs_reference')}", flush=True)
-    base = out["formats"]["bf16"]
+        try:
+            out["formats"][precision] = _measure(key, precision, block_list, num_pages, slots,
+                                                 qs, tbl, lens, work, correctness_rows)
+        except Exception as e:   # a format that fails to compile or run is reported, not fatal
+            out["formats"][precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"batch {batch} ctx {context} {precision}: FAILED {e!r}"[:2000], flush=True)
+    base = out["formats"].get("bf16", {})
     for precision, entry in out["formats"].items():
+        if "time_s" not in entry or "time_s" not in base:
+            continue
         ideal = base["bytes_read"] / entry["bytes_read"]
         speedup = base["time_s"] / entry["time_s"]
         entry.update(ideal_speedup=ideal, speedup=speedup, fraction_of_ideal=speedup / ideal)
     return out
 
 
+def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
+             correctness_rows):
+    """One format's entry: time per launch for each block size, the best, bandwidth, check."""
+    fmt = kv_quant.page_format(precision)
+    kk, vk = jax.random.split(jax.random.fold_in(key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
+    k_pages = random_pool(kk, num_pages, fmt.key_bits)
+    v_pages = random_pool(vk, num_pages, fmt.value_bits)
+    entry = {"bytes_read": slots * slot_bytes(precision), "by_block_tokens": {}}
+    for block_tokens in block_list:
+        @jax.jit
+        def block(qs, k_pages, v_pages, block_tokens=block_tokens):
+            return [ragged_paged_decode_attention(qs[i], k_pages, v_pages, tbl, lens,
+                                                  work_list=work, block_tokens=block_tokens)
+                    for i in range(CALLS)]
+        t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+        entry["by_block_tokens"][str(block_tokens)] = t
+    best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
+    entry["block_tokens"] = int(best)
+    entry["time_s"] = entry["by_block_tokens"][best]
+    entry["bandwidth_gb_s"] = entry["bytes_read"] / entry["time_s"] / 1e9
+    if correctness_rows:
+        r = correctness_rows
+        q = qs[0, :r]
+        got = ragged_paged_decode_attention(q, k_pages, v_pages, tbl[:r], lens[:r],
+                                            work_list=work, block_tokens=int(best))
+        ref = ragged_paged_decode_attention_reference(q, k_pages, v_pages, tbl[:r], lens[:r])
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        entry["check_rows"] = r
+        entry["rel_err_vs_reference"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        entry["finite"] = bool(np.isfinite(got).all())
+    del k_pages, v_pages
+    print(f"batch {qs.shape[1]} rows {precision}: {entry['time_s'] * 1e6:.1f} us "
+          f"{entry['bandwidth_gb_s']:.0f} GB/s blocks {entry['by_block_tokens']} "
+          f"err {entry.get('rel_err_vs_reference')}", flush=True)
+    return entry
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
-    p.add_argument("--sweep", default="32,64,128", help="block_tokens tried at the first config")
+    p.add_argument("--sweep", default="32,64", help="block_tokens tried at the first config")
     args = p.parse_args(argv)
     if jax.default_backend() == "cpu":
         sys.exit("GPU only")
@@ -144,8 +157,17 @@ def main(argv=None):
         res = run_config(jax.random.fold_in(key, i), batch, context, blocks,
                          correctness_rows=4 if context <= 32768 else 0)
         if chosen is None:
-            chosen = {p: e["block_tokens"] for p, e in res["formats"].items()}
+            chosen = {p: e.get("block_tokens", sweep[0]) for p, e in res["formats"].items()}
         results.append(res)
+        _write(args.out, results, precisions)
+    for res in results:
+        print(res["batch"], res["context"],
+              {p: round(e["fraction_of_ideal"], 3) for p, e in res["formats"].items()
+               if "fraction_of_ideal" in e})
+
+
+def _write(path, results, precisions):
+    """The JSON so far (rewritten after every configuration: a run cut short keeps its part)."""
     doc = {"benchmark": "kv_precision_decode", "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "git_revision": os.environ.get("GIT_REV", "unknown"),
            "command": " ".join(sys.argv), "shape": dict(q_heads=NUM_Q_HEADS,
@@ -155,11 +177,8 @@ def main(argv=None):
                                                        budgets=BUDGETS[0].tolist()),
            "slot_bytes": {p: slot_bytes(p) for p in precisions},
            "calls_per_block": CALLS, "results": results}
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    for res in results:
-        print(res["batch"], res["context"],
-              {p: round(e["fraction_of_ideal"], 3) for p, e in res["formats"].items()})
 
 
 if __name__ == "__main__":
