@@ -108,23 +108,27 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
     k_pages = random_pool(kk, num_pages, fmt.key_bits)
     v_pages = random_pool(vk, num_pages, fmt.value_bits)
     entry = {"bytes_read": slots * slot_bytes(precision), "by_block_tokens": {}}
-    for block_tokens in block_list:
+    for tuning in block_list:            # "block_tokens" or "block_tokens/num_warps"
+        block_tokens, _, warps = str(tuning).partition("/")
         @jax.jit
-        def block(qs, k_pages, v_pages, block_tokens=block_tokens):
+        def block(qs, k_pages, v_pages, block_tokens=int(block_tokens), warps=int(warps or 2)):
             return [ragged_paged_decode_attention(qs[i], k_pages, v_pages, tbl, lens,
-                                                  work_list=work, block_tokens=block_tokens)
+                                                  work_list=work, block_tokens=block_tokens,
+                                                  num_warps=warps)
                     for i in range(CALLS)]
         t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
-        entry["by_block_tokens"][str(block_tokens)] = t
+        entry["by_block_tokens"][str(tuning)] = t
     best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
-    entry["block_tokens"] = int(best)
+    entry["block_tokens"] = best
     entry["time_s"] = entry["by_block_tokens"][best]
     entry["bandwidth_gb_s"] = entry["bytes_read"] / entry["time_s"] / 1e9
     if correctness_rows:
         r = correctness_rows
         q = qs[0, :r]
+        block_tokens, _, warps = best.partition("/")
         got = ragged_paged_decode_attention(q, k_pages, v_pages, tbl[:r], lens[:r],
-                                            work_list=work, block_tokens=int(best))
+                                            work_list=work, block_tokens=int(block_tokens),
+                                            num_warps=int(warps or 2))
         ref = ragged_paged_decode_attention_reference(q, k_pages, v_pages, tbl[:r], lens[:r])
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         entry["check_rows"] = r
@@ -141,18 +145,24 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
-    p.add_argument("--sweep", default="32,64", help="block_tokens tried at the first config")
+    p.add_argument("--sweep", default="32,64", help="block_tokens (or block_tokens/num_warps) "
+                   "tried at the first config; the best is used for the others")
+    p.add_argument("--precisions", default=",".join(kv_quant.KV_PRECISIONS))
+    p.add_argument("--baseline-sweep", default=None,
+                   help="tunings tried for bf16 (default: --sweep)")
     args = p.parse_args(argv)
     if jax.default_backend() == "cpu":
         sys.exit("GPU only")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    sweep = [int(x) for x in args.sweep.split(",")]
-    precisions = kv_quant.KV_PRECISIONS
+    sweep = args.sweep.split(",")
+    precisions = tuple(args.precisions.split(","))
+    base_sweep = args.baseline_sweep.split(",") if args.baseline_sweep else sweep
     results = []
     key = jax.random.key(int.from_bytes(os.urandom(4), "little"))   # fresh data every run
     chosen = None
     for i, (batch, context) in enumerate(configs):
-        blocks = {p: sweep for p in precisions} if chosen is None else \
+        blocks = {p: (base_sweep if p == "bf16" else sweep) for p in precisions} \
+            if chosen is None else \
             {p: [chosen[p]] for p in precisions}
         res = run_config(jax.random.fold_in(key, i), batch, context, blocks,
                          correctness_rows=4 if context <= 32768 else 0)
