@@ -11,13 +11,14 @@
 
 Multi-turn: `chat` finds the idle session whose token history is a prefix of the conversation's
 tokens and continues it, so a conversation's compressed history stays in the pool between turns.
-A conversation whose history differs (edited, or re-tokenised differently) starts a new session;
-idle sessions are evicted least-recently-used when the pool runs short.
+A conversation whose history differs (edited, or re-tokenised differently) starts a new session.
+Sessions live in the engine's one session table (`Engine.sessions`): when the pool runs short it
+evicts the idle sessions least likely to be continued soon per token of recompute, and forgets
+the evicted ones `chat` opened (the next turn resends the conversation anyway).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,8 +42,6 @@ class LLM:
         else:
             config = EngineConfig(model=model, profile=profile, mode=mode, **kwargs)
         self.engine = Engine(config)
-        self._ids = itertools.count()
-        self._chat_sessions: set[str] = set()   # sessions `chat` opened and has not ended
 
     @property
     def tokenizer(self):
@@ -98,37 +97,16 @@ class LLM:
                     check_messages(conv), add_generation_prompt=True)
                 session_id, new_ids = self.engine.find_session(ids)
                 if session_id is None or session_id in claimed:
-                    session_id, new_ids = self._new_session_id(claimed), ids
+                    session_id, new_ids = self.engine.new_session_id(exclude=claimed), ids
                 claimed.add(session_id)
                 return self.engine.check_request(prompt_token_ids=new_ids, sampling_params=p,
                                                  session_id=session_id)
             requests.append(_checked(i, "conversations", check))
-        self._chat_sessions.update(r.session_id for r in requests)
-        outputs = self._run(requests, use_tqdm)
-        self._forget_evicted_sessions()
-        return outputs
+        return self._run(requests, use_tqdm)
 
     def end_session(self, session_id: str) -> None:
         """Free a conversation's pages now (otherwise they stay until evicted)."""
         self.engine.end_session(session_id)
-        self._chat_sessions.discard(session_id)
-
-    def _forget_evicted_sessions(self) -> None:
-        """End the sessions `chat` opened whose cache was evicted: continuing one re-prefills
-        the whole history, as a new session would, so keeping its history only costs memory
-        (a long-running chat loop would otherwise hold every conversation ever seen)."""
-        for sid in list(self._chat_sessions):
-            if not self.engine.has_session(sid):
-                self._chat_sessions.discard(sid)
-            elif not self.engine.session_is_cached(sid) and not self.engine.session_is_busy(sid):
-                self.engine.end_session(sid)
-                self._chat_sessions.discard(sid)
-
-    def _new_session_id(self, claimed: set[str]) -> str:
-        while True:
-            sid = f"session-{next(self._ids)}"
-            if sid not in claimed and not self.engine.has_session(sid):
-                return sid
 
     @staticmethod
     def _params_for(n, sampling_params):
