@@ -84,11 +84,12 @@ def test_follow_up_is_scheduled_in_the_first_step_while_a_long_first_turn_prefil
     assert pieces["chat-2"].num_tokens == 7 and pieces["chat-2"].is_last   # + last sampled
     assert pieces["long-1"].num_tokens == 32
     assert "long-2" not in pieces
-    # Without the cap (the whole budget for the long turn, all long turns at once) the same
-    # follow-up waits until the first long turn is done and the second has started (only the
-    # leftover of a chunk-aligned piece lets it in then).
-    uncapped, _ = follow_up_wait(long_prefill_token_threshold=None, max_long_partial_prefills=4)
-    assert uncapped >= 4
+    assert out.num_scheduled_tokens <= 64
+    # Without a cap the long turn takes the rest of the step, after the follow-up.
+    steps, out = follow_up_wait(long_prefill_token_threshold=None, max_long_partial_prefills=1)
+    pieces = {c.seq.request_id: c for c in out.prefill_chunks}
+    assert steps == 1 and pieces["chat-2"].num_tokens == 7
+    assert pieces["long-1"].num_tokens == (64 - 7) // CHUNK * CHUNK and "long-2" not in pieces
 
 
 def test_long_turns_wait_for_the_long_slot_and_then_run_in_arrival_order():
@@ -113,11 +114,12 @@ def test_long_turns_wait_for_the_long_slot_and_then_run_in_arrival_order():
 def test_token_budget_cap_and_follow_up_guarantee_hold_under_random_load(data):
     parts = data.draw(st.integers(1, 2), label="max_long_partial_prefills")
     budget = data.draw(st.integers(8 + 2 + CHUNK * parts, 96), label="budget")
-    top = (budget - 8 - 2) // parts   # leaves room for a follow-up of one token
-    threshold = data.draw(st.integers(CHUNK, top), label="threshold")
+    threshold = data.draw(st.integers(CHUNK, budget), label="threshold")
     m, s = make(num_pages=2000, max_seqs=8, max_pages=200, max_num_batched_tokens=budget,
                 long_prefill_token_threshold=threshold, max_long_partial_prefills=parts)
-    guaranteed = budget - 8 - parts * threshold   # what a step always leaves for arrivals
+    # What a step always leaves for short turns: the budget less a full decode batch and a
+    # chunk per long turn prefilling.
+    guaranteed = budget - 8 - parts * CHUNK
     sessions_idle: list[str] = []
     counter = 0
     arrived: dict[str, int] = {}      # follow-up request -> step it arrived before

@@ -46,17 +46,18 @@ LAYER_LOOPS = ("scan", "unrolled")
 DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
-# Long prefills (the scheduler's cap, vLLM's `max_long_partial_prefills` default): one long turn
-# prefills at a time, and by default it takes at most half of a step's token budget (whole
-# compression chunks, at least one). Why half: at the default budgets (8192 on a GPU, 512 on a
-# CPU) half a step is still a device-saturating prefill (the step's time follows its tokens, so
-# the long turn's own speed barely changes), and the other half stays free every step for
-# decodes and for the short turns that arrive meanwhile (a session's follow-up starts in the
-# next step instead of queuing behind 100k-token first turns). One at a time keeps first turns
-# in arrival order (the lowest mean time to first token for equal turns) and reserves pages for
-# one long turn, not for several that would wait for the budget.
+# Long prefills (the scheduler's `long_prefill_token_threshold` / `max_long_partial_prefills`).
+# Default: one long turn prefills at a time (vLLM's default too), and the threshold is the
+# budget shared by the long turns allowed at once (max_num_batched_tokens / that number, in whole
+# compression chunks). Why: a follow-up is protected by the scheduler's order (short turns take
+# their pieces before long ones, one chunk per long turn kept back), not by the cap, so a lone
+# long turn may use the rest of every step; capping it lower only stretches its prefill over
+# more steps (tiny engine, three 200-token first turns with a 64-token budget: first tokens at
+# steps 6 / 13 / 20 with a half-budget cap against 3 / 6 / 10 without, while follow-ups
+# started in the first step either way). One at a time keeps first turns in arrival order (the
+# lowest mean time to first token for equal turns) and reserves pages for one long turn, not
+# for several that would wait for the budget; with more at once they share each step evenly.
 DEFAULT_MAX_LONG_PARTIAL_PREFILLS = 1
-LONG_PREFILL_SHARE = 0.5
 
 
 def _backend_kind() -> str:
@@ -204,7 +205,7 @@ class EngineConfig:
         "a turn with more tokens than this left to prefill is long: it takes at most this many "
         "tokens of a step, so the rest of the step serves decodes and shorter turns (vLLM's "
         "long_prefill_token_threshold); between chunk_size and max_num_batched_tokens; default "
-        "half of max_num_batched_tokens in whole chunks")
+        "max_num_batched_tokens / max_long_partial_prefills in whole chunks")
     max_long_partial_prefills: int = _field(
         DEFAULT_MAX_LONG_PARTIAL_PREFILLS, _int_at_least(1),
         "long turns (see --long-prefill-token-threshold) prefilling at once; shorter turns go "
@@ -302,7 +303,7 @@ class EngineConfig:
             DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind()], minimum)
         long_threshold = self.long_prefill_token_threshold
         if long_threshold is None:
-            long_threshold = max(chunk, int(batched * LONG_PREFILL_SHARE) // chunk * chunk)
+            long_threshold = max(chunk, batched // self.max_long_partial_prefills // chunk * chunk)
         elif long_threshold > batched:
             raise EngineConfigError(f"long_prefill_token_threshold {long_threshold} exceeds "
                                     f"max_num_batched_tokens {batched}")

@@ -17,19 +17,22 @@ One engine step is::
    whole history re-prefilled later; if that history could never be reserved again, by the pool
    or the block-table width, it ends as CAPPED instead). A sequence that could not grow even
    with the whole pool (or the full block-table width) to itself ends as CAPPED.
-2. Prefill pieces of admitted sequences, oldest admission first: short ones (at most
-   `long_prefill_token_threshold` tokens left) whole, then long ones, each capped at the
-   threshold. So a step always leaves ``budget - decodes - max_long_partial_prefills *
-   threshold`` tokens for turns that arrive while long first turns prefill (vLLM's
-   `long_prefill_token_threshold` / `max_long_partial_prefills`).
+2. Prefill of short turns (at most `long_prefill_token_threshold` tokens left when admitted):
+   first the admitted ones, oldest admission first, then admission (3). One chunk per long turn
+   in prefill is kept back from them, so short turns cannot starve long ones.
 3. Admission, FCFS by reservation: a waiting turn is admitted only if its whole post-compression
-   reservation fits (evicting idle sessions if that makes it fit), and gets its first piece in
-   the same step. A long turn is admitted only while fewer than `max_long_partial_prefills`
-   long turns prefill; until then the turns behind it go first (a follow-up of a resident
-   session is never queued behind 100k-token first turns). A turn that does not fit the pool
-   is passed over so smaller ones behind it can run, but each time it is overtaken its skip
-   count grows; at `fairness_skips` it gets priority and nobody else is admitted until it fits.
-   Requests larger than the whole pool are rejected by `add_request`.
+   reservation fits (evicting idle sessions if that makes it fit). A short turn gets its first
+   piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
+   long turns prefill; until then the turns behind it go first. A turn that does not fit the
+   pool is passed over so smaller ones behind it can run, but each time it is overtaken its
+   skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
+   fits. Requests larger than the whole pool are rejected by `add_request`.
+4. Prefill of long turns, oldest admission first, each piece at most the threshold (vLLM's
+   `long_prefill_token_threshold` / `max_long_partial_prefills`), from what is left.
+
+So a follow-up of a resident session is never queued behind 100k-token first turns: it starts
+in the first step after it arrives whenever it fits ``budget - decodes - chunk_size * (long
+turns prefilling)`` and the pool, and long first turns still use the rest of every step.
 
 The scheduler talks to the KV-cache manager only through `SCHEDULER_INTERFACE` (slots,
 reservations and growth as answers and page counts), never through its arrays; sessions live in
@@ -300,20 +303,24 @@ class Scheduler:
 
         self._refresh_batches()   # a preemption may have taken a prefilling sequence
         chunks: list[PrefillChunk] = []
-        # Short prefills whole, then long ones capped: what a long first turn leaves of the
-        # step goes to admissions (a follow-up that arrived meanwhile is served now). A turn
-        # admitted as long counts as long until its prefill ends, so long turns never take
-        # more than `max_long_partial_prefills` pieces of at most the threshold each.
+        # Short turns first (running, then admitted), long ones take what is left: a follow-up
+        # that arrived while long first turns prefill is served in this step. A chunk per
+        # running long turn is kept back, so a stream of short turns cannot starve them. A
+        # turn admitted as long counts as long until its prefill ends, so long turns never
+        # take more than `max_long_partial_prefills` pieces of at most the threshold each.
         longs = [s for s in self._prefilling if s.long_prefill]
+        kept = min(budget, len(longs) * self.layout.chunk_size)
+        budget -= kept
         for seq in self._prefilling:
             if budget > 0 and not seq.long_prefill:
                 budget = self._add_piece(seq, budget, chunks)
+        # A step that had to preempt is short of pages: admitting now would only thrash.
+        if not preempted:
+            budget = self._admit(budget, chunks, longs)
+        budget += kept
         for seq in longs:
             if budget > 0:
                 budget = self._add_piece(seq, budget, chunks)
-        # A step that had to preempt is short of pages: admitting now would only thrash.
-        if not preempted:
-            self._admit(budget, chunks, len(longs))
 
         n = len(decode)
         bucket = next(b for b in self.decode_buckets if b >= n) if n else 0
@@ -449,14 +456,16 @@ class Scheduler:
         return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens,
                             seq.segment_at(start))
 
-    def _admit(self, budget: int, chunks: list[PrefillChunk], num_long: int) -> None:
-        """Admit waiting turns (FCFS by reservation) while the budget lasts; `num_long`: long
-        turns prefilling already."""
+    def _admit(self, budget: int, chunks: list[PrefillChunk], longs: list[Sequence]) -> int:
+        """Admit waiting turns (FCFS by reservation) while the budget lasts: a short turn gets
+        its piece now, a long one is appended to `longs` (the long turns prefilling, which get
+        their pieces after every short turn). Returns the budget left."""
         # With every slot held by a running sequence (and no idle session to evict) nobody can
         # be admitted: return before walking a possibly long queue.
         slots_exhausted = self.manager.num_free_slots == 0 and not self.sessions.num_evictable
         if not self.waiting or slots_exhausted or budget <= 0:
-            return
+            return budget
+        num_long = len(longs)
         priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
         candidates = [priority] if priority is not None else list(self.waiting)
         passed_over: list[Sequence] = []
@@ -475,6 +484,8 @@ class Scheduler:
             take = self._piece_size(seq, budget)
             if take == 0:   # less than a chunk left: only a turn that fits whole can start
                 continue
+            if long and budget < self.layout.chunk_size:
+                continue
             if not self._reserve(seq):
                 passed_over.append(seq)
                 continue
@@ -489,13 +500,17 @@ class Scheduler:
             seq.admission_order = self._admissions
             self._admissions += 1
             self.metrics.num_admitted += 1
-            chunks.append(self._chunk(seq, take))
-            budget -= take
-            num_long += long
+            if long:
+                longs.append(seq)   # its piece comes after the short turns'
+                num_long += 1
+            else:
+                chunks.append(self._chunk(seq, take))
+                budget -= take
             if budget <= 0:
                 break
             slots_exhausted = (self.manager.num_free_slots == 0
                                and not self.sessions.num_evictable)
+        return budget
 
     def _reserve(self, seq: Sequence) -> bool:
         """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
