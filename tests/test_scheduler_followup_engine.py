@@ -71,7 +71,8 @@ def serve(engine: Engine) -> tuple[dict[str, int], dict[str, int], dict[str, lis
 
 
 def test_follow_ups_do_not_wait_for_long_first_turns(tiny_folder, mode="tangram"):
-    roomy = dict(num_pages=800, max_model_len=512)
+    # Slots for every session and long turn (no eviction: the follow-ups find their caches).
+    roomy = dict(num_pages=800, max_model_len=512, max_num_seqs=8, decode_buckets=(8,))
     default = Engine(tiny_engine_config(tiny_folder, mode, **roomy))
     assert default.scheduler.long_prefill_token_threshold == SMALL["max_num_batched_tokens"]
     assert default.scheduler.max_long_partial_prefills == 1
