@@ -209,10 +209,10 @@ class EngineConfig:
         f"on a CPU, or that minimum if larger")
     long_prefill_token_threshold: int | None = _field(
         None, _int_at_least(1, optional=True),
-        "a turn with more tokens than this left to prefill is long: it takes at most this many "
-        "tokens of a step, so the rest of the step serves decodes and shorter turns (vLLM's "
-        "long_prefill_token_threshold); between chunk_size and max_num_batched_tokens; default "
-        "max_num_batched_tokens / max_long_partial_prefills in whole chunks")
+        "a turn with more tokens than this to prefill when admitted is long: shorter turns take "
+        "their pieces of a step first, and a long turn at most this many tokens of a step "
+        "(vLLM's long_prefill_token_threshold); between chunk_size and max_num_batched_tokens; "
+        "default max_num_batched_tokens / max_long_partial_prefills in whole chunks")
     max_long_partial_prefills: int = _field(
         DEFAULT_MAX_LONG_PARTIAL_PREFILLS, _int_at_least(1),
         "long turns (see --long-prefill-token-threshold) prefilling at once; shorter turns go "
@@ -307,6 +307,13 @@ class EngineConfig:
         chunk = self.resolved_chunk_size()
         minimum = self.max_num_seqs + chunk
         batched = self.max_num_batched_tokens or max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind(self.gpu_memory_utilization)], minimum)
+        long_threshold = self.long_prefill_token_threshold
+        if long_threshold is None:
+            long_threshold = max(chunk, batched // self.max_long_partial_prefills // chunk * chunk)
+        elif long_threshold > batched:
+            raise EngineConfigError(f"long_prefill_token_threshold {long_threshold} exceeds "
+                                    f"max_num_batched_tokens {batched}")
         # Buckets below max_num_seqs, then the first that holds max_num_seqs rows.
         buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
         buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),
