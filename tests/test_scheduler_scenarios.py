@@ -100,7 +100,7 @@ def test_multi_turn_keeps_pages_and_reserves_only_the_increment():
         s.add_request("t3", [1], session_id="chat")
 
 
-def test_lru_eviction_of_idle_sessions_and_transparent_reprefill():
+def test_eviction_of_idle_sessions_and_transparent_reprefill():
     m, s = make(num_pages=40)
     for name in ("old", "new"):
         s.add_request(name, list(range(24)), session_id=name)
@@ -108,7 +108,8 @@ def test_lru_eviction_of_idle_sessions_and_transparent_reprefill():
     old, new = s.sessions.get("old"), s.sessions.get("new")
     assert old.is_cached and new.is_cached
     held_old, held_new = m.pages_held(old.slot), m.pages_held(new.slot)
-    # Needs more than is free, less than free + the LRU session: only "old" is evicted.
+    # Needs more than is free, less than free + one session: only "old" is evicted (equal
+    # histories and pages; it has been idle longer).
     s.add_request("big", list(range(40)))
     assert m.num_free_pages < m.pages_to_reserve(None, 40) <= m.num_free_pages + held_old
     run_step(s)

@@ -84,6 +84,8 @@ def run(args) -> int:
         try:
             ids = engine.tokenizer.apply_chat_template(messages)
             found, new_ids = engine.find_session(ids)
+            if found is None and not engine.has_session(session):
+                session = engine.new_session_id()   # forgotten after an eviction: start anew
             request = engine.add_request(prompt_token_ids=new_ids, sampling_params=params,
                                          session_id=found or session,
                                          output_kind=RequestOutputKind.DELTA)
