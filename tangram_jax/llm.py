@@ -11,15 +11,17 @@
 
 Multi-turn: `chat` finds the idle session whose token history is a prefix of the conversation's
 tokens and continues it, so a conversation's compressed history stays in the pool between turns.
-A conversation whose history differs (edited, or re-tokenised differently) starts a new session;
-idle sessions are evicted least-recently-used when the pool runs short.
+A conversation whose history differs (edited, or re-tokenised differently) starts a new session.
+Sessions live in the engine's one session table (`Engine.sessions`): when the pool runs short it
+evicts the idle sessions least likely to be continued soon per token of recompute, and forgets
+the evicted ones `chat` opened (the next turn resends the conversation anyway).
 
 Data parallelism (`data_parallel_size=N`): N engine replicas, one per device, each with the
-weights and its own KV pool. A batch's prompts go to the replica with the fewest tokens assigned
-so far (prompt plus max_tokens); a conversation stays on the replica that holds its session. Each
-replica steps in its own thread (JAX releases the GIL while a step runs), and outputs come back
-in the caller's order. Request ids are the LLM's own (`request-K`), so a seeded or derived
-sample does not depend on which replica served it.
+weights, its own KV pool and its own session table. A batch's prompts go to the replica with the
+fewest tokens assigned so far (prompt plus max_tokens); a conversation stays on the replica that
+holds its session. Each replica steps in its own thread (JAX releases the GIL while a step runs),
+and outputs come back in the caller's order. Request ids are the LLM's own (`request-K`), so a
+seeded or derived sample does not depend on which replica served it.
 """
 
 from __future__ import annotations
@@ -51,9 +53,7 @@ class LLM:
             config = EngineConfig(model=model, profile=profile, mode=mode, **kwargs)
         self.engines = _replicas(config)
         self.engine = self.engines[0]   # the first replica (the only one by default)
-        self._ids = itertools.count()
         self._request_ids = itertools.count()   # ids of data-parallel requests (`request-K`)
-        self._chat_sessions: dict[str, int] = {}   # sessions `chat` opened -> their replica
 
     @property
     def tokenizer(self):
@@ -117,7 +117,7 @@ class LLM:
                     (None, None, ids))
                 if session_id is None:   # a new session, on the least-loaded replica
                     replica = min(range(len(load)), key=load.__getitem__)
-                    session_id = self._new_session_id(claimed)
+                    session_id = self._new_session_id(replica, claimed)
                 claimed.add(session_id)
                 checked = self.engines[replica].check_request(
                     request_id=self._request_id(), prompt_token_ids=new_ids,
@@ -125,36 +125,22 @@ class LLM:
                 load[replica] += len(new_ids) + checked.params.max_tokens
                 return replica, checked
             requests.append(_checked(i, "conversations", check))
-        self._chat_sessions.update((r.session_id, replica) for replica, r in requests)
-        outputs = self._run(requests, use_tqdm)
-        self._forget_evicted_sessions()
-        return outputs
+        return self._run(requests, use_tqdm)
 
     def end_session(self, session_id: str) -> None:
         """Free a conversation's pages now (otherwise they stay until evicted)."""
-        replica = self._chat_sessions.pop(session_id, None)
-        engines = self.engines if replica is None else [self.engines[replica]]
-        for engine in engines:
-            if engine.has_session(session_id):
-                engine.end_session(session_id)
+        holders = [e for e in self.engines if e.has_session(session_id)]
+        for engine in holders or self.engines[:1]:   # none: the engine's own error
+            engine.end_session(session_id)
 
-    def _forget_evicted_sessions(self) -> None:
-        """End the sessions `chat` opened whose cache was evicted: continuing one re-prefills
-        the whole history, as a new session would, so keeping its history only costs memory
-        (a long-running chat loop would otherwise hold every conversation ever seen)."""
-        for sid, replica in list(self._chat_sessions.items()):
-            engine = self.engines[replica]
-            if not engine.has_session(sid):
-                del self._chat_sessions[sid]
-            elif not engine.session_is_cached(sid) and not engine.session_is_busy(sid):
-                engine.end_session(sid)
-                del self._chat_sessions[sid]
-
-    def _new_session_id(self, claimed: set[str]) -> str:
+    def _new_session_id(self, replica: int, claimed: set[str]) -> str:
+        """A fresh session id from `replica`'s table that no other replica holds either."""
+        exclude = set(claimed)
         while True:
-            sid = f"session-{next(self._ids)}"
-            if sid not in claimed and not any(e.has_session(sid) for e in self.engines):
+            sid = self.engines[replica].new_session_id(exclude=exclude)
+            if not any(e.has_session(sid) for e in self.engines):
                 return sid
+            exclude.add(sid)
 
     def _request_id(self) -> str | None:
         """The id of the next request: the engine's own with one replica (as before), the

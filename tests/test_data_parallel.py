@@ -46,12 +46,14 @@ chat = LLM(mode="full", data_parallel_size=2, max_num_seqs=4, kv_cache_tokens=40
 convs = [[{"role": "user", "content": "Name a colour."}],
          [{"role": "user", "content": "What is two plus two?"}]]
 first = chat.chat(convs, greedy, use_tqdm=False)
-homes = dict(chat._chat_sessions)
+homes = {o.session_id: next(r for r, e in enumerate(chat.engines) if e.has_session(o.session_id))
+         for o in first}
 convs = [c + [{"role": "assistant", "content": o.outputs[0].text},
               {"role": "user", "content": "And then?"}] for c, o in zip(convs, first)]
 second = chat.chat(convs, greedy, use_tqdm=False)
 report["chat"] = dict(
     homes=sorted(homes.values()), continued=[o.num_cached_tokens for o in second],
+    same_sessions=[o.session_id for o in second] == [o.session_id for o in first],
     held_by_home=[chat.engines[r].has_session(s) and not chat.engines[1 - r].has_session(s)
                   for s, r in homes.items()])
 try:
@@ -87,6 +89,7 @@ def test_a_conversation_stays_on_its_replica(report):
     r = report["chat"]
     assert r["homes"] == [0, 1], r              # new sessions spread over the replicas
     assert all(r["held_by_home"]), r            # each session is held by its replica alone
+    assert r["same_sessions"], r                # the second turn continued the same sessions
     assert all(n > 0 for n in r["continued"]), r   # the second turn reused the cached history
 
 

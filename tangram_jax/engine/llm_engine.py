@@ -124,7 +124,7 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
     """
     layout = runner.layout
     dynamic = runner.runner_config.mode == "dynamic"
-    hist = {p.seq.request_id: manager.lengths[p.seq.slot].astype(np.int64) for p in pieces}
+    hist = {p.seq.request_id: manager.retained_lengths(p.seq.slot) for p in pieces}
     finished = []
     calls = []   # (offset into each piece, its pieces), in dependency order
     if runner.prefill_whole_rows:
@@ -240,10 +240,13 @@ class Engine:
         assert self.manager.block_tables.shape == table_shape, (self.manager.block_tables.shape,
                                                                 table_shape)
         self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
-                                   max_num_batched_tokens=rc.max_num_batched_tokens)
+                                   max_num_batched_tokens=rc.max_num_batched_tokens,
+                                   long_prefill_token_threshold=rc.long_prefill_token_threshold,
+                                   max_long_partial_prefills=rc.max_long_partial_prefills)
+        # The one session table (id -> sequence, eviction ranking, prefix lookup).
+        self.sessions = self.scheduler.sessions
         log.info("%s", self._pool_line())
         self._requests: dict[str, _Request] = {}
-        self._sessions: dict[str, Sequence] = {}
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
@@ -360,11 +363,8 @@ class Engine:
                       inputs.check_token_ids("forced_token_ids", forced_token_ids, vocab))
         except (TypeError, ValueError) as e:
             raise type(e)(where + str(e)) from None
-        history = 0
-        if session_id is not None:
-            seq = self._sessions.get(session_id)
-            if seq is not None and not seq.status.is_done:
-                history = seq.num_tokens
+        seq = self.sessions.get(session_id)
+        history = seq.num_tokens if seq is not None else 0
         total = history + len(ids)
         if total >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens (session history included) leaves "
@@ -372,8 +372,7 @@ class Engine:
         if forced is not None and total + len(forced) - 1 >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
                              f"exceeds max_model_len {self.max_model_len}")
-        self.scheduler.check_request(request_id or self._fresh_id(), len(ids),
-                                     self._live_session(session_id))
+        self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id)
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
     def enqueue(self, prepared: "PreparedRequest",
@@ -391,18 +390,12 @@ class Engine:
         if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
             stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
                                               ignore_eos=True, stop=None, stop_token_ids=())
-        history = 0   # tokens of the session this request continues (already cached)
-        if session_id is not None:
-            seq = self._sessions.get(session_id)
-            if seq is not None and seq.status.is_done:
-                del self._sessions[session_id]
-            elif seq is not None:
-                history = seq.num_tokens
+        # Tokens of the session this request continues (cached unless it was evicted).
+        session = self.sessions.get(session_id)
+        history = session.num_tokens if session is not None else 0
         now = time.perf_counter()
         seq = self.scheduler.add_request(request_id, ids, params, session_id=session_id,
                                          arrival_time=now)
-        if session_id is not None:
-            self._sessions[session_id] = seq
         self._requests[request_id] = _Request(
             seq=seq, params=params, seed=self._request_seed(request_id, params),
             stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
@@ -426,11 +419,6 @@ class Engine:
             self._next_id += 1
         return f"request-{self._next_id}"
 
-    def _live_session(self, session_id: str | None) -> str | None:
-        """`session_id` if it names a session the scheduler still holds, else None."""
-        seq = self._sessions.get(session_id) if session_id is not None else None
-        return session_id if seq is not None and not seq.status.is_done else None
-
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its pages (a session's cache too). Returns its final
         output (finish_reason "abort")."""
@@ -439,8 +427,6 @@ class Engine:
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.abort(request_id)
-        if req.seq.session_id is not None:
-            self._sessions.pop(req.seq.session_id, None)
         self._drop_placeholders(req.seq)
         return self._output(req, "abort")
 
@@ -448,35 +434,32 @@ class Engine:
         """Free an idle session's pages."""
         inputs.check_id("session_id", session_id)
         self.scheduler.close_session(session_id)
-        self._sessions.pop(session_id, None)
 
+    # Sessions: questions answered by the scheduler's `SessionTable` (`self.sessions`).
     def find_session(self, token_ids: SequenceABC[int]) -> tuple[str | None, list[int]]:
         """The idle session whose history is the longest prefix of `token_ids`, and the tokens
         after it (all of them and None when no session matches)."""
         token_ids = inputs.check_token_ids("token_ids", token_ids, self.model_config.vocab_size)
-        best, best_len = None, 0
-        for sid, seq in self._sessions.items():
-            n = seq.num_tokens
-            if (seq.status is SequenceStatus.IDLE and best_len < n < len(token_ids)
-                    and list(token_ids[:n]) == seq.token_ids):
-                best, best_len = sid, n
-        return best, list(token_ids[best_len:])
+        best, n = self.sessions.find_prefix(token_ids)
+        return best, list(token_ids[n:])
+
+    def new_session_id(self, exclude: SequenceABC[str] = ()) -> str:
+        """A fresh id for a session found by prefix later (anonymous: forgotten when its cache
+        is evicted while idle, see `SessionTable`)."""
+        return self.sessions.new_id(exclude=exclude)
 
     def has_session(self, session_id: str) -> bool:
-        """Whether `session_id` names a session the engine holds (running or idle)."""
-        seq = self._sessions.get(session_id)
-        return seq is not None and not seq.status.is_done
+        """Whether `session_id` names a session the engine holds (running, queued or idle)."""
+        return session_id in self.sessions
 
     def session_is_cached(self, session_id: str) -> bool:
         """Whether an idle session still holds its compressed history in the pool (an evicted
         one would re-prefill it)."""
-        seq = self._sessions.get(session_id)
-        return seq is not None and seq.status is SequenceStatus.IDLE and seq.is_cached
+        return self.sessions.is_cached(session_id)
 
     def session_is_busy(self, session_id: str) -> bool:
         """Whether a session's turn is queued or running."""
-        seq = self._sessions.get(session_id)
-        return seq is not None and (seq.status.is_running or seq.status is SequenceStatus.WAITING)
+        return self.sessions.is_busy(session_id)
 
     def is_live(self, request_id: str) -> bool:
         """Whether `request_id` is queued or running."""
@@ -505,7 +488,8 @@ class Engine:
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
         out = self.scheduler.schedule()
-        self.runner.update_block_tables(*out.table_updates)
+        # The device's copy of the block table follows the manager's writes.
+        self.runner.update_block_tables(*self.manager.take_table_updates())
         in_flight = self._dispatch(out) if not out.is_empty else []
         if self.config.async_scheduling:
             outputs = self._resolve(self._in_flight)
@@ -517,8 +501,6 @@ class Engine:
             if req is not None:
                 self._drop_placeholders(seq)
                 outputs[seq.request_id] = self._output(req, "length")
-            if seq.session_id is not None and self._sessions.get(seq.session_id) is seq:
-                del self._sessions[seq.session_id]   # its cache and slot are gone
         return list(outputs.values())
 
     def _dispatch(self, out) -> list[_InFlightToken]:
@@ -533,7 +515,8 @@ class Engine:
             positions[:n] = [r.seq.num_tokens - 1 for r in decode_reqs]
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
             mode = self._logprob_mode(decode_reqs)
-            result = self.runner.decode(positions, out.decode_slots, out.decode_lengths,
+            result = self.runner.decode(positions, out.decode_slots,
+                                        self.manager.decode_write_lengths(out.decode_slots),
                                         *self._sampling_arrays(decode_reqs, bucket), steps,
                                         forced_tokens=self._forced_tokens(decode_reqs, bucket),
                                         logprobs=mode)
@@ -651,8 +634,6 @@ class Engine:
                 self.scheduler.abort(rid)
             elif status is SequenceStatus.IDLE:   # failed after its turn was finished
                 self.scheduler.close_session(req.seq.session_id)
-        if req.seq.session_id is not None and self._sessions.get(req.seq.session_id) is req.seq:
-            del self._sessions[req.seq.session_id]
         self._drop_placeholders(req.seq)
         out = self._output(req, "error")
         out.error = text
@@ -762,5 +743,5 @@ class Engine:
 
     def _cached_sequences(self) -> list[Sequence]:
         seqs = {id(r.seq): r.seq for r in self._requests.values()}
-        seqs.update({id(s): s for s in self._sessions.values()})
+        seqs.update({id(s): s for s in self.sessions.sequences()})
         return [s for s in seqs.values() if s.is_cached]
