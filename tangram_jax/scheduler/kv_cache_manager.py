@@ -22,6 +22,15 @@ Arrays (row ``max_seqs`` is the *null slot*: always empty, padded decode rows po
     reserved_lengths: int32 [max_seqs + 1, layers, groups]   tokens the held pages are reserved
                       for; always ``num_pages == pages_for(reserved_lengths)`` and
                       ``lengths <= reserved_lengths``.
+
+Two narrow interfaces (as vLLM v1's `KVCacheManager.allocate_slots` / `KVCacheBlocks` keep its
+scheduler away from block tables):
+
+- the scheduler's (`SCHEDULER_INTERFACE`): slots, reservations and decode growth as yes/no
+  answers and page counts, by slot; it never reads the arrays above;
+- the device feed, for the engine and runner that build a step: `take_table_updates` (the block
+  table's writes for a device-resident copy), `decode_write_lengths` (where each decode row
+  writes its token) and `retained_lengths` (a slot's history lengths for prefill).
 """
 
 from __future__ import annotations
@@ -36,6 +45,14 @@ from tangram_jax.scheduler.block_table import BlockTable
 from tangram_jax.scheduler.page_pool import PagePool
 
 POLICIES = ("reserve", "reclaim")
+
+# Everything `Scheduler` uses of the manager (tests check it stays within this).
+SCHEDULER_INTERFACE = frozenset({
+    "layout", "max_seqs", "null_slot", "capacity", "num_free_pages", "num_free_slots",
+    "pages_held", "allocate_slot", "free", "pages_to_reserve", "fits_ever", "reserve",
+    "commit_prefill", "reclaim", "grow_for_decode", "decode_demand", "at_table_limit",
+    "max_pages_per_group",
+})
 
 
 class LayoutMismatchError(ValueError):
@@ -125,6 +142,11 @@ class KVCacheManager:
         return self.table.max_pages
 
     @property
+    def capacity(self) -> int:
+        """Pages the pool can hand out (the null page excluded)."""
+        return self.pool.capacity
+
+    @property
     def num_free_pages(self) -> int:
         return self.pool.num_free
 
@@ -164,19 +186,25 @@ class KVCacheManager:
             return self.layout.segments_retained_counts(num_new_tokens) + base_lengths
         return self.layout.retained_counts(num_new_tokens) + base_lengths
 
+    def _base_lengths(self, slot: int | None) -> np.ndarray:
+        """int [layers, groups]: what `slot` holds (zeros for None: a fresh slot)."""
+        if slot is None:
+            return np.zeros(self.lengths.shape[1:], dtype=np.int64)
+        return self.lengths[slot]
+
     def pages_to_reserve(self, slot: int | None, num_new_tokens) -> int:
         """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
-        if slot is None:
-            base = np.zeros(self.lengths.shape[1:], dtype=np.int64)
-            held = 0
-        else:
-            base, held = self.lengths[slot], self.table.num_pages[slot]
-        need = pages_for(self.reservation_target(base, num_new_tokens), self.page_size) - held
+        held = 0 if slot is None else self.table.num_pages[slot]
+        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens),
+                         self.page_size) - held
         return int(np.maximum(need, 0).sum())
 
-    def fits_ever(self, base_lengths: np.ndarray, num_new_tokens) -> bool:
-        """Whether a turn (plus one decode token) could be held by an otherwise empty pool."""
-        need = pages_for(self.reservation_target(base_lengths, num_new_tokens) + 1, self.page_size)
+    def fits_ever(self, slot: int | None, num_new_tokens) -> bool:
+        """Whether a turn of `num_new_tokens` (or a prefill plan) on top of what `slot` holds
+        (None: from nothing), plus one decode token, could be held by an otherwise empty pool
+        and the block table."""
+        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens) + 1,
+                         self.page_size)
         return bool(need.max() <= self.max_pages_per_group and need.sum() <= self.pool.capacity)
 
     def reserve(self, slot: int, num_new_tokens) -> bool:
@@ -302,6 +330,11 @@ class KVCacheManager:
         mask[slots] = True
         return mask
 
+    def decode_demand(self, slot: int) -> int:
+        """Pages `slot`'s next decode token takes (one per group crossing a page boundary)."""
+        want = pages_for(self.lengths[slot].astype(np.int64) + 1, self.page_size)
+        return int(np.maximum(want - self.table.num_pages[slot], 0).sum())
+
     def at_table_limit(self, slot: int) -> bool:
         """Whether one more decode token would overflow the block table width."""
         want = self.lengths[slot].astype(np.int64) + 1
@@ -311,6 +344,19 @@ class KVCacheManager:
     def take_table_updates(self) -> tuple[np.ndarray, np.ndarray]:
         """Block-table writes since the last call, for a device-resident copy (see BlockTable)."""
         return self.table.take_updates()
+
+    def decode_write_lengths(self, slots: np.ndarray) -> np.ndarray:
+        """int32 [rows, layers, groups]: where each decode row of this step writes its token,
+        the lengths before it (`grow_for_decode` has counted it already); rows of the null slot
+        (padding) are 0."""
+        slots = np.asarray(slots, dtype=np.intp)
+        lengths = self.lengths.take(slots, axis=0)
+        lengths[slots != self.null_slot] -= 1
+        return lengths
+
+    def retained_lengths(self, slot: int) -> np.ndarray:
+        """int64 [layers, groups]: tokens `slot` holds now (a prefill piece's history)."""
+        return self.lengths[slot].astype(np.int64)
 
     def usage(self) -> dict:
         """Pool utilisation and fragmentation (allocated vs occupied token slots)."""
