@@ -306,8 +306,9 @@ class Scheduler:
         # Short turns first (running, then admitted), long ones take what is left: a follow-up
         # that arrived while long first turns prefill is served in this step. A chunk per
         # running long turn is kept back, so a stream of short turns cannot starve them. A
-        # turn admitted as long counts as long until its prefill ends, so long turns never
-        # take more than `max_long_partial_prefills` pieces of at most the threshold each.
+        # turn admitted as long stays in the long pass until its prefill ends; each of its
+        # pieces is at most the threshold, and at most `max_long_partial_prefills` long turns
+        # with more than one piece left run at once.
         longs = [s for s in self._prefilling if s.long_prefill]
         kept = min(budget, len(longs) * self.layout.chunk_size)
         budget -= kept
