@@ -250,6 +250,10 @@ class EngineConfig:
     compile_cache_dir: str | None = _field(
         None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
         "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
+    data_parallel_size: int = _field(
+        1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
+        "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
+        "loads the weights and sizes its own KV pool on its device")
     tail_rule: str = _field("window", _choice(TAIL_RULES),
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "

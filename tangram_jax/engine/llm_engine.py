@@ -35,7 +35,8 @@ import numpy as np
 
 from tangram_jax.engine import inputs, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
-from tangram_jax.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig, pool_is_fixed
+from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
+                                       pool_is_fixed)
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -171,18 +172,30 @@ class _RequestFailed(Exception):
 class Engine:
     """The serving engine: model, KV layout, page manager, scheduler and runner of one config."""
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, device: jax.Device | None = None,
+                 **kwargs):
+        """`config`, or its fields as keyword arguments. device: the `jax.Device` this engine's
+        weights, KV pool and steps live on (default: the first device); `LLM`'s data-parallel
+        replicas pass one each (after `memory.configure_allocator`: listing devices starts JAX's
+        backend)."""
         cfg = config if config is not None else EngineConfig(**kwargs)
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
         cfg.check()   # before the model loads: a bad combination is reported at once
+        if cfg.data_parallel_size > 1 and device is None:
+            raise EngineConfigError(
+                f"data_parallel_size must be 1 for an Engine (one replica), got "
+                f"{cfg.data_parallel_size}: LLM(...) runs that many replicas, one per device "
+                f"(the serve and chat commands run one engine)")
         started = time.perf_counter()
         # Both before anything compiles or touches the GPU: JAX fixes its allocator cap when
         # its backend starts, and caches only what compiles after the folder is set.
         self.compile_cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         allocator = memory.configure_allocator(cfg.gpu_memory_utilization)
-        loaded = load_model(cfg.model, dtype=cfg.dtype)
+        self.device = device if device is not None else jax.devices()[0]
+        with jax.default_device(self.device):   # the weights load onto the engine's device
+            loaded = load_model(cfg.model, dtype=cfg.dtype)
         load_seconds = time.perf_counter() - started
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
@@ -200,7 +213,7 @@ class Engine:
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)
         device_memory = None if pool_is_fixed(cfg) else memory.DeviceMemory.read(
-            jax.devices()[0], allocator.fraction)
+            self.device, allocator.fraction)
         if device_memory is None and not pool_is_fixed(cfg) and jax.default_backend() != "cpu":
             log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
                         "platform?): gpu_memory_utilization cannot size the KV pool, which gets "
@@ -208,7 +221,7 @@ class Engine:
                         jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
             loaded.model, mc, self.layout, rc.num_pages if device_memory is None else None,
-            table_shape, split_maps=split_maps,
+            table_shape, split_maps=split_maps, device=self.device,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
@@ -252,7 +265,7 @@ class Engine:
         their peak, and keep the provisional size when the peak fits in the reserve (the
         compiled steps are then reused as they are), else shrink the pool to fit."""
         cfg, layout = self.config, self.layout
-        now = memory.DeviceMemory.read(jax.devices()[0], fraction)   # weights are in now
+        now = memory.DeviceMemory.read(self.device, fraction)   # weights are in now
         page_bytes = self.runner.kv_bytes_per_page
         budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
                                         now.bytes_limit)

@@ -149,8 +149,11 @@ class ModelRunner:
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
-                 ops: AttentionOps | None = None):
+                 ops: AttentionOps | None = None, device: jax.Device | None = None):
         self.config = config
+        # Every array the runner holds is committed to its device, so its steps run there
+        # whatever the caller's default device is (data-parallel replicas, one per device).
+        self.device = device if device is not None else jax.devices()[0]
         self.layout = layout
         self.runner_config = runner_config
         self.ops = ops or AttentionOps.for_backend()
@@ -171,6 +174,8 @@ class ModelRunner:
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
+        self.state, self.layer_states = jax.device_put((self.state, self.layer_states),
+                                                       self.device)
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
@@ -180,12 +185,12 @@ class ModelRunner:
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)
-        self.block_tables = jnp.zeros(table_shape, jnp.int32)
+        self.block_tables = jnp.zeros(table_shape, jnp.int32, device=self.device)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
-        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
+        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32, device=self.device)
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
@@ -206,8 +211,8 @@ class ModelRunner:
     def allocate_pool(self, num_pages: int) -> None:
         """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
-        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
-        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
+        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype, device=self.device)
+        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype, device=self.device)
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -595,7 +600,8 @@ class ModelRunner:
         pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
         `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
         called with the same shapes."""
-        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
+        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(self.device))
         rows = backend.next_power_of_2(prefill_rows)
         decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
         prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
@@ -619,7 +625,9 @@ class ModelRunner:
                 self._prefill.lower(*args, **static).compile()
         for n in _padded_row_counts(max_first_tokens):
             self._sample_rows.lower(
-                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
+                self.slot_tokens, jax.ShapeDtypeStruct(
+                    (n, self.config.vocab_size), jnp.float32,
+                    sharding=jax.sharding.SingleDeviceSharding(self.device)),
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
                 logprobs=None).compile()
         for bucket in decode_buckets:
@@ -628,7 +636,7 @@ class ModelRunner:
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
-            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32)[0]
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=self.device)[0]
         for n in _padded_row_counts(max_first_tokens):
             jnp.stack([row] * n)
         self.block_tables = self._apply_table_updates(
