@@ -3,7 +3,7 @@ first turns prefill. A follow-up's first token comes within two steps (it is adm
 first step after it arrives; tokens are reported a step late), whether long turns are capped
 (a chunk a step, two at once) or not (the default: one long turn at a time takes the rest of
 each step). Greedy tokens are the same either way: scheduling changes when a token comes,
-never which. (Before the scheduler put short turns first, these follow-ups waited 11-13 steps.)
+never which. (Before the scheduler put short turns first, these follow-ups waited 7-9 steps.)
 
 Run with ``-s`` to print the figures (follow-up time to first token in engine steps)."""
 

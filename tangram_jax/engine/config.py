@@ -53,12 +53,13 @@ DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no al
 # compression chunks). Why: a follow-up is protected by the scheduler's order (short turns take
 # their pieces before long ones, one chunk per long turn kept back), not by the cap, so a lone
 # long turn may use the rest of every step; capping it lower only stretches its prefill over
-# more steps (tiny engine, three 200-token first turns queued with a 64-token budget and three
-# 8-token follow-ups arriving: the long turns' first tokens at steps 6 / 13 / 20 with a
-# half-budget cap against 3 / 10 / 14 without; the follow-ups' at step 2 either way, 11-13
-# before short turns went first). One at a time keeps first turns in arrival order (the
-# lowest mean time to first token for equal turns) and reserves pages for one long turn, not
-# for several that would wait for the budget; with more at once they share each step evenly.
+# more steps (tiny engine, 8 slots, three 200-token first turns queued with a 64-token budget
+# and three 8-token follow-ups arriving: the long turns' first tokens at steps 6 / 12 / 18 with
+# a half-budget cap against 3 / 7 / 11 without, and 3 / 6 / 10 on the old scheduler, which
+# served the follow-ups after them: at step 7-9 instead of 2). One at a time keeps first turns
+# in arrival order (the lowest mean time to first token for equal turns) and reserves pages for
+# one long turn, not for several that would wait for the budget; with more at once they share
+# each step evenly.
 DEFAULT_MAX_LONG_PARTIAL_PREFILLS = 1
 
 

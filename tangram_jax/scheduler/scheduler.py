@@ -23,7 +23,7 @@ One engine step is::
 3. Admission, FCFS by reservation: a waiting turn is admitted only if its whole post-compression
    reservation fits (evicting idle sessions if that makes it fit). A short turn gets its first
    piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
-   long turns prefill; until then the turns behind it go first. A turn that does not fit the
+   long turns have more than one piece left; until then the turns behind it go first. A turn that does not fit the
    pool is passed over so smaller ones behind it can run, but each time it is overtaken its
    skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
    fits. Requests larger than the whole pool are rejected by `add_request`.
@@ -306,8 +306,9 @@ class Scheduler:
         # Short turns first (running, then admitted), long ones take what is left: a follow-up
         # that arrived while long first turns prefill is served in this step. A chunk per
         # running long turn is kept back, so a stream of short turns cannot starve them. A
-        # turn admitted as long counts as long until its prefill ends, so long turns never
-        # take more than `max_long_partial_prefills` pieces of at most the threshold each.
+        # turn admitted as long stays in the long pass until its prefill ends; each of its
+        # pieces is at most the threshold, and at most `max_long_partial_prefills` long turns
+        # with more than one piece left run at once.
         longs = [s for s in self._prefilling if s.long_prefill]
         kept = min(budget, len(longs) * self.layout.chunk_size)
         budget -= kept
@@ -465,7 +466,9 @@ class Scheduler:
         slots_exhausted = self.manager.num_free_slots == 0 and not self.sessions.num_evictable
         if not self.waiting or slots_exhausted or budget <= 0:
             return budget
-        num_long = len(longs)
+        # A long turn whose rest fits one piece ends this step (oldest first): the next long
+        # turn may start beside it instead of a step later.
+        num_long = sum(self._is_long(s) for s in longs)
         priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
         candidates = [priority] if priority is not None else list(self.waiting)
         passed_over: list[Sequence] = []
