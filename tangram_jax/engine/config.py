@@ -30,6 +30,7 @@ import numpy as np
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
 from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
+from tangram_jax.kv_quant import KV_PRECISIONS
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
@@ -254,6 +255,12 @@ class EngineConfig:
         1, _int_at_least(1), "devices one engine spans: every KV head group's heads are split "
         "between them (Megatron-style projections, one KV pool shard per device, one block "
         "table); must divide the head counts and the layout's group size")
+    kv_precision: str = _field("bf16", _choice(KV_PRECISIONS),
+                               "KV page format (kv_quant): bf16 (the pool dtype), or keys / values "
+                               "quantised to 8/8, 8/4 or 4/2 bits with a per token-and-head scale "
+                               "and zero (k8v8, k8v4, k4v2); with num_pages / kv_cache_tokens the "
+                               "pool keeps its page count, on a GPU it gets more pages for the "
+                               "same bytes")
     data_parallel_size: int = _field(
         1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
         "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
@@ -416,7 +423,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES}.get(f.name)
+                       "tail_rule": TAIL_RULES, "kv_precision": KV_PRECISIONS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))

@@ -233,7 +233,8 @@ class Engine:
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
-                                       max_prefill_tokens=rc.max_num_batched_tokens))
+                                       max_prefill_tokens=rc.max_num_batched_tokens),
+            kv_precision=cfg.kv_precision)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
         if device_memory is not None:

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
                                                    dynamic_keep_count)
 from tangram_jax.engine.config import MODES
+from tangram_jax import kv_quant
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -146,7 +147,12 @@ class ModelRunner:
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
       runner_config: mode and scorer settings.
-      kv_dtype: pool dtype (the model's dtype by default).
+      kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
+        values are dequantised to.
+      kv_precision: page format of the pool (`kv_quant.KV_PRECISIONS`): ``bf16`` stores K/V in
+        `kv_dtype`; ``k8v8`` / ``k8v4`` / ``k4v2`` store packed codes with per-slot scales
+        (`kv_quant.QuantPages`), quantised as the chunk compression and the decode step write
+        them and dequantised by the attention kernels.
       ops: attention implementations (default: by backend).
     """
 
@@ -154,6 +160,7 @@ class ModelRunner:
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
+                 kv_precision: str = "bf16",
                  ops: AttentionOps | None = None,
                  devices: Sequence[jax.Device] | None = None):
         self.config = config
@@ -191,9 +198,11 @@ class ModelRunner:
         self.layer_states = self.placement.weights(self.layer_states,
                                                    stacked=self.layer_loop == "scan")
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.kv_format = kv_quant.page_format(kv_precision)
         # Bytes of one page on each device (a page's G heads are split over the devices).
-        self.kv_bytes_per_page = (2 * int(np.prod(self.pool_shape(1)[1:]))
-                                  * self.kv_dtype.itemsize // tp)
+        self.kv_bytes_per_page = kv_quant.page_bytes(self.kv_format, layout.group_size,
+                                                     layout.page_size, layout.head_dim,
+                                                     self.kv_dtype) // tp
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
         # fit a program's shared memory (float32 models); row packing and work items follow it.
         self.prefill_tuning = fit_tuning(PREFILL_TUNING, config.num_heads // config.num_kv_heads,
@@ -228,10 +237,15 @@ class ModelRunner:
     def allocate_pool(self, num_pages: int) -> None:
         """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
-        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype,
-                                 device=self.placement.pool)
-        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype,
-                                 device=self.placement.pool)
+        self.k_pages, self.v_pages = self._pool(
+            num_pages, lambda shape, dtype: jnp.zeros(shape, dtype, device=self.placement.pool))
+
+    def _pool(self, num_pages: int, make):
+        """(k_pages, v_pages) of the runner's page format; `make(shape, dtype)` builds each
+        array (zeros on the runner's devices, or a `jax.ShapeDtypeStruct` spec)."""
+        shape = self.pool_shape(num_pages)
+        return (kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.key_bits, make=make),
+                kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.value_bits, make=make))
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -504,7 +518,7 @@ class ModelRunner:
         return min(full, max(16, backend.next_power_of_2(pages)))
 
     # ----- decode ---------------------------------------------------------------------------
-    _pool_spec = P(None, AXIS, None, None)
+    _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
 
     @staticmethod
     def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, *, decode_attention,
@@ -522,8 +536,9 @@ class ModelRunner:
         heads = jnp.arange(g)[None, None, :]
         k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
         v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
-        k_pages = k_pages.at[page[..., None], heads, offset[..., None]].set(k_new)
-        v_pages = v_pages.at[page[..., None], heads, offset[..., None]].set(v_new)
+        slots = (page[..., None], heads, offset[..., None])
+        k_pages = kv_quant.write_slots(k_pages, slots, k_new)   # quantised if the pool is
+        v_pages = kv_quant.write_slots(v_pages, slots, v_new)
         qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
         out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
                                work if use_work else None)
@@ -659,11 +674,11 @@ class ModelRunner:
         pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
         `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
         called with the same shapes."""
-        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype,
-                                    sharding=self.placement.pool)
+        pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=self.placement.pool))
         rows = backend.next_power_of_2(prefill_rows)
-        decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
-        prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
+        decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
+        prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
         return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
                 "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
 

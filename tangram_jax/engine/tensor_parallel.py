@@ -98,8 +98,9 @@ class Placement:
 
     @property
     def pool(self):
-        """`k_pages` / `v_pages` [num_pages, G, page_size, d]: the G axis over the devices."""
-        return self._sharding(P(None, AXIS, None, None))
+        """`k_pages` / `v_pages` [num_pages, G, page_size, d] (and a quantised pool's scale
+        arrays [num_pages, G, page_size]): the G axis over the devices."""
+        return self._sharding(P(None, AXIS))
 
     def weights(self, state, stacked: bool = False):
         """`state` (an nnx State, or a list of them) placed: column / row parallel by name,

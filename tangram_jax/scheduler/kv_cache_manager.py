@@ -40,7 +40,7 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
-from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.kv_layout import KVLayout, TieredLayout, pages_for
 from tangram_jax.scheduler.block_table import BlockTable
 from tangram_jax.scheduler.page_pool import PagePool
 
@@ -91,8 +91,9 @@ class KVCacheManager:
     def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int,
                  max_pages_per_group: int, *, model_kv_shape: SequenceABC[int],
                  policy: str = "reserve"):
-        if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(layout, (KVLayout, TieredLayout)):
+            raise TypeError(f"layout must be a KVLayout or TieredLayout, got "
+                            f"{type(layout).__name__}")
         if len(model_kv_shape) != 3:
             raise ValueError("model_kv_shape must be (num_layers, num_kv_heads, head_dim), got "
                              f"{model_kv_shape!r}")
@@ -125,6 +126,10 @@ class KVCacheManager:
         self._all_granted.flags.writeable = False
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
+        # Groups a decode token is appended to: all, or the high tier of a TieredLayout (whose
+        # groups are (group, tier) pairs, reserved like groups).
+        self._decode_groups = (layout.decode_tier_groups if isinstance(layout, TieredLayout)
+                               else np.ones(layout.num_groups, dtype=bool))
 
     # ----- views -------------------------------------------------------------------------
     @property
@@ -288,7 +293,7 @@ class KVCacheManager:
         # The token at index `lengths` needs a new page iff every held slot is already used.
         np.multiply(self.table.num_pages, np.int32(self.page_size), out=self._scratch_int)
         crossing = np.greater_equal(self.lengths, self._scratch_int, out=self._scratch_bool)
-        crossing &= rows[:, None, None]
+        crossing &= rows[:, None, None] & self._decode_groups
         # Array methods, not np.flatnonzero/np.ones: their Python wrappers cost more here.
         cells = crossing.reshape(-1).nonzero()[0]     # global cell ids, in slot order
         columns = self.table.num_pages.reshape(-1)[cells]
@@ -301,7 +306,7 @@ class KVCacheManager:
             cells, columns = cells[keep], columns[keep]
         if cells.size:
             self.table.append_to_cells(cells, self.pool.allocate(cells.size), columns=columns)
-        granted = rows.astype(np.int32)[:, None, None]   # int32: adding bools would cast
+        granted = (rows[:, None, None] & self._decode_groups).astype(np.int32)  # bools would cast
         self.lengths += granted
         self.reserved_lengths += granted
         return ok
