@@ -38,6 +38,7 @@ from tangram_jax.engine.config import EngineConfig, EngineConfigError
 from tangram_jax.engine.inputs import check_messages
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.engine.outputs import RequestOutput
+from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.sampling import SamplingParams
 
 
@@ -235,20 +236,18 @@ def _run_threads(serve, replicas: list[int], stop: threading.Event) -> None:
 
 
 def _replicas(config: EngineConfig) -> list[Engine]:
-    """The engines of `config`: one, or `data_parallel_size` replicas on the first devices."""
+    """The engines of `config`: one, or `data_parallel_size` replicas, each on its own run of
+    `tensor_parallel_size` devices."""
     n = config.data_parallel_size
     if n == 1:
         return [Engine(config)]
-    import jax
     config.check()
     memory.configure_allocator(config.gpu_memory_utilization)   # before JAX's backend starts
-    devices = jax.devices()
-    if len(devices) < n:
-        raise EngineConfigError(
-            f"data_parallel_size must be at most the number of devices, got {n} with "
-            f"{len(devices)} {jax.default_backend()} device(s) (on a CPU, "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} gives {n})")
-    return [Engine(config, device=d) for d in devices[:n]]
+    try:
+        runs = [devices_for(config.tensor_parallel_size, r) for r in range(n)]
+    except ValueError as e:
+        raise EngineConfigError(f"data_parallel_size {n}: {e}") from None
+    return [Engine(config, devices=run) for run in runs]
 
 
 def _checked(index: int, what: str, check):

@@ -76,19 +76,22 @@ def build_tiny_model(folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-def tiny_profile(name: str, seed: int = 0) -> BudgetProfile:
-    """A tangram budget profile for the tiny model: random per-head budgets in [0.3, 1]."""
+def tiny_profile(name: str, seed: int = 0, group_size: int = 1) -> BudgetProfile:
+    """A tangram budget profile for the tiny model: random per-head budgets in [0.3, 1], heads
+    sorted by budget into groups of `group_size` (a group's budget is its largest head's)."""
     c = CONFIG
     layers, heads = c["num_hidden_layers"], c["num_key_value_heads"]
     rng = np.random.default_rng(seed)
     budget = rng.uniform(0.3, 1.0, (layers, heads))
     perm = np.argsort(-budget, axis=1)
+    sorted_budget = np.take_along_axis(budget, perm, axis=1)
     return BudgetProfile(
         model=dict(architecture="llama", num_layers=layers, num_kv_heads=heads,
                    head_dim=c["hidden_size"] // c["num_attention_heads"], name=name),
         method="snapkv", rho=float(budget.mean()), lambda_=2.0, mean=budget,
-        std=np.zeros_like(budget), budget=budget, group_size=1, grouping="budget",
-        head_perm=perm, group_budgets=np.take_along_axis(budget, perm, axis=1))
+        std=np.zeros_like(budget), budget=budget, group_size=group_size, grouping="budget",
+        head_perm=perm,
+        group_budgets=sorted_budget.reshape(layers, heads // group_size, group_size).max(-1))
 
 
 # Engine settings small enough for thousands of CPU steps. One decode bucket: a row's arithmetic

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
+from tangram_jax.engine.tensor_parallel import check_tensor_parallel
 from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
 from tangram_jax.kv_quant import KV_PRECISIONS
 from tangram_jax.models.config import ModelConfig
@@ -251,6 +252,10 @@ class EngineConfig:
     compile_cache_dir: str | None = _field(
         None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
         "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
+    tensor_parallel_size: int = _field(
+        1, _int_at_least(1), "devices one engine spans: every KV head group's heads are split "
+        "between them (Megatron-style projections, one KV pool shard per device, one block "
+        "table); must divide the head counts and the layout's group size")
     kv_precision: str = _field("bf16", _choice(KV_PRECISIONS),
                                "KV page format (kv_quant): bf16 (the pool dtype), or keys / values "
                                "quantised to 8/8, 8/4 or 4/2 bits with a per token-and-head scale "
@@ -338,6 +343,12 @@ class EngineConfig:
         profile = resolve_profile(self, mc, is_embedded) if self.mode == "tangram" else None
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
             self.tail_rule, obs_window)
+        try:   # every KV head group is split over the tensor-parallel devices
+            check_tensor_parallel(self.tensor_parallel_size, num_heads=mc.num_heads,
+                                  num_kv_heads=mc.num_kv_heads, group_size=layout.group_size,
+                                  intermediate_size=mc.intermediate_size)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         return ResolvedConfig(
             layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
             max_num_batched_tokens=batched, decode_buckets=tuple(buckets),

@@ -38,6 +38,7 @@ from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
 from tangram_jax.kv_layout import pages_for
@@ -172,18 +173,18 @@ class _RequestFailed(Exception):
 class Engine:
     """The serving engine: model, KV layout, page manager, scheduler and runner of one config."""
 
-    def __init__(self, config: EngineConfig | None = None, *, device: jax.Device | None = None,
-                 **kwargs):
-        """`config`, or its fields as keyword arguments. device: the `jax.Device` this engine's
-        weights, KV pool and steps live on (default: the first device); `LLM`'s data-parallel
-        replicas pass one each (after `memory.configure_allocator`: listing devices starts JAX's
-        backend)."""
+    def __init__(self, config: EngineConfig | None = None, *,
+                 devices: SequenceABC[jax.Device] | None = None, **kwargs):
+        """`config`, or its fields as keyword arguments. devices: the `tensor_parallel_size`
+        devices this engine's weights, KV pool and steps live on (default: the first ones);
+        `LLM`'s data-parallel replicas pass their own (after `memory.configure_allocator`:
+        listing devices starts JAX's backend)."""
         cfg = config if config is not None else EngineConfig(**kwargs)
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
         cfg.check()   # before the model loads: a bad combination is reported at once
-        if cfg.data_parallel_size > 1 and device is None:
+        if cfg.data_parallel_size > 1 and devices is None:
             raise EngineConfigError(
                 f"data_parallel_size must be 1 for an Engine (one replica), got "
                 f"{cfg.data_parallel_size}: LLM(...) runs that many replicas, one per device "
@@ -193,7 +194,12 @@ class Engine:
         # its backend starts, and caches only what compiles after the folder is set.
         self.compile_cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         allocator = memory.configure_allocator(cfg.gpu_memory_utilization)
-        self.device = device if device is not None else jax.devices()[0]
+        self.devices = list(devices) if devices is not None else \
+            devices_for(cfg.tensor_parallel_size)
+        if len(self.devices) != cfg.tensor_parallel_size:
+            raise EngineConfigError(f"tensor_parallel_size {cfg.tensor_parallel_size} needs as "
+                                    f"many devices, got {len(self.devices)}")
+        self.device = self.devices[0]
         with jax.default_device(self.device):   # the weights load onto the engine's device
             loaded = load_model(cfg.model, dtype=cfg.dtype)
         load_seconds = time.perf_counter() - started
@@ -207,8 +213,10 @@ class Engine:
         # the chunk compression cannot run is refused here, by RunnerConfig).
         self.compression_method = rc.compression_method
         buckets = rc.decode_buckets
+        # Each device attends over its share of every group's heads (tensor parallelism).
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
-                                         group_size=self.layout.group_size) for b in buckets}
+                                         group_size=self.layout.group_size
+                                         // cfg.tensor_parallel_size) for b in buckets}
         # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)
@@ -221,7 +229,7 @@ class Engine:
                         jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
             loaded.model, mc, self.layout, rc.num_pages if device_memory is None else None,
-            table_shape, split_maps=split_maps, device=self.device,
+            table_shape, split_maps=split_maps, devices=self.devices,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,

@@ -28,12 +28,15 @@ chunk at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
                                                    dynamic_keep_count)
@@ -43,6 +46,8 @@ from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
+from tangram_jax.engine.tensor_parallel import (AXIS, Placement, check_tensor_parallel,
+                                                device_major_perm)
 from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, fit_tuning,
@@ -156,18 +161,26 @@ class ModelRunner:
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
                  kv_precision: str = "bf16",
-                 ops: AttentionOps | None = None, device: jax.Device | None = None):
+                 ops: AttentionOps | None = None,
+                 devices: Sequence[jax.Device] | None = None):
         self.config = config
-        # Every array the runner holds is committed to its device, so its steps run there
-        # whatever the caller's default device is (data-parallel replicas, one per device).
-        self.device = device if device is not None else jax.devices()[0]
+        # Every array the runner holds is committed to its devices, so its steps run there
+        # whatever the caller's default device is (data-parallel replicas, one per device);
+        # several devices split every KV head group between them (`tensor_parallel`).
+        self.placement = Placement(devices if devices else [jax.devices()[0]])
+        self.device = self.placement.devices[0]
         self.layout = layout
         self.runner_config = runner_config
         self.ops = ops or AttentionOps.for_backend()
         self.split_maps = dict(split_maps or {})
-        if not np.array_equal(layout.head_perm, np.tile(np.arange(layout.num_kv_heads),
-                                                        (layout.num_layers, 1))):
-            permute_kv_heads(model, layout.head_perm)
+        tp = self.placement.tp
+        check_tensor_parallel(tp, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                              group_size=layout.group_size,
+                              intermediate_size=config.intermediate_size)
+        head_perm = device_major_perm(layout.head_perm, layout.group_size, tp)
+        if not np.array_equal(head_perm, np.tile(np.arange(layout.num_kv_heads),
+                                                 (layout.num_layers, 1))):
+            permute_kv_heads(model, head_perm)
         # The runner takes the layers over: stacked for lax.scan (one layer body is compiled,
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
         # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
@@ -181,13 +194,15 @@ class ModelRunner:
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
-        self.state, self.layer_states = jax.device_put((self.state, self.layer_states),
-                                                       self.device)
+        self.state = self.placement.weights(self.state)
+        self.layer_states = self.placement.weights(self.layer_states,
+                                                   stacked=self.layer_loop == "scan")
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
         self.kv_format = kv_quant.page_format(kv_precision)
+        # Bytes of one page on each device (a page's G heads are split over the devices).
         self.kv_bytes_per_page = kv_quant.page_bytes(self.kv_format, layout.group_size,
                                                      layout.page_size, layout.head_dim,
-                                                     self.kv_dtype)
+                                                     self.kv_dtype) // tp
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
         # fit a program's shared memory (float32 models); row packing and work items follow it.
         self.prefill_tuning = fit_tuning(PREFILL_TUNING, config.num_heads // config.num_kv_heads,
@@ -195,12 +210,13 @@ class ModelRunner:
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)
-        self.block_tables = jnp.zeros(table_shape, jnp.int32, device=self.device)
+        self.block_tables = jnp.zeros(table_shape, jnp.int32, device=self.placement.replicated)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
-        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32, device=self.device)
+        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32,
+                                     device=self.placement.replicated)
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
@@ -222,11 +238,11 @@ class ModelRunner:
         """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
         self.k_pages, self.v_pages = self._pool(
-            num_pages, lambda shape, dtype: jnp.zeros(shape, dtype, device=self.device))
+            num_pages, lambda shape, dtype: jnp.zeros(shape, dtype, device=self.placement.pool))
 
     def _pool(self, num_pages: int, make):
         """(k_pages, v_pages) of the runner's page format; `make(shape, dtype)` builds each
-        array (zeros on the runner's device, or a `jax.ShapeDtypeStruct` spec)."""
+        array (zeros on the runner's devices, or a `jax.ShapeDtypeStruct` spec)."""
         shape = self.pool_shape(num_pages)
         return (kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.key_bits, make=make),
                 kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.value_bits, make=make))
@@ -370,7 +386,8 @@ class ModelRunner:
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(hist, 0, 1), num_tokens=num_tokens,
-            num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size,
+            num_items=item_capacity(num_tokens, layout.num_groups,
+                                    layout.group_size // self.placement.tp,
                                     self.prefill_tuning), tuning=self.prefill_tuning)
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items)
@@ -396,12 +413,13 @@ class ModelRunner:
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
 
-        def layer_step(carry, xs):
-            h, k_pages, v_pages = carry
-            layer_state, tables, hist, keep, items = xs   # [rows, Gn, P], [rows, Gn] x 2, [I, 3]
-            layer = nnx.merge(self.layer_graphdef, layer_state)
-            q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
-            q, k, v = q[0], k[0].astype(k_pages.dtype), v[0].astype(v_pages.dtype)
+        def attend(q, k, v, k_pages, v_pages, tables, hist, keep, items, row_starts, row_lens,
+                   num_protected, positions):
+            """The layer's attention, compression scoring and KV write on one device's heads
+            (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
+            [num_pages, G, page_size, d] (this device's G). Returns (out [N, Hq, d], k_pages,
+            v_pages, kept [rows, groups])."""
+            k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
                                                   row_starts, row_lens, items,
                                                   tuning=self.prefill_tuning)
@@ -435,6 +453,22 @@ class ModelRunner:
                         hist[b])
                     kept.append(keep_b)
                 kept = jnp.stack(kept)
+            return out, k_pages, v_pages, kept
+
+        heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
+        attend = self.placement.per_device(
+            attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
+            + (P(),) * 8,
+            out_specs=(heads, self._pool_spec, self._pool_spec, P()))
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry
+            layer_state, tables, hist, keep, items = xs   # [rows, Gn, P], [rows, Gn] x 2, [I, 5]
+            layer = nnx.merge(self.layer_graphdef, layer_state)
+            q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
+            out, k_pages, v_pages, kept = attend(q[0], k[0], v[0], k_pages, v_pages, tables,
+                                                 hist, keep, items, row_starts, row_lens,
+                                                 num_protected, positions)
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages), kept
 
@@ -457,7 +491,11 @@ class ModelRunner:
                               num_protected, first_position, q_per_kv=self.config.q_per_kv,
                               inv_freq=self._inv_freq)
         if self.runner_config.mode == "dynamic":
-            count = dynamic_keep_count(scores, chunk_len, num_protected,
+            # One count for every head of the layer: under tensor parallelism it is decided
+            # over all devices' heads (the selection does not depend on the heads' order).
+            every_head = (jax.lax.all_gather(scores, AXIS, axis=0, tiled=True)
+                          if self.placement.tp > 1 else scores)
+            count = dynamic_keep_count(every_head, chunk_len, num_protected,
                                        self.runner_config.dynamic_ratio,
                                        self.runner_config.dynamic_safeguard)
             return scores, jnp.full(keep.shape, count, jnp.int32)
@@ -480,6 +518,32 @@ class ModelRunner:
         return min(full, max(16, backend.next_power_of_2(pages)))
 
     # ----- decode ---------------------------------------------------------------------------
+    _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
+
+    @staticmethod
+    def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, *, decode_attention,
+                          use_work):
+        """One layer's decode attention on one device's heads (all of them without tensor
+        parallelism): append the new token's K/V at slot `lens` of every group, attend.
+        q [B, 1, Hq, d], k/v [B, 1, Hkv, d] (this device's heads, group-major); k/v_pages
+        [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
+        Returns (out [B, 1, Hq, d], k_pages, v_pages)."""
+        batch, n_groups = lens.shape
+        g, ps = k_pages.shape[1], k_pages.shape[2]
+        # Padded rows write into the null page 0, which nothing reads as valid.
+        page = jnp.take_along_axis(tables, (lens // ps)[..., None], axis=-1)[..., 0]
+        offset = lens % ps
+        heads = jnp.arange(g)[None, None, :]
+        k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
+        v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
+        slots = (page[..., None], heads, offset[..., None])
+        k_pages = kv_quant.write_slots(k_pages, slots, k_new)   # quantised if the pool is
+        v_pages = kv_quant.write_slots(v_pages, slots, v_new)
+        qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
+        out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
+                               work if use_work else None)
+        return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
+
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                seeds: np.ndarray, steps: np.ndarray, *, forced_tokens: np.ndarray | None = None,
@@ -529,33 +593,25 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         tokens = slot_tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
-        batch = tokens.shape[0]
         layout = self.layout
-        g, n_groups, ps = layout.group_size, layout.num_groups, layout.page_size
-        heads = jnp.arange(g)[None, None, :]
         # The AOT work lists are constants of the trace ([layers, items, 3]); the references
         # take none (a dummy keeps the scan's inputs uniform).
         work_lists = (jnp.asarray(split_map.work_lists()) if split_map is not None
                       else jnp.zeros((layout.num_layers, 1, 3), jnp.int32))
+        heads = P(None, None, AXIS, None)          # [B, 1, heads, d]: heads over the devices
+        attend = self.placement.per_device(
+            functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,
+                              use_work=split_map is not None),
+            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
+            out_specs=(heads, self._pool_spec, self._pool_spec))
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
             layer_state, tables, lens, work = xs          # [B, Gn, P], [B, Gn], [items, 3]
             layer = nnx.merge(self.layer_graphdef, layer_state)
             q, k, v = layer.qkv(h, positions[:, None])
-            # Append the new token's K/V at slot `lens` of every group (padded rows write into
-            # the null page 0, which nothing reads as valid).
-            page = jnp.take_along_axis(tables, (lens // ps)[..., None], axis=-1)[..., 0]
-            offset = lens % ps
-            k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
-            v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
-            slots = (page[..., None], heads, offset[..., None])
-            k_pages = kv_quant.write_slots(k_pages, slots, k_new)   # quantised if the pool is
-            v_pages = kv_quant.write_slots(v_pages, slots, v_new)
-            qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
-            out = self.ops.decode_attention(qg, k_pages, v_pages, tables, lens + 1,
-                                            work if split_map is not None else None)
-            h = layer.finish(h, out.reshape(batch, 1, -1, q.shape[-1]).astype(h.dtype))
+            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work)
+            h = layer.finish(h, out.astype(h.dtype))
             return (h, k_pages, v_pages), None
 
         h = model.embed(tokens[:, None])
@@ -618,9 +674,8 @@ class ModelRunner:
         pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
         `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
         called with the same shapes."""
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
         pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=sharding))
+            shape, dtype, sharding=self.placement.pool))
         rows = backend.next_power_of_2(prefill_rows)
         decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
         prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
@@ -646,7 +701,7 @@ class ModelRunner:
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
                     (n, self.config.vocab_size), jnp.float32,
-                    sharding=jax.sharding.SingleDeviceSharding(self.device)),
+                    sharding=self.placement.replicated),
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
                 logprobs=None).compile()
         for bucket in decode_buckets:
@@ -655,7 +710,8 @@ class ModelRunner:
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
-            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=self.device)[0]
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32,
+                            device=self.placement.replicated)[0]
         for n in _padded_row_counts(max_first_tokens):
             jnp.stack([row] * n)
         self.block_tables = self._apply_table_updates(
