@@ -42,7 +42,8 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map
-from tangram_jax.sampling import SamplingParams, StopChecker, TokenLogprobs, resolve_seed
+from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
+                                  TokenLogprobs, logits_adjust_arrays, resolve_seed)
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
@@ -83,6 +84,43 @@ class _Request:
         """The token the next generated position must take (-1: sample it)."""
         step = self.seq.num_output_tokens
         return self.forced[step] if self.forced is not None and step < len(self.forced) else -1
+
+
+@dataclasses.dataclass
+class _ParentRequest:
+    """A request of ``SamplingParams.n > 1`` (vLLM's parent request): one child request per
+    completion, reported under the parent's id with the child's index.
+
+    What each output holds, by kind: CUMULATIVE every completion's latest state (those not
+    started: empty); DELTA only what the child that moved produced; FINAL_ONLY everything, once
+    every child has finished. The output is `finished` when the last child is.
+    """
+
+    request_id: str
+    child_ids: list[str]
+    output_kind: RequestOutputKind
+    latest: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
+    finished: set[int] = dataclasses.field(default_factory=set)
+    error: str | None = None
+
+    def report(self, index: int, out: RequestOutput) -> RequestOutput | None:
+        """The parent's output after child `index` reported `out` (None: nothing to say yet)."""
+        completion = out.outputs[0]
+        completion.index = index
+        self.latest[index] = completion
+        if out.finished:
+            self.finished.add(index)
+        self.error = self.error or out.error
+        done = len(self.finished) == len(self.child_ids)
+        if self.output_kind is RequestOutputKind.DELTA:
+            completions = [completion]
+        elif self.output_kind is RequestOutputKind.FINAL_ONLY and not done:
+            return None
+        else:
+            completions = [self.latest.get(i) or CompletionOutput(i, "", [])
+                           for i in range(len(self.child_ids))]
+        return dataclasses.replace(out, request_id=self.request_id, outputs=completions,
+                                   finished=done, error=self.error)
 
 
 class PreparedRequest(NamedTuple):
@@ -231,6 +269,9 @@ class Engine:
         log.info("%s", self._pool_line())
         self._requests: dict[str, _Request] = {}
         self._sessions: dict[str, Sequence] = {}
+        # Requests of n > 1: parent id -> parent, and each live child's id -> (parent, index).
+        self._parents: dict[str, _ParentRequest] = {}
+        self._child_of: dict[str, tuple[_ParentRequest, int]] = {}
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
@@ -327,6 +368,12 @@ class Engine:
             inputs.check_id("session_id", session_id)
         vocab = self.model_config.vocab_size
         sampling_params = inputs.check_sampling_params(sampling_params, vocab)
+        if request_id is not None and request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already live")
+        if sampling_params.n > 1 and (session_id is not None or forced_token_ids is not None):
+            raise ValueError(f"sampling_params.n={sampling_params.n}: a request of several "
+                             f"completions cannot continue a session or force its tokens "
+                             f"(session_id / forced_token_ids must be None)")
         given = [name for name, x in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
                                       ("messages", messages)) if x is not None]
         if len(given) != 1:
@@ -373,11 +420,14 @@ class Engine:
         if request_id is None:
             request_id = self._fresh_id()
             self._next_id += 1
+        if prepared.params.n > 1:
+            return self._enqueue_parent(request_id, prepared, output_kind)
         session_id, ids, params = prepared.session_id, prepared.prompt_token_ids, prepared.params
         stop_params = params
         if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
             stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
-                                              ignore_eos=True, stop=None, stop_token_ids=())
+                                              ignore_eos=True, stop=None, stop_token_ids=(),
+                                              min_tokens=0)
         history = 0   # tokens of the session this request continues (already cached)
         if session_id is not None:
             seq = self._sessions.get(session_id)
@@ -398,6 +448,47 @@ class Engine:
             num_cached_tokens=history)
         return request_id
 
+    def _enqueue_parent(self, request_id: str, prepared: "PreparedRequest",
+                        output_kind: RequestOutputKind) -> str:
+        """Queue the n completions of `prepared` as child requests ``"{i}_{request_id}"``
+        (vLLM's naming); child i's seed is ``seed + i`` when the request has one.
+
+        Each child prefills the prompt into its own pages: the block tables share no pages
+        (a shared prompt would need reference-counted pages and a copy of every group's last,
+        partly filled page at the fork)."""
+        params = prepared.params
+        child_ids = [f"{i}_{request_id}" for i in range(params.n)]
+        taken = [c for c in child_ids if c in self._requests or c in self._parents]
+        if taken:
+            raise ValueError(f"request id {request_id!r}: its completions' ids {taken[:3]} "
+                             f"are already live")
+        parent = _ParentRequest(request_id, child_ids, output_kind)
+        for i, child_id in enumerate(child_ids):
+            child = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            self.enqueue(prepared._replace(request_id=child_id, params=child), output_kind)
+            self._child_of[child_id] = (parent, i)
+        self._parents[request_id] = parent
+        return request_id
+
+    def _report(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs as the caller sees them: a child's become its parent's (`_ParentRequest`)."""
+        reported = []
+        for out in outputs:
+            link = self._child_of.get(out.request_id)
+            if link is None:
+                reported.append(out)
+                continue
+            parent, index = link
+            if out.finished:
+                del self._child_of[out.request_id]
+            merged = parent.report(index, out)
+            if merged is not None:
+                reported.append(merged)
+            if merged is not None and merged.finished:
+                del self._parents[parent.request_id]
+        return reported
+
     def _request_seed(self, request_id: str, params: SamplingParams) -> int:
         """The request's own seed, else one derived from `EngineConfig.seed` and the request id
         (vLLM's engine `seed`: the same request sampled again, in this engine or another with the
@@ -409,7 +500,8 @@ class Engine:
 
     def _fresh_id(self) -> str:
         """An id no live request has (a caller may have chosen "request-N" itself)."""
-        while f"request-{self._next_id}" in self._requests:
+        while f"request-{self._next_id}" in self._requests or \
+                f"request-{self._next_id}" in self._parents:
             self._next_id += 1
         return f"request-{self._next_id}"
 
@@ -422,6 +514,17 @@ class Engine:
         """Stop a request now and free its pages (a session's cache too). Returns its final
         output (finish_reason "abort")."""
         inputs.check_id("request_id", request_id)
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:   # every live completion ends; the output holds all of them
+            last = None
+            for child_id in parent.child_ids:
+                if child_id in self._requests:
+                    last = self.abort(child_id)
+                    parent.report(self._child_of.pop(child_id)[1], last)
+            return dataclasses.replace(
+                last, request_id=request_id, finished=True,
+                outputs=[parent.latest.get(i) or CompletionOutput(i, "", [], "abort")
+                         for i in range(len(parent.child_ids))])
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
@@ -467,7 +570,7 @@ class Engine:
 
     def is_live(self, request_id: str) -> bool:
         """Whether `request_id` is queued or running."""
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._parents
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -506,7 +609,7 @@ class Engine:
                 outputs[seq.request_id] = self._output(req, "length")
             if seq.session_id is not None and self._sessions.get(seq.session_id) is seq:
                 del self._sessions[seq.session_id]   # its cache and slot are gone
-        return list(outputs.values())
+        return self._report(list(outputs.values()))
 
     def _dispatch(self, out) -> list[_InFlightToken]:
         """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
@@ -523,7 +626,8 @@ class Engine:
             result = self.runner.decode(positions, out.decode_slots, out.decode_lengths,
                                         *self._sampling_arrays(decode_reqs, bucket), steps,
                                         forced_tokens=self._forced_tokens(decode_reqs, bucket),
-                                        logprobs=mode)
+                                        logprobs=mode,
+                                        adjust=self._logits_adjust(decode_reqs, bucket))
             tokens, lp = result if mode is not None else (result, None)
             pending += [(r, tokens, i, lp) for i, r in enumerate(decode_reqs)]
             self.tokens_processed += n
@@ -533,7 +637,8 @@ class Engine:
                 first_logits, [r.seq.slot for r in first_reqs],
                 *self._sampling_arrays(first_reqs, len(first_reqs)),
                 [r.seq.num_output_tokens for r in first_reqs],
-                forced_tokens=self._forced_tokens(first_reqs, len(first_reqs)), logprobs=mode)
+                forced_tokens=self._forced_tokens(first_reqs, len(first_reqs)), logprobs=mode,
+                adjust=self._logits_adjust(first_reqs, len(first_reqs)))
             tokens, lp = result if mode is not None else (result, None)
             pending += [(r, tokens, i, lp) for i, r in enumerate(first_reqs)]
 
@@ -548,6 +653,20 @@ class Engine:
         """What the step must compute besides tokens for these requests (`LOGPROB_MODES`)."""
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         return None if not asked else "full" if -1 in asked else "top"
+
+    @staticmethod
+    def _logits_adjust(reqs: list[_Request], rows: int) -> LogitsAdjust | None:
+        """The rows' penalties, min_tokens and min_p (None when no request uses them). A
+        completion's last token may still be on the device (a placeholder): `INPUT_TOKEN`."""
+        if not any(r.params.adjusts_logits for r in reqs):
+            return None
+        prompts, outputs = [], []
+        for r in reqs:
+            ids, end = r.seq.token_ids, r.seq.prompt_start + r.seq.num_prompt_tokens
+            prompts.append(ids[:end])   # the whole history: what a stateless client would send
+            outputs.append([INPUT_TOKEN if t == _PLACEHOLDER else t for t in ids[end:]])
+        return logits_adjust_arrays([r.params for r in reqs], prompts, outputs,
+                                    [sorted(r.stop.stop_token_ids) for r in reqs], rows)
 
     @staticmethod
     def _forced_tokens(reqs: list[_Request], rows: int) -> np.ndarray | None:

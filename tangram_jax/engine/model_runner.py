@@ -48,8 +48,8 @@ from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, item_c
                                                            observation_probs, pack_rows,
                                                            prefill_work_items, row_alignment)
 from tangram_jax.pallas_kernels.split_map import SplitMap
-from tangram_jax.sampling import (TokenLogprobs, force_tokens, sample_tokens, step_keys,
-                                  token_logprobs)
+from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, sample_tokens,
+                                  step_keys, token_logprobs)
 
 LAYER_LOOPS = ("scan", "unrolled")
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
@@ -454,7 +454,8 @@ class ModelRunner:
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                seeds: np.ndarray, steps: np.ndarray, *, forced_tokens: np.ndarray | None = None,
-               logprobs: str | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
+               logprobs: str | None = None, adjust: LogitsAdjust | None = None,
+               ) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """One decode step for a padded batch (the bucket is `len(slots)`).
 
         Each row's input token is its slot's last sampled token (`slot_tokens`, on the device),
@@ -464,19 +465,21 @@ class ModelRunner:
         retained tokens before this step (pages for the new token already reserved).
         Sampling arrays [B] as in `tangram_jax.sampling`. forced_tokens: int [B], the token row
         i must take (teacher forcing; -1: sample), default none. logprobs: one of
-        `LOGPROB_MODES`. Returns next tokens [B] (device), and with `logprobs` set also their
+        `LOGPROB_MODES`. adjust: the rows' penalties / min_tokens / min_p (None: nobody's; a
+        separately compiled variant). Returns next tokens [B] (device), and with `logprobs` set also their
         `TokenLogprobs` (device arrays, the model's distribution at each row).
         """
         args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
                                          temperature, top_k, top_p, seeds, steps,
-                                         forced_tokens, logprobs)
+                                         forced_tokens, logprobs, adjust)
         self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
             *args, **static)
         return next_tokens if logprobs is None else (next_tokens, lp)
 
     def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
                      top_p, seeds, steps, forced_tokens=None,
-                     logprobs: str | None = None) -> tuple[tuple, dict]:
+                     logprobs: str | None = None,
+                     adjust: LogitsAdjust | None = None) -> tuple[tuple, dict]:
         """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
@@ -490,13 +493,13 @@ class ModelRunner:
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
                 np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced)
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced, adjust)
         return args, dict(split_map=split_map, logprobs=logprobs,
                           table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
-                     *, split_map, logprobs, table_width):
+                     adjust, *, split_map, logprobs, table_width):
         model = nnx.merge(self.graphdef, state)
         tokens = slot_tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
@@ -535,17 +538,17 @@ class ModelRunner:
              work_lists))
         logits = model.logits(h)[:, 0]
         next_tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced,
-                                         logprobs)
+                                         logprobs, adjust, tokens)
         # Padded rows all point at the null slot; whichever write wins there is never read.
         return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens, lp
 
     # ----- sampling of prefill logits -----------------------------------------------------
     def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
-               steps, *, forced_tokens=None,
-               logprobs: str | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
+               steps, *, forced_tokens=None, logprobs: str | None = None,
+               adjust: LogitsAdjust | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """Sample the first token of sequences whose prefill just ended (logits: list of [V],
         slots: int [n] their block-table rows, which remember the token for the next decode;
-        sampling arrays [n]; forced_tokens and logprobs as in `decode`). Rows are padded to a
+        sampling arrays [n]; forced_tokens, logprobs and adjust (rows [n]) as in `decode`). Rows are padded to a
         power of two (padding rows repeat row 0 and write to the null slot). Returns tokens
         [rows] (device), the first n the samples (and their `TokenLogprobs` when asked)."""
         _check_logprob_mode(logprobs)
@@ -558,7 +561,9 @@ class ModelRunner:
         self.slot_tokens, tokens, lp = self._sample_rows(
             self.slot_tokens, jnp.stack([logits[i] for i in pick]), padded_slots,
             rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
-            rows(seeds, np.uint32), rows(steps, np.int32), forced, logprobs=logprobs)
+            rows(seeds, np.uint32), rows(steps, np.int32), forced,
+            None if adjust is None else LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)),
+            logprobs=logprobs)
         return tokens if logprobs is None else (tokens, lp)
 
     # ----- compile ahead -------------------------------------------------------------------
@@ -613,7 +618,7 @@ class ModelRunner:
         for n in _padded_row_counts(max_first_tokens):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
-                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
+                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
                 logprobs=None).compile()
         for bucket in decode_buckets:
             args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
@@ -651,16 +656,18 @@ def _check_logprob_mode(logprobs) -> None:
         raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
 
 
-def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs):
-    """Each row's token (sampled, or forced where ``forced >= 0``) and, with `logprobs` set,
-    the model's log-probabilities at that row (computed here on the device)."""
+def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
+                   adjust=None, input_tokens=None):
+    """Each row's token (sampled after `adjust`, or forced where ``forced >= 0``) and, with
+    `logprobs` set, the model's log-probabilities at that row (computed here on the device)."""
     tokens = force_tokens(sample_tokens(logits, temperature, top_k, top_p,
-                                        step_keys(seeds, steps)), forced)
+                                        step_keys(seeds, steps), adjust, input_tokens), forced)
     lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
     return tokens, lp
 
 
 def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,
-                       forced, *, logprobs):
-    tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs)
+                       forced, adjust, *, logprobs):
+    tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
+                                adjust)
     return slot_tokens.at[slots].set(tokens), tokens, lp
