@@ -132,3 +132,41 @@ def test_include_stop_str_in_output_end_to_end(engines):
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))   # never shrinks
     assert cut.text == text[:i] and kept[-1].outputs[0].text == text[:i + 3]
     assert kept[-1].outputs[0].stop_reason == stop
+
+
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog; " * 3
+
+
+def _prompt_logprobs(engine, prompt, k=3):
+    (out,) = _final(engine, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                           prompt_logprobs=k), RequestOutputKind.FINAL_ONLY,
+                    prompt=prompt)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_logprobs_are_the_model_distribution_at_each_prompt_position(engines, mode):
+    engine = engines[mode]
+    out = _prompt_logprobs(engine, LONG_PROMPT)
+    ids, plp = out.prompt_token_ids, out.prompt_logprobs
+    assert len(plp) == len(ids) > engine.layout.chunk_size and plp[0] is None
+    for j in range(1, len(ids)):
+        entry = plp[j]
+        assert ids[j] in entry and len(entry) in (3, 4)
+        top = sorted((v for t, v in entry.items() if v.rank <= 3), key=lambda v: v.rank)
+        assert [v.rank for v in top] == [1, 2, 3]
+        assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+        chosen = entry[ids[j]]
+        assert chosen.logprob <= 0 and (chosen.rank > 3 or entry[ids[j]] in top)
+    # The distribution that predicts token j is the one a request of the first j tokens
+    # samples its first token from (checked where no compression has happened yet: inside
+    # the first chunk, the same in every mode; in full mode everywhere).
+    positions = [1, 5, engine.layout.chunk_size - 1] + ([engine.layout.chunk_size + 3, len(ids) - 1] if mode == "full"
+                              else [])
+    for j in positions:
+        rid = engine.add_request(prompt_token_ids=ids[:j], sampling_params=SamplingParams(
+            temperature=0, max_tokens=1, ignore_eos=True, logprobs=-1))
+        (done,) = [o for o in engine.stream() if o.request_id == rid and o.finished]
+        np.testing.assert_allclose(plp[j][ids[j]].logprob,
+                                   done.outputs[0].full_logprobs[0][ids[j]], atol=2e-4)
+    assert out.outputs[0].finish_reason == "length"

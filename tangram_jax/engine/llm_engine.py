@@ -76,6 +76,11 @@ class _Request:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     full_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # With params.prompt_logprobs: position -> the prompt token's entry (`run_prefill_pieces`),
+    # and whether a DELTA output carried them already.
+    prompt_lp: dict[int, TokenLogprobs] = dataclasses.field(default_factory=dict)
+    prompt_lp_entries: list | None = None   # decoded, once the prompt is prefilled
+    prompt_lp_sent: bool = False
     # Set when something failed for this request alone while a step was dispatched; the
     # request ends with finish_reason "error" when that step's tokens are resolved.
     error: str | None = None
@@ -147,7 +152,9 @@ class _InFlightToken(NamedTuple):
 
 
 def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
-                       max_prefill_rows: int) -> tuple[list, dict[str, np.ndarray]]:
+                       max_prefill_rows: int,
+                       prompt_logprobs: dict[str, dict[int, TokenLogprobs]] | None = None,
+                       ) -> tuple[list, dict[str, np.ndarray]]:
     """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
     `max_prefill_rows` rows.
 
@@ -158,6 +165,10 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
     Returns ([(piece, last logits [V])] of pieces that end their prompt, {request id: retained
     lengths [layers, groups] after the pieces}); in ``dynamic`` mode the lengths come back from
     the device (a host round trip per call), otherwise from the layout's keep rule.
+    prompt_logprobs: {request id: {}} of the requests that asked for them: a call holding one
+    of their pieces also computes, on the device, every position's log-probabilities of the
+    prompt token that follows it, and ``[request id][position]`` receives that token's entry
+    (a `TokenLogprobs` of numpy scalars / [MAX_TOP_LOGPROBS] rows; a replayed piece overwrites).
     """
     layout = runner.layout
     dynamic = runner.runner_config.mode == "dynamic"
@@ -184,10 +195,18 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                      layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
                                             end - start) if p.segment[2] else end - start
                      for p, start, end in zip(rows, starts, ends)]
-        logits, kept = runner.prefill(
+        want = prompt_logprobs is not None and any(p.seq.request_id in prompt_logprobs
+                                                   for p in rows)
+        targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
+            if want else None
+        logits, kept, *lp_rows = runner.prefill(
             [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
             starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected)
+            protected, targets)
+        for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):
+            record = prompt_logprobs.get(p.seq.request_id)
+            for i in (np.flatnonzero(t >= 0) if record is not None else ()):
+                record[a + i + 1] = TokenLogprobs(*(x[i] for x in lp[:4]), None)
         kept_host = np.asarray(kept) if dynamic else None
         for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
             rid = p.seq.request_id
@@ -200,6 +219,17 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
             if end == p.end and p.is_last:
                 finished.append((p, logits[b]))
     return finished, hist
+
+
+def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
+    """int32 [end - start]: the prompt token each of positions start..end-1 predicts (-1 past
+    the turn's prompt: those are generated tokens, not prompt)."""
+    prompt_end = seq.prompt_start + seq.num_prompt_tokens
+    targets = np.full(end - start, -1, np.int32)
+    last = min(end + 1, prompt_end)
+    if last > start + 1:
+        targets[:last - start - 1] = seq.token_ids[start + 1:last]
+    return targets
 
 
 class _RequestFailed(Exception):
@@ -682,8 +712,11 @@ class Engine:
         """Run this step's prefill pieces (`run_prefill_pieces`).
         Returns the last logits [V] and requests of pieces that end their prompt, and each
         piece's retained lengths after compression in dynamic mode (None otherwise)."""
+        wanted = {p.seq.request_id: self._requests[p.seq.request_id].prompt_lp for p in pieces
+                  if self._requests[p.seq.request_id].params.prompt_logprobs is not None
+                  and self._requests[p.seq.request_id].prompt_lp_entries is None}
         finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
-                                            self.config.max_prefill_rows)
+                                            self.config.max_prefill_rows, wanted or None)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
         return ([logits for _, logits in finished],
                 [self._requests[p.seq.request_id] for p, _ in finished],
@@ -836,11 +869,37 @@ class Engine:
                 completion.full_logprobs = (
                     np.stack(req.full_logprobs).astype(np.float32) if req.full_logprobs
                     else np.zeros((0, self.model_config.vocab_size), np.float32))
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_lp_sent:
+            prompt_logprobs = self._prompt_logprobs(req)
+            req.prompt_lp_sent = req.output_kind is RequestOutputKind.DELTA
         return RequestOutput(
             request_id=req.seq.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
             metrics=req.metrics, session_id=req.seq.session_id,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, req: _Request) -> list[dict[int, Logprob] | None]:
+        """`RequestOutput.prompt_logprobs` of the request's prompt tokens (decoded once)."""
+        if req.prompt_lp_entries is not None:
+            return req.prompt_lp_entries
+        start = req.seq.prompt_start
+        want, entries = req.params.prompt_logprobs, []
+        for position, token in enumerate(req.prompt_token_ids, start):
+            lp = req.prompt_lp.get(position)
+            if lp is None:
+                entries.append(None)
+                continue
+            entry = {}
+            for rank, (i, v) in enumerate(zip(lp.top_ids[:want].tolist(),
+                                              lp.top_logprobs[:want].tolist()), 1):
+                entry[i] = Logprob(v, rank, self.tokenizer.decode([i]))
+            entry[token] = Logprob(float(lp.token_logprob), int(lp.token_rank),
+                                   self.tokenizer.decode([token]))
+            entries.append(entry)
+        # Outputs come only after the prompt is prefilled: the list is complete.
+        req.prompt_lp_entries, req.prompt_lp = entries, {}
+        return entries
 
     # ----- reports -----------------------------------------------------------------------
     def kv_usage(self) -> dict:

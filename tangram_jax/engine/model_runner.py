@@ -258,7 +258,8 @@ class ModelRunner:
 
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
-                num_protected: list[int] | None = None) -> tuple[jax.Array, jax.Array]:
+                num_protected: list[int] | None = None,
+                prompt_targets: list[np.ndarray] | None = None) -> tuple:
         """Run one prefill row for each of several sequences in one call (a ragged batch: the
         GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
 
@@ -274,7 +275,8 @@ class ModelRunner:
         Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
         arrays whose first ``len(tokens)`` rows are the given rows. Without dynamic selection
         `kept` is the layout's keep rule for each row (``chunk_keep_counts(n_b, num_protected[b])``
-        for a chunk, n_b for a whole row).
+        for a chunk, n_b for a whole row). With `prompt_targets` a third item: each row's
+        log-probabilities of its targets (see `_run_prefill`).
         """
         n_rows = len(tokens)
         if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
@@ -291,14 +293,33 @@ class ModelRunner:
             if not 0 <= p <= len(t):
                 raise ValueError(f"num_protected must be in [0, {len(t)}] for a row of {len(t)} "
                                  f"tokens, got {p}")
-        return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected)
+        if prompt_targets is not None and [len(t) for t in prompt_targets] != \
+                [len(t) for t in tokens]:
+            raise ValueError("prompt_targets needs one target per token of every row")
+        return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected,
+                                 prompt_targets)
 
-    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected):
-        """`prefill` without the checks."""
+    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                     prompt_targets=None):
+        """`prefill` without the checks. With `prompt_targets` (int [n_b] per row: the token
+        each position's logits predict, -1 for none) it also returns each row's
+        `TokenLogprobs` of those targets (numpy, [n_b] / [n_b, MAX_TOP_LOGPROBS]; the
+        prompt_logprobs of vLLM), computed on the device over every position of the call."""
         args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
                                           num_protected, None, self.k_pages, self.v_pages)
-        self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
-        return logits, kept
+        if prompt_targets is None:
+            self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
+            return logits, kept
+        row_starts = args[6]
+        flat_targets = np.full(args[4].shape[0], -1, np.int32)
+        for start, t in zip(row_starts, prompt_targets):
+            flat_targets[start:start + len(t)] = t
+        self.k_pages, self.v_pages, logits, kept, lp = self._prefill(*args, flat_targets,
+                                                                     **static)
+        host = TokenLogprobs(*(np.asarray(x) for x in lp[:4]), None)
+        rows = [TokenLogprobs(*(x[start:start + len(t)] for x in host[:4]), None)
+                for start, t in zip(row_starts, prompt_targets)]
+        return logits, kept, rows
 
     def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
                       num_tokens, k_pages, v_pages) -> tuple[tuple, dict]:
@@ -358,7 +379,7 @@ class ModelRunner:
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
                       row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
-                      work_items, *, table_width):
+                      work_items, targets=None, *, table_width):
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
         slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
         items, 5]; table_width: static, the block-table columns the rows can touch (see
@@ -417,7 +438,11 @@ class ModelRunner:
              per_layer(hist_lengths), per_layer(keep_counts), work_items))
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
-        return k_pages, v_pages, logits, per_layer(kept)
+        if targets is None:
+            return k_pages, v_pages, logits, per_layer(kept)
+        # prompt_logprobs: every position's distribution over the token that follows it.
+        lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
+        return k_pages, v_pages, logits, per_layer(kept), lp
 
     def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
