@@ -127,10 +127,12 @@ def _check_stop_token_ids(value) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
-def _check_ignore_eos(value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"ignore_eos must be a bool, got {value!r}")
-    return bool(value)
+def _check_bool(name: str):
+    def check(value) -> bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+        return bool(value)
+    return check
 
 
 def _check_unicode(what: str, text: str) -> None:
@@ -269,12 +271,6 @@ def _check_min_tokens(value) -> int:
     return n
 
 
-def _check_include_stop_str(value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"include_stop_str_in_output must be a bool, got {value!r}")
-    return bool(value)
-
-
 def _check_prompt_logprobs(value) -> int | None:
     if value is None:
         return None
@@ -293,7 +289,7 @@ _FIELD_CHECKS: dict[str, Callable] = {
     "seed": _check_seed,
     "stop": _check_stop,
     "stop_token_ids": _check_stop_token_ids,
-    "ignore_eos": _check_ignore_eos,
+    "ignore_eos": _check_bool("ignore_eos"),
     "logprobs": _check_logprobs,
     "n": _check_n,
     "presence_penalty": _check_penalty("presence_penalty"),
@@ -301,7 +297,7 @@ _FIELD_CHECKS: dict[str, Callable] = {
     "repetition_penalty": _check_repetition_penalty,
     "min_p": _check_min_p,
     "min_tokens": _check_min_tokens,
-    "include_stop_str_in_output": _check_include_stop_str,
+    "include_stop_str_in_output": _check_bool("include_stop_str_in_output"),
     "prompt_logprobs": _check_prompt_logprobs,
 }
 
