@@ -96,6 +96,8 @@ class LLM:
             def check(conv=conv, p=p):
                 ids = self.engine.tokenizer.apply_chat_template(
                     check_messages(conv), add_generation_prompt=True)
+                if p is not None and p.n > 1:   # several branches: none is the session
+                    return self.engine.check_request(prompt_token_ids=ids, sampling_params=p)
                 session_id, new_ids = self.engine.find_session(ids)
                 if session_id is None or session_id in claimed:
                     session_id, new_ids = self._new_session_id(claimed), ids
@@ -103,7 +105,7 @@ class LLM:
                 return self.engine.check_request(prompt_token_ids=new_ids, sampling_params=p,
                                                  session_id=session_id)
             requests.append(_checked(i, "conversations", check))
-        self._chat_sessions.update(r.session_id for r in requests)
+        self._chat_sessions.update(r.session_id for r in requests if r.session_id is not None)
         outputs = self._run(requests, use_tqdm)
         self._forget_evicted_sessions()
         return outputs

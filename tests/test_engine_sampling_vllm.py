@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tangram_jax.engine.llm_engine import Engine
+from tangram_jax.llm import LLM
 from tangram_jax.engine.outputs import RequestOutputKind
 from tangram_jax.sampling import SamplingParams
 from tiny_engine import build_tiny_model, tiny_engine_config
@@ -17,9 +18,13 @@ PROMPT = "the cat sat on the mat and then the cat"
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return {mode: Engine(tiny_engine_config(folder, mode)) for mode in MODES}
+def tiny_folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_folder):
+    return {mode: Engine(tiny_engine_config(tiny_folder, mode)) for mode in MODES}
 
 
 def _final(engine, params, kind=RequestOutputKind.CUMULATIVE, prompt=PROMPT):
@@ -170,3 +175,15 @@ def test_prompt_logprobs_are_the_model_distribution_at_each_prompt_position(engi
         np.testing.assert_allclose(plp[j][ids[j]].logprob,
                                    done.outputs[0].full_logprobs[0][ids[j]], atol=2e-4)
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_llm_generate_and_chat_with_n(tiny_folder):
+    llm = LLM(config=tiny_engine_config(tiny_folder, "tangram"))
+    params = SamplingParams(temperature=3.0, max_tokens=5, ignore_eos=True, seed=1, n=3)
+    (out,) = llm.generate("hello there", params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    assert all(len(c.token_ids) == 5 for c in out.outputs)
+    conv = [{"role": "user", "content": "hi"}]
+    (reply,) = llm.chat([conv], params, use_tqdm=False)
+    assert len(reply.outputs) == 3 and reply.session_id is None
+    assert not llm.engine.has_unfinished_requests()
