@@ -141,6 +141,7 @@ async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_i
     gen = async_engine.generate(request_id=request_id, **request)
     out = None
     refused = False
+    generated = 0   # tokens of every completion (DELTA outputs: each counted once)
     try:
         try:
             out = await gen.__anext__()
@@ -151,9 +152,11 @@ async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_i
         except (ValueError, TypeError, ChatTemplateError) as e:
             refused = True
             raise APIError(400, str(e)) from None
+        generated += sum(len(c.token_ids) for c in out.outputs)
         yield out
         while not out.finished:
             out = await gen.__anext__()
+            generated += sum(len(c.token_ids) for c in out.outputs)
             yield out
     except EngineDead as e:
         refused = refused or out is None
@@ -161,7 +164,7 @@ async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_i
     finally:
         await gen.aclose()
         if not refused:   # ended, or aborted (also a client gone before the first token)
-            metrics.observe(out)
+            metrics.observe(out, generated)
 
 
 async def _start_all(streams) -> list[RequestOutput]:
