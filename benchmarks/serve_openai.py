@@ -242,9 +242,13 @@ def main(argv=None) -> int:
                         "omit to measure tangram-jax only")
     p.add_argument("--servers", default="tangram-jax,vllm",
                    help="which of the two to run (comma-separated)")
-    p.add_argument("--hf-folder", default=str(ROOT / ".cache" / "smollm2-135m-hf"),
+    p.add_argument("--hf-folder", default=str(Path.home() / ".cache" / "tangram_jax_peers" /
+                                             "smollm2-hf-f32"),
                    help="the embedded model as a Hugging Face folder for vLLM (made from the "
-                        "GGUF on first use)")
+                        "GGUF on first use). Not .cache/smollm2-135m-hf of the main checkout: "
+                        "same weights, but its tokenizer_config names CodeLlamaTokenizer, which "
+                        "transformers 5 runs as a sentencepiece-style tokenizer (spaces become "
+                        "<|endoftext|>, a BOS is added, decoded text keeps 'Ġ')")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--prompts", type=int, default=4, help="/v1/completions requests per phase")
     p.add_argument("--top-logprobs", type=int, default=2)
