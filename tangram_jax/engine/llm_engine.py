@@ -810,13 +810,17 @@ class Engine:
         if want > 0:
             ids, values = fetch("top_ids"), fetch("top_logprobs")
             for rank, (i, v) in enumerate(zip(ids[:want].tolist(), values[:want].tolist()), 1):
-                entry[i] = Logprob(v, rank, self.tokenizer.decode([i]))
+                entry[i] = Logprob(v, rank, self._token_text(i))
         chosen = float(fetch("token_logprob"))
-        entry[token] = Logprob(chosen, int(fetch("token_rank")), self.tokenizer.decode([token]))
+        entry[token] = Logprob(chosen, int(fetch("token_rank")), self._token_text(token))
         req.logprobs.append(entry)
         req.cumulative_logprob += chosen
         if want == -1:
             req.full_logprobs.append(fetch("full"))
+
+    def _token_text(self, token: int) -> str:
+        """A token's text in log-prob entries: special tokens spelled out (as vLLM does)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     @staticmethod
     def _drop_placeholders(seq: Sequence) -> None:
@@ -893,9 +897,9 @@ class Engine:
             entry = {}
             for rank, (i, v) in enumerate(zip(lp.top_ids[:want].tolist(),
                                               lp.top_logprobs[:want].tolist()), 1):
-                entry[i] = Logprob(v, rank, self.tokenizer.decode([i]))
+                entry[i] = Logprob(v, rank, self._token_text(i))
             entry[token] = Logprob(float(lp.token_logprob), int(lp.token_rank),
-                                   self.tokenizer.decode([token]))
+                                   self._token_text(token))
             entries.append(entry)
         # Outputs come only after the prompt is prefilled: the list is complete.
         req.prompt_lp_entries, req.prompt_lp = entries, {}
