@@ -277,7 +277,7 @@ def prefill_turn(runner, scheduler, manager, tokens, request_id, max_prefill_row
     last = None
     while last is None:
         out = scheduler.schedule()
-        runner.update_block_tables(*out.table_updates)
+        runner.update_block_tables(*manager.take_table_updates())
         finished, hist = run_prefill_pieces(runner, manager, out.prefill_chunks,
                                             max_prefill_rows)
         if record is not None:

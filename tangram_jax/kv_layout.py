@@ -13,6 +13,12 @@ Page layout (one pool serves every layer and group because every page has the sa
 
     k_pages, v_pages: [num_pages, G, page_size, head_dim]
 
+The pool's page format is `EngineConfig.kv_precision` (`tangram_jax.kv_quant`): ``bf16`` pages
+of values as above, or quantised K8V8 / K8V4 / K4V2 pages (packed codes plus a float32 scale and
+zero per slot) of the same logical shape, equal bytes within a format. Precision tiers
+(`TieredLayout`, ``k8v4-k4v2``) split each group's retained tokens into a high and a low tier
+with static budgets, reserved per (layer, group, tier).
+
 A page holds `page_size` token slots of the G heads of ONE group of ONE layer. Block tables are
 ``[seq_slot, layer, group, max_pages]`` int32 and retained lengths ``[seq_slot, layer, group]``.
 Within a group, head ``j`` of the page is the layer's KV head ``head_perm[layer, group*G + j]``
@@ -244,3 +250,110 @@ class KVLayout:
     def with_tail(self, rule: str, window: int) -> "KVLayout":
         """This layout with another protected-tail rule."""
         return dataclasses.replace(self, tail_rule=rule, tail_window=window)
+
+
+# ----- precision tiers (hetero-precision KV, `tangram_jax.kv_quant`) -------------------------
+
+# A tiered precision: the page formats of its high and low tier.
+PRECISION_TIERS = {"k8v4-k4v2": ("k8v4", "k4v2")}
+
+
+def tier_high_count(high_share: np.ndarray, kept: np.ndarray | int) -> np.ndarray:
+    """Of `kept` tokens a group keeps from one chunk (protected ones aside), how many go to
+    the high-precision tier: the top ``ceil(h * kept)`` by importance rank (at least one when
+    h > 0 and kept > 0), the rest to the low tier. high_share float [..., groups] in [0, 1]."""
+    h = np.asarray(high_share, dtype=np.float64)
+    k = np.asarray(kept, dtype=np.int64)
+    high = np.ceil(h * k - _CEIL_EPS).astype(np.int64)
+    return np.clip(high, 0, k)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TieredLayout:
+    """A `KVLayout` whose retained tokens are split into precision tiers with static budgets.
+
+    Group g of the base layout becomes two *tier groups*, ``2 g`` (high tier, `tiers[0]`'s page
+    format) and ``2 g + 1`` (low tier, `tiers[1]`), each with its own pages and block table, so
+    the KV-cache manager reserves per (layer, group, tier) exactly as it reserves per (layer,
+    group) for a `KVLayout`: every count below is ``[layers, 2 * groups]``.
+
+    Tier rule (the single source of truth, as `KVLayout.retained_counts` is for the totals):
+    from a chunk whose unprotected part keeps k tokens, the high tier takes `tier_high_count`
+    ``(h_g, k)`` of them (the top by importance within the kept set) and the low tier the rest;
+    protected tail tokens and decode tokens all go to the high tier. So high + low is always
+    the base layout's retained count.
+
+    high_share: float [layers, groups] in [0, 1], the calibrated static share of the high tier
+    (`BudgetProfile.tiers`).
+    """
+
+    base: KVLayout
+    high_share: np.ndarray
+    precision: str = "k8v4-k4v2"
+
+    def __post_init__(self):
+        if not isinstance(self.base, KVLayout):
+            raise TypeError(f"base must be a KVLayout, got {type(self.base).__name__}")
+        if self.precision not in PRECISION_TIERS:
+            raise ValueError(f"precision must be one of {tuple(PRECISION_TIERS)}, got "
+                             f"{self.precision!r}")
+        h = np.asarray(self.high_share, dtype=np.float64)
+        if h.shape != self.base.group_budgets.shape:
+            raise ValueError(f"high_share has shape {h.shape}, expected "
+                             f"{self.base.group_budgets.shape} [layers, groups]")
+        if not (np.isfinite(h).all() and (h >= 0).all() and (h <= 1).all()):
+            raise ValueError("high_share must lie in [0, 1]")
+        object.__setattr__(self, "high_share", h)
+
+    # The base layout's shape, for the manager and the checks that read it.
+    num_layers = property(lambda self: self.base.num_layers)
+    num_kv_heads = property(lambda self: self.base.num_kv_heads)
+    head_dim = property(lambda self: self.base.head_dim)
+    page_size = property(lambda self: self.base.page_size)
+    chunk_size = property(lambda self: self.base.chunk_size)
+    compresses = property(lambda self: self.base.compresses)
+    name = property(lambda self: f"{self.base.name}+{self.precision}")
+
+    @property
+    def tiers(self) -> tuple[str, str]:
+        """Page formats (`kv_quant.KV_PRECISIONS`) of the high and the low tier."""
+        return PRECISION_TIERS[self.precision]
+
+    @property
+    def num_groups(self) -> int:
+        """Tier groups: two per group of the base layout."""
+        return 2 * self.base.num_groups
+
+    @property
+    def decode_tier_groups(self) -> np.ndarray:
+        """bool [num_groups]: the tier groups a decode token is appended to (the high ones)."""
+        return np.arange(self.num_groups) % 2 == 0
+
+    def _interleave(self, high: np.ndarray, low: np.ndarray) -> np.ndarray:
+        return np.stack([high, low], axis=-1).reshape(*high.shape[:-1], self.num_groups)
+
+    def retained_counts(self, num_tokens: int, *, upto: int | None = None) -> np.ndarray:
+        """int64 [layers, 2 * groups]: `KVLayout.retained_counts` split by the tier rule."""
+        base = self.base
+        n = int(num_tokens)
+        total = base.retained_counts(n, upto=upto)           # validates n and upto
+        upto = n if upto is None else int(upto)
+        boundary = n - base.protected_tail(n)
+        full, rest = divmod(min(upto, boundary), base.chunk_size)
+        high = (full * tier_high_count(self.high_share, base.chunk_keep_counts(base.chunk_size))
+                + tier_high_count(self.high_share, base.chunk_keep_counts(rest))
+                + max(0, upto - boundary))
+        return self._interleave(high, total - high)
+
+    def piece_retained_counts(self, turn_len: int, start: int, end: int) -> np.ndarray:
+        """`KVLayout.piece_retained_counts` per tier group."""
+        return (self.retained_counts(turn_len, upto=end)
+                - self.retained_counts(turn_len, upto=start))
+
+    def segments_retained_counts(self, segments) -> np.ndarray:
+        """`KVLayout.segments_retained_counts` per tier group (kept-whole segments: high)."""
+        total = np.zeros((self.num_layers, self.num_groups), np.int64)
+        for length, compressed in segments:
+            total = total + (self.retained_counts(length) if compressed
+                             else self.decode_tier_groups * int(length))
+        return total

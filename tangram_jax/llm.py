@@ -11,19 +11,30 @@
 
 Multi-turn: `chat` finds the idle session whose token history is a prefix of the conversation's
 tokens and continues it, so a conversation's compressed history stays in the pool between turns.
-A conversation whose history differs (edited, or re-tokenised differently) starts a new session;
-idle sessions are evicted least-recently-used when the pool runs short.
+A conversation whose history differs (edited, or re-tokenised differently) starts a new session.
+Sessions live in the engine's one session table (`Engine.sessions`): when the pool runs short it
+evicts the idle sessions least likely to be continued soon per token of recompute, and forgets
+the evicted ones `chat` opened (the next turn resends the conversation anyway).
+
+Data parallelism (`data_parallel_size=N`): N engine replicas, one per device, each with the
+weights, its own KV pool and its own session table. A batch's prompts go to the replica with the
+fewest tokens assigned so far (prompt plus max_tokens); a conversation stays on the replica that
+holds its session. Each replica steps in its own thread (JAX releases the GIL while a step runs),
+and outputs come back in the caller's order. Request ids are the LLM's own (`request-K`), so a
+seeded or derived sample does not depend on which replica served it.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from tangram_jax.engine.config import EngineConfig
+from tangram_jax.engine import memory
+from tangram_jax.engine.config import EngineConfig, EngineConfigError
 from tangram_jax.engine.inputs import check_messages
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.engine.outputs import RequestOutput
@@ -40,9 +51,9 @@ class LLM:
                 raise TypeError("pass either config= or EngineConfig fields, not both")
         else:
             config = EngineConfig(model=model, profile=profile, mode=mode, **kwargs)
-        self.engine = Engine(config)
-        self._ids = itertools.count()
-        self._chat_sessions: set[str] = set()   # sessions `chat` opened and has not ended
+        self.engines = _replicas(config)
+        self.engine = self.engines[0]   # the first replica (the only one by default)
+        self._request_ids = itertools.count()   # ids of data-parallel requests (`request-K`)
 
     @property
     def tokenizer(self):
@@ -59,7 +70,7 @@ class LLM:
         """
         items = _prompt_list(prompts)
         params = self._params_for(len(items), sampling_params)
-        requests = []
+        requests, load = [], [0] * len(self.engines)
         for i, (item, p) in enumerate(zip(items, params)):
             if isinstance(item, dict):
                 unknown = set(item) - {"prompt", "prompt_token_ids"}
@@ -71,8 +82,11 @@ class LLM:
                 request = dict(prompt=item)
             else:
                 request = dict(prompt_token_ids=item)
-            requests.append(_checked(i, "prompts", lambda: self.engine.check_request(
-                sampling_params=p, **request)))
+            replica = min(range(len(load)), key=load.__getitem__)
+            checked = _checked(i, "prompts", lambda: self.engines[replica].check_request(
+                request_id=self._request_id(), sampling_params=p, **request))
+            load[replica] += len(checked.prompt_token_ids) + checked.params.max_tokens
+            requests.append((replica, checked))
         return self._run(requests, use_tqdm)
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
@@ -92,45 +106,57 @@ class LLM:
             conversations = [conversations]
         params = self._params_for(len(conversations), sampling_params)
         requests, claimed = [], set()
+        load = [0] * len(self.engines)
         for i, (conv, p) in enumerate(zip(conversations, params)):
             def check(conv=conv, p=p):
                 ids = self.engine.tokenizer.apply_chat_template(
                     check_messages(conv), add_generation_prompt=True)
                 if p is not None and p.n > 1:   # several branches: none is the session
-                    return self.engine.check_request(prompt_token_ids=ids, sampling_params=p)
-                session_id, new_ids = self.engine.find_session(ids)
-                if session_id is None or session_id in claimed:
-                    session_id, new_ids = self._new_session_id(claimed), ids
+                    replica = min(range(len(load)), key=load.__getitem__)
+                    checked = self.engines[replica].check_request(
+                        request_id=self._request_id(), prompt_token_ids=ids, sampling_params=p)
+                    load[replica] += len(ids) + checked.params.max_tokens * p.n
+                    return replica, checked
+                found = [(r, *e.find_session(ids)) for r, e in enumerate(self.engines)]
+                replica, session_id, new_ids = next(
+                    (f for f in found if f[1] is not None and f[1] not in claimed),
+                    (None, None, ids))
+                if session_id is None:   # a new session, on the least-loaded replica
+                    replica = min(range(len(load)), key=load.__getitem__)
+                    session_id = self._new_session_id(replica, claimed)
                 claimed.add(session_id)
-                return self.engine.check_request(prompt_token_ids=new_ids, sampling_params=p,
-                                                 session_id=session_id)
+                checked = self.engines[replica].check_request(
+                    request_id=self._request_id(), prompt_token_ids=new_ids,
+                    sampling_params=p, session_id=session_id)
+                load[replica] += len(new_ids) + checked.params.max_tokens
+                return replica, checked
             requests.append(_checked(i, "conversations", check))
-        self._chat_sessions.update(r.session_id for r in requests if r.session_id is not None)
-        outputs = self._run(requests, use_tqdm)
-        self._forget_evicted_sessions()
-        return outputs
+        return self._run(requests, use_tqdm)
 
     def end_session(self, session_id: str) -> None:
         """Free a conversation's pages now (otherwise they stay until evicted)."""
-        self.engine.end_session(session_id)
-        self._chat_sessions.discard(session_id)
+        holders = [e for e in self.engines if e.has_session(session_id)]
+        for engine in holders or self.engines[:1]:   # none: the engine's own error
+            engine.end_session(session_id)
 
-    def _forget_evicted_sessions(self) -> None:
-        """End the sessions `chat` opened whose cache was evicted: continuing one re-prefills
-        the whole history, as a new session would, so keeping its history only costs memory
-        (a long-running chat loop would otherwise hold every conversation ever seen)."""
-        for sid in list(self._chat_sessions):
-            if not self.engine.has_session(sid):
-                self._chat_sessions.discard(sid)
-            elif not self.engine.session_is_cached(sid) and not self.engine.session_is_busy(sid):
-                self.engine.end_session(sid)
-                self._chat_sessions.discard(sid)
-
-    def _new_session_id(self, claimed: set[str]) -> str:
+    def _new_session_id(self, replica: int, claimed: set[str]) -> str:
+        """A fresh session id from `replica`'s table that no other replica holds either."""
+        exclude = set(claimed)
         while True:
-            sid = f"session-{next(self._ids)}"
-            if sid not in claimed and not self.engine.has_session(sid):
+            sid = self.engines[replica].new_session_id(exclude=exclude)
+            if not any(e.has_session(sid) for e in self.engines):
                 return sid
+            exclude.add(sid)
+
+    def _request_id(self) -> str | None:
+        """The id of the next request: the engine's own with one replica (as before), the
+        LLM's `request-K` with several (unique across replicas; derived seeds follow it)."""
+        if len(self.engines) == 1:
+            return None
+        while True:
+            rid = f"request-{next(self._request_ids)}"
+            if not any(e.is_live(rid) for e in self.engines):
+                return rid
 
     @staticmethod
     def _params_for(n, sampling_params):
@@ -144,25 +170,91 @@ class LLM:
         return list(sampling_params)
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
-        """Queue checked requests and step until all of them finished. If stepping is
-        interrupted (Ctrl-C, an engine failure), the batch's requests are aborted so the
-        engine stays usable, and the exception goes on."""
-        order = [self.engine.enqueue(r) for r in requests]
-        results: dict[str, RequestOutput] = {}
+        """Queue checked (replica, request) pairs and step until all of them finished, each
+        replica in its own thread when there are several. If stepping is interrupted (Ctrl-C,
+        an engine failure), the batch's unfinished requests are aborted on every replica so
+        the engines stay usable, and the exception goes on."""
+        order = [(r, self.engines[r].enqueue(req)) for r, req in requests]
+        results: dict[tuple[int, str], RequestOutput] = {}
+        stop = threading.Event()
+        lock = threading.Lock()
+        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+
+            def serve(replica: int) -> None:
+                engine = self.engines[replica]
+                mine = {rid for r, rid in order if r == replica}
+                done = 0
+                while done < len(mine) and engine.has_unfinished_requests() and \
+                        not stop.is_set():
+                    for out in engine.step():
+                        key = (replica, out.request_id)
+                        if out.finished and out.request_id in mine and key not in results:
+                            with lock:
+                                results[key] = out
+                                bar.update(1)
+                            done += 1
+
+            try:
+                replicas = sorted({r for r, _ in order})
+                if len(replicas) <= 1:
+                    for r in replicas:
+                        serve(r)
+                else:
+                    _run_threads(serve, replicas, stop)
+            except BaseException:
+                stop.set()
+                for r, rid in order:
+                    if (r, rid) not in results and self.engines[r].is_live(rid):
+                        self.engines[r].abort(rid)
+                raise
+        return [results[key] for key in order]
+
+
+def _run_threads(serve, replicas: list[int], stop: threading.Event) -> None:
+    """`serve(r)` for every replica in its own thread; the first failure (or a Ctrl-C while
+    waiting) stops the others and is raised once they have returned."""
+    errors: list[BaseException] = []
+
+    def target(r):
         try:
-            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
-                      dynamic_ncols=True) as bar:
-                while len(results) < len(order) and self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if out.finished and out.request_id not in results:
-                            results[out.request_id] = out
-                            bar.update(1)
-        except BaseException:
-            for rid in order:
-                if rid not in results and self.engine.is_live(rid):
-                    self.engine.abort(rid)
-            raise
-        return [results[rid] for rid in order]
+            serve(r)
+        except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=target, args=(r,), name=f"tangram-replica-{r}",
+                                daemon=True) for r in replicas]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.1)
+    except BaseException:
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+
+
+def _replicas(config: EngineConfig) -> list[Engine]:
+    """The engines of `config`: one, or `data_parallel_size` replicas on the first devices."""
+    n = config.data_parallel_size
+    if n == 1:
+        return [Engine(config)]
+    import jax
+    config.check()
+    memory.configure_allocator(config.gpu_memory_utilization)   # before JAX's backend starts
+    devices = jax.devices()
+    if len(devices) < n:
+        raise EngineConfigError(
+            f"data_parallel_size must be at most the number of devices, got {n} with "
+            f"{len(devices)} {jax.default_backend()} device(s) (on a CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} gives {n})")
+    return [Engine(config, device=d) for d in devices[:n]]
 
 
 def _checked(index: int, what: str, check):

@@ -49,7 +49,7 @@ def test_request_preempted_before_its_last_token_is_known_can_finish():
         seq.token_ids[index] = 2 if seq is second else 7   # second's turns out to be its stop
     s.finish("second")
     assert second.status is SequenceStatus.IDLE and not second.is_cached
-    assert second not in s.waiting and "chat" not in s._lru
+    assert second not in s.waiting and not s.sessions.is_listed(second)
     s.finish("first")
     assert m.pool.num_free == m.pool.capacity
     # The session's next turn re-prefills its whole history, replaying it as first written:

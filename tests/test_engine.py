@@ -122,7 +122,7 @@ def test_multi_turn_chat_pages_are_exactly_the_reservation():
             assert out.finished and out.outputs[0].token_ids
             c.append({"role": "assistant", "content": out.outputs[0].text})
             history[i].append((before[i][1], len(out.outputs[0].token_ids)))
-            seq = engine._sessions[out.session_id]
+            seq = engine.sessions.get(out.session_id)
             slot = seq.slot
             expected = _expected_lengths(layout, history[i])
             np.testing.assert_array_equal(manager.lengths[slot], expected)
@@ -248,7 +248,7 @@ def test_dynamic_mode_compresses_then_reclaims():
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     assert done and done[0].outputs[0].token_ids
-    slot = engine._sessions["s"].slot
+    slot = engine.sessions.get("s").slot
     cached = len(prompt) + len(done[0].outputs[0].token_ids) - 1
     lengths = manager.lengths[slot]
     # The per-input selection kept about half of the prompt; the pages above it went back.

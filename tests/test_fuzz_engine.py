@@ -47,7 +47,7 @@ def _drain(engine: Engine, limit: int = 2000) -> dict:
 
 
 def _assert_idle(engine: Engine) -> None:
-    for sid in list(engine._sessions):
+    for sid in list(engine.sessions):
         if engine.has_session(sid):
             engine.end_session(sid)
     # Parked pages of finished requests are returned when nothing runs.

@@ -86,3 +86,41 @@ def test_compress_rejects_bad_inputs():
     bad[2] = args[2][:, :3]
     with pytest.raises(ValueError, match="scores"):
         compress_chunk_into_pages(*bad)
+
+
+@pytest.mark.parametrize("precision", ["k8v4", "k4v2"])
+def test_compress_quantises_kept_tokens(precision):
+    """A quantised pool: the kernel writes the kept tokens' codes, scales and zeros exactly as
+    the jnp scatter does, leaves every other slot alone (NaN scales stay NaN), and the kept
+    values dequantise to the numpy top-k within the format's bound."""
+    from tangram_jax import kv_quant
+    fmt = kv_quant.page_format(precision)
+    rng = np.random.default_rng()
+    chunk, heads, d, g, _, _ = SHAPE
+    args = list(_case(rng, chunk - 3, [0.3, 0.6][:heads // g], jnp.float32))
+    shape = args[5].shape
+
+    def nan_pool(bits):
+        pool = kv_quant.pool_arrays(shape, jnp.float32, bits)
+        return kv_quant.QuantPages(codes=pool.codes, scale=jnp.full(shape[:-1], jnp.nan),
+                                   zero=jnp.full(shape[:-1], jnp.nan), bits=bits,
+                                   dtype=jnp.dtype(jnp.float32))
+
+    args[5], args[6] = nan_pool(fmt.key_bits), nan_pool(fmt.value_bits)
+    refs = compress_chunk_into_pages_reference(*args)
+    outs = compress_chunk_into_pages(*args)
+    for out, ref, bits in zip(outs, refs, (fmt.key_bits, fmt.value_bits)):
+        assert isinstance(out, kv_quant.QuantPages) and out.bits == bits
+        for a, b in ((out.codes, ref.codes), (out.scale, ref.scale), (out.zero, ref.zero)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for out, chunk_values, bits in ((outs[0], args[0], fmt.key_bits),
+                                    (outs[1], args[1], fmt.value_bits)):
+        expected = _numpy_expected(np.asarray(chunk_values), np.asarray(args[2]),
+                                   np.asarray(args[3]), chunk - 3,
+                                   np.full(shape, np.nan, np.float32), np.asarray(args[7]),
+                                   np.asarray(args[8]), g)
+        got = np.asarray(kv_quant.dequantise_pages(out))
+        written = ~np.isnan(expected)
+        assert np.array_equal(~np.isnan(got), written)
+        bound = np.asarray(kv_quant.error_bound(np.nan_to_num(expected), bits))[..., None]
+        assert (np.abs(np.nan_to_num(got - expected)) <= bound).all()

@@ -88,3 +88,18 @@ def test_runtime_plan_balances_by_actual_length():
     splits_long = (work[0, :, 0] == 3) & (work[0, :, 2] > 0)
     assert splits_long.sum() >= 55                      # nearly all items go to the long group
     assert ((work[1, :, 2] > 0).sum()) == 4             # empty row: one no-op split per group
+
+
+def test_split_map_weighs_groups_by_bytes_to_read():
+    """Equal budgets but one group's tokens cost 4x the bytes (bf16 against K4V2-like pages):
+    that group gets ~4x the splits; a uniform byte cost leaves the map unchanged."""
+    budgets = np.array([[0.5, 0.5], [0.2, 0.8]])
+    plain = sm.build_split_map(budgets, 528, 4, group_size=2)
+    assert sm.build_split_map(budgets, 528, 4, group_size=2, bytes_per_token=3.5) == plain
+    cost = np.array([[4.0, 1.0], [1.0, 1.0]])
+    m = sm.build_split_map(budgets, 528, 4, group_size=2, bytes_per_token=cost)
+    a, b = m.splits[0]
+    assert 3.5 <= a / b <= 4.5, m.splits[0]
+    assert m.splits[1] == plain.splits[1]
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        sm.build_split_map(budgets, 528, group_size=2, bytes_per_token=np.ones((2, 3)))

@@ -31,6 +31,8 @@ def monolithic_layout():
 
 class SchedulerMachine(RuleBasedStateMachine):
     policy = "reserve"
+    # Long prefills capped at two chunks, one at a time (the engine's kind of default).
+    long_prefill_kwargs = dict(long_prefill_token_threshold=2 * CHUNK, max_long_partial_prefills=1)
 
     @initialize()
     def setup(self):
@@ -38,8 +40,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.manager = KVCacheManager(layout, NUM_PAGES, MAX_SEQS, MAX_PAGES,
                                       model_kv_shape=(NUM_LAYERS, NUM_HEADS, HEAD_DIM),
                                       policy=self.policy)
+        self.now = 0.0   # the sessions' clock: half a second a step
         self.sched = Scheduler(self.manager, max_num_batched_tokens=TOKEN_BUDGET,
-                               decode_buckets=BUCKETS, fairness_skips=3)
+                               decode_buckets=BUCKETS, fairness_skips=3,
+                               clock=lambda: self.now, **self.long_prefill_kwargs)
         self.layout = layout
         self.device_table = self.manager.block_tables.copy()
         self.counter = 0
@@ -72,7 +76,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), length=st.integers(1, 30), max_new=st.integers(1, 6))
     def next_turn(self, data, length, max_new):
         session = data.draw(st.sampled_from(sorted(self.idle_sessions)))
-        seq = self.sched._sessions[session]
+        seq = self.sched.sessions.get(session)
         history = seq.num_tokens + length
         self.counter += 1
         rid = f"r{self.counter}"
@@ -109,12 +113,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ----- the simulated device ----------------------------------------------------------
     def _step(self):
         m, sched = self.manager, self.sched
+        self.now += 0.5
         out = sched.schedule()
         # The device copy of the block table follows the host through the update log.
-        index, value = out.table_updates
+        index, value = m.take_table_updates()
         self.device_table.reshape(-1)[index] = value
         assert (self.device_table == m.block_tables).all()
         assert out.num_scheduled_tokens <= TOKEN_BUDGET
+        # Long prefills: each piece within the cap, at most max_long_partial_prefills of them.
+        threshold = sched.long_prefill_token_threshold
+        longs = [c for c in out.prefill_chunks if c.seq.num_uncomputed_tokens > threshold]
+        assert all(c.num_tokens <= threshold for c in longs)
+        assert len(longs) <= sched.max_long_partial_prefills
+        running_long = [s for s in sched.running if s.status is SequenceStatus.PREFILL
+                        and s.num_uncomputed_tokens > threshold]
+        assert len(running_long) <= sched.max_long_partial_prefills
         assert out.decode_bucket in (0,) + BUCKETS and out.decode_bucket >= len(out.decode_seqs)
         assert (out.decode_slots[len(out.decode_seqs):] == m.null_slot).all()
         assert len({s.slot for s in out.decode_seqs}) == len(out.decode_seqs)
@@ -153,9 +166,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 keep = np.ceil(written * self.rng.uniform(0.2, 1.0, written.shape)).astype(int)
                 reclaim[rid] = np.maximum(keep, m.lengths[seq.slot])
         # Growth has counted this step's token already; the device writes it at the old length.
+        write_lengths = m.decode_write_lengths(out.decode_slots)
+        assert (write_lengths[len(out.decode_seqs):] == 0).all()
         for row, seq in enumerate(out.decode_seqs):
-            assert (m.lengths[seq.slot] == out.decode_lengths[row] + 1).all()
-        decode_before = {s.request_id: out.decode_lengths[row].copy()
+            assert (m.lengths[seq.slot] == write_lengths[row] + 1).all()
+        decode_before = {s.request_id: write_lengths[row].copy()
                          for row, s in enumerate(out.decode_seqs)}
         for row, seq in enumerate(out.decode_seqs):
             sampled[seq.request_id] = 100 + row
@@ -176,7 +191,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if session is not None:
                     self.idle_sessions.add(session)
         # Sessions evicted or capped are no longer idle-cached but stay continuable if idle.
-        self.idle_sessions = {s for s in self.idle_sessions if s in sched._sessions}
+        self.idle_sessions = {s for s in self.idle_sessions if s in sched.sessions}
 
     # ----- invariants --------------------------------------------------------------------
     @invariant()
@@ -199,14 +214,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert (m.lengths <= m.reserved_lengths).all()
         assert (m.table.num_pages == pages_for(m.reserved_lengths, PAGE)).all()
         assert (m.lengths <= m.table.num_pages * PAGE).all()
-        listed = [s for s in self.sched._sessions.values()
-                  if s.is_cached and not s.status.is_running]
-        lru = list(self.sched._lru.values())
-        assert set(map(id, lru)) == set(map(id, listed)) and len(lru) == len(listed)
-        steps = [s.last_used_step for s in lru]
-        assert steps == sorted(steps), "eviction order is not least recently used first"
-        assert self.sched._lru_pages == sum(m.pages_held(s.slot) for s in listed)
-        holders = [s for s in self.sched._sessions.values() if s.is_cached]
+        table = self.sched.sessions
+        listed = [s for s in table.sequences() if s.is_cached and not s.status.is_running]
+        order = table.eviction_order()
+        assert set(map(id, order)) == set(map(id, listed)) and len(order) == len(listed)
+        assert table.num_evictable == len(listed)
+        # Idle sessions by score, then those whose next turn is queued.
+        queued = [s.status is not SequenceStatus.IDLE for s in order]
+        assert queued == sorted(queued)
+        idle_scores = [table.eviction_score(s) for s, q in zip(order, queued) if not q]
+        assert idle_scores == sorted(idle_scores, reverse=True), "eviction order is not by score"
+        assert table.evictable_pages == sum(m.pages_held(s.slot) for s in listed)
+        assert all(s.session_id in table for s in listed)
+        holders = [s for s in table.sequences() if s.is_cached]
         holders += [s for s in self.sched.running if s.session_id is None]
         # Finished requests' slots whose pages are returned lazily.
         parked = list(self.sched._parked)
@@ -236,6 +256,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 class ReclaimMachine(SchedulerMachine):
     policy = "reclaim"
+    long_prefill_kwargs = dict(long_prefill_token_threshold=None, max_long_partial_prefills=2)
 
 
 _settings = settings(max_examples=40, stateful_step_count=40, deadline=None,

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-run", help="build the profiles from a saved run (.npz) instead "
                         "of running the model over pilot samples")
     parser.add_argument("--summary-json", help="also write the summary figures as JSON")
+    parser.add_argument("--tiers", default=None, choices=("k8v4-k4v2",),
+                        help="also calibrate precision-tier budgets (hetero-precision KV): the "
+                             "profile carries each head's high-tier share (format version 2)")
+    parser.add_argument("--tier-mass", type=float, default=0.9,
+                        help="with --tiers: share of the retained set's importance the high "
+                             "tier holds, in (0, 1]")
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
@@ -86,6 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     if args.lambda_ < 0:
         raise ValueError(f"--lambda must be >= 0, got {args.lambda_}")
+    if not 0 < args.tier_mass <= 1:
+        raise ValueError(f"--tier-mass must lie in (0, 1], got {args.tier_mass}")
     several = len(ratios) * len(group_sizes) > 1
     if several and ("{rho" not in args.out or ("{g" not in args.out and len(group_sizes) > 1)):
         raise ValueError("with several ratios or group sizes, --out must name them with "
@@ -125,7 +133,8 @@ def _run(args: argparse.Namespace) -> int:
         # Scores are computed once per sample; every ratio is selected from the same scores.
         calib = run_calibration(loaded.model, config, samples, ratios, method=args.method,
                                 safeguard=args.safeguard,
-                                progress=lambda it: tqdm(it, desc="calibrating", unit="sample"))
+                                progress=lambda it: tqdm(it, desc="calibrating", unit="sample"),
+                                tier_mass=args.tier_mass if args.tiers else None)
         if args.save_run:
             with atomic_path(args.save_run) as tmp:
                 calib.save(tmp)
@@ -135,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
     for rho in ratios:
         profile = profile_from_run(
             calib, rho, model=fingerprint, lambda_=args.lambda_, group_size=group_sizes[0],
-            grouping=args.grouping, rescale=args.rescale,
+            grouping=args.grouping, rescale=args.rescale, tiers=args.tiers,
             metadata=dict(seed=args.seed, lengths=sorted(set(lengths)),
                           command="tangram-jax " + " ".join(sys.argv[1:])))
         summary = summarize(calib, rho, profile.budget,

@@ -50,7 +50,8 @@ def run(args) -> int:
     print(f"tangram-jax chat: {engine.model_name}, mode {engine.config.mode} ({_COMMANDS})",
           flush=True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    session, turn = "chat", 0
+    # The conversation's session (the engine's session table; found again by prefix each turn).
+    session = engine.new_session_id()
     while True:
         try:
             line = input("you> ")
@@ -71,8 +72,7 @@ def run(args) -> int:
             if engine.has_session(session):
                 engine.end_session(session)
             messages = messages[:1] if args.system else []
-            turn += 1
-            session = f"chat-{turn}"
+            session = engine.new_session_id()
             print("(conversation cleared)")
             continue
         if text == "/stats":
@@ -84,6 +84,8 @@ def run(args) -> int:
         try:
             ids = engine.tokenizer.apply_chat_template(messages)
             found, new_ids = engine.find_session(ids)
+            if found is None and not engine.has_session(session):
+                session = engine.new_session_id()   # forgotten after an eviction: start anew
             request = engine.add_request(prompt_token_ids=new_ids, sampling_params=params,
                                          session_id=found or session,
                                          output_kind=RequestOutputKind.DELTA)

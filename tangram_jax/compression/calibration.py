@@ -9,6 +9,11 @@ from them. Over the samples this gives per (layer, head) a mean m and std s, and
     b = min(1, m + lambda * s)                         (Tangram, lambda = 2 by default)
 
 optionally rescaled per layer so the layer's budgets average rho (`rescale_to_ratio`).
+
+Precision tiers (hetero-precision KV, `kv_layout.TieredLayout`): with `tier_mass` set, the same
+pass also measures, per head, the share of its retained tokens that must stay in the high tier
+(`high_tier_share`: importance ranks within the retained set decide), and `profile_from_run`
+turns its mean and std into the profile's static tier budgets the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class CalibrationRun:
     retention: dict[float, np.ndarray]
     tasks: tuple[str, ...]
     lengths: tuple[int, ...]
+    high_share: dict[float, np.ndarray] | None = None   # {rho: [samples, layers, kv_heads]}
+    tier_mass: float | None = None
 
     def stats(self, rho: float) -> tuple[np.ndarray, np.ndarray]:
         """(mean, std) [layers, kv_heads] of the retention at `rho` over the samples."""
@@ -48,18 +55,23 @@ class CalibrationRun:
     def save(self, path) -> None:
         """Raw per-sample retention as .npz (for reports without re-running the model)."""
         rhos = sorted(self.retention)
+        tiers = {} if self.high_share is None else dict(
+            tier_mass=self.tier_mass, high_share=np.stack([self.high_share[r] for r in rhos]))
         np.savez_compressed(path, method=self.method, safeguard=self.safeguard,
                             rhos=np.array(rhos), tasks=np.array(self.tasks),
                             lengths=np.array(self.lengths),
-                            retention=np.stack([self.retention[r] for r in rhos]))
+                            retention=np.stack([self.retention[r] for r in rhos]), **tiers)
 
     @classmethod
     def load(cls, path) -> "CalibrationRun":
         with np.load(path) as f:
+            tiers = {} if "high_share" not in f else dict(
+                tier_mass=float(f["tier_mass"]),
+                high_share={float(r): f["high_share"][i] for i, r in enumerate(f["rhos"])})
             return cls(method=str(f["method"]), safeguard=float(f["safeguard"]),
                        retention={float(r): f["retention"][i] for i, r in enumerate(f["rhos"])},
                        tasks=tuple(str(t) for t in f["tasks"]),
-                       lengths=tuple(int(n) for n in f["lengths"]))
+                       lengths=tuple(int(n) for n in f["lengths"]), **tiers)
 
 
 def static_budgets(mean: np.ndarray, std: np.ndarray, lambda_: float = 2.0) -> np.ndarray:
@@ -92,8 +104,32 @@ def rescale_to_ratio(budgets: np.ndarray, rho: float, iterations: int = 50) -> n
     return np.clip(b, 1e-6, 1.0)
 
 
-def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], safeguard: float):
-    """jit(state, h [1, T, D]) -> (h, counts [len(rhos), kv_heads]): one decoder layer plus scoring.
+def high_tier_share(scores: jax.Array, counts: jax.Array, mass: float) -> jax.Array:
+    """Share of each head's retained tokens the high-precision tier must hold.
+
+    scores: float [heads, T] importance; counts: int [heads], each head keeps its top counts[h]
+    tokens. Within that retained set, ranked by score, the high tier is the shortest top run
+    that carries `mass` of the set's importance, a token's importance being its score minus the
+    set's lowest (so the scorer's scale and sign do not matter; the least important retained
+    token carries none). Returns float32 [heads] in [0, 1]: run length / counts (1 where the
+    set is empty or all its scores are equal: nothing tells the tokens apart).
+    """
+    heads, t = scores.shape
+    ranked = -jnp.sort(-scores.astype(jnp.float32), axis=1)             # best first
+    in_set = jnp.arange(t)[None, :] < counts[:, None]
+    floor = jnp.take_along_axis(ranked, jnp.maximum(counts - 1, 0)[:, None], axis=1)
+    weight = jnp.where(in_set, ranked - floor, 0.0)
+    total = weight.sum(axis=1, keepdims=True)
+    # Tokens needed: those before the cumulative weight first reaches mass * total, plus it.
+    needed = (jnp.cumsum(weight, axis=1) < mass * total * (1 - 1e-6)).sum(axis=1) + 1
+    share = jnp.minimum(needed, counts) / jnp.maximum(counts, 1)
+    return jnp.where((total[:, 0] > 0) & (counts > 0), share, 1.0)
+
+
+def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], safeguard: float,
+                   tier_mass: float | None = None):
+    """jit(state, h [1, T, D]) -> (h, counts [len(rhos), kv_heads], high-tier shares
+    [len(rhos), kv_heads] (zeros without `tier_mass`)): one decoder layer plus scoring.
 
     Every layer of the decoder has the same structure, so one graphdef and one compilation per
     prompt length serve all of them; only the layer's state (weights) changes.
@@ -109,14 +145,18 @@ def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], saf
         scores = scorer(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
                         q_per_kv=q_per_kv)
         counts = jnp.stack([dynamic_select(scores, rho, safeguard=safeguard).counts for rho in rhos])
-        return h_out, counts
+        shares = (jnp.stack([high_tier_share(scores, c, tier_mass) for c in counts])
+                  if tier_mass is not None else jnp.zeros(counts.shape, jnp.float32))
+        return h_out, counts, shares
     return step
 
 
 def run_calibration(model, config, samples: Sequence[PilotSample], rhos: Iterable[float], *,
                     method: str = "snapkv", safeguard: float = 0.2, scorer_options: dict | None = None,
-                    progress: Callable[[Iterable], Iterable] | None = None) -> CalibrationRun:
-    """Runs the dynamic method over `samples` and records each head's implicit retention.
+                    progress: Callable[[Iterable], Iterable] | None = None,
+                    tier_mass: float | None = None) -> CalibrationRun:
+    """Runs the dynamic method over `samples` and records each head's implicit retention (and,
+    with `tier_mass` in (0, 1], its high-tier share, `high_tier_share`).
 
     model: a `tangram_jax.models.decoder.Decoder` (layers expose `qkv` and `finish`);
     config: its `ModelConfig`. `progress` wraps the sample iterator (e.g. tqdm).
@@ -131,26 +171,33 @@ def run_calibration(model, config, samples: Sequence[PilotSample], rhos: Iterabl
     if method == "expected_attention" and "inv_freq" not in options:
         from tangram_jax.models.rope import inverse_frequencies
         options["inv_freq"] = inverse_frequencies(config)
+    if tier_mass is not None and not 0 < tier_mass <= 1:
+        raise ValueError(f"tier_mass must lie in (0, 1], got {tier_mass}")
     scorer = get_scorer(method, **options)
     graphdef, _ = nnx.split(model.layers[0])
     states = [nnx.split(layer)[1] for layer in model.layers]
-    step = _layer_step_fn(graphdef, scorer, config.q_per_kv, rhos, safeguard)
+    step = _layer_step_fn(graphdef, scorer, config.q_per_kv, rhos, safeguard, tier_mass)
     embed = jax.jit(lambda tokens: model.embed(tokens))
 
     counts = np.zeros((len(samples), len(rhos), config.num_layers, config.num_kv_heads), np.int64)
+    shares = np.zeros(counts.shape, np.float64)
     iterator = progress(list(enumerate(samples))) if progress else enumerate(samples)
     for i, sample in iterator:
         h = embed(jnp.asarray(sample.tokens, jnp.int32)[None])
-        per_layer = []
+        per_layer, per_layer_shares = [], []
         for state in states:
-            h, layer_counts = step(state, h)
+            h, layer_counts, layer_shares = step(state, h)
             per_layer.append(layer_counts)
+            per_layer_shares.append(layer_shares)
         counts[i] = np.asarray(jnp.stack(per_layer, axis=1))
+        shares[i] = np.asarray(jnp.stack(per_layer_shares, axis=1))
     lengths = np.array([len(s.tokens) for s in samples], np.float64)
     retention = {rho: counts[:, j] / lengths[:, None, None] for j, rho in enumerate(rhos)}
+    tiers = {} if tier_mass is None else dict(
+        tier_mass=float(tier_mass), high_share={rho: shares[:, j] for j, rho in enumerate(rhos)})
     return CalibrationRun(method=method, safeguard=safeguard, retention=retention,
                           tasks=tuple(s.task for s in samples),
-                          lengths=tuple(len(s.tokens) for s in samples))
+                          lengths=tuple(len(s.tokens) for s in samples), **tiers)
 
 
 def chat_tokenizer(tokenizer) -> Callable[[list[dict]], list[int]]:
@@ -163,8 +210,10 @@ def chat_tokenizer(tokenizer) -> Callable[[list[dict]], list[int]]:
 
 def profile_from_run(run: CalibrationRun, rho: float, *, model: dict, lambda_: float = 2.0,
                      group_size: int = 1, grouping: str = "budget", rescale: bool = False,
-                     metadata: dict | None = None):
-    """The `BudgetProfile` of a calibration run at `rho` (budgets, optional rescale, grouping)."""
+                     metadata: dict | None = None, tiers: str | None = None):
+    """The `BudgetProfile` of a calibration run at `rho` (budgets, optional rescale, grouping;
+    with `tiers`, a `kv_layout.PRECISION_TIERS` name, also the static high-tier shares
+    ``min(1, mean + lambda * std)`` of a run made with `tier_mass`)."""
     from tangram_jax.compression.profile import BudgetProfile, creation_metadata
     if rho not in run.retention:
         raise ValueError(f"the calibration run has no ratio {rho}; it has {sorted(run.retention)}")
@@ -180,4 +229,16 @@ def profile_from_run(run: CalibrationRun, rho: float, *, model: dict, lambda_: f
     return BudgetProfile.from_budgets(model=model, method=run.method, rho=rho, lambda_=lambda_,
                                       mean=mean, std=std, budget=budget, group_size=group_size,
                                       grouping=grouping, safeguard=run.safeguard, rescaled=rescale,
-                                      metadata=meta)
+                                      metadata=meta, tiers=_tier_budgets(run, rho, tiers, lambda_))
+
+
+def _tier_budgets(run: CalibrationRun, rho: float, precision: str | None, lambda_: float):
+    from tangram_jax.compression.profile import TierBudgets
+    if precision is None:
+        return None
+    if run.high_share is None:
+        raise ValueError("tiers need a calibration run made with tier_mass (high-tier shares)")
+    shares = run.high_share[rho]
+    mean, std = shares.mean(axis=0), shares.std(axis=0)
+    return TierBudgets(precision=precision, mass=float(run.tier_mass), lambda_=float(lambda_),
+                       mean=mean, std=std, high_share=np.minimum(1.0, mean + lambda_ * std))

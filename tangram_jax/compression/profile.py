@@ -13,6 +13,15 @@ model it was calibrated on; and how/when it was made. JSON layout (format_versio
      "groups": {"head_perm": [[...]], "group_budgets": [[...]]},           # [layers, ...]
      "metadata": {"created", "samples", "tangram_jax_version", "git_revision", ...}}
 
+Format version 2 adds precision-tier budgets (hetero-precision KV, `kv_layout.TieredLayout`)::
+
+     "tiers": {"precision": "k8v4-k4v2", "mass": 0.9, "lambda": 2.0,
+               "mean": [[...]], "std": [[...]], "high_share": [[...]]}    # [layers, kv_heads]
+
+per head the mean and std over the pilot samples of the share of its retained tokens that the
+high tier holds (`calibration.high_tier_share`) and the static share ``min(1, mean + lambda *
+std)``; a group's share is the max of its members' (as its budget is). A profile without tiers
+is written as version 1 (what older readers read); both versions are read.
 `BudgetProfile.load` rejects anything it cannot trust with a ValueError naming the problem.
 """
 
@@ -28,10 +37,11 @@ from pathlib import Path
 import numpy as np
 
 from tangram_jax.compression.clustering import GROUPINGS, group_heads
-from tangram_jax.kv_layout import KVLayout
+from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
 from tangram_jax.provenance import git_revision
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # written when the profile has tiers, else 1
+READ_VERSIONS = (1, 2)
 FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim")
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # The embedded model's shipped profiles: calibrated with SnapKV (Ada-SnapKV selection).
@@ -49,6 +59,38 @@ def creation_metadata(samples: int, **extra) -> dict:
                 samples=int(samples), tangram_jax_version=__version__, git_revision=git_revision())
     meta.update(extra)
     return meta
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TierBudgets:
+    """Calibrated precision-tier budgets, per (layer, KV head): mean/std of the high tier's share
+    of the head's retained tokens over the pilot samples, and the static share ``high_share =
+    min(1, mean + lambda * std)`` (float64 [layers, kv_heads], all in [0, 1]); `mass`: the
+    share of the retained set's importance the high tier had to hold when calibrated."""
+
+    precision: str
+    mass: float
+    lambda_: float
+    mean: np.ndarray
+    std: np.ndarray
+    high_share: np.ndarray
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "mass": self.mass, "lambda": self.lambda_,
+                "mean": self.mean.tolist(), "std": self.std.tolist(),
+                "high_share": self.high_share.tolist()}
+
+    @classmethod
+    def from_dict(cls, d) -> "TierBudgets":
+        if not isinstance(d, dict):
+            raise ProfileError(f"profile field 'tiers' must be an object, got {type(d).__name__}")
+        try:
+            return cls(precision=d["precision"], mass=_number(d, "mass"),
+                       lambda_=_number(d, "lambda"), mean=_array(d, "mean", np.float64),
+                       std=_array(d, "std", np.float64),
+                       high_share=_array(d, "high_share", np.float64))
+        except KeyError as e:
+            raise ProfileError(f"profile tiers lack field {e.args[0]!r}") from None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,6 +112,7 @@ class BudgetProfile:
     safeguard: float = 0.2
     rescaled: bool = False
     metadata: dict = dataclasses.field(default_factory=dict)
+    tiers: TierBudgets | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -118,6 +161,19 @@ class BudgetProfile:
                         group_budgets=self.group_budgets,
                         name="tangram" if self.grouping == "budget" else self.grouping)
 
+    def group_high_share(self) -> np.ndarray:
+        """float64 [layers, groups]: each group's high-tier share, the max of its members'."""
+        if self.tiers is None:
+            raise ProfileError("the profile carries no precision tiers (calibrate with tiers)")
+        members = np.take_along_axis(self.tiers.high_share, self.head_perm.astype(np.int64),
+                                     axis=1)
+        return members.reshape(self.num_layers, -1, self.group_size).max(axis=2)
+
+    def to_tiered_layout(self, page_size: int, chunk_size: int) -> TieredLayout:
+        """The layout of this profile with its precision tiers (`kv_layout.TieredLayout`)."""
+        return TieredLayout(self.to_layout(page_size, chunk_size), self.group_high_share(),
+                            precision=self.tiers.precision if self.tiers else "k8v4-k4v2")
+
     @property
     def num_layers(self) -> int:
         return int(self.model["num_layers"])
@@ -129,8 +185,8 @@ class BudgetProfile:
     # -- files ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return {
-            "format_version": FORMAT_VERSION,
+        d = {
+            "format_version": FORMAT_VERSION if self.tiers is not None else 1,
             "model": dict(self.model),
             "method": self.method,
             "rho": self.rho,
@@ -145,13 +201,18 @@ class BudgetProfile:
                        "group_budgets": self.group_budgets.tolist()},
             "metadata": dict(self.metadata),
         }
+        if self.tiers is not None:
+            d["tiers"] = self.tiers.to_dict()
+        return d
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the JSON with one array row per line (readable diffs, modest size)."""
         d = self.to_dict()
         rows = {}
-        for section in ("heads", "groups"):
-            for key, value in d[section].items():
+        for section in ("heads", "groups", "tiers"):
+            for key, value in d.get(section, {}).items():
+                if not isinstance(value, list):
+                    continue
                 marker = f"@@{section}.{key}@@"
                 rows[marker] = "[\n    " + ",\n    ".join(json.dumps(r) for r in value) + "\n   ]"
                 d[section][key] = marker
@@ -165,9 +226,12 @@ class BudgetProfile:
         if not isinstance(d, dict):
             raise ProfileError(f"profile must be a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS or isinstance(version, bool):
             raise ProfileError(f"unknown profile format_version {version!r} "
-                               f"(this tangram_jax reads version {FORMAT_VERSION})")
+                               f"(this tangram_jax reads versions {READ_VERSIONS})")
+        if (version == 2) != ("tiers" in d):
+            raise ProfileError(f"profile format_version {version} "
+                               f"{'needs' if version == 2 else 'has no'} a 'tiers' section")
         try:
             heads, groups = d["heads"], d["groups"]
             rescaled = d.get("rescaled", False)
@@ -185,7 +249,8 @@ class BudgetProfile:
                 budget=_array(heads, "budget", np.float64), group_size=d["group_size"],
                 grouping=d["grouping"], head_perm=_array(groups, "head_perm", np.int64),
                 group_budgets=_array(groups, "group_budgets", np.float64),
-                metadata=metadata)
+                metadata=metadata,
+                tiers=TierBudgets.from_dict(d["tiers"]) if "tiers" in d else None)
         except KeyError as e:
             raise ProfileError(f"profile is missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -302,6 +367,35 @@ def _validate(p: BudgetProfile) -> None:
     if not np.allclose(expected, p.group_budgets, rtol=0, atol=1e-9):
         raise ProfileError("profile group_budgets are not the max of their members' budgets")
     object.__setattr__(p, "head_perm", perm.astype(np.int32))
+    if p.tiers is not None:
+        _validate_tiers(p.tiers, (layers, heads))
+
+
+def _validate_tiers(t: TierBudgets, shape: tuple[int, int]) -> None:
+    if not isinstance(t, TierBudgets):
+        raise ProfileError(f"profile tiers must be TierBudgets, got {type(t).__name__}")
+    if t.precision not in PRECISION_TIERS:
+        raise ProfileError(f"profile tiers precision {t.precision!r} is not one of "
+                           f"{tuple(PRECISION_TIERS)}")
+    if not (math.isfinite(t.mass) and 0 < t.mass <= 1):
+        raise ProfileError(f"profile tiers mass must lie in (0, 1], got {t.mass}")
+    if not (math.isfinite(t.lambda_) and t.lambda_ >= 0):
+        raise ProfileError(f"profile tiers lambda must be a finite number >= 0, got {t.lambda_}")
+    for name in ("mean", "std", "high_share"):
+        arr = np.asarray(getattr(t, name))
+        if arr.shape != shape:
+            raise ProfileError(f"profile tiers {name} has shape {arr.shape}, expected {shape} "
+                               f"[layers, kv_heads]")
+        if not np.isfinite(arr).all():
+            raise ProfileError(f"profile tiers {name} contains NaN or infinite values")
+    for name in ("mean", "high_share"):
+        arr = np.asarray(getattr(t, name))
+        if ((arr < 0) | (arr > 1)).any():
+            idx = tuple(int(i) for i in np.argwhere((arr < 0) | (arr > 1))[0])
+            raise ProfileError(f"profile tiers {name} must lie in [0, 1]; {name}{list(idx)} = "
+                               f"{arr[idx]}")
+    if (np.asarray(t.std) < 0).any():
+        raise ProfileError("profile tiers std must be >= 0")
 
 
 def shipped_profile_path(rho: float, group_size: int) -> Path:

@@ -66,7 +66,6 @@ class AsyncEngine:
         self._live = 0                             # admitted, not yet ended (under _lock)
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._sessions = itertools.count()
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tangram-engine", daemon=True)
@@ -243,8 +242,8 @@ class AsyncEngine:
                 request.update(prompt_token_ids=ids)
             else:
                 session_id, new_ids = engine.find_session(ids)
-                if session_id is None:
-                    session_id = f"async-session-{next(self._sessions)}"
+                if session_id is None:   # anonymous: forgotten when evicted (SessionTable)
+                    session_id = engine.new_session_id()
                 request.update(prompt_token_ids=new_ids, session_id=session_id)
             total = len(ids)
         if request.pop("fill_context"):

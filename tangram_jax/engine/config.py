@@ -29,6 +29,7 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
+from tangram_jax.kv_quant import KV_PRECISIONS
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
@@ -46,6 +47,19 @@ LAYER_LOOPS = ("scan", "unrolled")
 DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
+# Long prefills (the scheduler's `long_prefill_token_threshold` / `max_long_partial_prefills`).
+# Default: one long turn prefills at a time (vLLM's default too), and the threshold is the
+# budget shared by the long turns allowed at once (max_num_batched_tokens / that number, in whole
+# compression chunks). Why: a follow-up is protected by the scheduler's order (short turns take
+# their pieces before long ones, one chunk per long turn kept back), not by the cap, so a lone
+# long turn may use the rest of every step; capping it lower only stretches its prefill over
+# more steps (tiny engine, three 200-token first turns queued with a 64-token budget and three
+# 8-token follow-ups arriving: the long turns' first tokens at steps 6 / 13 / 20 with a
+# half-budget cap against 3 / 10 / 14 without; the follow-ups' at step 2 either way, 11-13
+# before short turns went first). One at a time keeps first turns in arrival order (the
+# lowest mean time to first token for equal turns) and reserves pages for one long turn, not
+# for several that would wait for the budget; with more at once they share each step evenly.
+DEFAULT_MAX_LONG_PARTIAL_PREFILLS = 1
 
 
 def _backend_kind(gpu_memory_utilization: float) -> str:
@@ -194,6 +208,16 @@ class EngineConfig:
         f"tokens per step (decode + prefill); at least max_num_seqs + chunk_size; default "
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['gpu']} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} "
         f"on a CPU, or that minimum if larger")
+    long_prefill_token_threshold: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        "a turn with more tokens than this to prefill when admitted is long: shorter turns take "
+        "their pieces of a step first, and a long turn at most this many tokens of a step "
+        "(vLLM's long_prefill_token_threshold); between chunk_size and max_num_batched_tokens; "
+        "default max_num_batched_tokens / max_long_partial_prefills in whole chunks")
+    max_long_partial_prefills: int = _field(
+        DEFAULT_MAX_LONG_PARTIAL_PREFILLS, _int_at_least(1),
+        "long turns (see --long-prefill-token-threshold) prefilling at once; shorter turns go "
+        "ahead of the others (vLLM's max_long_partial_prefills)")
     max_model_len: int | None = _field(None, _int_at_least(2, optional=True),
                                        "longest sequence, prompt + output (default: the model's "
                                        "context length)")
@@ -226,6 +250,16 @@ class EngineConfig:
     compile_cache_dir: str | None = _field(
         None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
         "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
+    kv_precision: str = _field("bf16", _choice(KV_PRECISIONS),
+                               "KV page format (kv_quant): bf16 (the pool dtype), or keys / values "
+                               "quantised to 8/8, 8/4 or 4/2 bits with a per token-and-head scale "
+                               "and zero (k8v8, k8v4, k4v2); with num_pages / kv_cache_tokens the "
+                               "pool keeps its page count, on a GPU it gets more pages for the "
+                               "same bytes")
+    data_parallel_size: int = _field(
+        1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
+        "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
+        "loads the weights and sizes its own KV pool on its device")
     tail_rule: str = _field("window", _choice(TAIL_RULES),
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
@@ -247,11 +281,21 @@ class EngineConfig:
         was set); `Engine` calls this before loading the model, so such errors come at once."""
         # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
         # prefill always progresses.
-        minimum = self.max_num_seqs + self.resolved_chunk_size()
+        chunk = self.resolved_chunk_size()
+        minimum = self.max_num_seqs + chunk
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
             raise EngineConfigError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
                 f"chunk_size = {minimum} (a full decode batch plus one prefill chunk)")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (threshold < chunk or (
+                self.max_num_batched_tokens is not None
+                and threshold > self.max_num_batched_tokens)):
+            top = self.max_num_batched_tokens or "max_num_batched_tokens"
+            raise EngineConfigError(
+                f"long_prefill_token_threshold must lie in [chunk_size, max_num_batched_tokens]"
+                f" = [{chunk}, {top}], got {threshold} (a long prefill progresses by whole "
+                f"compression chunks)")
         if self.mode != "tangram" and self.profile is not None:
             raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
                                     f"with profile {self.profile!r}")
@@ -275,6 +319,12 @@ class EngineConfig:
         minimum = self.max_num_seqs + chunk
         batched = self.max_num_batched_tokens or max(
             DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind(self.gpu_memory_utilization)], minimum)
+        long_threshold = self.long_prefill_token_threshold
+        if long_threshold is None:
+            long_threshold = max(chunk, batched // self.max_long_partial_prefills // chunk * chunk)
+        elif long_threshold > batched:
+            raise EngineConfigError(f"long_prefill_token_threshold {long_threshold} exceeds "
+                                    f"max_num_batched_tokens {batched}")
         # Buckets below max_num_seqs, then the first that holds max_num_seqs rows.
         buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
         buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),
@@ -290,6 +340,8 @@ class EngineConfig:
         return ResolvedConfig(
             layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
             max_num_batched_tokens=batched, decode_buckets=tuple(buckets),
+            long_prefill_token_threshold=long_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
             compression_method=profile.method if profile is not None else "snapkv",
@@ -307,6 +359,8 @@ class ResolvedConfig:
     num_pages: int               # KV pool pages, null page included
     max_model_len: int
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int   # tokens; a prefill with more left is capped at it
+    max_long_partial_prefills: int
     decode_buckets: tuple[int, ...]   # strictly increasing; the last holds max_num_seqs rows
     max_pages_per_seq: int       # block-table width
     obs_window: int
@@ -358,7 +412,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES}.get(f.name)
+                       "tail_rule": TAIL_RULES, "kv_precision": KV_PRECISIONS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))

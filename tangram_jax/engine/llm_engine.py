@@ -35,7 +35,8 @@ import numpy as np
 
 from tangram_jax.engine import inputs, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
-from tangram_jax.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig, pool_is_fixed
+from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
+                                       pool_is_fixed)
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -172,7 +173,7 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
     """
     layout = runner.layout
     dynamic = runner.runner_config.mode == "dynamic"
-    hist = {p.seq.request_id: manager.lengths[p.seq.slot].astype(np.int64) for p in pieces}
+    hist = {p.seq.request_id: manager.retained_lengths(p.seq.slot) for p in pieces}
     finished = []
     calls = []   # (offset into each piece, its pieces), in dependency order
     if runner.prefill_whole_rows:
@@ -239,18 +240,30 @@ class _RequestFailed(Exception):
 class Engine:
     """The serving engine: model, KV layout, page manager, scheduler and runner of one config."""
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, device: jax.Device | None = None,
+                 **kwargs):
+        """`config`, or its fields as keyword arguments. device: the `jax.Device` this engine's
+        weights, KV pool and steps live on (default: the first device); `LLM`'s data-parallel
+        replicas pass one each (after `memory.configure_allocator`: listing devices starts JAX's
+        backend)."""
         cfg = config if config is not None else EngineConfig(**kwargs)
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
         cfg.check()   # before the model loads: a bad combination is reported at once
+        if cfg.data_parallel_size > 1 and device is None:
+            raise EngineConfigError(
+                f"data_parallel_size must be 1 for an Engine (one replica), got "
+                f"{cfg.data_parallel_size}: LLM(...) runs that many replicas, one per device "
+                f"(the serve and chat commands run one engine)")
         started = time.perf_counter()
         # Both before anything compiles or touches the GPU: JAX fixes its allocator cap when
         # its backend starts, and caches only what compiles after the folder is set.
         self.compile_cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         allocator = memory.configure_allocator(cfg.gpu_memory_utilization)
-        loaded = load_model(cfg.model, dtype=cfg.dtype)
+        self.device = device if device is not None else jax.devices()[0]
+        with jax.default_device(self.device):   # the weights load onto the engine's device
+            loaded = load_model(cfg.model, dtype=cfg.dtype)
         load_seconds = time.perf_counter() - started
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
@@ -268,7 +281,7 @@ class Engine:
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)
         device_memory = None if pool_is_fixed(cfg) else memory.DeviceMemory.read(
-            jax.devices()[0], allocator.fraction)
+            self.device, allocator.fraction)
         if device_memory is None and not pool_is_fixed(cfg) and jax.default_backend() != "cpu":
             log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
                         "platform?): gpu_memory_utilization cannot size the KV pool, which gets "
@@ -276,11 +289,12 @@ class Engine:
                         jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
             loaded.model, mc, self.layout, rc.num_pages if device_memory is None else None,
-            table_shape, split_maps=split_maps,
+            table_shape, split_maps=split_maps, device=self.device,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
-                                       max_prefill_tokens=rc.max_num_batched_tokens))
+                                       max_prefill_tokens=rc.max_num_batched_tokens),
+            kv_precision=cfg.kv_precision)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
         if device_memory is not None:
@@ -295,10 +309,13 @@ class Engine:
         assert self.manager.block_tables.shape == table_shape, (self.manager.block_tables.shape,
                                                                 table_shape)
         self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
-                                   max_num_batched_tokens=rc.max_num_batched_tokens)
+                                   max_num_batched_tokens=rc.max_num_batched_tokens,
+                                   long_prefill_token_threshold=rc.long_prefill_token_threshold,
+                                   max_long_partial_prefills=rc.max_long_partial_prefills)
+        # The one session table (id -> sequence, eviction ranking, prefix lookup).
+        self.sessions = self.scheduler.sessions
         log.info("%s", self._pool_line())
         self._requests: dict[str, _Request] = {}
-        self._sessions: dict[str, Sequence] = {}
         # Requests of n > 1: parent id -> parent, and each live child's id -> (parent, index).
         self._parents: dict[str, _ParentRequest] = {}
         self._child_of: dict[str, tuple[_ParentRequest, int]] = {}
@@ -320,7 +337,7 @@ class Engine:
         their peak, and keep the provisional size when the peak fits in the reserve (the
         compiled steps are then reused as they are), else shrink the pool to fit."""
         cfg, layout = self.config, self.layout
-        now = memory.DeviceMemory.read(jax.devices()[0], fraction)   # weights are in now
+        now = memory.DeviceMemory.read(self.device, fraction)   # weights are in now
         page_bytes = self.runner.kv_bytes_per_page
         budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
                                         now.bytes_limit)
@@ -424,11 +441,8 @@ class Engine:
                       inputs.check_token_ids("forced_token_ids", forced_token_ids, vocab))
         except (TypeError, ValueError) as e:
             raise type(e)(where + str(e)) from None
-        history = 0
-        if session_id is not None:
-            seq = self._sessions.get(session_id)
-            if seq is not None and not seq.status.is_done:
-                history = seq.num_tokens
+        seq = self.sessions.get(session_id)
+        history = seq.num_tokens if seq is not None else 0
         total = history + len(ids)
         if total >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens (session history included) leaves "
@@ -436,8 +450,7 @@ class Engine:
         if forced is not None and total + len(forced) - 1 >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
                              f"exceeds max_model_len {self.max_model_len}")
-        self.scheduler.check_request(request_id or self._fresh_id(), len(ids),
-                                     self._live_session(session_id))
+        self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id)
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
     def enqueue(self, prepared: "PreparedRequest",
@@ -458,18 +471,12 @@ class Engine:
             stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
                                               ignore_eos=True, stop=None, stop_token_ids=(),
                                               min_tokens=0)
-        history = 0   # tokens of the session this request continues (already cached)
-        if session_id is not None:
-            seq = self._sessions.get(session_id)
-            if seq is not None and seq.status.is_done:
-                del self._sessions[session_id]
-            elif seq is not None:
-                history = seq.num_tokens
+        # Tokens of the session this request continues (cached unless it was evicted).
+        session = self.sessions.get(session_id)
+        history = session.num_tokens if session is not None else 0
         now = time.perf_counter()
         seq = self.scheduler.add_request(request_id, ids, params, session_id=session_id,
                                          arrival_time=now)
-        if session_id is not None:
-            self._sessions[session_id] = seq
         self._requests[request_id] = _Request(
             seq=seq, params=params, seed=self._request_seed(request_id, params),
             stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
@@ -535,11 +542,6 @@ class Engine:
             self._next_id += 1
         return f"request-{self._next_id}"
 
-    def _live_session(self, session_id: str | None) -> str | None:
-        """`session_id` if it names a session the scheduler still holds, else None."""
-        seq = self._sessions.get(session_id) if session_id is not None else None
-        return session_id if seq is not None and not seq.status.is_done else None
-
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its pages (a session's cache too). Returns its final
         output (finish_reason "abort")."""
@@ -559,8 +561,6 @@ class Engine:
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.abort(request_id)
-        if req.seq.session_id is not None:
-            self._sessions.pop(req.seq.session_id, None)
         self._drop_placeholders(req.seq)
         return self._output(req, "abort")
 
@@ -568,35 +568,32 @@ class Engine:
         """Free an idle session's pages."""
         inputs.check_id("session_id", session_id)
         self.scheduler.close_session(session_id)
-        self._sessions.pop(session_id, None)
 
+    # Sessions: questions answered by the scheduler's `SessionTable` (`self.sessions`).
     def find_session(self, token_ids: SequenceABC[int]) -> tuple[str | None, list[int]]:
         """The idle session whose history is the longest prefix of `token_ids`, and the tokens
         after it (all of them and None when no session matches)."""
         token_ids = inputs.check_token_ids("token_ids", token_ids, self.model_config.vocab_size)
-        best, best_len = None, 0
-        for sid, seq in self._sessions.items():
-            n = seq.num_tokens
-            if (seq.status is SequenceStatus.IDLE and best_len < n < len(token_ids)
-                    and list(token_ids[:n]) == seq.token_ids):
-                best, best_len = sid, n
-        return best, list(token_ids[best_len:])
+        best, n = self.sessions.find_prefix(token_ids)
+        return best, list(token_ids[n:])
+
+    def new_session_id(self, exclude: SequenceABC[str] = ()) -> str:
+        """A fresh id for a session found by prefix later (anonymous: forgotten when its cache
+        is evicted while idle, see `SessionTable`)."""
+        return self.sessions.new_id(exclude=exclude)
 
     def has_session(self, session_id: str) -> bool:
-        """Whether `session_id` names a session the engine holds (running or idle)."""
-        seq = self._sessions.get(session_id)
-        return seq is not None and not seq.status.is_done
+        """Whether `session_id` names a session the engine holds (running, queued or idle)."""
+        return session_id in self.sessions
 
     def session_is_cached(self, session_id: str) -> bool:
         """Whether an idle session still holds its compressed history in the pool (an evicted
         one would re-prefill it)."""
-        seq = self._sessions.get(session_id)
-        return seq is not None and seq.status is SequenceStatus.IDLE and seq.is_cached
+        return self.sessions.is_cached(session_id)
 
     def session_is_busy(self, session_id: str) -> bool:
         """Whether a session's turn is queued or running."""
-        seq = self._sessions.get(session_id)
-        return seq is not None and (seq.status.is_running or seq.status is SequenceStatus.WAITING)
+        return self.sessions.is_busy(session_id)
 
     def is_live(self, request_id: str) -> bool:
         """Whether `request_id` is queued or running."""
@@ -625,7 +622,8 @@ class Engine:
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
         out = self.scheduler.schedule()
-        self.runner.update_block_tables(*out.table_updates)
+        # The device's copy of the block table follows the manager's writes.
+        self.runner.update_block_tables(*self.manager.take_table_updates())
         in_flight = self._dispatch(out) if not out.is_empty else []
         if self.config.async_scheduling:
             outputs = self._resolve(self._in_flight)
@@ -637,8 +635,6 @@ class Engine:
             if req is not None:
                 self._drop_placeholders(seq)
                 outputs[seq.request_id] = self._output(req, "length")
-            if seq.session_id is not None and self._sessions.get(seq.session_id) is seq:
-                del self._sessions[seq.session_id]   # its cache and slot are gone
         return self._report(list(outputs.values()))
 
     def _dispatch(self, out) -> list[_InFlightToken]:
@@ -653,7 +649,8 @@ class Engine:
             positions[:n] = [r.seq.num_tokens - 1 for r in decode_reqs]
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
             mode = self._logprob_mode(decode_reqs)
-            result = self.runner.decode(positions, out.decode_slots, out.decode_lengths,
+            result = self.runner.decode(positions, out.decode_slots,
+                                        self.manager.decode_write_lengths(out.decode_slots),
                                         *self._sampling_arrays(decode_reqs, bucket), steps,
                                         forced_tokens=self._forced_tokens(decode_reqs, bucket),
                                         logprobs=mode,
@@ -790,8 +787,6 @@ class Engine:
                 self.scheduler.abort(rid)
             elif status is SequenceStatus.IDLE:   # failed after its turn was finished
                 self.scheduler.close_session(req.seq.session_id)
-        if req.seq.session_id is not None and self._sessions.get(req.seq.session_id) is req.seq:
-            del self._sessions[req.seq.session_id]
         self._drop_placeholders(req.seq)
         out = self._output(req, "error")
         out.error = text
@@ -931,5 +926,5 @@ class Engine:
 
     def _cached_sequences(self) -> list[Sequence]:
         seqs = {id(r.seq): r.seq for r in self._requests.values()}
-        seqs.update({id(s): s for s in self._sessions.values()})
+        seqs.update({id(s): s for s in self.sessions.sequences()})
         return [s for s in seqs.values() if s.is_cached]

@@ -38,6 +38,7 @@ from flax import nnx
 from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
                                                    dynamic_keep_count)
 from tangram_jax.engine.config import MODES
+from tangram_jax import kv_quant
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -141,7 +142,12 @@ class ModelRunner:
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
       runner_config: mode and scorer settings.
-      kv_dtype: pool dtype (the model's dtype by default).
+      kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
+        values are dequantised to.
+      kv_precision: page format of the pool (`kv_quant.KV_PRECISIONS`): ``bf16`` stores K/V in
+        `kv_dtype`; ``k8v8`` / ``k8v4`` / ``k4v2`` store packed codes with per-slot scales
+        (`kv_quant.QuantPages`), quantised as the chunk compression and the decode step write
+        them and dequantised by the attention kernels.
       ops: attention implementations (default: by backend).
     """
 
@@ -149,8 +155,12 @@ class ModelRunner:
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
-                 ops: AttentionOps | None = None):
+                 kv_precision: str = "bf16",
+                 ops: AttentionOps | None = None, device: jax.Device | None = None):
         self.config = config
+        # Every array the runner holds is committed to its device, so its steps run there
+        # whatever the caller's default device is (data-parallel replicas, one per device).
+        self.device = device if device is not None else jax.devices()[0]
         self.layout = layout
         self.runner_config = runner_config
         self.ops = ops or AttentionOps.for_backend()
@@ -171,8 +181,13 @@ class ModelRunner:
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
+        self.state, self.layer_states = jax.device_put((self.state, self.layer_states),
+                                                       self.device)
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
-        self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
+        self.kv_format = kv_quant.page_format(kv_precision)
+        self.kv_bytes_per_page = kv_quant.page_bytes(self.kv_format, layout.group_size,
+                                                     layout.page_size, layout.head_dim,
+                                                     self.kv_dtype)
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
         # fit a program's shared memory (float32 models); row packing and work items follow it.
         self.prefill_tuning = fit_tuning(PREFILL_TUNING, config.num_heads // config.num_kv_heads,
@@ -180,12 +195,12 @@ class ModelRunner:
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)
-        self.block_tables = jnp.zeros(table_shape, jnp.int32)
+        self.block_tables = jnp.zeros(table_shape, jnp.int32, device=self.device)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
-        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
+        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32, device=self.device)
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
@@ -206,8 +221,15 @@ class ModelRunner:
     def allocate_pool(self, num_pages: int) -> None:
         """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
-        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
-        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
+        self.k_pages, self.v_pages = self._pool(
+            num_pages, lambda shape, dtype: jnp.zeros(shape, dtype, device=self.device))
+
+    def _pool(self, num_pages: int, make):
+        """(k_pages, v_pages) of the runner's page format; `make(shape, dtype)` builds each
+        array (zeros on the runner's device, or a `jax.ShapeDtypeStruct` spec)."""
+        shape = self.pool_shape(num_pages)
+        return (kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.key_bits, make=make),
+                kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.value_bits, make=make))
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -555,8 +577,9 @@ class ModelRunner:
             offset = lens % ps
             k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
             v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
-            k_pages = k_pages.at[page[..., None], heads, offset[..., None]].set(k_new)
-            v_pages = v_pages.at[page[..., None], heads, offset[..., None]].set(v_new)
+            slots = (page[..., None], heads, offset[..., None])
+            k_pages = kv_quant.write_slots(k_pages, slots, k_new)   # quantised if the pool is
+            v_pages = kv_quant.write_slots(v_pages, slots, v_new)
             qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
             out = self.ops.decode_attention(qg, k_pages, v_pages, tables, lens + 1,
                                             work if split_map is not None else None)
@@ -625,10 +648,12 @@ class ModelRunner:
         pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
         `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
         called with the same shapes."""
-        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=sharding))
         rows = backend.next_power_of_2(prefill_rows)
-        decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
-        prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
+        decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
+        prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
         return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
                 "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
 
@@ -649,7 +674,9 @@ class ModelRunner:
                 self._prefill.lower(*args, **static).compile()
         for n in _padded_row_counts(max_first_tokens):
             self._sample_rows.lower(
-                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
+                self.slot_tokens, jax.ShapeDtypeStruct(
+                    (n, self.config.vocab_size), jnp.float32,
+                    sharding=jax.sharding.SingleDeviceSharding(self.device)),
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
                 logprobs=None).compile()
         for bucket in decode_buckets:
@@ -658,7 +685,7 @@ class ModelRunner:
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
-            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32)[0]
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=self.device)[0]
         for n in _padded_row_counts(max_first_tokens):
             jnp.stack([row] * n)
         self.block_tables = self._apply_table_updates(

@@ -15,6 +15,7 @@ pool changes. The pool is updated in place (`input_output_aliases`; donate it in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 
 
@@ -45,13 +47,15 @@ def kept_token_sources(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax
     return sources.astype(jnp.int32), counts.astype(jnp.int32)
 
 
-def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, k_chunk_ref,
-                     v_chunk_ref, k_in_ref, v_in_ref, k_out_ref, v_out_ref, *, page_size: int,
+def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, *refs, page_size: int,
                      group_size: int):
     """hist_ref [groups]; counts_ref [heads]; block_table_ref [groups, max_pages];
-    sources_ref [T] (this head's); k/v_chunk_ref [T, head_dim] (this head's);
-    k/v_out_ref [num_pages, page_size, head_dim] (this head's slab of the pool, aliased)."""
-    del k_in_ref, v_in_ref  # the same buffers as the outputs
+    sources_ref [T] (this head's); then n chunk refs [T, ...] (this head's rows of each pool
+    array: K and V values, or K codes, scales and zeros and the same of V), n pool refs (the
+    same buffers as the outputs, unused) and n pool out refs [num_pages, page_size, ...] (this
+    head's slab of each pool array, aliased)."""
+    n = len(refs) // 3
+    chunk_refs, out_refs = refs[:n], refs[2 * n:]
     head = pl.program_id(0)
     group = head // group_size
     chunk = sources_ref.shape[0]
@@ -63,9 +67,22 @@ def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, k_chunk
     write = (kept_index >= 0) & (kept_index < count) & (page_index < max_pages)
     page = block_table_ref[group, jnp.minimum(page_index, max_pages - 1)]
     src = sources_ref[jnp.clip(kept_index, 0, chunk - 1)]
-    mask = jnp.broadcast_to(write[:, None], (page_size, k_chunk_ref.shape[-1]))
-    plgpu.store(k_out_ref.at[page], k_chunk_ref[src], mask=mask)
-    plgpu.store(v_out_ref.at[page], v_chunk_ref[src], mask=mask)
+    for chunk_ref, out_ref in zip(chunk_refs, out_refs):
+        rows = chunk_ref[src]                                      # [page_size, ...]
+        mask = write.reshape(write.shape + (1,) * (rows.ndim - 1))
+        plgpu.store(out_ref.at[page], rows, mask=jnp.broadcast_to(mask, rows.shape))
+
+
+def _pool_streams(chunk, pages):
+    """The (chunk rows, pool array) pairs one of K or V writes: its values cast to the pool
+    dtype, or, for a quantised pool, the chunk quantised per (token, head) (`kv_quant`) as
+    codes, scales and zeros. Quantising the whole chunk before the selection gives the kept
+    tokens the same codes as quantising them after it: the code of a row depends on that row
+    alone."""
+    if isinstance(pages, kv_quant.QuantPages):
+        codes, scale, zero = kv_quant.quantise(chunk, pages.bits)
+        return [(codes, pages.codes), (scale, pages.scale), (zero, pages.zero)]
+    return [(chunk.astype(pages.dtype), pages)]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(5, 6))
@@ -76,10 +93,17 @@ def _compress(k_chunk, v_chunk, scores, keep_counts, chunk_len, k_pages, v_pages
     num_groups, max_pages = block_table.shape
     sources, counts = kept_token_sources(scores, keep_counts, chunk_len, group_size)
     kernel = functools.partial(_compress_kernel, page_size=page_size, group_size=group_size)
-    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim),
-                             lambda h, k: (0, h % group_size, 0, 0))
-    chunk_spec = pl.BlockSpec((chunk, None, head_dim), lambda h, k: (0, h, 0))
-    return pl.pallas_call(
+    streams = _pool_streams(k_chunk, k_pages) + _pool_streams(v_chunk, v_pages)
+    chunks = [c for c, _ in streams]
+    pools = [a for _, a in streams]
+    pool_specs = [pl.BlockSpec((num_pages, None, *a.shape[2:]),
+                               lambda h, k, nd=a.ndim: (0, h % group_size) + (0,) * (nd - 2))
+                  for a in pools]
+    chunk_specs = [pl.BlockSpec((chunk, None, *c.shape[2:]),
+                                lambda h, k, nd=c.ndim: (0, h) + (0,) * (nd - 2))
+                   for c in chunks]
+    n = len(streams)
+    written = pl.pallas_call(
         kernel,
         grid=(num_heads, pl.cdiv(chunk, page_size) + 1),
         in_specs=[
@@ -87,17 +111,25 @@ def _compress(k_chunk, v_chunk, scores, keep_counts, chunk_len, k_pages, v_pages
             pl.BlockSpec((num_heads,), lambda h, k: (0,)),
             pl.BlockSpec((num_groups, max_pages), lambda h, k: (0, 0)),
             pl.BlockSpec((None, chunk), lambda h, k: (h, 0)),
-            chunk_spec, chunk_spec, pool_spec, pool_spec,
+            *chunk_specs, *pool_specs,
         ],
-        out_specs=[pool_spec, pool_spec],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={6: 0, 7: 1},
+        out_specs=pool_specs,
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pools],
+        input_output_aliases={4 + n + i: i for i in range(n)},
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=4, num_stages=1),
         name="compress_chunk_into_pages",
-    )(hist_len, counts, block_table, sources, k_chunk.astype(k_pages.dtype),
-      v_chunk.astype(v_pages.dtype), k_pages, v_pages)
+    )(hist_len, counts, block_table, sources, *chunks, *pools)
+    n_k = len(jax.tree.leaves(k_pages))            # arrays of the K pool (1, or 3 quantised)
+    return _rebuild(k_pages, written[:n_k]), _rebuild(v_pages, written[n_k:])
+
+
+def _rebuild(pages, arrays):
+    """The pool `pages` with its arrays replaced by `arrays` (as `_pool_streams` listed them)."""
+    if isinstance(pages, kv_quant.QuantPages):
+        codes, scale, zero = arrays
+        return dataclasses.replace(pages, codes=codes, scale=scale, zero=zero)
+    return arrays[0]
 
 
 def _check(k_chunk, v_chunk, scores, keep_counts, k_pages, v_pages, block_table, hist_len):
@@ -164,8 +196,8 @@ def compress_chunk_into_pages_reference(k_chunk, v_chunk, scores, keep_counts, c
     page_index = jnp.clip(slot // page_size, 0, max_pages - 1)
     page = jnp.where(keep, block_table[group[:, None], page_index], num_pages)  # drop if not kept
     head_in_page = jnp.broadcast_to((heads % group_size)[:, None], slot.shape)
-    k_rows = k_chunk[sources, heads[:, None]].astype(k_pages.dtype)       # [heads, T, d]
-    v_rows = v_chunk[sources, heads[:, None]].astype(v_pages.dtype)
-    k_pages = k_pages.at[page, head_in_page, slot % page_size].set(k_rows, mode="drop")
-    v_pages = v_pages.at[page, head_in_page, slot % page_size].set(v_rows, mode="drop")
-    return k_pages, v_pages
+    k_rows = k_chunk[sources, heads[:, None]]                             # [heads, T, d]
+    v_rows = v_chunk[sources, heads[:, None]]
+    index = (page, head_in_page, slot % page_size)
+    return (kv_quant.write_slots(k_pages, index, k_rows, mode="drop"),
+            kv_quant.write_slots(v_pages, index, v_rows, mode="drop"))

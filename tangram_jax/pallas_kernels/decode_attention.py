@@ -15,6 +15,10 @@ head_dim slice)``) merges the partials of each group by log-sum-exp into the out
 is two launches. The work list is the only thing that differs between the AOT split map, uniform
 splits and runtime planning (`split_map.py`): a static one becomes a constant of the jitted step,
 a planned one is a runtime int32 array of shape ``[batch, items, 3]``.
+
+Quantised pools (`tangram_jax.kv_quant`, K8V8 / K8V4 / K4V2): the same grid and work lists; the
+kernel reads packed codes and per-slot scale / zero instead of pages of values, so a work item
+moves fewer bytes (what the split map weighs: `split_map.build_split_map`'s `bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
@@ -40,24 +45,48 @@ _MIN_DOT_ROWS = 16
 _MERGE_CHUNK_ITEMS = 128
 
 
-def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
-                   o_ref, lse_ref, *, page_size: int, block_tokens: int, q_per_kv: int,
-                   scale: float, max_pages: int, prefetch_page_ids: bool):
+def _page_inputs(pages) -> tuple:
+    """The arrays a pool passes to the kernel: (pages,) or (codes, scale, zero)."""
+    if isinstance(pages, kv_quant.QuantPages):
+        return pages.codes, pages.scale, pages.zero
+    return (pages,)
+
+
+def _bits(pages) -> int | None:
+    return pages.bits if isinstance(pages, kv_quant.QuantPages) else None
+
+
+def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
+                   block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
+                   prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3]; lengths_ref [groups]; block_tables_ref [groups, max_pages];
     q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are masked on load,
-    never read); k/v_pages_ref [num_pages, H, page_size, head_dim] (these KV
-    heads' slab of the pool); o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32,
-    both over q_per_kv real rows (masked stores).
+    never read); then the K refs and the V refs, each either pages [num_pages, H, page_size,
+    head_dim] (these KV heads' slab of the pool) or, quantised at `key_bits` / `value_bits`
+    (`kv_quant`), codes uint8 [num_pages, H, page_size, head_dim * bits / 8] and scale, zero
+    float32 [num_pages, H, page_size]; o_ref [H, rows, head_dim] float32 and lse_ref [H, rows]
+    float32, both over q_per_kv real rows (masked stores).
+
+    Quantised tiles are never dequantised element by element: with x = code * s + z per token,
+    ``q . k_t = s_t (q . code_t) + z_t sum(q)`` and ``sum_t p_t v_t = (p * s) @ codes + (p . z)``,
+    so the matrix unit multiplies the raw codes (exact in bf16) plane by plane (a plane of a
+    packed row is a contiguous slice of head_dim, see `kv_quant`), and the scales are applied
+    to the [rows, tokens] logits and probabilities.
     """
+    n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
+    k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
+    o_ref, lse_ref = refs[n_k + n_v:]
     item = pl.program_id(1)
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
     length = lengths_ref[group]
-    heads = k_pages_ref.shape[1]
+    heads = k_refs[0].shape[1]
+    head_dim = q_ref.shape[-1]
     pages_per_block = max(1, block_tokens // page_size)
+    compute_dtype = q_ref.dtype
 
     # Lengths past the block table (a caller's bug) are cut there rather than read out of bounds.
     num_pages = jnp.minimum(pl.cdiv(length, page_size), max_pages)
@@ -73,19 +102,48 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
 
     rows = q_ref.shape[-2]
     row_real = jnp.arange(rows) < q_per_kv
+    row_ids = jnp.arange(rows)[:, None]
     # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
     head_ids = [jnp.int32(j) for j in range(heads)]
-    qs = [plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)     # [rows, d]
-          for j in head_ids]
+    # head_dim as the planes the keys / values are packed in (one plane when not quantised).
+    k_planes = 1 if key_bits is None else 8 // key_bits
+    v_planes = 1 if value_bits is None else 8 // value_bits
+    k_cols = [p * (head_dim // k_planes) + jnp.arange(head_dim // k_planes)[None, :]
+              for p in range(k_planes)]
+    v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
+              for p in range(v_planes)]
+    if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
+        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)]
+              for j in head_ids]
+    else:                   # per head, planes [rows, d/n]
+        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
+               for cols in k_cols] for j in head_ids]
+    # sum(q) per query row, what a key's zero point adds to its logit.
+    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
+        if key_bits is not None else None
     offsets = jnp.arange(block_tokens)
-    # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
-    dims = jnp.arange(k_pages_ref.shape[-1])[None, :]
 
     def page_ids(block):                                                     # [tokens]
         token = (start_page + block * pages_per_block) * page_size + offsets
         # Clamped: a block may reach past the table's end (a share is rounded up to whole
         # blocks; the prefetch reads one block past it); those ids are never used.
         return block_tables_ref[group, jnp.minimum(token // page_size, max_pages - 1)]
+
+    def load_tile(refs, bits, page, j, slot, token_valid):
+        """([tokens, d/n] planes in compute_dtype, scale [tokens] or None, zero or None)."""
+        mask = token_valid[:, None]
+        # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
+        dims = jnp.arange(refs[0].shape[-1])[None, :]
+        raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask, other=0)
+        if bits is None:
+            return [raw], None, None
+        codes = raw.astype(jnp.int32)
+        levels = (1 << bits) - 1
+        planes = [((codes >> (p * bits)) & levels).astype(compute_dtype)
+                  for p in range(8 // bits)]
+        s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
+        z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
+        return planes, s, z
 
     def attend(block, page, states):
         first_token = (start_page + block * pages_per_block) * page_size
@@ -95,26 +153,37 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
         # page a contiguous run of page_size rows), so it lands in shared memory in the layout
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
-        slot = (token % page_size)[:, None]
-        mask = token_valid[:, None]
-        ks = [plgpu.load(k_pages_ref.at[page[:, None], j, slot, dims], mask=mask, other=0)
-              for j in head_ids]                                             # [tokens, d]
-        vs = [plgpu.load(v_pages_ref.at[page[:, None], j, slot, dims], mask=mask, other=0)
-              for j in head_ids]
+        slot = token % page_size
+        ks = [load_tile(k_refs, key_bits, page, j, slot, token_valid) for j in head_ids]
+        vs = [load_tile(v_refs, value_bits, page, j, slot, token_valid) for j in head_ids]
         new = []
         for j in range(heads):
-            o_prev, m_prev, l_prev = states[j]
-            logits = _dot(qs[j], ks[j], trans_b=True) * scale
-            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
+            o_prev, o_zero_prev, m_prev, l_prev = states[j]
+            k_tile, k_scale, k_zero = ks[j]
+            v_tile, v_scale, v_zero = vs[j]
+            logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
+            for qp, kp in zip(qs[j][1:], k_tile[1:]):
+                logits = logits + _dot(qp, kp, trans_b=True)
+            if key_bits is not None:
+                logits = logits * k_scale[None, :] + q_sums[j][:, None] * k_zero[None, :]
+            logits = jnp.where(token_valid[None, :], logits * scale, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = jnp.exp(m_prev - m_next)
             p = jnp.exp(logits - m_next[:, None])
             l_next = correction * l_prev + p.sum(axis=-1)
-            o_next = correction[:, None] * o_prev + _dot(p.astype(vs[j].dtype), vs[j])
-            new.append((o_next, m_next, l_next))
+            if value_bits is None:
+                weights, o_zero_next = p.astype(v_tile[0].dtype), o_zero_prev
+            else:
+                weights = (p * v_scale[None, :]).astype(compute_dtype)
+                o_zero_next = correction * o_zero_prev + (p * v_zero[None, :]).sum(axis=-1)
+            o_next = tuple(correction[:, None] * o + _dot(weights, vp)
+                           for o, vp in zip(o_prev, v_tile))
+            new.append((o_next, o_zero_next, m_next, l_next))
         return tuple(new)
 
-    init = tuple((jnp.zeros(qs[0].shape, jnp.float32),
+    init = tuple((tuple(jnp.zeros((rows, head_dim // v_planes), jnp.float32)
+                        for _ in range(v_planes)),
+                  jnp.zeros((rows,), jnp.float32),
                   jnp.full((rows,), _MASK_VALUE, jnp.float32),
                   jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
     if prefetch_page_ids:
@@ -128,11 +197,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, k_pages_ref, 
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, states: attend(block, page_ids(block), states), init)
-    for j, (o, m, l) in zip(head_ids, final):
+    for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
-        o = o / jnp.where(has_tokens, l, 1.0)[:, None]
+        denominator = jnp.where(has_tokens, l, 1.0)[:, None]
         lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
-        plgpu.store(o_ref.at[j], o, mask=row_real[:, None])
+        if value_bits is None:
+            plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
+        for o, cols in zip(o_planes if value_bits is not None else (), v_cols):
+            plgpu.store(o_ref.at[j, row_ids, cols], (o + o_zero[:, None]) / denominator,
+                        mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
 
@@ -253,7 +326,14 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
 
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
-                               max_pages=max_pages, prefetch_page_ids=num_stages >= 3)
+                               max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
+                               key_bits=_bits(k_pages), value_bits=_bits(v_pages))
+    # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or
+    # per-slot scales [num_pages, H, page_size].
+    page_arrays = (*_page_inputs(k_pages), *_page_inputs(v_pages))
+    page_specs = [pl.BlockSpec((num_pages, heads, *a.shape[2:]),
+                               lambda b, i, j, nd=a.ndim: (0, j) + (0,) * (nd - 2))
+                  for a in page_arrays]
     # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
     # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
@@ -266,8 +346,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
             pl.BlockSpec((None, num_groups, max_pages), lambda b, i, j: (b, 0, 0)),
             pl.BlockSpec((None, num_groups, heads, rows, head_dim),
                          lambda b, i, j: (b, 0, j, 0, 0)),
-            pl.BlockSpec((num_pages, heads, page_size, head_dim), lambda b, i, j: (0, j, 0, 0)),
-            pl.BlockSpec((num_pages, heads, page_size, head_dim), lambda b, i, j: (0, j, 0, 0)),
+            *page_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, heads, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
@@ -281,7 +360,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
-    )(work, lengths, block_tables, q, k_pages, v_pages), work
+    )(work, lengths, block_tables, q, *page_arrays), work
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "interpret"))
@@ -334,7 +413,9 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
 
     Args:
       q: [batch, groups, G * q_per_kv, head_dim] (query heads of group g contiguous).
-      k_pages, v_pages: [num_pages, G, page_size, head_dim], the whole pool.
+      k_pages, v_pages: [num_pages, G, page_size, head_dim], the whole pool: arrays in q's
+        dtype, or `kv_quant.QuantPages` of that logical shape (keys and values may have
+        different bits), dequantised on the fly.
       block_tables: int32 [batch, groups, max_pages], this layer's.
       lengths: int32 [batch, groups] retained tokens (0 allowed: that group's output is 0);
         must be <= max_pages * page_size.
@@ -357,19 +438,20 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
 
 @jax.jit
 def ragged_paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths):
-    """Gather every group's pages and run a masked softmax in jnp (float32)."""
+    """Gather every group's pages (dequantised: `kv_quant`) and run a masked softmax in jnp
+    (float32)."""
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape
     max_pages = block_tables.shape[-1]
     tables = jnp.clip(block_tables, 0, num_pages - 1)
 
-    def gather(pages):   # -> [batch, groups, G, max_pages * page_size, d]
-        x = pages[tables]                                 # [b, n, max_pages, G, page_size, d]
+    def gather(pages):   # -> [batch, groups, G, max_pages * page_size, d] float32
+        x = kv_quant.take_pages(pages, tables, jnp.float32)   # [b, n, max_pages, G, ps, d]
         x = jnp.moveaxis(x, 3, 2)
         return x.reshape(batch, num_groups, group_size, max_pages * page_size, head_dim)
 
-    k = gather(k_pages).astype(jnp.float32)
-    v = gather(v_pages).astype(jnp.float32)
+    k = gather(k_pages)
+    v = gather(v_pages)
     qg = q.reshape(batch, num_groups, group_size, q_rows // group_size, head_dim)
     logits = jnp.einsum("bngqd,bngtd->bngqt", qg.astype(jnp.float32), k,
                         precision=lax.Precision.HIGHEST) / math.sqrt(head_dim)

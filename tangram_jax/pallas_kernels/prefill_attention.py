@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
@@ -314,9 +315,29 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
             has_keys, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)
 
 
+def dense_history(k_pages, v_pages, block_tables, dtype):
+    """Quantised pools (`kv_quant.QuantPages`) as dense pages of the rows' histories.
+
+    Prefill attention is bound by the chunk's own [chunk x (history + chunk)] products, not by
+    reading the history (each history page is read once per chunk), so the history is
+    dequantised once per layer in XLA (one fused gather + dequantise of the pages the rows'
+    tables name) and the kernel runs unchanged on it. Returns (k_pages, v_pages, block_tables):
+    dense [rows * groups * max_pages, G, page_size, d] pools in `dtype` and tables renumbered
+    onto them; dense pools come back as they are.
+    """
+    if not isinstance(k_pages, kv_quant.QuantPages) and \
+            not isinstance(v_pages, kv_quant.QuantPages):
+        return k_pages, v_pages, block_tables
+    ids = jnp.clip(block_tables.reshape(-1), 0, k_pages.shape[0] - 1)
+    compact = jnp.arange(ids.shape[0], dtype=jnp.int32).reshape(block_tables.shape)
+    return (kv_quant.take_pages(k_pages, ids, dtype), kv_quant.take_pages(v_pages, ids, dtype),
+            compact)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens,
                     work_items, *, interpret: bool, tuning: PrefillTuning):
+    k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, k.dtype)
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_pages, group_size, page_size, _ = k_pages.shape
@@ -409,7 +430,8 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
 
     Args:
       q: [N, num_q_heads, head_dim]; k, v: [N, num_kv_heads, head_dim] (flat token axis).
-      k_pages, v_pages: [num_pages, G, page_size, head_dim].
+      k_pages, v_pages: [num_pages, G, page_size, head_dim]: arrays, or `kv_quant.QuantPages`
+        (the history is dequantised: `dense_history`).
       block_tables: int32 [rows, groups, max_pages]; hist_len: int32 [rows, groups].
       row_starts: int32 [rows], multiples of `row_alignment(tuning)`; row_lens: int32 [rows]
         (a row may be empty); rows must not overlap and must fit in N rounded to the alignment
@@ -493,9 +515,8 @@ def ragged_prefill_attention_reference(q, k, v, k_pages, v_pages, block_tables, 
     lse = jnp.full((n, num_kv_heads, q_per_kv), -jnp.inf, jnp.float32)
     for r in range(rows):
         def history(pages):   # -> [num_kv_heads, num_hist, d]
-            x = pages[tables[r]]                                # [groups, P, G, ps, d]
-            x = jnp.moveaxis(x, 2, 1).reshape(num_kv_heads, num_hist, head_dim)
-            return x.astype(jnp.float32)
+            x = kv_quant.take_pages(pages, tables[r], jnp.float32)   # [groups, P, G, ps, d]
+            return jnp.moveaxis(x, 2, 1).reshape(num_kv_heads, num_hist, head_dim)
 
         keys = jnp.concatenate([history(k_pages), new_k], axis=1)            # [Hkv, S, d]
         vals = jnp.concatenate([history(v_pages), new_v], axis=1)

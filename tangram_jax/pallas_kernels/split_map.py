@@ -6,7 +6,8 @@ item is one row ``(group, split, num_splits)`` of a *work list*, and covers the 
 ways of making the work list feed that one kernel:
 
 - `build_split_map` (Tangram, ahead of time): from the calibrated group budgets, per layer, the
-  splits of group g are proportional to its expected work ``G * r_g`` (apportioned so that the
+  splits of group g are proportional to its expected work ``G * r_g`` times the bytes of one of
+  its tokens (quantised pages read fewer; apportioned so that the
   largest expected tokens-per-split ``r_g / s_g`` is as small as possible, each ``s_g >= 1``).
   Static: hashed into the jitted decode step, never recomputed while serving.
 - `uniform_split_map` (FlashDecoding-style baseline): the same number of splits for every group.
@@ -109,26 +110,37 @@ def _min_max_apportion(weights: np.ndarray, total: int, cap: int) -> list[int]:
 
 
 def build_split_map(group_budgets: np.ndarray, num_programs: int, batch: int = 1, *,
-                    group_size: int, max_splits: int = 256) -> SplitMap:
+                    group_size: int, max_splits: int = 256,
+                    bytes_per_token: float | np.ndarray = 1.0) -> SplitMap:
     """The ahead-of-time split map from calibrated budgets.
 
     group_budgets: float [layers, groups] in (0, 1]. Per layer the splits are proportional to
-    ``G * r_g`` (min-max apportionment of `items_per_row(...)` items, each group >= 1 split,
-    at most `max_splits`).
+    the bytes a group's share reads, ``G * r_g * bytes_per_token_g`` (min-max apportionment of
+    `items_per_row(...)` items, each group >= 1 split, at most `max_splits`).
+    bytes_per_token: KV bytes one retained token of a group costs (a scalar, or [layers,
+    groups] when groups hold pages of different precisions, `kv_quant.page_bytes` per slot);
+    decode attention is bound by the bytes it reads, not the tokens. A scalar leaves the map
+    as the budgets alone make it.
     """
     budgets = np.asarray(group_budgets, dtype=np.float64)
     if budgets.ndim != 2 or budgets.shape[1] < 1:
         raise ValueError(f"group_budgets must be [layers, groups], got shape {budgets.shape}")
     if not (np.isfinite(budgets).all() and (budgets > 0).all() and (budgets <= 1).all()):
         raise ValueError("group budgets must lie in (0, 1]")
+    cost = np.asarray(bytes_per_token, dtype=np.float64)
+    if not (np.isfinite(cost).all() and (cost > 0).all()) or (
+            cost.ndim and cost.shape != budgets.shape):
+        raise ValueError(f"bytes_per_token must be a positive scalar or [layers, groups] = "
+                         f"{budgets.shape}, got {bytes_per_token!r}")
+    work = budgets * cost
     num_groups = budgets.shape[1]
     items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
-    # Large batches leave few items per row; the least-budget group still needs one, so keep
-    # enough items that the others can get splits in proportion (sum(r) / min(r) per layer).
-    balance = int(np.ceil((budgets.sum(axis=1) / budgets.min(axis=1)).max() - 1e-9))
+    # Large batches leave few items per row; the least-work group still needs one, so keep
+    # enough items that the others can get splits in proportion (sum(w) / min(w) per layer).
+    balance = int(np.ceil((work.sum(axis=1) / work.min(axis=1)).max() - 1e-9))
     items = min(max(items, balance), num_groups * max_splits)
     splits = tuple(tuple(_min_max_apportion(group_size * row, items, max_splits))
-                   for row in budgets)
+                   for row in work)
     return SplitMap(splits=splits, num_items=items, batch=int(batch), name="aot")
 
 

@@ -6,7 +6,9 @@
 - `kv_cache_manager.KVCacheManager`: slots, Budget Reservation (``policy="reserve"``), decode
   growth, and the dynamic compress-and-reclaim baseline (``policy="reclaim"``).
 - `sequence.Sequence`: per-request / per-session state.
-- `scheduler.Scheduler`: continuous batching, chunked prefill, admission by reservation,
-  preemption by recompute, multi-turn sessions with LRU eviction.
+- `sessions.SessionTable`: the one owner of multi-turn sessions (id -> sequence, eviction
+  ranking by idle time and recompute cost, prefix lookup).
+- `scheduler.Scheduler`: continuous batching, chunked prefill with a cap on long prefills,
+  admission by reservation, preemption by recompute, session eviction.
 - `metrics.SchedulerMetrics`: control-plane host time, preemptions, evictions, rejections.
 """

@@ -22,6 +22,15 @@ Arrays (row ``max_seqs`` is the *null slot*: always empty, padded decode rows po
     reserved_lengths: int32 [max_seqs + 1, layers, groups]   tokens the held pages are reserved
                       for; always ``num_pages == pages_for(reserved_lengths)`` and
                       ``lengths <= reserved_lengths``.
+
+Two narrow interfaces (as vLLM v1's `KVCacheManager.allocate_slots` / `KVCacheBlocks` keep its
+scheduler away from block tables):
+
+- the scheduler's (`SCHEDULER_INTERFACE`): slots, reservations and decode growth as yes/no
+  answers and page counts, by slot; it never reads the arrays above;
+- the device feed, for the engine and runner that build a step: `take_table_updates` (the block
+  table's writes for a device-resident copy), `decode_write_lengths` (where each decode row
+  writes its token) and `retained_lengths` (a slot's history lengths for prefill).
 """
 
 from __future__ import annotations
@@ -31,11 +40,19 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
-from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.kv_layout import KVLayout, TieredLayout, pages_for
 from tangram_jax.scheduler.block_table import BlockTable
 from tangram_jax.scheduler.page_pool import PagePool
 
 POLICIES = ("reserve", "reclaim")
+
+# Everything `Scheduler` uses of the manager (tests check it stays within this).
+SCHEDULER_INTERFACE = frozenset({
+    "layout", "max_seqs", "null_slot", "capacity", "num_free_pages", "num_free_slots",
+    "pages_held", "allocate_slot", "free", "pages_to_reserve", "fits_ever", "reserve",
+    "commit_prefill", "reclaim", "grow_for_decode", "decode_demand", "at_table_limit",
+    "max_pages_per_group",
+})
 
 
 class LayoutMismatchError(ValueError):
@@ -74,8 +91,9 @@ class KVCacheManager:
     def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int,
                  max_pages_per_group: int, *, model_kv_shape: SequenceABC[int],
                  policy: str = "reserve"):
-        if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(layout, (KVLayout, TieredLayout)):
+            raise TypeError(f"layout must be a KVLayout or TieredLayout, got "
+                            f"{type(layout).__name__}")
         if len(model_kv_shape) != 3:
             raise ValueError("model_kv_shape must be (num_layers, num_kv_heads, head_dim), got "
                              f"{model_kv_shape!r}")
@@ -108,6 +126,10 @@ class KVCacheManager:
         self._all_granted.flags.writeable = False
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
+        # Groups a decode token is appended to: all, or the high tier of a TieredLayout (whose
+        # groups are (group, tier) pairs, reserved like groups).
+        self._decode_groups = (layout.decode_tier_groups if isinstance(layout, TieredLayout)
+                               else np.ones(layout.num_groups, dtype=bool))
 
     # ----- views -------------------------------------------------------------------------
     @property
@@ -118,6 +140,11 @@ class KVCacheManager:
     @property
     def max_pages_per_group(self) -> int:
         return self.table.max_pages
+
+    @property
+    def capacity(self) -> int:
+        """Pages the pool can hand out (the null page excluded)."""
+        return self.pool.capacity
 
     @property
     def num_free_pages(self) -> int:
@@ -159,19 +186,25 @@ class KVCacheManager:
             return self.layout.segments_retained_counts(num_new_tokens) + base_lengths
         return self.layout.retained_counts(num_new_tokens) + base_lengths
 
+    def _base_lengths(self, slot: int | None) -> np.ndarray:
+        """int [layers, groups]: what `slot` holds (zeros for None: a fresh slot)."""
+        if slot is None:
+            return np.zeros(self.lengths.shape[1:], dtype=np.int64)
+        return self.lengths[slot]
+
     def pages_to_reserve(self, slot: int | None, num_new_tokens) -> int:
         """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
-        if slot is None:
-            base = np.zeros(self.lengths.shape[1:], dtype=np.int64)
-            held = 0
-        else:
-            base, held = self.lengths[slot], self.table.num_pages[slot]
-        need = pages_for(self.reservation_target(base, num_new_tokens), self.page_size) - held
+        held = 0 if slot is None else self.table.num_pages[slot]
+        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens),
+                         self.page_size) - held
         return int(np.maximum(need, 0).sum())
 
-    def fits_ever(self, base_lengths: np.ndarray, num_new_tokens) -> bool:
-        """Whether a turn (plus one decode token) could be held by an otherwise empty pool."""
-        need = pages_for(self.reservation_target(base_lengths, num_new_tokens) + 1, self.page_size)
+    def fits_ever(self, slot: int | None, num_new_tokens) -> bool:
+        """Whether a turn of `num_new_tokens` (or a prefill plan) on top of what `slot` holds
+        (None: from nothing), plus one decode token, could be held by an otherwise empty pool
+        and the block table."""
+        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens) + 1,
+                         self.page_size)
         return bool(need.max() <= self.max_pages_per_group and need.sum() <= self.pool.capacity)
 
     def reserve(self, slot: int, num_new_tokens) -> bool:
@@ -260,7 +293,7 @@ class KVCacheManager:
         # The token at index `lengths` needs a new page iff every held slot is already used.
         np.multiply(self.table.num_pages, np.int32(self.page_size), out=self._scratch_int)
         crossing = np.greater_equal(self.lengths, self._scratch_int, out=self._scratch_bool)
-        crossing &= rows[:, None, None]
+        crossing &= rows[:, None, None] & self._decode_groups
         # Array methods, not np.flatnonzero/np.ones: their Python wrappers cost more here.
         cells = crossing.reshape(-1).nonzero()[0]     # global cell ids, in slot order
         columns = self.table.num_pages.reshape(-1)[cells]
@@ -273,7 +306,7 @@ class KVCacheManager:
             cells, columns = cells[keep], columns[keep]
         if cells.size:
             self.table.append_to_cells(cells, self.pool.allocate(cells.size), columns=columns)
-        granted = rows.astype(np.int32)[:, None, None]   # int32: adding bools would cast
+        granted = (rows[:, None, None] & self._decode_groups).astype(np.int32)  # bools would cast
         self.lengths += granted
         self.reserved_lengths += granted
         return ok
@@ -297,6 +330,11 @@ class KVCacheManager:
         mask[slots] = True
         return mask
 
+    def decode_demand(self, slot: int) -> int:
+        """Pages `slot`'s next decode token takes (one per group crossing a page boundary)."""
+        want = pages_for(self.lengths[slot].astype(np.int64) + 1, self.page_size)
+        return int(np.maximum(want - self.table.num_pages[slot], 0).sum())
+
     def at_table_limit(self, slot: int) -> bool:
         """Whether one more decode token would overflow the block table width."""
         want = self.lengths[slot].astype(np.int64) + 1
@@ -306,6 +344,19 @@ class KVCacheManager:
     def take_table_updates(self) -> tuple[np.ndarray, np.ndarray]:
         """Block-table writes since the last call, for a device-resident copy (see BlockTable)."""
         return self.table.take_updates()
+
+    def decode_write_lengths(self, slots: np.ndarray) -> np.ndarray:
+        """int32 [rows, layers, groups]: where each decode row of this step writes its token,
+        the lengths before it (`grow_for_decode` has counted it already); rows of the null slot
+        (padding) are 0."""
+        slots = np.asarray(slots, dtype=np.intp)
+        lengths = self.lengths.take(slots, axis=0)
+        lengths[slots != self.null_slot] -= 1
+        return lengths
+
+    def retained_lengths(self, slot: int) -> np.ndarray:
+        """int64 [layers, groups]: tokens `slot` holds now (a prefill piece's history)."""
+        return self.lengths[slot].astype(np.int64)
 
     def usage(self) -> dict:
         """Pool utilisation and fragmentation (allocated vs occupied token slots)."""

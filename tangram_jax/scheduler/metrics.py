@@ -27,6 +27,7 @@ class SchedulerMetrics:
         self.reset(window)
         self.num_preemptions = 0
         self.num_evictions = 0
+        self.evicted_recompute_tokens = 0   # history tokens of evicted sessions (re-prefill cost)
         self.num_capped = 0
         self.num_rejected = 0
         self.num_admitted = 0
@@ -76,6 +77,7 @@ class SchedulerMetrics:
             "host_time_window_steps": int(times.size),
             "preemptions": self.num_preemptions,
             "evictions": self.num_evictions,
+            "evicted_recompute_tokens": self.evicted_recompute_tokens,
             "capped": self.num_capped,
             "rejected": self.num_rejected,
             "admitted": self.num_admitted,

@@ -3,25 +3,40 @@
 One engine step is::
 
     out = scheduler.schedule()            # what to run: prefill pieces + decode batch
-    ... device runs out.prefill_chunks and out.decode_slots with manager.block_tables/lengths ...
+    ... the engine feeds the device from the manager (`take_table_updates`,
+        `decode_write_lengths`, `retained_lengths`) and runs out.prefill_chunks / decode_slots ...
     scheduler.commit(out, sampled)        # prefill lengths advance, sampled tokens appended
     scheduler.finish(request_id)          # for every request the engine's stop check ended
 
-`schedule` does, in order:
+`schedule` spends the step's token budget (`max_num_batched_tokens`) in this order:
 
 1. Decode: every decoding sequence gets one token. Groups crossing a page boundary take a page
-   (`KVCacheManager.grow_for_decode`). When the pool is short, idle sessions are evicted (least
-   recently used first), then the newest running sequence is preempted by recompute (pages
-   freed, requeued at the front, its whole history re-prefilled later; if that history could
-   never be reserved again, by the pool or the block-table width, it ends as CAPPED instead).
-   A sequence that could not grow even with the whole pool (or the full block-table width) to
-   itself ends as CAPPED.
-2. Prefill pieces for sequences already admitted, under the per-step token budget.
-3. Admission, FCFS by reservation: a waiting request is admitted only if its whole turn's
-   post-compression reservation fits (evicting idle sessions if that makes it fit). A request that
-   does not fit is passed over so smaller ones behind it can run, but each time it is overtaken
-   its skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
+   (`KVCacheManager.grow_for_decode`). When the pool is short, idle sessions are evicted (the
+   `SessionTable`'s ranking: most pages freed per expected recompute token first), then the
+   newest running sequence is preempted by recompute (pages freed, requeued at the front, its
+   whole history re-prefilled later; if that history could never be reserved again, by the pool
+   or the block-table width, it ends as CAPPED instead). A sequence that could not grow even
+   with the whole pool (or the full block-table width) to itself ends as CAPPED.
+2. Prefill of short turns (at most `long_prefill_token_threshold` tokens left when admitted):
+   first the admitted ones, oldest admission first, then admission (3). One chunk per long turn
+   in prefill is kept back from them, so short turns cannot starve long ones.
+3. Admission, FCFS by reservation: a waiting turn is admitted only if its whole post-compression
+   reservation fits (evicting idle sessions if that makes it fit). A short turn gets its first
+   piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
+   long turns prefill; until then the turns behind it go first. A turn that does not fit the
+   pool is passed over so smaller ones behind it can run, but each time it is overtaken its
+   skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
    fits. Requests larger than the whole pool are rejected by `add_request`.
+4. Prefill of long turns, oldest admission first, each piece at most the threshold (vLLM's
+   `long_prefill_token_threshold` / `max_long_partial_prefills`), from what is left.
+
+So a follow-up of a resident session is never queued behind 100k-token first turns: it starts
+in the first step after it arrives whenever it fits ``budget - decodes - chunk_size * (long
+turns prefilling)`` and the pool, and long first turns still use the rest of every step.
+
+The scheduler talks to the KV-cache manager only through `SCHEDULER_INTERFACE` (slots,
+reservations and growth as answers and page counts), never through its arrays; sessions live in
+one `SessionTable` (`scheduler.sessions`).
 
 Prefill pieces start on compression-chunk boundaries of their turn (``turn_start + k *
 layout.chunk_size``) so the retained count of every piece is `layout.piece_retained_counts` (the
@@ -42,6 +57,7 @@ import numpy as np
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.metrics import SchedulerMetrics
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
+from tangram_jax.scheduler.sessions import SessionTable
 
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -54,8 +70,9 @@ class RequestTooLargeError(ValueError):
 class PrefillChunk:
     """Run ``seq.token_ids[start:end]`` through prefill, writing into ``seq.slot``'s pages.
 
-    The kept tokens of every (layer, group) go to positions ``manager.lengths[slot]`` (before
-    `commit`) onwards; `is_last` means the logits of the final token give the first sampled token.
+    The kept tokens of every (layer, group) go to positions ``manager.retained_lengths(slot)``
+    (before `commit`) onwards; `is_last` means the logits of the final token give the first
+    sampled token.
     """
     seq: Sequence
     start: int
@@ -71,21 +88,15 @@ class PrefillChunk:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """One step's work.
+    """One step's work (what runs; where it reads and writes comes from the manager).
 
     decode_slots: int32 [bucket] slots of `decode_seqs`, padded with the manager's null slot.
-    decode_lengths: int32 [bucket, layers, groups] lengths before this step's token (the write
-      position of the new token; padded rows 0).
-    table_updates: (flat indices into ``block_tables.ravel()``, values) written since the
-      previous step, for a device-resident copy of the block table.
     preempted / capped: sequences preempted by recompute / ended for lack of KV capacity.
     """
     step: int
     prefill_chunks: list[PrefillChunk]
     decode_seqs: list[Sequence]
     decode_slots: np.ndarray
-    decode_lengths: np.ndarray
-    table_updates: tuple[np.ndarray, np.ndarray]
     preempted: list[Sequence]
     capped: list[Sequence]
 
@@ -110,11 +121,19 @@ class Scheduler:
       decode_buckets: increasing batch sizes the decode step is compiled for; the largest must be
         at least ``manager.max_seqs``.
       fairness_skips: how many times a request may be overtaken before it blocks admission.
+      long_prefill_token_threshold: a turn with more tokens than this left to prefill is long:
+        it takes at most this many tokens of a step (whole compression chunks). None: the whole
+        budget (no cap; `EngineConfig.resolve` gives the engine its default). Between
+        ``chunk_size`` and `max_num_batched_tokens`.
+      max_long_partial_prefills: long turns prefilling at once (the others wait, and shorter
+        turns behind them go first).
+      clock: seconds, monotonic, for the sessions' idle times (tests pass a fake one).
     """
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int = 4096,
                  decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS,
-                 fairness_skips: int = 8):
+                 fairness_skips: int = 8, long_prefill_token_threshold: int | None = None,
+                 max_long_partial_prefills: int = 1, clock=time.monotonic):
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         buckets = tuple(int(b) for b in decode_buckets)
@@ -129,20 +148,27 @@ class Scheduler:
                              f"max_seqs + chunk_size ({manager.max_seqs + chunk})")
         if fairness_skips < 1:
             raise ValueError(f"fairness_skips must be >= 1, got {fairness_skips}")
+        threshold = (max_num_batched_tokens if long_prefill_token_threshold is None
+                     else long_prefill_token_threshold)
+        if not chunk <= threshold <= max_num_batched_tokens:
+            raise ValueError(f"long_prefill_token_threshold must lie in [chunk_size, "
+                             f"max_num_batched_tokens] = [{chunk}, {max_num_batched_tokens}], "
+                             f"got {long_prefill_token_threshold!r}")
+        if max_long_partial_prefills < 1:
+            raise ValueError(f"max_long_partial_prefills must be >= 1, got "
+                             f"{max_long_partial_prefills!r}")
         self.manager = manager
         self.layout = manager.layout
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.decode_buckets = buckets
         self.fairness_skips = int(fairness_skips)
+        self.long_prefill_token_threshold = int(threshold)
+        self.max_long_partial_prefills = int(max_long_partial_prefills)
         self.metrics = SchedulerMetrics()
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []          # PREFILL and DECODE, oldest admission first
         self._requests: dict[str, Sequence] = {}   # live request id -> sequence
-        self._sessions: dict[str, Sequence] = {}   # session id -> sequence (any live state)
-        # Sessions holding a cache while not running (idle, or queued for their next turn),
-        # least recently used first; `_lru_pages` is the pages they hold.
-        self._lru: collections.OrderedDict[str, Sequence] = collections.OrderedDict()
-        self._lru_pages = 0
+        self.sessions = SessionTable(manager.pages_held, clock=clock)
         self._parked: list[int] = []               # slots of finished requests, pages not freed yet
         self._step = 0
         self._admissions = 0
@@ -150,7 +176,6 @@ class Scheduler:
         # `running` split by status, and the decode slots, rebuilt only after `running` or a
         # status in it changed: a step with no admission, transition or finish reuses them.
         self._batch_stale = True
-        self._no_cache = np.zeros(manager.lengths.shape[1:], dtype=np.int64)   # [layers, groups]
         self._decoding: list[Sequence] = []
         self._decoding_slots = np.zeros(0, dtype=np.intp)
         self._prefilling: list[Sequence] = []
@@ -167,17 +192,17 @@ class Scheduler:
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
         self.check_request(request_id, len(tokens), session_id)
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
-        seq = self._sessions.get(session_id) if session_id is not None else None
+        seq = self.sessions.get(session_id)
         if seq is not None:
             if seq.is_cached and not self.manager.fits_ever(
-                    self.manager.lengths[seq.slot], seq.num_uncomputed_tokens + len(tokens)):
+                    seq.slot, seq.num_uncomputed_tokens + len(tokens)):
                 self._drop_cache(seq)   # the cached path can never fit; re-prefill everything
             seq.start_turn(request_id, tokens, sampling_params, arrival)
         else:
             seq = Sequence(request_id, tokens, sampling_params, session_id=session_id,
                            arrival_time=arrival)
             if session_id is not None:
-                self._sessions[session_id] = seq
+                self.sessions.add(seq)
         self._requests[request_id] = seq
         self.waiting.append(seq)
         return seq
@@ -196,17 +221,17 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already live")
         if num_tokens < 1:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        seq = self._sessions.get(session_id) if session_id is not None else None
+        seq = self.sessions.get(session_id)
         if seq is not None and seq.status is not SequenceStatus.IDLE:
             raise ValueError(f"session {session_id!r} is still serving request "
                              f"{seq.request_id!r} ({seq.status.value})")
         total = num_tokens + (seq.num_tokens if seq is not None else 0)
-        if not self.manager.fits_ever(self._no_cache, total):
+        if not self.manager.fits_ever(None, total):
             self.metrics.num_rejected += 1
             need = self.manager.pages_to_reserve(None, total)
             raise RequestTooLargeError(
                 f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
-                f"compression plus decode room; the pool has {self.manager.pool.capacity} pages "
+                f"compression plus decode room; the pool has {self.manager.capacity} pages "
                 f"and a group at most {self.manager.max_pages_per_group}")
 
     def get(self, request_id: str) -> Sequence:
@@ -233,11 +258,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not running")
         del self._requests[request_id]
         if seq.session_id is not None:
-            seq.status = SequenceStatus.IDLE
-            seq.last_used_step = self._step
-            if seq.is_cached:
-                self._lru[seq.session_id] = seq
-                self._lru_pages += self.manager.pages_held(seq.slot)
+            self.sessions.mark_idle(seq)
         else:
             self._park(seq)
         if self._parked and not self.running:
@@ -257,7 +278,7 @@ class Scheduler:
 
     def close_session(self, session_id: str) -> None:
         """Free an idle session's slot and pages."""
-        seq = self._sessions.get(session_id)
+        seq = self.sessions.get(session_id)
         if seq is None:
             raise KeyError(f"no session {session_id!r}")
         if seq.status is not SequenceStatus.IDLE:
@@ -282,25 +303,31 @@ class Scheduler:
 
         self._refresh_batches()   # a preemption may have taken a prefilling sequence
         chunks: list[PrefillChunk] = []
+        # Short turns first (running, then admitted), long ones take what is left: a follow-up
+        # that arrived while long first turns prefill is served in this step. A chunk per
+        # running long turn is kept back, so a stream of short turns cannot starve them. A
+        # turn admitted as long counts as long until its prefill ends, so long turns never
+        # take more than `max_long_partial_prefills` pieces of at most the threshold each.
+        longs = [s for s in self._prefilling if s.long_prefill]
+        kept = min(budget, len(longs) * self.layout.chunk_size)
+        budget -= kept
         for seq in self._prefilling:
-            take = self._piece_size(seq, budget)
-            if take:
-                chunks.append(self._chunk(seq, take))
-                budget -= take
+            if budget > 0 and not seq.long_prefill:
+                budget = self._add_piece(seq, budget, chunks)
         # A step that had to preempt is short of pages: admitting now would only thrash.
         if not preempted:
-            self._admit(budget, chunks)
+            budget = self._admit(budget, chunks, longs)
+        budget += kept
+        for seq in longs:
+            if budget > 0:
+                budget = self._add_piece(seq, budget, chunks)
 
         n = len(decode)
         bucket = next(b for b in self.decode_buckets if b >= n) if n else 0
         slots = np.full(bucket, self.manager.null_slot, dtype=np.int32)
         slots[:n] = decode_slots
-        lengths = self.manager.lengths.take(slots, axis=0)
-        lengths[:n] -= 1   # growth counted the token this step writes; the device wants before
         out = SchedulerOutput(step=self._step, prefill_chunks=chunks, decode_seqs=decode,
-                              decode_slots=slots, decode_lengths=lengths,
-                              table_updates=self.manager.take_table_updates(),
-                              preempted=preempted, capped=capped)
+                              decode_slots=slots, preempted=preempted, capped=capped)
         self.metrics.start_step(time.perf_counter() - t0)
         return out
 
@@ -372,18 +399,18 @@ class Scheduler:
         pending = [s for s, o in zip(decode, ok) if not o]
         while pending:
             first = pending[0]
-            own = self.manager.pages_held(first.slot) + self._decode_demand(first)
-            if self.manager.at_table_limit(first.slot) or own > self.manager.pool.capacity:
+            own = self.manager.pages_held(first.slot) + self.manager.decode_demand(first.slot)
+            if self.manager.at_table_limit(first.slot) or own > self.manager.capacity:
                 self._end_capped(first)
                 capped.append(first)
                 pending = pending[1:]
             elif self._parked:   # pages of finished requests not returned yet
                 self._release_parked()
             else:
-                if not self._evict_lru():
+                if not self._evict_one():
                     victim = self.running[-1]   # running is in admission order: the newest
                     replay = [(b - a, c) for a, b, c in victim.replay_plan()]
-                    if self.manager.fits_ever(self._no_cache, replay):
+                    if self.manager.fits_ever(None, replay):
                         self._preempt(victim)
                         preempted.append(victim)
                     else:   # its history re-prefilled could never be reserved again
@@ -400,31 +427,45 @@ class Scheduler:
         granted.sort(key=lambda s: s.admission_order)
         return granted, np.array([s.slot for s in granted], dtype=np.intp)
 
-    def _decode_demand(self, seq: Sequence) -> int:
-        m = self.manager
-        want = (m.lengths[seq.slot].astype(np.int64) + 1 + m.page_size - 1) // m.page_size
-        return int(np.maximum(want - m.table.num_pages[seq.slot], 0).sum())
+    def _is_long(self, seq: Sequence) -> bool:
+        """Whether the turn has more than `long_prefill_token_threshold` tokens left to prefill
+        (its pieces are capped, and only `max_long_partial_prefills` such turns run at once)."""
+        return seq.num_uncomputed_tokens > self.long_prefill_token_threshold
 
     def _piece_size(self, seq: Sequence, budget: int) -> int:
-        """Largest piece from the sequence's next chunk boundary that fits `budget`, within
-        its planned segment (a replayed history runs segment by segment)."""
+        """Largest piece from the sequence's next chunk boundary that fits `budget` (and the
+        long-prefill cap for a long turn), within its planned segment (a replayed history runs
+        segment by segment)."""
+        if self._is_long(seq):
+            budget = min(budget, self.long_prefill_token_threshold)
         remaining = seq.segment_at(seq.num_computed_tokens)[1] - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
         chunk = self.layout.chunk_size
         return (budget // chunk) * chunk
 
+    def _add_piece(self, seq: Sequence, budget: int, chunks: list[PrefillChunk]) -> int:
+        """Schedule the sequence's next piece within `budget`; returns the budget left."""
+        take = self._piece_size(seq, budget)
+        if take:
+            chunks.append(self._chunk(seq, take))
+        return budget - take
+
     def _chunk(self, seq: Sequence, take: int) -> PrefillChunk:
         start = seq.num_computed_tokens
         return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens,
                             seq.segment_at(start))
 
-    def _admit(self, budget: int, chunks: list[PrefillChunk]) -> None:
+    def _admit(self, budget: int, chunks: list[PrefillChunk], longs: list[Sequence]) -> int:
+        """Admit waiting turns (FCFS by reservation) while the budget lasts: a short turn gets
+        its piece now, a long one is appended to `longs` (the long turns prefilling, which get
+        their pieces after every short turn). Returns the budget left."""
         # With every slot held by a running sequence (and no idle session to evict) nobody can
         # be admitted: return before walking a possibly long queue.
-        slots_exhausted = self.manager.num_free_slots == 0 and not self._lru
+        slots_exhausted = self.manager.num_free_slots == 0 and not self.sessions.num_evictable
         if not self.waiting or slots_exhausted or budget <= 0:
-            return
+            return budget
+        num_long = len(longs)
         priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
         candidates = [priority] if priority is not None else list(self.waiting)
         passed_over: list[Sequence] = []
@@ -437,9 +478,14 @@ class Scheduler:
             # A cached session evicted by an earlier admission this step re-prefills everything,
             # so the plan and size are read here, not before the loop.
             seq.plan_prefill()
+            long = self._is_long(seq)
+            if long and num_long >= self.max_long_partial_prefills:
+                continue   # waits for a long turn to finish; not a skip (pages are not short)
             take = self._piece_size(seq, budget)
-            if take == 0:
-                break
+            if take == 0:   # less than a chunk left: only a turn that fits whole can start
+                continue
+            if long and budget < self.layout.chunk_size:
+                continue
             if not self._reserve(seq):
                 passed_over.append(seq)
                 continue
@@ -450,12 +496,21 @@ class Scheduler:
             self._batch_stale = True
             seq.status = SequenceStatus.PREFILL
             seq.turn_start = seq.num_computed_tokens
+            seq.long_prefill = long
             seq.admission_order = self._admissions
             self._admissions += 1
             self.metrics.num_admitted += 1
-            chunks.append(self._chunk(seq, take))
-            budget -= take
-            slots_exhausted = self.manager.num_free_slots == 0 and not self._lru
+            if long:
+                longs.append(seq)   # its piece comes after the short turns'
+                num_long += 1
+            else:
+                chunks.append(self._chunk(seq, take))
+                budget -= take
+            if budget <= 0:
+                break
+            slots_exhausted = (self.manager.num_free_slots == 0
+                               and not self.sessions.num_evictable)
+        return budget
 
     def _reserve(self, seq: Sequence) -> bool:
         """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
@@ -468,19 +523,20 @@ class Scheduler:
                                                             self._plan(seq)))
         need = seq.reservation_need[1]
         need_slot = not seq.is_cached
-        own_listed = seq.session_id is not None and self._lru.get(seq.session_id) is seq
-        others_pages = self._lru_pages - (m.pages_held(seq.slot) if own_listed else 0)
-        others = len(self._lru) - own_listed
+        own_listed = self.sessions.is_listed(seq)
+        others_pages = self.sessions.evictable_pages - (m.pages_held(seq.slot) if own_listed else 0)
+        others = self.sessions.num_evictable - own_listed
         if need > m.num_free_pages + others_pages:
             return False
         if need_slot and m.num_free_slots + others == 0:
             return False
-        for victim in list(self._lru.values()):
-            if m.num_free_pages >= need and (not need_slot or m.num_free_slots > 0):
-                break
-            if victim is not seq:
-                self._evict(victim)
-        self._unlist(seq)   # before its page count changes
+        if m.num_free_pages < need or (need_slot and m.num_free_slots == 0):
+            for victim in self.sessions.eviction_order():
+                if m.num_free_pages >= need and (not need_slot or m.num_free_slots > 0):
+                    break
+                if victim is not seq:
+                    self._evict(victim)
+        self.sessions.unlist(seq)   # before its page count changes
         if need_slot:
             seq.slot = m.allocate_slot()
         if not m.reserve(seq.slot, self._plan(seq)):
@@ -510,26 +566,27 @@ class Scheduler:
             self.manager.free(slot)
         self._parked.clear()
 
-    def _evict_lru(self) -> bool:
-        """Evict the least recently used idle session; False if there is none."""
-        if not self._lru:
+    def _evict_one(self) -> bool:
+        """Evict the session the table ranks first; False if there is none."""
+        order = self.sessions.eviction_order()
+        if not order:
             return False
-        self._evict(next(iter(self._lru.values())))
+        self._evict(order[0])
         return True
 
-    def _unlist(self, seq: Sequence) -> None:
-        """Take a session off the eviction list (it runs, or its cache is going away)."""
-        if seq.session_id is not None and self._lru.get(seq.session_id) is seq:
-            del self._lru[seq.session_id]
-            self._lru_pages -= self.manager.pages_held(seq.slot)
-
     def _evict(self, seq: Sequence) -> None:
-        self._drop_cache(seq)
+        """Drop an idle (or queued) session's cache; its history re-prefills on its next turn.
+        An idle anonymous session is forgotten instead (see `SessionTable`)."""
         self.metrics.num_evictions += 1
+        self.metrics.evicted_recompute_tokens += seq.num_tokens
+        if seq.status is SequenceStatus.IDLE and self.sessions.is_anonymous(seq.session_id):
+            self._release(seq, SequenceStatus.FINISHED)
+        else:
+            self._drop_cache(seq)
 
     def _drop_cache(self, seq: Sequence) -> None:
         if seq.is_cached:
-            self._unlist(seq)
+            self.sessions.unlist(seq)
             self.manager.free(seq.slot)
         seq.drop_cache()
 
@@ -550,8 +607,8 @@ class Scheduler:
     def _release(self, seq: Sequence, status: SequenceStatus) -> None:
         self._drop_cache(seq)
         seq.status = status
-        if seq.session_id is not None:
-            self._sessions.pop(seq.session_id, None)
+        if seq.session_id is not None and self.sessions.get(seq.session_id) is seq:
+            self.sessions.remove(seq.session_id)
         if self._parked and not self.running:
             self._release_parked()
 

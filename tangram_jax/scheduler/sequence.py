@@ -69,7 +69,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_skips = 0                # admissions that overtook it while it did not fit
         self.admission_order = -1         # larger = admitted more recently (preempted first)
-        self.last_used_step = 0           # for LRU eviction of idle sessions
+        self.long_prefill = False         # admitted with more than the long-prefill threshold
+        self.idle_since = 0.0             # clock time its last turn ended (eviction ranking)
         self.num_preemptions = 0
         # The scheduler's memo of the pages admission needs: ((slot, uncomputed tokens), pages).
         self.reservation_need: tuple[tuple[int, int], int] | None = None

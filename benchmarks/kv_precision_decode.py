@@ -1,0 +1,195 @@
+"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2) on the same retained
+tokens, at a Llama-3.1-8B layer shape (GPU only): time per launch, bytes read, and the speed-up
+over bf16 as a fraction of the byte-ratio ideal; plus kernel-vs-reference correctness at real
+shapes on fresh random data.
+
+One layer (32 query / 8 KV heads, head_dim 128, G = 2 -> 4 groups, page 16). Every sequence
+retains ``context * r_g`` tokens in group g, r = (0.2, 0.4, 0.6, 0.8) (mean 0.5), the AOT split
+map of those budgets drives the kernel. The pool is random (values N(0, 1) in bf16; codes
+uniform random bytes with random scales and zeros: the kernel's work does not depend on the
+values). Time: median wall clock of a jitted block of `CALLS` launches (each its own q), divided
+by the launches; the pool is far larger than L2, so every launch reads it from HBM.
+The ideal speed-up of a format is ``bytes(bf16) / bytes(format)`` per retained slot (codes plus
+the float32 scale and zero of K and V: 512 / 272 / 208 / 112 bytes a slot at head_dim 128).
+
+    GIT_REV=$(git rev-parse HEAD) python benchmarks/kv_precision_decode.py --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tangram_jax import kv_quant
+from tangram_jax.pallas_kernels import split_map as sm
+from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
+                                                         ragged_paged_decode_attention_reference)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_attention import _median_time  # noqa: E402  (the timing of the decode benchmark)
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
+BUDGETS = np.array([[0.2, 0.4, 0.6, 0.8]])
+NUM_PROGRAMS = 132 * 4
+CALLS = 8
+DTYPE = jnp.bfloat16
+
+
+def slot_bytes(precision: str) -> int:
+    """Bytes one retained (token, KV head) slot costs, K and V together."""
+    return kv_quant.page_bytes(kv_quant.page_format(precision), 1, 1, HEAD_DIM, DTYPE)
+
+
+def make_case(key, batch: int, context: int):
+    """Lengths [batch, groups] and block tables over a shuffled pool of exactly their pages."""
+    groups = NUM_KV_HEADS // GROUP_SIZE
+    lengths = np.broadcast_to(np.round(context * BUDGETS[0]).astype(np.int32), (batch, groups))
+    max_pages = int(-(-lengths.max() // PAGE_SIZE))
+    num_pages = batch * groups * max_pages + 1
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    tables = (1 + rng.permutation(num_pages - 1)).reshape(batch, groups, max_pages)
+    return np.ascontiguousarray(lengths), tables.astype(np.int32), num_pages
+
+
+def random_pool(key, num_pages: int, bits: int | None):
+    """A K or V pool of random contents in the format of `bits`."""
+    shape = (num_pages, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)
+    if bits is None:
+        return jax.random.normal(key, shape, DTYPE)
+    k1, k2, k3 = jax.random.split(key, 3)
+    pd = kv_quant.packed_dim(HEAD_DIM, bits)
+    codes = jax.random.bits(k1, (*shape[:-1], pd), jnp.uint8)
+    scale = jax.random.uniform(k2, shape[:-1], jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
+    zero = jax.random.uniform(k3, shape[:-1], jnp.float32, -1.5, -0.5)
+    return kv_quant.QuantPages(codes=codes, scale=scale, zero=zero, bits=bits,
+                               dtype=jnp.dtype(DTYPE))
+
+
+def run_config(key, batch, context, block_tokens_by_precision, correctness_rows):
+    lengths, tables, num_pages = make_case(key, batch, context)
+    groups = lengths.shape[1]
+    work = sm.build_split_map(BUDGETS, NUM_PROGRAMS, batch, group_size=GROUP_SIZE).work_list(0)
+    slots = int(lengths.sum()) * GROUP_SIZE
+    qs = jax.random.normal(jax.random.fold_in(key, 1),
+                           (CALLS, batch, groups, GROUP_SIZE * NUM_Q_HEADS // NUM_KV_HEADS,
+                            HEAD_DIM), DTYPE)
+    out = {"batch": batch, "context": context, "retained_slots": slots,
+           "lengths_per_group": lengths[0].tolist(), "num_pages": num_pages, "formats": {}}
+    lens = jnp.asarray(lengths)
+    tbl = jnp.asarray(tables)
+    for precision, block_list in block_tokens_by_precision.items():
+        try:
+            out["formats"][precision] = _measure(key, precision, block_list, num_pages, slots,
+                                                 qs, tbl, lens, work, correctness_rows)
+        except Exception as e:   # a format that fails to compile or run is reported, not fatal
+            out["formats"][precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"batch {batch} ctx {context} {precision}: FAILED {e!r}"[:2000], flush=True)
+    base = out["formats"].get("bf16", {})
+    for precision, entry in out["formats"].items():
+        if "time_s" not in entry or "time_s" not in base:
+            continue
+        ideal = base["bytes_read"] / entry["bytes_read"]
+        speedup = base["time_s"] / entry["time_s"]
+        entry.update(ideal_speedup=ideal, speedup=speedup, fraction_of_ideal=speedup / ideal)
+    return out
+
+
+def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
+             correctness_rows):
+    """One format's entry: time per launch for each block size, the best, bandwidth, check."""
+    fmt = kv_quant.page_format(precision)
+    kk, vk = jax.random.split(jax.random.fold_in(key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
+    k_pages = random_pool(kk, num_pages, fmt.key_bits)
+    v_pages = random_pool(vk, num_pages, fmt.value_bits)
+    entry = {"bytes_read": slots * slot_bytes(precision), "by_block_tokens": {}}
+    for tuning in block_list:            # "block_tokens" or "block_tokens/num_warps"
+        block_tokens, _, warps = str(tuning).partition("/")
+        @jax.jit
+        def block(qs, k_pages, v_pages, block_tokens=int(block_tokens), warps=int(warps or 2)):
+            return [ragged_paged_decode_attention(qs[i], k_pages, v_pages, tbl, lens,
+                                                  work_list=work, block_tokens=block_tokens,
+                                                  num_warps=warps)
+                    for i in range(CALLS)]
+        t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+        entry["by_block_tokens"][str(tuning)] = t
+    best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
+    entry["block_tokens"] = best
+    entry["time_s"] = entry["by_block_tokens"][best]
+    entry["bandwidth_gb_s"] = entry["bytes_read"] / entry["time_s"] / 1e9
+    if correctness_rows:
+        r = correctness_rows
+        q = qs[0, :r]
+        block_tokens, _, warps = best.partition("/")
+        got = ragged_paged_decode_attention(q, k_pages, v_pages, tbl[:r], lens[:r],
+                                            work_list=work, block_tokens=int(block_tokens),
+                                            num_warps=int(warps or 2))
+        ref = ragged_paged_decode_attention_reference(q, k_pages, v_pages, tbl[:r], lens[:r])
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        entry["check_rows"] = r
+        entry["rel_err_vs_reference"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        entry["finite"] = bool(np.isfinite(got).all())
+    del k_pages, v_pages
+    print(f"batch {qs.shape[1]} rows {precision}: {entry['time_s'] * 1e6:.1f} us "
+          f"{entry['bandwidth_gb_s']:.0f} GB/s blocks {entry['by_block_tokens']} "
+          f"err {entry.get('rel_err_vs_reference')}", flush=True)
+    return entry
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
+    p.add_argument("--sweep", default="32,64", help="block_tokens (or block_tokens/num_warps) "
+                   "tried at the first config; the best is used for the others")
+    p.add_argument("--precisions", default=",".join(kv_quant.KV_PRECISIONS))
+    p.add_argument("--baseline-sweep", default=None,
+                   help="tunings tried for bf16 (default: --sweep)")
+    args = p.parse_args(argv)
+    if jax.default_backend() == "cpu":
+        sys.exit("GPU only")
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    sweep = args.sweep.split(",")
+    precisions = tuple(args.precisions.split(","))
+    base_sweep = args.baseline_sweep.split(",") if args.baseline_sweep else sweep
+    results = []
+    key = jax.random.key(int.from_bytes(os.urandom(4), "little"))   # fresh data every run
+    chosen = None
+    for i, (batch, context) in enumerate(configs):
+        blocks = {p: (base_sweep if p == "bf16" else sweep) for p in precisions} \
+            if chosen is None else \
+            {p: [chosen[p]] for p in precisions}
+        res = run_config(jax.random.fold_in(key, i), batch, context, blocks,
+                         correctness_rows=4 if context <= 32768 else 0)
+        if chosen is None:
+            chosen = {p: e.get("block_tokens", sweep[0]) for p, e in res["formats"].items()}
+        results.append(res)
+        _write(args.out, results, precisions)
+    for res in results:
+        print(res["batch"], res["context"],
+              {p: round(e["fraction_of_ideal"], 3) for p, e in res["formats"].items()
+               if "fraction_of_ideal" in e})
+
+
+def _write(path, results, precisions):
+    """The JSON so far (rewritten after every configuration: a run cut short keeps its part)."""
+    doc = {"benchmark": "kv_precision_decode", "device": jax.devices()[0].device_kind,
+           "jax": jax.__version__, "git_revision": os.environ.get("GIT_REV", "unknown"),
+           "command": " ".join(sys.argv), "shape": dict(q_heads=NUM_Q_HEADS,
+                                                       kv_heads=NUM_KV_HEADS,
+                                                       head_dim=HEAD_DIM, group_size=GROUP_SIZE,
+                                                       page_size=PAGE_SIZE,
+                                                       budgets=BUDGETS[0].tolist()),
+           "slot_bytes": {p: slot_bytes(p) for p in precisions},
+           "calls_per_block": CALLS, "results": results}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

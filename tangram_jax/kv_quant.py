@@ -1,0 +1,254 @@
+"""Hetero-precision KV pages (LeanKV): quantised K and V with a per token-and-head scale and zero.
+
+A KV precision names how many bits keys and values keep (keys matter more than values: LeanKV
+kept full accuracy with K8V4 where K4V8 did not)::
+
+    bf16   keys and values in the pool dtype, as before (plain arrays)
+    k8v8   8-bit keys, 8-bit values
+    k8v4   8-bit keys, 4-bit values
+    k4v2   4-bit keys, 2-bit values
+
+Code format (one format for every bit width, so one dequantisation path): each row x of
+`head_dim` values (one token of one KV head) is quantised asymmetrically to ``L = 2**bits - 1``
+levels::
+
+    zero  = min(x)            scale = (max(x) - min(x)) / L        (float32, one each per row)
+    code  = clip(round((x - zero) / scale), 0, L)                   (uint, `bits` bits)
+    x_hat = code * scale + zero
+
+Error bound per element (what the tests check): ``|x - x_hat| <= scale / 2 + 4 * eps32 *
+max|x|``, i.e. ``(max(x) - min(x)) / (2 L)`` up to float32 rounding: 1/510 of the row's range at
+8 bits, 1/30 at 4 bits, 1/6 at 2 bits. A constant row (scale 0) is exact. The zero point costs
+4 bytes and halves the error against a symmetric code of the same bits for rows whose values are
+not centred on 0 (keys after RoPE rarely are).
+
+Packing (plane layout): ``n = 8 // bits`` codes share a byte; byte i of a row holds the codes of
+dimensions ``i, i + d/n, ..., i + (n-1) d/n`` at bit offsets ``0, bits, ..., (n-1) bits``. Plane
+p (``(byte >> p*bits) & L``) is then the contiguous slice ``[p d/n, (p+1) d/n)`` of the head,
+so a kernel unpacks with shifts and masks and multiplies plane by plane against the matching
+slice of q (or writes the matching slice of the output): no interleaving shuffles.
+
+Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8
+[num_pages, G, page_size, head_dim * bits / 8]``, ``scale, zero float32 [num_pages, G,
+page_size]``; its `shape` is the logical ``[num_pages, G, page_size, head_dim]`` and its `dtype`
+the dtype values come back in, so code that only reads shapes treats both kinds of pool alike.
+Within a precision every page has the same bytes (one pool serves every layer and group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KV_PRECISIONS = ("bf16", "k8v8", "k8v4", "k4v2")
+QUANT_BITS = (8, 4, 2)
+_EPS32 = float(np.finfo(np.float32).eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageFormat:
+    """Bits of keys and values in the pool (None: stored unquantised in the pool dtype)."""
+
+    name: str
+    key_bits: int | None
+    value_bits: int | None
+
+    @property
+    def quantised(self) -> bool:
+        return self.key_bits is not None
+
+
+PAGE_FORMATS = {
+    "bf16": PageFormat("bf16", None, None),
+    "k8v8": PageFormat("k8v8", 8, 8),
+    "k8v4": PageFormat("k8v4", 8, 4),
+    "k4v2": PageFormat("k4v2", 4, 2),
+}
+
+
+def page_format(precision: str) -> PageFormat:
+    """The `PageFormat` of a `KV_PRECISIONS` name."""
+    if precision not in PAGE_FORMATS:
+        raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {precision!r}")
+    return PAGE_FORMATS[precision]
+
+
+def _check_bits(bits) -> int:
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits must be one of {QUANT_BITS}, got {bits!r}")
+    return int(bits)
+
+
+def codes_per_byte(bits: int) -> int:
+    return 8 // _check_bits(bits)
+
+
+def packed_dim(head_dim: int, bits: int) -> int:
+    """Bytes of one packed row of `head_dim` values (head_dim must split into whole bytes)."""
+    n = codes_per_byte(bits)
+    if head_dim % n:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of {n} (codes per byte at "
+                         f"{bits} bits)")
+    return head_dim // n
+
+
+def quantise(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantise rows of the last axis.
+
+    x: float [..., d]. Returns (codes uint8 [..., d * bits / 8] (plane layout), scale float32
+    [...], zero float32 [...]).
+    """
+    bits = _check_bits(bits)
+    levels = (1 << bits) - 1
+    n = 8 // bits
+    d = x.shape[-1]
+    packed_dim(d, bits)
+    x = x.astype(jnp.float32)
+    lo = x.min(axis=-1)
+    hi = x.max(axis=-1)
+    scale = (hi - lo) / levels
+    safe = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.clip(jnp.round((x - lo[..., None]) / safe[..., None]), 0, levels).astype(jnp.uint8)
+    planes = codes.reshape(*codes.shape[:-1], n, d // n)              # [..., plane, d/n]
+    shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
+    # The planes' bits do not overlap, so their sum is their bitwise or.
+    packed = (planes << shifts).sum(axis=-2, dtype=jnp.uint8)
+    return packed.astype(jnp.uint8), scale, lo
+
+
+def unpack(codes: jax.Array, bits: int) -> jax.Array:
+    """uint8 [..., d * bits / 8] -> the integer codes [..., d] (uint8, plane layout undone)."""
+    bits = _check_bits(bits)
+    n = 8 // bits
+    if n == 1:
+        return codes
+    shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
+    planes = (codes[..., None, :] >> shifts) & jnp.uint8((1 << bits) - 1)   # [..., n, d/n]
+    return planes.reshape(*codes.shape[:-1], n * codes.shape[-1])
+
+
+def dequantise(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
+               dtype=jnp.float32) -> jax.Array:
+    """codes uint8 [..., d*bits/8], scale/zero [...] -> values [..., d] in `dtype` (computed in
+    float32)."""
+    values = unpack(codes, bits).astype(jnp.float32) * scale[..., None] + zero[..., None]
+    return values.astype(dtype)
+
+
+def error_bound(x: jax.Array, bits: int) -> jax.Array:
+    """Largest |x - dequantise(quantise(x))| the format allows per row of x [..., d] -> [...]
+    (the module docstring's bound)."""
+    levels = (1 << _check_bits(bits)) - 1
+    x = jnp.asarray(x, jnp.float32)
+    spread = x.max(axis=-1) - x.min(axis=-1)
+    return spread / (2 * levels) + 4 * _EPS32 * jnp.abs(x).max(axis=-1)
+
+
+# ----- pages ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class QuantPages:
+    """A quantised K (or V) pool: codes uint8 [num_pages, G, page_size, head_dim*bits/8],
+    scale and zero float32 [num_pages, G, page_size]. A pytree (jit, donation and scan carry
+    it like an array); `bits` and `dtype` (what dequantised values come back as) are static."""
+
+    codes: jax.Array
+    scale: jax.Array
+    zero: jax.Array
+    bits: int
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``[num_pages, G, page_size, head_dim]``."""
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * codes_per_byte(self.bits))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in (self.codes, self.scale, self.zero))
+
+
+jax.tree_util.register_dataclass(QuantPages, data_fields=["codes", "scale", "zero"],
+                                 meta_fields=["bits", "dtype"])
+
+Pages = jax.Array | QuantPages
+
+
+def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros) -> Pages:
+    """A K or V pool of logical shape [num_pages, G, page_size, head_dim]: an array of `dtype`
+    (bits None) or `QuantPages`. `make(shape, dtype)` builds each leaf: `jnp.zeros` (a zeroed
+    pool) or `jax.ShapeDtypeStruct` (a spec to compile against)."""
+    shape = tuple(int(s) for s in shape)
+    if bits is None:
+        return make(shape, dtype)
+    return QuantPages(codes=make((*shape[:-1], packed_dim(shape[-1], bits)), jnp.uint8),
+                      scale=make(shape[:-1], jnp.float32), zero=make(shape[:-1], jnp.float32),
+                      bits=_check_bits(bits), dtype=jnp.dtype(dtype))
+
+
+def page_bytes(fmt: PageFormat, group_size: int, page_size: int, head_dim: int, dtype) -> int:
+    """Bytes of one page (K and V together) of this format."""
+    slots = group_size * page_size
+    total = 0
+    for bits in (fmt.key_bits, fmt.value_bits):
+        if bits is None:
+            total += slots * head_dim * jnp.dtype(dtype).itemsize
+        else:
+            total += slots * (packed_dim(head_dim, bits) + 8)     # codes + f32 scale and zero
+    return total
+
+
+def value_dtype(pages: Pages):
+    """The dtype a pool's values are computed in (its own dtype, or what `QuantPages`
+    dequantises to)."""
+    return pages.dtype
+
+
+def write_slots(pages: Pages, index: tuple, values: jax.Array, *, mode=None) -> Pages:
+    """Set the slots `pages[index]` (an index of the first three axes: page, head, slot) to
+    `values` [..., head_dim], quantising them for `QuantPages`; `mode` as for ``.at[].set``
+    (``"drop"``: out-of-range indices are skipped)."""
+    if isinstance(pages, QuantPages):
+        codes, scale, zero = quantise(values, pages.bits)
+        return dataclasses.replace(pages, codes=pages.codes.at[index].set(codes, mode=mode),
+                                   scale=pages.scale.at[index].set(scale, mode=mode),
+                                   zero=pages.zero.at[index].set(zero, mode=mode))
+    return pages.at[index].set(values.astype(pages.dtype), mode=mode)
+
+
+def take_pages(pages: Pages, page_ids: jax.Array, dtype=None) -> jax.Array:
+    """Dense values of the pages `page_ids` (int array [...]) -> [..., G, page_size, head_dim]
+    in `dtype` (default the pool's value dtype); quantised pages are dequantised."""
+    dtype = dtype or pages.dtype
+    if isinstance(pages, QuantPages):
+        return dequantise(pages.codes[page_ids], pages.scale[page_ids], pages.zero[page_ids],
+                          pages.bits, dtype)
+    return pages[page_ids].astype(dtype)
+
+
+def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
+    """The whole pool as dense values [num_pages, G, page_size, head_dim]."""
+    return take_pages(pages, jnp.arange(pages.shape[0]), dtype)
+
+
+def quantise_pages(pages: jax.Array, bits: int | None, dtype=None) -> Pages:
+    """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
+    pool itself, cast to `dtype`). Rows holding a NaN get NaN scale and zero (codes cannot be
+    NaN), so a poisoned slot stays poisoned (what the kernel tests rely on)."""
+    dtype = jnp.dtype(dtype or pages.dtype)
+    if bits is None:
+        return pages.astype(dtype)
+    x = jnp.asarray(pages, jnp.float32)
+    poisoned = jnp.isnan(x).any(axis=-1)
+    codes, scale, zero = quantise(jnp.nan_to_num(x), bits)
+    return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),
+                      zero=jnp.where(poisoned, jnp.nan, zero), bits=_check_bits(bits),
+                      dtype=dtype)

@@ -1,0 +1,106 @@
+"""Quantised KV rows and pages (`tangram_jax.kv_quant`): round trips within each format's bound."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tangram_jax import kv_quant
+
+
+def _rows(seed, shape, offset=0.0):
+    rng = np.random.default_rng(seed)
+    # Heavy-tailed rows with a per-row offset (keys after RoPE are not centred), a constant row
+    # and a row of one outlier: the cases a scale/zero pair must get right.
+    x = rng.standard_t(3, size=shape).astype(np.float32) * rng.uniform(0.01, 30, shape[:-1])[..., None]
+    x += offset * rng.standard_normal(shape[:-1]).astype(np.float32)[..., None]
+    flat = x.reshape(-1, shape[-1])
+    flat[0] = 1.25
+    flat[1] = 0.0
+    flat[1, 3] = 1e4
+    return flat.reshape(shape)
+
+
+@pytest.mark.parametrize("bits", kv_quant.QUANT_BITS)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_round_trip_within_bound(bits, head_dim):
+    x = _rows(bits * head_dim, (5, 3, 7, head_dim), offset=4.0)
+    codes, scale, zero = kv_quant.quantise(jnp.asarray(x), bits)
+    assert codes.dtype == jnp.uint8 and codes.shape == (5, 3, 7, head_dim * bits // 8)
+    assert scale.shape == zero.shape == x.shape[:-1]
+    back = np.asarray(kv_quant.dequantise(codes, scale, zero, bits))
+    err = np.abs(back - x).max(axis=-1)
+    bound = np.asarray(kv_quant.error_bound(x, bits))
+    assert (err <= bound).all(), (err / bound).max()
+    # The bound is the format's, not a loose one: the worst row uses most of it.
+    assert (err / bound).max() > 0.4
+    # Constant rows come back exactly.
+    assert back.reshape(-1, head_dim)[0].tolist() == [1.25] * head_dim
+
+
+@pytest.mark.parametrize("bits", kv_quant.QUANT_BITS)
+def test_packing_is_planes_of_contiguous_dims(bits):
+    """Byte i holds dims i, i + d/n, ...: plane p of the packed row is dims [p d/n, (p+1) d/n)."""
+    levels = (1 << bits) - 1
+    d = 32
+    n = 8 // bits
+    codes_wanted = np.arange(d) % (levels + 1)
+    x = jnp.asarray(codes_wanted[None].astype(np.float32))
+    x = x.at[0, 0].set(0.0).at[0, 1].set(float(levels))        # range [0, levels]: scale 1
+    want = np.asarray(x[0]).astype(np.int64)
+    codes, scale, zero = kv_quant.quantise(x, bits)
+    assert float(scale[0]) == 1.0 and float(zero[0]) == 0.0
+    packed = np.asarray(codes[0]).astype(np.int64)
+    for p in range(n):
+        plane = (packed >> (p * bits)) & levels
+        assert plane.tolist() == want[p * d // n:(p + 1) * d // n].tolist()
+    assert np.asarray(kv_quant.unpack(codes, bits))[0].tolist() == want.tolist()
+
+
+def test_bad_arguments_name_value_and_choices():
+    with pytest.raises(ValueError, match="bits must be one of .*got 3"):
+        kv_quant.quantise(jnp.zeros((2, 8)), 3)
+    with pytest.raises(ValueError, match="head_dim 6 is not a multiple of 4"):
+        kv_quant.quantise(jnp.zeros((2, 6)), 2)
+    with pytest.raises(ValueError, match="kv_precision must be one of .*'k4v4'"):
+        kv_quant.page_format("k4v4")
+
+
+@pytest.mark.parametrize("precision", kv_quant.KV_PRECISIONS)
+def test_pool_write_and_take_round_trip(precision):
+    fmt = kv_quant.page_format(precision)
+    shape = (6, 2, 4, 16)                                   # [num_pages, G, page_size, d]
+    rng = np.random.default_rng(1)
+    for bits in (fmt.key_bits, fmt.value_bits):
+        pool = kv_quant.pool_arrays(shape, jnp.float32, bits)
+        assert pool.shape == shape
+        page = jnp.array([[3, 3], [5, 5]])
+        head = jnp.array([[0, 1], [0, 1]])
+        slot = jnp.array([[2, 2], [0, 0]])
+        vals = rng.standard_normal((2, 2, 16)).astype(np.float32) * 3
+        pool = jax.jit(kv_quant.write_slots)(pool, (page, head, slot), jnp.asarray(vals))
+        dense = np.array(kv_quant.dequantise_pages(pool))
+        got = dense[np.asarray(page), np.asarray(head), np.asarray(slot)]
+        if bits is None:
+            np.testing.assert_array_equal(got, vals)
+        else:
+            assert (np.abs(got - vals).max(-1) <= np.asarray(kv_quant.error_bound(vals, bits))).all()
+        # Nothing else changed (zeros dequantise to 0).
+        dense[np.asarray(page), np.asarray(head), np.asarray(slot)] = 0
+        assert not dense.any()
+
+
+def test_page_bytes_fall_with_bits():
+    b = {p: kv_quant.page_bytes(kv_quant.page_format(p), 2, 16, 128, jnp.bfloat16)
+         for p in kv_quant.KV_PRECISIONS}
+    slots = 2 * 16
+    assert b["bf16"] == slots * 128 * 2 * 2
+    assert b["k8v8"] == slots * (128 + 8) * 2
+    assert b["k8v4"] == slots * (128 + 8 + 64 + 8)
+    assert b["k4v2"] == slots * (64 + 8 + 32 + 8)
+    # The pool's own arrays agree with the formula.
+    for p in kv_quant.KV_PRECISIONS:
+        fmt = kv_quant.page_format(p)
+        pools = [kv_quant.pool_arrays((3, 2, 16, 128), jnp.bfloat16, bits)
+                 for bits in (fmt.key_bits, fmt.value_bits)]
+        assert sum(x.nbytes for x in pools) == 3 * b[p]
