@@ -112,6 +112,12 @@ class LLM:
             def check(conv=conv, p=p):
                 ids = self.engine.tokenizer.apply_chat_template(
                     check_messages(conv), add_generation_prompt=True)
+                if p is not None and p.n > 1:   # several branches: none is the session
+                    replica = min(range(len(load)), key=load.__getitem__)
+                    checked = self.engines[replica].check_request(
+                        request_id=self._request_id(), prompt_token_ids=ids, sampling_params=p)
+                    load[replica] += len(ids) + checked.params.max_tokens * p.n
+                    return replica, checked
                 found = [(r, *e.find_session(ids)) for r, e in enumerate(self.engines)]
                 replica, session_id, new_ids = next(
                     (f for f in found if f[1] is not None and f[1] not in claimed),

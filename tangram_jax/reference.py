@@ -102,6 +102,10 @@ def generate_dense(
             raise TypeError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
         if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, (int, np.integer)) or p.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {p.max_tokens!r} (params[{i}])")
+        if p.adjusts_logits or p.n > 1:
+            raise ValueError(f"params[{i}]: the dense reference samples with temperature, top-k "
+                             f"and top-p only; penalties, min_p, min_tokens and n > 1 are the "
+                             f"engine's (got {p})")
     eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)) for p in params]
 

@@ -127,10 +127,12 @@ def _check_stop_token_ids(value) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
-def _check_ignore_eos(value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"ignore_eos must be a bool, got {value!r}")
-    return bool(value)
+def _check_bool(name: str):
+    def check(value) -> bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+        return bool(value)
+    return check
 
 
 def _check_unicode(what: str, text: str) -> None:
@@ -157,8 +159,24 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS token(s).
     logprobs: None (off); 0..20: the log-probabilities of the top `logprobs` tokens at every
       generated position plus the sampled token's (vLLM's semantics); -1: the whole vocabulary.
-      They are the model's raw distribution, ``log_softmax(logits)``, before temperature, top-k
-      and top-p (vLLM's default).
+      They are the model's raw distribution, ``log_softmax(logits)``, before penalties,
+      temperature, min-p, top-k and top-p (vLLM's default).
+    n: how many completions to sample for the prompt (each with its own random stream: with a
+      `seed`, sample i uses ``seed + i``, as vLLM does).
+    presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every token
+      the completion has generated so far, once (presence) or once per occurrence (frequency).
+    repetition_penalty: > 0; every token seen in the prompt or the completion has its logit
+      divided by it where positive and multiplied by it where negative (1 disables).
+    min_p: in [0, 1]; drop tokens whose probability (after temperature) is below `min_p` times
+      the most likely token's.
+    min_tokens: generate at least this many tokens (<= max_tokens) before EOS, stop tokens or
+      stop strings may end the completion (EOS and stop tokens are masked on the device).
+    include_stop_str_in_output: keep the stop string that ended the completion in its text.
+    prompt_logprobs: None (off) or 0..20: the prompt tokens' log-probabilities (with the top
+      `prompt_logprobs` alternatives) at every prompt position after the first.
+
+    Order on the device (vLLM's): min_tokens mask and penalties on the logits, then greedy
+    argmax or temperature, min-p, top-k, top-p and the draw.
 
     Validated once, on construction (each field by its entry in `_FIELD_CHECKS`, which also
     normalises: numpy scalars become Python numbers, `stop` and `stop_token_ids` tuples), and
@@ -174,10 +192,28 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         for name, check in _FIELD_CHECKS.items():
             object.__setattr__(self, name, check(getattr(self, name)))
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got "
+                             f"{self.min_tokens}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the device must change this request's logits before choosing (penalties,
+        min_p or min_tokens); rows that do not skip that work."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or self.min_p > 0 or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +230,56 @@ def _check_logprobs(value) -> int | None:
     return k
 
 
+# Most completions one request may ask for (`n`).
+MAX_N = 128
+
+
+def _check_n(value) -> int:
+    n = _integer("n", value)
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def _check_penalty(name: str):
+    def check(value) -> float:
+        x = _number(name, value)
+        if not -2.0 <= x <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {x}")
+        return x
+    return check
+
+
+def _check_repetition_penalty(value) -> float:
+    x = _number("repetition_penalty", value)
+    if not 0.0 < x <= _FLOAT32_MAX:
+        raise ValueError(f"repetition_penalty must be > 0 (1 disables), got {x}")
+    return x
+
+
+def _check_min_p(value) -> float:
+    x = _number("min_p", value)
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {x}")
+    return x
+
+
+def _check_min_tokens(value) -> int:
+    n = _integer("min_tokens", value)
+    if n < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {n}")
+    return n
+
+
+def _check_prompt_logprobs(value) -> int | None:
+    if value is None:
+        return None
+    k = _integer("prompt_logprobs", value)
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be None or 0..{MAX_TOP_LOGPROBS}, got {k}")
+    return k
+
+
 # One entry per field: the check that validates and normalises it (a new field adds its entry).
 _FIELD_CHECKS: dict[str, Callable] = {
     "temperature": _check_temperature,
@@ -203,8 +289,16 @@ _FIELD_CHECKS: dict[str, Callable] = {
     "seed": _check_seed,
     "stop": _check_stop,
     "stop_token_ids": _check_stop_token_ids,
-    "ignore_eos": _check_ignore_eos,
+    "ignore_eos": _check_bool("ignore_eos"),
     "logprobs": _check_logprobs,
+    "n": _check_n,
+    "presence_penalty": _check_penalty("presence_penalty"),
+    "frequency_penalty": _check_penalty("frequency_penalty"),
+    "repetition_penalty": _check_repetition_penalty,
+    "min_p": _check_min_p,
+    "min_tokens": _check_min_tokens,
+    "include_stop_str_in_output": _check_bool("include_stop_str_in_output"),
+    "prompt_logprobs": _check_prompt_logprobs,
 }
 
 
@@ -234,23 +328,128 @@ def step_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
         seeds.astype(jnp.uint32), steps.astype(jnp.int32))
 
 
+# Padding of the token-id arrays of `LogitsAdjust`: out of every vocabulary's range, so the
+# scatters that read them drop it.
+PAD_TOKEN = _INT32_MAX
+# In `LogitsAdjust.output_ids`: the row's input token of this decode step (the token the previous
+# step sampled, which the host has not fetched yet: it is on the device, see `adjust_logits`).
+INPUT_TOKEN = -1
+
+
+class LogitsAdjust(NamedTuple):
+    """Per-row changes to the logits before a token is chosen (penalties, min_tokens, min_p):
+    arrays of one step's rows, built on the host by `logits_adjust_arrays`.
+
+    presence, frequency, repetition, min_p: float32 [B] (0, 0, 1, 0 change nothing);
+    prompt_ids: int32 [B, Lp] the prompt's tokens (the repetition penalty counts them);
+    output_ids: int32 [B, Lo] the completion's tokens so far (`INPUT_TOKEN`: the step's input
+      token, not yet on the host); stop_ids: int32 [B, S] EOS and stop tokens, masked while
+      `suppress_stop` (bool [B]: the completion is shorter than min_tokens). Token arrays are
+      padded with `PAD_TOKEN`.
+    """
+
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    min_p: jax.Array
+    prompt_ids: jax.Array
+    output_ids: jax.Array
+    stop_ids: jax.Array
+    suppress_stop: jax.Array
+
+
+def _padded_width(n: int) -> int:
+    """Columns of a token-id array holding n ids: a power of two >= 16 (few shapes compile)."""
+    return max(16, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _id_matrix(rows: int, ids: Sequence[Sequence[int]]) -> np.ndarray:
+    out = np.full((rows, _padded_width(max((len(x) for x in ids), default=0))), PAD_TOKEN,
+                  np.int32)
+    for i, x in enumerate(ids):
+        out[i, :len(x)] = x
+    return out
+
+
+def logits_adjust_arrays(params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
+                         output_ids: Sequence[Sequence[int]],
+                         stop_ids: Sequence[Sequence[int]], rows: int) -> LogitsAdjust:
+    """Host arrays of a `LogitsAdjust` for `rows` rows, the first ``len(params)`` of them these
+    requests' (padding rows change nothing). Per request: its prompt's tokens (used only with a
+    repetition penalty), its completion so far (`INPUT_TOKEN` where the host does not know a
+    token yet) and the token ids min_tokens masks."""
+    n = len(params)
+    presence = np.zeros(rows, np.float32)
+    frequency = np.zeros(rows, np.float32)
+    repetition = np.ones(rows, np.float32)
+    min_p = np.zeros(rows, np.float32)
+    suppress = np.zeros(rows, bool)
+    presence[:n] = [p.presence_penalty for p in params]
+    frequency[:n] = [p.frequency_penalty for p in params]
+    repetition[:n] = [p.repetition_penalty for p in params]
+    min_p[:n] = [p.min_p for p in params]
+    counted = [p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+               for p in params]
+    suppress[:n] = [p.min_tokens > len(out) for p, out in zip(params, output_ids)]
+    return LogitsAdjust(
+        presence, frequency, repetition, min_p,
+        _id_matrix(rows, [ids if p.repetition_penalty != 1 else ()
+                          for p, ids in zip(params, prompt_ids)]),
+        _id_matrix(rows, [ids if c else () for c, ids in zip(counted, output_ids)]),
+        _id_matrix(rows, [ids if s else () for s, ids in zip(suppress, stop_ids)]),
+        suppress)
+
+
+def adjust_logits(logits: jax.Array, adjust: LogitsAdjust,
+                  input_tokens: jax.Array | None = None) -> jax.Array:
+    """The logits [B, V] after min_tokens' mask and the three penalties (vLLM's rules):
+    repetition divides positive / multiplies negative logits of every token in the prompt or the
+    output; frequency subtracts ``penalty * count`` and presence ``penalty`` for every token the
+    output holds; EOS and stop tokens are -inf while a row is under min_tokens.
+    input_tokens: int32 [B], what `INPUT_TOKEN` entries stand for (None: there are none)."""
+    batch, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    out_ids = adjust.output_ids
+    fill = PAD_TOKEN if input_tokens is None else input_tokens[:, None].astype(jnp.int32)
+    out_ids = jnp.where(out_ids == INPUT_TOKEN, fill, out_ids)
+    # Negative ids would wrap around in a scatter: every pad is far out of range instead.
+    counts = jnp.zeros((batch, vocab), jnp.int32).at[rows, out_ids].add(1, mode="drop")
+    in_prompt = jnp.zeros((batch, vocab), bool).at[rows, adjust.prompt_ids].set(True, mode="drop")
+    seen = in_prompt | (counts > 0)
+    rep = adjust.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = (logits - adjust.frequency[:, None] * counts
+              - adjust.presence[:, None] * (counts > 0).astype(logits.dtype))
+    stop = jnp.zeros((batch, vocab), bool).at[rows, adjust.stop_ids].set(True, mode="drop")
+    return jnp.where(stop & adjust.suppress_stop[:, None], -jnp.inf, logits)
+
+
 @jax.jit
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, keys: jax.Array) -> jax.Array:
+                  top_p: jax.Array, keys: jax.Array, adjust: LogitsAdjust | None = None,
+                  input_tokens: jax.Array | None = None) -> jax.Array:
     """Choose one token per row.
 
     logits: [B, V] float32; temperature: [B] f32 (0 = greedy); top_k: [B] int32 (<= 0 disables);
-    top_p: [B] f32 in (0, 1]; keys: [B, 2] raw PRNG keys (or [B] typed keys), one per row.
-    Returns [B] int32.
+    top_p: [B] f32 in (0, 1]; keys: [B, 2] raw PRNG keys (or [B] typed keys), one per row;
+    adjust: penalties, min_tokens and min_p of the rows (None: none asked for; a separately
+    compiled variant); input_tokens: [B] for `adjust_logits`. Returns [B] int32.
 
-    Top-k is applied before top-p (vLLM's order). Both are done on one descending sort of the
-    row; the nucleus always keeps the most likely token, so no row ends up empty.
+    vLLM's order: the penalties and min_tokens change the logits (greedy rows take their
+    argmax), then temperature, min-p, top-k and top-p. All filters work on one descending sort
+    of the row; the most likely token always survives, so no row ends up empty.
     """
     logits = logits.astype(jnp.float32)
+    if adjust is not None:
+        logits = adjust_logits(logits, adjust, input_tokens)
+        min_p = adjust.min_p
+    else:
+        min_p = jnp.zeros_like(temperature)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # An all-greedy batch (the common benchmark case) skips the vocabulary sort entirely.
     return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy_ids,
-                        lambda: _sample_rows(logits, greedy_ids, temperature, top_k, top_p, keys))
+                        lambda: _sample_rows(logits, greedy_ids, temperature, top_k, top_p,
+                                             min_p, keys))
 
 
 class TokenLogprobs(NamedTuple):
@@ -285,13 +484,16 @@ def force_tokens(sampled: jax.Array, forced: jax.Array) -> jax.Array:
     return jnp.where(forced >= 0, forced.astype(jnp.int32), sampled)
 
 
-def _sample_rows(logits, greedy_ids, temperature, top_k, top_p, keys):
+def _sample_rows(logits, greedy_ids, temperature, top_k, top_p, min_p, keys):
     vocab = logits.shape[-1]
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]
     order = jnp.argsort(-scaled, axis=-1)  # [B, V] descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    # min-p: p < min_p * p_max  <=>  logit < logit_max + log(min_p) (log 0 = -inf keeps all).
+    floor = sorted_logits[:, :1] + jnp.log(min_p)[:, None]
+    sorted_logits = jnp.where(sorted_logits < floor, -jnp.inf, sorted_logits)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     sorted_logits = jnp.where(rank < k[:, None], sorted_logits, -jnp.inf)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -375,35 +577,55 @@ class StopChecker:
         this only ever grows."""
         return self._text[:self._emitted]
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Token ids that end the request (its stop tokens, and EOS unless ignored): what
+        min_tokens masks on the device."""
+        return frozenset(self._stop_ids)
+
     def append(self, token_id: int) -> str:
         if self.finished:
             raise RuntimeError("append() after the request finished")
         token_id = int(token_id)
         self.token_ids.append(token_id)
-        if token_id in self._stop_ids:
-            if token_id in self.params.stop_token_ids:
+        params = self.params
+        # vLLM: nothing ends a completion shorter than min_tokens (its EOS and stop tokens are
+        # masked on the device; a forced one is text like any other).
+        may_stop = len(self.token_ids) >= params.min_tokens
+        if may_stop and token_id in self._stop_ids:
+            if token_id in params.stop_token_ids:
                 self.stop_reason = token_id
+                if params.include_stop_str_in_output:   # its text too (vLLM); EOS never
+                    self._decode_next(token_id)
             return self._finish("stop", flush=True)
 
-        self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
         checked = len(self._text)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._text += after[len(before):]
-            self._prefix, self._read = self._read, len(self._ids)
-
-        cut = find_stop(self._text, self.params.stop, start=checked)
+        self._decode_next(token_id)
+        cut = find_stop(self._text, params.stop, start=checked) if may_stop else None
         if cut is not None:
-            self.stop_reason = next(s for s in self.params.stop if self._text.startswith(s, cut))
+            self.stop_reason = next(s for s in params.stop if self._text.startswith(s, cut))
+            if params.include_stop_str_in_output:
+                cut += len(self.stop_reason)
             self._text = self._text[:cut]
             return self._finish("stop", flush=True)
-        if len(self.token_ids) >= self.params.max_tokens:
+        if len(self.token_ids) >= params.max_tokens:
             return self._finish("length", flush=True)
-        final = len(self._text) - _held_back(self._text, self.params.stop)
+        # A tail that may still become a stop string is held back, unless the stop string is
+        # kept in the output anyway.
+        hold = 0 if params.include_stop_str_in_output else _held_back(self._text, params.stop)
+        final = len(self._text) - hold
         out = self._text[self._emitted:final]
         self._emitted = max(self._emitted, final)
         return out
+
+    def _decode_next(self, token_id: int) -> None:
+        """Append the token's text to `_text` (none yet if it ends in half a character)."""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
 
     def _finish(self, reason: str, flush: bool) -> str:
         self.finished = True

@@ -299,7 +299,7 @@ def test_logprobs_under_forced_tokens_are_the_dense_models(full_llm):
             if t != token:
                 assert abs(entry[t].rank - rank) <= 1
             np.testing.assert_allclose(entry[t].logprob, ref[i, t], atol=2e-3)
-        assert entry[token].decoded_token == tok.decode([token])
+        assert entry[token].decoded_token == tok.decode([token], skip_special_tokens=False)
     np.testing.assert_allclose(top.cumulative_logprob, ref[np.arange(len(forced)), forced].sum(),
                                atol=1e-2)
     assert full.full_logprobs.shape == (len(forced), loaded.config.vocab_size)

@@ -179,3 +179,47 @@ def test_async_engine_streams_cancels_and_pushes_back(engine, free_run):
     finally:
         async_engine.shutdown()
     assert not async_engine.is_alive
+
+
+def test_vllm_sampling_fields_on_the_embedded_model(engine):
+    """Penalties act on the device (every greedy token is the argmax of the model's raw
+    distribution minus the penalties), min_tokens holds EOS back, n gives seed + i streams, and
+    prompt_logprobs are the distributions single requests of the prompt's prefixes sample from."""
+    import numpy as np
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=1.0, logprobs=-1)
+    (out,) = _run(engine, params, RequestOutputKind.FINAL_ONLY)
+    c = out.outputs[0]
+    counts = np.zeros(c.full_logprobs.shape[1])
+    for t, token in enumerate(c.token_ids):
+        assert token == int(np.argmax(c.full_logprobs[t] - 1.0 * counts - 0.5 * (counts > 0)))
+        counts[token] += 1
+    # min_tokens: EOS is masked until 6 tokens exist, though the model wants to end at once.
+    conv = [{"role": "user", "content": "Say only: yes"}]
+    rid = engine.add_request(messages=conv, sampling_params=SamplingParams(
+        temperature=0, max_tokens=40, min_tokens=6))
+    free = [o for o in engine.stream() if o.request_id == rid][-1].outputs[0]
+    rid = engine.add_request(messages=conv, sampling_params=SamplingParams(
+        temperature=0, max_tokens=40))
+    plain = [o for o in engine.stream() if o.request_id == rid][-1].outputs[0]
+    assert len(free.token_ids) >= 6 and not set(free.token_ids[:5]) & set(
+        engine.tokenizer.eos_token_ids)
+    assert free.finish_reason == plain.finish_reason == "stop"
+    # n: completion i is the single request with seed + i.
+    sampled = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3, n=2)
+    (both,) = _run(engine, sampled, RequestOutputKind.FINAL_ONLY)
+    for i, comp in enumerate(both.outputs):
+        (one,) = _run(engine, SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True,
+                                             seed=3 + i), RequestOutputKind.FINAL_ONLY)
+        assert comp.token_ids == one.outputs[0].token_ids
+    # prompt_logprobs against the first-token distribution of a prefix of the prompt.
+    (withp,) = _run(engine, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                    RequestOutputKind.FINAL_ONLY)
+    ids, plp = withp.prompt_token_ids, withp.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    j = len(ids) - 2
+    rid = engine.add_request(prompt_token_ids=ids[:j], sampling_params=SamplingParams(
+        temperature=0, max_tokens=1, logprobs=-1))
+    (prefix,) = [o for o in engine.stream() if o.request_id == rid and o.finished]
+    np.testing.assert_allclose(plp[j][ids[j]].logprob,
+                               prefix.outputs[0].full_logprobs[0][ids[j]], atol=1e-3)

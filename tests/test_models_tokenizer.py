@@ -231,3 +231,26 @@ def test_templates_run_sandboxed():
                            chat_template="{% set ns = namespace(_x=1) %}{{ ns._x }}")
     with pytest.raises(Exception, match="underscore"):
         underscore.render_chat([{"role": "user", "content": "a"}])
+
+
+@pytest.mark.slow
+def test_smollm2_hf_folder_template_matches_transformers(theirs, tmp_path):
+    """SmolLM2's tokenizer files as a Hugging Face folder (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja, written by transformers): the folder path renders the same text and
+    the same ids as transformers' `apply_chat_template` on that folder."""
+    transformers = pytest.importorskip("transformers")
+    theirs.save_pretrained(tmp_path)
+    folder_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours_tok = Tokenizer.from_hf_folder(tmp_path)
+    assert "You are a helpful AI assistant named SmolLM" in ours_tok.chat_template
+    for messages in TEMPLATE_CONVERSATIONS:
+        for gen in (True, False):
+            if not gen and messages[-1]["role"] == "user":
+                continue
+            text = folder_tok.apply_chat_template(messages, add_generation_prompt=gen,
+                                                  tokenize=False)
+            assert ours_tok.render_chat(messages, add_generation_prompt=gen) == text
+            ids = folder_tok.apply_chat_template(messages, add_generation_prompt=gen,
+                                                 tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            assert ours_tok.apply_chat_template(messages, add_generation_prompt=gen) == list(ids)

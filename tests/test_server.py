@@ -118,8 +118,14 @@ def test_chat_streams_and_continues_the_session(server, client):
 def test_bad_requests_are_400_and_unknown_models_404(server, client):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, top_p=2.0)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, echo=True)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4,
+                                  presence_penalty=3.0)
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4,
+                                  extra_body={"min_p": 1.5})
     with pytest.raises(openai.BadRequestError, match="empty"):
         client.completions.create(model="smollm2", prompt="", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="messages"):
@@ -127,6 +133,81 @@ def test_bad_requests_are_400_and_unknown_models_404(server, client):
             {"role": "assistant", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="gpt-4"):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+
+
+def test_logprobs_in_openai_shapes_streamed_or_not(server, client):
+    args = dict(model="smollm2", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    out = client.completions.create(**args)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # Greedy: the chosen token is the most likely one; three alternatives, log-probs <= 0.
+        assert len(top) == 3 and top[token] == value == max(top.values()) and value <= 0
+    chunks = [c for c in client.completions.create(stream=True, **args) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices[0].logprobs
+              for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.tokens and values == pytest.approx(lp.token_logprobs, abs=1e-5)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+    conv = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model="smollm2", messages=conv, max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+               and t.top_logprobs[0].logprob == t.logprob and t.bytes == list(t.token.encode())
+               for t in content)
+    chunks = list(client.chat.completions.create(model="smollm2", messages=conv, max_tokens=5,
+                                                 temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert streamed == [t.token for t in content]
+    plain = client.chat.completions.create(model="smollm2", messages=conv, max_tokens=5,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+    # vLLM's prompt_logprobs extension: one entry per prompt token, the first None.
+    raw = httpx.post(server[0] + "/v1/completions", json=dict(
+        model="smollm2", prompt=PROMPT, max_tokens=2, temperature=0, prompt_logprobs=1),
+        timeout=60).json()
+    plp = raw["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == raw["usage"]["prompt_tokens"]
+    assert all(1 <= len(e) <= 2 and all(v["logprob"] <= 0 for v in e.values()) for e in plp[1:])
+
+
+def test_n_and_penalties_pass_through(server, client):
+    args = dict(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5)
+    both = client.completions.create(n=2, **args)
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.completion_tokens == 16
+    for i in range(2):   # completion i is the request with seed + i
+        one = client.completions.create(**dict(args, seed=5 + i))
+        assert both.choices[i].text == one.choices[0].text
+    streamed = {0: "", 1: ""}
+    for c in client.completions.create(n=2, stream=True, **args):
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert [streamed[0], streamed[1]] == [c.text for c in both.choices]
+    # Two prompts, n=2: choices prompt-major (OpenAI's order).
+    many = client.completions.create(n=2, **dict(args, prompt=[PROMPT, "One, two,"]))
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == both.choices[0].text
+    chat = client.chat.completions.create(model="smollm2", n=2, max_tokens=6, seed=3,
+                                          messages=[{"role": "user", "content": "Hi!"}])
+    assert [c.index for c in chat.choices] == [0, 1]
+    # Penalties reach the sampler: greedy text changes and repeats fewer tokens.
+    greedy = dict(model="smollm2", prompt="List: apple, apple, apple,", max_tokens=24,
+                  temperature=0, logprobs=0)
+    plain = client.completions.create(**greedy).choices[0].logprobs.tokens
+    penalised = client.completions.create(frequency_penalty=1.5, presence_penalty=0.5,
+                                          **greedy).choices[0].logprobs.tokens
+    assert penalised != plain and len(set(penalised)) > len(set(plain))
+    repeated = client.completions.create(extra_body={"repetition_penalty": 1.8, "min_p": 0.1,
+                                                     "min_tokens": 20}, **greedy)
+    assert repeated.usage.completion_tokens >= 20
+    assert repeated.choices[0].logprobs.tokens != plain
 
 
 def test_disconnect_aborts_and_full_engine_pushes_back(server, client):

@@ -236,10 +236,15 @@ class AsyncEngine:
         total = None
         if messages is not None:
             ids = engine.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-            session_id, new_ids = engine.find_session(ids)
-            if session_id is None:   # anonymous: forgotten when evicted (SessionTable)
-                session_id = engine.new_session_id()
-            request.update(prompt_token_ids=new_ids, session_id=session_id)
+            params = request["sampling_params"]
+            if params is not None and params.n > 1:
+                # Several completions branch from the history: none of them is the session.
+                request.update(prompt_token_ids=ids)
+            else:
+                session_id, new_ids = engine.find_session(ids)
+                if session_id is None:   # anonymous: forgotten when evicted (SessionTable)
+                    session_id = engine.new_session_id()
+                request.update(prompt_token_ids=new_ids, session_id=session_id)
             total = len(ids)
         if request.pop("fill_context"):
             if total is None:

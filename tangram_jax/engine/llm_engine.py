@@ -44,7 +44,8 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map
-from tangram_jax.sampling import SamplingParams, StopChecker, TokenLogprobs, resolve_seed
+from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
+                                  TokenLogprobs, logits_adjust_arrays, resolve_seed)
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
@@ -77,6 +78,11 @@ class _Request:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     full_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # With params.prompt_logprobs: position -> the prompt token's entry (`run_prefill_pieces`),
+    # and whether a DELTA output carried them already.
+    prompt_lp: dict[int, TokenLogprobs] = dataclasses.field(default_factory=dict)
+    prompt_lp_entries: list | None = None   # decoded, once the prompt is prefilled
+    prompt_lp_sent: bool = False
     # Set when something failed for this request alone while a step was dispatched; the
     # request ends with finish_reason "error" when that step's tokens are resolved.
     error: str | None = None
@@ -85,6 +91,43 @@ class _Request:
         """The token the next generated position must take (-1: sample it)."""
         step = self.seq.num_output_tokens
         return self.forced[step] if self.forced is not None and step < len(self.forced) else -1
+
+
+@dataclasses.dataclass
+class _ParentRequest:
+    """A request of ``SamplingParams.n > 1`` (vLLM's parent request): one child request per
+    completion, reported under the parent's id with the child's index.
+
+    What each output holds, by kind: CUMULATIVE every completion's latest state (those not
+    started: empty); DELTA only what the child that moved produced; FINAL_ONLY everything, once
+    every child has finished. The output is `finished` when the last child is.
+    """
+
+    request_id: str
+    child_ids: list[str]
+    output_kind: RequestOutputKind
+    latest: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
+    finished: set[int] = dataclasses.field(default_factory=set)
+    error: str | None = None
+
+    def report(self, index: int, out: RequestOutput) -> RequestOutput | None:
+        """The parent's output after child `index` reported `out` (None: nothing to say yet)."""
+        completion = out.outputs[0]
+        completion.index = index
+        self.latest[index] = completion
+        if out.finished:
+            self.finished.add(index)
+        self.error = self.error or out.error
+        done = len(self.finished) == len(self.child_ids)
+        if self.output_kind is RequestOutputKind.DELTA:
+            completions = [completion]
+        elif self.output_kind is RequestOutputKind.FINAL_ONLY and not done:
+            return None
+        else:
+            completions = [self.latest.get(i) or CompletionOutput(i, "", [])
+                           for i in range(len(self.child_ids))]
+        return dataclasses.replace(out, request_id=self.request_id, outputs=completions,
+                                   finished=done, error=self.error)
 
 
 class PreparedRequest(NamedTuple):
@@ -111,7 +154,9 @@ class _InFlightToken(NamedTuple):
 
 
 def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
-                       max_prefill_rows: int) -> tuple[list, dict[str, np.ndarray]]:
+                       max_prefill_rows: int,
+                       prompt_logprobs: dict[str, dict[int, TokenLogprobs]] | None = None,
+                       ) -> tuple[list, dict[str, np.ndarray]]:
     """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
     `max_prefill_rows` rows.
 
@@ -122,6 +167,10 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
     Returns ([(piece, last logits [V])] of pieces that end their prompt, {request id: retained
     lengths [layers, groups] after the pieces}); in ``dynamic`` mode the lengths come back from
     the device (a host round trip per call), otherwise from the layout's keep rule.
+    prompt_logprobs: {request id: {}} of the requests that asked for them: a call holding one
+    of their pieces also computes, on the device, every position's log-probabilities of the
+    prompt token that follows it, and ``[request id][position]`` receives that token's entry
+    (a `TokenLogprobs` of numpy scalars / [MAX_TOP_LOGPROBS] rows; a replayed piece overwrites).
     """
     layout = runner.layout
     dynamic = runner.runner_config.mode == "dynamic"
@@ -148,10 +197,18 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                      layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
                                             end - start) if p.segment[2] else end - start
                      for p, start, end in zip(rows, starts, ends)]
-        logits, kept = runner.prefill(
+        want = prompt_logprobs is not None and any(p.seq.request_id in prompt_logprobs
+                                                   for p in rows)
+        targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
+            if want else None
+        logits, kept, *lp_rows = runner.prefill(
             [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
             starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected)
+            protected, targets)
+        for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):
+            record = prompt_logprobs.get(p.seq.request_id)
+            for i in (np.flatnonzero(t >= 0) if record is not None else ()):
+                record[a + i + 1] = TokenLogprobs(*(x[i] for x in lp[:4]), None)
         kept_host = np.asarray(kept) if dynamic else None
         for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
             rid = p.seq.request_id
@@ -164,6 +221,17 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
             if end == p.end and p.is_last:
                 finished.append((p, logits[b]))
     return finished, hist
+
+
+def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
+    """int32 [end - start]: the prompt token each of positions start..end-1 predicts (-1 past
+    the turn's prompt: those are generated tokens, not prompt)."""
+    prompt_end = seq.prompt_start + seq.num_prompt_tokens
+    targets = np.full(end - start, -1, np.int32)
+    last = min(end + 1, prompt_end)
+    if last > start + 1:
+        targets[:last - start - 1] = seq.token_ids[start + 1:last]
+    return targets
 
 
 class _RequestFailed(Exception):
@@ -256,6 +324,9 @@ class Engine:
         self.sessions = self.scheduler.sessions
         log.info("%s", self._pool_line())
         self._requests: dict[str, _Request] = {}
+        # Requests of n > 1: parent id -> parent, and each live child's id -> (parent, index).
+        self._parents: dict[str, _ParentRequest] = {}
+        self._child_of: dict[str, tuple[_ParentRequest, int]] = {}
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
@@ -352,6 +423,12 @@ class Engine:
             inputs.check_id("session_id", session_id)
         vocab = self.model_config.vocab_size
         sampling_params = inputs.check_sampling_params(sampling_params, vocab)
+        if request_id is not None and request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already live")
+        if sampling_params.n > 1 and (session_id is not None or forced_token_ids is not None):
+            raise ValueError(f"sampling_params.n={sampling_params.n}: a request of several "
+                             f"completions cannot continue a session or force its tokens "
+                             f"(session_id / forced_token_ids must be None)")
         given = [name for name, x in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
                                       ("messages", messages)) if x is not None]
         if len(given) != 1:
@@ -394,11 +471,14 @@ class Engine:
         if request_id is None:
             request_id = self._fresh_id()
             self._next_id += 1
+        if prepared.params.n > 1:
+            return self._enqueue_parent(request_id, prepared, output_kind)
         session_id, ids, params = prepared.session_id, prepared.prompt_token_ids, prepared.params
         stop_params = params
         if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
             stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
-                                              ignore_eos=True, stop=None, stop_token_ids=())
+                                              ignore_eos=True, stop=None, stop_token_ids=(),
+                                              min_tokens=0)
         # Tokens of the session this request continues (cached unless it was evicted).
         session = self.sessions.get(session_id)
         history = session.num_tokens if session is not None else 0
@@ -413,6 +493,47 @@ class Engine:
             num_cached_tokens=history)
         return request_id
 
+    def _enqueue_parent(self, request_id: str, prepared: "PreparedRequest",
+                        output_kind: RequestOutputKind) -> str:
+        """Queue the n completions of `prepared` as child requests ``"{i}_{request_id}"``
+        (vLLM's naming); child i's seed is ``seed + i`` when the request has one.
+
+        Each child prefills the prompt into its own pages: the block tables share no pages
+        (a shared prompt would need reference-counted pages and a copy of every group's last,
+        partly filled page at the fork)."""
+        params = prepared.params
+        child_ids = [f"{i}_{request_id}" for i in range(params.n)]
+        taken = [c for c in child_ids if c in self._requests or c in self._parents]
+        if taken:
+            raise ValueError(f"request id {request_id!r}: its completions' ids {taken[:3]} "
+                             f"are already live")
+        parent = _ParentRequest(request_id, child_ids, output_kind)
+        for i, child_id in enumerate(child_ids):
+            child = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            self.enqueue(prepared._replace(request_id=child_id, params=child), output_kind)
+            self._child_of[child_id] = (parent, i)
+        self._parents[request_id] = parent
+        return request_id
+
+    def _report(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs as the caller sees them: a child's become its parent's (`_ParentRequest`)."""
+        reported = []
+        for out in outputs:
+            link = self._child_of.get(out.request_id)
+            if link is None:
+                reported.append(out)
+                continue
+            parent, index = link
+            if out.finished:
+                del self._child_of[out.request_id]
+            merged = parent.report(index, out)
+            if merged is not None:
+                reported.append(merged)
+            if merged is not None and merged.finished:
+                del self._parents[parent.request_id]
+        return reported
+
     def _request_seed(self, request_id: str, params: SamplingParams) -> int:
         """The request's own seed, else one derived from `EngineConfig.seed` and the request id
         (vLLM's engine `seed`: the same request sampled again, in this engine or another with the
@@ -424,7 +545,8 @@ class Engine:
 
     def _fresh_id(self) -> str:
         """An id no live request has (a caller may have chosen "request-N" itself)."""
-        while f"request-{self._next_id}" in self._requests:
+        while f"request-{self._next_id}" in self._requests or \
+                f"request-{self._next_id}" in self._parents:
             self._next_id += 1
         return f"request-{self._next_id}"
 
@@ -432,6 +554,17 @@ class Engine:
         """Stop a request now and free its pages (a session's cache too). Returns its final
         output (finish_reason "abort")."""
         inputs.check_id("request_id", request_id)
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:   # every live completion ends; the output holds all of them
+            last = None
+            for child_id in parent.child_ids:
+                if child_id in self._requests:
+                    last = self.abort(child_id)
+                    parent.report(self._child_of.pop(child_id)[1], last)
+            return dataclasses.replace(
+                last, request_id=request_id, finished=True,
+                outputs=[parent.latest.get(i) or CompletionOutput(i, "", [], "abort")
+                         for i in range(len(parent.child_ids))])
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
@@ -472,7 +605,7 @@ class Engine:
 
     def is_live(self, request_id: str) -> bool:
         """Whether `request_id` is queued or running."""
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._parents
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -510,7 +643,7 @@ class Engine:
             if req is not None:
                 self._drop_placeholders(seq)
                 outputs[seq.request_id] = self._output(req, "length")
-        return list(outputs.values())
+        return self._report(list(outputs.values()))
 
     def _dispatch(self, out) -> list[_InFlightToken]:
         """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
@@ -528,7 +661,8 @@ class Engine:
                                         self.manager.decode_write_lengths(out.decode_slots),
                                         *self._sampling_arrays(decode_reqs, bucket), steps,
                                         forced_tokens=self._forced_tokens(decode_reqs, bucket),
-                                        logprobs=mode)
+                                        logprobs=mode,
+                                        adjust=self._logits_adjust(decode_reqs, bucket))
             tokens, lp = result if mode is not None else (result, None)
             pending += [(r, tokens, i, lp) for i, r in enumerate(decode_reqs)]
             self.tokens_processed += n
@@ -538,7 +672,8 @@ class Engine:
                 first_logits, [r.seq.slot for r in first_reqs],
                 *self._sampling_arrays(first_reqs, len(first_reqs)),
                 [r.seq.num_output_tokens for r in first_reqs],
-                forced_tokens=self._forced_tokens(first_reqs, len(first_reqs)), logprobs=mode)
+                forced_tokens=self._forced_tokens(first_reqs, len(first_reqs)), logprobs=mode,
+                adjust=self._logits_adjust(first_reqs, len(first_reqs)))
             tokens, lp = result if mode is not None else (result, None)
             pending += [(r, tokens, i, lp) for i, r in enumerate(first_reqs)]
 
@@ -555,6 +690,20 @@ class Engine:
         return None if not asked else "full" if -1 in asked else "top"
 
     @staticmethod
+    def _logits_adjust(reqs: list[_Request], rows: int) -> LogitsAdjust | None:
+        """The rows' penalties, min_tokens and min_p (None when no request uses them). A
+        completion's last token may still be on the device (a placeholder): `INPUT_TOKEN`."""
+        if not any(r.params.adjusts_logits for r in reqs):
+            return None
+        prompts, outputs = [], []
+        for r in reqs:
+            ids, end = r.seq.token_ids, r.seq.prompt_start + r.seq.num_prompt_tokens
+            prompts.append(ids[:end])   # the whole history: what a stateless client would send
+            outputs.append([INPUT_TOKEN if t == _PLACEHOLDER else t for t in ids[end:]])
+        return logits_adjust_arrays([r.params for r in reqs], prompts, outputs,
+                                    [sorted(r.stop.stop_token_ids) for r in reqs], rows)
+
+    @staticmethod
     def _forced_tokens(reqs: list[_Request], rows: int) -> np.ndarray | None:
         """int32 [rows]: each request's forced next token, -1 to sample (None: nobody forced)."""
         if all(r.forced is None for r in reqs):
@@ -568,8 +717,11 @@ class Engine:
         """Run this step's prefill pieces (`run_prefill_pieces`).
         Returns the last logits [V] and requests of pieces that end their prompt, and each
         piece's retained lengths after compression in dynamic mode (None otherwise)."""
+        wanted = {p.seq.request_id: self._requests[p.seq.request_id].prompt_lp for p in pieces
+                  if self._requests[p.seq.request_id].params.prompt_logprobs is not None
+                  and self._requests[p.seq.request_id].prompt_lp_entries is None}
         finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
-                                            self.config.max_prefill_rows)
+                                            self.config.max_prefill_rows, wanted or None)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
         return ([logits for _, logits in finished],
                 [self._requests[p.seq.request_id] for p, _ in finished],
@@ -661,13 +813,17 @@ class Engine:
         if want > 0:
             ids, values = fetch("top_ids"), fetch("top_logprobs")
             for rank, (i, v) in enumerate(zip(ids[:want].tolist(), values[:want].tolist()), 1):
-                entry[i] = Logprob(v, rank, self.tokenizer.decode([i]))
+                entry[i] = Logprob(v, rank, self._token_text(i))
         chosen = float(fetch("token_logprob"))
-        entry[token] = Logprob(chosen, int(fetch("token_rank")), self.tokenizer.decode([token]))
+        entry[token] = Logprob(chosen, int(fetch("token_rank")), self._token_text(token))
         req.logprobs.append(entry)
         req.cumulative_logprob += chosen
         if want == -1:
             req.full_logprobs.append(fetch("full"))
+
+    def _token_text(self, token: int) -> str:
+        """A token's text in log-prob entries: special tokens spelled out (as vLLM does)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     @staticmethod
     def _drop_placeholders(seq: Sequence) -> None:
@@ -720,11 +876,37 @@ class Engine:
                 completion.full_logprobs = (
                     np.stack(req.full_logprobs).astype(np.float32) if req.full_logprobs
                     else np.zeros((0, self.model_config.vocab_size), np.float32))
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_lp_sent:
+            prompt_logprobs = self._prompt_logprobs(req)
+            req.prompt_lp_sent = req.output_kind is RequestOutputKind.DELTA
         return RequestOutput(
             request_id=req.seq.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
             metrics=req.metrics, session_id=req.seq.session_id,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, req: _Request) -> list[dict[int, Logprob] | None]:
+        """`RequestOutput.prompt_logprobs` of the request's prompt tokens (decoded once)."""
+        if req.prompt_lp_entries is not None:
+            return req.prompt_lp_entries
+        start = req.seq.prompt_start
+        want, entries = req.params.prompt_logprobs, []
+        for position, token in enumerate(req.prompt_token_ids, start):
+            lp = req.prompt_lp.get(position)
+            if lp is None:
+                entries.append(None)
+                continue
+            entry = {}
+            for rank, (i, v) in enumerate(zip(lp.top_ids[:want].tolist(),
+                                              lp.top_logprobs[:want].tolist()), 1):
+                entry[i] = Logprob(v, rank, self._token_text(i))
+            entry[token] = Logprob(float(lp.token_logprob), int(lp.token_rank),
+                                   self._token_text(token))
+            entries.append(entry)
+        # Outputs come only after the prompt is prefilled: the list is complete.
+        req.prompt_lp_entries, req.prompt_lp = entries, {}
+        return entries
 
     # ----- reports -----------------------------------------------------------------------
     def kv_usage(self) -> dict:

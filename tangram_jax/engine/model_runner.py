@@ -55,8 +55,8 @@ from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, fit_tu
                                                            pack_rows, prefill_work_items,
                                                            row_alignment)
 from tangram_jax.pallas_kernels.split_map import SplitMap
-from tangram_jax.sampling import (TokenLogprobs, force_tokens, sample_tokens, step_keys,
-                                  token_logprobs)
+from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, sample_tokens,
+                                  step_keys, token_logprobs)
 
 LAYER_LOOPS = ("scan", "unrolled")
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
@@ -301,7 +301,8 @@ class ModelRunner:
 
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
-                num_protected: list[int] | None = None) -> tuple[jax.Array, jax.Array]:
+                num_protected: list[int] | None = None,
+                prompt_targets: list[np.ndarray] | None = None) -> tuple:
         """Run one prefill row for each of several sequences in one call (a ragged batch: the
         GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
 
@@ -317,7 +318,8 @@ class ModelRunner:
         Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
         arrays whose first ``len(tokens)`` rows are the given rows. Without dynamic selection
         `kept` is the layout's keep rule for each row (``chunk_keep_counts(n_b, num_protected[b])``
-        for a chunk, n_b for a whole row).
+        for a chunk, n_b for a whole row). With `prompt_targets` a third item: each row's
+        log-probabilities of its targets (see `_run_prefill`).
         """
         n_rows = len(tokens)
         if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
@@ -334,14 +336,33 @@ class ModelRunner:
             if not 0 <= p <= len(t):
                 raise ValueError(f"num_protected must be in [0, {len(t)}] for a row of {len(t)} "
                                  f"tokens, got {p}")
-        return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected)
+        if prompt_targets is not None and [len(t) for t in prompt_targets] != \
+                [len(t) for t in tokens]:
+            raise ValueError("prompt_targets needs one target per token of every row")
+        return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected,
+                                 prompt_targets)
 
-    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected):
-        """`prefill` without the checks."""
+    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                     prompt_targets=None):
+        """`prefill` without the checks. With `prompt_targets` (int [n_b] per row: the token
+        each position's logits predict, -1 for none) it also returns each row's
+        `TokenLogprobs` of those targets (numpy, [n_b] / [n_b, MAX_TOP_LOGPROBS]; the
+        prompt_logprobs of vLLM), computed on the device over every position of the call."""
         args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
                                           num_protected, None, self.k_pages, self.v_pages)
-        self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
-        return logits, kept
+        if prompt_targets is None:
+            self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
+            return logits, kept
+        row_starts = args[6]
+        flat_targets = np.full(args[4].shape[0], -1, np.int32)
+        for start, t in zip(row_starts, prompt_targets):
+            flat_targets[start:start + len(t)] = t
+        self.k_pages, self.v_pages, logits, kept, lp = self._prefill(*args, flat_targets,
+                                                                     **static)
+        host = TokenLogprobs(*(np.asarray(x) for x in lp[:4]), None)
+        rows = [TokenLogprobs(*(x[start:start + len(t)] for x in host[:4]), None)
+                for start, t in zip(row_starts, prompt_targets)]
+        return logits, kept, rows
 
     def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
                       num_tokens, k_pages, v_pages) -> tuple[tuple, dict]:
@@ -403,7 +424,7 @@ class ModelRunner:
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
                       row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
-                      work_items, *, table_width):
+                      work_items, targets=None, *, table_width):
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
         slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
         items, 5]; table_width: static, the block-table columns the rows can touch (see
@@ -480,7 +501,11 @@ class ModelRunner:
              per_layer(hist_lengths), per_layer(keep_counts), work_items))
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
-        return k_pages, v_pages, logits, per_layer(kept)
+        if targets is None:
+            return k_pages, v_pages, logits, per_layer(kept)
+        # prompt_logprobs: every position's distribution over the token that follows it.
+        lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
+        return k_pages, v_pages, logits, per_layer(kept), lp
 
     def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
@@ -547,7 +572,8 @@ class ModelRunner:
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                seeds: np.ndarray, steps: np.ndarray, *, forced_tokens: np.ndarray | None = None,
-               logprobs: str | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
+               logprobs: str | None = None, adjust: LogitsAdjust | None = None,
+               ) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """One decode step for a padded batch (the bucket is `len(slots)`).
 
         Each row's input token is its slot's last sampled token (`slot_tokens`, on the device),
@@ -557,19 +583,21 @@ class ModelRunner:
         retained tokens before this step (pages for the new token already reserved).
         Sampling arrays [B] as in `tangram_jax.sampling`. forced_tokens: int [B], the token row
         i must take (teacher forcing; -1: sample), default none. logprobs: one of
-        `LOGPROB_MODES`. Returns next tokens [B] (device), and with `logprobs` set also their
+        `LOGPROB_MODES`. adjust: the rows' penalties / min_tokens / min_p (None: nobody's; a
+        separately compiled variant). Returns next tokens [B] (device), and with `logprobs` set also their
         `TokenLogprobs` (device arrays, the model's distribution at each row).
         """
         args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
                                          temperature, top_k, top_p, seeds, steps,
-                                         forced_tokens, logprobs)
+                                         forced_tokens, logprobs, adjust)
         self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
             *args, **static)
         return next_tokens if logprobs is None else (next_tokens, lp)
 
     def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
                      top_p, seeds, steps, forced_tokens=None,
-                     logprobs: str | None = None) -> tuple[tuple, dict]:
+                     logprobs: str | None = None,
+                     adjust: LogitsAdjust | None = None) -> tuple[tuple, dict]:
         """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
@@ -583,13 +611,13 @@ class ModelRunner:
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
                 np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced)
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced, adjust)
         return args, dict(split_map=split_map, logprobs=logprobs,
                           table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
-                     *, split_map, logprobs, table_width):
+                     adjust, *, split_map, logprobs, table_width):
         model = nnx.merge(self.graphdef, state)
         tokens = slot_tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
@@ -621,17 +649,17 @@ class ModelRunner:
              work_lists))
         logits = model.logits(h)[:, 0]
         next_tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced,
-                                         logprobs)
+                                         logprobs, adjust, tokens)
         # Padded rows all point at the null slot; whichever write wins there is never read.
         return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens, lp
 
     # ----- sampling of prefill logits -----------------------------------------------------
     def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
-               steps, *, forced_tokens=None,
-               logprobs: str | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
+               steps, *, forced_tokens=None, logprobs: str | None = None,
+               adjust: LogitsAdjust | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """Sample the first token of sequences whose prefill just ended (logits: list of [V],
         slots: int [n] their block-table rows, which remember the token for the next decode;
-        sampling arrays [n]; forced_tokens and logprobs as in `decode`). Rows are padded to a
+        sampling arrays [n]; forced_tokens, logprobs and adjust (rows [n]) as in `decode`). Rows are padded to a
         power of two (padding rows repeat row 0 and write to the null slot). Returns tokens
         [rows] (device), the first n the samples (and their `TokenLogprobs` when asked)."""
         _check_logprob_mode(logprobs)
@@ -644,7 +672,9 @@ class ModelRunner:
         self.slot_tokens, tokens, lp = self._sample_rows(
             self.slot_tokens, jnp.stack([logits[i] for i in pick]), padded_slots,
             rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
-            rows(seeds, np.uint32), rows(steps, np.int32), forced, logprobs=logprobs)
+            rows(seeds, np.uint32), rows(steps, np.int32), forced,
+            None if adjust is None else LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)),
+            logprobs=logprobs)
         return tokens if logprobs is None else (tokens, lp)
 
     # ----- compile ahead -------------------------------------------------------------------
@@ -702,7 +732,7 @@ class ModelRunner:
                 self.slot_tokens, jax.ShapeDtypeStruct(
                     (n, self.config.vocab_size), jnp.float32,
                     sharding=self.placement.replicated),
-                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
+                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
                 logprobs=None).compile()
         for bucket in decode_buckets:
             args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
@@ -741,16 +771,18 @@ def _check_logprob_mode(logprobs) -> None:
         raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
 
 
-def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs):
-    """Each row's token (sampled, or forced where ``forced >= 0``) and, with `logprobs` set,
-    the model's log-probabilities at that row (computed here on the device)."""
+def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
+                   adjust=None, input_tokens=None):
+    """Each row's token (sampled after `adjust`, or forced where ``forced >= 0``) and, with
+    `logprobs` set, the model's log-probabilities at that row (computed here on the device)."""
     tokens = force_tokens(sample_tokens(logits, temperature, top_k, top_p,
-                                        step_keys(seeds, steps)), forced)
+                                        step_keys(seeds, steps), adjust, input_tokens), forced)
     lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
     return tokens, lp
 
 
 def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,
-                       forced, *, logprobs):
-    tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs)
+                       forced, adjust, *, logprobs):
+    tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
+                                adjust)
     return slot_tokens.at[slots].set(tokens), tokens, lp

@@ -98,3 +98,9 @@ class RequestOutput:
     error: str | None = None
     # Prompt tokens already in the KV cache: the session history this request continues.
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token of this request (token id
+    # -> Logprob: the prompt token and the top `prompt_logprobs` alternatives), None for the
+    # first (nothing predicts it; in a session turn the history's last token predicts it
+    # inside the previous turn's decode, which kept no distribution). DELTA outputs carry it
+    # once, in the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

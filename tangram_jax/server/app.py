@@ -95,15 +95,21 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
                    for i, p in enumerate(prompts)]
         if body.stream:
             first = await _start_all(streams)
-            return _sse(_completion_chunks(request_id, model_name, streams, first,
+            return _sse(_completion_chunks(request_id, model_name, streams, first, params.n,
                                            _include_usage(body)))
         finals = await _until_disconnect(request, _collect_all(streams))
+        choices = []
+        for i, collected in enumerate(finals):
+            for j, choice in sorted(collected.choices.items()):
+                body_ = {"index": i * params.n + j, "text": choice.text,
+                         "logprobs": choice.completion_logprobs(),
+                         "finish_reason": choice.finish_reason,
+                         "stop_reason": choice.stop_reason}
+                if params.prompt_logprobs is not None:
+                    body_["prompt_logprobs"] = _prompt_logprobs(collected.prompt_logprobs)
+                choices.append(body_)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": model_name,
-                "choices": [{"index": i, "text": text, "logprobs": None,
-                             "finish_reason": _finish(last), "stop_reason": _stop_reason(last)}
-                            for i, (text, last) in enumerate(finals)],
-                "usage": _usage([last for _, last in finals])}
+                "model": model_name, "choices": choices, "usage": _usage(finals)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -114,15 +120,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
                            messages=messages, fill_context=body.requested_max_tokens is None)
         if body.stream:
             first = await _start_all([stream])
-            return _sse(_chat_chunks(request_id, model_name, stream, first[0],
+            return _sse(_chat_chunks(request_id, model_name, stream, first[0], params.logprobs,
                                      _include_usage(body)))
-        ((text, last),) = await _until_disconnect(request, _collect_all([stream]))
+        (collected,) = await _until_disconnect(request, _collect_all([stream]))
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": _finish(last),
-                             "stop_reason": _stop_reason(last)}],
-                "usage": _usage([last])}
+                "choices": [{"index": j, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": c.chat_logprobs(params.logprobs),
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                            for j, c in sorted(collected.choices.items())],
+                "usage": _usage([collected])}
 
     return app
 
@@ -134,6 +141,7 @@ async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_i
     gen = async_engine.generate(request_id=request_id, **request)
     out = None
     refused = False
+    generated = 0   # tokens of every completion (DELTA outputs: each counted once)
     try:
         try:
             out = await gen.__anext__()
@@ -144,9 +152,11 @@ async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_i
         except (ValueError, TypeError, ChatTemplateError) as e:
             refused = True
             raise APIError(400, str(e)) from None
+        generated += sum(len(c.token_ids) for c in out.outputs)
         yield out
         while not out.finished:
             out = await gen.__anext__()
+            generated += sum(len(c.token_ids) for c in out.outputs)
             yield out
     except EngineDead as e:
         refused = refused or out is None
@@ -154,7 +164,7 @@ async def _generate(async_engine: AsyncEngine, metrics: ServerMetrics, request_i
     finally:
         await gen.aclose()
         if not refused:   # ended, or aborted (also a client gone before the first token)
-            metrics.observe(out)
+            metrics.observe(out, generated)
 
 
 async def _start_all(streams) -> list[RequestOutput]:
@@ -171,13 +181,58 @@ async def _start_all(streams) -> list[RequestOutput]:
     return firsts
 
 
-async def _collect_all(streams) -> list[tuple[str, RequestOutput]]:
-    """(full text, last output) of each stream, run concurrently."""
+class _Choice:
+    """One completion of a request as its DELTA outputs arrive: text, token count, log-probs."""
+
+    def __init__(self):
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[tuple[int, dict]] | None = None   # (token id, its entry) per token
+        self.finish_reason = None
+        self.stop_reason = None
+
+    def add(self, c) -> None:
+        self.text += c.text
+        self.num_tokens += len(c.token_ids)
+        if c.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(zip(c.token_ids, c.logprobs))
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+    def completion_logprobs(self, entries=None, offset: int = 0) -> dict | None:
+        """/v1/completions' `logprobs` (OpenAI's legacy shape) of `entries` (default: all)."""
+        entries = self.logprobs if entries is None else entries
+        return None if entries is None else _completion_logprobs(entries, offset)
+
+    def chat_logprobs(self, top: int | None, entries=None) -> dict | None:
+        """/v1/chat/completions' `logprobs` of `entries` (default: all)."""
+        entries = self.logprobs if entries is None else entries
+        return None if entries is None or top is None else _chat_logprobs(entries, top)
+
+
+class _Collected:
+    """Everything one engine request (one prompt) produced: its choices by index, last output."""
+
+    def __init__(self):
+        self.choices: dict[int, _Choice] = {}
+        self.last: RequestOutput | None = None
+        self.prompt_logprobs = None   # DELTA outputs carry them once, in the first
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        for c in out.outputs:
+            self.choices.setdefault(c.index, _Choice()).add(c)
+
+
+async def _collect_all(streams) -> list[_Collected]:
+    """What each stream produced, the streams run concurrently."""
     async def collect(stream):
-        text = []
+        collected = _Collected()
         async for out in stream:
-            text.append(out.outputs[0].text)
-        return "".join(text), out
+            collected.add(out)
+        return collected
 
     tasks = [asyncio.ensure_future(collect(s)) for s in streams]
     try:
@@ -260,61 +315,114 @@ async def _merge(streams, firsts):
             await s.aclose()
 
 
-async def _completion_chunks(request_id, model_name, streams, firsts, include_usage):
+async def _completion_chunks(request_id, model_name, streams, firsts, n, include_usage):
     created = int(time.time())
-    finals = {}
+    collected = [_Collected() for _ in streams]
     async for i, out in _merge(streams, firsts):
-        if out.finished:
-            finals[i] = out
-        c = out.outputs[0]
-        if c.text or out.finished:
+        for c in out.outputs:
+            choice = collected[i].choices.setdefault(c.index, _Choice())
+            offset = len(choice.text)
+            choice.add(c)
+            if not (c.text or c.token_ids or c.finish_reason):
+                continue
             yield {"id": request_id, "object": "text_completion", "created": created,
                    "model": model_name,
-                   "choices": [{"index": i, "text": c.text, "logprobs": None,
-                                "finish_reason": _finish(out), "stop_reason": _stop_reason(out)}]}
+                   "choices": [{"index": i * n + c.index, "text": c.text,
+                                "logprobs": None if c.logprobs is None else
+                                _completion_logprobs(list(zip(c.token_ids, c.logprobs)), offset),
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason}]}
+        collected[i].last = out
     if include_usage:
         yield {"id": request_id, "object": "text_completion", "created": created,
-               "model": model_name, "choices": [], "usage": _usage(list(finals.values()))}
+               "model": model_name, "choices": [], "usage": _usage(collected)}
 
 
-async def _chat_chunks(request_id, model_name, stream, first, include_usage):
+async def _chat_chunks(request_id, model_name, stream, first, top_logprobs, include_usage):
     created = int(time.time())
 
-    def chunk(delta, out=None):
+    def chunk(index, delta, logprobs=None, finish_reason=None):
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": _finish(out) if out is not None else None}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason}]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    last = None
+    collected = _Collected()
     async for _, out in _merge([stream], [first]):
-        last = out
-        text = out.outputs[0].text
-        if text:
-            yield chunk({"content": text})
-        if out.finished:
-            yield chunk({}, out)
-    if include_usage and last is not None:
+        for c in out.outputs:
+            if c.index not in collected.choices:
+                yield chunk(c.index, {"role": "assistant", "content": ""})
+            collected.choices.setdefault(c.index, _Choice()).add(c)
+            if c.text or c.token_ids:
+                lp = None if c.logprobs is None or top_logprobs is None else \
+                    _chat_logprobs(list(zip(c.token_ids, c.logprobs)), top_logprobs)
+                yield chunk(c.index, {"content": c.text}, lp)
+            if c.finish_reason is not None:
+                yield chunk(c.index, {}, None, c.finish_reason)
+        collected.last = out
+    if include_usage and collected.last is not None:
         yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
-               "model": model_name, "choices": [], "usage": _usage([last])}
+               "model": model_name, "choices": [], "usage": _usage([collected])}
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
+# vLLM's floor for log-probabilities in JSON (-inf is not JSON).
+_LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(float(value), _LOGPROB_FLOOR)
+
+
+def _completion_logprobs(entries, offset: int = 0) -> dict:
+    """OpenAI's legacy completion logprobs of [(token id, {id: Logprob})]: tokens,
+    token_logprobs, top_logprobs (every alternative the engine reported, by text) and each
+    token's text offset (from `offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in entries:
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_logprob(chosen.logprob))
+        out["top_logprobs"].append({(lp.decoded_token or ""): _logprob(lp.logprob)
+                                    for lp in sorted(entry.values(), key=lambda x: x.rank)})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(entries, top: int) -> dict:
+    """OpenAI's chat logprobs of [(token id, {id: Logprob})]: per token its text, logprob,
+    UTF-8 bytes and the `top` most likely alternatives."""
+    def item(lp):
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode())}
+
+    content = []
+    for token, entry in entries:
+        best = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda x: x.rank)
+        content.append({**item(entry[token]), "top_logprobs": [item(lp) for lp in best[:top]]})
+    return {"content": content}
+
+
+def _prompt_logprobs(entries):
+    """vLLM's `prompt_logprobs` of a choice (`RequestOutput.prompt_logprobs`): per prompt token
+    None or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+                      "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+            for entry in entries]
+
+
+def _usage(collected: list[_Collected]) -> dict:
+    finals = [c.last for c in collected if c.last is not None]
     prompt = sum(o.num_cached_tokens + len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.metrics.token_times) for o in finals)
+    completion = sum(ch.num_tokens for c in collected for ch in c.choices.values())
     cached = sum(o.num_cached_tokens for o in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _finish(out: RequestOutput) -> str | None:
-    return out.outputs[0].finish_reason if out.finished else None
-
-
-def _stop_reason(out: RequestOutput):
-    return out.outputs[0].stop_reason if out.finished else None
 
 
 def _include_usage(body) -> bool:

@@ -43,9 +43,10 @@ class ServerMetrics:
         self.kv_full = Gauge("tangram_kv_full_bytes", "KV bytes the same tokens take uncompressed",
                              registry=r)
 
-    def observe(self, last: RequestOutput | None) -> None:
+    def observe(self, last: RequestOutput | None, generated: int | None = None) -> None:
         """Account one request that ended: `last` is its last output (not finished: aborted),
-        None when it was aborted before its first output."""
+        None when it was aborted before its first output; `generated`: the tokens all its
+        completions generated (default: the last output's completion's)."""
         if last is None or not last.finished:
             self.finished.labels(finish_reason="abort").inc()
             if last is None:
@@ -55,7 +56,7 @@ class ServerMetrics:
         m = last.metrics
         self.prompt_tokens.inc(last.num_cached_tokens + len(last.prompt_token_ids))
         self.cached_prompt_tokens.inc(last.num_cached_tokens)
-        self.generation_tokens.inc(len(m.token_times))
+        self.generation_tokens.inc(len(m.token_times) if generated is None else generated)
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if m.finished_time is not None:

@@ -2,8 +2,9 @@
 `SamplingParams`.
 
 Fields follow OpenAI's names and defaults, plus the vLLM extensions its clients send (`top_k`,
-`ignore_eos`, `stop_token_ids`). A field the engine cannot honour yet (`n` > 1, logprobs,
-penalties, `echo`, `best_of`) is refused with a 400 naming it, never silently ignored.
+`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`, `prompt_logprobs`). A field the engine cannot honour (`echo`,
+`best_of` > n, `logit_bias`) is refused with a 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -34,17 +35,21 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logit_bias: dict | None = None
 
     def unsupported(self) -> list[str]:
-        """Fields set to something the engine cannot do yet."""
-        bad = []
-        if self.n != 1:
-            bad.append(f"n={self.n} (one completion per request)")
-        if self.presence_penalty or self.frequency_penalty:
-            bad.append("presence_penalty / frequency_penalty")
-        return bad
+        """Fields set to something the engine cannot do."""
+        return ["logit_bias"] if self.logit_bias else []
+
+    def logprobs_asked(self) -> int | None:
+        """SamplingParams.logprobs: how many top alternatives per generated token (None: off)."""
+        return None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Raises ValueError / TypeError (from SamplingParams) for out-of-range values."""
@@ -54,25 +59,34 @@ class _Sampling(BaseModel):
             top_k=-1 if self.top_k is None else self.top_k,
             max_tokens=16 if max_tokens is None else max_tokens,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or (),
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            min_p=self.min_p or 0.0, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs_asked(), prompt_logprobs=getattr(self, "prompt_logprobs", None))
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.echo:
             bad.append("echo")
-        if self.best_of not in (None, 1):
-            bad.append(f"best_of={self.best_of}")
+        if self.best_of not in (None, self.n):
+            bad.append(f"best_of={self.best_of} (only best_of == n)")
         return bad
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[dict]:
         """One engine input per prompt: {"prompt": str} or {"prompt_token_ids": [int]}."""
@@ -121,9 +135,12 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            bad.append("logprobs / top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            bad.append("top_logprobs without logprobs=true")
         return bad
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def engine_messages(self) -> list[dict]:
         return [m.as_engine_message(i) for i, m in enumerate(self.messages)]
