@@ -34,6 +34,10 @@ from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
+# How the decode kernel's work is cut across head groups (`pallas_kernels/split_map.py`): the
+# ahead-of-time map from the budgets (Tangram), or the same splits for every group (the ablation's
+# FlashDecoding-style baseline, with as many work items per row as the AOT map).
+SPLIT_MAPS = ("aot", "uniform")
 LAYER_LOOPS = ("scan", "unrolled")
 # Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
 # backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
@@ -123,7 +127,14 @@ def _cache_folder(name, value):
     return value
 
 
-_model = _path_or("None (the embedded model), a model name, a Hugging Face folder or a .gguf path")
+def _model(name, value):
+    """A model name or path (`_path_or`), or a callable that builds a `LoadedModel` (models made
+    in memory, e.g. the benchmarks' random 8B shape: called when the engine loads its model,
+    after the allocator is set up)."""
+    if callable(value):
+        return value
+    return _path_or("None (the embedded model), a model name, a Hugging Face folder, a .gguf "
+                    "path or a callable returning a LoadedModel")(name, value)
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
 
@@ -220,6 +231,10 @@ class EngineConfig:
     compile_cache_dir: str | None = _field(
         None, _cache_folder, "JAX's persistent compilation cache folder ('' or 'off': none); "
         "default: $TANGRAM_JAX_COMPILE_CACHE or ~/.cache/tangram_jax/jax")
+    split_map: str = _field("aot", _choice(SPLIT_MAPS),
+                            "decode work split across head groups: ahead of time from the budgets "
+                            "(aot) or the same for every group (uniform; an ablation baseline); "
+                            "the GPU kernels only")
     tail_rule: str = _field("window", _choice(TAIL_RULES),
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
@@ -352,7 +367,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES}.get(f.name)
+                       "tail_rule": TAIL_RULES, "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))

@@ -41,7 +41,7 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
                                         RequestOutputKind)
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
-from tangram_jax.pallas_kernels.split_map import build_split_map
+from tangram_jax.pallas_kernels.split_map import build_split_map, uniform_split_map
 from tangram_jax.sampling import SamplingParams, StopChecker, TokenLogprobs, resolve_seed
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
@@ -182,7 +182,7 @@ class Engine:
         # its backend starts, and caches only what compiles after the folder is set.
         self.compile_cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         allocator = memory.configure_allocator(cfg.gpu_memory_utilization)
-        loaded = load_model(cfg.model, dtype=cfg.dtype)
+        loaded = cfg.model() if callable(cfg.model) else load_model(cfg.model, dtype=cfg.dtype)
         load_seconds = time.perf_counter() - started
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
@@ -196,6 +196,11 @@ class Engine:
         buckets = rc.decode_buckets
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size) for b in buckets}
+        if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
+            groups = self.layout.num_groups
+            split_maps = {b: dataclasses.replace(
+                uniform_split_map(mc.num_layers, groups, max(1, m.num_items // groups)), batch=b)
+                for b, m in split_maps.items()}
         # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)

@@ -165,22 +165,28 @@ class ModelRunner:
             "unrolled" if self.ops.name == "pallas" else "scan")
         self.layer_graphdef = nnx.split(layers[0])[0]
         states = [nnx.split(layer)[1] for layer in layers]
-        self.layer_states = (jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-                             if self.layer_loop == "scan" else states)
+        # Every array the steps take is committed to the device: jit keys its compiled steps
+        # on whether an input is committed, and a step's outputs (the pool, the sampled tokens,
+        # the block table) are. Uncommitted inputs at warm-up made every step shape compile
+        # again while serving (twice: once more when the pool became a step's output).
+        self.device = jax.devices()[0]
+        self.layer_states = self._commit(jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+                                         if self.layer_loop == "scan" else states)
         model.layers = nnx.List([])
         del layers
         self.graphdef, self.state = nnx.split(model)
+        self.state = self._commit(self.state)
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)
-        self.block_tables = jnp.zeros(table_shape, jnp.int32)
+        self.block_tables = self._commit(jnp.zeros(table_shape, jnp.int32))
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
         # input tokens here, so the host can schedule the next step before it has seen them.
-        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32)
+        self.slot_tokens = self._commit(jnp.zeros(table_shape[0], jnp.int32))
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
@@ -201,8 +207,12 @@ class ModelRunner:
     def allocate_pool(self, num_pages: int) -> None:
         """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
-        self.k_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
-        self.v_pages = jnp.zeros(self.pool_shape(num_pages), self.kv_dtype)
+        self.k_pages = self._commit(jnp.zeros(self.pool_shape(num_pages), self.kv_dtype))
+        self.v_pages = self._commit(jnp.zeros(self.pool_shape(num_pages), self.kv_dtype))
+
+    def _commit(self, tree):
+        """`tree`'s arrays committed to the runner's device (see `__init__`)."""
+        return jax.device_put(tree, self.device)
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
@@ -441,14 +451,25 @@ class ModelRunner:
         The Pallas kernels read only the pages a row's length covers, so they get the whole
         table (one compiled shape). The XLA references gather every column they are given:
         there the width is the pages `max_tokens` needs, rounded up to a power of two (at
-        least 16 pages), so a step reads what its batch holds, not `max_model_len`, and few
+        least `_MIN_TABLE_WIDTH` pages), so a step reads what its batch holds, not `max_model_len`, and few
         widths compile.
         """
         full = int(self.block_tables.shape[-1])
         if self.ops.name == "pallas":
             return full
         pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
-        return min(full, max(16, backend.next_power_of_2(pages)))
+        return min(full, max(_MIN_TABLE_WIDTH, backend.next_power_of_2(pages)))
+
+    def _table_widths(self) -> list[int]:
+        """Every width `_table_width` returns (the shapes warm-up compiles)."""
+        full = int(self.block_tables.shape[-1])
+        if self.ops.name == "pallas":
+            return [full]
+        widths, width = [], _MIN_TABLE_WIDTH
+        while width < full:
+            widths.append(width)
+            width *= 2
+        return widths + [full]
 
     # ----- decode ---------------------------------------------------------------------------
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
@@ -588,7 +609,8 @@ class ModelRunner:
         pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
         `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
         called with the same shapes."""
-        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype)
+        pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), self.kv_dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(self.device))
         rows = backend.next_power_of_2(prefill_rows)
         decode_args, decode_static = self._null_decode_call(decode_bucket, pool, pool)
         prefill_args, prefill_static = self._null_prefill_call(rows, pool, pool)
@@ -607,27 +629,36 @@ class ModelRunner:
                        if b >= rows * row_alignment(PREFILL_TUNING)] \
                 if self.prefill_whole_rows else [None]
             for num_tokens in buckets:
-                args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
-                                                       num_tokens)
-                self._prefill.lower(*args, **static).compile()
+                for width in self._table_widths():
+                    args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                           num_tokens)
+                    self._prefill.lower(*args, **dict(static, table_width=width)).compile()
+        on_device = jax.sharding.SingleDeviceSharding(self.device)
         for n in _padded_row_counts(max_first_tokens):
             self._sample_rows.lower(
-                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32),
+                self.slot_tokens, jax.ShapeDtypeStruct((n, self.config.vocab_size), jnp.float32,
+                                                       sharding=on_device),
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
                 logprobs=None).compile()
         for bucket in decode_buckets:
-            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
-            self._decode.lower(*args, **static).compile()
+            for width in self._table_widths():
+                args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+                self._decode.lower(*args, **dict(static, table_width=width)).compile()
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
-            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32)[0]
+            row = self._commit(jnp.zeros((rows, self.config.vocab_size), jnp.float32))[0]
         for n in _padded_row_counts(max_first_tokens):
             jnp.stack([row] * n)
         self.block_tables = self._apply_table_updates(
             self.block_tables, np.full(64, self.block_tables.size, np.int32),
             np.zeros(64, np.int32))
         jax.block_until_ready(self.block_tables)
+
+
+# The narrowest block-table width of the reference attention (pages): shorter rows are padded
+# to it, so short contexts share one compiled shape.
+_MIN_TABLE_WIDTH = 16
 
 
 def _greedy(rows: int) -> tuple[np.ndarray, ...]:
