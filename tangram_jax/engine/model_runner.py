@@ -11,7 +11,8 @@ batch bucket, split map) are the only things a step is compiled for; nothing is 
 time in ``tangram`` mode.
 
 Where attention comes from: on a GPU the Pallas kernels of `tangram_jax.pallas_kernels`, on a CPU
-their XLA references (same signatures); `AttentionOps.for_backend` makes that choice.
+the XLA serving path of `engine/xla_attention.py` (same signatures, bounded to the block-table
+columns the batch needs); `AttentionOps.for_backend` makes that choice.
 
 Modes (one runner, other configurations):
 - ``tangram`` / ``full``: every (layer, group) keeps ``layout.chunk_keep_counts(n, p)`` tokens of
@@ -38,6 +39,7 @@ from flax import nnx
 from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
                                                    dynamic_keep_count)
 from tangram_jax.engine.config import MODES
+from tangram_jax.engine.xla_attention import apply_chunk_writes
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -63,11 +65,15 @@ class AttentionOps(NamedTuple):
     prefill_attention: Callable   # ragged_prefill_attention signature
     compress_chunk: Callable      # compress_chunk_into_pages signature
     decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
-    name: str
+    name: str                     # "pallas" (GPU kernels) or "xla" (the CPU path)
+    # The CPU path plans a prefill's pool writes in the layer loop and applies them after it
+    # (`xla_attention.plan_chunk_writes`: XLA would copy the pool every layer otherwise); None:
+    # `compress_chunk` writes in place inside the loop (the Pallas kernel aliases the pool).
+    plan_writes: Callable | None = None
 
     @classmethod
     def for_backend(cls, use_kernels: bool | None = None) -> "AttentionOps":
-        """Pallas kernels where they compile (GPU), XLA references otherwise (CPU)."""
+        """Pallas kernels where they compile (GPU), the XLA serving path otherwise (CPU)."""
         from tangram_jax.pallas_kernels import chunk_compress, decode_attention, prefill_attention
         if use_kernels is None:
             use_kernels = not backend.default_interpret()
@@ -77,11 +83,13 @@ class AttentionOps(NamedTuple):
                        lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
                            q, k, v, bt, ln, work_list=work),
                        "pallas")
-        return cls(prefill_attention.ragged_prefill_attention_reference,
+        # The CPU serving path: XLA programs of the kernels' signatures (engine/xla_attention.py),
+        # not the kernels' test references; the chunk compression's scatter is its reference.
+        from tangram_jax.engine import xla_attention
+        return cls(xla_attention.ragged_prefill_attention_xla,
                    chunk_compress.compress_chunk_into_pages_reference,
-                   lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention_reference(
-                       q, k, v, bt, ln),
-                   "reference")
+                   xla_attention.ragged_paged_decode_attention_xla,
+                   "xla", xla_attention.plan_chunk_writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +232,7 @@ class ModelRunner:
         for i, layer_state in enumerate(layer_states):
             carry, y = layer_step(carry, (layer_state, *(x[i] for x in rest)))
             ys.append(y)
-        return carry, (None if ys[0] is None else jnp.stack(ys))
+        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     # ----- block tables ----------------------------------------------------------------------
     def update_block_tables(self, flat_index: np.ndarray, values: np.ndarray) -> None:
@@ -356,7 +364,10 @@ class ModelRunner:
             num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size))
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items)
-        return args, dict(table_width=self._table_width(int(hist.max()) + int(lens.max())))
+        # The columns attention reads: the history's (the CPU path plans its writes from the
+        # whole table after the loop), or the history's and the row's (kernels write in place).
+        reach = int(hist.max()) + (0 if self.ops.plan_writes is not None else int(lens.max()))
+        return args, dict(table_width=self._table_width(reach))
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray,
@@ -371,16 +382,33 @@ class ModelRunner:
                       work_items, *, table_width):
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
         slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
-        items, 5]; table_width: static, the block-table columns the rows can touch (see
-        `_table_width`)."""
+        items, 5]; table_width: static, the block-table columns attention reads (see
+        `_table_width`, `_prefill_args`)."""
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
 
+        planned = self.ops.plan_writes is not None
+        num_pages = k_pages.shape[0]
+
+        def write(k_chunk, v_chunk, scores, keep_b, chunk_len, k_pages, v_pages, table, hist_b,
+                  plans):
+            """One row's kept K/V into its pages: now (kernel), or planned for after the loop
+            (then `table` is the row's whole table of this layer, `plans` collects the plan)."""
+            if planned:
+                plans.append(self.ops.plan_writes(
+                    k_chunk, v_chunk, scores, keep_b, chunk_len, num_pages,
+                    self.layout.page_size, self.layout.group_size, table, hist_b))
+                return k_pages, v_pages
+            return self.ops.compress_chunk(k_chunk, v_chunk, scores, keep_b, chunk_len,
+                                           k_pages, v_pages, table, hist_b)
+
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
-            layer_state, tables, hist, keep, items = xs   # [rows, Gn, P], [rows, Gn] x 2, [I, 3]
+            # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 2, [I, 3]
+            layer_state, tables, write_tables, hist, keep, items = xs
+            plans = []
             layer = nnx.merge(self.layer_graphdef, layer_state)
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
             q, k, v = q[0], k[0].astype(k_pages.dtype), v[0].astype(v_pages.dtype)
@@ -394,10 +422,11 @@ class ModelRunner:
                 earliest = jnp.broadcast_to(-jnp.arange(n, dtype=jnp.float32), (k.shape[1], n))
                 for b in range(rows):
                     keep_b = jnp.broadcast_to(row_lens[b], hist.shape[1:])
-                    k_pages, v_pages = self.ops.compress_chunk(
+                    k_pages, v_pages = write(
                         jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
                         jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n),
-                        earliest, keep_b, row_lens[b], k_pages, v_pages, tables[b], hist[b])
+                        earliest, keep_b, row_lens[b], k_pages, v_pages, write_tables[b],
+                        hist[b], plans)
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
             else:            # one compression chunk per row: score, select, write
                 obs = observation_probs(q, k, lse, row_starts, row_lens,
@@ -411,20 +440,23 @@ class ModelRunner:
                     scores, keep_b = self._row_scores(
                         obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
                         positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
-                    k_pages, v_pages = self.ops.compress_chunk(
-                        k_row, v_row, scores, keep_b, row_lens[b], k_pages, v_pages, tables[b],
-                        hist[b])
+                    k_pages, v_pages = write(k_row, v_row, scores, keep_b, row_lens[b],
+                                             k_pages, v_pages, write_tables[b], hist[b], plans)
                     kept.append(keep_b)
                 kept = jnp.stack(kept)
             h = layer.finish(h, out[None].astype(h.dtype))
-            return (h, k_pages, v_pages), kept
+            return (h, k_pages, v_pages), (kept, plans or None)
 
         h = model.embed(tokens[None])                    # [1, N, hidden]
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
-        (h, k_pages, v_pages), kept = self._over_layers(
+        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, per_layer(all_tables[slots][..., :table_width]),
+             per_layer(all_tables[slots] if planned else all_tables[slots][..., :table_width]),
              per_layer(hist_lengths), per_layer(keep_counts), work_items))
+        if plans is not None:   # the CPU path's writes of every layer and row, in place
+            for where, rows_kv in plans:
+                k_pages, v_pages = apply_chunk_writes(k_pages, v_pages, where, rows_kv)
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         return k_pages, v_pages, logits, per_layer(kept)
