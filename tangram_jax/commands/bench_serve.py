@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         report["results"].append(result)
         save()    # after every configuration: a run cut short keeps what it measured
     if args.vllm:
+        # kv_cache_tokens rounds --kv-gib down to whole tokens: within a token of whole GiB.
         gib = kv_tokens * token_bytes / 2**30
-        if abs(gib - round(gib)) > 1e-6 or round(gib) < 1:
+        if abs(gib - round(gib)) > token_bytes / 2**30 or round(gib) < 1:
             raise UsageError(f"--vllm needs a whole number of GiB of KV (VLLM_CPU_KVCACHE_SPACE), "
                              f"got {gib:.3f}: use --kv-gib N")
         report["results"].append(serve.run_vllm(
