@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ def _session_loop():
     path = Path(__file__).with_name("session_loop.py")
     spec = importlib.util.spec_from_file_location("session_loop", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["session_loop"] = module     # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
