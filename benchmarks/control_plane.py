@@ -34,9 +34,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)   # run from a checkout without installing the package
-
+from tangram_jax.benchmarking import workload
 from tangram_jax.compression.clustering import budget_aware_groups
 from tangram_jax.kv_layout import KVLayout, pages_for
 from tangram_jax.provenance import device_description, git_revision
@@ -44,19 +42,15 @@ from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import SequenceStatus
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS, KV_HEADS, HEAD_DIM, GROUP, PAGE, CHUNK, RHO = 32, 8, 128, 2, 16, 256, 0.25
 PROMPT_RANGE, OUTPUT_RANGE = (2048, 4096), (64, 512)
 
 
 def skewed_head_budgets(rng: np.random.Generator, num_layers: int = LAYERS) -> np.ndarray:
-    """[layers, kv_heads] budgets, long-tailed (a few heads keep most, most keep little),
-    rescaled so the mean is RHO; clipped to (0.02, 1]."""
-    raw = rng.lognormal(mean=0.0, sigma=1.0, size=(num_layers, KV_HEADS))
-    b = raw / raw.mean() * RHO
-    for _ in range(20):   # clipping at 1 lowers the mean; re-scale the unclipped part
-        b = np.clip(b, 0.02, 1.0)
-        b *= RHO / b.mean()
-    return np.clip(b, 0.02, 1.0)
+    """[layers, kv_heads] budgets averaging RHO with a calibrated profile's long tail
+    (`tangram_jax.benchmarking.workload.skewed_head_budgets`, the one builder)."""
+    return workload.skewed_head_budgets(num_layers, KV_HEADS, RHO, rng)
 
 
 def layouts(rng: np.random.Generator, num_layers: int = LAYERS

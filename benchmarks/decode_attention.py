@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
@@ -52,41 +51,7 @@ def _median_time(fn, args, reps):
     return float(np.median(times)), float(np.percentile(times, 10)), float(np.percentile(times, 90))
 
 
-_PRINTED_LINES = []
-
-
-def gpu_busy_time(fn, args, reps, per_kernel=None):
-    """Seconds of GPU stream activity per call of fn(*args), from a profiler trace (CUPTI):
-    device time without the host's launch gaps. None if no GPU events were recorded.
-    `per_kernel`, a dict, receives seconds per call by kernel name."""
-    import glob
-    import tempfile
-    from jax._src.lib import _profile_data
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
-        for _ in range(reps):
-            jax.block_until_ready(fn(*args))
-        jax.profiler.stop_trace()
-        paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
-        if not paths:
-            return None
-        data = _profile_data.ProfileData.from_file(paths[0])
-    total, names = 0, []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU:0"):
-            continue
-        for line in plane.lines:
-            names.append(line.name)
-            if line.name.startswith("Stream"):
-                for e in line.events:
-                    total += e.duration_ns
-                    if per_kernel is not None:      # fusion_3, fusion_12 -> fusion
-                        name = re.sub(r"([._]\d+)+$", "", e.name)
-                        per_kernel[name] = per_kernel.get(name, 0.0) + e.duration_ns * 1e-9 / reps
-    if not _PRINTED_LINES:
-        _PRINTED_LINES.append(names)
-        print("profiler GPU lines:", sorted(set(names))[:12], flush=True)
-    return total * 1e-9 / reps if total else None
+from tangram_jax.benchmarking.timing import gpu_busy_time  # noqa: E402  (the one timer)
 
 
 def copy_bandwidth(mib=2048, reps=20):

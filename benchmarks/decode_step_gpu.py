@@ -49,27 +49,12 @@ from decode_attention import gpu_busy_time  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.kv_layout import pages_for  # noqa: E402
-from tangram_jax.models.config import ModelConfig  # noqa: E402
 from tangram_jax.models.decoder import Decoder  # noqa: E402
 from tangram_jax.pallas_kernels.split_map import build_split_map  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                num_heads=32, num_kv_heads=8, head_dim=128)
-# CPU smoke test: the KV shape of the layout (8 KV heads, head_dim 128), everything else small.
-TINY = dict(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_layers=2,
-            num_heads=8, num_kv_heads=8, head_dim=128)
-
-
-def model_config(shape: dict) -> ModelConfig:
-    return ModelConfig(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 8192},
-                       max_position_embeddings=131072, tie_word_embeddings=False,
-                       attention_bias=False, qk_norm=False, bos_token_id=128000,
-                       eos_token_ids=(128001,), **shape)
+from tangram_jax.benchmarking.models import LLAMA_8B, TINY, model_config  # noqa: E402,F401
 
 
 def fill_manager(layout, max_batch: int, context: int, seed: int):

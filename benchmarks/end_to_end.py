@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+from tangram_jax.provenance import device_description, git_revision
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+from tangram_jax.benchmarking.workload import skewed_profile
+from tangram_jax.provenance import device_description, git_revision
 
 
 def build_model(folder: Path, tokenizer_dir: Path, args) -> None:
@@ -59,18 +59,6 @@ def identity_profile(model_config, group_size: int):
                          budget=ones, group_size=group_size, grouping="budget",
                          head_perm=np.tile(np.arange(heads)[::-1], (layers, 1)),
                          group_budgets=np.ones((layers, heads // group_size)))
-
-
-def skewed_profile(model_config, group_size: int, rho: float, seed: int = 0):
-    """Calibrated-style skew: a few heads need most of the context, most need little."""
-    from tangram_jax.compression.profile import BudgetProfile
-    rng = np.random.default_rng(seed)
-    layers, heads = model_config.num_layers, model_config.num_kv_heads
-    raw = rng.lognormal(0.0, 1.0, (layers, heads))
-    budget = np.clip(raw / raw.mean(axis=1, keepdims=True) * rho, 0.02, 1.0)
-    return BudgetProfile.from_budgets(model=dict(model_config.fingerprint(), name="random-llama"),
-                                      method="snapkv", rho=rho, lambda_=2.0, mean=budget,
-                                      std=0 * budget, budget=budget, group_size=group_size)
 
 
 def check_correctness(folder: Path, args) -> dict:

@@ -277,3 +277,49 @@ def test_a_method_the_chunk_compression_cannot_run_is_refused():
         RunnerConfig(method="h2o")
     with pytest.raises(ValueError, match="dynamic mode"):
         RunnerConfig(mode="dynamic", method="keydiff")
+
+
+def test_serving_after_warmup_compiles_nothing():
+    """Warm-up compiles the steps for the arrays serving passes (committed to the device, every
+    table width of the CPU path): serving then runs no XLA compilation (it compiled every
+    step shape again when warm-up lowered uncommitted arrays)."""
+    import jax
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = make_runner(manager)
+    runner.warmup(decode_buckets=(1,), max_prefill_rows=1, max_first_tokens=1)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event
+        else None)
+    slot = manager.allocate_slot()
+    tokens = np.arange(1, 40)
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    for start in (0, 16, 32):   # the engine's calls: `prefill`, a row of its logits
+        logits, _ = runner.prefill([tokens[start:start + 16]], [start], [slot],
+                                   [manager.lengths[slot]])
+        manager.commit_prefill(slot, len(tokens[start:start + 16]))
+    greedy = (np.zeros(1, np.float32), np.full(1, -1, np.int32), np.ones(1, np.float32),
+              np.zeros(1, np.uint32), np.zeros(1, np.int32))
+    runner.sample([logits[0]], [slot], *greedy)
+    for step in range(2):
+        assert manager.grow_for_decode(np.array([slot])).all()
+        runner.update_block_tables(*manager.take_table_updates())
+        runner.decode(np.array([len(tokens) + step]), np.array([slot]),
+                      manager.lengths[[slot]] - 1, *greedy)
+    jax.block_until_ready(runner.k_pages)
+    assert compiles == []
+
+
+def test_cpu_prefill_updates_the_pool_in_place():
+    """The CPU path plans a prefill's writes in the layer loop and applies them after it: the
+    compiled step holds no copy of the pool (XLA copied it every layer when the loop both read
+    and wrote it, so a prefill's time grew with the pool)."""
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    runner = make_runner(manager)
+    assert runner.ops.plan_writes is not None
+    args, static = runner._null_prefill_call(1, runner.k_pages, runner.v_pages)
+    text = runner._prefill.lower(*args, **static).compile().as_text()
+    pool = "f32[" + ",".join(map(str, runner.k_pages.shape)) + "]"
+    copies = [line for line in text.splitlines() if " copy(" in line and pool in line]
+    assert not copies, copies

@@ -10,10 +10,13 @@ import runpy
 import sys
 from pathlib import Path
 
-HELP = ("Run a benchmark (accuracy, end_to_end, control_plane, decode_attention, "
+HELP = ("Run a benchmark (serve, accuracy, end_to_end, control_plane, decode_attention, "
         "decode_step_gpu, gpu_engine_check); writes benchmarks/results/*.json")
 
 BENCHMARKS = {
+    "serve": "multi-turn SCBench-shaped sessions, closed and open loop, the ablation "
+             "(full, reserve-mono, ragged, tangram, dynamic) and vLLM beside it "
+             "(tangram_jax/commands/bench_serve.py)",
     "accuracy": "task accuracy under compression: generated multi-turn tasks in every mode and "
                 "ratio, CIs, agreement and KL with full KV (kvpress beside it: "
                 "benchmarks/kvpress_accuracy.py)",
@@ -43,6 +46,9 @@ def benchmarks_dir() -> Path:
 
 
 def run(args) -> int:
+    if args.benchmark == "serve":   # part of the package, not a script of the checkout
+        from tangram_jax.commands import bench_serve
+        return bench_serve.main(list(args.args))
     try:
         script = benchmarks_dir() / f"{args.benchmark}.py"
     except FileNotFoundError as e:

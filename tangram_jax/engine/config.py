@@ -36,6 +36,10 @@ from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
+# How the decode kernel's work is cut across head groups (`pallas_kernels/split_map.py`): the
+# ahead-of-time map from the budgets (Tangram), or the same splits for every group (the ablation's
+# FlashDecoding-style baseline, with as many work items per row as the AOT map).
+SPLIT_MAPS = ("aot", "uniform")
 LAYER_LOOPS = ("scan", "unrolled")
 # Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
 # backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
@@ -145,7 +149,14 @@ def _cache_folder(name, value):
     return value
 
 
-_model = _path_or("None (the embedded model), a model name, a Hugging Face folder or a .gguf path")
+def _model(name, value):
+    """A model name or path (`_path_or`), or a callable that builds a `LoadedModel` (models made
+    in memory, e.g. the benchmarks' random 8B shape: called when the engine loads its model,
+    after the allocator is set up)."""
+    if callable(value):
+        return value
+    return _path_or("None (the embedded model), a model name, a Hugging Face folder, a .gguf "
+                    "path or a callable returning a LoadedModel")(name, value)
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
 
@@ -266,6 +277,10 @@ class EngineConfig:
         1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
         "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
         "loads the weights and sizes its own KV pool on its device")
+    split_map: str = _field("aot", _choice(SPLIT_MAPS),
+                            "decode work split across head groups: ahead of time from the budgets "
+                            "(aot) or the same for every group (uniform; an ablation baseline); "
+                            "the GPU kernels only")
     tail_rule: str = _field("window", _choice(TAIL_RULES),
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
@@ -424,7 +439,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES, "kv_precision": KV_PRECISIONS}.get(f.name)
+                       "tail_rule": TAIL_RULES, "kv_precision": KV_PRECISIONS,
+                       "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
     parser.set_defaults(_engine_fields=tuple(added))

@@ -43,7 +43,7 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
                                         RequestOutputKind)
 from tangram_jax.kv_layout import pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
-from tangram_jax.pallas_kernels.split_map import build_split_map
+from tangram_jax.pallas_kernels.split_map import build_split_map, uniform_split_map
 from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
                                   TokenLogprobs, logits_adjust_arrays, resolve_seed)
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
@@ -269,7 +269,8 @@ class Engine:
                                     f"many devices, got {len(self.devices)}")
         self.device = self.devices[0]
         with jax.default_device(self.device):   # the weights load onto the engine's device
-            loaded = load_model(cfg.model, dtype=cfg.dtype)
+            loaded = (cfg.model() if callable(cfg.model)
+                      else load_model(cfg.model, dtype=cfg.dtype))
         load_seconds = time.perf_counter() - started
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
@@ -285,6 +286,11 @@ class Engine:
         split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size
                                          // cfg.tensor_parallel_size) for b in buckets}
+        if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
+            groups = self.layout.num_groups
+            split_maps = {b: dataclasses.replace(
+                uniform_split_map(mc.num_layers, groups, max(1, m.num_items // groups)), batch=b)
+                for b, m in split_maps.items()}
         # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)

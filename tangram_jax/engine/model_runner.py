@@ -11,7 +11,8 @@ batch bucket, split map) are the only things a step is compiled for; nothing is 
 time in ``tangram`` mode.
 
 Where attention comes from: on a GPU the Pallas kernels of `tangram_jax.pallas_kernels`, on a CPU
-their XLA references (same signatures); `AttentionOps.for_backend` makes that choice.
+the XLA serving path of `engine/xla_attention.py` (same signatures, bounded to the block-table
+columns the batch needs); `AttentionOps.for_backend` makes that choice.
 
 Modes (one runner, other configurations):
 - ``tangram`` / ``full``: every (layer, group) keeps ``layout.chunk_keep_counts(n, p)`` tokens of
@@ -42,6 +43,7 @@ from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_sc
                                                    dynamic_keep_count)
 from tangram_jax.engine.config import MODES
 from tangram_jax import kv_quant
+from tangram_jax.engine.xla_attention import apply_chunk_writes
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -70,11 +72,15 @@ class AttentionOps(NamedTuple):
     prefill_attention: Callable   # ragged_prefill_attention signature
     compress_chunk: Callable      # compress_chunk_into_pages signature
     decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
-    name: str
+    name: str                     # "pallas" (GPU kernels) or "xla" (the CPU path)
+    # The CPU path plans a prefill's pool writes in the layer loop and applies them after it
+    # (`xla_attention.plan_chunk_writes`: XLA would copy the pool every layer otherwise); None:
+    # `compress_chunk` writes in place inside the loop (the Pallas kernel aliases the pool).
+    plan_writes: Callable | None = None
 
     @classmethod
     def for_backend(cls, use_kernels: bool | None = None) -> "AttentionOps":
-        """Pallas kernels where they compile (GPU), XLA references otherwise (CPU)."""
+        """Pallas kernels where they compile (GPU), the XLA serving path otherwise (CPU)."""
         from tangram_jax.pallas_kernels import chunk_compress, decode_attention, prefill_attention
         if use_kernels is None:
             use_kernels = not backend.default_interpret()
@@ -84,11 +90,13 @@ class AttentionOps(NamedTuple):
                        lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
                            q, k, v, bt, ln, work_list=work),
                        "pallas")
-        return cls(prefill_attention.ragged_prefill_attention_reference,
+        # The CPU serving path: XLA programs of the kernels' signatures (engine/xla_attention.py),
+        # not the kernels' test references; the chunk compression's scatter is its reference.
+        from tangram_jax.engine import xla_attention
+        return cls(xla_attention.ragged_prefill_attention_xla,
                    chunk_compress.compress_chunk_into_pages_reference,
-                   lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention_reference(
-                       q, k, v, bt, ln),
-                   "reference")
+                   xla_attention.ragged_paged_decode_attention_xla,
+                   "xla", xla_attention.plan_chunk_writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +197,10 @@ class ModelRunner:
             "unrolled" if self.ops.name == "pallas" else "scan")
         self.layer_graphdef = nnx.split(layers[0])[0]
         states = [nnx.split(layer)[1] for layer in layers]
+        # Every array the steps take is committed to the devices: jit keys its compiled steps
+        # on whether an input is committed, and a step's outputs (the pool, the sampled tokens,
+        # the block table) are. Uncommitted inputs at warm-up made every step shape compile
+        # again while serving (twice: once more when the pool became a step's output).
         self.layer_states = (jax.tree.map(lambda *xs: jnp.stack(xs), *states)
                              if self.layer_loop == "scan" else states)
         model.layers = nnx.List([])
@@ -247,6 +259,10 @@ class ModelRunner:
         return (kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.key_bits, make=make),
                 kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.value_bits, make=make))
 
+    def _commit(self, tree):
+        """`tree`'s arrays committed to the runner's devices, replicated (see `__init__`)."""
+        return jax.device_put(tree, self.placement.replicated)
+
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
         (then ``xs[0]`` is that list and the other per-layer inputs are sliced statically)."""
@@ -257,7 +273,7 @@ class ModelRunner:
         for i, layer_state in enumerate(layer_states):
             carry, y = layer_step(carry, (layer_state, *(x[i] for x in rest)))
             ys.append(y)
-        return carry, (None if ys[0] is None else jnp.stack(ys))
+        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     # ----- block tables ----------------------------------------------------------------------
     def update_block_tables(self, flat_index: np.ndarray, values: np.ndarray) -> None:
@@ -412,7 +428,18 @@ class ModelRunner:
                                     self.prefill_tuning), tuning=self.prefill_tuning)
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items)
-        return args, dict(table_width=self._table_width(int(hist.max()) + int(lens.max())))
+        # The columns attention reads: the history's (the CPU path plans its writes from the
+        # whole table after the loop), or the history's and the row's (kernels write in place).
+        reach = int(hist.max()) + (0 if self.plans_prefill_writes else int(lens.max()))
+        return args, dict(table_width=self._table_width(reach))
+
+    @property
+    def plans_prefill_writes(self) -> bool:
+        """Whether prefill plans its K/V writes and scatters them after the layer loop (the CPU
+        path: writing inside the loop made XLA copy the whole pool every layer) rather than
+        writing in place. Plans are of dense (bf16) pools on one device."""
+        return (self.ops.plan_writes is not None and self.placement.tp == 1
+                and not self.kv_format.quantised)
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray,
@@ -427,20 +454,36 @@ class ModelRunner:
                       work_items, targets=None, *, table_width):
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
         slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
-        items, 5]; table_width: static, the block-table columns the rows can touch (see
-        `_table_width`)."""
+        items, 5]; table_width: static, the block-table columns attention reads (see
+        `_table_width`, `_prefill_args`)."""
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
 
-        def attend(q, k, v, k_pages, v_pages, tables, hist, keep, items, row_starts, row_lens,
-                   num_protected, positions):
+        planned = self.plans_prefill_writes
+        num_pages = k_pages.shape[0]
+
+        def write(k_chunk, v_chunk, scores, keep_b, chunk_len, k_pages, v_pages, table, hist_b,
+                  plans):
+            """One row's kept K/V into its pages: now (kernel), or planned for after the loop
+            (then `table` is the row's whole table of this layer, `plans` collects the plan)."""
+            if planned:
+                plans.append(self.ops.plan_writes(
+                    k_chunk, v_chunk, scores, keep_b, chunk_len, num_pages,
+                    self.layout.page_size, self.layout.group_size, table, hist_b))
+                return k_pages, v_pages
+            return self.ops.compress_chunk(k_chunk, v_chunk, scores, keep_b, chunk_len,
+                                           k_pages, v_pages, table, hist_b)
+
+        def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, keep, items,
+                   row_starts, row_lens, num_protected, positions):
             """The layer's attention, compression scoring and KV write on one device's heads
             (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
             [num_pages, G, page_size, d] (this device's G). Returns (out [N, Hq, d], k_pages,
-            v_pages, kept [rows, groups])."""
+            v_pages, kept [rows, groups], the planned writes (a list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
+            plans = []
             out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
                                                   row_starts, row_lens, items,
                                                   tuning=self.prefill_tuning)
@@ -452,10 +495,11 @@ class ModelRunner:
                 earliest = jnp.broadcast_to(-jnp.arange(n, dtype=jnp.float32), (k.shape[1], n))
                 for b in range(rows):
                     keep_b = jnp.broadcast_to(row_lens[b], hist.shape[1:])
-                    k_pages, v_pages = self.ops.compress_chunk(
+                    k_pages, v_pages = write(
                         jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
                         jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n),
-                        earliest, keep_b, row_lens[b], k_pages, v_pages, tables[b], hist[b])
+                        earliest, keep_b, row_lens[b], k_pages, v_pages, write_tables[b],
+                        hist[b], plans)
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
             else:            # one compression chunk per row: score, select, write
                 obs = observation_probs(q, k, lse, row_starts, row_lens,
@@ -469,36 +513,40 @@ class ModelRunner:
                     scores, keep_b = self._row_scores(
                         obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
                         positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
-                    k_pages, v_pages = self.ops.compress_chunk(
-                        k_row, v_row, scores, keep_b, row_lens[b], k_pages, v_pages, tables[b],
-                        hist[b])
+                    k_pages, v_pages = write(k_row, v_row, scores, keep_b, row_lens[b],
+                                             k_pages, v_pages, write_tables[b], hist[b], plans)
                     kept.append(keep_b)
                 kept = jnp.stack(kept)
-            return out, k_pages, v_pages, kept
+            return out, k_pages, v_pages, kept, plans
 
         heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
         attend = self.placement.per_device(
             attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
-            + (P(),) * 8,
-            out_specs=(heads, self._pool_spec, self._pool_spec, P()))
+            + (P(),) * 9,
+            out_specs=(heads, self._pool_spec, self._pool_spec, P(), []))
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
-            layer_state, tables, hist, keep, items = xs   # [rows, Gn, P], [rows, Gn] x 2, [I, 5]
+            # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 2, [I, 5]
+            layer_state, tables, write_tables, hist, keep, items = xs
             layer = nnx.merge(self.layer_graphdef, layer_state)
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
-            out, k_pages, v_pages, kept = attend(q[0], k[0], v[0], k_pages, v_pages, tables,
-                                                 hist, keep, items, row_starts, row_lens,
-                                                 num_protected, positions)
+            out, k_pages, v_pages, kept, plans = attend(
+                q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, keep, items,
+                row_starts, row_lens, num_protected, positions)
             h = layer.finish(h, out[None].astype(h.dtype))
-            return (h, k_pages, v_pages), kept
+            return (h, k_pages, v_pages), (kept, plans or None)
 
         h = model.embed(tokens[None])                    # [1, N, hidden]
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
-        (h, k_pages, v_pages), kept = self._over_layers(
+        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, per_layer(all_tables[slots][..., :table_width]),
+             per_layer(all_tables[slots] if planned else all_tables[slots][..., :table_width]),
              per_layer(hist_lengths), per_layer(keep_counts), work_items))
+        if plans is not None:   # the CPU path's writes of every layer and row, in place
+            for where, rows_kv in plans:
+                k_pages, v_pages = apply_chunk_writes(k_pages, v_pages, where, rows_kv)
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         if targets is None:
@@ -533,14 +581,25 @@ class ModelRunner:
         The Pallas kernels read only the pages a row's length covers, so they get the whole
         table (one compiled shape). The XLA references gather every column they are given:
         there the width is the pages `max_tokens` needs, rounded up to a power of two (at
-        least 16 pages), so a step reads what its batch holds, not `max_model_len`, and few
+        least `_MIN_TABLE_WIDTH` pages), so a step reads what its batch holds, not `max_model_len`, and few
         widths compile.
         """
         full = int(self.block_tables.shape[-1])
         if self.ops.name == "pallas":
             return full
         pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
-        return min(full, max(16, backend.next_power_of_2(pages)))
+        return min(full, max(_MIN_TABLE_WIDTH, backend.next_power_of_2(pages)))
+
+    def _table_widths(self) -> list[int]:
+        """Every width `_table_width` returns (the shapes warm-up compiles)."""
+        full = int(self.block_tables.shape[-1])
+        if self.ops.name == "pallas":
+            return [full]
+        widths, width = [], _MIN_TABLE_WIDTH
+        while width < full:
+            widths.append(width)
+            width *= 2
+        return widths + [full]
 
     # ----- decode ---------------------------------------------------------------------------
     _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
@@ -724,9 +783,10 @@ class ModelRunner:
                        if b >= rows * row_alignment(self.prefill_tuning)] \
                 if self.prefill_whole_rows else [None]
             for num_tokens in buckets:
-                args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
-                                                       num_tokens)
-                self._prefill.lower(*args, **static).compile()
+                for width in self._table_widths():
+                    args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                           num_tokens)
+                    self._prefill.lower(*args, **dict(static, table_width=width)).compile()
         for n in _padded_row_counts(max_first_tokens):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
@@ -735,8 +795,9 @@ class ModelRunner:
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
                 logprobs=None).compile()
         for bucket in decode_buckets:
-            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
-            self._decode.lower(*args, **static).compile()
+            for width in self._table_widths():
+                args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+                self._decode.lower(*args, **dict(static, table_width=width)).compile()
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
@@ -748,6 +809,11 @@ class ModelRunner:
             self.block_tables, np.full(64, self.block_tables.size, np.int32),
             np.zeros(64, np.int32))
         jax.block_until_ready(self.block_tables)
+
+
+# The narrowest block-table width of the reference attention (pages): shorter rows are padded
+# to it, so short contexts share one compiled shape.
+_MIN_TABLE_WIDTH = 16
 
 
 def _greedy(rows: int) -> tuple[np.ndarray, ...]:

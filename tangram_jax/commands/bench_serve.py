@@ -1,0 +1,207 @@
+"""`tangram-jax bench serve`: SCBench-shaped multi-turn sessions, closed and open loop, in every
+configuration of the ablation (`tangram_jax.benchmarking.serve.VARIANTS`) and, with `--vllm`,
+through vLLM's CPU backend on the same sessions and KV bytes; one JSON and one PNG.
+
+    tangram-jax bench serve -- --context-tokens 1000 --sessions 8 --followups 2 \
+        --question-tokens 24 --answer-tokens 32 --kv-gib 1 --variants full,tangram --vllm
+    # GPU, Llama-3.1-8B shape with random bf16 weights built on the device:
+    tangram-jax bench serve -- --model random-llama-8b --classes mid,long --sessions 16 \
+        --rates 0.05,0.1 --kv-cache-tokens 400000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tangram_jax.commands import UsageError, check_output_path
+
+DEFAULT_VARIANTS = "full,reserve-mono,ragged,tangram,dynamic"
+# Engine fields this command sets itself (per configuration, or from its own flags).
+_OWN_FIELDS = ("model", "mode", "profile", "ratio", "group_size", "warmup", "kv_cache_tokens",
+               "num_pages", "split_map")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tangram_jax.benchmarking.models import RANDOM_8B, RANDOM_TINY
+    from tangram_jax.benchmarking.serve import VARIANTS
+    from tangram_jax.benchmarking.workload import CONTEXT_CLASSES
+    from tangram_jax.commands import positive_int
+    from tangram_jax.engine.config import add_cli_args
+    p = argparse.ArgumentParser(prog="tangram-jax bench serve",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help=f"'smollm2' (embedded, shipped profiles), '{RANDOM_8B}' / '{RANDOM_TINY}' "
+                        f"(random weights built on the device, a skewed profile), or a HF folder")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help="configurations, comma-separated: " + "; ".join(
+                       f"{k}: {v}" for k, v in VARIANTS.items()))
+    p.add_argument("--classes", default="mid",
+                   help=f"context classes of the closed-loop runs, comma-separated "
+                        f"({', '.join(f'{k} {v}' for k, v in CONTEXT_CLASSES.items())} tokens)")
+    p.add_argument("--context-tokens", type=positive_int, default=None,
+                   help="one closed-loop workload of this context length instead of --classes")
+    p.add_argument("--sessions", type=positive_int, default=8, help="sessions per workload")
+    p.add_argument("--followups", type=int, default=2, help="follow-up turns per session")
+    p.add_argument("--question-tokens", type=positive_int, default=64)
+    p.add_argument("--answer-tokens", type=positive_int, default=128,
+                   help="output tokens of every turn (greedy, EOS ignored)")
+    p.add_argument("--rates", type=_floats, default=[],
+                   help="open-loop session rates (sessions/s, Poisson), comma-separated")
+    p.add_argument("--rate-variants", default="full,tangram",
+                   help="configurations that also serve the open-loop workloads")
+    p.add_argument("--rate-sessions", type=positive_int, default=None,
+                   help="sessions of each open-loop workload (default --sessions)")
+    p.add_argument("--ratio", type=float, default=0.25, help="retention target rho")
+    p.add_argument("--group-size", type=positive_int, default=None,
+                   help="heads per group G of ragged/tangram (default: 1 for the embedded "
+                        "model's 3 KV heads, 2 otherwise)")
+    p.add_argument("--profile-seed", type=int, default=0,
+                   help="seed of the skewed profile of random / HF models")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--kv-gib", type=float, default=None,
+                      help="KV pool bytes, GiB (the same in every configuration and for vLLM)")
+    pool.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                      help="KV pool as full-KV tokens (the same bytes in every configuration)")
+    p.add_argument("--vllm", action="store_true",
+                   help="also serve the closed-loop workloads with vLLM's CPU backend")
+    p.add_argument("--vllm-model", default="/work/main/.cache/smollm2-135m-hf",
+                   help="the model as a Hugging Face folder for vLLM (float32)")
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's virtual environment")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the sessions' tokens and arrivals")
+    p.add_argument("--json", default=None, help="output JSON (default "
+                   "benchmarks/results/serve_<cpu|gpu>.json)")
+    p.add_argument("--plot", default=None, help="output PNG (default: the JSON's name, .png)")
+    add_cli_args(p, exclude=_OWN_FIELDS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import jax
+
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.benchmarking.models import (RANDOM_8B, RANDOM_TINY, random_model,
+                                                  random_model_config)
+    from tangram_jax.benchmarking.results import RESULTS_DIR, write_result
+    from tangram_jax.benchmarking.workload import (CONTEXT_CLASSES, SessionSpec,
+                                                   context_class_of)
+    from tangram_jax.engine.config import from_cli_args
+    from tangram_jax.models.registry import load_model
+
+    variants = [v for v in args.variants.split(",") if v]
+    rate_variants = [v for v in args.rate_variants.split(",") if v] if args.rates else []
+    for v in variants + rate_variants:
+        if v not in serve.VARIANTS:
+            raise UsageError(f"--variants: unknown configuration {v!r}; expected one of "
+                             f"{', '.join(serve.VARIANTS)}")
+    if args.followups < 0:
+        raise UsageError(f"--followups must be >= 0, got {args.followups}")
+    if not 0 < args.ratio <= 1:
+        raise UsageError(f"--ratio must be in (0, 1], got {args.ratio}")
+    on_gpu = jax.default_backend() != "cpu"
+    out = check_output_path("--json", args.json or RESULTS_DIR /
+                            f"serve_{'gpu' if on_gpu else 'cpu'}.json")
+    plot_path = check_output_path("--plot", args.plot or out.with_suffix(".png"))
+
+    # The model: built anew for every configuration (the runner takes its layers over).
+    if args.model in (RANDOM_8B, RANDOM_TINY):
+        dtype = args.dtype if args.dtype != "auto" else "bfloat16"
+        factory = lambda: random_model(args.model, dtype)   # noqa: E731
+        model_config, profile_seed = random_model_config(args.model), args.profile_seed
+    else:
+        loaded = load_model(args.model, dtype=args.dtype)
+        model_config, name = loaded.config, args.model
+        del loaded
+        factory = lambda: load_model(name, dtype=args.dtype)   # noqa: E731
+        profile_seed = None if args.model == "smollm2" else args.profile_seed
+    group_size = args.group_size or (1 if model_config.num_kv_heads == 3 else 2)
+
+    # The workloads: closed loop per context class (or one length), open loop per rate.
+    common = dict(num_sessions=args.sessions, followups=args.followups,
+                  question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
+                  seed=args.workload_seed)
+    if args.context_tokens:
+        lengths = [(f"{context_class_of(args.context_tokens)}-{args.context_tokens}",
+                    args.context_tokens)]
+    else:
+        classes = [c for c in args.classes.split(",") if c]
+        for c in classes:
+            if c not in CONTEXT_CLASSES:
+                raise UsageError(f"--classes: unknown class {c!r}; expected "
+                                 f"{', '.join(CONTEXT_CLASSES)}")
+        lengths = [(c, CONTEXT_CLASSES[c]) for c in classes]
+    closed = [(name, SessionSpec(context_tokens=n, **common)) for name, n in lengths]
+    rate_spec = dict(common, num_sessions=args.rate_sessions or args.sessions)
+    rated = [(f"{lengths[0][0]}@{r:g}/s", SessionSpec(context_tokens=lengths[0][1],
+                                                       arrival="poisson", session_rate=r,
+                                                       **rate_spec)) for r in args.rates]
+    longest = max(s.session_tokens() for _, s in closed + rated)
+    itemsize = 2 if (args.dtype in ("bfloat16", "float16") or
+                     (args.dtype == "auto" and profile_seed is not None)) else 4
+    token_bytes = 2 * model_config.num_layers * model_config.num_kv_heads * \
+        model_config.head_dim * itemsize
+    kv_tokens = (args.kv_cache_tokens if args.kv_cache_tokens else
+                 int(args.kv_gib * 2**30 // token_bytes) if args.kv_gib else None)
+    if kv_tokens is None:
+        raise UsageError("give the KV pool: --kv-gib or --kv-cache-tokens (equal bytes in every "
+                         "configuration)")
+    engine_cfg = from_cli_args(args)
+    fields = {name: getattr(engine_cfg, name) for name in args._engine_fields}
+    fields["kv_cache_tokens"] = kv_tokens
+    if fields.get("max_model_len") is None:
+        fields["max_model_len"] = longest + 64
+
+    workloads = [{"name": n, "arrival": s.arrival, "session_rate": s.session_rate,
+                  "context_tokens": s.context_tokens, "sessions": s.num_sessions,
+                  "followups": s.followups, "question_tokens": s.question_tokens,
+                  "answer_tokens": s.answer_tokens, "turns": s.num_turns}
+                 for n, s in closed + rated]
+    report = {"model": args.model, "model_shape": {
+                  k: getattr(model_config, k) for k in ("num_layers", "hidden_size", "num_heads",
+                                                        "num_kv_heads", "head_dim", "vocab_size")},
+              "ratio": args.ratio, "group_size": group_size, "kv_cache_tokens": kv_tokens,
+              "kv_cache_gib": kv_tokens * token_bytes / 2**30, "engine_fields": fields,
+              "workloads": workloads, "results": []}
+
+    def save():
+        write_result(out, "serve", report, ["tangram-jax bench serve", *(argv or sys.argv[1:])])
+
+    for variant in dict.fromkeys(variants + rate_variants):
+        mine = (closed if variant in variants else []) + (rated if variant in rate_variants else [])
+        result = serve.run_variant(variant, factory, model_config, fields, mine, group_size,
+                                   args.ratio, profile_seed)
+        report["results"].append(result)
+        save()    # after every configuration: a run cut short keeps what it measured
+    if args.vllm:
+        # kv_cache_tokens rounds --kv-gib down to whole tokens: within a token of whole GiB.
+        gib = kv_tokens * token_bytes / 2**30
+        if abs(gib - round(gib)) > token_bytes / 2**30 or round(gib) < 1:
+            raise UsageError(f"--vllm needs a whole number of GiB of KV (VLLM_CPU_KVCACHE_SPACE), "
+                             f"got {gib:.3f}: use --kv-gib N")
+        report["results"].append(serve.run_vllm(
+            args.vllm_model, closed, model_config.vocab_size, int(round(gib)),
+            fields["max_model_len"], args.vllm_python or serve.VLLM_PYTHON))
+        save()
+    serve.add_ratios(report)
+    save()
+    serve.plot(report, plot_path)
+    print(serve.table(report))
+    print(f"wrote {out} and {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

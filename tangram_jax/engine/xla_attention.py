@@ -1,0 +1,165 @@
+"""The CPU serving path of attention: XLA programs with the signatures of the Pallas kernels
+(`pallas_kernels.prefill_attention.ragged_prefill_attention`,
+`pallas_kernels.decode_attention.ragged_paged_decode_attention`), written for speed where the
+kernels do not compile, unlike the kernels' test references beside them (which build one
+N x keys matrix per row with every mask materialised, in HIGHEST precision).
+
+What they read: the block-table columns they are given (the runner passes only the pages the
+batch's longest retained length needs, `ModelRunner._table_width`), gathered once per call.
+Masks are additive biases built from small index vectors, so XLA fuses them into the softmax
+instead of materialising [N, heads, keys] booleans. The history and the new tokens of a prefill
+row are two softmax blocks merged by their maxima (no concatenation of keys).
+
+Pool contents are finite by construction (zeros, or K/V the model wrote), so keys outside a
+row's length get probability exactly 0 and their values need no masking.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .. import kv_quant
+
+
+def _gather_history(pages: kv_quant.Pages, tables: jax.Array) -> jax.Array:
+    """pages [num_pages, G, ps, d] (an array or `kv_quant.QuantPages`, dequantised here), tables
+    int [..., groups, W] (clipped) -> [..., groups * G, W * ps, d] float32: each head's retained
+    tokens in order."""
+    x = kv_quant.take_pages(pages, tables, jnp.float32)  # [..., groups, W, G, ps, d]
+    x = jnp.moveaxis(x, -3, -4)                         # [..., groups, G, W, ps, d]
+    *lead, groups, g, w, ps, d = x.shape
+    return x.reshape(*lead, groups * g, w * ps, d).astype(jnp.float32)
+
+
+def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
+                                 row_lens, work_items=None, tuning=None):
+    """Ragged prefill attention (signature and result of `ragged_prefill_attention`).
+
+    q [N, Hq, d]; k, v [N, Hkv, d] (flat rows at `row_starts`, lengths `row_lens` [rows]);
+    k_pages, v_pages [num_pages, G, ps, d]; block_tables [rows, groups, W]; hist_len [rows,
+    groups]. Every token of a row attends to its row's history (the first hist_len tokens of
+    each group) and causally to its row's earlier tokens. Returns (out [N, Hq, d] in q's dtype,
+    lse [Hq, N] float32; tokens outside every row: out 0, lse -inf). `work_items` and the kernel
+    `tuning` are ignored.
+    """
+    del work_items, tuning
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_pages, group_size, page_size, _ = k_pages.shape
+    rows, _, width = block_tables.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
+        n, num_kv_heads, q_per_kv, head_dim)
+    token = jnp.arange(n)
+    local = token[None, :] - row_starts[:, None]                            # [rows, N]
+    member = (local >= 0) & (local < row_lens[:, None])
+    row_of = jnp.where(member.any(axis=0), jnp.argmax(member, axis=0), -1)  # [N]
+    neg = jnp.float32(-jnp.inf)
+
+    # The rows' own tokens: one block-diagonal causal softmax block for all rows.
+    own = ((row_of[:, None] == row_of[None, :]) & (row_of[None, :] >= 0)
+           & (token[None, :] <= token[:, None]))                            # [N(q), N(k)]
+    chunk_logits = jnp.einsum("nkjd,mkd->nkjm", qg, k.astype(jnp.float32)) \
+        + jnp.where(own, 0.0, neg)[:, None, None, :]
+    m = chunk_logits.max(axis=-1)                                          # [N, Hkv, qpk]
+
+    # Each row's history: its queries see the first hist_len tokens of every head.
+    tables = jnp.clip(block_tables, 0, num_pages - 1)
+    slot = jnp.arange(width * page_size)
+    hist_logits, hist_vals = [], []
+    for r in range(rows):
+        keys = _gather_history(k_pages, tables[r])                         # [Hkv, H, d]
+        seen = slot[None, :] < jnp.repeat(hist_len[r], group_size)[:, None]  # [Hkv, H]
+        bias = jnp.where(member[r][:, None, None] & seen[None], 0.0, neg)  # [N, Hkv, H]
+        logits = jnp.einsum("nkjd,ksd->nkjs", qg, keys) + bias[:, :, None, :]
+        m = jnp.maximum(m, logits.max(axis=-1))
+        hist_logits.append(logits)
+        hist_vals.append(_gather_history(v_pages, tables[r]))
+
+    safe_m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+    p = jnp.exp(chunk_logits - safe_m)
+    denom = p.sum(axis=-1)
+    acc = jnp.einsum("nkjm,mkd->nkjd", p, v.astype(jnp.float32))
+    for logits, vals in zip(hist_logits, hist_vals):
+        p = jnp.exp(logits - safe_m)
+        denom = denom + p.sum(axis=-1)
+        acc = acc + jnp.einsum("nkjs,ksd->nkjd", p, vals)
+    found = denom > 0
+    out = acc / jnp.where(found, denom, 1.0)[..., None]
+    lse = jnp.where(found, safe_m[..., 0] + jnp.log(jnp.where(found, denom, 1.0)), neg)
+    return (out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
+            jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1))
+
+
+def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths,
+                                      work_list=None):
+    """Decode attention of one query token per row (signature and result of
+    `ragged_paged_decode_attention`): q [B, groups, G * q_per_kv, d]; block_tables [B, groups,
+    W]; lengths [B, groups] retained tokens (the new one included). Returns [B, groups,
+    G * q_per_kv, d] in q's dtype (rows of length 0: 0). `work_list` is ignored."""
+    del work_list
+    batch, num_groups, q_rows, head_dim = q.shape
+    num_pages, group_size, page_size, _ = k_pages.shape
+    width = block_tables.shape[-1]
+    tables = jnp.clip(block_tables, 0, num_pages - 1)
+    keys = _gather_history(k_pages, tables)                   # [B, groups * G, W * ps, d]
+    vals = _gather_history(v_pages, tables)
+    qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
+        batch, num_groups * group_size, q_rows // group_size, head_dim)
+    seen = jnp.arange(width * page_size) < jnp.repeat(lengths, group_size, axis=1)[..., None]
+    logits = jnp.einsum("bhjd,bhsd->bhjs", qg, keys) \
+        + jnp.where(seen, 0.0, -jnp.inf)[:, :, None, :]
+    m = logits.max(axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = p.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bhjs,bhsd->bhjd", p, vals) / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+# ----- prefill writes, planned in the layer loop and applied after it ---------------------------
+# XLA (CPU) cannot update the pool in place where one layer step both reads it (the history) and
+# writes it (the chunk): it copies the whole pool every layer, so a prefill call's time grew with
+# the pool (2.5x from a 2k- to a 24k-token pool). The CPU path therefore only plans each layer's
+# writes inside the loop (the slots and rows of `compress_chunk_into_pages_reference`: the pages
+# of one layer are no other layer's, so nothing in the call reads them) and scatters them all
+# once after it, in place.
+
+def plan_chunk_writes(k_chunk, v_chunk, scores, keep_counts, chunk_len, num_pages: int,
+                      page_size: int, group_size: int, block_table, hist_len):
+    """Where `compress_chunk_into_pages` would write one chunk, without writing it.
+
+    k_chunk, v_chunk [T, heads, d]; scores [heads, T]; keep_counts [groups]; chunk_len scalar;
+    block_table [groups, W]; hist_len [groups]. Returns (pages, heads_in_page, offsets) int32
+    [heads, T] (a token not kept goes to page `num_pages`: out of range, dropped) and the rows
+    (k_rows, v_rows) [heads, T, d]: the kept tokens of every head in temporal order."""
+    from tangram_jax.pallas_kernels.chunk_compress import kept_token_sources
+    chunk, num_heads, _ = k_chunk.shape
+    width = block_table.shape[1]
+    sources, counts = kept_token_sources(scores, keep_counts, jnp.asarray(chunk_len, jnp.int32),
+                                         group_size)
+    heads = jnp.arange(num_heads)
+    group = heads // group_size
+    c = jnp.arange(chunk)
+    slot = hist_len[group][:, None] + c[None, :]                          # [heads, T]
+    page_index = jnp.clip(slot // page_size, 0, width - 1)
+    page = jnp.where(c[None, :] < counts[:, None], block_table[group[:, None], page_index],
+                     num_pages)
+    head_in_page = jnp.broadcast_to((heads % group_size)[:, None], slot.shape)
+    return ((page.astype(jnp.int32), head_in_page.astype(jnp.int32),
+             (slot % page_size).astype(jnp.int32)),
+            (k_chunk[sources, heads[:, None]], v_chunk[sources, heads[:, None]]))
+
+
+def apply_chunk_writes(k_pages, v_pages, where, rows):
+    """Scatter planned writes (`plan_chunk_writes` outputs stacked over any leading axes) into
+    the pool; returns the new (k_pages, v_pages)."""
+    page, head_in_page, offset = (x.reshape(-1) for x in where)
+    k_rows, v_rows = (x.reshape(-1, x.shape[-1]) for x in rows)
+    k_pages = k_pages.at[page, head_in_page, offset].set(k_rows.astype(k_pages.dtype),
+                                                         mode="drop")
+    v_pages = v_pages.at[page, head_in_page, offset].set(v_rows.astype(v_pages.dtype),
+                                                         mode="drop")
+    return k_pages, v_pages

@@ -1,0 +1,113 @@
+"""`tangram-jax bench serve`'s pieces that need no model: the SCBench-shaped sessions, the
+session loop every engine is driven by (with a fake engine), and its bad-input errors."""
+
+import numpy as np
+import pytest
+
+from tangram_jax.benchmarking import session_loop
+from tangram_jax.benchmarking.serve import summarize, variant_config
+from tangram_jax.benchmarking.workload import (SessionSpec, context_class_of, make_sessions,
+                                               sessions_to_json, skewed_head_budgets)
+
+
+def test_sessions_have_the_asked_shape_and_arrivals():
+    spec = SessionSpec(num_sessions=5, context_tokens=40, followups=2, question_tokens=7,
+                       answer_tokens=3, arrival="poisson", session_rate=2.0, seed=1)
+    sessions = make_sessions(spec, vocab_size=1000)
+    assert [len(t) for t in sessions[0].turns] == [40, 7, 7]
+    arrivals = [s.arrival for s in sessions]
+    assert arrivals[0] == 0 and np.all(np.diff(arrivals) > 0)
+    assert all(100 <= t < 900 for s in sessions for turn in s.turns for t in turn)
+    assert spec.num_turns == 15 and spec.session_tokens() == 40 + 14 + 9
+    assert make_sessions(spec, 1000) == sessions                 # seeded
+    assert context_class_of(8192) == "short" and context_class_of(32768) == "mid"
+    assert context_class_of(102400) == "long"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(arrival="poisson"), "session_rate"), (dict(arrival="burst"), "arrival"),
+    (dict(context_tokens=0), "context_tokens"), (dict(followups=-1), "followups")])
+def test_bad_session_specs_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SessionSpec(**{"num_sessions": 2, "context_tokens": 10, **kwargs})
+
+
+def test_skewed_budgets_average_rho_with_a_long_tail():
+    b = skewed_head_budgets(32, 8, 0.25, np.random.default_rng(0))
+    assert b.shape == (32, 8) and abs(b.mean() - 0.25) < 0.01
+    assert b.min() >= 0.02 and b.max() <= 1 and b.max() > 3 * b.mean()
+
+
+class FakeEngine(session_loop.Adapter):
+    """Answers one token per step for every live request, as a stateful engine would; records
+    what each turn was sent with."""
+
+    def __init__(self, answer):
+        self.answer, self.live, self.sent = answer, {}, []
+
+    def submit(self, request_id, session_id, turn, history, new):
+        self.sent.append((request_id, len(history), len(new)))
+        self.live[request_id] = []
+
+    def step(self):
+        news = []
+        for rid, toks in list(self.live.items()):
+            toks.append(7)
+            done = len(toks) == self.answer
+            news.append((rid, list(toks), done, 0))
+            if done:
+                del self.live[rid]
+        return news
+
+    def has_work(self):
+        return bool(self.live)
+
+
+def test_session_loop_sends_follow_ups_with_their_history_and_times_turns():
+    spec = SessionSpec(num_sessions=2, context_tokens=10, followups=2, question_tokens=3,
+                       answer_tokens=4)
+    engine = FakeEngine(4)
+    ticks = iter(range(10_000))
+    records, elapsed = session_loop.drive(sessions_to_json(make_sessions(spec, 500)), engine,
+                                          clock=lambda: float(next(ticks)))
+    assert len(records) == 6 and all(r.finished is not None for r in records)
+    # Turn k of a session is sent with every earlier prompt and answer as history.
+    assert sorted(engine.sent) == sorted([("s0-t0", 0, 10), ("s1-t0", 0, 10),
+                                          ("s0-t1", 14, 3), ("s1-t1", 14, 3),
+                                          ("s0-t2", 21, 3), ("s1-t2", 21, 3)])
+    follow = [r for r in records if r.turn > 0]
+    assert all(r.sent >= min(f.finished for f in records if f.turn == r.turn - 1)
+               for r in follow)
+    row = summarize(records, elapsed)
+    assert row["turns"] == 6 and row["output_tokens"] == 24
+    assert row["ttft_first_s"]["n"] == 2 and row["ttft_followup_s"]["n"] == 4
+    assert all(r.tpot > 0 for r in records)
+
+
+def test_ablation_configurations():
+    from tangram_jax.benchmarking.models import random_model_config
+    mc = random_model_config("random-tiny")
+    assert variant_config("full", mc, 2, 0.25, 0) == {"mode": "full"}
+    mono = variant_config("reserve-mono", mc, 2, 0.25, 0)
+    assert mono["group_size"] == mc.num_kv_heads and mono["split_map"] == "aot"
+    ragged = variant_config("ragged", mc, 2, 0.25, 0)
+    assert ragged["group_size"] == 2 and ragged["split_map"] == "uniform"
+    assert variant_config("tangram", mc, 2, 0.25, None) == {
+        "mode": "tangram", "group_size": 2, "split_map": "aot"}
+    with pytest.raises(ValueError, match="variant"):
+        variant_config("fast", mc, 2, 0.25, 0)
+
+
+def test_bench_serve_refuses_bad_flags_before_loading_anything(capsys):
+    from tangram_jax.commands import UsageError, bench_serve
+    with pytest.raises(UsageError, match="--variants"):
+        bench_serve.main(["--variants", "full,fast", "--kv-gib", "1"])
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--rates", "0,1"])
+
+
+def test_split_map_field_is_checked():
+    from tangram_jax.engine.config import EngineConfig, EngineConfigError
+    assert EngineConfig(split_map="uniform").split_map == "uniform"
+    with pytest.raises(EngineConfigError, match="split_map"):
+        EngineConfig(split_map="runtime")

@@ -1,0 +1,67 @@
+"""The CPU serving path of attention (`engine/xla_attention.py`) against the kernels' jnp
+references, on ragged cases: several rows of different lengths, padding tokens, an empty row,
+per-group history lengths, pages scattered over the pool."""
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from tangram_jax.engine.xla_attention import (ragged_paged_decode_attention_xla,
+                                              ragged_prefill_attention_xla)
+from tangram_jax.pallas_kernels.decode_attention import ragged_paged_decode_attention_reference
+from tangram_jax.pallas_kernels.prefill_attention import ragged_prefill_attention_reference
+
+PAGE, D = 4, 8
+
+
+def _pool(rng, rows, groups, group_size, width):
+    num_pages = rows * groups * width + 1
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(rows, groups, width)
+    k_pages = rng.normal(size=(num_pages, group_size, PAGE, D)).astype(np.float32)
+    v_pages = rng.normal(size=(num_pages, group_size, PAGE, D)).astype(np.float32)
+    return jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(tables, jnp.int32)
+
+
+@pytest.mark.parametrize("group_size,q_per_kv,row_lens", [(1, 3, [5, 0, 7]), (2, 2, [9]),
+                                                         (3, 1, [3, 6])])
+def test_prefill_matches_reference(group_size, q_per_kv, row_lens):
+    rng = np.random.default_rng(len(row_lens) * 10 + group_size)
+    kv_heads, width = 3 * group_size, 3
+    groups = kv_heads // group_size
+    rows = len(row_lens)
+    starts = np.cumsum([0] + row_lens[:-1]).astype(np.int32)
+    n = sum(row_lens) + 3                                  # 3 padding tokens at the end
+    hist = rng.integers(0, width * PAGE + 1, size=(rows, groups)).astype(np.int32)
+    hist[0, 0] = 0                                         # a group with no history
+    k_pages, v_pages, tables = _pool(rng, rows, groups, group_size, width)
+    q = jnp.asarray(rng.normal(size=(n, kv_heads * q_per_kv, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
+    args = (q, k, v, k_pages, v_pages, tables, jnp.asarray(hist), jnp.asarray(starts),
+            jnp.asarray(row_lens, jnp.int32))
+    out, lse = ragged_prefill_attention_xla(*args)
+    ref, ref_lse = ragged_prefill_attention_reference(*args)
+    inside = np.zeros(n, bool)
+    for s, ln in zip(starts, row_lens):
+        inside[s:s + ln] = True
+    np.testing.assert_allclose(np.asarray(out)[inside], np.asarray(ref)[inside], rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:, inside], np.asarray(ref_lse)[:, inside],
+                               rtol=1e-4, atol=1e-5)
+    assert np.isneginf(np.asarray(lse)[:, ~inside]).all()     # tokens of no row
+    assert (np.asarray(out)[~inside] == 0).all()
+
+
+@pytest.mark.parametrize("group_size,q_per_kv", [(1, 3), (2, 2), (4, 1)])
+def test_decode_matches_reference(group_size, q_per_kv):
+    rng = np.random.default_rng(group_size)
+    batch, groups, width = 3, 2, 3
+    k_pages, v_pages, tables = _pool(rng, batch, groups, group_size, width)
+    lengths = rng.integers(1, width * PAGE + 1, size=(batch, groups)).astype(np.int32)
+    lengths[2] = 0                                           # a padded row
+    q = jnp.asarray(rng.normal(size=(batch, groups, group_size * q_per_kv, D)), jnp.float32)
+    args = (q, k_pages, v_pages, tables, jnp.asarray(lengths))
+    out = np.asarray(ragged_paged_decode_attention_xla(*args))
+    ref = np.asarray(ragged_paged_decode_attention_reference(*args))
+    np.testing.assert_allclose(out[:2], ref[:2], rtol=1e-4, atol=1e-5)
+    assert (out[2] == 0).all()
