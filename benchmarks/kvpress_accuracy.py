@@ -184,7 +184,10 @@ def main(argv=None) -> int:
     eos.add(tok.convert_tokens_to_ids("<|im_end|>"))
     everything = read_jsonl(args.tasks_file)
     tasks = list(dict.fromkeys(s.task for s in everything))
-    samples = [s for t in tasks for s in [x for x in everything if x.task == t][:args.samples]]
+    per_task = [[x for x in everything if x.task == t][:args.samples] for t in tasks]
+    # Round robin over the tasks: a run stopped by a time limit has covered every task alike.
+    samples = [group[i] for i in range(max(map(len, per_task))) for group in per_task
+               if i < len(group)]
     ratios = [float(r) for r in args.ratios.split(",") if r]
     specs = [PressSpec("full", 1.0)] + [PressSpec(name, r) for name in args.presses.split(",")
                                         if name for r in ratios]

