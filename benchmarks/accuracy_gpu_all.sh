@@ -26,13 +26,25 @@ left() { echo $((LIMIT - SECONDS)); }
 COMMON=(--max-tokens 8 --decode-buckets 128 --max-num-batched-tokens 8192 --max-prefill-rows 4
         --layer-loop scan --max-model-len 2048)
 cp benchmarks/results/accuracy_tasks.jsonl /tmp/previous_tasks.jsonl
+# A canary through every code path (generation, prefix, compression, KL, answers) on 2 samples
+# with A's engine shapes: a broken run stops here, and A finds the programs compiled.
+LOG=$OUT/canary.log timeout 150 bash benchmarks/accuracy_gpu.sh --samples 2 --modes full,uniform \
+  --ratios 0.25 --max-active 128 --chunk-size 2048 --out "$OUT/canary.json" \
+  --tasks-out /tmp/canary_tasks.jsonl --answers-out /tmp/canary_answers.jsonl "${COMMON[@]}" \
+  > /dev/null 2>&1
+if ! grep -q '"complete": true' "$OUT/canary.json" 2>/dev/null; then
+  echo "canary failed:"; tail -40 "$OUT/canary.log"; exit 1
+fi
+grep -E "built|KL" "$OUT/canary.log"
 LOG=$OUT/A.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --samples "$SAMPLES" \
   --pilot-samples 20 --max-active 128 --chunk-size 2048 --ratios 0.25,0.5 \
   --answers-out "$OUT/accuracy_answers.jsonl" "${COMMON[@]}" > /dev/null 2>&1 &
-(while [ ! -s "$OUT/accuracy_tasks.jsonl" ]; do sleep 2; done; sleep 1
+# B and C start once A has written its samples (after its pilot), and give up if A died.
+wait_for_tasks() { while [ ! -s "$OUT/accuracy_tasks.jsonl" ]; do kill -0 $A 2>/dev/null || exit 1; sleep 2; done; sleep 1; }
+(wait_for_tasks
  timeout "$(left)" bash benchmarks/kvpress_gpu.sh --tasks-file "$OUT/accuracy_tasks.jsonl" \
    --samples "$SAMPLES" --ratios 0.5,0.25 --max-tokens 8 > "$OUT/B.log" 2>&1) &
-(while [ ! -s "$OUT/accuracy_tasks.jsonl" ]; do sleep 2; done; sleep 1
+(wait_for_tasks
  cp "$OUT/accuracy_tasks.jsonl" /tmp/tasks.jsonl
  LOG=$OUT/C.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --tasks-in /tmp/tasks.jsonl \
    --samples 25 --modes full --max-active 1 --chunk-size 2048 --no-kl \
@@ -43,11 +55,11 @@ LOG=$OUT/A.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --samples "$SAM
    --max-active 128 --max-model-len 1536 --chunk-size 2048 --no-kl --max-tokens 16 \
    --decode-buckets 128 --max-num-batched-tokens 8192 --max-prefill-rows 4 --layer-loop scan \
    --out "$OUT/accuracy_previous_tasks.json" --tasks-out /tmp/unused2.jsonl > /dev/null 2>&1
- while [ ! -s /tmp/tasks.jsonl ]; do sleep 2; done
+ wait_for_tasks; cp "$OUT/accuracy_tasks.jsonl" /tmp/tasks_e.jsonl
  for cfg in "512 window" "2048 none"; do
    set -- $cfg
    LOG=$OUT/E_$1_$2.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh \
-     --tasks-in /tmp/tasks.jsonl --samples 50 --modes full,tangram --ratios 0.25 \
+     --tasks-in /tmp/tasks_e.jsonl --samples 50 --modes full,tangram --ratios 0.25 \
      --max-active 128 --chunk-size "$1" --tail-rule "$2" --no-kl \
      --out "$OUT/accuracy_chunk$1_$2.json" --tasks-out /tmp/unused3.jsonl "${COMMON[@]}" \
      > /dev/null 2>&1
