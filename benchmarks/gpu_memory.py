@@ -3,7 +3,7 @@
 
 The model: Llama-3.1-8B shape (32 layers, 32 q / 8 KV heads, head_dim 128, vocab 128256) with
 random bf16 weights built on the device (`startup.random_llama_8b`), mode `full` (bf16 KV, no
-compression), max_num_seqs 64, chunk 256. The engine sizes its own pool (no kv_cache_tokens).
+compression), max_num_seqs 64, the GPU defaults for chunk size and step token budget (2048 / 8192). The engine sizes its own pool (no kv_cache_tokens).
 Then it serves a few requests (prefill chunks and decode steps at that pool size) and the script
 records:
 

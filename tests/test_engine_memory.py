@@ -228,3 +228,22 @@ def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert len(outs[0].outputs[0].token_ids) == 3
+
+
+def test_checking_a_config_sets_the_allocator_cap_before_the_backend_starts():
+    """`EngineConfig.check()` asks which backend runs (for the chunk-size default), which starts
+    JAX's backend and fixes its allocator cap: the config's gpu_memory_utilization must already
+    be in place then (in a fresh process; the GPU run of session 5 got 0.75 of an H200)."""
+    import subprocess
+    import sys
+    code = ("import os\n"
+            "from jax._src import xla_bridge\n"
+            "from tangram_jax.engine.config import EngineConfig\n"
+            "c = EngineConfig(model='smollm2', gpu_memory_utilization=0.8)\n"
+            "assert not xla_bridge.backends_are_initialized()\n"
+            "c.check()\n"
+            "assert xla_bridge.backends_are_initialized()\n"
+            "assert os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.8', os.environ\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

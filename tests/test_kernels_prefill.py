@@ -249,3 +249,15 @@ def test_observation_probs_rows_sum_with_history():
     np.testing.assert_allclose(obs[0].sum(-1), 1.0, rtol=1e-5)
     np.testing.assert_allclose(obs[1][:, 3:].sum(-1), 1.0, rtol=1e-5)
     assert not obs[1][:, :3].any() and not obs[1][..., 9:].any()
+
+
+def test_fit_tuning_shrinks_float32_tiles_to_shared_memory():
+    """The H100 refused float32 at block_q 64 / block_k 64 with 4 query heads per KV head (289 KiB
+    of shared memory asked, 227 available): such tiles are shrunk; bf16 at the default stays."""
+    from tangram_jax.pallas_kernels.prefill_attention import PREFILL_TUNING, fit_tuning
+    big = PrefillTuning(block_q=64, block_k=64)
+    fitted = fit_tuning(big, 4, 128, 4)
+    assert fitted.block_q < 64 and fitted.block_k <= 64
+    assert fit_tuning(PREFILL_TUNING, 4, 128, 2) == PREFILL_TUNING
+    assert fit_tuning(big, 4, 128, 2) == big                   # bf16 fits as it is
+    assert fit_tuning(PREFILL_TUNING, 4, 128, 4).block_q == 16  # float32 at the default shrinks

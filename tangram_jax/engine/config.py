@@ -48,9 +48,15 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 
 
-def _backend_kind() -> str:
-    """"gpu" or "cpu": which column of the backend-dependent defaults applies."""
+def _backend_kind(gpu_memory_utilization: float) -> str:
+    """"gpu" or "cpu": which column of the backend-dependent defaults applies. Asking starts
+    JAX's backend, which fixes its GPU allocator cap for the process: the engine's cap
+    (`gpu_memory_utilization`) is set first, or a config checked before the Engine is built
+    would leave the Engine JAX's default 0.75 of the card."""
     import jax
+
+    from tangram_jax.engine import memory
+    memory.configure_allocator(gpu_memory_utilization)
     return "cpu" if jax.default_backend() == "cpu" else "gpu"
 
 
@@ -234,7 +240,7 @@ class EngineConfig:
 
     def resolved_chunk_size(self) -> int:
         """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
-        return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind()]
+        return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind(self.gpu_memory_utilization)]
 
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
@@ -268,7 +274,7 @@ class EngineConfig:
         chunk = self.resolved_chunk_size()
         minimum = self.max_num_seqs + chunk
         batched = self.max_num_batched_tokens or max(
-            DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind()], minimum)
+            DEFAULT_MAX_NUM_BATCHED_TOKENS[_backend_kind(self.gpu_memory_utilization)], minimum)
         # Buckets below max_num_seqs, then the first that holds max_num_seqs rows.
         buckets = [b for b in self.decode_buckets if b < self.max_num_seqs]
         buckets.append(next((b for b in self.decode_buckets if b >= self.max_num_seqs),

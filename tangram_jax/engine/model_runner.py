@@ -44,9 +44,10 @@ from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
-from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, item_capacity,
-                                                           observation_probs, pack_rows,
-                                                           prefill_work_items, row_alignment)
+from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, fit_tuning,
+                                                           item_capacity, observation_probs,
+                                                           pack_rows, prefill_work_items,
+                                                           row_alignment)
 from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import (TokenLogprobs, force_tokens, sample_tokens, step_keys,
                                   token_logprobs)
@@ -172,6 +173,10 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
         self.kv_bytes_per_page = 2 * int(np.prod(self.pool_shape(1)[1:])) * self.kv_dtype.itemsize
+        # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
+        # fit a program's shared memory (float32 models); row packing and work items follow it.
+        self.prefill_tuning = fit_tuning(PREFILL_TUNING, config.num_heads // config.num_kv_heads,
+                                         config.head_dim, self.kv_dtype.itemsize)
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)
@@ -247,7 +252,7 @@ class ModelRunner:
         """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): multiples
         of the row alignment growing by ~1.5x (so at most a third is padding), up to
         `max_prefill_tokens` plus one alignment of slack per extra row."""
-        align = row_alignment(PREFILL_TUNING)
+        align = row_alignment(self.prefill_tuning)
         cap = -(-self.runner_config.max_prefill_tokens // align) * align + align * (max_rows - 1)
         sizes, size = [], align
         while size < cap:
@@ -307,7 +312,7 @@ class ModelRunner:
         n_rows = len(tokens)
         rows = backend.next_power_of_2(n_rows)
         layout = self.layout
-        align = row_alignment(PREFILL_TUNING)
+        align = row_alignment(self.prefill_tuning)
         lens = np.zeros(rows, np.int32)
         lens[:n_rows] = [len(t) for t in tokens]
         protected = np.zeros(rows, np.int32)
@@ -343,7 +348,8 @@ class ModelRunner:
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(hist, 0, 1), num_tokens=num_tokens,
-            num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size))
+            num_items=item_capacity(num_tokens, layout.num_groups, layout.group_size,
+                                    self.prefill_tuning), tuning=self.prefill_tuning)
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items)
         return args, dict(table_width=self._table_width(int(hist.max()) + int(lens.max())))
@@ -375,7 +381,8 @@ class ModelRunner:
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
             q, k, v = q[0], k[0].astype(k_pages.dtype), v[0].astype(v_pages.dtype)
             out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
-                                                  row_starts, row_lens, items)
+                                                  row_starts, row_lens, items,
+                                                  tuning=self.prefill_tuning)
             if whole_rows:
                 # Every token kept: the fused compression kernel appends each row's K/V after its
                 # history in place (earliest-first scores keep the row's order).
@@ -604,7 +611,7 @@ class ModelRunner:
         for rows in _padded_row_counts(max_prefill_rows):
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
-                       if b >= rows * row_alignment(PREFILL_TUNING)] \
+                       if b >= rows * row_alignment(self.prefill_tuning)] \
                 if self.prefill_whole_rows else [None]
             for num_tokens in buckets:
                 args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,

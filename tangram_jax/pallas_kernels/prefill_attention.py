@@ -87,6 +87,34 @@ class PrefillTuning:
 # (16, 128, 4, 3) 197. cuDNN on the same keys made contiguous: 284.
 PREFILL_TUNING = PrefillTuning(block_q=32, block_k=64, num_warps=4, num_stages=2)
 
+# Shared memory one program may use: Hopper's 227 KiB per block less a margin for what Triton
+# adds (layout conversions, barriers). Seen on the H100: float32 at block_q 64 / block_k 64 with
+# 4 query heads per KV head asked for 289 KiB and failed to launch.
+_SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def fit_tuning(tuning: PrefillTuning, q_per_kv: int, head_dim: int, itemsize: int
+               ) -> PrefillTuning:
+    """`tuning` with block_q (then block_k, down to 16) halved until one program's tiles fit
+    `_SHARED_MEMORY_BUDGET`: the stacked queries [block_q * q_per_kv, d], K and V blocks
+    [block_k, d] per pipeline stage, and the float32 probabilities [block_q * q_per_kv, block_k].
+    Float32 models need this at the bf16 tile sizes."""
+    stack = backend.next_power_of_2(q_per_kv)
+
+    def smem(t):
+        m = t.block_q * stack
+        return (m * head_dim + 2 * t.num_stages * t.block_k * head_dim) * itemsize \
+            + m * t.block_k * 4
+
+    while smem(tuning) > _SHARED_MEMORY_BUDGET:
+        if tuning.block_q > 16:
+            tuning = dataclasses.replace(tuning, block_q=tuning.block_q // 2)
+        elif tuning.block_k > 16:
+            tuning = dataclasses.replace(tuning, block_k=tuning.block_k // 2)
+        else:
+            break
+    return tuning
+
 
 def row_alignment(tuning: PrefillTuning = PREFILL_TUNING) -> int:
     """Row starts in the flat token axis are multiples of this (no tile straddles two rows)."""
@@ -441,14 +469,14 @@ def observation_probs(q, k, lse, row_starts, row_lens, *, obs_window: int, chunk
     return jnp.where(valid[:, None], probs, 0.0)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("tuning",))
 def ragged_prefill_attention_reference(q, k, v, k_pages, v_pages, block_tables, hist_len,
-                                       row_starts, row_lens, work_items=None):
+                                       row_starts, row_lens, work_items=None, tuning=None):
     """Float32 jnp reference of `ragged_prefill_attention`: per row, one full softmax of every
     token over [the row's gathered history ; all N keys], masked to the row's own queries and
-    causal keys (builds an N x keys matrix per row). `work_items` is accepted for a uniform
-    signature and ignored."""
-    del work_items
+    causal keys (builds an N x keys matrix per row). `work_items` and `tuning` are accepted for a
+    uniform signature and ignored."""
+    del work_items, tuning
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_pages, group_size, page_size, _ = k_pages.shape
@@ -524,6 +552,7 @@ def chunk_prefill_attention(q, k_chunk, v_chunk, k_pages, v_pages, block_table, 
     if block_table.ndim != 2 or hist_len.ndim != 1:
         raise ValueError(f"block_table must be [groups, max_pages] and hist_len [groups], got "
                          f"{block_table.shape}, {hist_len.shape}")
+    tuning = fit_tuning(tuning, q.shape[1] // k_chunk.shape[1], q.shape[2], q.dtype.itemsize)
     align = row_alignment(tuning)
     n = -(-chunk // align) * align
     pad = ((0, n - chunk), (0, 0), (0, 0))
