@@ -62,8 +62,6 @@ def test_variable_tracking_chain_resolves_to_the_answer():
         asked = s.turns[0].question.split("value of ")[-1].split("?")[0]
         assert assign[asked] == s.turns[0].answer
         assert s.turns[0].answer_prefix == f"The value of {asked} is"
-        # the worked example's names and value occur nowhere in the context
-        assert not {"J", "V"} & set(assign) and "17" not in s.context
 
 
 def test_task_arguments_are_checked():

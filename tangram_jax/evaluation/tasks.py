@@ -15,8 +15,7 @@ time; the harness checks this on every run):
 - ``multi_turn``: three facts (a person's room number) at random depths of essay text; turn 1
   asks one person's number, turns 2 and 3 the other two.
 - ``variable_tracking``: assignment lines ``X = 4821`` and ``Y = X`` hidden among filler lines,
-  optionally with a second, distracting chain; asks the value of the chain's last variable, after
-  one worked example.
+  optionally with a second, distracting chain; asks the value of the chain's last variable.
 
 Every question comes with an answer prefix that opens the reply ("The pass key is", as RULER's
 templates do): what is generated after it is the value, so the 135M model answers in the judged
@@ -64,9 +63,6 @@ _PEOPLE = ("Alice", "Bruno", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hugo"
            "Karen", "Leo", "Maria", "Nadia", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara")
 _VARIABLES = ("A", "B", "C", "D", "E", "F", "G", "H", "K", "M", "N", "P", "Q", "R", "S", "T",
               "U", "W", "X", "Y", "Z")
-# The worked example of the variable-tracking question: its names are not in _VARIABLES and its
-# value has two digits, so neither occurs in a context.
-_EXAMPLE = 'For example, after "J = 17" and then "V = J", the value of V is 17.'
 _FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
            "again.")
 
@@ -185,10 +181,9 @@ def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1,
     asked_vars, asked_value, _ = chains[0]
     context = ("Track the variable assignments hidden in the following text.\n\n" +
                "\n".join(lines))
-    # One worked example (with names and a value that are not in the context) shows that the
-    # value is followed through the chain: the 135M model otherwise answers with a variable name.
-    question = (f"{_EXAMPLE} What is the value of {asked_vars[-1]}? Answer with the number "
-                "only.")
+    # No worked example: with one ('after "J = 17" and then "V = J", the value of V is 17') the
+    # 135M model answered 17 (2 of 2 samples, CPU probe); without it 2 of 2 right.
+    question = f"What is the value of {asked_vars[-1]}? Answer with the number only."
     return context, [Turn(question, asked_value, f"The value of {asked_vars[-1]} is")]
 
 
