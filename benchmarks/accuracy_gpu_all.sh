@@ -12,7 +12,7 @@
 #      queries) and the `none` tail rule at chunk 2048, tangram@0.25, on A's samples.
 # Everything lands in /tmp/run and comes back as $OUT/accuracy_run.tar.gz (a call returns at
 # most 8 files). Run from the repository root (or its copy) on the device machine:
-#   GIT_REV=... MODEL_PARTS=../model WHEELS=../acc-wheels PKGS=../kvp/kvpress-pkgs.tar.gz \
+#   GIT_REV=... MODEL_PARTS=../model WHEELS=../acc-wheels PKGS=.kvp/kvpress-pkgs.tar.gz \
 #     bash benchmarks/accuracy_gpu_all.sh SAMPLES SECONDS
 set -uo pipefail
 SAMPLES=${1:-100}; LIMIT=${2:-520}

@@ -4,7 +4,7 @@
 # packages it imports) travel as one tarball of the CPU venv's site-packages (pure Python but
 # tokenizers' abi3 library, x86-64); the Hugging Face folder is made there from the joined GGUF
 # (benchmarks/kvpress_hf_folder.py). Then benchmarks/kvpress_accuracy.py runs on the GPU.
-#   PKGS=../kvp/kvpress-pkgs.tar.gz MODEL_PARTS=../model WHEELS=../acc-wheels \
+#   PKGS=.kvp/kvpress-pkgs.tar.gz MODEL_PARTS=../model WHEELS=../acc-wheels \
 #     bash benchmarks/kvpress_gpu.sh --tasks-file TASKS.jsonl [kvpress_accuracy.py args]
 # Make the tarball here with:
 #   (cd .cache/kvpress-venv/lib/python3.*/site-packages && tar czf PKGS --exclude=__pycache__ \
@@ -12,7 +12,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PKGS=${PKGS:-../kvp/kvpress-pkgs.tar.gz}; MODEL_PARTS=${MODEL_PARTS:-../model}
+PKGS=${PKGS:-.kvp/kvpress-pkgs.tar.gz}; MODEL_PARTS=${MODEL_PARTS:-../model}
 WHEELS=${WHEELS:-../acc-wheels}
 SITE=/tmp/kvpress-site; mkdir -p "$SITE"
 tar xzf "$PKGS" -C "$SITE" || exit 1
