@@ -28,7 +28,7 @@ COMMON=(--max-tokens 8 --decode-buckets 128 --max-num-batched-tokens 8192 --max-
 cp benchmarks/results/accuracy_tasks.jsonl /tmp/previous_tasks.jsonl
 # A canary through every code path (generation, prefix, compression, KL, answers) on 2 samples
 # with A's engine shapes: a broken run stops here, and A finds the programs compiled.
-LOG=$OUT/canary.log timeout 150 bash benchmarks/accuracy_gpu.sh --samples 2 --modes full,uniform \
+LOG=$OUT/canary.log timeout 200 bash benchmarks/accuracy_gpu.sh --samples 2 --modes full,uniform \
   --ratios 0.25 --max-active 128 --chunk-size 2048 --out "$OUT/canary.json" \
   --tasks-out /tmp/canary_tasks.jsonl --answers-out /tmp/canary_answers.jsonl "${COMMON[@]}" \
   > /dev/null 2>&1
