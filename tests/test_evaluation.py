@@ -69,6 +69,13 @@ def test_task_arguments_are_checked():
         T.generate("nope", 0)
     with pytest.raises(ValueError, match="samples must be >= 1"):
         T.generate_all(samples=0)
+    with pytest.raises(ValueError, match=r"kv pairs must lie in \[1, 64\], got 65"):
+        T.generate("kv_retrieval", 0, sizes=T.TaskSizes(kv_pairs=65))
+    # no two keys of a sample share a word
+    keys = [line.split("the key ")[1].split(" is")[0] for line in
+            T.generate("kv_retrieval", 0).context.splitlines()[2:]]
+    words = [w for k in keys for w in k.split("-")]
+    assert len(keys) == 64 and len(set(words)) == len(words)
 
 
 # ----- scoring -------------------------------------------------------------------------------
