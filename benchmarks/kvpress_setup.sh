@@ -22,26 +22,6 @@ if ! "$VENV/bin/python" -c "import kvpress, gguf" 2>/dev/null; then
 fi
 if [ ! -f "$MODEL_DIR/config.json" ]; then
   GGUF="${SMOLLM2_GGUF:-$(python3 -c "from tangram_jax.models.registry import default_model_path; print(default_model_path())")}"
-  "$VENV/bin/python" - "$GGUF" "$MODEL_DIR" <<'PY'
-import sys
-from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
-loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              torch_dtype=torch.float32)
-fresh = LlamaForCausalLM(loaded.config)
-missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
-# lm_head is tied to the embeddings in SmolLM2; anything else missing is a conversion bug.
-if [k for k in missing if k != "lm_head.weight"] or unexpected:
-    raise SystemExit(f"state_dict mismatch: missing {missing}, unexpected {unexpected}")
-fresh.tie_weights()
-out.mkdir(parents=True, exist_ok=True)
-fresh.save_pretrained(out)
-AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-print(f"wrote {out}")
-PY
+  "$VENV/bin/python" benchmarks/kvpress_hf_folder.py "$GGUF" "$MODEL_DIR"
 fi
 echo "kvpress venv: $VENV; model folder: $MODEL_DIR"

@@ -39,6 +39,18 @@ unprotected part by score, plus every protected token). Tail rules (`TAIL_RULES`
 - ``"final_chunk"``  the whole last chunk of the turn;
 - ``"none"``         nothing (every chunk compressed as it is written).
 
+Which queries score a chunk: its own last ``obs_window`` queries (one pass, chunk-local). A turn
+that fits in one chunk (every turn up to 2048 tokens at the GPU default `chunk_size`) is thus
+scored by its own question, as SnapKV scores with the question's queries; a longer turn's earlier
+chunks are scored before its question exists. Measured on an H100 (`benchmarks/
+NOTES_accuracy.md`, "question-aware scoring"): the same samples at tangram 0.25 answered the
+passkey 85% with whole-turn chunks against 28% with 128-token chunks, and 2048-token chunks also
+prefill faster (`NOTES_prefill.md`), so whole-turn chunks win on accuracy and on prefill time. A
+two-pass scoring of long turns (the turn prefilled once for its final window's queries, then again
+with every chunk scored by them) costs a second prefill of the turn and is not built: whether it
+wins back its cost on turns longer than a chunk is the measurement `accuracy_gpu_all.sh` part E
+prepares (chunk 512 against 2048 on the same samples).
+
 Decode appends one token to every group per step, uncompressed.
 """
 

@@ -37,6 +37,18 @@ def test_tasks_are_deterministic_and_hold_their_answers(tmp_path):
     assert T.read_jsonl(path) == samples
     first = json.loads(path.read_text().splitlines()[0])
     assert set(first) == {"task", "id", "seed", "context", "turns"}
+    assert set(first["turns"][0]) == {"question", "answer", "answer_prefix"}
+    # files written before answer prefixes existed still read (with no prefix)
+    del first["turns"][0]["answer_prefix"]
+    assert T.Sample.from_json(first).turns[0].answer_prefix == ""
+    # every question opens its answer with a prefix that names what is asked, never the answer
+    for s in samples:
+        for turn in s.turns:
+            assert turn.answer_prefix and turn.answer not in turn.answer_prefix
+            if s.task == "multi_turn":
+                person = turn.question.split("does ")[1].split(" live")[0]
+                assert turn.answer_prefix == f"{person} lives in room"
+                assert f"{person} lives in room {turn.answer}." in s.context
 
 
 def test_variable_tracking_chain_resolves_to_the_answer():
@@ -47,8 +59,9 @@ def test_variable_tracking_chain_resolves_to_the_answer():
             if " = " in line and len(line.split(" = ")[0]) == 1:
                 name, value = line.split(" = ")
                 assign[name] = assign.get(value, value)   # statements come in chain order
-        asked = s.turns[0].question.split("value of ")[1].split("?")[0]
+        asked = s.turns[0].question.split("value of ")[-1].split("?")[0]
         assert assign[asked] == s.turns[0].answer
+        assert s.turns[0].answer_prefix == f"The value of {asked} is"
 
 
 def test_task_arguments_are_checked():
@@ -56,6 +69,13 @@ def test_task_arguments_are_checked():
         T.generate("nope", 0)
     with pytest.raises(ValueError, match="samples must be >= 1"):
         T.generate_all(samples=0)
+    with pytest.raises(ValueError, match=r"kv pairs must lie in \[1, 64\], got 65"):
+        T.generate("kv_retrieval", 0, sizes=T.TaskSizes(kv_pairs=65))
+    # no two keys of a sample share a word
+    keys = [line.split("the key ")[1].split(" is")[0] for line in
+            T.generate("kv_retrieval", 0).context.splitlines()[2:]]
+    words = [w for k in keys for w in k.split("-")]
+    assert len(keys) == 64 and len(set(words)) == len(words)
 
 
 # ----- scoring -------------------------------------------------------------------------------
@@ -206,3 +226,35 @@ def test_follow_up_turn_is_the_template_difference_without_a_repeated_end_of_tur
     after_eos = followup_token_ids(encode, closing, opening, [5, 6, end])
     cut_off = followup_token_ids(encode, closing, opening, [5, 6])
     assert cut_off == [end] + after_eos       # a truncated answer gets its end-of-turn token
+
+
+def test_answer_prefix_follows_the_generation_prompt_in_every_turn():
+    from tangram_jax.evaluation.harness import _followup_token_ids, first_turn_token_ids
+
+    class WordTokenizer:
+        """Whitespace tokens; ChatML-like template."""
+
+        def __init__(self):
+            self.vocab = {}
+
+        def encode(self, text, add_special_tokens=False):
+            return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+        def render_chat(self, messages, add_generation_prompt):
+            text = "".join(f" <s> {m['role']} {m['content']} <e> " for m in messages)
+            return text + (" <s> assistant " if add_generation_prompt else "")
+
+        def apply_chat_template(self, messages, add_generation_prompt):
+            return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    tok = WordTokenizer()
+    sample = T.generate("multi_turn", 3)
+    first = first_turn_token_ids(tok, sample)
+    prefix = tok.encode(sample.turns[0].answer_prefix)
+    assert first[-len(prefix) - 2:] == tok.encode("<s> assistant") + prefix
+    later = _followup_token_ids(tok, sample, 2, [])
+    assert later[-len(tok.encode(sample.turns[2].answer_prefix)) - 2:] == \
+        tok.encode("<s> assistant " + sample.turns[2].answer_prefix)
+    bare = T.Sample.from_json({**sample.to_json(), "turns": [
+        {"question": t.question, "answer": t.answer} for t in sample.turns]})
+    assert first_turn_token_ids(tok, bare) == first[:-len(prefix)]

@@ -123,15 +123,25 @@ def followup_token_ids(encode: Callable[[str], list[int]], closing: str, opening
     return closing_ids + encode(opening)
 
 
-def _followup_token_ids(tokenizer, question: str, previous_tokens: list[int]) -> list[int]:
-    closing, opening = followup_text(tokenizer.render_chat, question)
-    return followup_token_ids(lambda t: tokenizer.encode(t, add_special_tokens=False),
-                              closing, opening, previous_tokens)
+def answer_prefix_ids(encode: Callable[[str], list[int]], prefix: str) -> list[int]:
+    """The turn's answer prefix as tokens of its own, appended after the generation prompt
+    (tokenised apart so both libraries cut it the same way)."""
+    return encode(prefix) if prefix else []
+
+
+def _followup_token_ids(tokenizer, sample: Sample, turn: int,
+                        previous_tokens: list[int]) -> list[int]:
+    closing, opening = followup_text(tokenizer.render_chat, sample.turns[turn].question)
+    encode = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    return (followup_token_ids(encode, closing, opening, previous_tokens)
+            + answer_prefix_ids(encode, sample.turns[turn].answer_prefix))
 
 
 def first_turn_token_ids(tokenizer, sample: Sample) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": sample.user_message(0)}],
-                                         add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.user_message(0)}],
+                                        add_generation_prompt=True)
+    return list(ids) + answer_prefix_ids(lambda t: tokenizer.encode(t, add_special_tokens=False),
+                                         sample.turns[0].answer_prefix)
 
 
 def session_lengths(tokenizer, samples: list[Sample], max_tokens: int) -> list[int]:
@@ -140,7 +150,7 @@ def session_lengths(tokenizer, samples: list[Sample], max_tokens: int) -> list[i
     for s in samples:
         n = len(first_turn_token_ids(tokenizer, s)) + max_tokens
         for t in range(1, len(s.turns)):
-            n += len(_followup_token_ids(tokenizer, s.turns[t].question, [])) + max_tokens
+            n += len(_followup_token_ids(tokenizer, s, t, [])) + max_tokens
         out.append(n)
     return out
 
@@ -195,7 +205,7 @@ def serve_sessions(engine, samples: list[Sample], *, max_tokens: int, max_active
                 on_turn(sample, turn, out)
             if turn + 1 < len(sample.turns):
                 submit(sample, turn + 1, _followup_token_ids(
-                    engine.tokenizer, sample.turns[turn + 1].question, completion.token_ids))
+                    engine.tokenizer, sample, turn + 1, completion.token_ids))
             else:
                 engine.end_session(sample.id)
                 sessions -= 1
@@ -254,10 +264,14 @@ class _Judged:
 
 def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
               log: Callable[[str], None] = print,
-              on_partial: Callable[[dict], None] | None = None) -> dict:
+              on_partial: Callable[[dict], None] | None = None,
+              on_answers: Callable[[str, dict[str, list[TurnOutput]]], None] | None = None
+              ) -> dict:
     """Serve `samples` in every spec (full first) and return the table (see `summarise`).
     `on_partial(table)` gets the table of the specs done so far after each one (a run cut short
-    by a time limit still leaves its finished columns)."""
+    by a time limit still leaves its finished columns); `on_answers(label, outputs)` every
+    answer of a spec's free run (sample id -> its turns), e.g. to compare runs answer by
+    answer."""
     from tangram_jax.engine.llm_engine import Engine
     from tangram_jax.models.registry import load_model
 
@@ -294,6 +308,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
                                  max_active=cfg.max_active, logprobs=want_ref_logprobs,
                                  on_turn=keep_reference if want_ref_logprobs else None)
         serve_s = time.perf_counter() - t0
+        if on_answers is not None:
+            on_answers(spec.label, outputs)
         rows = {}
         for s in samples:
             for t, turn_out in enumerate(outputs[s.id]):

