@@ -323,3 +323,18 @@ def test_admission_evicts_a_young_session_when_nothing_else_runs():
     s.add_request("new", list(range(size)))
     run_step(s)
     assert not a.is_cached and s.metrics.num_evictions == 1
+
+
+def test_admission_does_not_evict_a_session_whose_next_turn_is_queued():
+    # Nothing runs; a first turn queued ahead of a resident session's follow-up needs that
+    # session's pages: the follow-up goes first (a few pages), the session is not evicted.
+    m, s = make(num_pages=70, clock=lambda: 0.0)
+    serve_turn(s, "a1", list(range(40)), "a", finish_after=1)
+    a = s.sessions.get("a")
+    size = next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
+    s.add_request("new", list(range(size)))
+    s.add_request("a2", [7, 8, 9], session_id="a")
+    out = run_step(s)
+    assert a.is_cached and s.metrics.num_evictions == 0
+    assert [c.seq.request_id for c in out.prefill_chunks] == ["a2"]
+    assert s.get("new").status is SequenceStatus.WAITING

@@ -21,8 +21,8 @@ One engine step is::
    first the admitted ones, oldest admission first, then admission (3). One chunk per long turn
    in prefill is kept back from them, so short turns cannot starve long ones.
 3. Admission, FCFS by reservation: a waiting turn is admitted only if its whole post-compression
-   reservation fits (evicting idle sessions if that makes it fit; while other sequences run,
-   not sessions that went idle under a second ago or whose next turn is queued:
+   reservation fits (evicting idle sessions if that makes it fit; not sessions whose next turn
+   is queued, nor, while other sequences run, sessions that went idle under a second ago:
    `_admission_victims`). A short turn gets its first
    piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
    long turns have more than one piece left; until then the turns behind it go first. A turn that does not fit the
@@ -174,6 +174,7 @@ class Scheduler:
         self._parked: list[int] = []               # slots of finished requests, pages not freed yet
         self._step = 0
         self._admissions = 0
+        self._admission_stalled = False
         self._aborted_since_schedule = False
         # `running` split by status, and the decode slots, rebuilt only after `running` or a
         # status in it changed: a step with no admission, transition or finish reuses them.
@@ -320,6 +321,9 @@ class Scheduler:
         # A step that had to preempt is short of pages: admitting now would only thrash.
         if not preempted:
             budget = self._admit(budget, chunks, longs)
+            # Nothing runs and nothing could be admitted: the next admission may evict queued
+            # sessions too (`_admission_victims`), or the engine would stall.
+            self._admission_stalled = not self.running and bool(self.waiting)
         budget += kept
         for seq in longs:
             if budget > 0:
@@ -547,20 +551,25 @@ class Scheduler:
         return True
 
     def _admission_victims(self, seq: Sequence) -> list[Sequence]:
-        """The sessions an admission of `seq` may evict, the first to go first. While other
-        sequences run, a session that went idle less than the table's idle prior ago, or whose
-        next turn is queued already, is kept: its next turn is the likeliest to come (a
-        closed-loop client sends it the moment the answer arrives), and evicting it would make
-        that turn re-prefill its whole history, while the admission only waits for pages the
-        running sequences will return. With nothing running, waiting would idle the device, so
-        every idle session is a candidate."""
+        """The sessions an admission of `seq` may evict, the first to go first.
+
+        A session whose next turn is queued is kept: that turn is work the device can do now
+        and would otherwise re-prefill the session's whole history (a closed-loop client sends
+        it the moment the answer arrives). While other sequences run, so is a session that went
+        idle less than the table's idle prior ago (its next turn is the likeliest to come); the
+        admission waits for pages the running sequences will return. With nothing running,
+        waiting would idle the device, so every idle session is a candidate, and after a step
+        that admitted nothing with nothing running, queued sessions too (admission cannot
+        stall)."""
         order = [v for v in self.sessions.eviction_order() if v is not seq]
-        if not self.running:
+        if self._admission_stalled and not self.running:
             return order
+        idle = [v for v in order if v.status is SequenceStatus.IDLE]
+        if not self.running:
+            return idle
         now = self.sessions.clock()
         grace = self.sessions.idle_prior_seconds
-        return [v for v in order
-                if v.status is SequenceStatus.IDLE and now - v.idle_since >= grace]
+        return [v for v in idle if now - v.idle_since >= grace]
 
     @staticmethod
     def _plan(seq: Sequence) -> list[tuple[int, bool]]:
