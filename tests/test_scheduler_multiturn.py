@@ -291,6 +291,11 @@ def test_long_prefill_fields_are_checked():
                   max_long_partial_prefills=0)
 
 
+def _smallest_prompt_over_free_pages(m) -> int:
+    """Tokens of the shortest new prompt whose reservation exceeds the free pages."""
+    return next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
+
+
 def test_admission_keeps_a_session_that_just_went_idle_while_others_run():
     # A closed-loop client sends its next turn the moment an answer arrives: a waiting first
     # turn must not evict that session while the device has other work; it waits for pages, or
@@ -302,7 +307,7 @@ def test_admission_keeps_a_session_that_just_went_idle_while_others_run():
     run_step(s, finish_after=None)                          # b decodes (no finish yet)
     a = s.sessions.get("a")
     # The smallest prompt that fits only with a's pages back.
-    size = next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
+    size = _smallest_prompt_over_free_pages(m)
     assert m.pages_to_reserve(None, size) <= m.num_free_pages + m.pages_held(a.slot)
     s.add_request("new", list(range(size)))
     for _ in range(3):
@@ -315,26 +320,20 @@ def test_admission_keeps_a_session_that_just_went_idle_while_others_run():
     assert s.get("new").status is not SequenceStatus.WAITING
 
 
-def test_admission_evicts_a_young_session_when_nothing_else_runs():
+@pytest.mark.parametrize("follow_up_queued", [False, True])
+def test_admission_with_nothing_running(follow_up_queued):
+    # Nothing runs and a first turn needs a resident session's pages: an idle session is
+    # evicted however young (waiting would idle the device), but one whose next turn is queued
+    # behind the first turn is kept: its follow-up goes first (a few pages).
     m, s = make(num_pages=70, clock=lambda: 0.0)
     serve_turn(s, "a1", list(range(40)), "a", finish_after=1)
     a = s.sessions.get("a")
-    size = next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
-    s.add_request("new", list(range(size)))
-    run_step(s)
-    assert not a.is_cached and s.metrics.num_evictions == 1
-
-
-def test_admission_does_not_evict_a_session_whose_next_turn_is_queued():
-    # Nothing runs; a first turn queued ahead of a resident session's follow-up needs that
-    # session's pages: the follow-up goes first (a few pages), the session is not evicted.
-    m, s = make(num_pages=70, clock=lambda: 0.0)
-    serve_turn(s, "a1", list(range(40)), "a", finish_after=1)
-    a = s.sessions.get("a")
-    size = next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
-    s.add_request("new", list(range(size)))
-    s.add_request("a2", [7, 8, 9], session_id="a")
+    s.add_request("new", list(range(_smallest_prompt_over_free_pages(m))))
+    if follow_up_queued:
+        s.add_request("a2", [7, 8, 9], session_id="a")
     out = run_step(s)
-    assert a.is_cached and s.metrics.num_evictions == 0
-    assert [c.seq.request_id for c in out.prefill_chunks] == ["a2"]
-    assert s.get("new").status is SequenceStatus.WAITING
+    assert a.is_cached == follow_up_queued
+    assert s.metrics.num_evictions == (0 if follow_up_queued else 1)
+    if follow_up_queued:
+        assert [c.seq.request_id for c in out.prefill_chunks] == ["a2"]
+        assert s.get("new").status is SequenceStatus.WAITING
