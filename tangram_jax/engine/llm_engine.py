@@ -23,6 +23,7 @@ queued, so the other requests keep being served.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -232,6 +233,16 @@ def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
     if last > start + 1:
         targets[:last - start - 1] = seq.token_ids[start + 1:last]
     return targets
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_pages(k_pages, v_pages, src, dst):
+    """The pool with pages `dst` overwritten by pages `src` (int32 [n]; a `dst` out of range is
+    padding, dropped): a fork's copies of partly filled pages (`KVCacheManager.fork`). Every
+    array of a page format (quantised codes and scales too) has the page axis first."""
+    def copy(pages):
+        return pages.at[dst].set(pages[src], mode="drop")
+    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
 
 
 class _RequestFailed(Exception):
@@ -464,7 +475,8 @@ class Engine:
         if forced is not None and total + len(forced) - 1 >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
                              f"exceeds max_model_len {self.max_model_len}")
-        self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id)
+        self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id,
+                                     forks=sampling_params.n - 1)
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
     def enqueue(self, prepared: "PreparedRequest",
@@ -480,33 +492,40 @@ class Engine:
         if prepared.params.n > 1:
             return self._enqueue_parent(request_id, prepared, output_kind)
         session_id, ids, params = prepared.session_id, prepared.prompt_token_ids, prepared.params
-        stop_params = params
-        if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
-            stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
-                                              ignore_eos=True, stop=None, stop_token_ids=(),
-                                              min_tokens=0)
         # Tokens of the session this request continues (cached unless it was evicted).
         session = self.sessions.get(session_id)
         history = session.num_tokens if session is not None else 0
         now = time.perf_counter()
         seq = self.scheduler.add_request(request_id, ids, params, session_id=session_id,
                                          arrival_time=now)
+        self._track(request_id, seq, prepared, params, output_kind, now, history)
+        return request_id
+
+    def _track(self, request_id: str, seq: Sequence, prepared: "PreparedRequest",
+               params: SamplingParams, output_kind: RequestOutputKind, now: float,
+               history: int = 0) -> None:
+        """The engine's `_Request` for a sequence the scheduler queued."""
+        stop_params = params
+        if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
+            stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
+                                              ignore_eos=True, stop=None, stop_token_ids=(),
+                                              min_tokens=0)
+        ids = prepared.prompt_token_ids
         self._requests[request_id] = _Request(
             seq=seq, params=params, seed=self._request_seed(request_id, params),
             stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
             prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
             forced=prepared.forced_token_ids, output_kind=output_kind,
             num_cached_tokens=history)
-        return request_id
 
     def _enqueue_parent(self, request_id: str, prepared: "PreparedRequest",
                         output_kind: RequestOutputKind) -> str:
         """Queue the n completions of `prepared` as child requests ``"{i}_{request_id}"``
         (vLLM's naming); child i's seed is ``seed + i`` when the request has one.
 
-        Each child prefills the prompt into its own pages: the block tables share no pages
-        (a shared prompt would need reference-counted pages and a copy of every group's last,
-        partly filled page at the fork)."""
+        The children share the prompt's pages (the scheduler's parallel samples): the first
+        prefills the prompt once, the others fork its KV when its prefill ends (`_dispatch`
+        samples every child's first token from the prompt's last logits)."""
         params = prepared.params
         child_ids = [f"{i}_{request_id}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self._requests or c in self._parents]
@@ -514,10 +533,15 @@ class Engine:
             raise ValueError(f"request id {request_id!r}: its completions' ids {taken[:3]} "
                              f"are already live")
         parent = _ParentRequest(request_id, child_ids, output_kind)
-        for i, child_id in enumerate(child_ids):
-            child = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
-            self.enqueue(prepared._replace(request_id=child_id, params=child), output_kind)
+        child_params = [dataclasses.replace(params, n=1, seed=None if params.seed is None
+                                            else params.seed + i) for i in range(params.n)]
+        now = time.perf_counter()
+        self.scheduler.add_request(child_ids[0], prepared.prompt_token_ids, child_params[0],
+                                   arrival_time=now, fork_ids=child_ids[1:])
+        for i, (child_id, child) in enumerate(zip(child_ids, child_params)):
+            self._track(child_id, self.scheduler.get(child_id),
+                        prepared._replace(request_id=child_id, params=child), child,
+                        output_kind, now)
             self._child_of[child_id] = (parent, i)
         self._parents[request_id] = parent
         return request_id
@@ -685,6 +709,17 @@ class Engine:
 
         self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, *_ in pending},
                               reclaim)
+        # Forks the commit made (parallel samples): copy their partly filled pages before any
+        # forked sequence decodes (the copy is queued after this step's prefill wrote them).
+        src, dst = self.manager.take_page_copies()
+        if src.size:
+            size = max(8, 1 << int(src.size - 1).bit_length())   # few shapes compile
+            num_pages = self.manager.pool.num_pages
+            pad = size - src.size
+            self.runner.k_pages, self.runner.v_pages = _copy_pages(
+                self.runner.k_pages, self.runner.v_pages,
+                np.concatenate([src, np.zeros(pad, np.int32)]),
+                np.concatenate([dst, np.full(pad, num_pages, np.int32)]))
         # commit appended one placeholder per sampled token: remember where it sits.
         return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
                 for r, tokens, row, lp in pending]
@@ -729,9 +764,17 @@ class Engine:
         finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
                                             self.config.max_prefill_rows, wanted or None)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
-        return ([logits for _, logits in finished],
-                [self._requests[p.seq.request_id] for p, _ in finished],
-                hist if self.config.mode == "dynamic" else None)
+        logits, reqs = [], []
+        for p, row in finished:
+            req = self._requests[p.seq.request_id]
+            # A family's prefill (parallel samples): each waiting child samples its first token
+            # from the same logits (its own seed) and is forked at the commit.
+            children = [self._requests[c.request_id] for c in p.seq.fork_children]
+            for child in children:
+                child.prompt_lp = dict(req.prompt_lp)
+            logits += [row] * (1 + len(children))
+            reqs += [req, *children]
+        return logits, reqs, hist if self.config.mode == "dynamic" else None
 
     def warmup(self) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
