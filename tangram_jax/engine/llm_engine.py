@@ -589,12 +589,21 @@ class Engine:
             last = None
             for child_id in parent.child_ids:
                 if child_id in self._requests:
-                    last = self.abort(child_id)
+                    last = self._abort_one(child_id)
                     parent.report(self._child_of.pop(child_id)[1], last)
             return dataclasses.replace(
                 last, request_id=request_id, finished=True,
                 outputs=[parent.latest.get(i) or CompletionOutput(i, "", [], "abort")
                          for i in range(len(parent.child_ids))])
+        out = self._abort_one(request_id)
+        if request_id in self._child_of:   # one completion of n: its parent records the end
+            merged = self._report([out])
+            if merged and merged[0].finished:   # it was the last one running
+                return merged[0]
+        return out
+
+    def _abort_one(self, request_id: str) -> RequestOutput:
+        """End one live (child) request now: its pages go back, its output says "abort"."""
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r}")

@@ -326,9 +326,10 @@ class Scheduler:
         completion prefills for the rest instead, queued first (from the start of the prompt)."""
         heir, *rest = seq.fork_children
         seq.fork_children = []
-        if heir.is_cached:
-            self.manager.free(heir.slot)
-            heir.drop_cache()
+        for child in (heir, *rest):   # the family is admitted again, slots and all
+            if child.is_cached:
+                self.manager.free(child.slot)
+                child.drop_cache()
         heir.fork_parent = None
         heir.fork_children = rest
         for child in rest:
