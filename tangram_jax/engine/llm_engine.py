@@ -979,8 +979,9 @@ class Engine:
         full_slots = int(pages_for(np.asarray(cached, np.int64), self.layout.page_size).sum()) \
             * self.layout.page_size
         # Not usage["pages_used"]: the pool also holds finished requests' pages until the
-        # scheduler returns them (it does so lazily).
-        held = sum(self.manager.pages_held(s.slot) for s in cached_seqs)
+        # scheduler returns them (it does so lazily). Parallel samples share the prompt's
+        # pages: each counts once.
+        held = self.manager.distinct_pages_held([s.slot for s in cached_seqs])
         usage.update(
             kv_bytes_held=held * self.runner.kv_bytes_per_page,
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,

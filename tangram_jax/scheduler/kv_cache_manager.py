@@ -172,7 +172,14 @@ class KVCacheManager:
         return len(self._free_slots)
 
     def pages_held(self, slot: int) -> int:
+        """Pages in `slot`'s block table (those shared with forked siblings included)."""
         return int(self.table.num_pages[slot].sum())
+
+    def distinct_pages_held(self, slots: SequenceABC[int]) -> int:
+        """Pages the block tables of `slots` hold together, a shared page counted once."""
+        if not len(slots):
+            return 0
+        return int(np.unique(np.concatenate([self.table.pages_of(s) for s in slots])).size)
 
     # ----- slots -------------------------------------------------------------------------
     def allocate_slot(self) -> int:
