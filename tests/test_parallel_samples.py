@@ -279,3 +279,4 @@ def test_aborting_the_prefilling_child_before_the_fork_still_serves_the_rest(eng
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert [final.outputs[i].token_ids for i in (1, 2)] == [greedy.outputs[0].token_ids] * 2
     assert engine.manager.num_free_pages == free
+

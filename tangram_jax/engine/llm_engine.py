@@ -38,7 +38,7 @@ from tangram_jax.engine import inputs, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
-from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.engine.model_runner import LOGPROB_MODES, ModelRunner, RunnerConfig
 from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -347,6 +347,7 @@ class Engine:
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
+        self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
         # included), warm-up (compiling every step shape), total.
         self.startup_seconds = {"load_model": load_seconds,
@@ -722,7 +723,7 @@ class Engine:
         # forked sequence decodes (the copy is queued after this step's prefill wrote them).
         src, dst = self.manager.take_page_copies()
         if src.size:
-            size = max(8, 1 << int(src.size - 1).bit_length())   # few shapes compile
+            size = max(8, 1 << int(src.size - 1).bit_length())   # few shapes (see warmup)
             num_pages = self.manager.pool.num_pages
             pad = size - src.size
             self.runner.k_pages, self.runner.v_pages = _copy_pages(
@@ -785,15 +786,38 @@ class Engine:
             reqs += [req, *children]
         return logits, reqs, hist if self.config.mode == "dynamic" else None
 
-    def warmup(self) -> None:
-        """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
-        instead of when the first requests meet them; takes a while on a GPU."""
+    def warmup(self, *, logprobs: bool = False) -> None:
+        """Compile every step shape now (decode buckets, prefill rows, first-token sampling,
+        the page copies of parallel samples' forks) instead of when the first requests meet
+        them; takes a while on a GPU.
+
+        logprobs: also the variants of requests that ask for log-probabilities (`logprobs`
+        top-k, any count, or -1; `prompt_logprobs`), as a server meets them (`tangram-jax
+        serve` asks for them). A later call with it adds only those."""
         started = time.perf_counter()
+        modes = LOGPROB_MODES if logprobs else (None,)
         self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
-                           self.config.max_num_seqs)
-        self.startup_seconds["warmup"] = time.perf_counter() - started
+                           self.config.max_num_seqs,
+                           logprob_modes=[m for m in modes if m not in self._warm_variants],
+                           prompt_logprobs=[t for t in ((False, True) if logprobs else (False,))
+                                            if ("prompt", t) not in self._warm_variants])
+        self._warm_variants.update(modes)
+        self._warm_variants.update(("prompt", t) for t in ((False, True) if logprobs
+                                                           else (False,)))
+        # The fork's page copies: 8 pages and up, by powers of two (`_dispatch`).
+        most = (self.config.max_num_seqs - 1) * self.model_config.num_layers \
+            * self.layout.num_groups
+        for size in (1 << b for b in range(3, max(3, int(most - 1).bit_length()) + 1)):
+            index = np.zeros(size, np.int32)
+            _copy_pages.lower(self.runner.k_pages, self.runner.v_pages, index, index).compile()
+        self.startup_seconds["warmup"] += time.perf_counter() - started
         log.info("warm-up compiled every step shape in %.1f s (compile cache: %s)",
                  self.startup_seconds["warmup"], self.compile_cache_dir or "off")
+
+    @property
+    def is_warm(self) -> bool:
+        """Whether `warmup` has compiled the step shapes (see `EngineConfig.warmup`)."""
+        return None in self._warm_variants
 
     def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
         """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests.
