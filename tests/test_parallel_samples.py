@@ -280,3 +280,16 @@ def test_aborting_the_prefilling_child_before_the_fork_still_serves_the_rest(eng
     assert [final.outputs[i].token_ids for i in (1, 2)] == [greedy.outputs[0].token_ids] * 2
     assert engine.manager.num_free_pages == free
 
+
+
+def test_more_samples_than_sequence_slots_run_as_several_families(engines):
+    engine = engines["full"]                        # max_num_seqs 4
+    free = engine.manager.num_free_pages
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=3, n=6)
+    final = _run(engine, params)
+    assert [c.index for c in final.outputs] == list(range(6))
+    for i in (0, 4, 5):                             # the second family's first, and one after
+        single = _run(engine, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True,
+                                             seed=3 + i))
+        assert final.outputs[i].token_ids == single.outputs[0].token_ids
+    assert engine.manager.num_free_pages == free

@@ -477,7 +477,7 @@ class Engine:
             raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
                              f"exceeds max_model_len {self.max_model_len}")
         self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id,
-                                     forks=sampling_params.n - 1)
+                                     forks=self._family_size(sampling_params.n) - 1)
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
     def enqueue(self, prepared: "PreparedRequest",
@@ -526,7 +526,9 @@ class Engine:
 
         The children share the prompt's pages (the scheduler's parallel samples): the first
         prefills the prompt once, the others fork its KV when its prefill ends (`_dispatch`
-        samples every child's first token from the prompt's last logits)."""
+        samples every child's first token from the prompt's last logits). A family is admitted
+        whole, a sequence slot each, so more than `max_num_seqs` children are served as
+        several families of at most that many (each prefills the prompt once)."""
         params = prepared.params
         child_ids = [f"{i}_{request_id}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self._requests or c in self._parents]
@@ -537,8 +539,12 @@ class Engine:
         child_params = [dataclasses.replace(params, n=1, seed=None if params.seed is None
                                             else params.seed + i) for i in range(params.n)]
         now = time.perf_counter()
-        self.scheduler.add_request(child_ids[0], prepared.prompt_token_ids, child_params[0],
-                                   arrival_time=now, fork_ids=child_ids[1:])
+        size = self._family_size(params.n)
+        for first in range(0, params.n, size):
+            family = child_ids[first:first + size]
+            self.scheduler.add_request(family[0], prepared.prompt_token_ids,
+                                       child_params[first], arrival_time=now,
+                                       fork_ids=family[1:])
         for i, (child_id, child) in enumerate(zip(child_ids, child_params)):
             self._track(child_id, self.scheduler.get(child_id),
                         prepared._replace(request_id=child_id, params=child), child,
@@ -546,6 +552,10 @@ class Engine:
             self._child_of[child_id] = (parent, i)
         self._parents[request_id] = parent
         return request_id
+
+    def _family_size(self, n: int) -> int:
+        """Completions of one request that share a prefill (see `_enqueue_parent`)."""
+        return min(n, self.config.max_num_seqs)
 
     def _report(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Outputs as the caller sees them: a child's become its parent's (`_ParentRequest`)."""
