@@ -292,3 +292,37 @@ def test_long_prefill_fields_are_checked():
     with pytest.raises(ValueError, match="max_long_partial_prefills"):
         Scheduler(m, max_num_batched_tokens=64, decode_buckets=(2,),
                   max_long_partial_prefills=0)
+
+
+def test_admission_keeps_a_session_that_just_went_idle_while_others_run():
+    # A closed-loop client sends its next turn the moment an answer arrives: a waiting first
+    # turn must not evict that session while the device has other work; it waits for pages, or
+    # for the session to age past the idle prior, or for the device to run dry.
+    now = [0.0]
+    m, s = make(num_pages=70, clock=lambda: now[0])
+    serve_turn(s, "a1", list(range(40)), "a", finish_after=1)
+    s.add_request("b1", list(range(4)), session_id="b")
+    run_step(s, finish_after=None)                          # b decodes (no finish yet)
+    a = s.sessions.get("a")
+    # The smallest prompt that fits only with a's pages back.
+    size = next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
+    assert m.pages_to_reserve(None, size) <= m.num_free_pages + m.pages_held(a.slot)
+    s.add_request("new", list(range(size)))
+    for _ in range(3):
+        run_step(s, finish_after=None)
+    assert a.is_cached and s.metrics.num_evictions == 0     # young, and b runs
+    assert s.get("new").status is SequenceStatus.WAITING
+    now[0] = IDLE_PRIOR_SECONDS + 0.5                       # a has aged past the prior
+    run_step(s, finish_after=None)
+    assert not a.is_cached and s.metrics.num_evictions == 1
+    assert s.get("new").status is not SequenceStatus.WAITING
+
+
+def test_admission_evicts_a_young_session_when_nothing_else_runs():
+    m, s = make(num_pages=70, clock=lambda: 0.0)
+    serve_turn(s, "a1", list(range(40)), "a", finish_after=1)
+    a = s.sessions.get("a")
+    size = next(n for n in range(4, 400, 4) if m.pages_to_reserve(None, n) > m.num_free_pages)
+    s.add_request("new", list(range(size)))
+    run_step(s)
+    assert not a.is_cached and s.metrics.num_evictions == 1

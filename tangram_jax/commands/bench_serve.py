@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="output JSON (default "
                    "benchmarks/results/serve_<cpu|gpu>.json)")
     p.add_argument("--plot", default=None, help="output PNG (default: the JSON's name, .png)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the configurations the output JSON already holds from an earlier "
+                        "invocation of the same benchmark (same device, model, pool, engine "
+                        "settings and workloads: refused otherwise) and run only the others; "
+                        "for runs longer than one process may take")
     add_cli_args(p, exclude=_OWN_FIELDS)
     return p
 
@@ -179,7 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     def save():
         write_result(out, "serve", report, ["tangram-jax bench serve", *(argv or sys.argv[1:])])
 
+    done = set()
+    if args.resume and out.exists():
+        earlier = _resumable(out, report)
+        report["results"] = [r for r in earlier["results"] if r["variant"] != "vllm"]
+        report["earlier_invocations"] = earlier.get("earlier_invocations", []) + [
+            {k: earlier.get(k) for k in ("git_revision", "command", "utc_time")}]
+        done = {r["variant"] for r in report["results"]}
+        print(f"resuming {out}: keeping {', '.join(sorted(done)) or 'nothing'}")
     for variant in dict.fromkeys(variants + rate_variants):
+        if variant in done:
+            continue
         mine = (closed if variant in variants else []) + (rated if variant in rate_variants else [])
         result = serve.run_variant(variant, factory, model_config, fields, mine, group_size,
                                    args.ratio, profile_seed)
@@ -201,6 +216,22 @@ def main(argv: list[str] | None = None) -> int:
     print(serve.table(report))
     print(f"wrote {out} and {plot_path}")
     return 0
+
+
+def _resumable(path, report: dict) -> dict:
+    """The earlier report at `path` if it measured what `report` describes, on this device."""
+    import json
+
+    from tangram_jax.provenance import device_description
+    earlier = json.loads(path.read_text())
+    current = json.loads(json.dumps(report, default=str))   # tuples as lists, like the file
+    current["device"] = device_description()
+    for key in ("device", "model", "model_shape", "ratio", "group_size", "kv_cache_tokens",
+                "engine_fields", "workloads"):
+        if earlier.get(key) != current.get(key):
+            raise UsageError(f"--resume: {path} measured another {key} ({earlier.get(key)!r}, "
+                             f"now {current.get(key)!r}); give another --json or drop --resume")
+    return earlier
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ One engine step is::
    first the admitted ones, oldest admission first, then admission (3). One chunk per long turn
    in prefill is kept back from them, so short turns cannot starve long ones.
 3. Admission, FCFS by reservation: a waiting turn is admitted only if its whole post-compression
-   reservation fits (evicting idle sessions if that makes it fit). A short turn gets its first
+   reservation fits (evicting idle sessions if that makes it fit; while other sequences run,
+   not sessions that went idle under a second ago or whose next turn is queued:
+   `_admission_victims`). A short turn gets its first
    piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
    long turns have more than one piece left; until then the turns behind it go first. A turn that does not fit the
    pool is passed over so smaller ones behind it can run, but each time it is overtaken its
@@ -603,19 +605,16 @@ class Scheduler:
                                                             self._plan(seq), forks))
         need = seq.reservation_need[1]
         need_slots = (not seq.is_cached) + forks
-        own_listed = self.sessions.is_listed(seq)
-        others_pages = self.sessions.evictable_pages - (m.pages_held(seq.slot) if own_listed else 0)
-        others = self.sessions.num_evictable - own_listed
-        if need > m.num_free_pages + others_pages:
-            return False
-        if m.num_free_slots + others < need_slots:
-            return False
         if m.num_free_pages < need or m.num_free_slots < need_slots:
-            for victim in self.sessions.eviction_order():
+            victims = self._admission_victims(seq)
+            if need > m.num_free_pages + sum(m.pages_held(v.slot) for v in victims):
+                return False
+            if m.num_free_slots + len(victims) < need_slots:
+                return False
+            for victim in victims:
                 if m.num_free_pages >= need and m.num_free_slots >= need_slots:
                     break
-                if victim is not seq:
-                    self._evict(victim)
+                self._evict(victim)
         self.sessions.unlist(seq)   # before its page count changes
         if not seq.is_cached:
             seq.slot = m.allocate_slot()
@@ -625,6 +624,22 @@ class Scheduler:
             child.slot = m.allocate_slot()
         seq.reservation_need = None   # the slot's contents change from here on
         return True
+
+    def _admission_victims(self, seq: Sequence) -> list[Sequence]:
+        """The sessions an admission of `seq` may evict, the first to go first. While other
+        sequences run, a session that went idle less than the table's idle prior ago, or whose
+        next turn is queued already, is kept: its next turn is the likeliest to come (a
+        closed-loop client sends it the moment the answer arrives), and evicting it would make
+        that turn re-prefill its whole history, while the admission only waits for pages the
+        running sequences will return. With nothing running, waiting would idle the device, so
+        every idle session is a candidate."""
+        order = [v for v in self.sessions.eviction_order() if v is not seq]
+        if not self.running:
+            return order
+        now = self.sessions.clock()
+        grace = self.sessions.idle_prior_seconds
+        return [v for v in order
+                if v.status is SequenceStatus.IDLE and now - v.idle_since >= grace]
 
     @staticmethod
     def _plan(seq: Sequence) -> list[tuple[int, bool]]:
