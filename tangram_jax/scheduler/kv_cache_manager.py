@@ -41,8 +41,9 @@ scheduler away from block tables):
 - the scheduler's (`SCHEDULER_INTERFACE`): slots, reservations and decode growth as yes/no
   answers and page counts, by slot; it never reads the arrays above;
 - the device feed, for the engine and runner that build a step: `take_table_updates` (the block
-  table's writes for a device-resident copy), `decode_write_lengths` (where each decode row
-  writes its token) and `retained_lengths` (a slot's history lengths for prefill).
+  table's writes for a device-resident copy), `take_page_copies` (the pages forks copied),
+  `decode_write_lengths` (where each decode row writes its token) and `retained_lengths` (a
+  slot's history lengths for prefill).
 """
 
 from __future__ import annotations
