@@ -100,6 +100,34 @@ def test_reclaim_forks_after_compression_and_returns_the_unused_stash():
     assert m.pool.num_free == m.pool.capacity
 
 
+def test_a_tiered_fork_copies_only_the_high_tier_decode_appends_to():
+    """Precision tiers: decode tokens go to the high tier only, so a partly filled low-tier page
+    is never written again and every fork shares it."""
+    from tangram_jax.kv_layout import TieredLayout
+    rng = np.random.default_rng(3)
+    base = KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, group_size=2, page_size=4,
+                    chunk_size=16, head_perm=np.tile(np.arange(4), (3, 1)),
+                    group_budgets=np.round(rng.uniform(0.1, 1.0, (3, 2)), 3))
+    tiered = TieredLayout(base, np.round(rng.uniform(0.2, 0.8, (3, 2)), 3))
+    m = KVCacheManager(tiered, 200, 3, 40, model_kv_shape=(3, 4, 8))
+    parent, child = m.allocate_slot(), m.allocate_slot()
+    target = tiered.retained_counts(70)
+    partial = target % 4 != 0
+    high = np.broadcast_to(tiered.decode_tier_groups, target.shape)
+    assert (partial & ~high).any() and (partial & high).any()
+    assert m.reserve(parent, 70, forks=1)
+    m.commit_prefill(parent, 70)
+    assert m.fork(parent, [child]) == int((partial & high).sum())
+    for _ in range(5):
+        assert m.grow_for_decode(np.array([parent, child])).all()
+    mine, its = m.table.pages_of(child), m.table.pages_of(parent)
+    low_last = np.cumsum(m.table.num_pages[parent].ravel())[(~high).ravel()] - 1
+    assert (mine[low_last] == its[low_last]).all()   # low-tier tails shared
+    m.free(parent)
+    m.free(child)
+    assert m.pool.num_free == m.pool.capacity
+
+
 # ----- scheduler families ------------------------------------------------------------------
 def run_step(s, sampled_value=5):
     out = s.schedule()
@@ -293,3 +321,23 @@ def test_more_samples_than_sequence_slots_run_as_several_families(engines):
                                              seed=3 + i))
         assert final.outputs[i].token_ids == single.outputs[0].token_ids
     assert engine.manager.num_free_pages == free
+
+
+def test_a_family_on_a_short_pool_is_preempted_and_still_equals_one_request(engines):
+    """A pool that holds the family's prompt once but not every child's growth: the newest
+    child is preempted (its own pages dropped, the shared ones kept by its siblings), replays
+    its history alone later, and every completion still equals a single request's."""
+    folder = engines["tangram"].config.model
+    engine = Engine(tiny_engine_config(folder, "tangram", num_pages=60))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    single = _run(engine, params).outputs[0]
+    final = _run(engine, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                        logprobs=1, n=4))
+    assert engine.scheduler.metrics.num_preemptions > 0
+    for c in final.outputs:
+        assert c.token_ids == single.token_ids
+        np.testing.assert_allclose([e[t].logprob for e, t in zip(c.logprobs, c.token_ids)],
+                                   [e[t].logprob for e, t in zip(single.logprobs,
+                                                                 single.token_ids)],
+                                   atol=1e-4)
+    assert engine.manager.num_free_pages == engine.manager.capacity
