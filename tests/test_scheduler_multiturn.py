@@ -38,6 +38,8 @@ def run_step(s, finish_after=None):
     tokens (a dict request id -> tokens, or an int for all)."""
     out = s.schedule()
     sampled = {c.seq.request_id: 5 for c in out.prefill_chunks if c.is_last}
+    sampled.update({k.request_id: 5 for c in out.prefill_chunks if c.is_last
+                    for k in c.seq.fork_children})   # parallel samples forked at the commit
     sampled.update({q.request_id: 6 for q in out.decode_seqs})
     s.commit(out, sampled)
     for q in out.decode_seqs:
@@ -264,6 +266,7 @@ def test_scheduler_uses_only_the_narrow_manager_interface():
     for i in range(5):
         s.add_request(f"r{i}", list(range(20 + 9 * i)))
     s.add_request("t2", [1] * 5, session_id="chat")
+    s.add_request("f0", list(range(30)), fork_ids=("f1", "f2"))   # parallel samples
     for _ in range(200):
         run_step(s, finish_after=6)
         if not s.has_unfinished():
@@ -271,7 +274,7 @@ def test_scheduler_uses_only_the_narrow_manager_interface():
     assert not s.has_unfinished()
     assert s.metrics.num_evictions + s.metrics.num_preemptions > 0   # the pool ran short
     assert m.seen <= SCHEDULER_INTERFACE, m.seen - SCHEDULER_INTERFACE
-    assert {"reserve", "grow_for_decode", "commit_prefill"} <= m.seen
+    assert {"reserve", "grow_for_decode", "commit_prefill", "fork"} <= m.seen
 
 
 def test_long_prefill_fields_are_checked():

@@ -1,5 +1,5 @@
-"""Randomized whole-scheduler test: arrivals, multi-turn continuations, finishes, aborts,
-preemptions and evictions on a small pool, with the device simulated by committing exactly what
+"""Randomized whole-scheduler test: arrivals, multi-turn continuations, families of parallel
+samples (forked onto shared pages), finishes, aborts, preemptions and evictions on a small pool, with the device simulated by committing exactly what
 each step scheduled. Invariants are checked after every step; teardown drains the queue."""
 
 import numpy as np
@@ -71,6 +71,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert self._expect_fits(length)
         self.max_new[rid] = max_new
+
+    @rule(length=st.integers(1, 60), max_new=st.integers(1, 6), n=st.integers(2, 3))
+    def arrive_family(self, length, max_new, n):
+        """A request of n parallel samples: the first prefills, the others fork its pages."""
+        self.counter += 1
+        rid = f"r{self.counter}"
+        forks = [f"{rid}.{i}" for i in range(1, n)]
+        try:
+            self.sched.add_request(rid, list(range(length)), fork_ids=forks)
+        except RequestTooLargeError:
+            assert not self._expect_fits(length) or self.manager.pages_to_reserve(
+                None, length, n - 1) + n * NUM_LAYERS * 2 > NUM_PAGES - 1
+            return
+        for r in (rid, *forks):
+            self.max_new[r] = max_new
 
     @precondition(lambda self: self.idle_sessions)
     @rule(data=st.data(), length=st.integers(1, 30), max_new=st.integers(1, 6))
@@ -161,6 +176,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (m.table.num_pages[seq.slot] == pages_for(self.turn_target[rid], PAGE)).all()
             if chunk.is_last:
                 sampled[rid] = 1
+                for child in seq.fork_children:   # forked at this commit
+                    sampled[child.request_id] = 2
             if self.policy == "reclaim":
                 written = m.lengths[seq.slot] + chunk.num_tokens
                 keep = np.ceil(written * self.rng.uniform(0.2, 1.0, written.shape)).astype(int)
@@ -199,11 +216,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "manager"):
             return
         m = self.manager
-        owned = np.concatenate([m.table.pages_of(s) for s in range(MAX_SEQS + 1)])
-        assert m.pool.num_free + owned.size == NUM_PAGES - 1
-        assert np.unique(owned).size == owned.size, "a page is owned twice"
+        # Forked sequences share pages: each page is counted by its holders (block tables and
+        # fork stashes), and the pool's free pages are the rest.
+        tables = [m.table.pages_of(s) for s in range(MAX_SEQS + 1)]
+        assert all(np.unique(t).size == t.size for t in tables), "a slot holds a page twice"
+        owned = np.concatenate(tables + list(m._fork_stash.values()))
+        pages, holders = np.unique(owned, return_counts=True)
+        assert m.pool.num_free + pages.size == NUM_PAGES - 1
+        assert (m.pool.holders(pages) == holders).all(), "reference counts disagree"
         assert (owned != 0).all(), "the null page was handed out"
-        assert m.pool.is_allocated(owned).all()
         assert (m.block_tables[m.null_slot] == 0).all() and (m.lengths[m.null_slot] == 0).all()
 
     @invariant()
@@ -228,6 +249,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(s.session_id in table for s in listed)
         holders = [s for s in table.sequences() if s.is_cached]
         holders += [s for s in self.sched.running if s.session_id is None]
+        # Completions waiting for their family's fork hold a slot from its admission on.
+        family = list(self.sched.running) + list(self.sched.waiting)
+        waiting_forks = [c for s in family for c in s.fork_children]
+        assert all(c.is_cached == s.is_cached for s in family for c in s.fork_children)
+        assert all(not m.table.num_pages[c.slot].any() for c in waiting_forks if c.is_cached)
+        holders += [c for c in waiting_forks if c.is_cached]
         # Finished requests' slots whose pages are returned lazily.
         parked = list(self.sched._parked)
         assert sorted([s.slot for s in holders] + parked) == sorted(

@@ -42,6 +42,8 @@ def run(args) -> int:
 
     try:
         engine = Engine(from_cli_args(args))
+        if engine.is_warm:   # clients ask for log-probabilities: compile those steps now too
+            engine.warmup(logprobs=True)
         async_engine = AsyncEngine(engine, max_live_requests=args.max_live_requests)
     except (ValueError, TypeError, OSError) as e:
         raise UsageError(str(e)) from None

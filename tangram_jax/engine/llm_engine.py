@@ -23,6 +23,7 @@ queued, so the other requests keep being served.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -37,7 +38,7 @@ from tangram_jax.engine import inputs, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
-from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.engine.model_runner import LOGPROB_MODES, ModelRunner, RunnerConfig
 from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -234,6 +235,16 @@ def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
     return targets
 
 
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_pages(k_pages, v_pages, src, dst):
+    """The pool with pages `dst` overwritten by pages `src` (int32 [n]; a `dst` out of range is
+    padding, dropped): a fork's copies of partly filled pages (`KVCacheManager.fork`). Every
+    array of a page format (quantised codes and scales too) has the page axis first."""
+    def copy(pages):
+        return pages.at[dst].set(pages[src], mode="drop")
+    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
+
+
 class _RequestFailed(Exception):
     """A failure recorded for one request while its step was dispatched (`_Request.error`)."""
 
@@ -336,6 +347,7 @@ class Engine:
         self._next_id = 0
         self._in_flight: list[_InFlightToken] = []
         self.tokens_processed = 0
+        self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
         # included), warm-up (compiling every step shape), total.
         self.startup_seconds = {"load_model": load_seconds,
@@ -464,7 +476,8 @@ class Engine:
         if forced is not None and total + len(forced) - 1 >= self.max_model_len:
             raise ValueError(f"{where}prompt of {total} tokens plus {len(forced)} forced tokens "
                              f"exceeds max_model_len {self.max_model_len}")
-        self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id)
+        self.scheduler.check_request(request_id or self._fresh_id(), len(ids), session_id,
+                                     forks=self._family_size(sampling_params.n) - 1)
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
     def enqueue(self, prepared: "PreparedRequest",
@@ -480,33 +493,42 @@ class Engine:
         if prepared.params.n > 1:
             return self._enqueue_parent(request_id, prepared, output_kind)
         session_id, ids, params = prepared.session_id, prepared.prompt_token_ids, prepared.params
-        stop_params = params
-        if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
-            stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
-                                              ignore_eos=True, stop=None, stop_token_ids=(),
-                                              min_tokens=0)
         # Tokens of the session this request continues (cached unless it was evicted).
         session = self.sessions.get(session_id)
         history = session.num_tokens if session is not None else 0
         now = time.perf_counter()
         seq = self.scheduler.add_request(request_id, ids, params, session_id=session_id,
                                          arrival_time=now)
+        self._track(request_id, seq, prepared, params, output_kind, now, history)
+        return request_id
+
+    def _track(self, request_id: str, seq: Sequence, prepared: "PreparedRequest",
+               params: SamplingParams, output_kind: RequestOutputKind, now: float,
+               history: int = 0) -> None:
+        """The engine's `_Request` for a sequence the scheduler queued."""
+        stop_params = params
+        if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
+            stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
+                                              ignore_eos=True, stop=None, stop_token_ids=(),
+                                              min_tokens=0)
+        ids = prepared.prompt_token_ids
         self._requests[request_id] = _Request(
             seq=seq, params=params, seed=self._request_seed(request_id, params),
             stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
             prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
             forced=prepared.forced_token_ids, output_kind=output_kind,
             num_cached_tokens=history)
-        return request_id
 
     def _enqueue_parent(self, request_id: str, prepared: "PreparedRequest",
                         output_kind: RequestOutputKind) -> str:
         """Queue the n completions of `prepared` as child requests ``"{i}_{request_id}"``
         (vLLM's naming); child i's seed is ``seed + i`` when the request has one.
 
-        Each child prefills the prompt into its own pages: the block tables share no pages
-        (a shared prompt would need reference-counted pages and a copy of every group's last,
-        partly filled page at the fork)."""
+        The children share the prompt's pages (the scheduler's parallel samples): the first
+        prefills the prompt once, the others fork its KV when its prefill ends (`_dispatch`
+        samples every child's first token from the prompt's last logits). A family is admitted
+        whole, a sequence slot each, so more than `max_num_seqs` children are served as
+        several families of at most that many (each prefills the prompt once)."""
         params = prepared.params
         child_ids = [f"{i}_{request_id}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self._requests or c in self._parents]
@@ -514,13 +536,26 @@ class Engine:
             raise ValueError(f"request id {request_id!r}: its completions' ids {taken[:3]} "
                              f"are already live")
         parent = _ParentRequest(request_id, child_ids, output_kind)
-        for i, child_id in enumerate(child_ids):
-            child = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
-            self.enqueue(prepared._replace(request_id=child_id, params=child), output_kind)
+        child_params = [dataclasses.replace(params, n=1, seed=None if params.seed is None
+                                            else params.seed + i) for i in range(params.n)]
+        now = time.perf_counter()
+        size = self._family_size(params.n)
+        for first in range(0, params.n, size):
+            family = child_ids[first:first + size]
+            self.scheduler.add_request(family[0], prepared.prompt_token_ids,
+                                       child_params[first], arrival_time=now,
+                                       fork_ids=family[1:])
+        for i, (child_id, child) in enumerate(zip(child_ids, child_params)):
+            self._track(child_id, self.scheduler.get(child_id),
+                        prepared._replace(request_id=child_id, params=child), child,
+                        output_kind, now)
             self._child_of[child_id] = (parent, i)
         self._parents[request_id] = parent
         return request_id
+
+    def _family_size(self, n: int) -> int:
+        """Completions of one request that share a prefill (see `_enqueue_parent`)."""
+        return min(n, self.config.max_num_seqs)
 
     def _report(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Outputs as the caller sees them: a child's become its parent's (`_ParentRequest`)."""
@@ -565,12 +600,21 @@ class Engine:
             last = None
             for child_id in parent.child_ids:
                 if child_id in self._requests:
-                    last = self.abort(child_id)
+                    last = self._abort_one(child_id)
                     parent.report(self._child_of.pop(child_id)[1], last)
             return dataclasses.replace(
                 last, request_id=request_id, finished=True,
                 outputs=[parent.latest.get(i) or CompletionOutput(i, "", [], "abort")
                          for i in range(len(parent.child_ids))])
+        out = self._abort_one(request_id)
+        if request_id in self._child_of:   # one completion of n: its parent records the end
+            merged = self._report([out])
+            if merged and merged[0].finished:   # it was the last one running
+                return merged[0]
+        return out
+
+    def _abort_one(self, request_id: str) -> RequestOutput:
+        """End one live (child) request now: its pages go back, its output says "abort"."""
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
@@ -685,6 +729,17 @@ class Engine:
 
         self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, *_ in pending},
                               reclaim)
+        # Forks the commit made (parallel samples): copy their partly filled pages before any
+        # forked sequence decodes (the copy is queued after this step's prefill wrote them).
+        src, dst = self.manager.take_page_copies()
+        if src.size:
+            size = max(8, 1 << int(src.size - 1).bit_length())   # few shapes (see warmup)
+            num_pages = self.manager.pool.num_pages
+            pad = size - src.size
+            self.runner.k_pages, self.runner.v_pages = _copy_pages(
+                self.runner.k_pages, self.runner.v_pages,
+                np.concatenate([src, np.zeros(pad, np.int32)]),
+                np.concatenate([dst, np.full(pad, num_pages, np.int32)]))
         # commit appended one placeholder per sampled token: remember where it sits.
         return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
                 for r, tokens, row, lp in pending]
@@ -729,19 +784,50 @@ class Engine:
         finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
                                             self.config.max_prefill_rows, wanted or None)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
-        return ([logits for _, logits in finished],
-                [self._requests[p.seq.request_id] for p, _ in finished],
-                hist if self.config.mode == "dynamic" else None)
+        logits, reqs = [], []
+        for p, row in finished:
+            req = self._requests[p.seq.request_id]
+            # A family's prefill (parallel samples): each waiting child samples its first token
+            # from the same logits (its own seed) and is forked at the commit.
+            children = [self._requests[c.request_id] for c in p.seq.fork_children]
+            for child in children:
+                child.prompt_lp = dict(req.prompt_lp)
+            logits += [row] * (1 + len(children))
+            reqs += [req, *children]
+        return logits, reqs, hist if self.config.mode == "dynamic" else None
 
-    def warmup(self) -> None:
-        """Compile every step shape now (decode buckets, prefill rows, first-token sampling)
-        instead of when the first requests meet them; takes a while on a GPU."""
+    def warmup(self, *, logprobs: bool = False) -> None:
+        """Compile every step shape now (decode buckets, prefill rows, first-token sampling,
+        the page copies of parallel samples' forks) instead of when the first requests meet
+        them; takes a while on a GPU.
+
+        logprobs: also the variants of requests that ask for log-probabilities (`logprobs`
+        top-k, any count, or -1; `prompt_logprobs`), as a server meets them (`tangram-jax
+        serve` asks for them). A later call with it adds only those."""
         started = time.perf_counter()
+        modes = LOGPROB_MODES if logprobs else (None,)
         self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
-                           self.config.max_num_seqs)
-        self.startup_seconds["warmup"] = time.perf_counter() - started
+                           self.config.max_num_seqs,
+                           logprob_modes=[m for m in modes if m not in self._warm_variants],
+                           prompt_logprobs=[t for t in ((False, True) if logprobs else (False,))
+                                            if ("prompt", t) not in self._warm_variants])
+        self._warm_variants.update(modes)
+        self._warm_variants.update(("prompt", t) for t in ((False, True) if logprobs
+                                                           else (False,)))
+        # The fork's page copies: 8 pages and up, by powers of two (`_dispatch`).
+        most = (self.config.max_num_seqs - 1) * self.model_config.num_layers \
+            * self.layout.num_groups
+        for size in (1 << b for b in range(3, max(3, int(most - 1).bit_length()) + 1)):
+            index = np.zeros(size, np.int32)
+            _copy_pages.lower(self.runner.k_pages, self.runner.v_pages, index, index).compile()
+        self.startup_seconds["warmup"] += time.perf_counter() - started
         log.info("warm-up compiled every step shape in %.1f s (compile cache: %s)",
                  self.startup_seconds["warmup"], self.compile_cache_dir or "off")
+
+    @property
+    def is_warm(self) -> bool:
+        """Whether `warmup` has compiled the step shapes (see `EngineConfig.warmup`)."""
+        return None in self._warm_variants
 
     def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
         """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests.
@@ -927,8 +1013,9 @@ class Engine:
         full_slots = int(pages_for(np.asarray(cached, np.int64), self.layout.page_size).sum()) \
             * self.layout.page_size
         # Not usage["pages_used"]: the pool also holds finished requests' pages until the
-        # scheduler returns them (it does so lazily).
-        held = sum(self.manager.pages_held(s.slot) for s in cached_seqs)
+        # scheduler returns them (it does so lazily). Parallel samples share the prompt's
+        # pages: each counts once.
+        held = self.manager.distinct_pages_held([s.slot for s in cached_seqs])
         usage.update(
             kv_bytes_held=held * self.runner.kv_bytes_per_page,
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
@@ -771,33 +772,44 @@ class ModelRunner:
         return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
                 "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
 
-    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int) -> None:
+    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
+               logprob_modes=(None,), prompt_logprobs=(False,)) -> None:
         """Compile every step shape serving can meet (decode buckets, prefill row counts and,
         for whole rows, flat-token buckets; first-token sampling row counts) ahead of time, without running them: jit reuses these
         executables when serving meets the shapes, so nothing compiles while requests wait
         (running the steps would add nothing but time: on a CPU the reference attention is
-        slow)."""
+        slow).
+
+        logprob_modes: the `LOGPROB_MODES` decode and first-token sampling are compiled for
+        (any top-k count up to `MAX_TOP_LOGPROBS` is one "top" variant); prompt_logprobs: the
+        prefill variants, without (False) and with (True) prompt log-probabilities. Compiling
+        a variant again costs little (jit finds it cached), so a later call may add modes."""
+        for mode in logprob_modes:
+            _check_logprob_mode(mode)
         for rows in _padded_row_counts(max_prefill_rows):
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
                        if b >= rows * row_alignment(self.prefill_tuning)] \
                 if self.prefill_whole_rows else [None]
             for num_tokens in buckets:
-                for width in self._table_widths():
+                for width, targets in itertools.product(self._table_widths(), prompt_logprobs):
                     args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
                                                            num_tokens)
-                    self._prefill.lower(*args, **dict(static, table_width=width)).compile()
-        for n in _padded_row_counts(max_first_tokens):
+                    extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
+                    self._prefill.lower(*args, *extra,
+                                        **dict(static, table_width=width)).compile()
+        for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
                     (n, self.config.vocab_size), jnp.float32,
                     sharding=self.placement.replicated),
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
-                logprobs=None).compile()
-        for bucket in decode_buckets:
+                logprobs=mode).compile()
+        for bucket, mode in itertools.product(decode_buckets, logprob_modes):
             for width in self._table_widths():
                 args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
-                self._decode.lower(*args, **dict(static, table_width=width)).compile()
+                self._decode.lower(*args, **dict(static, table_width=width,
+                                                 logprobs=mode)).compile()
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
@@ -805,9 +817,13 @@ class ModelRunner:
                             device=self.placement.replicated)[0]
         for n in _padded_row_counts(max_first_tokens):
             jnp.stack([row] * n)
-        self.block_tables = self._apply_table_updates(
-            self.block_tables, np.full(64, self.block_tables.size, np.int32),
-            np.zeros(64, np.int32))
+        # Every update size `update_block_tables` pads to (64 and up by powers of two: a long
+        # prompt's reservation or a fork writes many entries at once), capped at 2**20 entries.
+        most = min(backend.next_power_of_2(self.block_tables.size), 1 << 20)
+        for size in (1 << b for b in range(6, max(6, most.bit_length() - 1) + 1)):
+            self.block_tables = self._apply_table_updates(
+                self.block_tables, np.full(size, self.block_tables.size, np.int32),
+                np.zeros(size, np.int32))
         jax.block_until_ready(self.block_tables)
 
 

@@ -14,6 +14,18 @@ One manager, configured by a `KVLayout` and a policy, serves every mode of the e
   cuts every (layer, group) down to the actual retained count and returns the pages above it.
 - adjacent grouping: ``policy="reserve"`` with a layout whose groups are heads in index order.
 
+Parallel samples (``SamplingParams.n``) share the prompt's pages, as vLLM does: the prompt is
+prefilled (and compressed, and in ``reclaim`` reclaimed) once in the family's first slot, then
+`fork` gives every other completion a block table pointing at the same pages (reference-counted
+in the pool) except the partly filled last page of each (layer, group) a decode token is
+appended to, which it gets a copy of (the device copies it: `take_page_copies`), so decode
+writes never land in a page another sequence reads. The copies are reserved with the prompt
+(`reserve(..., forks=k)` sets them aside; they are exactly the partly filled decode cells of the
+reserved lengths under ``reserve``, one per decode cell under ``reclaim``, whose lengths are
+known only after the device compressed: the fork returns what it does not use). Full pages are
+never written again (no sequence of a family continues a session), so they need no
+copy-on-write.
+
 Arrays (row ``max_seqs`` is the *null slot*: always empty, padded decode rows point at it):
 
     block_tables:     int32 [max_seqs + 1, layers, groups, max_pages]
@@ -29,8 +41,9 @@ scheduler away from block tables):
 - the scheduler's (`SCHEDULER_INTERFACE`): slots, reservations and decode growth as yes/no
   answers and page counts, by slot; it never reads the arrays above;
 - the device feed, for the engine and runner that build a step: `take_table_updates` (the block
-  table's writes for a device-resident copy), `decode_write_lengths` (where each decode row
-  writes its token) and `retained_lengths` (a slot's history lengths for prefill).
+  table's writes for a device-resident copy), `take_page_copies` (the pages forks copied),
+  `decode_write_lengths` (where each decode row writes its token) and `retained_lengths` (a
+  slot's history lengths for prefill).
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ SCHEDULER_INTERFACE = frozenset({
     "layout", "max_seqs", "null_slot", "capacity", "num_free_pages", "num_free_slots",
     "pages_held", "allocate_slot", "free", "pages_to_reserve", "fits_ever", "reserve",
     "commit_prefill", "reclaim", "grow_for_decode", "decode_demand", "at_table_limit",
-    "max_pages_per_group",
+    "max_pages_per_group", "fork",
 })
 
 
@@ -126,6 +139,11 @@ class KVCacheManager:
         self._all_granted.flags.writeable = False
         self.pages_reclaimed = 0
         self.reclaim_seconds = 0.0
+        # Pages `reserve(..., forks=k)` set aside for a slot's fork (the copies of its partly
+        # filled decode pages), and the (source, destination) page copies forks made since the
+        # device feed last took them.
+        self._fork_stash: dict[int, np.ndarray] = {}
+        self._copies: list[tuple[np.ndarray, np.ndarray]] = []
         # Groups a decode token is appended to: all, or the high tier of a TieredLayout (whose
         # groups are (group, tier) pairs, reserved like groups).
         self._decode_groups = (layout.decode_tier_groups if isinstance(layout, TieredLayout)
@@ -155,7 +173,14 @@ class KVCacheManager:
         return len(self._free_slots)
 
     def pages_held(self, slot: int) -> int:
+        """Pages in `slot`'s block table (those shared with forked siblings included)."""
         return int(self.table.num_pages[slot].sum())
+
+    def distinct_pages_held(self, slots: SequenceABC[int]) -> int:
+        """Pages the block tables of `slots` hold together, a shared page counted once."""
+        if not len(slots):
+            return 0
+        return int(np.unique(np.concatenate([self.table.pages_of(s) for s in slots])).size)
 
     # ----- slots -------------------------------------------------------------------------
     def allocate_slot(self) -> int:
@@ -166,10 +191,15 @@ class KVCacheManager:
         return slot
 
     def free(self, slot: int) -> int:
-        """Return the slot and every page it holds. Returns the number of pages released."""
+        """Return the slot and every page it holds (a page shared with a forked sibling stays
+        with the sibling). Returns the number of pages the slot held (its unused fork stash
+        included)."""
         self._check_slot(slot)
         released = self.table.clear(slot)
-        self.pool.release(released, distinct=True)   # table entries are allocated once each
+        stash = self._fork_stash.pop(slot, None)
+        if stash is not None:
+            released = np.concatenate([released, stash])
+        self.pool.release(released, distinct=True)   # a slot holds each of its pages once
         self.lengths[slot] = 0
         self.reserved_lengths[slot] = 0
         self._slot_in_use[slot] = False
@@ -192,40 +222,102 @@ class KVCacheManager:
             return np.zeros(self.lengths.shape[1:], dtype=np.int64)
         return self.lengths[slot]
 
-    def pages_to_reserve(self, slot: int | None, num_new_tokens) -> int:
-        """Extra pages `reserve(slot, num_new_tokens)` would take (slot None: a fresh one)."""
+    def pages_to_reserve(self, slot: int | None, num_new_tokens, forks: int = 0) -> int:
+        """Extra pages `reserve(slot, num_new_tokens, forks=forks)` would take (slot None: a
+        fresh one)."""
         held = 0 if slot is None else self.table.num_pages[slot]
-        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens),
-                         self.page_size) - held
-        return int(np.maximum(need, 0).sum())
+        target = self.reservation_target(self._base_lengths(slot), num_new_tokens)
+        need = pages_for(target, self.page_size) - held
+        return int(np.maximum(need, 0).sum()) + self._fork_pages(target, forks)
 
-    def fits_ever(self, slot: int | None, num_new_tokens) -> bool:
+    def _fork_pages(self, target: np.ndarray, forks: int) -> int:
+        """Pages `forks` forks of a slot holding `target` tokens [layers, groups] copy: each
+        decode cell whose last page is partly filled (under ``reclaim`` every decode cell: the
+        device decides the lengths after this is reserved)."""
+        if forks <= 0:
+            return 0
+        decode_cells = np.broadcast_to(self._decode_groups, target.shape)
+        if self.policy == "reclaim":
+            return forks * int(decode_cells.sum())
+        return forks * int((decode_cells & (target % self.page_size != 0)).sum())
+
+    def fits_ever(self, slot: int | None, num_new_tokens, forks: int = 0) -> bool:
         """Whether a turn of `num_new_tokens` (or a prefill plan) on top of what `slot` holds
-        (None: from nothing), plus one decode token, could be held by an otherwise empty pool
-        and the block table."""
+        (None: from nothing), plus one decode token (for each of `forks` forks too: a page per
+        decode cell), could be held by an otherwise empty pool and the block table."""
         need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens) + 1,
                          self.page_size)
-        return bool(need.max() <= self.max_pages_per_group and need.sum() <= self.pool.capacity)
+        per_fork = int(np.broadcast_to(self._decode_groups, need.shape).sum())
+        return bool(need.max() <= self.max_pages_per_group
+                    and need.sum() + forks * per_fork <= self.pool.capacity)
 
-    def reserve(self, slot: int, num_new_tokens) -> bool:
+    def reserve(self, slot: int, num_new_tokens, forks: int = 0) -> bool:
         """Reserve, for every (layer, group), the pages a turn of `num_new_tokens` new tokens (or
         a prefill plan, see `reservation_target`) ends up retaining on top of what the slot
-        already holds. All or nothing: returns False
-        (and changes nothing) when the pool or the block table cannot hold it."""
+        already holds, and the pages `forks` later `fork`s of the slot copy (set aside until
+        then). All or nothing: returns False (and changes nothing) when the pool or the block
+        table cannot hold it."""
         self._check_slot(slot)
         if (self.reserved_lengths[slot] != self.lengths[slot]).any():
             raise ValueError(f"slot {slot} still has reserved room it has not written; "
                              "commit the previous turn first")
+        if forks and (self.table.num_pages[slot].any() or slot in self._fork_stash):
+            raise ValueError(f"slot {slot}: only a fresh slot can be reserved for forks")
         target = self.reservation_target(self.lengths[slot], num_new_tokens)
         held = self.table.num_pages[slot].astype(np.int64)
         new_held = np.maximum(pages_for(target, self.page_size), held)
         need = new_held - held
-        if new_held.max() > self.max_pages_per_group or need.sum() > self.pool.num_free:
+        stash = self._fork_pages(target, forks)
+        if new_held.max() > self.max_pages_per_group or \
+                need.sum() + stash > self.pool.num_free:
             return False
         pages = self.pool.allocate(int(need.sum()))
         self.table.append(np.array([slot]), need[None], pages)
         self.reserved_lengths[slot] = target
+        if forks:
+            self._fork_stash[slot] = self.pool.allocate(stash)
         return True
+
+    def fork(self, parent: int, children: SequenceABC[int]) -> int:
+        """Give each slot of `children` (fresh, allocated) the KV `parent` holds: its block
+        table points at the parent's pages (one more holder each) but for the partly filled
+        last page of every decode cell, which it gets a copy of (pages from the parent's fork
+        stash; the device copies their contents: `take_page_copies`). The parent's whole turn
+        must be written. What the stash does not use goes back to the pool. Returns the pages
+        copied."""
+        self._check_slot(parent)
+        children = np.asarray(children, dtype=np.intp).ravel()
+        for c in children:
+            self._check_slot(int(c))
+            if self.table.num_pages[c].any() or c in self._fork_stash:
+                raise ValueError(f"fork: slot {c} already holds pages")
+        if (self.reserved_lengths[parent] != self.lengths[parent]).any():
+            raise ValueError(f"fork: slot {parent} has reserved room it has not written")
+        stash = self._fork_stash.pop(parent, np.zeros(0, np.int32))
+        counts = self.table.num_pages[parent].astype(np.int64)
+        lengths = self.lengths[parent]
+        pages = self.table.pages_of(parent)                   # C order of (layer, group, page)
+        partial = ((lengths % self.page_size != 0) & self._decode_groups & (counts > 0)).ravel()
+        last = (np.cumsum(counts.ravel()) - 1)[partial]       # each partly filled last page
+        per_child = last.size
+        if per_child * children.size > stash.size:
+            self.pool.release(stash, distinct=True)
+            raise ValueError(f"fork: {children.size} forks of slot {parent} copy "
+                             f"{per_child * children.size} pages; {stash.size} were reserved")
+        shared = np.delete(pages, last)
+        used = stash[:per_child * children.size]
+        self.pool.release(stash[used.size:], distinct=True)
+        copies = used.reshape(children.size, per_child)
+        for c, own in zip(children, copies):
+            self.pool.share(shared)
+            child_pages = pages.copy()
+            child_pages[last] = own
+            self.table.append(np.array([c]), counts[None], child_pages)
+            self.lengths[c] = lengths
+            self.reserved_lengths[c] = lengths
+        if used.size:
+            self._copies.append((np.tile(pages[last], children.size), used))
+        return int(used.size)
 
     def commit_prefill(self, slot: int, num_tokens: int, *, start: int = 0,
                        turn_len: int | None = None, compressed: bool = True) -> None:
@@ -344,6 +436,16 @@ class KVCacheManager:
     def take_table_updates(self) -> tuple[np.ndarray, np.ndarray]:
         """Block-table writes since the last call, for a device-resident copy (see BlockTable)."""
         return self.table.take_updates()
+
+    def take_page_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Page copies `fork` made since the last call: (int32 source pages, int32 destination
+        pages) whose K/V the device must copy before a forked sequence decodes."""
+        if not self._copies:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        src = np.concatenate([c[0] for c in self._copies]).astype(np.int32)
+        dst = np.concatenate([c[1] for c in self._copies]).astype(np.int32)
+        self._copies.clear()
+        return src, dst
 
     def decode_write_lengths(self, slots: np.ndarray) -> np.ndarray:
         """int32 [rows, layers, groups]: where each decode row of this step writes its token,

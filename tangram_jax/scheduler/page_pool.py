@@ -7,6 +7,10 @@ device arrays ``k_pages, v_pages: [num_pages, G, page_size, head_dim]`` live wit
 Page 0 is the *null page*: it is never handed out. Unused block-table entries are 0 and padded
 decode rows point at it, so a kernel that reads an unused entry stays in range and a padded row's
 KV write lands on a page that no sequence owns.
+
+Pages are reference-counted: the `n` completions of one request fork the prompt's pages
+(`KVCacheManager.fork`), so one page may sit in several block tables. `share` adds a holder,
+`release` drops one, and a page returns to the free stack when its last holder lets it go.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ class OutOfPagesError(RuntimeError):
 
 
 class PagePool:
-    """A free stack of page ids, allocated and released many at a time.
+    """A free stack of reference-counted page ids, allocated and released many at a time.
 
     The free ids sit in one int32 array used as a stack (``_free[:_num_free]``), so allocating or
-    releasing k pages is one slice copy, not k Python operations. `_in_use` guards against double
-    frees and foreign ids at the cost of one vectorized check per call.
+    releasing k pages is one slice copy, not k Python operations. `_refs` (holders per page, 0:
+    free) guards against double frees and foreign ids at the cost of one vectorized check per
+    call.
     """
 
     def __init__(self, num_pages: int):
@@ -37,7 +42,7 @@ class PagePool:
         # Low ids on top of the stack so a fresh pool hands out 1, 2, 3, ... (easier to read).
         self._free = np.arange(self.num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = self.num_pages - 1
-        self._in_use = np.zeros(self.num_pages, dtype=bool)
+        self._refs = np.zeros(self.num_pages, dtype=np.int32)
         self._position = np.zeros(self.num_pages, dtype=np.int32)   # scratch for release()
 
     @property
@@ -64,11 +69,21 @@ class PagePool:
         pages = self._free[top - n:top][::-1].copy()
         self._num_free = top - n
         # intp indices: numpy scatters/gathers with them about twice as fast as with int32.
-        self._in_use[pages.astype(np.intp)] = True
+        self._refs[pages.astype(np.intp)] = 1
         return pages
 
+    def share(self, pages: np.ndarray) -> None:
+        """Add a holder to each of `pages` (distinct, allocated): a forked block table now
+        points at them too. Each holder gives its reference back with `release`."""
+        pages = np.asarray(pages, dtype=np.int32).ravel()
+        if pages.size == 0:
+            return
+        index = self._checked_index(pages, "sharing")
+        self._refs[index] += 1
+
     def release(self, pages: np.ndarray, *, distinct: bool = False) -> None:
-        """Give pages back. Raises ValueError on the null page, foreign ids or double frees.
+        """Drop one reference to each of `pages`; those left without holders are free again.
+        Raises ValueError on the null page, foreign ids or double frees.
 
         distinct: the caller guarantees no id repeats within `pages` (the KV-cache manager's
         pages come from a block table, each entry allocated once), which skips the O(k)
@@ -77,12 +92,7 @@ class PagePool:
         pages = np.asarray(pages, dtype=np.int32).ravel()
         if pages.size == 0:
             return
-        if pages.min() <= NULL_PAGE or pages.max() >= self.num_pages:
-            raise ValueError(f"page ids must lie in [1, {self.num_pages}), got "
-                             f"[{pages.min()}, {pages.max()}]")
-        index = pages.astype(np.intp)
-        if not self._in_use.take(index).all():
-            raise ValueError("releasing a page that is not allocated (double free)")
+        index = self._checked_index(pages, "releasing")
         if not distinct:
             # Duplicate check in O(k): after scattering positions, a repeated id reads back the
             # position of its last occurrence at its first one.
@@ -90,11 +100,26 @@ class PagePool:
             self._position[index] = order
             if (self._position.take(index) != order).any():
                 raise ValueError("releasing a page that is not allocated (double free)")
-        self._in_use[index] = False
+        self._refs[index] -= 1
+        freed = pages[self._refs.take(index) == 0]
         top = self._num_free
-        self._free[top:top + pages.size] = pages[::-1]
-        self._num_free = top + pages.size
+        self._free[top:top + freed.size] = freed[::-1]
+        self._num_free = top + freed.size
+
+    def _checked_index(self, pages: np.ndarray, doing: str) -> np.ndarray:
+        """intp ids of `pages` after checking each is a handed-out page (not the null page)."""
+        if pages.min() <= NULL_PAGE or pages.max() >= self.num_pages:
+            raise ValueError(f"page ids must lie in [1, {self.num_pages}), got "
+                             f"[{pages.min()}, {pages.max()}]")
+        index = pages.astype(np.intp)
+        if not (self._refs.take(index) > 0).all():
+            raise ValueError(f"{doing} a page that is not allocated (double free)")
+        return index
 
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
         """bool array: which of `pages` are currently handed out."""
-        return self._in_use[np.asarray(pages, dtype=np.intp)]
+        return self._refs[np.asarray(pages, dtype=np.intp)] > 0
+
+    def holders(self, pages: np.ndarray) -> np.ndarray:
+        """int32 array: how many block tables (or stashes) hold each of `pages` (0: free)."""
+        return self._refs[np.asarray(pages, dtype=np.intp)]

@@ -36,6 +36,18 @@ So a follow-up of a resident session is never queued behind 100k-token first tur
 in the first step after it arrives whenever it fits ``budget - decodes - chunk_size * (long
 turns prefilling)`` and the pool, and long first turns still use the rest of every step.
 
+Parallel samples (`add_request(..., fork_ids=...)`, a request of ``SamplingParams.n > 1``): the
+family's first sequence is queued and admitted for all of them: a slot each and, as one
+reservation, the prompt's pages once plus the copies of the partly filled decode pages each
+other completion takes (`KVCacheManager.reserve(..., forks=k)`). When its prompt prefill is
+committed (after the reclaim, in ``reclaim``), `commit` forks the others onto the shared pages
+(`KVCacheManager.fork`) and they decode from the next step on like any sequence: each is
+finished, aborted, preempted (its pages dropped: a page still shared stays with the siblings;
+its own history re-prefilled alone later) or capped on its own. Before the fork: preempting the
+first sequence returns the family's slots, stash and pages and requeues the family; aborting a
+waiting completion drops it from the family; aborting the first one hands the family to the next
+(requeued at the front, its prompt prefilled from the start); capping it caps the family.
+
 The scheduler talks to the KV-cache manager only through `SCHEDULER_INTERFACE` (slots,
 reservations and growth as answers and page counts), never through its arrays; sessions live in
 one `SessionTable` (`scheduler.sessions`).
@@ -185,15 +197,29 @@ class Scheduler:
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
-                    *, session_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+                    *, session_id: str | None = None, arrival_time: float | None = None,
+                    fork_ids: tuple[str, ...] = ()) -> Sequence:
         """Queue a request (a new sequence, or the next turn of an idle session).
+
+        fork_ids: request ids of further completions of the same prompt (parallel samples, see
+        the module docstring); `get` returns their sequences. Not with a session.
 
         Raises what `check_request` raises, before anything changes.
         """
         tokens = list(prompt_token_ids)
         if tokens and np.asarray(tokens).dtype.kind not in "iu":
             raise TypeError(f"request {request_id!r}: prompt_token_ids must be ints")
-        self.check_request(request_id, len(tokens), session_id)
+        fork_ids = tuple(fork_ids)
+        if fork_ids and session_id is not None:
+            raise ValueError(f"request {request_id!r}: parallel samples (fork_ids) cannot "
+                             f"continue a session (session_id {session_id!r})")
+        ids = (request_id, *fork_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request {request_id!r}: fork_ids repeat an id: {list(ids)}")
+        for fork_id in fork_ids:
+            if not isinstance(fork_id, str) or not fork_id or fork_id in self._requests:
+                raise ValueError(f"fork id {fork_id!r} must be a fresh non-empty str")
+        self.check_request(request_id, len(tokens), session_id, forks=len(fork_ids))
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         seq = self.sessions.get(session_id)
         if seq is not None:
@@ -207,16 +233,23 @@ class Scheduler:
             if session_id is not None:
                 self.sessions.add(seq)
         self._requests[request_id] = seq
+        for fork_id in fork_ids:
+            child = Sequence(fork_id, tokens, sampling_params, arrival_time=arrival)
+            child.fork_parent = seq
+            seq.fork_children.append(child)
+            self._requests[fork_id] = child
         self.waiting.append(seq)
         return seq
 
-    def check_request(self, request_id: str, num_tokens: int, session_id: str | None = None) -> None:
+    def check_request(self, request_id: str, num_tokens: int, session_id: str | None = None,
+                      forks: int = 0) -> None:
         """Raise if `add_request` would refuse this request; queues nothing (a batch checks
         every item before queuing any; a refusal is counted in `metrics.num_rejected`).
 
         RequestTooLargeError when its reservation (the whole history re-prefilled, plus one
-        decode token) exceeds the pool or the block-table width; ValueError for a duplicate
-        request id, an empty prompt or a session whose previous turn is still running.
+        decode token, and each of `forks` parallel samples' own decode pages) exceeds the pool
+        or the block-table width; ValueError for a duplicate request id, an empty prompt or a
+        session whose previous turn is still running.
         """
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -229,11 +262,17 @@ class Scheduler:
             raise ValueError(f"session {session_id!r} is still serving request "
                              f"{seq.request_id!r} ({seq.status.value})")
         total = num_tokens + (seq.num_tokens if seq is not None else 0)
-        if not self.manager.fits_ever(None, total):
+        if forks + 1 > self.manager.max_seqs:
             self.metrics.num_rejected += 1
-            need = self.manager.pages_to_reserve(None, total)
             raise RequestTooLargeError(
-                f"request {request_id!r} ({total} tokens of history) needs {need} pages after "
+                f"request {request_id!r}: {forks + 1} parallel samples need as many sequence "
+                f"slots; the engine has {self.manager.max_seqs} (max_num_seqs)")
+        if not self.manager.fits_ever(None, total, forks):
+            self.metrics.num_rejected += 1
+            need = self.manager.pages_to_reserve(None, total, forks)
+            raise RequestTooLargeError(
+                f"request {request_id!r} ({total} tokens of history"
+                f"{f', {forks + 1} samples' if forks else ''}) needs {need} pages after "
                 f"compression plus decode room; the pool has {self.manager.capacity} pages "
                 f"and a group at most {self.manager.max_pages_per_group}")
 
@@ -269,15 +308,37 @@ class Scheduler:
         self.metrics.add_to_step(time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request in any state, with its session's cache."""
+        """Drop a request in any state, with its session's cache (a family's completion not
+        forked yet: see the module docstring)."""
         seq = self._live(request_id)
         del self._requests[request_id]
         self._aborted_since_schedule = True
+        if seq.fork_parent is not None:   # a completion waiting for its fork
+            seq.fork_parent.fork_children.remove(seq)
+            seq.fork_parent = None
+        elif seq.fork_children:           # the family's prefill: the next completion takes it
+            self._hand_family_on(seq)
         if seq in self.running:
             self._stop_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq, SequenceStatus.ABORTED)
+
+    def _hand_family_on(self, seq: Sequence) -> None:
+        """`seq`, prefilling for its family, goes away before the fork: its first waiting
+        completion prefills for the rest instead, queued first (from the start of the prompt)."""
+        heir, *rest = seq.fork_children
+        seq.fork_children = []
+        for child in (heir, *rest):   # the family is admitted again, slots and all
+            if child.is_cached:
+                self.manager.free(child.slot)
+                child.drop_cache()
+        heir.fork_parent = None
+        heir.fork_children = rest
+        for child in rest:
+            child.fork_parent = heir
+        heir.status = SequenceStatus.WAITING
+        self.waiting.appendleft(heir)
 
     def close_session(self, session_id: str) -> None:
         """Free an idle session's slot and pages."""
@@ -363,6 +424,8 @@ class Scheduler:
                 seq.token_ids.append(self._sampled(sampled_tokens, seq))
                 seq.status = SequenceStatus.DECODE
                 self._batch_stale = True
+                if seq.fork_children:
+                    self._fork(seq, sampled_tokens)
         seqs = output.decode_seqs
         if seqs:
             # (Their KV lengths already count this token: `grow_for_decode` took it.)
@@ -383,6 +446,19 @@ class Scheduler:
         self.metrics.add_to_step(time.perf_counter() - t0)
 
     # ----- internals ---------------------------------------------------------------------
+    def _fork(self, seq: Sequence, sampled_tokens: Mapping[str, int]) -> None:
+        """`seq`'s prompt is in the cache: its waiting completions become decoding sequences on
+        its pages (their slots were taken at admission), right after it in `running`."""
+        children = seq.fork_children
+        firsts = [self._sampled(sampled_tokens, c) for c in children]
+        self.manager.fork(seq.slot, [c.slot for c in children])
+        seq.fork_children = []
+        for child, token in zip(children, firsts):
+            child.fork(seq, token)
+            child.status = SequenceStatus.DECODE
+        at = self.running.index(seq) + 1
+        self.running[at:at] = children
+
     def _refresh_batches(self) -> None:
         if self._batch_stale:
             self._decoding = [s for s in self.running if s.status is SequenceStatus.DECODE]
@@ -408,8 +484,7 @@ class Scheduler:
             first = pending[0]
             own = self.manager.pages_held(first.slot) + self.manager.decode_demand(first.slot)
             if self.manager.at_table_limit(first.slot) or own > self.manager.capacity:
-                self._end_capped(first)
-                capped.append(first)
+                self._end_capped(first, capped)
                 pending = pending[1:]
             elif self._parked:   # pages of finished requests not returned yet
                 self._release_parked()
@@ -417,12 +492,11 @@ class Scheduler:
                 if not self._evict_one():
                     victim = self.running[-1]   # running is in admission order: the newest
                     replay = [(b - a, c) for a, b, c in victim.replay_plan()]
-                    if self.manager.fits_ever(None, replay):
+                    if self.manager.fits_ever(None, replay, len(victim.fork_children)):
                         self._preempt(victim)
                         preempted.append(victim)
                     else:   # its history re-prefilled could never be reserved again
-                        self._end_capped(victim)
-                        capped.append(victim)
+                        self._end_capped(victim, capped)
                     granted = [s for s in granted if s is not victim]
                     pending = [s for s in pending if s is not victim]
             if not pending:
@@ -526,27 +600,32 @@ class Scheduler:
         m = self.manager
         # A request that does not fit is tried again every step; what it needs changes only
         # with its cache (an eviction drops the slot) or its tokens, so it is computed once.
-        key = (seq.slot, seq.num_uncomputed_tokens)
+        # A family (parallel samples) is admitted whole: a slot per completion, and the pages
+        # its forks will copy reserved with the prompt's.
+        forks = len(seq.fork_children)
+        key = (seq.slot, seq.num_uncomputed_tokens, forks)
         if seq.reservation_need is None or seq.reservation_need[0] != key:
             seq.reservation_need = (key, m.pages_to_reserve(seq.slot if seq.is_cached else None,
-                                                            self._plan(seq)))
+                                                            self._plan(seq), forks))
         need = seq.reservation_need[1]
-        need_slot = not seq.is_cached
-        if m.num_free_pages < need or (need_slot and m.num_free_slots == 0):
+        need_slots = (not seq.is_cached) + forks
+        if m.num_free_pages < need or m.num_free_slots < need_slots:
             victims = self._admission_victims(seq)
             if need > m.num_free_pages + sum(m.pages_held(v.slot) for v in victims):
                 return False
-            if need_slot and m.num_free_slots + len(victims) == 0:
+            if m.num_free_slots + len(victims) < need_slots:
                 return False
             for victim in victims:
-                if m.num_free_pages >= need and (not need_slot or m.num_free_slots > 0):
+                if m.num_free_pages >= need and m.num_free_slots >= need_slots:
                     break
                 self._evict(victim)
         self.sessions.unlist(seq)   # before its page count changes
-        if need_slot:
+        if not seq.is_cached:
             seq.slot = m.allocate_slot()
-        if not m.reserve(seq.slot, self._plan(seq)):
+        if not m.reserve(seq.slot, self._plan(seq), forks):
             raise AssertionError("reservation failed after the pool was checked")
+        for child in seq.fork_children:
+            child.slot = m.allocate_slot()
         seq.reservation_need = None   # the slot's contents change from here on
         return True
 
@@ -616,6 +695,10 @@ class Scheduler:
             self.sessions.unlist(seq)
             self.manager.free(seq.slot)
         seq.drop_cache()
+        for child in seq.fork_children:   # a family not forked yet: their slots go too
+            if child.is_cached:
+                self.manager.free(child.slot)
+                child.drop_cache()
 
     def _preempt(self, seq: Sequence) -> None:
         self._stop_running(seq)
@@ -625,11 +708,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.metrics.num_preemptions += 1
 
-    def _end_capped(self, seq: Sequence) -> None:
+    def _end_capped(self, seq: Sequence, capped: list[Sequence]) -> None:
+        """End `seq` for lack of KV room (and its family's completions not forked yet, which
+        could not be served either), appending each to `capped`."""
+        family = [seq, *seq.fork_children]
         self._stop_running(seq)
-        self._requests.pop(seq.request_id, None)
         self._release(seq, SequenceStatus.CAPPED)
-        self.metrics.num_capped += 1
+        for member in family:
+            self._requests.pop(member.request_id, None)
+            member.status = SequenceStatus.CAPPED
+            member.fork_parent = None
+            capped.append(member)
+            self.metrics.num_capped += 1
+        seq.fork_children = []
 
     def _release(self, seq: Sequence, status: SequenceStatus) -> None:
         self._drop_cache(seq)

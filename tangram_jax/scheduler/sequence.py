@@ -21,6 +21,11 @@ Token bookkeeping (indices into `token_ids`, the full history of every turn):
   KV (and hence greedy output) does not depend on whether the pool ran short.
 - ``prompt_start``: where this turn's new prompt tokens begin; ``token_ids[prompt_start:
   prompt_start + num_prompt_tokens]`` is the prompt, what follows is this turn's output.
+
+The completions of a request of ``SamplingParams.n > 1`` are a family: the first is queued and
+prefills the prompt once; the others wait in its ``fork_children`` (holding a slot from the
+family's admission on, but no pages and no place in any queue) until its prefill ends, when
+`Sequence.fork` makes each an ordinary decoding sequence on the shared prompt pages.
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ class Sequence:
         # The scheduler's memo of the pages admission needs: ((slot, uncomputed tokens), pages).
         self.reservation_need: tuple[tuple[int, int], int] | None = None
         self.token_timestamps: list[float] = []   # filled by the engine if it wants them
+        # A family of parallel samples (module docstring): the completions this one prefills
+        # for, and (for such a completion until its fork) the sequence prefilling for it.
+        self.fork_children: list[Sequence] = []
+        self.fork_parent: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -145,6 +154,23 @@ class Sequence:
             if seg[0] <= index < seg[1]:
                 return seg
         raise ValueError(f"token {index} is in no planned segment of {self.request_id!r}")
+
+    def fork(self, parent: "Sequence", first_token: int) -> None:
+        """Become a copy of `parent` (whose prompt prefill just ended) that sampled
+        `first_token`: the same history, turns and computed prefix (the pages are the shared
+        ones the KV-cache manager's `fork` gave this sequence's slot), its own first token."""
+        self.token_ids = parent.token_ids[:parent.num_computed_tokens] + [first_token]
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.turn_start = parent.turn_start
+        self.turns = list(parent.turns)
+        self.segments = list(parent.segments)
+        self._turn_recorded = True
+        self._cache_end = parent._cache_end
+        self.prompt_start = parent.prompt_start
+        self.num_prompt_tokens = parent.num_prompt_tokens
+        self.long_prefill = parent.long_prefill
+        self.admission_order = parent.admission_order
+        self.fork_parent = None
 
     def drop_cache(self) -> None:
         """Forget the cache (after eviction or preemption): everything is re-prefilled."""
