@@ -1,0 +1,124 @@
+"""Serving precision tiers (``k8v4-k4v2``): the tiered pool's dense history, the compression
+writing the top-ranked kept tokens to the high tier and the rest to the low tier, decode
+attention over both tiers (the Pallas kernel in interpret mode against its jnp reference), the
+split map's tier work lists, and the engine end to end on a tiny model."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from tangram_jax import kv_quant
+from tangram_jax.kv_layout import KVLayout, TieredLayout
+from tangram_jax.pallas_kernels import chunk_compress, decode_attention
+from tangram_jax.pallas_kernels.split_map import build_split_map
+
+G, PS, D = 2, 4, 16
+
+
+def _pool(rng, num_pages, bits):
+    x = jnp.asarray(rng.normal(size=(num_pages, G, PS, D)), jnp.float32)
+    return kv_quant.quantise_pages(x, bits, jnp.float32)
+
+
+def _tiered_pools(rng, num_pages):
+    return (kv_quant.TieredPages(_pool(rng, num_pages, 8), _pool(rng, num_pages, 4)),
+            kv_quant.TieredPages(_pool(rng, num_pages, 4), _pool(rng, num_pages, 2)))
+
+
+def test_dense_history_lists_both_tiers_of_each_group():
+    rng = np.random.default_rng(0)
+    k, v = _tiered_pools(rng, 12)
+    batch, groups, width = 2, 2, 3
+    tables = jnp.asarray(rng.integers(1, 12, size=(batch, 2 * groups, width)), jnp.int32)
+    lens = jnp.asarray(rng.integers(0, width * PS + 1, size=(batch, 2 * groups)), jnp.int32)
+    kd, vd, td, ld = kv_quant.tiered_dense_history(k, v, tables, lens, jnp.float32)
+    np.testing.assert_array_equal(ld, lens[:, 0::2] + lens[:, 1::2])
+    for pools, dense in ((k, kd), (v, vd)):
+        tiers = [np.asarray(kv_quant.dequantise_pages(p, jnp.float32))
+                 for p in (pools.high, pools.low)]
+        for b in range(batch):
+            for g in range(groups):
+                want = [tiers[t][int(tables[b, 2 * g + t, s // PS]), :, s % PS]
+                        for t in (0, 1) for s in range(int(lens[b, 2 * g + t]))]
+                got = [np.asarray(dense)[int(td[b, g, s // PS]), :, s % PS]
+                       for s in range(int(ld[b, g]))]
+                want, got = (np.array(x).reshape(-1, G, D) for x in (want, got))
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_tiered_compression_splits_the_kept_set_by_rank(use_kernel):
+    """Of each head's kept tokens the top `high` by score land in the high tier's pages (after
+    its history), the next `low` in the low tier's; together they are exactly the tokens the
+    untiered selection keeps."""
+    rng = np.random.default_rng(1)
+    chunk, heads, groups = 10, 4, 2
+    num_pages, width = 20, 4
+    k_chunk = jnp.asarray(rng.normal(size=(chunk, heads, D)), jnp.float32)
+    v_chunk = jnp.asarray(rng.normal(size=(chunk, heads, D)), jnp.float32)
+    scores = jnp.asarray(rng.permutation(heads * chunk).reshape(heads, chunk), jnp.float32)
+    chunk_len = 9
+    keep = jnp.asarray([2, 3, 0, 4], jnp.int32)            # (high, low) of groups 0 and 1
+    hist = jnp.asarray([1, 5, 0, 2], jnp.int32)
+    table = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:4 * width].reshape(4, width),
+                        jnp.int32)
+    k, v = _tiered_pools(rng, num_pages)
+    compress = (functools_partial_interpret(chunk_compress.compress_chunk_into_pages)
+                if use_kernel else chunk_compress.compress_chunk_into_pages_reference)
+    k2, v2 = chunk_compress.compress_chunk_into_tiers(
+        compress, k_chunk, v_chunk, scores, keep, chunk_len, k, v, table, hist)
+    masked = np.where(np.arange(chunk) < chunk_len, np.asarray(scores), -np.inf)
+    for h in range(heads):
+        g = h // G
+        order = np.argsort(-masked[h], kind="stable")
+        hi_n, lo_n = int(keep[2 * g]), int(keep[2 * g + 1])
+        for tier, chosen, pools in ((0, order[:hi_n], (k2.high, v2.high)),
+                                    (1, order[hi_n:hi_n + lo_n], (k2.low, v2.low))):
+            chosen = np.sort(chosen)                     # written in temporal order
+            for pool, src in zip(pools, (k_chunk, v_chunk)):
+                dense = np.asarray(kv_quant.dequantise_pages(pool, jnp.float32))
+                for c, t in enumerate(chosen):
+                    slot = int(hist[2 * g + tier]) + c
+                    got = dense[int(table[2 * g + tier, slot // PS]), h % G, slot % PS]
+                    bound = np.asarray(kv_quant.error_bound(src[t, h], pool.bits))
+                    assert np.abs(got - np.asarray(src[t, h])).max() <= bound + 1e-6
+
+
+def functools_partial_interpret(fn):
+    return lambda *a: fn(*a, interpret=True)
+
+
+def test_tier_work_lists_cover_each_tier_group_once():
+    layout = TieredLayout(KVLayout(num_layers=2, num_kv_heads=4, head_dim=D, group_size=G,
+                                   page_size=PS, chunk_size=8,
+                                   head_perm=np.tile(np.arange(4), (2, 1)),
+                                   group_budgets=np.array([[0.2, 0.8], [0.5, 0.5]])),
+                          np.array([[0.5, 0.1], [1.0, 0.0]]))
+    smap = build_split_map(layout.tier_group_budgets, 16, 1, group_size=G,
+                           bytes_per_token=np.tile([208.0, 112.0], (2, 2)))
+    hi, lo = smap.tier_work_lists()
+    for layer in range(2):
+        for tier, lists in ((0, hi), (1, lo)):
+            rows = [tuple(r) for r in lists[layer] if r[2] > 0]
+            want = [(g, s, n) for g in range(2) for n in [smap.splits[layer][2 * g + tier]]
+                    for s in range(n)]
+            assert sorted(rows) == sorted(want)
+
+
+def test_tiered_decode_kernel_matches_reference():
+    rng = np.random.default_rng(2)
+    batch, groups, q_per_kv, width, num_pages = 3, 2, 2, 4, 20
+    k, v = _tiered_pools(rng, num_pages)
+    q = jnp.asarray(rng.normal(size=(batch, groups, G * q_per_kv, D)), jnp.float32)
+    tables = jnp.asarray(rng.integers(1, num_pages, size=(batch, 2 * groups, width)), jnp.int32)
+    lens = rng.integers(0, width * PS + 1, size=(batch, 2 * groups)).astype(np.int32)
+    lens[0] = [0, 0, 5, 0]          # a group with no tokens in either tier, one with high only
+    lens[1] = [0, 7, 16, 16]        # low only; both tiers full
+    lens = jnp.asarray(lens)
+    smap = build_split_map(np.full((1, 2 * groups), 0.5), 12, batch, group_size=G)
+    hi, lo = smap.tier_work_lists()
+    got = decode_attention.tiered_paged_decode_attention(
+        q, k, v, tables, lens, work_lists=(hi[0], lo[0]), interpret=True, block_tokens=8)
+    want = decode_attention.tiered_paged_decode_attention_reference(q, k, v, tables, lens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got)[0, 0].any()
