@@ -3,14 +3,20 @@ writing the top-ranked kept tokens to the high tier and the rest to the low tier
 attention over both tiers (the Pallas kernel in interpret mode against its jnp reference), the
 split map's tier work lists, and the engine end to end on a tiny model."""
 
+import dataclasses
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from tangram_jax import kv_quant
+from tangram_jax import LLM, kv_quant
+from tangram_jax.compression.profile import TierBudgets
+from tangram_jax.sampling import SamplingParams
 from tangram_jax.kv_layout import KVLayout, TieredLayout
 from tangram_jax.pallas_kernels import chunk_compress, decode_attention
 from tangram_jax.pallas_kernels.split_map import build_split_map
+
+from tiny_engine import build_tiny_model, tiny_engine_config, tiny_profile
 
 G, PS, D = 2, 4, 16
 
@@ -122,3 +128,71 @@ def test_tiered_decode_kernel_matches_reference():
     want = decode_attention.tiered_paged_decode_attention_reference(q, k, v, tables, lens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     assert not np.asarray(got)[0, 0].any()
+
+
+# ----- the engine end to end (tiny model, CPU serving path) -----------------------------------
+
+def _tiered_profile(folder, high_share):
+    profile = tiny_profile(str(folder))
+    share = np.broadcast_to(np.asarray(high_share, np.float64), profile.budget.shape).copy()
+    return dataclasses.replace(profile, tiers=TierBudgets(
+        precision="k8v4-k4v2", mass=0.9, lambda_=0.0, mean=share, std=np.zeros_like(share),
+        high_share=share))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _serve(folder, precision, profile, prompts, max_tokens=12):
+    llm = LLM(config=tiny_engine_config(folder, "tangram", kv_precision=precision,
+                                        profile=profile))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_tiny_engine_serves_tiers(tiny_folder):
+    """k8v4-k4v2 in tangram mode: prompts over several compression chunks (chunk 16), decode
+    past a page (page 8); the pool is a K8V4 + K4V2 pair whose low tier was written; what a
+    prompt's prefill wrote per (layer, group, tier) is the tiered retained-count formula; every
+    page comes back. With every high share 1 the low tier stays empty and the tokens are
+    exactly K8V4's (same codes, same keys): the tier plumbing routes nothing wrongly."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 250, size=n).tolist() for n in (5, 40, 70)]
+    shares = np.random.default_rng(1).uniform(0.2, 0.8, (2, 2))   # [layers, kv_heads]
+    llm, mixed = _serve(tiny_folder, "k8v4-k4v2", _tiered_profile(tiny_folder, shares), prompts)
+    runner, manager = llm.engine.runner, llm.engine.manager
+    assert isinstance(runner.k_pages, kv_quant.TieredPages)
+    assert [runner.k_pages.high.bits, runner.k_pages.low.bits,
+            runner.v_pages.high.bits, runner.v_pages.low.bits] == [8, 4, 4, 2]
+    assert runner.kv_bytes_per_page == sum(
+        kv_quant.page_bytes(kv_quant.page_format(f), 1, 8, runner.base_layout.head_dim,
+                            runner.kv_dtype) for f in ("k8v4", "k4v2"))
+    assert np.asarray(runner.k_pages.low.scale).any()
+    assert all(len(ids) == 12 for ids in mixed)
+    assert manager.pool.num_used == 0
+    # What a prompt's prefill wrote and reserved (read when its first decode step grows it):
+    # the tiered formula, per tier group.
+    engine, layout, first_decode = llm.engine, llm.engine.layout, []
+    grow = manager.grow_for_decode
+
+    def recording_grow(slots):
+        if len(slots):
+            first_decode.append((manager.lengths[slots].copy(),
+                                 manager.reserved_lengths[slots].copy()))
+        return grow(slots)
+
+    manager.grow_for_decode = recording_grow
+    llm.generate([{"prompt_token_ids": prompts[2]}],
+                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    written, reserved = first_decode[0]
+    np.testing.assert_array_equal(written[0], layout.retained_counts(len(prompts[2])))
+    np.testing.assert_array_equal(reserved, written)
+    assert manager.pool.num_used == 0
+
+    _, k8v4 = _serve(tiny_folder, "k8v4", tiny_profile(str(tiny_folder)), prompts)
+    _, all_high = _serve(tiny_folder, "k8v4-k4v2", _tiered_profile(tiny_folder, 1.0), prompts)
+    assert all_high == k8v4
