@@ -481,7 +481,9 @@ def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: b
                                     "profile= (make one with `tangram-jax calibrate --model ...`)")
         # The embedded model has 3 KV heads: per-head groups (G = 1) are its only ragged layout.
         group_size = cfg.group_size or 1
-        profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint)
+        profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint,
+                                  tiers=cfg.kv_precision if cfg.kv_precision in PRECISION_TIERS
+                                  else None)
     if cfg.group_size is not None and profile.group_size != cfg.group_size:
         profile = profile.regroup(cfg.group_size)
     return profile
