@@ -257,3 +257,28 @@ def test_tiered_runner_on_kernels_matches_the_cpu_path():
     assert kernel_tokens == xla_tokens
     for a, b in zip(kernel_pools, xla_pools):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_embedded_model_tiers_answer_as_k8v4():
+    """SmolLM2-135M, tangram at ratio 0.5 with its shipped tiered profile: k8v4-k4v2 against
+    k8v4 (the tiered pool's high format) on the prompts of the precision test."""
+    small = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=32,
+                 page_size=16, max_num_batched_tokens=256)
+    prompts = ["The capital of France is",
+               "Paul Graham wrote that the way to get startup ideas is not to try to think of "
+               "startup ideas. It's to look for problems, preferably problems you have "
+               "yourself. Question: what should you look for to get startup ideas? Answer:"]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = {}
+    for precision in ("k8v4", "k8v4-k4v2"):
+        llm = LLM(mode="tangram", ratio=0.5, kv_precision=precision, **small)
+        outs[precision] = llm.generate(prompts, params, use_tqdm=False)
+        if precision == "k8v4-k4v2":
+            layout = llm.engine.layout
+            assert isinstance(layout, TieredLayout) and (layout.high_share < 1).any()
+    for tiered, base in zip(outs["k8v4-k4v2"], outs["k8v4"]):
+        t, b = tiered.outputs[0].token_ids, base.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), min(len(t), len(b)))
+        assert same >= 6, (tiered.outputs[0].text, base.outputs[0].text)
+    assert "Paris" in outs["k8v4-k4v2"][0].outputs[0].text
