@@ -12,23 +12,20 @@
 #      queries) and the `none` tail rule at chunk 2048, tangram@0.25, on A's samples.
 # Everything lands in /tmp/run and comes back as $OUT/accuracy_run.tar.gz (a call returns at
 # most 8 files). Run from the repository root (or its copy) on the device machine:
-#   GIT_REV=... MODEL_PARTS=../model WHEELS=../acc-wheels PKGS=.kvp/kvpress-pkgs.tar.gz \
+#   GIT_REV=... MODEL_PARTS=.gpu/model WHEELS=.gpu/acc-wheels PKGS=.gpu/kvp/kvpress-pkgs.tar.gz \
 #     bash benchmarks/accuracy_gpu_all.sh SAMPLES SECONDS
 set -uo pipefail
 SAMPLES=${1:-100}; LIMIT=${2:-520}
 FINAL_OUT=${OUT:-/tmp/out}; export OUT=/tmp/run; mkdir -p "$OUT" "$FINAL_OUT"
 export PYTHONUNBUFFERED=1
-MODEL_PARTS=${MODEL_PARTS:-../model}; WHEELS=${WHEELS:-../acc-wheels}
-cat "$MODEL_PARTS"/smollm2.gguf.part* > /tmp/smollm2.gguf || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  "$WHEELS"/*.whl || exit 1
+source benchmarks/gpu_model.sh || exit 1
 left() { echo $((LIMIT - SECONDS)); }
 COMMON=(--max-tokens 8 --decode-buckets 128 --max-num-batched-tokens 8192 --max-prefill-rows 4
         --layer-loop scan --max-model-len 2048)
 cp benchmarks/results/accuracy_tasks.jsonl /tmp/previous_tasks.jsonl
 # A canary through every code path (generation, prefix, compression, KL, answers) on 2 samples
 # with A's engine shapes: a broken run stops here, and A finds the programs compiled.
-LOG=$OUT/canary.log timeout 200 bash benchmarks/accuracy_gpu.sh --samples 2 --modes full,uniform \
+LOG=$OUT/canary.log timeout ${CANARY_SECONDS:-300} bash benchmarks/accuracy_gpu.sh --samples 2 --modes full,uniform \
   --ratios 0.25 --max-active 128 --chunk-size 2048 --out "$OUT/canary.json" \
   --tasks-out /tmp/canary_tasks.jsonl --answers-out /tmp/canary_answers.jsonl "${COMMON[@]}" \
   > /dev/null 2>&1

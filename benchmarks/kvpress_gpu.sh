@@ -4,7 +4,7 @@
 # packages it imports) travel as one tarball of the CPU venv's site-packages (pure Python but
 # tokenizers' abi3 library, x86-64); the Hugging Face folder is made there from the joined GGUF
 # (benchmarks/kvpress_hf_folder.py). Then benchmarks/kvpress_accuracy.py runs on the GPU.
-#   PKGS=.kvp/kvpress-pkgs.tar.gz MODEL_PARTS=../model WHEELS=../acc-wheels \
+#   PKGS=.gpu/kvp/kvpress-pkgs.tar.gz MODEL_PARTS=.gpu/model WHEELS=.gpu/acc-wheels \
 #     bash benchmarks/kvpress_gpu.sh --tasks-file TASKS.jsonl [kvpress_accuracy.py args]
 # Make the tarball here with:
 #   (cd .cache/kvpress-venv/lib/python3.*/site-packages && tar czf PKGS --exclude=__pycache__ \
@@ -12,14 +12,11 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PKGS=${PKGS:-.kvp/kvpress-pkgs.tar.gz}; MODEL_PARTS=${MODEL_PARTS:-../model}
-WHEELS=${WHEELS:-../acc-wheels}
+PKGS=${PKGS:-.gpu/kvp/kvpress-pkgs.tar.gz}
 SITE=/tmp/kvpress-site; mkdir -p "$SITE"
 tar xzf "$PKGS" -C "$SITE" || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-  "$WHEELS"/gguf-*.whl || exit 1
-[ -f /tmp/smollm2.gguf ] || cat "$MODEL_PARTS"/smollm2.gguf.part* > /tmp/smollm2.gguf || exit 1
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/gpu_model.sh || exit 1
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 benchmarks/kvpress_hf_folder.py /tmp/smollm2.gguf /tmp/smollm2-hf 2>&1 | grep -v Warn || exit 1
 python3 benchmarks/kvpress_accuracy.py --model-dir /tmp/smollm2-hf --device cuda \
   --out "$OUT/accuracy_kvpress.json" "$@" 2>&1 | tee "$OUT/kvpress.log" | grep -v -i warn

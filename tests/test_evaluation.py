@@ -78,6 +78,22 @@ def test_task_arguments_are_checked():
     assert len(keys) == 64 and len(set(words)) == len(words)
 
 
+
+def test_kv_pairs_in_essays_hold_every_pair_and_the_asked_value():
+    import random
+    import re
+    sizes = T.TaskSizes(kv_pairs=8, kv_style="essay")
+    for i in range(5):
+        s = T.generate("kv_retrieval", i, sizes=sizes)
+        pairs = dict(re.findall(r"The value of the key ([a-z]+-[a-z]+) is (\d+)\.", s.context))
+        asked = s.turns[0].question.split("key ")[1].split("?")[0]
+        assert len(pairs) == 8 and pairs[asked] == s.turns[0].answer
+        assert len(s.context) > 4000 and s == T.generate("kv_retrieval", i, sizes=sizes)
+    with pytest.raises(ValueError, match="kv style must be one of"):
+        T.kv_retrieval(random.Random(0), 4, "table")
+    with pytest.raises(ValueError, match="needs the essays"):
+        T.kv_retrieval(random.Random(0), 4, "essay")
+
 # ----- scoring -------------------------------------------------------------------------------
 
 def test_answers_are_judged_by_normalised_containment_on_word_boundaries():

@@ -121,20 +121,35 @@ def _essay_slice(rng: random.Random, essays: str, chars: int) -> str:
     return essays[start:start + chars].strip()
 
 
-def kv_retrieval(rng: random.Random, pairs: int, style: str = "sentence") -> tuple[str, list[Turn]]:
+KV_STYLES = ("sentence", "list", "essay")
+
+
+def kv_retrieval(rng: random.Random, pairs: int, style: str = "sentence",
+                 essays: str | None = None, chars: int = 4400) -> tuple[str, list[Turn]]:
     """style "sentence": one "The value of the key K is V." line per pair (the way the model
-    phrases its answer, so retrieval is a copy); "list": "K: V" lines (harder for a small model)."""
-    if style not in ("sentence", "list"):
-        raise ValueError(f"kv style must be 'sentence' or 'list', got {style!r}")
+    phrases its answer, so retrieval is a copy); "list": "K: V" lines (harder for a small model);
+    "essay": the sentences at random depths of `chars` characters of `essays` (a multi-key
+    passkey: the keys stand out from the text around them, as in multi_turn, where the 135M
+    model answers; among dozens of alike lines it copies a neighbour's value)."""
+    if style not in KV_STYLES:
+        raise ValueError(f"kv style must be one of {', '.join(KV_STYLES)}, got {style!r}")
     if not 1 <= pairs <= min(len(_ADJECTIVES), len(_NOUNS)):
         raise ValueError(f"kv pairs must lie in [1, {min(len(_ADJECTIVES), len(_NOUNS))}], "
                          f"got {pairs}")
     keys = [f"{a}-{n}" for a, n in zip(rng.sample(_ADJECTIVES, pairs), rng.sample(_NOUNS, pairs))]
     values = [str(rng.randrange(1000, 10000)) for _ in keys]
-    line = "The value of the key {} is {}." if style == "sentence" else "{}: {}"
-    body = "\n".join(line.format(k, v) for k, v in zip(keys, values))
+    line = "{}: {}" if style == "list" else "The value of the key {} is {}."
     q = rng.randrange(pairs)
-    context = f"Here is a list of keys and their values.\n\n{body}"
+    if style == "essay":
+        if essays is None:
+            raise ValueError("kv style 'essay' needs the essays text")
+        context = _essay_slice(rng, essays, chars)
+        depths = [rng.random() for _ in keys]
+        for k, v, depth in sorted(zip(keys, values, depths), key=lambda t: -t[2]):
+            context = _insert_at_sentence(context, line.format(k, v), depth)
+    else:
+        body = "\n".join(line.format(k, v) for k, v in zip(keys, values))
+        context = f"Here is a list of keys and their values.\n\n{body}"
     question = f"What is the value of the key {keys[q]}? Answer with the number only."
     return context, [Turn(question, values[q], f"The value of the key {keys[q]} is")]
 
@@ -207,13 +222,19 @@ class TaskSizes:
 # with full KV keeps the hardest one the model still answers often enough
 # (`harness.choose_sizes`).
 LADDERS: dict[str, tuple[dict, ...]] = {
-    "kv_retrieval": ({"kv_pairs": 64}, {"kv_pairs": 48}, {"kv_pairs": 32}),
+    "kv_retrieval": ({"kv_pairs": 64}, {"kv_pairs": 48}, {"kv_pairs": 32},
+                     {"kv_pairs": 8, "kv_style": "essay"}, {"kv_pairs": 4, "kv_style": "essay"}),
     "passkey": ({"passkey_chars": 6400}, {"passkey_chars": 4800}),
     "multi_turn": ({"multi_turn_chars": 5600}, {"multi_turn_chars": 4400},
                    {"multi_turn_chars": 3200}),
     "variable_tracking": ({"variable_filler_lines": 48, "variable_distractor": True},
                           {"variable_filler_lines": 48}, {"variable_filler_lines": 36}),
 }
+
+
+def _needs_essays(task: str, sizes: TaskSizes) -> bool:
+    return task in ("passkey", "multi_turn") or (task == "kv_retrieval"
+                                                  and sizes.kv_style == "essay")
 
 
 def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(),
@@ -224,10 +245,11 @@ def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index}")
     rng = random.Random(f"{seed}/{task}/{index}")
-    if task in ("passkey", "multi_turn") and essays is None:
+    if _needs_essays(task, sizes) and essays is None:
         essays = haystack_text()
     if task == "kv_retrieval":
-        context, turns = kv_retrieval(rng, sizes.kv_pairs, sizes.kv_style)
+        context, turns = kv_retrieval(rng, sizes.kv_pairs, sizes.kv_style, essays,
+                                      sizes.multi_turn_chars)
     elif task == "passkey":
         context, turns = passkey(rng, essays, sizes.passkey_chars)
     elif task == "multi_turn":
@@ -247,7 +269,7 @@ def generate_all(tasks: tuple[str, ...] = TASKS, samples: int = 100, seed: int =
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; tasks: {', '.join(TASKS)}")
-    essays = haystack_text() if {"passkey", "multi_turn"} & set(tasks) else None
+    essays = haystack_text() if any(_needs_essays(t, sizes) for t in tasks) else None
     return [generate(t, i, seed, sizes, essays) for t in tasks for i in range(samples)]
 
 
