@@ -456,7 +456,8 @@ class ModelRunner:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
-        # (Tiers: a group's history is both its tiers, read as one: `kv_quant.tiered_dense_history`.)
+        # (Tiers: a group's history is both its tiers, read as one:
+        # `kv_quant.tiered_dense_history`.)
         group_hist = hist if self.tiers is None else hist[..., 0::2] + hist[..., 1::2]
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(group_hist, 0, 1), num_tokens=num_tokens,
