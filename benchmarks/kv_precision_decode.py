@@ -154,7 +154,8 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         reference = tiered_paged_decode_attention_reference
     else:
         fmt = kv_quant.page_format(precision)
-        kk, vk = jax.random.split(jax.random.fold_in(key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
+        kk, vk = jax.random.split(jax.random.fold_in(
+            key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
         k_pages = random_pool(kk, num_pages, fmt.key_bits)
         v_pages = random_pool(vk, num_pages, fmt.value_bits)
         read = slots * slot_bytes(precision)
@@ -199,7 +200,8 @@ def main(argv=None):
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
     p.add_argument("--sweep", default="32,64", help="block_tokens (or block_tokens/num_warps) "
                    "tried at the first config; the best is used for the others")
-    p.add_argument("--precisions", default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
+    p.add_argument("--precisions",
+                   default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--baseline-sweep", default=None,
                    help="tunings tried for bf16 (default: --sweep)")
     args = p.parse_args(argv)

@@ -311,9 +311,9 @@ def tiered_dense_history(k_pages: TieredPages, v_pages: TieredPages, block_table
                       0, 2 * span - 1)                                   # [..., groups, 2 span]
 
     def merged(pages: TieredPages) -> jax.Array:
-        parts = [take_pages(p, jnp.clip(t, 0, p.shape[0] - 1), dtype)   # [..., groups, W, G, ps, d]
+        parts = [take_pages(p, jnp.clip(t, 0, p.shape[0] - 1), dtype)  # [.., groups, W, G, ps, d]
                  for p, t in ((pages.high, tables_hi), (pages.low, tables_lo))]
-        x = jnp.moveaxis(jnp.concatenate(parts, axis=-4), -3, -4)        # [..., groups, G, 2W, ps, d]
+        x = jnp.moveaxis(jnp.concatenate(parts, axis=-4), -3, -4)   # [..., groups, G, 2W, ps, d]
         x = x.reshape(*x.shape[:-3], 2 * span, head_dim)
         x = jnp.take_along_axis(x, source[..., None, :, None], axis=-2)
         x = x.reshape(*x.shape[:-2], 2 * width, page_size, head_dim)
