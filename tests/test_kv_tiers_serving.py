@@ -284,3 +284,25 @@ def test_embedded_model_tiers_answer_as_k8v4():
         same = next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), min(len(t), len(b)))
         assert same >= 6, (tiered.outputs[0].text, base.outputs[0].text)
     assert "Paris" in outs["k8v4-k4v2"][0].outputs[0].text
+
+
+def test_manager_decode_feed_counts_the_high_tier_only():
+    """A decode token is appended to the high tier groups: where it is written (the lengths
+    before it), the pages the next one needs and the table limit leave the low tier alone."""
+    from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+    base = KVLayout(num_layers=1, num_kv_heads=2, head_dim=D, group_size=1, page_size=4,
+                    chunk_size=8, head_perm=np.array([[0, 1]]),
+                    group_budgets=np.array([[0.5, 1.0]]))
+    tiered = TieredLayout(base, np.array([[0.5, 0.5]]))
+    manager = KVCacheManager(tiered, 32, 2, 8, model_kv_shape=(1, 2, D))
+    slot = manager.allocate_slot()
+    assert manager.reserve(slot, 16)
+    manager.commit_prefill(slot, 16)
+    before = manager.lengths[slot].copy()            # [1, 4]: (high, low) of two groups
+    np.testing.assert_array_equal(before, tiered.retained_counts(16))
+    # The next token needs a page exactly in the high tier groups whose pages are full.
+    full = before[0] % 4 == 0
+    assert manager.decode_demand(slot) == int((full & tiered.decode_tier_groups).sum())
+    assert manager.grow_for_decode(np.array([slot])).all()
+    np.testing.assert_array_equal(manager.lengths[slot] - before, [tiered.decode_tier_groups])
+    np.testing.assert_array_equal(manager.decode_write_lengths(np.array([slot]))[0], before)
