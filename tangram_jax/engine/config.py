@@ -249,7 +249,7 @@ class EngineConfig:
         "while the device runs step N (vLLM's async_scheduling)")
     layer_loop: str | None = _field(None, _choice(LAYER_LOOPS, optional=True),
                                     "layer loop of the runner: scan or unrolled (default: "
-                                    "unrolled)")
+                                    "unrolled on a GPU, scan on a CPU)")
     max_prefill_rows: int = _field(1, _int_at_least(1),
                                    "prefill chunks of different sequences run together in one "
                                    "call (more rows: fewer calls, longer compiles)")

@@ -110,7 +110,8 @@ class RunnerConfig:
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
       stack every step) or ``"unrolled"`` (one traced body per layer over separate parameter
-      arrays: no copies, compile time grows with depth). None: unrolled.
+      arrays: no copies, compile time grows with depth). None: unrolled where the Pallas
+      kernels run (GPU), scan on the CPU.
     max_prefill_tokens: the most tokens of one prefill call (the engine's token budget); the
       largest flat-token bucket of a call of whole rows (`ModelRunner.prefill`).
     """
@@ -192,9 +193,11 @@ class ModelRunner:
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
         # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
         layers = list(model.layers)
-        # Unrolled on both backends: on the CPU the scan's per-layer weight copies cost a decode
-        # step at batch 8 ~0.18 CPU-s of its ~0.5 (`benchmarks/NOTES_bench_serve.md`).
-        self.layer_loop = runner_config.layer_loop or "unrolled"
+        # Scan on the CPU: unrolled saves a decode step at batch 8 ~0.06 CPU-s of ~0.35 (the
+        # scan's per-layer weight copies), but compiles 30 layer bodies per shape: the warm-up of
+        # `bench serve` (~50 shapes) went from ~4 minutes to over 15 (NOTES_bench_serve.md).
+        self.layer_loop = runner_config.layer_loop or (
+            "unrolled" if self.ops.name == "pallas" else "scan")
         self.layer_graphdef = nnx.split(layers[0])[0]
         states = [nnx.split(layer)[1] for layer in layers]
         # Every array the steps take is committed to the devices: jit keys its compiled steps
