@@ -1,5 +1,7 @@
 """ModelRunner on a tiny random model: the two ways of looping over layers give the same step."""
 
+import functools
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -311,15 +313,21 @@ def test_serving_after_warmup_compiles_nothing():
     assert compiles == []
 
 
-def test_cpu_prefill_updates_the_pool_in_place():
-    """The CPU path plans a prefill's writes in the layer loop and applies them after it: the
-    compiled step holds no copy of the pool (XLA copied it every layer when the loop both read
-    and wrote it, so a prefill's time grew with the pool)."""
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_cpu_prefill_updates_the_pool_in_place(layer_loop):
+    """The CPU path's prefill only reads the pool and returns its planned writes, which a
+    second program scatters in place: neither compiled program holds a copy of the pool (XLA
+    copied it every layer when the loop both read and wrote it, and, unrolled, once more when
+    one scatter after the loop could not be ordered after the last layer's read)."""
     manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
-    runner = make_runner(manager)
-    assert runner.ops.plan_writes is not None
+    runner = make_runner(manager, layer_loop)
+    assert runner.ops.plan_writes is not None and runner.plans_prefill_writes
     args, static = runner._null_prefill_call(1, runner.k_pages, runner.v_pages)
-    text = runner._prefill.lower(*args, **static).compile().as_text()
+    writes = jax.eval_shape(functools.partial(runner._prefill, **static), *args)[0]
+    texts = [runner._prefill.lower(*args, **static).compile().as_text(),
+             runner._apply_writes.lower(runner.k_pages, runner.v_pages,
+                                        writes).compile().as_text()]
     pool = "f32[" + ",".join(map(str, runner.k_pages.shape)) + "]"
-    copies = [line for line in text.splitlines() if " copy(" in line and pool in line]
+    copies = [line for text in texts for line in text.splitlines()
+              if " copy(" in line and pool in line]
     assert not copies, copies

@@ -214,6 +214,9 @@ class ModelRunner:
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
         # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
         layers = list(model.layers)
+        # Scan on the CPU: unrolled saves a decode step at batch 8 ~0.06 CPU-s of ~0.35 (the
+        # scan's per-layer weight copies), but compiles 30 layer bodies per shape: the warm-up of
+        # `bench serve` (~50 shapes) went from ~4 minutes to over 15 (NOTES_bench_serve.md).
         self.layer_loop = runner_config.layer_loop or (
             "unrolled" if self.ops.name == "pallas" else "scan")
         self.layer_graphdef = nnx.split(layers[0])[0]
@@ -261,8 +264,11 @@ class ModelRunner:
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
+        # The CPU path's prefill only reads the pool (its writes come back as a plan that
+        # `_apply_writes` scatters in place, a second program): nothing of it is donated.
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("table_width",),
-                                donate_argnums=(2, 3))
+                                donate_argnums=() if self.plans_prefill_writes else (2, 3))
+        self._apply_writes = jax.jit(_apply_planned_writes, donate_argnums=(0, 1))
         self._decode = jax.jit(self._decode_impl,
                                static_argnames=("split_map", "logprobs", "table_width"),
                                donate_argnums=(2, 3, 4))
@@ -403,18 +409,27 @@ class ModelRunner:
         args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
                                           num_protected, None, self.k_pages, self.v_pages)
         if prompt_targets is None:
-            self.k_pages, self.v_pages, logits, kept = self._prefill(*args, **static)
+            logits, kept = self._call_prefill(args, static)
             return logits, kept
         row_starts = args[6]
         flat_targets = np.full(args[4].shape[0], -1, np.int32)
         for start, t in zip(row_starts, prompt_targets):
             flat_targets[start:start + len(t)] = t
-        self.k_pages, self.v_pages, logits, kept, lp = self._prefill(*args, flat_targets,
-                                                                     **static)
+        logits, kept, lp = self._call_prefill((*args, flat_targets), static)
         host = TokenLogprobs(*(np.asarray(x) for x in lp[:4]), None)
         rows = [TokenLogprobs(*(x[start:start + len(t)] for x in host[:4]), None)
                 for start, t in zip(row_starts, prompt_targets)]
         return logits, kept, rows
+
+    def _call_prefill(self, args, static) -> tuple:
+        """Run `_prefill` and take the pool it wrote (kernels: in place) or apply the writes
+        it planned (the CPU path); returns the rest of its results."""
+        if self.plans_prefill_writes:
+            writes, *rest = self._prefill(*args, **static)
+            self.k_pages, self.v_pages = self._apply_writes(self.k_pages, self.v_pages, writes)
+        else:
+            self.k_pages, self.v_pages, *rest = self._prefill(*args, **static)
+        return tuple(rest)
 
     def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
                       num_tokens, k_pages, v_pages) -> tuple[tuple, dict]:
@@ -494,7 +509,9 @@ class ModelRunner:
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
         slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
         items, 5]; table_width: static, the block-table columns attention reads (see
-        `_table_width`, `_prefill_args`)."""
+        `_table_width`, `_prefill_args`). Returns (k_pages, v_pages, logits, kept[, lp]), or
+        with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
+        writes for `_apply_writes`."""
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         chunk = self.layout.chunk_size
@@ -595,16 +612,18 @@ class ModelRunner:
             (layer_states, per_layer(all_tables[slots][..., :table_width]),
              per_layer(all_tables[slots] if planned else all_tables[slots][..., :table_width]),
              per_layer(hist_lengths), per_layer(keep_counts), work_items))
-        if plans is not None:   # the CPU path's writes of every layer and row, in place
-            for where, rows_kv in plans:
-                k_pages, v_pages = apply_chunk_writes(k_pages, v_pages, where, rows_kv)
+        # The CPU path returns its writes of every layer and row (`_apply_writes` scatters them
+        # in place, in a second program): scattered here, after the loop, they could still be
+        # ordered before a layer's history read (unrolled, nothing makes the scatter wait for
+        # the last layer's attention), and XLA copied the pool (1 GiB) to keep them apart.
+        pool = (plans,) if planned else (k_pages, v_pages)
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
         if targets is None:
-            return k_pages, v_pages, logits, per_layer(kept)
+            return *pool, logits, per_layer(kept)
         # prompt_logprobs: every position's distribution over the token that follows it.
         lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
-        return k_pages, v_pages, logits, per_layer(kept), lp
+        return *pool, logits, per_layer(kept), lp
 
     def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
@@ -878,6 +897,12 @@ class ModelRunner:
                     extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
                     self._prefill.lower(*args, *extra,
                                         **dict(static, table_width=width)).compile()
+                if self.plans_prefill_writes:   # the writes' shapes do not depend on the width
+                    writes = jax.eval_shape(functools.partial(self._prefill, **static), *args)[0]
+                    self._apply_writes.lower(self.k_pages, self.v_pages, jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=self.placement.replicated),
+                        writes)).compile()
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
@@ -941,6 +966,14 @@ def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logp
                                         step_keys(seeds, steps), adjust, input_tokens), forced)
     lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
     return tokens, lp
+
+
+def _apply_planned_writes(k_pages, v_pages, writes):
+    """Scatter a CPU prefill's planned writes (one (where, rows) per row, stacked over the
+    layers) into the pool, in place (the pool is donated)."""
+    for where, rows_kv in writes:
+        k_pages, v_pages = apply_chunk_writes(k_pages, v_pages, where, rows_kv)
+    return k_pages, v_pages
 
 
 def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,
