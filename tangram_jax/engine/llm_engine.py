@@ -39,6 +39,7 @@ from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
 from tangram_jax.engine.model_runner import LOGPROB_MODES, ModelRunner, RunnerConfig
+from tangram_jax.engine import distributed
 from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -262,6 +263,7 @@ class Engine:
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
+        distributed.start(cfg)   # before anything starts JAX's backend
         cfg.check()   # before the model loads: a bad combination is reported at once
         if cfg.data_parallel_size > 1 and devices is None:
             raise EngineConfigError(
