@@ -637,10 +637,10 @@ class Engine:
         best, n = self.sessions.find_prefix(token_ids)
         return best, list(token_ids[n:])
 
-    def new_session_id(self, exclude: SequenceABC[str] = ()) -> str:
-        """A fresh id for a session found by prefix later (anonymous: forgotten when its cache
-        is evicted while idle, see `SessionTable`)."""
-        return self.sessions.new_id(exclude=exclude)
+    def new_session_id(self, exclude: SequenceABC[str] = (), prefix: str = "session-") -> str:
+        """A fresh id (`prefix` + a number) for a session found by prefix later (anonymous:
+        forgotten when its cache is evicted while idle, see `SessionTable`)."""
+        return self.sessions.new_id(prefix=prefix, exclude=exclude)
 
     def has_session(self, session_id: str) -> bool:
         """Whether `session_id` names a session the engine holds (running, queued or idle)."""
