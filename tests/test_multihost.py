@@ -1,0 +1,123 @@
+"""Several processes through JAX's distributed runtime (`LLM` with `distributed_coordinator`).
+
+Two processes on localhost, each with one CPU device, start `jax.distributed` from the config's
+fields (a free port), run the same `LLM.generate` batch (SPMD) and must both return the whole
+batch, in input order, equal to a third process that runs it alone (greedy tokens and
+logprobs); each process must have served part of it. The same processes check that tensor
+parallelism wider than a process's devices is refused naming the setting.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_engine import build_tiny_model
+
+TESTS = Path(__file__).parent
+TIMEOUT_S = 180
+
+CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from tiny_engine import tiny_engine_config
+from tangram_jax import LLM, SamplingParams
+
+folder, port, pid = sys.argv[1], sys.argv[3], sys.argv[4]
+fields = {} if pid == "alone" else dict(distributed_coordinator=f"127.0.0.1:{port}",
+                                        num_processes=2, process_id=int(pid))
+llm = LLM(config=tiny_engine_config(folder, "tangram", **fields))
+import jax
+served = []
+run = llm._run
+llm._run = lambda requests, use_tqdm: served.append(len(requests)) or run(requests, use_tqdm)
+greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+prompts = ["the quick brown fox", "pack my box with five dozen liquor jugs", "hello",
+           "sphinx of black quartz, judge my vow", "a", "lorem ipsum dolor sit amet, consectetur"]
+outs = llm.generate(prompts, greedy, use_tqdm=False)
+report = dict(
+    processes=jax.process_count(), index=jax.process_index(),
+    local_devices=len(jax.local_devices()), served=served,
+    prompts=[o.prompt for o in outs],
+    tokens=[o.outputs[0].token_ids for o in outs],
+    logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+              for o in outs])
+try:
+    LLM(config=tiny_engine_config(folder, "full", tensor_parallel_size=2))
+    report["tp_error"] = None
+except ValueError as e:
+    report["tp_error"] = str(e)
+print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny_mh"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)   # one CPU device per process
+    port = str(_free_port())
+    procs = {who: subprocess.Popen([sys.executable, "-c", CHILD, str(folder), str(TESTS), port,
+                                    who], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+             for who in ("0", "1", "alone")}
+    results = {}
+    try:
+        for who, proc in procs.items():
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            results[who] = (proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        for proc in procs.values():
+            proc.kill()
+        tails = {w: p.communicate()[1][-2000:] for w, p in procs.items()}
+        pytest.fail(f"processes still running after {TIMEOUT_S} s; stderr tails: {tails}")
+    failed = {w: err[-3000:] for w, (rc, _, err) in results.items() if rc != 0}
+    assert not failed, f"processes failed: {failed}"
+    reports = {}
+    for who, (_, out, _) in results.items():
+        line = next(ln for ln in out.splitlines() if ln.startswith("REPORT "))
+        reports[who] = json.loads(line[len("REPORT "):])
+    return reports
+
+
+def test_both_processes_return_the_whole_batch_of_one(reports):
+    alone, first, second = reports["alone"], reports["0"], reports["1"]
+    assert (first["processes"], first["index"], second["index"]) == (2, 0, 1)
+    assert first["local_devices"] == second["local_devices"] == 1
+    assert alone["processes"] == 1
+    for r in (first, second):
+        assert r["prompts"] == alone["prompts"]       # the whole batch, in input order
+        assert r["tokens"] == alone["tokens"]         # greedy tokens of one process
+        for got, want in zip(r["logprobs"], alone["logprobs"]):
+            assert got == pytest.approx(want, abs=1e-4)
+    assert first["logprobs"] == second["logprobs"]   # the same gathered outputs
+    # The batch was split: each process ran its share (by tokens), together all of it.
+    assert first["served"][0] > 0 and second["served"][0] > 0
+    assert first["served"][0] + second["served"][0] == len(alone["tokens"])
+
+
+def test_tensor_parallelism_across_hosts_is_refused(reports):
+    for who in ("0", "1"):
+        msg = reports[who]["tp_error"]
+        assert msg is not None and "tensor_parallel_size 2" in msg and "across hosts" in msg, msg
+
+
+def test_distributed_fields_are_checked(tmp_path):
+    from tangram_jax.engine.config import EngineConfig, EngineConfigError
+    from tangram_jax.engine.distributed import start
+    with pytest.raises(EngineConfigError, match="distributed_coordinator must be 'host:port'"):
+        EngineConfig(distributed_coordinator="localhost")
+    with pytest.raises(EngineConfigError, match="process_id must lie in"):
+        start(EngineConfig(num_processes=2, process_id=2))
+    with pytest.raises(EngineConfigError, match="num_processes must be an int >= 1"):
+        EngineConfig(num_processes=0)
