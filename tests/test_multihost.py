@@ -51,6 +51,30 @@ try:
     report["tp_error"] = None
 except ValueError as e:
     report["tp_error"] = str(e)
+# Sessions on the embedded SmolLM2 (its replies re-tokenise to the same ids, so a second turn
+# can continue the cached history): two conversations, two turns; the runtime is already up, so
+# the fields only have to agree with it.
+chat = LLM(mode="full", max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, **fields)
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+convs = [[{"role": "user", "content": "Name a colour."}],
+         [{"role": "user", "content": "What is two plus two?"}]]
+first = chat.chat(convs, greedy, use_tqdm=False)
+convs = [c + [{"role": "assistant", "content": o.outputs[0].text},
+              {"role": "user", "content": "And then?"}] for c, o in zip(convs, first)]
+second = chat.chat(convs, greedy, use_tqdm=False)
+report["chat"] = dict(
+    texts=[o.outputs[0].text for o in first + second],
+    sessions=[o.session_id for o in first], same_sessions=[o.session_id for o in second] ==
+    [o.session_id for o in first], continued=[o.num_cached_tokens for o in second],
+    held_here=[chat.engine.has_session(o.session_id) for o in first])
+for o in first:
+    chat.end_session(o.session_id)   # every process; the holder ends it
+report["chat"]["ended"] = [chat.engine.has_session(o.session_id) for o in first]
+try:
+    chat.end_session("no-such-session")
+    report["chat"]["unknown"] = None
+except (KeyError, ValueError) as e:
+    report["chat"]["unknown"] = str(e)
 print("REPORT " + json.dumps(report), flush=True)
 """
 
@@ -104,6 +128,22 @@ def test_both_processes_return_the_whole_batch_of_one(reports):
     # The batch was split: each process ran its share (by tokens), together all of it.
     assert first["served"][0] > 0 and second["served"][0] > 0
     assert first["served"][0] + second["served"][0] == len(alone["tokens"])
+
+
+def test_a_conversation_stays_on_the_process_that_holds_it(reports):
+    alone, first, second = (reports[w]["chat"] for w in ("alone", "0", "1"))
+    assert first["texts"] == second["texts"] == alone["texts"]   # both turns, both processes
+    assert first["sessions"] == second["sessions"]               # one id per session, everywhere
+    assert len(set(first["sessions"])) == 2
+    # Each session lives on exactly one process, one on each (the batch is split by tokens).
+    assert [a != b for a, b in zip(first["held_here"], second["held_here"])] == [True, True]
+    assert sorted(first["held_here"]) == [False, True]
+    assert first["same_sessions"] and second["same_sessions"]    # the second turn continued them
+    assert all(n > 0 for n in first["continued"]), first         # on the cached history
+    assert first["continued"] == alone["continued"]
+    assert first["ended"] == second["ended"] == [False, False]   # end_session on every process
+    for r in (first, second, alone):                             # an unknown id: one error
+        assert r["unknown"] is not None and "no-such-session" in r["unknown"], r
 
 
 def test_tensor_parallelism_across_hosts_is_refused(reports):
