@@ -19,7 +19,7 @@ import pytest
 from tiny_engine import build_tiny_model
 
 TESTS = Path(__file__).parent
-TIMEOUT_S = 180
+TIMEOUT_S = 240
 
 CHILD = r"""
 import json, sys
@@ -51,10 +51,9 @@ try:
     report["tp_error"] = None
 except ValueError as e:
     report["tp_error"] = str(e)
-# Sessions on the embedded SmolLM2 (its replies re-tokenise to the same ids, so a second turn
-# can continue the cached history): two conversations, two turns; the runtime is already up, so
-# the fields only have to agree with it.
-chat = LLM(mode="full", max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, **fields)
+# Sessions: two conversations, two turns (the model answers in lowercase letters, which
+# re-tokenise to the same ids, so the second turn can continue the cached history).
+chat = llm
 greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 convs = [[{"role": "user", "content": "Name a colour."}],
          [{"role": "user", "content": "What is two plus two?"}]]
@@ -79,6 +78,22 @@ print("REPORT " + json.dumps(report), flush=True)
 """
 
 
+def _letters_only(folder: Path) -> Path:
+    """The tiny model made to answer in lowercase ASCII letters (so an answer's text re-tokenises
+    to its token ids and a second turn finds its session): the tied embedding rows of 'a'..'z'
+    scaled up, every other row scaled down, so greedy picks a letter."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(folder / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    letters = np.zeros(len(embed), bool)
+    letters[ord("a"):ord("z") + 1] = True
+    embed[letters] *= 10.0
+    embed[~letters] *= 0.01
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,7 +102,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny_mh"))
+    folder = _letters_only(build_tiny_model(tmp_path_factory.mktemp("tiny_mh")))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)   # one CPU device per process
     port = str(_free_port())
