@@ -3,8 +3,10 @@
 Two processes on localhost, each with one CPU device, start `jax.distributed` from the config's
 fields (a free port), run the same `LLM.generate` batch (SPMD) and must both return the whole
 batch, in input order, equal to a third process that runs it alone (greedy tokens and
-logprobs); each process must have served part of it. The same processes check that tensor
-parallelism wider than a process's devices is refused naming the setting.
+logprobs); each process must have served part of it. The same processes continue two
+conversations (each session on one process), check that a replica failing on one process
+raises on both, and that tensor parallelism wider than a process's devices is refused naming
+the setting.
 """
 
 import json
@@ -35,10 +37,10 @@ import jax
 served = []
 run = llm._run
 llm._run = lambda requests, use_tqdm: served.append(len(requests)) or run(requests, use_tqdm)
-greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+scored = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 prompts = ["the quick brown fox", "pack my box with five dozen liquor jugs", "hello",
            "sphinx of black quartz, judge my vow", "a", "lorem ipsum dolor sit amet, consectetur"]
-outs = llm.generate(prompts, greedy, use_tqdm=False)
+outs = llm.generate(prompts, scored, use_tqdm=False)
 report = dict(
     processes=jax.process_count(), index=jax.process_index(),
     local_devices=len(jax.local_devices()), served=served,
@@ -74,6 +76,21 @@ try:
     report["chat"]["unknown"] = None
 except (KeyError, ValueError) as e:
     report["chat"]["unknown"] = str(e)
+# A replica that fails on one process: every process raises, and the LLM stays usable.
+if pid != "alone":
+    if pid == "1":
+        def broken():
+            raise RuntimeError("replica broke")
+        llm.engine.step = broken
+    try:
+        llm.generate(prompts, scored, use_tqdm=False)
+        report["failure"] = None
+    except RuntimeError as e:
+        report["failure"] = str(e)
+    if pid == "1":
+        del llm.engine.step
+    report["after_failure"] = [o.outputs[0].token_ids
+                               for o in llm.generate(prompts, scored, use_tqdm=False)]
 print("REPORT " + json.dumps(report), flush=True)
 """
 
@@ -159,6 +176,14 @@ def test_a_conversation_stays_on_the_process_that_holds_it(reports):
     assert first["ended"] == second["ended"] == [False, False]   # end_session on every process
     for r in (first, second, alone):                             # an unknown id: one error
         assert r["unknown"] is not None and "no-such-session" in r["unknown"], r
+
+
+def test_a_failure_on_one_process_is_raised_on_every_process(reports):
+    assert reports["1"]["failure"] == "replica broke", reports["1"]["failure"]
+    assert reports["0"]["failure"] == ("a batch failed on another process: process 1: "
+                                       "RuntimeError: replica broke"), reports["0"]["failure"]
+    for who in ("0", "1"):   # both still serve the next batch
+        assert reports[who]["after_failure"] == reports["alone"]["tokens"]
 
 
 def test_tensor_parallelism_across_hosts_is_refused(reports):
