@@ -40,7 +40,9 @@ def main(argv=None) -> int:
                    help="model to serve (default: the embedded SmolLM2; or a .gguf / HF folder)")
     p.add_argument("--samples", type=int, default=100, help="samples per task")
     p.add_argument("--tasks", type=_csv(str), default=None, help="comma-separated (default all)")
-    p.add_argument("--modes", type=_csv(str), default=["full", "tangram", "dynamic", "uniform"])
+    p.add_argument("--modes", type=_csv(str), default=["full", "tangram", "dynamic", "uniform"],
+                   help="comma-separated; a mode may name its KV precision after a '+' "
+                        "(tangram+k8v4, tangram+k8v4-k4v2: precision tiers, tangram only)")
     p.add_argument("--ratios", type=_csv(float), default=[1.0, 0.5, 0.25])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pilot-samples", type=int, default=0,

@@ -12,6 +12,12 @@ by the launches; the pool is far larger than L2, so every launch reads it from H
 The ideal speed-up of a format is ``bytes(bf16) / bytes(format)`` per retained slot (codes plus
 the float32 scale and zero of K and V: 512 / 272 / 208 / 112 bytes a slot at head_dim 128).
 
+Precision tiers (``k8v4-k4v2``, `kv_layout.TieredLayout`): the same retained tokens of every
+group split into a K8V4 tier of ``TIER_HIGH_SHARE`` of them and a K4V2 tier of the rest, each in
+its own pool and block table; the kernel runs once per tier with the tier work lists of the
+split map over tier groups (weighed by bytes) and one merge launch combines both
+(`decode_attention.tiered_paged_decode_attention`). Its ideal is the bytes ratio of that mix.
+
     GIT_REV=$(git rev-parse HEAD) python benchmarks/kv_precision_decode.py --out result.json
 """
 
@@ -27,9 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax import kv_quant
+from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
-from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
-                                                         ragged_paged_decode_attention_reference)
+from tangram_jax.pallas_kernels.decode_attention import (
+    ragged_paged_decode_attention, ragged_paged_decode_attention_reference,
+    tiered_paged_decode_attention, tiered_paged_decode_attention_reference)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import _median_time  # noqa: E402  (the timing of the decode benchmark)
@@ -39,10 +47,15 @@ BUDGETS = np.array([[0.2, 0.4, 0.6, 0.8]])
 NUM_PROGRAMS = 132 * 4
 CALLS = 8
 DTYPE = jnp.bfloat16
+TIER_HIGH_SHARE = 0.5
 
 
-def slot_bytes(precision: str) -> int:
-    """Bytes one retained (token, KV head) slot costs, K and V together."""
+def slot_bytes(precision: str) -> float:
+    """Bytes one retained (token, KV head) slot costs, K and V together (precision tiers: the
+    mean over the `TIER_HIGH_SHARE` mix)."""
+    if precision in PRECISION_TIERS:
+        high, low = (slot_bytes(t) for t in PRECISION_TIERS[precision])
+        return TIER_HIGH_SHARE * high + (1 - TIER_HIGH_SHARE) * low
     return kv_quant.page_bytes(kv_quant.page_format(precision), 1, 1, HEAD_DIM, DTYPE)
 
 
@@ -100,21 +113,62 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows)
     return out
 
 
+def tiered_case(key, precision, lens, num_pages):
+    """The same retained tokens as tier groups: (k, v `kv_quant.TieredPages`, tables [batch,
+    2 groups, max_pages], lengths [batch, 2 groups], (high, low) work lists, bytes read). Each
+    tier pool holds exactly its tier's pages (shuffled), the high tier `TIER_HIGH_SHARE` of a
+    group's tokens."""
+    lengths = np.asarray(lens)
+    high = np.round(lengths * TIER_HIGH_SHARE).astype(np.int32)
+    tier_lens = np.stack([high, lengths - high], axis=-1).reshape(lengths.shape[0], -1)
+    batch, tier_groups = tier_lens.shape
+    width = int(-(-tier_lens.max() // PAGE_SIZE))
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    pages = batch * tier_groups * width + 1
+    tables = (1 + rng.permutation(pages - 1)).reshape(batch, tier_groups, width).astype(np.int32)
+    pools = []
+    for i, tier in enumerate(PRECISION_TIERS[precision]):
+        fmt = kv_quant.page_format(tier)
+        kk, vk = jax.random.split(jax.random.fold_in(key, 200 + i))
+        pools.append((random_pool(kk, pages, fmt.key_bits), random_pool(vk, pages, fmt.value_bits)))
+    (k_hi, v_hi), (k_lo, v_lo) = pools
+    share = np.full(BUDGETS.shape, TIER_HIGH_SHARE)
+    tier_budgets = np.stack([BUDGETS * share, BUDGETS * (1 - share)], -1).reshape(1, -1)
+    cost = np.tile([slot_bytes(t) for t in PRECISION_TIERS[precision]], (1, BUDGETS.shape[1]))
+    smap = sm.build_split_map(tier_budgets, NUM_PROGRAMS, batch, group_size=GROUP_SIZE,
+                              bytes_per_token=cost)
+    work = tuple(w[0] for w in smap.tier_work_lists())
+    read = GROUP_SIZE * sum(int(tier_lens[:, t::2].sum()) * slot_bytes(tier)
+                            for t, tier in enumerate(PRECISION_TIERS[precision]))
+    return (kv_quant.TieredPages(k_hi, k_lo), kv_quant.TieredPages(v_hi, v_lo),
+            jnp.asarray(tables), jnp.asarray(tier_lens), work, read)
+
+
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
              correctness_rows):
     """One format's entry: time per launch for each block size, the best, bandwidth, check."""
-    fmt = kv_quant.page_format(precision)
-    kk, vk = jax.random.split(jax.random.fold_in(key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
-    k_pages = random_pool(kk, num_pages, fmt.key_bits)
-    v_pages = random_pool(vk, num_pages, fmt.value_bits)
-    entry = {"bytes_read": slots * slot_bytes(precision), "by_block_tokens": {}}
+    if precision in PRECISION_TIERS:
+        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, num_pages)
+        attend = lambda q, k, v, t, n, **kw: tiered_paged_decode_attention(   # noqa: E731
+            q, k, v, t, n, work_lists=work, **kw)
+        reference = tiered_paged_decode_attention_reference
+    else:
+        fmt = kv_quant.page_format(precision)
+        kk, vk = jax.random.split(jax.random.fold_in(
+            key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
+        k_pages = random_pool(kk, num_pages, fmt.key_bits)
+        v_pages = random_pool(vk, num_pages, fmt.value_bits)
+        read = slots * slot_bytes(precision)
+        attend = lambda q, k, v, t, n, **kw: ragged_paged_decode_attention(   # noqa: E731
+            q, k, v, t, n, work_list=work, **kw)
+        reference = ragged_paged_decode_attention_reference
+    entry = {"bytes_read": read, "by_block_tokens": {}}
     for tuning in block_list:            # "block_tokens" or "block_tokens/num_warps"
         block_tokens, _, warps = str(tuning).partition("/")
         @jax.jit
         def block(qs, k_pages, v_pages, block_tokens=int(block_tokens), warps=int(warps or 2)):
-            return [ragged_paged_decode_attention(qs[i], k_pages, v_pages, tbl, lens,
-                                                  work_list=work, block_tokens=block_tokens,
-                                                  num_warps=warps)
+            return [attend(qs[i], k_pages, v_pages, tbl, lens, block_tokens=block_tokens,
+                           num_warps=warps)
                     for i in range(CALLS)]
         t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
         entry["by_block_tokens"][str(tuning)] = t
@@ -126,10 +180,9 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         r = correctness_rows
         q = qs[0, :r]
         block_tokens, _, warps = best.partition("/")
-        got = ragged_paged_decode_attention(q, k_pages, v_pages, tbl[:r], lens[:r],
-                                            work_list=work, block_tokens=int(block_tokens),
-                                            num_warps=int(warps or 2))
-        ref = ragged_paged_decode_attention_reference(q, k_pages, v_pages, tbl[:r], lens[:r])
+        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], block_tokens=int(block_tokens),
+                     num_warps=int(warps or 2))
+        ref = reference(q, k_pages, v_pages, tbl[:r], lens[:r])
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         entry["check_rows"] = r
         entry["rel_err_vs_reference"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -147,7 +200,8 @@ def main(argv=None):
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
     p.add_argument("--sweep", default="32,64", help="block_tokens (or block_tokens/num_warps) "
                    "tried at the first config; the best is used for the others")
-    p.add_argument("--precisions", default=",".join(kv_quant.KV_PRECISIONS))
+    p.add_argument("--precisions",
+                   default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--baseline-sweep", default=None,
                    help="tunings tried for bf16 (default: --sweep)")
     args = p.parse_args(argv)

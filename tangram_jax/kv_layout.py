@@ -317,13 +317,27 @@ class TieredLayout:
             raise ValueError("high_share must lie in [0, 1]")
         object.__setattr__(self, "high_share", h)
 
-    # The base layout's shape, for the manager and the checks that read it.
+    # The base layout's shape and rules, for the manager, the engine and the runner.
     num_layers = property(lambda self: self.base.num_layers)
     num_kv_heads = property(lambda self: self.base.num_kv_heads)
     head_dim = property(lambda self: self.base.head_dim)
+    group_size = property(lambda self: self.base.group_size)
+    head_perm = property(lambda self: self.base.head_perm)
     page_size = property(lambda self: self.base.page_size)
     chunk_size = property(lambda self: self.base.chunk_size)
     compresses = property(lambda self: self.base.compresses)
+    tail_rule = property(lambda self: self.base.tail_rule)
+    tail_window = property(lambda self: self.base.tail_window)
+
+    def protected_tail(self, turn_len: int) -> int:
+        return self.base.protected_tail(turn_len)
+
+    def chunk_protected(self, turn_len: int, start: int, chunk_len: int) -> int:
+        return self.base.chunk_protected(turn_len, start, chunk_len)
+
+    def with_tail(self, rule: str, window: int) -> "TieredLayout":
+        """This layout with another protected-tail rule."""
+        return dataclasses.replace(self, base=self.base.with_tail(rule, window))
     name = property(lambda self: f"{self.base.name}+{self.precision}")
 
     @property
@@ -343,6 +357,27 @@ class TieredLayout:
 
     def _interleave(self, high: np.ndarray, low: np.ndarray) -> np.ndarray:
         return np.stack([high, low], axis=-1).reshape(*high.shape[:-1], self.num_groups)
+
+    @property
+    def tier_group_budgets(self) -> np.ndarray:
+        """float64 [layers, 2 * groups]: the share of a turn each tier group holds when a group
+        keeps its budget r (r * h high, r * (1 - h) low; protected and decode tokens aside),
+        floored at 1e-3 so that an empty tier still gets a decode work item (`split_map`)."""
+        r = self.base.group_budgets
+        return np.maximum(self._interleave(r * self.high_share, r * (1 - self.high_share)),
+                          1e-3)
+
+    def chunk_keep_counts(self, chunk_len: int, num_protected: int = 0) -> np.ndarray:
+        """int64 [layers, 2 * groups]: `KVLayout.chunk_keep_counts` of one chunk split by the
+        tier rule: the high tier takes `tier_high_count` of the unprotected part's kept tokens
+        plus every protected one, the low tier the rest of the kept ones. The prefill writes
+        the top ``high`` of a group's kept tokens by score to the high tier and the next
+        ``low`` to the low tier (protected tokens score above every other)."""
+        base = self.base
+        total = base.chunk_keep_counts(chunk_len, num_protected)     # validates the arguments
+        unprotected = total - num_protected
+        high = tier_high_count(self.high_share, unprotected) + num_protected
+        return self._interleave(high, total - high)
 
     def retained_counts(self, num_tokens: int, *, upto: int | None = None) -> np.ndarray:
         """int64 [layers, 2 * groups]: `KVLayout.retained_counts` split by the tier rule."""

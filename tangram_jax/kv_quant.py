@@ -252,3 +252,74 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None) -> Pages:
     return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),
                       zero=jnp.where(poisoned, jnp.nan, zero), bits=_check_bits(bits),
                       dtype=dtype)
+
+
+# ----- precision tiers (`kv_layout.TieredLayout`) ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TieredPages:
+    """The K (or V) pool of a tiered precision: two pools of the same logical shape
+    [num_pages, G, page_size, head_dim] indexed by the same page ids, `high` in the high tier's
+    format and `low` in the low tier's (`kv_layout.PRECISION_TIERS`). A page id the manager
+    hands to a high tier group is used in `high` only, one of a low tier group in `low` only.
+    A pytree, like `QuantPages`; `shape` and `dtype` are the high pool's."""
+
+    high: Pages
+    low: Pages
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.high.shape
+
+    @property
+    def dtype(self):
+        return self.high.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.high.nbytes) + int(self.low.nbytes)
+
+
+jax.tree_util.register_dataclass(TieredPages, data_fields=["high", "low"], meta_fields=[])
+
+
+def tiered_dense_history(k_pages: TieredPages, v_pages: TieredPages, block_tables: jax.Array,
+                         lengths: jax.Array, dtype) -> tuple:
+    """Both tiers of every group as one dense history: what attention over a tiered pool reads
+    where the kernel takes one page format (the prefill kernel, the CPU serving path, the
+    references).
+
+    block_tables int [..., 2 * groups, W] and lengths int [..., 2 * groups] of tier groups
+    (``2 g`` high, ``2 g + 1`` low, `kv_layout.TieredLayout`). Group g's history becomes its
+    high tier's tokens followed by its low tier's (attention does not depend on the order of
+    its keys: positions are in them already). Returns (k, v dense [n * 2 W, G, page_size,
+    head_dim] in `dtype`, n = the product of the leading axes and groups; tables int32
+    [..., groups, 2 W] onto them; lengths int32 [..., groups], high + low).
+    """
+    tables_hi, tables_lo = block_tables[..., 0::2, :], block_tables[..., 1::2, :]
+    len_hi, len_lo = lengths[..., 0::2], lengths[..., 1::2]
+    *lead, groups, width = tables_hi.shape
+    _, group_size, page_size, head_dim = k_pages.shape
+    span = width * page_size
+    slot = jnp.arange(2 * span)
+    # Token t of the merged history: the high tier's t, or the low tier's t - len_hi.
+    source = jnp.clip(jnp.where(slot < len_hi[..., None], slot, span + slot - len_hi[..., None]),
+                      0, 2 * span - 1)                                   # [..., groups, 2 span]
+
+    def merged(pages: TieredPages) -> jax.Array:
+        parts = [take_pages(p, jnp.clip(t, 0, p.shape[0] - 1), dtype)  # [.., groups, W, G, ps, d]
+                 for p, t in ((pages.high, tables_hi), (pages.low, tables_lo))]
+        x = jnp.moveaxis(jnp.concatenate(parts, axis=-4), -3, -4)   # [..., groups, G, 2W, ps, d]
+        x = x.reshape(*x.shape[:-3], 2 * span, head_dim)
+        x = jnp.take_along_axis(x, source[..., None, :, None], axis=-2)
+        x = x.reshape(*x.shape[:-2], 2 * width, page_size, head_dim)
+        return jnp.moveaxis(x, -4, -3).reshape(-1, group_size, page_size, head_dim)
+
+    pages_per_group = 2 * width
+    count = int(np.prod(lead, dtype=np.int64)) * groups * pages_per_group
+    tables = jnp.arange(count, dtype=jnp.int32).reshape(*lead, groups, pages_per_group)
+    return merged(k_pages), merged(v_pages), tables, (len_hi + len_lo).astype(jnp.int32)

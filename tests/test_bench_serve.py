@@ -87,15 +87,26 @@ def test_session_loop_sends_follow_ups_with_their_history_and_times_turns():
 def test_ablation_configurations():
     from tangram_jax.benchmarking.models import random_model_config
     mc = random_model_config("random-tiny")
-    assert variant_config("full", mc, 2, 0.25, 0) == {"mode": "full"}
+    assert variant_config("full", mc, 2, 0.25, 0) == {"mode": "full", "kv_precision": "bf16"}
     mono = variant_config("reserve-mono", mc, 2, 0.25, 0)
     assert mono["group_size"] == mc.num_kv_heads and mono["split_map"] == "aot"
     ragged = variant_config("ragged", mc, 2, 0.25, 0)
     assert ragged["group_size"] == 2 and ragged["split_map"] == "uniform"
     assert variant_config("tangram", mc, 2, 0.25, None) == {
-        "mode": "tangram", "group_size": 2, "split_map": "aot"}
-    with pytest.raises(ValueError, match="variant"):
+        "mode": "tangram", "group_size": 2, "split_map": "aot", "kv_precision": "bf16"}
+    with pytest.raises(ValueError, match="unknown configuration"):
         variant_config("fast", mc, 2, 0.25, 0)
+    # A configuration names its precision after '+', else takes the command's; tiers serve
+    # tangram-mode configurations with a profile carrying tier budgets.
+    assert variant_config("full+k8v4", mc, 2, 0.25, 0, "bf16")["kv_precision"] == "k8v4"
+    tiered = variant_config("tangram", mc, 2, 0.25, 0, "k8v4-k4v2")
+    assert tiered["kv_precision"] == "k8v4-k4v2"
+    assert tiered["profile"].tiers.precision == "k8v4-k4v2"
+    assert variant_config("full+bf16", mc, 2, 0.25, 0, "k8v4-k4v2")["kv_precision"] == "bf16"
+    with pytest.raises(ValueError, match="tangram-mode configurations only"):
+        variant_config("full", mc, 2, 0.25, 0, "k8v4-k4v2")
+    with pytest.raises(ValueError, match="KV precision must be one of"):
+        variant_config("tangram+k3v1", mc, 2, 0.25, 0)
 
 
 def test_bench_serve_refuses_bad_flags_before_loading_anything(capsys):

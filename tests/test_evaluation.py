@@ -168,6 +168,17 @@ def test_mode_specs_and_labels():
         ModeSpec("bogus", 0.5)
     with pytest.raises(ValueError, match="its ratio is 1"):
         ModeSpec("full", 0.5)
+    # A mode may name its KV precision; precision tiers need tangram mode, full stays bf16.
+    specs = mode_specs(["full", "tangram+k8v4-k4v2", "dynamic+k8v4"], [0.5])
+    assert [s.label for s in specs] == ["full", "tangram+k8v4-k4v2@0.5", "dynamic+k8v4@0.5"]
+    assert [s.kv_precision for s in specs] == ["bf16", "k8v4-k4v2", "k8v4"]
+    assert specs[1].mode_name == "tangram+k8v4-k4v2"
+    with pytest.raises(ValueError, match="need tangram mode"):
+        ModeSpec.parse("uniform+k8v4-k4v2", 0.5)
+    with pytest.raises(ValueError, match="bf16 reference"):
+        mode_specs(["full+k8v4"], [0.5])
+    with pytest.raises(ValueError, match="kv_precision must be one of"):
+        ModeSpec.parse("tangram+k3v1", 0.5)
 
 
 def test_summary_counts_follow_up_turns_and_flags_unsolvable_tasks():

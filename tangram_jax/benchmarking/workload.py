@@ -132,13 +132,27 @@ def skewed_head_budgets(num_layers: int, num_kv_heads: int, rho: float,
     return np.clip(b, 0.02, 1.0)
 
 
+# The high tier's share of every head's kept tokens in a random model's tiered profile (no
+# calibration exists for random weights): half, LeanKV's K8V4-K4V2 middle setting.
+SYNTHETIC_HIGH_SHARE = 0.5
+
+
 def skewed_profile(model_config, group_size: int, rho: float, seed: int = 0, *,
-                   name: str = "random-llama"):
+                   name: str = "random-llama", tiers: str | None = None):
     """A `BudgetProfile` of `skewed_head_budgets` for `model_config`, heads clustered by budget
-    into groups of `group_size`."""
-    from tangram_jax.compression.profile import BudgetProfile
+    into groups of `group_size`; with `tiers` (a `kv_layout.PRECISION_TIERS` name) also tier
+    budgets giving every head's high tier `SYNTHETIC_HIGH_SHARE` of its kept tokens."""
+    import dataclasses
+
+    from tangram_jax.compression.profile import BudgetProfile, TierBudgets
     budget = skewed_head_budgets(model_config.num_layers, model_config.num_kv_heads, rho,
                                  np.random.default_rng(seed))
-    return BudgetProfile.from_budgets(model=dict(model_config.fingerprint(), name=name),
-                                      method="snapkv", rho=rho, lambda_=2.0, mean=budget,
-                                      std=0 * budget, budget=budget, group_size=group_size)
+    profile = BudgetProfile.from_budgets(model=dict(model_config.fingerprint(), name=name),
+                                         method="snapkv", rho=rho, lambda_=2.0, mean=budget,
+                                         std=0 * budget, budget=budget, group_size=group_size)
+    if tiers is None:
+        return profile
+    share = np.full(budget.shape, SYNTHETIC_HIGH_SHARE)
+    return dataclasses.replace(profile, tiers=TierBudgets(
+        precision=tiers, mass=1.0, lambda_=0.0, mean=share, std=np.zeros_like(share),
+        high_share=share))

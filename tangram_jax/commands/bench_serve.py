@@ -47,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(random weights built on the device, a skewed profile), or a HF folder")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help="configurations, comma-separated: " + "; ".join(
-                       f"{k}: {v}" for k, v in VARIANTS.items()))
+                       f"{k}: {v}" for k, v in VARIANTS.items()) + ". A configuration may name "
+                   "its KV precision after a '+' (tangram+k8v4, tangram+k8v4-k4v2), else it "
+                   "takes --kv-precision; precision tiers (k8v4-k4v2) serve tangram-mode "
+                   "configurations only (e.g. --kv-precision k8v4-k4v2 --variants "
+                   "full+bf16,tangram+bf16,tangram)")
     p.add_argument("--classes", default="mid",
                    help=f"context classes of the closed-loop runs, comma-separated "
                         f"({', '.join(f'{k} {v}' for k, v in CONTEXT_CLASSES.items())} tokens)")
@@ -109,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     rate_variants = [v for v in args.rate_variants.split(",") if v] if args.rates else []
     for v in variants + rate_variants:
-        if v not in serve.VARIANTS:
-            raise UsageError(f"--variants: unknown configuration {v!r}; expected one of "
-                             f"{', '.join(serve.VARIANTS)}")
+        try:
+            serve.parse_variant(v, args.kv_precision)
+        except ValueError as e:
+            raise UsageError(f"--variants: {e}") from None
     if args.followups < 0:
         raise UsageError(f"--followups must be >= 0, got {args.followups}")
     if not 0 < args.ratio <= 1:

@@ -398,13 +398,17 @@ def _validate_tiers(t: TierBudgets, shape: tuple[int, int]) -> None:
         raise ProfileError("profile tiers std must be >= 0")
 
 
-def shipped_profile_path(rho: float, group_size: int) -> Path:
-    return PROFILES_DIR / f"smollm2-135m_snapkv_rho{rho:.2f}_g{group_size}.json"
+def shipped_profile_path(rho: float, group_size: int, tiers: str | None = None) -> Path:
+    suffix = f"_{tiers}" if tiers else ""
+    return PROFILES_DIR / f"smollm2-135m_snapkv_rho{rho:.2f}_g{group_size}{suffix}.json"
 
 
-def shipped_profile(rho: float, group_size: int, expected_fingerprint: dict | None = None) -> BudgetProfile:
-    """The calibrated profile shipped for the embedded SmolLM2-135M (rho 0.5 / 0.25, G 1 / 3)."""
-    path = shipped_profile_path(rho, group_size)
+def shipped_profile(rho: float, group_size: int, expected_fingerprint: dict | None = None, *,
+                    tiers: str | None = None) -> BudgetProfile:
+    """The calibrated profile shipped for the embedded SmolLM2-135M (rho 0.5 / 0.25, G 1 / 3);
+    with `tiers` (a `kv_layout.PRECISION_TIERS` name) the one calibrated with its tier budgets
+    (same pilot samples and seed, so the same budgets)."""
+    path = shipped_profile_path(rho, group_size, tiers)
     if not path.exists():
         available = sorted(q.name for q in PROFILES_DIR.glob("*.json"))
         raise ValueError(f"no shipped profile for rho={rho}, group_size={group_size}; shipped: "

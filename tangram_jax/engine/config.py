@@ -29,8 +29,11 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
-from tangram_jax.kv_layout import TAIL_RULES, KVLayout, pages_for
+from tangram_jax.kv_layout import PRECISION_TIERS, TAIL_RULES, KVLayout, TieredLayout, pages_for
 from tangram_jax.kv_quant import KV_PRECISIONS
+
+# Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
+SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
@@ -278,12 +281,14 @@ class EngineConfig:
         1, _int_at_least(1), "devices one engine spans: every KV head group's heads are split "
         "between them (Megatron-style projections, one KV pool shard per device, one block "
         "table); must divide the head counts and the layout's group size")
-    kv_precision: str = _field("bf16", _choice(KV_PRECISIONS),
+    kv_precision: str = _field("bf16", _choice(SERVED_PRECISIONS),
                                "KV page format (kv_quant): bf16 (the pool dtype), or keys / values "
                                "quantised to 8/8, 8/4 or 4/2 bits with a per token-and-head scale "
                                "and zero (k8v8, k8v4, k4v2); with num_pages / kv_cache_tokens the "
                                "pool keeps its page count, on a GPU it gets more pages for the "
-                               "same bytes")
+                               "same bytes; k8v4-k4v2: precision tiers (tangram mode, a profile "
+                               "with tier budgets): each group's top kept tokens in K8V4 pages, "
+                               "the rest in K4V2 pages")
     data_parallel_size: int = _field(
         1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
         "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
@@ -343,6 +348,10 @@ class EngineConfig:
         if self.mode != "tangram" and self.profile is not None:
             raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
                                     f"with profile {self.profile!r}")
+        if self.kv_precision in PRECISION_TIERS and self.mode != "tangram":
+            raise EngineConfigError(f"kv_precision {self.kv_precision!r} (precision tiers) needs "
+                                    f"tangram mode (its tier budgets come from the profile), got "
+                                    f"mode {self.mode!r}")
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
@@ -381,6 +390,8 @@ class EngineConfig:
         profile = resolve_profile(self, mc, is_embedded) if self.mode == "tangram" else None
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
             self.tail_rule, obs_window)
+        if self.kv_precision in PRECISION_TIERS:   # mode is tangram (`check`)
+            layout = tiered_layout(self, profile, layout)
         try:   # every KV head group is split over the tensor-parallel devices
             check_tensor_parallel(self.tensor_parallel_size, num_heads=mc.num_heads,
                                   num_kv_heads=mc.num_kv_heads, group_size=layout.group_size,
@@ -405,7 +416,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 class ResolvedConfig:
     """The settings an engine runs with (see `EngineConfig.resolve`)."""
 
-    layout: KVLayout
+    layout: KVLayout | TieredLayout   # tiered: kv_precision names precision tiers
     num_pages: int               # KV pool pages, null page included
     max_model_len: int
     max_num_batched_tokens: int
@@ -462,7 +473,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES, "kv_precision": KV_PRECISIONS,
+                       "tail_rule": TAIL_RULES, "kv_precision": SERVED_PRECISIONS,
                        "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)
@@ -493,7 +504,9 @@ def resolve_profile(cfg: EngineConfig, model_config: ModelConfig, is_embedded: b
                                     "profile= (make one with `tangram-jax calibrate --model ...`)")
         # The embedded model has 3 KV heads: per-head groups (G = 1) are its only ragged layout.
         group_size = cfg.group_size or 1
-        profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint)
+        profile = shipped_profile(cfg.ratio, group_size, expected_fingerprint=fingerprint,
+                                  tiers=cfg.kv_precision if cfg.kv_precision in PRECISION_TIERS
+                                  else None)
     if cfg.group_size is not None and profile.group_size != cfg.group_size:
         profile = profile.regroup(cfg.group_size)
     return profile
@@ -509,6 +522,20 @@ def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool
     return KVLayout.monolithic(model_config.num_layers, model_config.num_kv_heads,
                                model_config.head_dim, page_size=cfg.page_size,
                                chunk_size=cfg.resolved_chunk_size(), name=cfg.mode)
+
+
+def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout) -> TieredLayout:
+    """`layout` split into the precision tiers of `cfg.kv_precision` by the profile's
+    calibrated tier budgets."""
+    if profile.tiers is None:
+        raise EngineConfigError(
+            f"kv_precision {cfg.kv_precision!r} needs a profile with precision-tier budgets; "
+            f"this one has none (calibrate with tiers: `tangram-jax calibrate --tiers "
+            f"{cfg.kv_precision}`)")
+    if profile.tiers.precision != cfg.kv_precision:
+        raise EngineConfigError(f"kv_precision {cfg.kv_precision!r} differs from the profile's "
+                                f"tiers {profile.tiers.precision!r}")
+    return TieredLayout(layout, profile.group_high_share(), precision=cfg.kv_precision)
 
 
 def pool_is_fixed(cfg: EngineConfig) -> bool:

@@ -43,7 +43,8 @@ from tangram_jax.engine import distributed
 from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
-from tangram_jax.kv_layout import pages_for
+from tangram_jax import kv_quant
+from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.split_map import build_split_map, uniform_split_map
 from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
@@ -246,6 +247,20 @@ def _copy_pages(k_pages, v_pages, src, dst):
     return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
 
 
+def decode_work_weights(layout, model_config, dtype) -> tuple[np.ndarray, object]:
+    """(group budgets, bytes per retained token) the AOT split map weighs a layer's groups by
+    (`build_split_map`'s first and `bytes_per_token` arguments): the layout's budgets and one
+    cost (every group holds one page format), or, with precision tiers, each tier group's share
+    of the turn (`TieredLayout.tier_group_budgets`) and its tier's bytes per slot."""
+    if not isinstance(layout, TieredLayout):
+        return layout.group_budgets, 1.0
+    per_slot = [kv_quant.page_bytes(kv_quant.page_format(t), 1, 1, model_config.head_dim,
+                                    jnp.dtype(dtype)) for t in layout.tiers]
+    budgets = layout.tier_group_budgets
+    return budgets, np.tile(np.asarray(per_slot, np.float64), (budgets.shape[0],
+                                                               budgets.shape[1] // 2))
+
+
 class _RequestFailed(Exception):
     """A failure recorded for one request while its step was dispatched (`_Request.error`)."""
 
@@ -296,9 +311,11 @@ class Engine:
         self.compression_method = rc.compression_method
         buckets = rc.decode_buckets
         # Each device attends over its share of every group's heads (tensor parallelism).
-        split_maps = {b: build_split_map(self.layout.group_budgets, cfg.num_programs, b,
+        work_budgets, bytes_per_token = decode_work_weights(self.layout, mc, loaded.model.dtype)
+        split_maps = {b: build_split_map(work_budgets, cfg.num_programs, b,
                                          group_size=self.layout.group_size
-                                         // cfg.tensor_parallel_size) for b in buckets}
+                                         // cfg.tensor_parallel_size,
+                                         bytes_per_token=bytes_per_token) for b in buckets}
         if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
             groups = self.layout.num_groups
             split_maps = {b: dataclasses.replace(

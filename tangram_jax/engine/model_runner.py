@@ -45,7 +45,9 @@ from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_sc
 from tangram_jax.engine.config import MODES
 from tangram_jax import kv_quant
 from tangram_jax.engine.xla_attention import apply_chunk_writes
-from tangram_jax.kv_layout import KVLayout
+from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
+from tangram_jax.pallas_kernels.chunk_compress import compress_chunk_into_tiers
+from tangram_jax.pallas_kernels.decode_attention import tiered_paged_decode_attention
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
@@ -161,11 +163,17 @@ class ModelRunner:
       kv_precision: page format of the pool (`kv_quant.KV_PRECISIONS`): ``bf16`` stores K/V in
         `kv_dtype`; ``k8v8`` / ``k8v4`` / ``k4v2`` store packed codes with per-slot scales
         (`kv_quant.QuantPages`), quantised as the chunk compression and the decode step write
-        them and dequantised by the attention kernels.
+        them and dequantised by the attention kernels. A tiered precision
+        (`kv_layout.PRECISION_TIERS`, ``k8v4-k4v2``) needs a `TieredLayout` of that precision:
+        the pool is then `kv_quant.TieredPages` (a high and a low pool, one page id space),
+        block tables and lengths are of tier groups (``[..., 2 * groups]``, ``2 g`` high), the
+        compression writes each group's top kept tokens to the high tier and the rest to the
+        low tier, decode tokens go to the high tier, and attention reads both tiers.
       ops: attention implementations (default: by backend).
     """
 
-    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout, num_pages: int | None,
+    def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout | TieredLayout,
+                 num_pages: int | None,
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
@@ -178,17 +186,29 @@ class ModelRunner:
         # several devices split every KV head group between them (`tensor_parallel`).
         self.placement = Placement(devices if devices else [jax.devices()[0]])
         self.device = self.placement.devices[0]
+        # A tiered layout's groups are (group, tier) pairs for the tables and counts; heads,
+        # pages and the kernels' groups are its base layout's.
+        self.tiers = layout if isinstance(layout, TieredLayout) else None
+        if (kv_precision in PRECISION_TIERS) != (self.tiers is not None) or (
+                self.tiers is not None and self.tiers.precision != kv_precision):
+            raise ValueError(f"kv_precision {kv_precision!r} needs "
+                             + ("a TieredLayout of that precision" if kv_precision in
+                                PRECISION_TIERS else "a KVLayout") + f", got {layout.name!r}")
+        if self.tiers is not None and runner_config.mode == "dynamic":
+            raise ValueError("precision tiers are served with static budgets (tangram or full "
+                             "mode), not in dynamic mode")
         self.layout = layout
+        base = self.base_layout = layout.base if self.tiers is not None else layout
         self.runner_config = runner_config
         self.ops = ops or AttentionOps.for_backend()
         self.split_maps = dict(split_maps or {})
         tp = self.placement.tp
         check_tensor_parallel(tp, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                              group_size=layout.group_size,
+                              group_size=base.group_size,
                               intermediate_size=config.intermediate_size)
-        head_perm = device_major_perm(layout.head_perm, layout.group_size, tp)
-        if not np.array_equal(head_perm, np.tile(np.arange(layout.num_kv_heads),
-                                                 (layout.num_layers, 1))):
+        head_perm = device_major_perm(base.head_perm, base.group_size, tp)
+        if not np.array_equal(head_perm, np.tile(np.arange(base.num_kv_heads),
+                                                 (base.num_layers, 1))):
             permute_kv_heads(model, head_perm)
         # The runner takes the layers over: stacked for lax.scan (one layer body is compiled,
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
@@ -211,11 +231,19 @@ class ModelRunner:
         self.layer_states = self.placement.weights(self.layer_states,
                                                    stacked=self.layer_loop == "scan")
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
-        self.kv_format = kv_quant.page_format(kv_precision)
-        # Bytes of one page on each device (a page's G heads are split over the devices).
-        self.kv_bytes_per_page = kv_quant.page_bytes(self.kv_format, layout.group_size,
-                                                     layout.page_size, layout.head_dim,
-                                                     self.kv_dtype) // tp
+        # The page format of the pool, or of each tier's pool (high, low).
+        self.tier_formats = (tuple(kv_quant.page_format(t) for t in self.tiers.tiers)
+                             if self.tiers is not None else None)
+        self.kv_format = (self.tier_formats[0] if self.tiers is not None
+                          else kv_quant.page_format(kv_precision))
+        # Bytes of one page id on each device (a page's G heads are split over the devices);
+        # a tiered pool holds a page of each tier per id.
+        self.kv_bytes_per_page = sum(
+            kv_quant.page_bytes(fmt, base.group_size, base.page_size, base.head_dim,
+                                self.kv_dtype)
+            for fmt in (self.tier_formats or (self.kv_format,))) // tp
+        # Tables, lengths and keep counts per (layer, group) or per (layer, tier group).
+        self.counts_shape = (layout.num_layers, layout.num_groups)
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
         # fit a program's shared memory (float32 models); row packing and work items follow it.
         self.prefill_tuning = fit_tuning(PREFILL_TUNING, config.num_heads // config.num_kv_heads,
@@ -244,8 +272,8 @@ class ModelRunner:
     # ----- the pool ----------------------------------------------------------------------
     def pool_shape(self, num_pages: int) -> tuple[int, int, int, int]:
         """``[num_pages, G, page_size, head_dim]``: the shape of `k_pages` and of `v_pages`."""
-        return (int(num_pages), self.layout.group_size, self.layout.page_size,
-                self.layout.head_dim)
+        return (int(num_pages), self.base_layout.group_size, self.base_layout.page_size,
+                self.base_layout.head_dim)
 
     def allocate_pool(self, num_pages: int) -> None:
         """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
@@ -257,8 +285,13 @@ class ModelRunner:
         """(k_pages, v_pages) of the runner's page format; `make(shape, dtype)` builds each
         array (zeros on the runner's devices, or a `jax.ShapeDtypeStruct` spec)."""
         shape = self.pool_shape(num_pages)
-        return (kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.key_bits, make=make),
-                kv_quant.pool_arrays(shape, self.kv_dtype, self.kv_format.value_bits, make=make))
+        pools = [(kv_quant.pool_arrays(shape, self.kv_dtype, fmt.key_bits, make=make),
+                  kv_quant.pool_arrays(shape, self.kv_dtype, fmt.value_bits, make=make))
+                 for fmt in (self.tier_formats or (self.kv_format,))]
+        if self.tiers is None:
+            return pools[0]
+        (k_high, v_high), (k_low, v_low) = pools
+        return kv_quant.TieredPages(k_high, k_low), kv_quant.TieredPages(v_high, v_low)
 
     def _commit(self, tree):
         """`tree`'s arrays committed to the runner's devices, replicated (see `__init__`)."""
@@ -300,8 +333,10 @@ class ModelRunner:
         """True when a prefill row may span several compression chunks: the layout keeps every
         token (``full``, or a profile of budgets 1), so no chunk's selection depends on the
         scores of the chunk before it, and a row is a whole piece of a turn (one long causal
-        attention, one KV append). Otherwise a row is one compression chunk."""
-        return not self.layout.compresses and self.runner_config.mode != "dynamic"
+        attention, one KV append). Otherwise a row is one compression chunk (always with
+        precision tiers: the tier rule splits each chunk's kept tokens by rank)."""
+        return (not self.layout.compresses and self.runner_config.mode != "dynamic"
+                and self.tiers is None)
 
     def prefill_token_buckets(self, max_rows: int = 1) -> list[int]:
         """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): multiples
@@ -414,7 +449,7 @@ class ModelRunner:
             positions[s:s + n] = int(start_positions[b]) + np.arange(n)
         row_slots = np.full(rows, self.null_slot, np.int32)
         row_slots[:n_rows] = slots
-        hist = np.zeros((rows, *layout.group_budgets.shape), np.int32)
+        hist = np.zeros((rows, *self.counts_shape), np.int32)
         hist[:n_rows] = np.stack([np.asarray(h, np.int32) for h in hist_lengths])
         if self.prefill_whole_rows or self.runner_config.mode == "dynamic":
             keep = np.zeros_like(hist)     # whole rows keep all; dynamic decides on device
@@ -422,10 +457,13 @@ class ModelRunner:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
+        # (Tiers: a group's history is both its tiers, read as one:
+        # `kv_quant.tiered_dense_history`.)
+        group_hist = hist if self.tiers is None else hist[..., 0::2] + hist[..., 1::2]
         items = prefill_work_items(
-            row_starts, lens, np.swapaxes(hist, 0, 1), num_tokens=num_tokens,
-            num_items=item_capacity(num_tokens, layout.num_groups,
-                                    layout.group_size // self.placement.tp,
+            row_starts, lens, np.swapaxes(group_hist, 0, 1), num_tokens=num_tokens,
+            num_items=item_capacity(num_tokens, self.base_layout.num_groups,
+                                    self.base_layout.group_size // self.placement.tp,
                                     self.prefill_tuning), tuning=self.prefill_tuning)
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items)
@@ -440,7 +478,7 @@ class ModelRunner:
         path: writing inside the loop made XLA copy the whole pool every layer) rather than
         writing in place. Plans are of dense (bf16) pools on one device."""
         return (self.ops.plan_writes is not None and self.placement.tp == 1
-                and not self.kv_format.quantised)
+                and not self.kv_format.quantised and self.tiers is None)
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray,
@@ -464,6 +502,7 @@ class ModelRunner:
 
         planned = self.plans_prefill_writes
         num_pages = k_pages.shape[0]
+        tiered = self.tiers is not None
 
         def write(k_chunk, v_chunk, scores, keep_b, chunk_len, k_pages, v_pages, table, hist_b,
                   plans):
@@ -474,6 +513,10 @@ class ModelRunner:
                     k_chunk, v_chunk, scores, keep_b, chunk_len, num_pages,
                     self.layout.page_size, self.layout.group_size, table, hist_b))
                 return k_pages, v_pages
+            if tiered:
+                return compress_chunk_into_tiers(self.ops.compress_chunk, k_chunk, v_chunk,
+                                                 scores, keep_b, chunk_len, k_pages, v_pages,
+                                                 table, hist_b)
             return self.ops.compress_chunk(k_chunk, v_chunk, scores, keep_b, chunk_len,
                                            k_pages, v_pages, table, hist_b)
 
@@ -485,8 +528,15 @@ class ModelRunner:
             v_pages, kept [rows, groups], the planned writes (a list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
-            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
-                                                  row_starts, row_lens, items,
+            # Tiers: the kernels read one page format, so both tiers of a group are one dense
+            # history here (dequantised, as a quantised pool's history is for the kernel).
+            # (In float32 on the CPU path, which computes in it: the values a k8v4 pool's
+            # history gives it; the prefill kernel takes pages in k's dtype.)
+            read = ((k_pages, v_pages, tables, hist) if not tiered else
+                    kv_quant.tiered_dense_history(
+                        k_pages, v_pages, tables, hist,
+                        k.dtype if self.ops.name == "pallas" else jnp.float32))
+            out, lse = self.ops.prefill_attention(q, k, v, *read, row_starts, row_lens, items,
                                                   tuning=self.prefill_tuning)
             if whole_rows:
                 # Every token kept: the fused compression kernel appends each row's K/V after its
@@ -607,12 +657,42 @@ class ModelRunner:
 
     @staticmethod
     def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, *, decode_attention,
-                          use_work):
+                          use_work, tiered=None):
         """One layer's decode attention on one device's heads (all of them without tensor
         parallelism): append the new token's K/V at slot `lens` of every group, attend.
         q [B, 1, Hq, d], k/v [B, 1, Hkv, d] (this device's heads, group-major); k/v_pages
         [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
-        Returns (out [B, 1, Hq, d], k_pages, v_pages)."""
+        Returns (out [B, 1, Hq, d], k_pages, v_pages).
+
+        tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups, work
+        a (high, low) pair), attended by the Pallas kernels (``"pallas"``: each tier's pool
+        read in its format, merged by log-sum-exp) or, on the CPU path, as one dense history.
+        The token goes to the high tier."""
+        batch = lens.shape[0]
+        if tiered is None:
+            k_pages, v_pages = ModelRunner._append_token(k, v, k_pages, v_pages, tables, lens)
+            qg = q[:, 0].reshape(batch, lens.shape[1], -1, q.shape[-1])
+            out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
+                                   work if use_work else None)
+            return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
+        k_high, v_high = ModelRunner._append_token(k, v, k_pages.high, v_pages.high,
+                                                   tables[:, 0::2], lens[:, 0::2])
+        k_pages = kv_quant.TieredPages(k_high, k_pages.low)
+        v_pages = kv_quant.TieredPages(v_high, v_pages.low)
+        seen = lens + (jnp.arange(lens.shape[1]) % 2 == 0)        # the new token is high
+        qg = q[:, 0].reshape(batch, lens.shape[1] // 2, -1, q.shape[-1])
+        if tiered == "pallas":
+            out = tiered_paged_decode_attention(qg, k_pages, v_pages, tables, seen,
+                                                work_lists=work)
+        else:
+            out = decode_attention(qg, *kv_quant.tiered_dense_history(
+                k_pages, v_pages, tables, seen, jnp.float32), None)
+        return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
+
+    @staticmethod
+    def _append_token(k, v, k_pages, v_pages, tables, lens):
+        """Write each row's new K/V (k/v [B, 1, Hkv, d]) at slot `lens` [B, groups] of its
+        groups' pages (tables [B, groups, P]); returns the pools."""
         batch, n_groups = lens.shape
         g, ps = k_pages.shape[1], k_pages.shape[2]
         # Padded rows write into the null page 0, which nothing reads as valid.
@@ -622,12 +702,8 @@ class ModelRunner:
         k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
         v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
         slots = (page[..., None], heads, offset[..., None])
-        k_pages = kv_quant.write_slots(k_pages, slots, k_new)   # quantised if the pool is
-        v_pages = kv_quant.write_slots(v_pages, slots, v_new)
-        qg = q[:, 0].reshape(batch, n_groups, -1, q.shape[-1])
-        out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
-                               work if use_work else None)
-        return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
+        return (kv_quant.write_slots(k_pages, slots, k_new),    # quantised if the pool is
+                kv_quant.write_slots(v_pages, slots, v_new))
 
     def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -686,10 +762,14 @@ class ModelRunner:
         # take none (a dummy keeps the scan's inputs uniform).
         work_lists = (jnp.asarray(split_map.work_lists()) if split_map is not None
                       else jnp.zeros((layout.num_layers, 1, 3), jnp.int32))
+        if self.tiers is not None:   # one list per tier's kernel call (the map is of tier groups)
+            work_lists = (tuple(jnp.asarray(w) for w in split_map.tier_work_lists())
+                          if split_map is not None else (work_lists, work_lists))
         heads = P(None, None, AXIS, None)          # [B, 1, heads, d]: heads over the devices
         attend = self.placement.per_device(
             functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,
-                              use_work=split_map is not None),
+                              use_work=split_map is not None,
+                              tiered=None if self.tiers is None else self.ops.name),
             in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
@@ -744,7 +824,7 @@ class ModelRunner:
         whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
         it holds nothing), over a flat axis of `num_tokens` (whole rows; default the largest
         bucket)."""
-        zeros = np.zeros(self.layout.group_budgets.shape, np.int32)
+        zeros = np.zeros(self.counts_shape, np.int32)
         if self.prefill_whole_rows and num_tokens is None:
             num_tokens = self.prefill_token_buckets(rows)[-1]
         return self._prefill_args([np.zeros(1, np.int32)] * rows, [0] * rows,
@@ -755,7 +835,7 @@ class ModelRunner:
         """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
         return self._decode_call(k_pages, v_pages, np.zeros(bucket, np.int32),
                                  np.full(bucket, self.null_slot, np.int32),
-                                 np.zeros((bucket, *self.layout.group_budgets.shape), np.int32),
+                                 np.zeros((bucket, *self.counts_shape), np.int32),
                                  *_greedy(bucket))
 
     def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:

@@ -42,22 +42,51 @@ PILOT_SEED_OFFSET = 1_000_003
 @dataclasses.dataclass(frozen=True)
 class ModeSpec:
     """One column of the table: `mode` (full, tangram = the shipped calibrated profile, dynamic =
-    per-input Ada-SnapKV, uniform = every head keeps `ratio`) at keep ratio `ratio`."""
+    per-input Ada-SnapKV, uniform = every head keeps `ratio`) at keep ratio `ratio`, with KV
+    pages of `kv_precision` (`EngineConfig.kv_precision`; full KV, the reference, is bf16;
+    precision tiers need tangram mode, whose shipped profiles carry tier budgets). On the
+    command line a mode names its precision after a ``+``: ``tangram+k8v4-k4v2``."""
 
     mode: str
     ratio: float
+    kv_precision: str = "bf16"
 
     def __post_init__(self):
+        from tangram_jax.engine.config import SERVED_PRECISIONS
+        from tangram_jax.kv_layout import PRECISION_TIERS
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must lie in (0, 1], got {self.ratio}")
         if self.mode == "full" and self.ratio != 1:
             raise ValueError(f"full KV keeps everything: its ratio is 1, got {self.ratio}")
+        if self.kv_precision not in SERVED_PRECISIONS:
+            raise ValueError(f"kv_precision must be one of {', '.join(SERVED_PRECISIONS)}, got "
+                             f"{self.kv_precision!r}")
+        if self.mode == "full" and self.kv_precision != "bf16":
+            raise ValueError(f"full KV is the bf16 reference every mode is compared with, got "
+                             f"full+{self.kv_precision}")
+        if self.kv_precision in PRECISION_TIERS and self.mode != "tangram":
+            raise ValueError(f"precision tiers ({self.kv_precision}) need tangram mode (tier "
+                             f"budgets come with its profile), got {self.mode}")
+
+    @classmethod
+    def parse(cls, name: str, ratio: float) -> "ModeSpec":
+        """``mode`` or ``mode+precision`` at `ratio`."""
+        mode, plus, precision = name.partition("+")
+        return cls(mode, ratio, precision if plus else "bf16")
+
+    @property
+    def mode_name(self) -> str:
+        """The mode as the command line and the table name it (``tangram+k8v4-k4v2``)."""
+        return self.mode if self.kv_precision == "bf16" else f"{self.mode}+{self.kv_precision}"
 
     @property
     def label(self) -> str:
-        return "full" if self.mode == "full" else f"{self.mode}@{self.ratio:g}"
+        if self.mode == "full":
+            return "full"
+        suffix = "" if self.kv_precision == "bf16" else f"+{self.kv_precision}"
+        return f"{self.mode}{suffix}@{self.ratio:g}"
 
 
 def mode_specs(modes: list[str], ratios: list[float]) -> list[ModeSpec]:
@@ -68,8 +97,11 @@ def mode_specs(modes: list[str], ratios: list[float]) -> list[ModeSpec]:
     # Lowest ratio first: where compression bites most is measured first if a run is cut short.
     for r in sorted(ratios):
         for mode in modes:
-            if mode != "full" and (r < 1 or mode == "uniform"):
-                specs.append(ModeSpec(mode, float(r)))
+            base = mode.partition("+")[0]
+            if base != "full" and (r < 1 or base == "uniform"):
+                specs.append(ModeSpec.parse(mode, float(r)))
+            elif base == "full" and mode != "full":
+                ModeSpec.parse(mode, 1.0)   # full+<precision>: refused with its reason
     return specs
 
 
@@ -238,7 +270,10 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     profile = None
     mode = spec.mode
     if spec.mode == "tangram":
-        profile = shipped_profile(spec.ratio, cfg.group_size, expected_fingerprint=fingerprint)
+        from tangram_jax.kv_layout import PRECISION_TIERS
+        tiers = spec.kv_precision if spec.kv_precision in PRECISION_TIERS else None
+        profile = shipped_profile(spec.ratio, cfg.group_size, expected_fingerprint=fingerprint,
+                                  tiers=tiers)
     elif spec.mode == "uniform":
         profile = BudgetProfile.uniform(fingerprint, spec.ratio, group_size=cfg.group_size)
         mode = "tangram"
@@ -249,6 +284,7 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     # eviction, whatever the mode keeps.
     kwargs.setdefault("kv_cache_tokens", cfg.max_active * max_model_len)
     return EngineConfig(model=cfg.model, mode=mode, ratio=spec.ratio, profile=profile,
+                        kv_precision=spec.kv_precision,
                         max_model_len=-(-max_model_len // page) * page, **kwargs)
 
 
@@ -394,7 +430,8 @@ def summarise(samples: list[Sample], specs: list,
         for spec in specs:
             rows = judged[spec.label]
             all_rows = [rows[(s.id, t)] for s in task_samples for t in range(len(s.turns))]
-            entry = dict(library=library, task=task, mode=spec.mode, ratio=spec.ratio,
+            entry = dict(library=library, task=task,
+                         mode=getattr(spec, "mode_name", spec.mode), ratio=spec.ratio,
                          samples=len(task_samples), **_aggregate(all_rows))
             if multi:
                 entry["turn1"] = _aggregate([rows[(s.id, 0)] for s in task_samples])

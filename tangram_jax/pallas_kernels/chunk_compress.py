@@ -201,3 +201,42 @@ def compress_chunk_into_pages_reference(k_chunk, v_chunk, scores, keep_counts, c
     index = (page, head_in_page, slot % page_size)
     return (kv_quant.write_slots(k_pages, index, k_rows, mode="drop"),
             kv_quant.write_slots(v_pages, index, v_rows, mode="drop"))
+
+
+# ----- precision tiers (`kv_layout.TieredLayout`, `kv_quant.TieredPages`) --------------------
+
+def low_tier_scores(scores: jax.Array, keep_high: jax.Array, chunk_len: jax.Array,
+                    group_size: int) -> jax.Array:
+    """Scores that make `kept_token_sources` pick, per head, the tokens ranked just below its
+    group's top ``keep_high[g]`` (the high tier's): those get -inf, the others a finite score
+    falling with their rank, so a count k selects ranks ``keep_high .. keep_high + k - 1`` of the
+    original scores (the same rank `kept_token_sources` computes, ties to the earlier token).
+
+    scores float32 [num_kv_heads, T]; keep_high int32 [groups]; chunk_len int32 scalar.
+    Returns float32 [num_kv_heads, T]."""
+    num_heads, chunk = scores.shape
+    valid = jnp.arange(chunk) < chunk_len
+    masked = jnp.where(valid[None, :], scores.astype(jnp.float32), -jnp.inf)
+    rank = jnp.argsort(jnp.argsort(-masked, axis=1, stable=True), axis=1, stable=True)
+    high = jnp.repeat(keep_high.astype(jnp.int32), group_size)[:, None]
+    return jnp.where(rank < high, -jnp.inf, (chunk - rank).astype(jnp.float32))
+
+
+def compress_chunk_into_tiers(compress, k_chunk, v_chunk, scores, keep_counts, chunk_len,
+                              k_pages, v_pages, block_table, hist_len):
+    """`compress_chunk_into_pages` for a tiered pool: of each head's kept tokens the top
+    ``keep_counts[2 g]`` by score go to the high tier, the next ``keep_counts[2 g + 1]`` to the
+    low tier (`kv_layout.TieredLayout.chunk_keep_counts`), each into its tier group's pages.
+
+    compress: `compress_chunk_into_pages` or its reference (one format per call). keep_counts,
+    hist_len int32 [2 * groups] and block_table int32 [2 * groups, max_pages] of tier groups;
+    k_pages, v_pages `kv_quant.TieredPages`. Returns the updated (k_pages, v_pages)."""
+    group_size = k_pages.shape[1]
+    keep_high = keep_counts[0::2]
+    k_high, v_high = compress(k_chunk, v_chunk, scores, keep_high, chunk_len, k_pages.high,
+                              v_pages.high, block_table[0::2], hist_len[0::2])
+    k_low, v_low = compress(k_chunk, v_chunk,
+                            low_tier_scores(scores, keep_high, chunk_len, group_size),
+                            keep_counts[1::2], chunk_len, k_pages.low, v_pages.low,
+                            block_table[1::2], hist_len[1::2])
+    return kv_quant.TieredPages(k_high, k_low), kv_quant.TieredPages(v_high, v_low)

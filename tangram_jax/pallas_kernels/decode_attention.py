@@ -464,3 +464,47 @@ def ragged_paged_decode_attention_reference(q, k_pages, v_pages, block_tables, l
     out = jnp.einsum("bngqt,bngtd->bngqd", p / jnp.where(den > 0, den, 1.0), v,
                      precision=lax.Precision.HIGHEST)
     return out.reshape(q.shape).astype(q.dtype)
+
+
+# ----- precision tiers (`kv_layout.TieredLayout`, `kv_quant.TieredPages`) --------------------
+
+def tiered_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_lists,
+                                  interpret: bool | None = None, block_tokens: int = 32,
+                                  num_warps: int = 2, num_stages: int = 3,
+                                  heads_per_program: int = 1) -> jax.Array:
+    """Decode attention over both precision tiers of every group: the kernel runs over each
+    tier's pool with that tier's work list (each launch reads one page format), and one merge
+    launch combines the partials of both tiers of a group by log-sum-exp (a work item of either
+    tier is a share of the group's keys, so the merge is the one of `merge_partials`).
+
+    q [batch, groups, G * q_per_kv, d]; k_pages, v_pages `kv_quant.TieredPages`; block_tables
+    int32 [batch, 2 * groups, max_pages] and lengths int32 [batch, 2 * groups] of tier groups
+    (``2 g`` high, ``2 g + 1`` low); work_lists (high, low), each int32 [items, 3] rows of
+    base groups (`SplitMap.tier_work_lists`). Returns [batch, groups, G * q_per_kv, d] in q's
+    dtype."""
+    work_hi, work_lo = (jnp.asarray(w, dtype=jnp.int32) for w in work_lists)
+    kwargs = dict(interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
+                  num_warps=num_warps, num_stages=num_stages, heads_per_program=heads_per_program)
+    parts = []
+    for tier, work in ((0, work_hi), (1, work_lo)):
+        pools = (k_pages.high, v_pages.high) if tier == 0 else (k_pages.low, v_pages.low)
+        tables, lens = block_tables[:, tier::2], lengths[:, tier::2]
+        _check_inputs(q, *pools, tables, lens, work)
+        parts.append(decode_partials(q, *pools, tables, lens, work, **kwargs))
+    (o_hi, lse_hi, _), (o_lo, lse_lo, _) = parts
+    work = jnp.concatenate([jnp.broadcast_to(work_hi, (q.shape[0], *work_hi.shape[-2:])),
+                            jnp.broadcast_to(work_lo, (q.shape[0], *work_lo.shape[-2:]))],
+                           axis=1) if (work_hi.ndim == 3 or work_lo.ndim == 3) \
+        else jnp.concatenate([work_hi, work_lo])
+    return merge_partials_pallas(jnp.concatenate([o_hi, o_lo], axis=1),
+                                 jnp.concatenate([lse_hi, lse_lo], axis=1), work,
+                                 num_groups=q.shape[1], out_dtype=q.dtype,
+                                 interpret=kwargs["interpret"])
+
+
+@jax.jit
+def tiered_paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths):
+    """Both tiers as one dense history (`kv_quant.tiered_dense_history`), then the reference."""
+    k, v, tables, lens = kv_quant.tiered_dense_history(k_pages, v_pages, block_tables, lengths,
+                                                       jnp.float32)
+    return ragged_paged_decode_attention_reference(q, k, v, tables, lens)

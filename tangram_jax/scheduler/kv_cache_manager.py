@@ -424,12 +424,13 @@ class KVCacheManager:
 
     def decode_demand(self, slot: int) -> int:
         """Pages `slot`'s next decode token takes (one per group crossing a page boundary)."""
-        want = pages_for(self.lengths[slot].astype(np.int64) + 1, self.page_size)
+        want = pages_for(self.lengths[slot].astype(np.int64) + self._decode_groups,
+                         self.page_size)
         return int(np.maximum(want - self.table.num_pages[slot], 0).sum())
 
     def at_table_limit(self, slot: int) -> bool:
         """Whether one more decode token would overflow the block table width."""
-        want = self.lengths[slot].astype(np.int64) + 1
+        want = self.lengths[slot].astype(np.int64) + self._decode_groups
         return bool(pages_for(want, self.page_size).max() > self.max_pages_per_group)
 
     # ----- device feed -------------------------------------------------------------------
@@ -450,10 +451,11 @@ class KVCacheManager:
     def decode_write_lengths(self, slots: np.ndarray) -> np.ndarray:
         """int32 [rows, layers, groups]: where each decode row of this step writes its token,
         the lengths before it (`grow_for_decode` has counted it already); rows of the null slot
-        (padding) are 0."""
+        (padding) are 0 (groups a decode token is not appended to, a tiered layout's low
+        tier: their lengths, where attention reads up to)."""
         slots = np.asarray(slots, dtype=np.intp)
         lengths = self.lengths.take(slots, axis=0)
-        lengths[slots != self.null_slot] -= 1
+        lengths[slots != self.null_slot] -= self._decode_groups.astype(np.int32)
         return lengths
 
     def retained_lengths(self, slot: int) -> np.ndarray:

@@ -1,0 +1,308 @@
+"""Serving precision tiers (``k8v4-k4v2``): the tiered pool's dense history, the compression
+writing the top-ranked kept tokens to the high tier and the rest to the low tier, decode
+attention over both tiers (the Pallas kernel in interpret mode against its jnp reference), the
+split map's tier work lists, and the engine end to end on a tiny model."""
+
+import dataclasses
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from tangram_jax import LLM, kv_quant
+from tangram_jax.compression.profile import TierBudgets
+from tangram_jax.sampling import SamplingParams
+from tangram_jax.kv_layout import KVLayout, TieredLayout
+from tangram_jax.pallas_kernels import chunk_compress, decode_attention
+from tangram_jax.pallas_kernels.split_map import build_split_map
+
+from tiny_engine import build_tiny_model, tiny_engine_config, tiny_profile
+
+G, PS, D = 2, 4, 16
+
+
+def _pool(rng, num_pages, bits):
+    x = jnp.asarray(rng.normal(size=(num_pages, G, PS, D)), jnp.float32)
+    return kv_quant.quantise_pages(x, bits, jnp.float32)
+
+
+def _tiered_pools(rng, num_pages):
+    return (kv_quant.TieredPages(_pool(rng, num_pages, 8), _pool(rng, num_pages, 4)),
+            kv_quant.TieredPages(_pool(rng, num_pages, 4), _pool(rng, num_pages, 2)))
+
+
+def test_dense_history_lists_both_tiers_of_each_group():
+    rng = np.random.default_rng(0)
+    k, v = _tiered_pools(rng, 12)
+    batch, groups, width = 2, 2, 3
+    tables = jnp.asarray(rng.integers(1, 12, size=(batch, 2 * groups, width)), jnp.int32)
+    lens = jnp.asarray(rng.integers(0, width * PS + 1, size=(batch, 2 * groups)), jnp.int32)
+    kd, vd, td, ld = kv_quant.tiered_dense_history(k, v, tables, lens, jnp.float32)
+    np.testing.assert_array_equal(ld, lens[:, 0::2] + lens[:, 1::2])
+    for pools, dense in ((k, kd), (v, vd)):
+        tiers = [np.asarray(kv_quant.dequantise_pages(p, jnp.float32))
+                 for p in (pools.high, pools.low)]
+        for b in range(batch):
+            for g in range(groups):
+                want = [tiers[t][int(tables[b, 2 * g + t, s // PS]), :, s % PS]
+                        for t in (0, 1) for s in range(int(lens[b, 2 * g + t]))]
+                got = [np.asarray(dense)[int(td[b, g, s // PS]), :, s % PS]
+                       for s in range(int(ld[b, g]))]
+                want, got = (np.array(x).reshape(-1, G, D) for x in (want, got))
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_tiered_compression_splits_the_kept_set_by_rank(use_kernel):
+    """Of each head's kept tokens the top `high` by score land in the high tier's pages (after
+    its history), the next `low` in the low tier's; together they are exactly the tokens the
+    untiered selection keeps."""
+    rng = np.random.default_rng(1)
+    chunk, heads, groups = 10, 4, 2
+    num_pages, width = 20, 4
+    k_chunk = jnp.asarray(rng.normal(size=(chunk, heads, D)), jnp.float32)
+    v_chunk = jnp.asarray(rng.normal(size=(chunk, heads, D)), jnp.float32)
+    scores = jnp.asarray(rng.permutation(heads * chunk).reshape(heads, chunk), jnp.float32)
+    chunk_len = 9
+    keep = jnp.asarray([2, 3, 0, 4], jnp.int32)            # (high, low) of groups 0 and 1
+    hist = jnp.asarray([1, 5, 0, 2], jnp.int32)
+    table = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:4 * width].reshape(4, width),
+                        jnp.int32)
+    k, v = _tiered_pools(rng, num_pages)
+    compress = (functools_partial_interpret(chunk_compress.compress_chunk_into_pages)
+                if use_kernel else chunk_compress.compress_chunk_into_pages_reference)
+    k2, v2 = chunk_compress.compress_chunk_into_tiers(
+        compress, k_chunk, v_chunk, scores, keep, chunk_len, k, v, table, hist)
+    masked = np.where(np.arange(chunk) < chunk_len, np.asarray(scores), -np.inf)
+    for h in range(heads):
+        g = h // G
+        order = np.argsort(-masked[h], kind="stable")
+        hi_n, lo_n = int(keep[2 * g]), int(keep[2 * g + 1])
+        for tier, chosen, pools in ((0, order[:hi_n], (k2.high, v2.high)),
+                                    (1, order[hi_n:hi_n + lo_n], (k2.low, v2.low))):
+            chosen = np.sort(chosen)                     # written in temporal order
+            for pool, src in zip(pools, (k_chunk, v_chunk)):
+                dense = np.asarray(kv_quant.dequantise_pages(pool, jnp.float32))
+                for c, t in enumerate(chosen):
+                    slot = int(hist[2 * g + tier]) + c
+                    got = dense[int(table[2 * g + tier, slot // PS]), h % G, slot % PS]
+                    bound = np.asarray(kv_quant.error_bound(src[t, h], pool.bits))
+                    assert np.abs(got - np.asarray(src[t, h])).max() <= bound + 1e-6
+
+
+def functools_partial_interpret(fn):
+    return lambda *a: fn(*a, interpret=True)
+
+
+def test_tier_work_lists_cover_each_tier_group_once():
+    layout = TieredLayout(KVLayout(num_layers=2, num_kv_heads=4, head_dim=D, group_size=G,
+                                   page_size=PS, chunk_size=8,
+                                   head_perm=np.tile(np.arange(4), (2, 1)),
+                                   group_budgets=np.array([[0.2, 0.8], [0.5, 0.5]])),
+                          np.array([[0.5, 0.1], [1.0, 0.0]]))
+    smap = build_split_map(layout.tier_group_budgets, 16, 1, group_size=G,
+                           bytes_per_token=np.tile([208.0, 112.0], (2, 2)))
+    hi, lo = smap.tier_work_lists()
+    for layer in range(2):
+        for tier, lists in ((0, hi), (1, lo)):
+            rows = [tuple(r) for r in lists[layer] if r[2] > 0]
+            want = [(g, s, n) for g in range(2) for n in [smap.splits[layer][2 * g + tier]]
+                    for s in range(n)]
+            assert sorted(rows) == sorted(want)
+
+
+def test_tiered_decode_kernel_matches_reference():
+    rng = np.random.default_rng(2)
+    batch, groups, q_per_kv, width, num_pages = 3, 2, 2, 4, 20
+    k, v = _tiered_pools(rng, num_pages)
+    q = jnp.asarray(rng.normal(size=(batch, groups, G * q_per_kv, D)), jnp.float32)
+    tables = jnp.asarray(rng.integers(1, num_pages, size=(batch, 2 * groups, width)), jnp.int32)
+    lens = rng.integers(0, width * PS + 1, size=(batch, 2 * groups)).astype(np.int32)
+    lens[0] = [0, 0, 5, 0]          # a group with no tokens in either tier, one with high only
+    lens[1] = [0, 7, 16, 16]        # low only; both tiers full
+    lens = jnp.asarray(lens)
+    smap = build_split_map(np.full((1, 2 * groups), 0.5), 12, batch, group_size=G)
+    hi, lo = smap.tier_work_lists()
+    got = decode_attention.tiered_paged_decode_attention(
+        q, k, v, tables, lens, work_lists=(hi[0], lo[0]), interpret=True, block_tokens=8)
+    want = decode_attention.tiered_paged_decode_attention_reference(q, k, v, tables, lens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got)[0, 0].any()
+
+
+# ----- the engine end to end (tiny model, CPU serving path) -----------------------------------
+
+def _tiered_profile(folder, high_share):
+    profile = tiny_profile(str(folder))
+    share = np.broadcast_to(np.asarray(high_share, np.float64), profile.budget.shape).copy()
+    return dataclasses.replace(profile, tiers=TierBudgets(
+        precision="k8v4-k4v2", mass=0.9, lambda_=0.0, mean=share, std=np.zeros_like(share),
+        high_share=share))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _serve(folder, precision, profile, prompts, max_tokens=12):
+    llm = LLM(config=tiny_engine_config(folder, "tangram", kv_precision=precision,
+                                        profile=profile))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_tiny_engine_serves_tiers(tiny_folder):
+    """k8v4-k4v2 in tangram mode: prompts over several compression chunks (chunk 16), decode
+    past a page (page 8); the pool is a K8V4 + K4V2 pair whose low tier was written; what a
+    prompt's prefill wrote per (layer, group, tier) is the tiered retained-count formula; every
+    page comes back. With every high share 1 the low tier stays empty and the tokens are
+    exactly K8V4's (same codes, same keys): the tier plumbing routes nothing wrongly."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 250, size=n).tolist() for n in (5, 40, 70)]
+    shares = np.random.default_rng(1).uniform(0.2, 0.8, (2, 2))   # [layers, kv_heads]
+    llm, mixed = _serve(tiny_folder, "k8v4-k4v2", _tiered_profile(tiny_folder, shares), prompts)
+    runner, manager = llm.engine.runner, llm.engine.manager
+    assert isinstance(runner.k_pages, kv_quant.TieredPages)
+    assert [runner.k_pages.high.bits, runner.k_pages.low.bits,
+            runner.v_pages.high.bits, runner.v_pages.low.bits] == [8, 4, 4, 2]
+    assert runner.kv_bytes_per_page == sum(
+        kv_quant.page_bytes(kv_quant.page_format(f), 1, 8, runner.base_layout.head_dim,
+                            runner.kv_dtype) for f in ("k8v4", "k4v2"))
+    assert np.asarray(runner.k_pages.low.scale).any()
+    assert all(len(ids) == 12 for ids in mixed)
+    assert manager.pool.num_used == 0
+    # What a prompt's prefill wrote and reserved (read when its first decode step grows it):
+    # the tiered formula, per tier group.
+    engine, layout, first_decode = llm.engine, llm.engine.layout, []
+    grow = manager.grow_for_decode
+
+    def recording_grow(slots):
+        if len(slots):
+            first_decode.append((manager.lengths[slots].copy(),
+                                 manager.reserved_lengths[slots].copy()))
+        return grow(slots)
+
+    manager.grow_for_decode = recording_grow
+    llm.generate([{"prompt_token_ids": prompts[2]}],
+                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    written, reserved = first_decode[0]
+    np.testing.assert_array_equal(written[0], layout.retained_counts(len(prompts[2])))
+    np.testing.assert_array_equal(reserved, written)
+    assert manager.pool.num_used == 0
+
+    _, k8v4 = _serve(tiny_folder, "k8v4", tiny_profile(str(tiny_folder)), prompts)
+    _, all_high = _serve(tiny_folder, "k8v4-k4v2", _tiered_profile(tiny_folder, 1.0), prompts)
+    assert all_high == k8v4
+
+
+# ----- the runner on the Pallas kernels (interpret mode) against the CPU serving path -------
+
+def _tiered_runner_steps(use_kernels: bool):
+    """A tiny random model's tiered runner: two prefill chunks of one sequence, then three
+    decode steps (the first crosses a page of the high tier). Returns (prefill logits, decoded
+    tokens, the four pools dequantised)."""
+    from flax import nnx
+    from test_engine_runner import CONFIG, LAYOUT
+    from tangram_jax.engine.llm_engine import decode_work_weights
+    from tangram_jax.engine.model_runner import AttentionOps, ModelRunner, RunnerConfig
+    from tangram_jax.models.decoder import Decoder
+    from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+    tiered = TieredLayout(LAYOUT, np.array([[0.5, 0.0], [1.0, 0.3], [0.6, 0.5]]))
+    manager = KVCacheManager(tiered, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    budgets, bytes_per_token = decode_work_weights(tiered, CONFIG, jnp.float32)
+    split_maps = {1: build_split_map(budgets, 4, 1, group_size=1,
+                                     bytes_per_token=bytes_per_token)}
+    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, 64,
+                         manager.block_tables.shape, split_maps=split_maps,
+                         runner_config=RunnerConfig(layer_loop="scan"),
+                         kv_precision="k8v4-k4v2",
+                         ops=AttentionOps.for_backend(use_kernels=use_kernels))
+    slot = manager.allocate_slot()
+    tokens = np.random.default_rng(0).integers(1, 97, 27)
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    logits = []
+    for start in (0, 16):
+        chunk = tokens[start:start + 16]
+        protected = tiered.chunk_protected(len(tokens), start, len(chunk))
+        out, kept = runner.prefill_chunk(chunk, start, slot, manager.lengths[slot], protected)
+        np.testing.assert_array_equal(kept, tiered.chunk_keep_counts(len(chunk), protected))
+        manager.commit_prefill(slot, len(chunk), start=start, turn_len=len(tokens))
+        logits.append(np.asarray(out))
+    np.testing.assert_array_equal(manager.lengths[slot], tiered.retained_counts(len(tokens)))
+    greedy = (np.zeros(1, np.float32), np.full(1, -1, np.int32), np.ones(1, np.float32),
+              np.zeros(1, np.uint32), np.zeros(1, np.int32))
+    decoded = [int(runner.sample(logits[-1:], [slot], *greedy)[0])]
+    for step in range(3):
+        assert manager.grow_for_decode(np.array([slot])).all()
+        runner.update_block_tables(*manager.take_table_updates())
+        out = runner.decode(np.array([len(tokens) + step]), np.array([slot]),
+                            manager.decode_write_lengths(np.array([slot])), *greedy)
+        decoded.append(int(out[0]))
+    pools = [np.asarray(kv_quant.dequantise_pages(p, jnp.float32))
+             for pages in (runner.k_pages, runner.v_pages) for p in (pages.high, pages.low)]
+    return np.stack(logits), decoded, pools
+
+
+def test_tiered_runner_on_kernels_matches_the_cpu_path():
+    """The runner's kernel branch (tiered dense history into the prefill kernel, compression
+    kernel into both tiers, the tiered decode kernel with the split map's tier work lists) and
+    the CPU serving path give the same step results."""
+    kernel_logits, kernel_tokens, kernel_pools = _tiered_runner_steps(True)
+    xla_logits, xla_tokens, xla_pools = _tiered_runner_steps(False)
+    np.testing.assert_allclose(kernel_logits, xla_logits, rtol=1e-4, atol=1e-4)
+    assert kernel_tokens == xla_tokens
+    for a, b in zip(kernel_pools, xla_pools):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_embedded_model_tiers_answer_as_k8v4():
+    """SmolLM2-135M, tangram at ratio 0.5 with its shipped tiered profile (mean high share
+    0.35 at G 1): k8v4-k4v2 against k8v4 (the tiered pool's high format) on the prompts of the
+    precision test. Seen: the same 12 tokens on both prompts; asked: the first 6 and the city
+    (K4V2 alone drifts after "Paris.")."""
+    small = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=32,
+                 page_size=16, max_num_batched_tokens=256)
+    prompts = ["The capital of France is",
+               "Paul Graham wrote that the way to get startup ideas is not to try to think of "
+               "startup ideas. It's to look for problems, preferably problems you have "
+               "yourself. Question: what should you look for to get startup ideas? Answer:"]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = {}
+    for precision in ("k8v4", "k8v4-k4v2"):
+        llm = LLM(mode="tangram", ratio=0.5, kv_precision=precision, **small)
+        outs[precision] = llm.generate(prompts, params, use_tqdm=False)
+        if precision == "k8v4-k4v2":
+            layout = llm.engine.layout
+            assert isinstance(layout, TieredLayout) and (layout.high_share < 1).any()
+    for tiered, base in zip(outs["k8v4-k4v2"], outs["k8v4"]):
+        t, b = tiered.outputs[0].token_ids, base.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), min(len(t), len(b)))
+        assert same >= 6, (tiered.outputs[0].text, base.outputs[0].text)
+    assert "Paris" in outs["k8v4-k4v2"][0].outputs[0].text
+
+
+def test_manager_decode_feed_counts_the_high_tier_only():
+    """A decode token is appended to the high tier groups: where it is written (the lengths
+    before it), the pages the next one needs and the table limit leave the low tier alone."""
+    from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+    base = KVLayout(num_layers=1, num_kv_heads=2, head_dim=D, group_size=1, page_size=4,
+                    chunk_size=8, head_perm=np.array([[0, 1]]),
+                    group_budgets=np.array([[0.5, 1.0]]))
+    tiered = TieredLayout(base, np.array([[0.5, 0.5]]))
+    manager = KVCacheManager(tiered, 32, 2, 8, model_kv_shape=(1, 2, D))
+    slot = manager.allocate_slot()
+    assert manager.reserve(slot, 16)
+    manager.commit_prefill(slot, 16)
+    before = manager.lengths[slot].copy()            # [1, 4]: (high, low) of two groups
+    np.testing.assert_array_equal(before, tiered.retained_counts(16))
+    # The next token needs a page exactly in the high tier groups whose pages are full.
+    full = before[0] % 4 == 0
+    assert manager.decode_demand(slot) == int((full & tiered.decode_tier_groups).sum())
+    assert manager.grow_for_decode(np.array([slot])).all()
+    np.testing.assert_array_equal(manager.lengths[slot] - before, [tiered.decode_tier_groups])
+    np.testing.assert_array_equal(manager.decode_write_lengths(np.array([slot]))[0], before)
