@@ -22,6 +22,16 @@ fewest tokens assigned so far (prompt plus max_tokens); a conversation stays on 
 holds its session. Each replica steps in its own thread (JAX releases the GIL while a step runs),
 and outputs come back in the caller's order. Request ids are the LLM's own (`request-K`), so a
 seeded or derived sample does not depend on which replica served it.
+
+Several hosts (JAX's distributed runtime up: `jax.distributed.initialize`, or the config's
+`distributed_coordinator` / `num_processes` / `process_id`): every process runs the same script
+(SPMD) with the same config and builds its `data_parallel_size` replicas on its own devices
+(`jax.local_devices()`). The replicas of all processes form one list, global replica
+`process * data_parallel_size + local index`; every process plans each batch the same way over
+that list (the same token splitter), runs the requests of its own replicas, and the outputs are
+gathered back (`engine.distributed.exchange`), so every process returns the whole batch in input
+order. A conversation stays on the process and replica that holds its session: `chat` first
+gathers every process's session look-ups. A failure on one process is raised on all of them.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from tangram_jax.engine import memory
+from tangram_jax.engine import distributed, memory
 from tangram_jax.engine.config import EngineConfig, EngineConfigError
 from tangram_jax.engine.inputs import check_messages
 from tangram_jax.engine.llm_engine import Engine
@@ -53,8 +63,22 @@ class LLM:
         else:
             config = EngineConfig(model=model, profile=profile, mode=mode, **kwargs)
         self.engines = _replicas(config)
-        self.engine = self.engines[0]   # the first replica (the only one by default)
+        self.engine = self.engines[0]   # the first local replica (the only one by default)
         self._request_ids = itertools.count()   # ids of data-parallel requests (`request-K`)
+        # Several processes: the global replica list (see the module docstring).
+        self._processes = distributed.process_count()
+        self._base = distributed.process_index() * len(self.engines)   # first local replica
+        self._num_replicas = self._processes * len(self.engines)
+        if self._processes > 1:
+            sizes = distributed.exchange(len(self.engines))
+            if len(set(sizes)) != 1:
+                raise EngineConfigError(f"data_parallel_size must be the same on every process, "
+                                        f"got {sizes} (process order)")
+
+    def _local(self, replica: int) -> Engine | None:
+        """The engine of global replica `replica` if this process holds it."""
+        r = replica - self._base
+        return self.engines[r] if 0 <= r < len(self.engines) else None
 
     @property
     def tokenizer(self):
@@ -71,7 +95,11 @@ class LLM:
         """
         items = _prompt_list(prompts)
         params = self._params_for(len(items), sampling_params)
-        requests, load = [], [0] * len(self.engines)
+        return self._batch(lambda: self._plan_generate(items, params), use_tqdm)
+
+    def _plan_generate(self, items: list, params: list) -> list:
+        """(global replica, checked request) per prompt: each to the least-loaded replica."""
+        requests, load = [], [0] * self._num_replicas
         for i, (item, p) in enumerate(zip(items, params)):
             if isinstance(item, dict):
                 unknown = set(item) - {"prompt", "prompt_token_ids"}
@@ -84,11 +112,13 @@ class LLM:
             else:
                 request = dict(prompt_token_ids=item)
             replica = min(range(len(load)), key=load.__getitem__)
-            checked = _checked(i, "prompts", lambda: self.engines[replica].check_request(
+            # A replica of another process is checked by a local one (the same config).
+            engine = self._local(replica) or self.engine
+            checked = _checked(i, "prompts", lambda: engine.check_request(
                 request_id=self._request_id(), sampling_params=p, **request))
             load[replica] += len(checked.prompt_token_ids) + checked.params.max_tokens
             requests.append((replica, checked))
-        return self._run(requests, use_tqdm)
+        return requests
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -106,45 +136,79 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_for(len(conversations), sampling_params)
-        requests, claimed = [], set()
-        load = [0] * len(self.engines)
-        for i, (conv, p) in enumerate(zip(conversations, params)):
-            def check(conv=conv, p=p):
-                ids = self.engine.tokenizer.apply_chat_template(
-                    check_messages(conv), add_generation_prompt=True)
-                if p is not None and p.n > 1:   # several branches: none is the session
+        ids = [_checked(i, "conversations", lambda conv=conv: self.engine.tokenizer.apply_chat_template(
+            check_messages(conv), add_generation_prompt=True)) for i, conv in enumerate(conversations)]
+        # Every replica's session that each conversation extends: (global replica, session id,
+        # cached tokens), gathered from every process so all of them plan alike.
+        found = []
+        for conv_ids, p in zip(ids, params):
+            here = []
+            if p is None or p.n == 1:   # several branches: none is the session
+                for r, e in enumerate(self.engines):
+                    sid, new_ids = e.find_session(conv_ids)
+                    if sid is not None:
+                        here.append((self._base + r, sid, len(conv_ids) - len(new_ids)))
+            found.append(here)
+        if self._processes > 1:
+            shares = distributed.exchange(found)
+            found = [[f for share in shares for f in share[i]] for i in range(len(ids))]
+        return self._batch(lambda: self._plan_chat(ids, params, found), use_tqdm)
+
+    def _plan_chat(self, ids: list, params: list, found: list) -> list:
+        """(global replica, checked request) per conversation: a session's next turn on the
+        replica holding it, a new one (or n > 1 branches) on the least-loaded replica."""
+        requests, claimed = [], set()   # claimed: (global replica, session id)
+        load = [0] * self._num_replicas
+        for i, (conv_ids, p, holders) in enumerate(zip(ids, params, found)):
+            def check(conv_ids=conv_ids, p=p, holders=holders):
+                if p is not None and p.n > 1:
                     replica = min(range(len(load)), key=load.__getitem__)
-                    checked = self.engines[replica].check_request(
-                        request_id=self._request_id(), prompt_token_ids=ids, sampling_params=p)
-                    load[replica] += len(ids) + checked.params.max_tokens * p.n
+                    checked = (self._local(replica) or self.engine).check_request(
+                        request_id=self._request_id(), prompt_token_ids=conv_ids,
+                        sampling_params=p)
+                    load[replica] += len(conv_ids) + checked.params.max_tokens * p.n
                     return replica, checked
-                found = [(r, *e.find_session(ids)) for r, e in enumerate(self.engines)]
-                replica, session_id, new_ids = next(
-                    (f for f in found if f[1] is not None and f[1] not in claimed),
-                    (None, None, ids))
+                replica, session_id, cached = next(
+                    (f for f in holders if (f[0], f[1]) not in claimed), (None, None, 0))
+                new_ids = conv_ids[cached:]
                 if session_id is None:   # a new session, on the least-loaded replica
                     replica = min(range(len(load)), key=load.__getitem__)
-                    session_id = self._new_session_id(replica, claimed)
-                claimed.add(session_id)
-                checked = self.engines[replica].check_request(
-                    request_id=self._request_id(), prompt_token_ids=new_ids,
-                    sampling_params=p, session_id=session_id)
+                    if self._local(replica) is not None:   # named by the process holding it
+                        session_id = self._new_session_id(replica - self._base,
+                                                          {sid for _, sid in claimed})
+                claimed.add((replica, session_id))
+                engine = self._local(replica)
+                if engine is None:   # another process's: only its load and checks matter here
+                    checked = self.engine.check_request(
+                        request_id=self._request_id(), prompt_token_ids=new_ids,
+                        sampling_params=p)
+                else:
+                    checked = engine.check_request(
+                        request_id=self._request_id(), prompt_token_ids=new_ids,
+                        sampling_params=p, session_id=session_id)
                 load[replica] += len(new_ids) + checked.params.max_tokens
                 return replica, checked
             requests.append(_checked(i, "conversations", check))
-        return self._run(requests, use_tqdm)
+        return requests
 
     def end_session(self, session_id: str) -> None:
-        """Free a conversation's pages now (otherwise they stay until evicted)."""
+        """Free a conversation's pages now (otherwise they stay until evicted). Several
+        processes: every process calls it; the one holding the session ends it."""
         holders = [e for e in self.engines if e.has_session(session_id)]
-        for engine in holders or self.engines[:1]:   # none: the engine's own error
+        held = [bool(holders)]
+        if self._processes > 1:
+            held = distributed.exchange(bool(holders))
+        for engine in holders or ([] if any(held) else self.engines[:1]):   # none: its error
             engine.end_session(session_id)
 
     def _new_session_id(self, replica: int, claimed: set[str]) -> str:
         """A fresh session id from `replica`'s table that no other replica holds either."""
         exclude = set(claimed)
+        # Processes name sessions apart (none sees the others' tables).
+        prefix = f"session-p{self._base // len(self.engines)}-" if self._processes > 1 \
+            else "session-"
         while True:
-            sid = self.engines[replica].new_session_id(exclude=exclude)
+            sid = self.engines[replica].new_session_id(exclude=exclude, prefix=prefix)
             if not any(e.has_session(sid) for e in self.engines):
                 return sid
             exclude.add(sid)
@@ -152,7 +216,7 @@ class LLM:
     def _request_id(self) -> str | None:
         """The id of the next request: the engine's own with one replica (as before), the
         LLM's `request-K` with several (unique across replicas; derived seeds follow it)."""
-        if len(self.engines) == 1:
+        if self._num_replicas == 1:
             return None
         while True:
             rid = f"request-{next(self._request_ids)}"
@@ -169,6 +233,29 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
+
+    def _batch(self, plan, use_tqdm: bool) -> list[RequestOutput]:
+        """Run the batch `plan()` gives ((global replica, checked request) pairs): this
+        process's share on its replicas, then every process's outputs gathered, in input order.
+        A failure here (planning, a replica) is published to the other processes, which raise
+        it, and raised here."""
+        if self._processes == 1:
+            return self._run(plan(), use_tqdm)
+        try:
+            requests = plan()
+            mine = [i for i, (g, _) in enumerate(requests) if self._local(g) is not None]
+            outs = self._run([(requests[i][0] - self._base, requests[i][1]) for i in mine],
+                             use_tqdm)
+        except BaseException as e:
+            try:
+                distributed.exchange(None, failed=f"{type(e).__name__}: {e}")
+            except RuntimeError:
+                pass   # the others' errors, if any: this process raises its own
+            raise
+        merged = {}
+        for share in distributed.exchange(dict(zip(mine, outs))):
+            merged.update(share)
+        return [merged[i] for i in range(len(requests))]
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         """Queue checked (replica, request) pairs and step until all of them finished, each
@@ -242,8 +329,9 @@ def _run_threads(serve, replicas: list[int], stop: threading.Event) -> None:
 
 
 def _replicas(config: EngineConfig) -> list[Engine]:
-    """The engines of `config`: one, or `data_parallel_size` replicas, each on its own run of
-    `tensor_parallel_size` devices."""
+    """The engines of `config` on this process's devices: one, or `data_parallel_size`
+    replicas, each on its own run of `tensor_parallel_size` devices."""
+    distributed.start(config)   # several hosts: before anything starts JAX's backend
     n = config.data_parallel_size
     if n == 1:
         return [Engine(config)]

@@ -174,6 +174,17 @@ def _buckets(name, value):
     return tuple(sorted({int(b) for b in values}))
 
 
+def _host_port(name, value):
+    """None, or "host:port" (a coordinator's address)."""
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EngineConfigError(f"{name} must be 'host:port' (port 1-65535) or None, got "
+                                f"{value!r}")
+    return value
+
+
 def _field(default, check: Callable[[str, Any], Any], help: str, *, cli: bool = True):
     """A config field: its default, the check that validates it, its CLI help (`cli=False`: no
     flag, e.g. a field that takes objects)."""
@@ -282,6 +293,18 @@ class EngineConfig:
         1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
         "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
         "loads the weights and sizes its own KV pool on its device")
+    distributed_coordinator: str | None = _field(
+        None, _host_port, "several hosts: 'host:port' of process 0's coordination service; "
+        "setting it, --num-processes or --process-id makes the engine call "
+        "jax.distributed.initialize (fields left unset: JAX's own, from JAX_COORDINATOR_ADDRESS, "
+        "Slurm, Open MPI or Cloud TPU); every process then runs the same command, its replicas "
+        "on its own devices, and an offline batch is split over all processes' replicas (LLM)")
+    num_processes: int | None = _field(None, _int_at_least(1, optional=True),
+                                       "several hosts: how many processes take part (see "
+                                       "--distributed-coordinator)")
+    process_id: int | None = _field(None, _int_at_least(0, optional=True),
+                                    "several hosts: this process's index, 0 .. num_processes - 1 "
+                                    "(see --distributed-coordinator)")
     split_map: str = _field("aot", _choice(SPLIT_MAPS),
                             "decode work split across head groups: ahead of time from the budgets "
                             "(aot) or the same for every group (uniform; an ablation baseline); "

@@ -39,6 +39,7 @@ from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
 from tangram_jax.engine.model_runner import LOGPROB_MODES, ModelRunner, RunnerConfig
+from tangram_jax.engine import distributed
 from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
@@ -277,6 +278,7 @@ class Engine:
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = cfg
+        distributed.start(cfg)   # before anything starts JAX's backend
         cfg.check()   # before the model loads: a bad combination is reported at once
         if cfg.data_parallel_size > 1 and devices is None:
             raise EngineConfigError(
@@ -652,10 +654,10 @@ class Engine:
         best, n = self.sessions.find_prefix(token_ids)
         return best, list(token_ids[n:])
 
-    def new_session_id(self, exclude: SequenceABC[str] = ()) -> str:
-        """A fresh id for a session found by prefix later (anonymous: forgotten when its cache
-        is evicted while idle, see `SessionTable`)."""
-        return self.sessions.new_id(exclude=exclude)
+    def new_session_id(self, exclude: SequenceABC[str] = (), prefix: str = "session-") -> str:
+        """A fresh id (`prefix` + a number) for a session found by prefix later (anonymous:
+        forgotten when its cache is evicted while idle, see `SessionTable`)."""
+        return self.sessions.new_id(prefix=prefix, exclude=exclude)
 
     def has_session(self, session_id: str) -> bool:
         """Whether `session_id` names a session the engine holds (running, queued or idle)."""

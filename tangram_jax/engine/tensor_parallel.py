@@ -67,13 +67,21 @@ def device_major_perm(head_perm: np.ndarray, group_size: int, tp: int) -> np.nda
 
 def devices_for(tensor_parallel_size: int, replica: int = 0) -> list[jax.Device]:
     """The devices of one engine: replica r of `data_parallel_size` takes the r-th run of
-    `tensor_parallel_size` devices. One clear error when there are too few."""
-    devices = jax.devices()
+    `tensor_parallel_size` devices of this process (`jax.local_devices()`: with JAX's
+    distributed runtime up, each process builds its engines on its own devices, so tensor
+    parallelism never spans hosts). One clear error when there are too few."""
+    devices = jax.local_devices()
     need = (replica + 1) * tensor_parallel_size
     if len(devices) < need:
+        where = f"{jax.default_backend()} has {len(devices)}"
+        if jax.process_count() > 1:
+            where = (f"process {jax.process_index()} of {jax.process_count()} has "
+                     f"{len(devices)} local {jax.default_backend()} devices (tensor parallelism "
+                     f"across hosts is not supported: tensor_parallel_size must fit one process's "
+                     f"devices)")
         raise ValueError(
             f"tensor_parallel_size {tensor_parallel_size} x {replica + 1} replica(s) needs "
-            f"{need} devices, {jax.default_backend()} has {len(devices)} (on a CPU, "
+            f"{need} devices, {where} (on a CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} gives {need})")
     return devices[replica * tensor_parallel_size:need]
 

@@ -25,6 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import tokenizers
 from flax import nnx
@@ -129,6 +130,10 @@ def load_model(model: str | os.PathLike | None = None, dtype="auto",
 
 def _load(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> LoadedModel:
     """Restore `path` (a GGUF file or HF folder) from the cache, or convert it and cache it."""
+    # Not with JAX's distributed runtime up: orbax then synchronises every process on each save
+    # and restore (sync_global_devices) and records the multi-process topology, while each
+    # process loads its own copy (a restore on one process met a save on the other: a hang).
+    use_cache = use_cache and not jax.distributed.is_initialized()
     if use_cache:
         fingerprint = checkpoint.source_fingerprint(path, dtype)
         entry = checkpoint.entry_dir(checkpoint.cache_root(cache_dir), fingerprint)
