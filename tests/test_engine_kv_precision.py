@@ -63,17 +63,22 @@ def test_tiny_engine_runs_every_precision(tiny_folder, mode, precisions):
         assert ids_q[:2] == ids_b[:2], (mode, ids_q, ids_b)
 
 
+# The embedded model's precision checks (here and in test_kv_tiers_serving.py): a small engine
+# and two prompts whose greedy answers are stable under K8V4.
+EMBEDDED_SMALL_ENGINE = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024,
+                             chunk_size=32, page_size=16, max_num_batched_tokens=256)
+EMBEDDED_PROMPTS = ["The capital of France is",
+                    "Paul Graham wrote that the way to get startup ideas is not to try to think "
+                    "of startup ideas. It's to look for problems, preferably problems you have "
+                    "yourself. Question: what should you look for to get startup ideas? Answer:"]
+
+
 @pytest.mark.slow
 def test_embedded_model_greedy_output_stays_close_to_bf16():
     """SmolLM2-135M, tangram at ratio 0.5: K8V4 answers as bf16 does (K8V8 keeps more bits
     than K8V4 in every place, so it is not built again here); K4V2 stays on topic (the answer
     still names the city). Seen: K8V4 gave bf16's 12 tokens exactly on both prompts."""
-    small = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=32,
-                 page_size=16, max_num_batched_tokens=256)
-    prompts = ["The capital of France is",
-               "Paul Graham wrote that the way to get startup ideas is not to try to think of "
-               "startup ideas. It's to look for problems, preferably problems you have "
-               "yourself. Question: what should you look for to get startup ideas? Answer:"]
+    small, prompts = EMBEDDED_SMALL_ENGINE, EMBEDDED_PROMPTS
     params = SamplingParams(temperature=0, max_tokens=12)
     outs = {}
     for precision in ("bf16", "k8v4", "k4v2"):

@@ -265,12 +265,8 @@ def test_embedded_model_tiers_answer_as_k8v4():
     0.35 at G 1): k8v4-k4v2 against k8v4 (the tiered pool's high format) on the prompts of the
     precision test. Seen: the same 12 tokens on both prompts; asked: the first 6 and the city
     (K4V2 alone drifts after "Paris.")."""
-    small = dict(max_num_seqs=4, kv_cache_tokens=4096, max_model_len=1024, chunk_size=32,
-                 page_size=16, max_num_batched_tokens=256)
-    prompts = ["The capital of France is",
-               "Paul Graham wrote that the way to get startup ideas is not to try to think of "
-               "startup ideas. It's to look for problems, preferably problems you have "
-               "yourself. Question: what should you look for to get startup ideas? Answer:"]
+    from test_engine_kv_precision import EMBEDDED_PROMPTS as prompts
+    from test_engine_kv_precision import EMBEDDED_SMALL_ENGINE as small
     params = SamplingParams(temperature=0, max_tokens=12)
     outs = {}
     for precision in ("k8v4", "k8v4-k4v2"):
