@@ -860,7 +860,8 @@ class ModelRunner:
     def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:
         """Compile (without running, and without a pool in memory) the decode step at
         `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
-        pages. Returns {"decode": compiled, "prefill": compiled} (`jax.stages.Compiled`: read
+        pages. Returns {"decode": compiled, "prefill": compiled} and, where prefill plans its
+        writes, "prefill_writes" (the program that scatters them) (`jax.stages.Compiled`: read
         `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
         called with the same shapes."""
         pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
@@ -868,8 +869,21 @@ class ModelRunner:
         rows = backend.next_power_of_2(prefill_rows)
         decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
         prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
-        return {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
-                "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
+        steps = {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
+                 "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
+        if self.plans_prefill_writes:
+            steps["prefill_writes"] = self._compile_apply_writes(prefill_args, prefill_static)
+        return steps
+
+    def _compile_apply_writes(self, prefill_args, prefill_static):
+        """`_apply_writes` compiled for the write plan a prefill call with these arguments
+        returns (its shapes do not depend on the table width)."""
+        writes = jax.eval_shape(functools.partial(self._prefill, **prefill_static),
+                                *prefill_args)[0]
+        k_pages, v_pages = prefill_args[2], prefill_args[3]
+        return self._apply_writes.lower(k_pages, v_pages, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.replicated),
+            writes)).compile()
 
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                logprob_modes=(None,), prompt_logprobs=(False,)) -> None:
@@ -897,12 +911,8 @@ class ModelRunner:
                     extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
                     self._prefill.lower(*args, *extra,
                                         **dict(static, table_width=width)).compile()
-                if self.plans_prefill_writes:   # the writes' shapes do not depend on the width
-                    writes = jax.eval_shape(functools.partial(self._prefill, **static), *args)[0]
-                    self._apply_writes.lower(self.k_pages, self.v_pages, jax.tree.map(
-                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                       sharding=self.placement.replicated),
-                        writes)).compile()
+                if self.plans_prefill_writes:
+                    self._compile_apply_writes(args, static)
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
