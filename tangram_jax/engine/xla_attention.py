@@ -99,23 +99,34 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
     """Decode attention of one query token per row (signature and result of
     `ragged_paged_decode_attention`): q [B, groups, G * q_per_kv, d]; block_tables [B, groups,
     W]; lengths [B, groups] retained tokens (the new one included). Returns [B, groups,
-    G * q_per_kv, d] in q's dtype (rows of length 0: 0). `work_list` is ignored."""
+    G * q_per_kv, d] in q's dtype (rows of length 0: 0). `work_list` is ignored.
+
+    One row at a time (`lax.map`): a row's gathered keys and values (2 x groups x W pages) stay
+    in the CPU's cache for its two dots, where gathering the whole batch first wrote them all
+    out to memory and read them back (SmolLM2, 8 rows of 1,100 tokens: 3.7 against 6.7 ms a
+    layer, `benchmarks/NOTES_bench_serve.md`)."""
     del work_list
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape
     width = block_tables.shape[-1]
     tables = jnp.clip(block_tables, 0, num_pages - 1)
-    keys = _gather_history(k_pages, tables)                   # [B, groups * G, W * ps, d]
-    vals = _gather_history(v_pages, tables)
     qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
         batch, num_groups * group_size, q_rows // group_size, head_dim)
-    seen = jnp.arange(width * page_size) < jnp.repeat(lengths, group_size, axis=1)[..., None]
-    logits = jnp.einsum("bhjd,bhsd->bhjs", qg, keys) \
-        + jnp.where(seen, 0.0, -jnp.inf)[:, :, None, :]
-    m = logits.max(axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = p.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("bhjs,bhsd->bhjd", p, vals) / jnp.where(denom > 0, denom, 1.0)
+    slot = jnp.arange(width * page_size)
+
+    def one_row(row):
+        q_row, table, length = row                  # [heads, j, d], [groups, W], [groups]
+        keys = _gather_history(k_pages, table)      # [heads, W * ps, d]
+        vals = _gather_history(v_pages, table)
+        seen = slot < jnp.repeat(length, group_size)[:, None]
+        logits = jnp.einsum("hjd,hsd->hjs", q_row, keys) \
+            + jnp.where(seen, 0.0, -jnp.inf)[:, None, :]
+        m = logits.max(axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = p.sum(axis=-1, keepdims=True)
+        return jnp.einsum("hjs,hsd->hjd", p, vals) / jnp.where(denom > 0, denom, 1.0)
+
+    out = jax.lax.map(one_row, (qg, tables, lengths))
     return out.reshape(q.shape).astype(q.dtype)
 
 
