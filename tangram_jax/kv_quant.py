@@ -258,11 +258,13 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None) -> Pages:
 
 @dataclasses.dataclass(frozen=True)
 class TieredPages:
-    """The K (or V) pool of a tiered precision: two pools of the same logical shape
-    [num_pages, G, page_size, head_dim] indexed by the same page ids, `high` in the high tier's
-    format and `low` in the low tier's (`kv_layout.PRECISION_TIERS`). A page id the manager
-    hands to a high tier group is used in `high` only, one of a low tier group in `low` only.
-    A pytree, like `QuantPages`; `shape` and `dtype` are the high pool's."""
+    """The K (or V) pool of a tiered precision: two pools of logical shapes [high_pages, G,
+    page_size, head_dim] and [low_pages, G, page_size, head_dim], `high` in the high tier's
+    format and `low` in the low tier's (`kv_layout.PRECISION_TIERS`). Each has its own page
+    ids (page 0 its null page; the KV-cache manager keeps a pool of ids per tier, sized by the
+    tier's share of the retained tokens): a high tier group's block-table entries index `high`,
+    a low tier group's `low`. A pytree, like `QuantPages`; `shape` and `dtype` are the high
+    pool's (code that reads G, page_size and head_dim from it sees both tiers' values)."""
 
     high: Pages
     low: Pages
