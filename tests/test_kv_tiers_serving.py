@@ -168,12 +168,12 @@ def test_tiny_engine_serves_tiers(tiny_folder):
     assert isinstance(runner.k_pages, kv_quant.TieredPages)
     assert [runner.k_pages.high.bits, runner.k_pages.low.bits,
             runner.v_pages.high.bits, runner.v_pages.low.bits] == [8, 4, 4, 2]
-    assert runner.kv_bytes_per_page == sum(
+    assert runner.tier_page_bytes == tuple(
         kv_quant.page_bytes(kv_quant.page_format(f), 1, 8, runner.base_layout.head_dim,
                             runner.kv_dtype) for f in ("k8v4", "k4v2"))
     assert np.asarray(runner.k_pages.low.scale).any()
     assert all(len(ids) == 12 for ids in mixed)
-    assert manager.pool.num_used == 0
+    assert all(p.num_used == 0 for p in manager.pools)
     # What a prompt's prefill wrote and reserved (read when its first decode step grows it):
     # the tiered formula, per tier group.
     engine, layout, first_decode = llm.engine, llm.engine.layout, []
@@ -191,7 +191,7 @@ def test_tiny_engine_serves_tiers(tiny_folder):
     written, reserved = first_decode[0]
     np.testing.assert_array_equal(written[0], layout.retained_counts(len(prompts[2])))
     np.testing.assert_array_equal(reserved, written)
-    assert manager.pool.num_used == 0
+    assert all(p.num_used == 0 for p in manager.pools)
 
     _, k8v4 = _serve(tiny_folder, "k8v4", tiny_profile(str(tiny_folder)), prompts)
     _, all_high = _serve(tiny_folder, "k8v4-k4v2", _tiered_profile(tiny_folder, 1.0), prompts)
@@ -211,11 +211,11 @@ def _tiered_runner_steps(use_kernels: bool):
     from tangram_jax.models.decoder import Decoder
     from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
     tiered = TieredLayout(LAYOUT, np.array([[0.5, 0.0], [1.0, 0.3], [0.6, 0.5]]))
-    manager = KVCacheManager(tiered, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    manager = KVCacheManager(tiered, (40, 24), 2, 16, model_kv_shape=(3, 2, 8))
     budgets, bytes_per_token = decode_work_weights(tiered, CONFIG, jnp.float32)
     split_maps = {1: build_split_map(budgets, 4, 1, group_size=1,
                                      bytes_per_token=bytes_per_token)}
-    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, 64,
+    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, (40, 24),
                          manager.block_tables.shape, split_maps=split_maps,
                          runner_config=RunnerConfig(layer_loop="scan"),
                          kv_precision="k8v4-k4v2",
@@ -290,7 +290,7 @@ def test_manager_decode_feed_counts_the_high_tier_only():
                     chunk_size=8, head_perm=np.array([[0, 1]]),
                     group_budgets=np.array([[0.5, 1.0]]))
     tiered = TieredLayout(base, np.array([[0.5, 0.5]]))
-    manager = KVCacheManager(tiered, 32, 2, 8, model_kv_shape=(1, 2, D))
+    manager = KVCacheManager(tiered, (20, 12), 2, 8, model_kv_shape=(1, 2, D))
     slot = manager.allocate_slot()
     assert manager.reserve(slot, 16)
     manager.commit_prefill(slot, 16)

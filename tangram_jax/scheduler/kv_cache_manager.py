@@ -365,8 +365,8 @@ class KVCacheManager:
         """Whether a turn of `num_new_tokens` (or a prefill plan) on top of what `slot` holds
         (None: from nothing), plus one decode token (for each of `forks` forks too: a page per
         decode cell), could be held by an otherwise empty pool and the block table."""
-        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens) + 1,
-                         self.page_size)
+        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens)
+                         + self._decode_groups, self.page_size)
         per_fork = int(np.broadcast_to(self._decode_groups, need.shape).sum())
         by_tier = self._by_tier(need)
         by_tier[0] += forks * per_fork                  # the decode tier's copies
@@ -456,11 +456,13 @@ class KVCacheManager:
         """The device has written a prefill piece of `num_tokens` new tokens starting at token
         `start` of a turn of `turn_len` new tokens (default: the piece is the whole turn),
         `start` on a compression-chunk boundary of the turn: lengths grow by what
-        ``layout.piece_retained_counts`` says the piece keeps (by `num_tokens` for a segment
-        that is not `compressed`)."""
+        ``layout.piece_retained_counts`` says the piece keeps (by `num_tokens` in every decode
+        group for a segment that is not `compressed`)."""
         turn_len = start + num_tokens if turn_len is None else turn_len
+        # A segment kept whole (decode tokens replayed) goes where decode tokens go: every
+        # group, or a tiered layout's high tier (`segments_retained_counts`).
         kept = (self.layout.piece_retained_counts(turn_len, start, start + num_tokens)
-                if compressed else num_tokens)
+                if compressed else num_tokens * self._decode_groups)
         new = self.lengths[slot] + kept
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
