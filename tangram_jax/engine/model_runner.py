@@ -324,16 +324,9 @@ class ModelRunner:
     def _pool(self, num_pages, make):
         """(k_pages, v_pages) of the runner's page format(s); `make(shape, dtype)` builds each
         array (zeros on the runner's devices, or a `jax.ShapeDtypeStruct` spec)."""
-        pools = [(kv_quant.pool_arrays(self.pool_shape(n), self.kv_dtype, fmt.key_bits,
-                                       make=make),
-                  kv_quant.pool_arrays(self.pool_shape(n), self.kv_dtype, fmt.value_bits,
-                                       make=make))
-                 for n, fmt in zip(self.tier_pages(num_pages),
-                                   self.tier_formats or (self.kv_format,))]
-        if self.tiers is None:
-            return pools[0]
-        (k_high, v_high), (k_low, v_low) = pools
-        return kv_quant.TieredPages(k_high, k_low), kv_quant.TieredPages(v_high, v_low)
+        return kv_quant.allocate_pools(self.tier_formats or (self.kv_format,),
+                                       self.tier_pages(num_pages), self.pool_shape(0)[1:],
+                                       self.kv_dtype, make=make)
 
     def _commit(self, tree):
         """`tree`'s arrays committed to the runner's devices, replicated (see `__init__`)."""
