@@ -243,6 +243,7 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
               "split_map": engine.config.split_map, "attention": engine.runner.ops.name,
               "mean_group_budget": float(np.mean(base_layout.group_budgets)),
               "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
+              "pool_slots": pool["slots"], "pool_tiers": pool.get("tiers"),
               "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
               "workloads": rows}
     del engine
