@@ -298,7 +298,8 @@ def test_manager_decode_feed_counts_the_high_tier_only():
     np.testing.assert_array_equal(before, tiered.retained_counts(16))
     # The next token needs a page exactly in the high tier groups whose pages are full.
     full = before[0] % 4 == 0
-    assert manager.decode_demand(slot) == int((full & tiered.decode_tier_groups).sum())
+    np.testing.assert_array_equal(manager.decode_demand(slot),      # (high, low) pages
+                                  [int((full & tiered.decode_tier_groups).sum()), 0])
     assert manager.grow_for_decode(np.array([slot])).all()
     np.testing.assert_array_equal(manager.lengths[slot] - before, [tiered.decode_tier_groups])
     np.testing.assert_array_equal(manager.decode_write_lengths(np.array([slot]))[0], before)

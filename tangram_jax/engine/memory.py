@@ -217,15 +217,18 @@ class TieredPool:
     def single(cls, page_bytes: int, min_pages: int) -> "TieredPool":
         return cls((int(page_bytes),), lambda usable: (usable + 1,), (int(min_pages),))
 
-    def _counts(self, pages) -> np.ndarray:
+    def as_counts(self, pages) -> np.ndarray:
+        """int64 [tiers] of a page count (an int, or a tuple per tier)."""
         return np.atleast_1d(np.asarray(pages, np.int64))
 
-    def _out(self, counts) -> int | tuple[int, ...]:
+    def as_pages(self, counts) -> int | tuple[int, ...]:
+        """Counts per tier as a page count: an int for one tier, else a tuple."""
         counts = tuple(int(c) for c in counts)
         return counts[0] if len(counts) == 1 else counts
 
     def bytes_of(self, pages) -> int:
-        return int(self._counts(pages) @ np.asarray(self.page_bytes, np.int64))
+        """Bytes of a pool of `pages` (per tier)."""
+        return int(self.as_counts(pages) @ np.asarray(self.page_bytes, np.int64))
 
     def pages_in(self, nbytes: int) -> int | tuple[int, ...]:
         """The largest pool whose bytes are at most `nbytes`: one tier, ``nbytes // page
@@ -237,22 +240,22 @@ class TieredPool:
             return int(nbytes) // self.page_bytes[0]
         lo, hi = 2, max(2, int(nbytes) // min(self.page_bytes))   # usable pages: lo fits
         if self.bytes_of(self.split(lo)) > nbytes:
-            return self._out([0] * len(self.page_bytes))
+            return self.as_pages([0] * len(self.page_bytes))
         while lo < hi:                                              # bytes grow with usable
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.bytes_of(self.split(mid)) <= nbytes else (lo, mid - 1)
-        return self._out(self.split(lo))
+        return self.as_pages(self.split(lo))
 
     def holds_min(self, pages) -> bool:
         """Whether every tier's pool of `pages` holds one `max_model_len` sequence."""
-        return bool((self._counts(pages) >= np.asarray(self.min_pages)).all())
+        return bool((self.as_counts(pages) >= np.asarray(self.min_pages)).all())
 
     def at_least_min(self, pages) -> int | tuple[int, ...]:
         """`pages` with every tier raised to its minimum (a size to compile steps for)."""
-        return self._out(np.maximum(self._counts(pages), self.min_pages))
+        return self.as_pages(np.maximum(self.as_counts(pages), self.min_pages))
 
     def describe(self, pages) -> str:
-        counts = self._counts(pages)
+        counts = self.as_counts(pages)
         if len(counts) == 1:
             return f"{max(int(counts[0]), 0)} pages of {self.page_bytes[0]} bytes"
         return " + ".join(f"{max(int(c), 0)} pages of {b} bytes"
@@ -269,6 +272,8 @@ def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int,
     and what to change) when fewer than the minimum pages fit (in any tier)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    if isinstance(page_bytes, TieredPool) == (min_pages is not None):
+        raise TypeError("plan_pool takes page_bytes with min_pages, or a TieredPool alone")
     pool = page_bytes if isinstance(page_bytes, TieredPool) else TieredPool.single(
         page_bytes, min_pages)
     budget, capped_by = budget_bytes(memory.card_bytes, utilization, memory.bytes_limit)
@@ -282,16 +287,16 @@ def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int,
             f"{capped_by}) minus {memory.bytes_in_use / GIB:.2f} GiB in use (weights), "
             f"{step_peak_bytes / GIB:.2f} GiB step peak and {headroom_bytes / GIB:.2f} GiB "
             f"headroom fits {pool.describe(pages)}, fewer than the "
-            f"{pool._out(pool.min_pages)} needed; raise gpu_memory_utilization, lower "
+            f"{pool.as_pages(pool.min_pages)} needed; raise gpu_memory_utilization, lower "
             f"max_num_seqs or max_num_batched_tokens, or set kv_cache_tokens / num_pages")
     if prefer_pages is not None and pool.holds_min(prefer_pages) and (
-            pool._counts(prefer_pages) <= pool._counts(pages)).all():
+            pool.as_counts(prefer_pages) <= pool.as_counts(pages)).all():
         pages = prefer_pages
     return PoolPlan(card_bytes=memory.card_bytes, utilization=float(utilization),
                     budget_bytes=budget, in_use_bytes=memory.bytes_in_use,
                     step_peak_bytes=int(step_peak_bytes), headroom_bytes=int(headroom_bytes),
-                    page_bytes=pool._out(pool.page_bytes), num_pages=pool._out(
-                        pool._counts(pages)), capped_by=capped_by)
+                    page_bytes=pool.as_pages(pool.page_bytes), num_pages=pool.as_pages(
+                        pool.as_counts(pages)), capped_by=capped_by)
 
 
 def step_peak_bytes(compiled) -> int:
