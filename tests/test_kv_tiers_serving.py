@@ -5,6 +5,7 @@ split map's tier work lists, and the engine end to end on a tiny model."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -264,17 +265,29 @@ def test_embedded_model_tiers_answer_as_k8v4():
     """SmolLM2-135M, tangram at ratio 0.5 with its shipped tiered profile (mean high share
     0.35 at G 1): k8v4-k4v2 against k8v4 (the tiered pool's high format) on the prompts of the
     precision test. Seen: the same 12 tokens on both prompts; asked: the first 6 and the city
-    (K4V2 alone drifts after "Paris.")."""
+    (K4V2 alone drifts after "Paris."). The pools (kv_cache_tokens: the same slots): the
+    tiered one's bytes per slot, its arrays' nbytes, are the share's mix of K8V4 and K4V2
+    pages, below K8V4's (seen: 79.4 against 112 B)."""
     from test_engine_kv_precision import EMBEDDED_PROMPTS as prompts
     from test_engine_kv_precision import EMBEDDED_SMALL_ENGINE as small
     params = SamplingParams(temperature=0, max_tokens=12)
-    outs = {}
+    outs, pools = {}, {}
     for precision in ("k8v4", "k8v4-k4v2"):
         llm = LLM(mode="tangram", ratio=0.5, kv_precision=precision, **small)
         outs[precision] = llm.generate(prompts, params, use_tqdm=False)
+        runner = llm.engine.runner
+        pools[precision] = pool = llm.engine.kv_pool()
+        assert pool["bytes"] == sum(x.nbytes for x in jax.tree.leaves((runner.k_pages,
+                                                                         runner.v_pages)))
         if precision == "k8v4-k4v2":
             layout = llm.engine.layout
             assert isinstance(layout, TieredLayout) and (layout.high_share < 1).any()
+            share = layout.pool_high_share
+    assert pools["k8v4-k4v2"]["slots"] == pools["k8v4"]["slots"]
+    assert pools["k8v4"]["bytes_per_slot"] == pytest.approx(112, rel=1e-3)
+    assert pools["k8v4-k4v2"]["bytes_per_slot"] == pytest.approx(112 * share + 64 * (1 - share),
+                                                                 rel=2e-3)
+    assert pools["k8v4-k4v2"]["bytes_per_slot"] < 0.8 * pools["k8v4"]["bytes_per_slot"]
     for tiered, base in zip(outs["k8v4-k4v2"], outs["k8v4"]):
         t, b = tiered.outputs[0].token_ids, base.outputs[0].token_ids
         same = next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), min(len(t), len(b)))
