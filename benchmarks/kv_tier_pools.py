@@ -40,13 +40,13 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=RANDOM_8B, choices=(RANDOM_8B, RANDOM_TINY))
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="the budget both configurations are sized under (GPU)")
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
                         help="fix the pool's slots instead (a CPU, which reports no allocator)")
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--sessions", type=int, default=48)
+    parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--context-tokens", type=int, default=32768)
     parser.add_argument("--followups", type=int, default=1)
     parser.add_argument("--answer-tokens", type=int, default=64)
