@@ -290,7 +290,8 @@ class EngineConfig:
                                "pool keeps its page count, on a GPU it gets more pages for the "
                                "same bytes; k8v4-k4v2: precision tiers (tangram mode, a profile "
                                "with tier budgets): each group's top kept tokens in K8V4 pages, "
-                               "the rest in K4V2 pages")
+                               "the rest in K4V2 pages, each tier a pool of its own split by the "
+                               "high tier's share of the retained tokens")
     data_parallel_size: int = _field(
         1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
         "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "

@@ -204,10 +204,6 @@ class KVCacheManager:
         return self.pools[0]
 
     @property
-    def num_tiers(self) -> int:
-        return len(self.pools)
-
-    @property
     def tier_names(self) -> tuple[str, ...]:
         """Page format of each tier's pool (an untiered pool: ``("pages",)``)."""
         return self.layout.tiers if isinstance(self.layout, TieredLayout) else ("pages",)
