@@ -54,6 +54,8 @@ LAYER_LOOPS = ("scan", "unrolled")
 # `chunk_size`, so it keeps small chunks (speed over accuracy; pass chunk_size to choose).
 DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
+# A tiered pool's smallest num_pages: each tier's null page and one page.
+TIERED_MIN_PAGES = 4
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 # Long prefills (the scheduler's `long_prefill_token_threshold` / `max_long_partial_prefills`).
 # Default: one long turn prefills at a time (vLLM's default too), and the threshold is the
@@ -355,6 +357,7 @@ class EngineConfig:
             raise EngineConfigError(f"kv_precision {self.kv_precision!r} (precision tiers) needs "
                                     f"tangram mode (its tier budgets come from the profile), got "
                                     f"mode {self.mode!r}")
+        check_tiered_num_pages(self)
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
@@ -547,6 +550,16 @@ def pool_is_fixed(cfg: EngineConfig) -> bool:
     return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
 
 
+def check_tiered_num_pages(cfg: EngineConfig) -> None:
+    """Raise unless `num_pages` (when given) can hold a tiered pool of `kv_precision`."""
+    if cfg.kv_precision in PRECISION_TIERS and cfg.num_pages is not None \
+            and cfg.num_pages < TIERED_MIN_PAGES:
+        raise EngineConfigError(
+            f"num_pages={cfg.num_pages} cannot hold a tiered pool (kv_precision "
+            f"{cfg.kv_precision!r}): each tier's pool needs its null page and at least one "
+            f"page, so num_pages must be >= {TIERED_MIN_PAGES}")
+
+
 def pool_pages(cfg: EngineConfig, model_config: ModelConfig,
                layout: KVLayout | TieredLayout) -> int | tuple[int, int]:
     """Pages of the pool: `num_pages`, or the head-token slots of `kv_cache_tokens` full-KV
@@ -565,11 +578,7 @@ def pool_pages(cfg: EngineConfig, model_config: ModelConfig,
     if cfg.num_pages is not None:
         if not tiered:
             return cfg.num_pages
-        if cfg.num_pages < 4:
-            raise EngineConfigError(
-                f"num_pages={cfg.num_pages} cannot hold a tiered pool (kv_precision "
-                f"{layout.precision!r}): each tier's pool needs its null page and at least one "
-                f"page, so num_pages must be >= 4")
+        check_tiered_num_pages(cfg)
         return layout.pool_pages(cfg.num_pages - 2)
     tokens = cfg.kv_cache_tokens if cfg.kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
     slots = tokens * model_config.num_layers * model_config.num_kv_heads
