@@ -23,6 +23,7 @@ from tangram_jax.kv_layout import KVLayout, TieredLayout, pages_for
 from tangram_jax.sampling import SamplingParams
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import RequestTooLargeError, Scheduler
+from tangram_jax.scheduler.sequence import SequenceStatus
 
 from test_kv_tiers_serving import _tiered_profile
 from tiny_engine import build_tiny_model, tiny_engine_config
@@ -193,6 +194,42 @@ def test_admission_waits_when_either_tier_is_short(short_tier):
     _run(s, 1)
     assert s.get("b").status.is_running
     assert s.metrics.num_preemptions == 0 and s.metrics.num_rejected == 0
+
+
+def _held_by_tier(m):
+    """int [2]: pages the block tables hold in the high and the low tier groups' cells."""
+    return _tier_pages(m.table.num_pages)
+
+
+def test_preemption_and_abort_return_pages_to_their_tier():
+    """Decode growth runs the high tier short (decode tokens go there): the newest request is
+    preempted and its pages of both tiers go back to their pools; the preempted one replays
+    (its generated tokens kept whole, in the high tier) and finishes; abort returns the rest."""
+    layout = _layout()
+    n = 40
+    need = _tier_pages(pages_for(layout.retained_counts(n) + layout.decode_tier_groups, PS))
+    m = _manager((int(2 * need[0] + 1), int(3 * need[1] + 1)))    # two requests, little room
+    s = _scheduler(m)
+    for rid in ("a", "b", "c"):
+        s.add_request(rid, list(range(n)))
+    for _ in range(12):
+        _run(s, 1)
+        np.testing.assert_array_equal(m.num_used_pages, _held_by_tier(m))
+    assert s.metrics.num_preemptions > 0 and s.metrics.num_capped == 0
+    preempted = [rid for rid in "bc" if s.get(rid).num_preemptions]
+    assert preempted and s.get(preempted[0]).num_output_tokens
+    s.finish("a")
+    back = s.get(preempted[0])
+    for _ in range(10):          # replayed (its generated tokens kept whole), then decoding
+        _run(s, 1)
+        np.testing.assert_array_equal(m.num_used_pages, _held_by_tier(m))
+        if back.status is SequenceStatus.DECODE:
+            break
+    assert back.status is SequenceStatus.DECODE and s.metrics.num_capped == 0
+    for rid in ("b", "c"):
+        s.abort(rid)
+    _run(s, 1)
+    assert [p.num_used for p in m.pools] == [0, 0]
 
 
 def test_request_too_large_for_one_tier_is_one_clear_error():
