@@ -11,12 +11,13 @@ test_scheduler_state_machine.py.)"""
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tangram_jax import LLM, kv_quant
-from tangram_jax.compression.profile import shipped_profile_path, BudgetProfile
+from tangram_jax.compression.profile import BudgetProfile, shipped_profile_path
 from tangram_jax.engine import memory
 from tangram_jax.engine.config import EngineConfig, EngineConfigError, pool_pages
 from tangram_jax.kv_layout import KVLayout, TieredLayout, pages_for
@@ -88,18 +89,13 @@ def test_tiered_pool_holds_a_retained_token_in_fewer_bytes_than_k8v4(rho, group_
         formats = [kv_quant.page_format(f) for f in
                    (tiered.tiers if precision != "k8v4" else ("k8v4",))]
         k, v = kv_quant.allocate_pools(formats, counts, shape, jnp.bfloat16)
-        nbytes = sum(leaf.nbytes for leaf in jax_leaves((k, v)))
+        nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves((k, v)))
         per_slot[precision] = nbytes / ((counts - 1).sum() * slots_per_page)
     share = tiered.pool_high_share
     assert 0 < share < 1
     assert per_slot["k8v4"] == pytest.approx(112, rel=1e-3)
     assert per_slot["k8v4-k4v2"] == pytest.approx(112 * share + 64 * (1 - share), rel=2e-3)
     assert per_slot["k8v4-k4v2"] < per_slot["k8v4"]
-
-
-def jax_leaves(tree):
-    import jax
-    return jax.tree.leaves(tree)
 
 
 # ----- the manager and the scheduler --------------------------------------------------------
