@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     print(f"built + warmed up in {build_s:.1f} s; {engine._pool_line()}", flush=True)
 
     # Compiled steps at the real pool size (jit's own executables: no new compile).
-    compiled = runner.compile_steps(pool["num_pages"], max(engine.scheduler.decode_buckets),
+    compiled = runner.compile_steps(runner.num_pages, max(engine.scheduler.decode_buckets),
                                     engine.config.max_prefill_rows)
     steps = {}
     for name, c in compiled.items():

@@ -17,7 +17,9 @@ The pool's page format is `EngineConfig.kv_precision` (`tangram_jax.kv_quant`): 
 of values as above, or quantised K8V8 / K8V4 / K4V2 pages (packed codes plus a float32 scale and
 zero per slot) of the same logical shape, equal bytes within a format. Precision tiers
 (`TieredLayout`, ``k8v4-k4v2``) split each group's retained tokens into a high and a low tier
-with static budgets, reserved per (layer, group, tier).
+with static budgets, reserved per (layer, group, tier); each tier has its own pool of pages (of
+its format, page 0 its null page), sized by the tier's share of the retained tokens
+(`TieredLayout.pool_pages`), and a tier group's block-table entries index its tier's pool.
 
 A page holds `page_size` token slots of the G heads of ONE group of ONE layer. Block tables are
 ``[seq_slot, layer, group, max_pages]`` int32 and retained lengths ``[seq_slot, layer, group]``.
@@ -349,6 +351,28 @@ class TieredLayout:
     def num_groups(self) -> int:
         """Tier groups: two per group of the base layout."""
         return 2 * self.base.num_groups
+
+    @property
+    def pool_high_share(self) -> float:
+        """The high tier's share of the retained tokens over every (layer, group): ``sum(r h)
+        / sum(r)`` (a group of budget r keeps r of a turn, h of that in the high tier), the
+        share of the pool's pages the high tier's pool gets (`pool_pages`). Protected tails
+        and decode tokens also go to the high tier, so short turns and long answers fill it
+        before the low tier (admission then waits for high pages while low pages are free)."""
+        r = self.base.group_budgets
+        return float((r * self.high_share).sum() / r.sum())
+
+    def pool_pages(self, usable: int) -> tuple[int, int]:
+        """(high, low) pool sizes, each its null page included, of a tiered pool with `usable`
+        pages to hand out: the high tier ``round(pool_high_share * usable)`` of them (at least
+        one, and one left for the low tier), the low tier the rest. Pages of both tiers hold
+        `page_size` tokens, so this holds the most retained tokens for `usable` pages."""
+        usable = int(usable)
+        if usable < 2:
+            raise ValueError(f"a tiered pool needs at least 2 usable pages (one per tier), "
+                             f"got {usable}")
+        high = min(max(int(round(self.pool_high_share * usable)), 1), usable - 1)
+        return high + 1, usable - high + 1
 
     @property
     def decode_tier_groups(self) -> np.ndarray:

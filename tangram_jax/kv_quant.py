@@ -194,6 +194,22 @@ def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros) -> Pages:
                       bits=_check_bits(bits), dtype=jnp.dtype(dtype))
 
 
+def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> tuple:
+    """(k_pages, v_pages) of a pool: of one page format (`formats` and `num_pages` of length
+    1: `Pages`), or of precision tiers (a high and a low format and page count: `TieredPages`).
+    page_shape: ``(G, page_size, head_dim)``; `make` as for `pool_arrays`."""
+    if len(formats) != len(num_pages) or len(formats) not in (1, 2):
+        raise ValueError(f"one page count per format (1 or 2 of them), got {len(formats)} "
+                         f"formats and num_pages {tuple(num_pages)}")
+    pools = [(pool_arrays((n, *page_shape), dtype, fmt.key_bits, make=make),
+              pool_arrays((n, *page_shape), dtype, fmt.value_bits, make=make))
+             for n, fmt in zip(num_pages, formats)]
+    if len(pools) == 1:
+        return pools[0]
+    (k_high, v_high), (k_low, v_low) = pools
+    return TieredPages(k_high, k_low), TieredPages(v_high, v_low)
+
+
 def page_bytes(fmt: PageFormat, group_size: int, page_size: int, head_dim: int, dtype) -> int:
     """Bytes of one page (K and V together) of this format."""
     slots = group_size * page_size
@@ -258,11 +274,13 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None) -> Pages:
 
 @dataclasses.dataclass(frozen=True)
 class TieredPages:
-    """The K (or V) pool of a tiered precision: two pools of the same logical shape
-    [num_pages, G, page_size, head_dim] indexed by the same page ids, `high` in the high tier's
-    format and `low` in the low tier's (`kv_layout.PRECISION_TIERS`). A page id the manager
-    hands to a high tier group is used in `high` only, one of a low tier group in `low` only.
-    A pytree, like `QuantPages`; `shape` and `dtype` are the high pool's."""
+    """The K (or V) pool of a tiered precision: two pools of logical shapes [high_pages, G,
+    page_size, head_dim] and [low_pages, G, page_size, head_dim], `high` in the high tier's
+    format and `low` in the low tier's (`kv_layout.PRECISION_TIERS`). Each has its own page
+    ids (page 0 its null page; the KV-cache manager keeps a pool of ids per tier, sized by the
+    tier's share of the retained tokens): a high tier group's block-table entries index `high`,
+    a low tier group's `low`. A pytree, like `QuantPages`; `shape` and `dtype` are the high
+    pool's (code that reads G, page_size and head_dim from it sees both tiers' values)."""
 
     high: Pages
     low: Pages

@@ -251,3 +251,31 @@ def test_checking_a_config_sets_the_allocator_cap_before_the_backend_starts():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_tiered_pool_sizing_splits_the_bytes_by_the_share():
+    """A pool of two tiers (K8V4 208 B and K4V2 112 B a slot at head_dim 128, pages of 16
+    slots): the largest split of usable pages (high share 0.3) whose bytes fit, its bytes at
+    most what is left and one more usable page over it; a tier short of one sequence's pages is
+    one clear error naming both tiers' pages."""
+    page_bytes = (208 * 16, 112 * 16)
+
+    def split(usable):
+        high = min(max(round(0.3 * usable), 1), usable - 1)
+        return high + 1, usable - high + 1
+
+    pool = memory.TieredPool(page_bytes, split, (10, 10))
+    mem = fake(72, 15, 0.9)
+    plan = memory.plan_pool(mem, 0.9, GIB, pool, headroom_bytes=0)
+    left = 72 * GIB - 15 * GIB - GIB
+    high, low = plan.num_pages
+    assert (high, low) == split(high + low - 2)
+    assert plan.pool_bytes == high * page_bytes[0] + low * page_bytes[1] <= left
+    assert pool.bytes_of(split(high + low - 1)) > left
+    # Per slot: 0.3 of 208 and 0.7 of 112, below K8V4's 208.
+    assert plan.pool_bytes / ((high + low - 2) * 16) == pytest.approx(0.3 * 208 + 0.7 * 112,
+                                                                     rel=1e-4)
+    with pytest.raises(ValueError, match=r"fits \d+ pages of 3328 bytes \+ \d+ pages of 1792 "
+                                         r"bytes, fewer than the \(10, 1000000000\) needed"):
+        memory.plan_pool(mem, 0.9, GIB, memory.TieredPool(page_bytes, split, (10, 10 ** 9)),
+                         headroom_bytes=0)

@@ -67,7 +67,7 @@ def test_tiered_layout_rejects_bad_shares():
 
 def test_manager_reserves_each_tier_exactly_and_decode_fills_the_high_tier():
     tiered = _layout()
-    manager = KVCacheManager(tiered, num_pages=400, max_seqs=2, max_pages_per_group=40,
+    manager = KVCacheManager(tiered, num_pages=(200, 200), max_seqs=2, max_pages_per_group=40,
                              model_kv_shape=(3, 4, 8))
     assert manager.lengths.shape == (3, 3, 4)              # [rows, layers, groups * tiers]
     slot = manager.allocate_slot()
@@ -93,7 +93,7 @@ def test_manager_reserves_each_tier_exactly_and_decode_fills_the_high_tier():
     np.testing.assert_array_equal(manager.reserved_lengths[slot],
                                   before + _by_chunks(tiered, 23).reshape(3, 4))
     manager.free(slot)
-    assert manager.pool.num_used == 0
+    assert [p.num_used for p in manager.pools] == [0, 0]
 
 
 # ----- calibration and profile --------------------------------------------------------------

@@ -5,6 +5,7 @@ split map's tier work lists, and the engine end to end on a tiny model."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -168,12 +169,12 @@ def test_tiny_engine_serves_tiers(tiny_folder):
     assert isinstance(runner.k_pages, kv_quant.TieredPages)
     assert [runner.k_pages.high.bits, runner.k_pages.low.bits,
             runner.v_pages.high.bits, runner.v_pages.low.bits] == [8, 4, 4, 2]
-    assert runner.kv_bytes_per_page == sum(
+    assert runner.tier_page_bytes == tuple(
         kv_quant.page_bytes(kv_quant.page_format(f), 1, 8, runner.base_layout.head_dim,
                             runner.kv_dtype) for f in ("k8v4", "k4v2"))
     assert np.asarray(runner.k_pages.low.scale).any()
     assert all(len(ids) == 12 for ids in mixed)
-    assert manager.pool.num_used == 0
+    assert all(p.num_used == 0 for p in manager.pools)
     # What a prompt's prefill wrote and reserved (read when its first decode step grows it):
     # the tiered formula, per tier group.
     engine, layout, first_decode = llm.engine, llm.engine.layout, []
@@ -191,7 +192,7 @@ def test_tiny_engine_serves_tiers(tiny_folder):
     written, reserved = first_decode[0]
     np.testing.assert_array_equal(written[0], layout.retained_counts(len(prompts[2])))
     np.testing.assert_array_equal(reserved, written)
-    assert manager.pool.num_used == 0
+    assert all(p.num_used == 0 for p in manager.pools)
 
     _, k8v4 = _serve(tiny_folder, "k8v4", tiny_profile(str(tiny_folder)), prompts)
     _, all_high = _serve(tiny_folder, "k8v4-k4v2", _tiered_profile(tiny_folder, 1.0), prompts)
@@ -211,11 +212,11 @@ def _tiered_runner_steps(use_kernels: bool):
     from tangram_jax.models.decoder import Decoder
     from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
     tiered = TieredLayout(LAYOUT, np.array([[0.5, 0.0], [1.0, 0.3], [0.6, 0.5]]))
-    manager = KVCacheManager(tiered, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    manager = KVCacheManager(tiered, (40, 24), 2, 16, model_kv_shape=(3, 2, 8))
     budgets, bytes_per_token = decode_work_weights(tiered, CONFIG, jnp.float32)
     split_maps = {1: build_split_map(budgets, 4, 1, group_size=1,
                                      bytes_per_token=bytes_per_token)}
-    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, 64,
+    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, (40, 24),
                          manager.block_tables.shape, split_maps=split_maps,
                          runner_config=RunnerConfig(layer_loop="scan"),
                          kv_precision="k8v4-k4v2",
@@ -264,17 +265,29 @@ def test_embedded_model_tiers_answer_as_k8v4():
     """SmolLM2-135M, tangram at ratio 0.5 with its shipped tiered profile (mean high share
     0.35 at G 1): k8v4-k4v2 against k8v4 (the tiered pool's high format) on the prompts of the
     precision test. Seen: the same 12 tokens on both prompts; asked: the first 6 and the city
-    (K4V2 alone drifts after "Paris.")."""
+    (K4V2 alone drifts after "Paris."). The pools (kv_cache_tokens: the same slots): the
+    tiered one's bytes per slot, its arrays' nbytes, are the share's mix of K8V4 and K4V2
+    pages, below K8V4's (seen: 79.4 against 112 B)."""
     from test_engine_kv_precision import EMBEDDED_PROMPTS as prompts
     from test_engine_kv_precision import EMBEDDED_SMALL_ENGINE as small
     params = SamplingParams(temperature=0, max_tokens=12)
-    outs = {}
+    outs, pools = {}, {}
     for precision in ("k8v4", "k8v4-k4v2"):
         llm = LLM(mode="tangram", ratio=0.5, kv_precision=precision, **small)
         outs[precision] = llm.generate(prompts, params, use_tqdm=False)
+        runner = llm.engine.runner
+        pools[precision] = pool = llm.engine.kv_pool()
+        assert pool["bytes"] == sum(x.nbytes for x in jax.tree.leaves((runner.k_pages,
+                                                                         runner.v_pages)))
         if precision == "k8v4-k4v2":
             layout = llm.engine.layout
             assert isinstance(layout, TieredLayout) and (layout.high_share < 1).any()
+            share = layout.pool_high_share
+    assert pools["k8v4-k4v2"]["slots"] == pools["k8v4"]["slots"]
+    assert pools["k8v4"]["bytes_per_slot"] == pytest.approx(112, rel=1e-3)
+    assert pools["k8v4-k4v2"]["bytes_per_slot"] == pytest.approx(112 * share + 64 * (1 - share),
+                                                                 rel=2e-3)
+    assert pools["k8v4-k4v2"]["bytes_per_slot"] < 0.8 * pools["k8v4"]["bytes_per_slot"]
     for tiered, base in zip(outs["k8v4-k4v2"], outs["k8v4"]):
         t, b = tiered.outputs[0].token_ids, base.outputs[0].token_ids
         same = next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), min(len(t), len(b)))
@@ -290,7 +303,7 @@ def test_manager_decode_feed_counts_the_high_tier_only():
                     chunk_size=8, head_perm=np.array([[0, 1]]),
                     group_budgets=np.array([[0.5, 1.0]]))
     tiered = TieredLayout(base, np.array([[0.5, 0.5]]))
-    manager = KVCacheManager(tiered, 32, 2, 8, model_kv_shape=(1, 2, D))
+    manager = KVCacheManager(tiered, (20, 12), 2, 8, model_kv_shape=(1, 2, D))
     slot = manager.allocate_slot()
     assert manager.reserve(slot, 16)
     manager.commit_prefill(slot, 16)
@@ -298,7 +311,8 @@ def test_manager_decode_feed_counts_the_high_tier_only():
     np.testing.assert_array_equal(before, tiered.retained_counts(16))
     # The next token needs a page exactly in the high tier groups whose pages are full.
     full = before[0] % 4 == 0
-    assert manager.decode_demand(slot) == int((full & tiered.decode_tier_groups).sum())
+    np.testing.assert_array_equal(manager.decode_demand(slot),      # (high, low) pages
+                                  [int((full & tiered.decode_tier_groups).sum()), 0])
     assert manager.grow_for_decode(np.array([slot])).all()
     np.testing.assert_array_equal(manager.lengths[slot] - before, [tiered.decode_tier_groups])
     np.testing.assert_array_equal(manager.decode_write_lengths(np.array([slot]))[0], before)

@@ -109,7 +109,7 @@ def test_a_tiered_fork_copies_only_the_high_tier_decode_appends_to():
                     chunk_size=16, head_perm=np.tile(np.arange(4), (3, 1)),
                     group_budgets=np.round(rng.uniform(0.1, 1.0, (3, 2)), 3))
     tiered = TieredLayout(base, np.round(rng.uniform(0.2, 0.8, (3, 2)), 3))
-    m = KVCacheManager(tiered, 200, 3, 40, model_kv_shape=(3, 4, 8))
+    m = KVCacheManager(tiered, (120, 80), 3, 40, model_kv_shape=(3, 4, 8))
     parent, child = m.allocate_slot(), m.allocate_slot()
     target = tiered.retained_counts(70)
     partial = target % 4 != 0
@@ -125,7 +125,7 @@ def test_a_tiered_fork_copies_only_the_high_tier_decode_appends_to():
     assert (mine[low_last] == its[low_last]).all()   # low-tier tails shared
     m.free(parent)
     m.free(child)
-    assert m.pool.num_free == m.pool.capacity
+    assert all(p.num_free == p.capacity for p in m.pools)
 
 
 # ----- scheduler families ------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Randomized whole-scheduler test: arrivals, multi-turn continuations, families of parallel
 samples (forked onto shared pages), finishes, aborts, preemptions and evictions on a small pool, with the device simulated by committing exactly what
-each step scheduled. Invariants are checked after every step; teardown drains the queue."""
+each step scheduled. Invariants are checked after every step; teardown drains the queue. The
+same machine runs with precision tiers (a pool of page ids per tier: every page is held in its
+own tier's pool, and reservations are the tiered formula)."""
 
 import numpy as np
 from hypothesis import HealthCheck, event, settings
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from tangram_jax.kv_layout import KVLayout, pages_for
+from tangram_jax.kv_layout import KVLayout, TieredLayout, pages_for
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import RequestTooLargeError, Scheduler
 from tangram_jax.scheduler.sequence import SequenceStatus
@@ -17,6 +19,10 @@ NUM_LAYERS, NUM_HEADS, HEAD_DIM, PAGE, CHUNK = 2, 4, 8, 4, 8
 BUDGETS = np.array([[0.25, 0.6], [0.4, 1.0]])
 NUM_PAGES, MAX_SEQS, MAX_PAGES, TOKEN_BUDGET = 48, 4, 16, 28
 BUCKETS = (1, 2, 4)
+# Tiered: high shares of every group (one group keeps all in the high tier, one none), and
+# the two tiers' pools (null pages included): small enough that either tier runs short.
+HIGH_SHARE = np.array([[0.5, 0.2], [1.0, 0.0]])
+TIER_PAGES = (24, 30)
 
 
 def tangram_layout():
@@ -25,19 +31,33 @@ def tangram_layout():
                     head_perm=np.tile([1, 3, 0, 2], (NUM_LAYERS, 1)), group_budgets=BUDGETS)
 
 
+def tiered_layout():
+    return TieredLayout(tangram_layout(), HIGH_SHARE)
+
+
 def monolithic_layout():
     return KVLayout.monolithic(NUM_LAYERS, NUM_HEADS, HEAD_DIM, page_size=PAGE, chunk_size=CHUNK)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     policy = "reserve"
+    tiered = False
     # Long prefills capped at two chunks, one at a time (the engine's kind of default).
     long_prefill_kwargs = dict(long_prefill_token_threshold=2 * CHUNK, max_long_partial_prefills=1)
 
     @initialize()
     def setup(self):
-        layout = tangram_layout() if self.policy == "reserve" else monolithic_layout()
-        self.manager = KVCacheManager(layout, NUM_PAGES, MAX_SEQS, MAX_PAGES,
+        layout = (tiered_layout() if self.tiered else
+                  tangram_layout() if self.policy == "reserve" else monolithic_layout())
+        # Pool sizes per tier (one tier untiered), the null page included; the tier of each
+        # group, and the groups a decode token goes to.
+        self.pool_sizes = np.array(TIER_PAGES if self.tiered else (NUM_PAGES,))
+        self.group_tier = np.arange(layout.num_groups) % 2 if self.tiered else \
+            np.zeros(layout.num_groups, int)
+        self.decode_inc = (layout.decode_tier_groups if self.tiered
+                           else np.ones(layout.num_groups, bool)).astype(np.int32)
+        self.manager = KVCacheManager(layout, tuple(self.pool_sizes) if self.tiered
+                                      else NUM_PAGES, MAX_SEQS, MAX_PAGES,
                                       model_kv_shape=(NUM_LAYERS, NUM_HEADS, HEAD_DIM),
                                       policy=self.policy)
         self.now = 0.0   # the sessions' clock: half a second a step
@@ -55,9 +75,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.rng = np.random.default_rng(0)
 
     # ----- rules -------------------------------------------------------------------------
+    def _by_tier(self, cell_pages):
+        """int [tiers]: pages per cell [layers, groups] summed per tier."""
+        return np.bincount(np.broadcast_to(self.group_tier, cell_pages.shape).ravel(),
+                           weights=cell_pages.ravel(), minlength=len(self.pool_sizes))
+
     def _expect_fits(self, total_tokens):
-        need = pages_for(self.layout.retained_counts(total_tokens) + 1, PAGE)
-        return need.max() <= MAX_PAGES and need.sum() <= NUM_PAGES - 1
+        need = pages_for(self.layout.retained_counts(total_tokens) + self.decode_inc, PAGE)
+        return need.max() <= MAX_PAGES and (self._by_tier(need) <= self.pool_sizes - 1).all()
 
     @rule(length=st.integers(1, 90), max_new=st.integers(1, 6), with_session=st.booleans())
     def arrive(self, length, max_new, with_session):
@@ -81,8 +106,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             self.sched.add_request(rid, list(range(length)), fork_ids=forks)
         except RequestTooLargeError:
-            assert not self._expect_fits(length) or self.manager.pages_to_reserve(
-                None, length, n - 1) + n * NUM_LAYERS * 2 > NUM_PAGES - 1
+            decode_cells = self._by_tier(np.broadcast_to(self.decode_inc, (NUM_LAYERS, 4 if
+                                                                     self.tiered else 2)))
+            assert not self._expect_fits(length) or np.any(self.manager.pages_to_reserve(
+                None, length, n - 1) + n * decode_cells > self.pool_sizes - 1)
             return
         for r in (rid, *forks):
             self.max_new[r] = max_new
@@ -186,7 +213,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         write_lengths = m.decode_write_lengths(out.decode_slots)
         assert (write_lengths[len(out.decode_seqs):] == 0).all()
         for row, seq in enumerate(out.decode_seqs):
-            assert (m.lengths[seq.slot] == write_lengths[row] + 1).all()
+            assert (m.lengths[seq.slot] == write_lengths[row] + self.decode_inc).all()
         decode_before = {s.request_id: write_lengths[row].copy()
                          for row, s in enumerate(out.decode_seqs)}
         for row, seq in enumerate(out.decode_seqs):
@@ -198,7 +225,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 # What the prefill wrote is exactly what was reserved.
                 assert (m.lengths[seq.slot] == self.turn_target[seq.request_id]).all()
         for row, seq in enumerate(out.decode_seqs):
-            assert (m.lengths[seq.slot] == decode_before[seq.request_id] + 1).all()
+            assert (m.lengths[seq.slot] == decode_before[seq.request_id] + self.decode_inc).all()
             assert seq.token_ids[-1] == 100 + row      # row i of the batch got token i
             if len(seq.output_token_ids) >= self.max_new[seq.request_id]:
                 session = seq.session_id
@@ -217,14 +244,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         m = self.manager
         # Forked sequences share pages: each page is counted by its holders (block tables and
-        # fork stashes), and the pool's free pages are the rest.
-        tables = [m.table.pages_of(s) for s in range(MAX_SEQS + 1)]
-        assert all(np.unique(t).size == t.size for t in tables), "a slot holds a page twice"
-        owned = np.concatenate(tables + list(m._fork_stash.values()))
-        pages, holders = np.unique(owned, return_counts=True)
-        assert m.pool.num_free + pages.size == NUM_PAGES - 1
-        assert (m.pool.holders(pages) == holders).all(), "reference counts disagree"
-        assert (owned != 0).all(), "the null page was handed out"
+        # fork stashes), and the pool's free pages are the rest; with tiers, per tier's pool:
+        # a tier group's pages are held in its tier's pool (fork copies in the high tier's).
+        for tier, pool in enumerate(m.pools):
+            tables = [np.concatenate([m.block_tables[s, layer, g, :m.table.num_pages[s, layer, g]]
+                                      for layer in range(NUM_LAYERS)
+                                      for g in np.flatnonzero(self.group_tier == tier)])
+                      for s in range(MAX_SEQS + 1)]
+            assert all(np.unique(t).size == t.size for t in tables), "a slot holds a page twice"
+            owned = np.concatenate(tables + (list(m._fork_stash.values()) if tier == 0 else []))
+            pages, holders = np.unique(owned, return_counts=True)
+            assert pool.num_free + pages.size == self.pool_sizes[tier] - 1
+            assert (pool.holders(pages) == holders).all(), "reference counts disagree"
+            assert (owned != 0).all(), "the null page was handed out"
+            assert (owned < self.pool_sizes[tier]).all(), "a page of another tier's pool"
         assert (m.block_tables[m.null_slot] == 0).all() and (m.lengths[m.null_slot] == 0).all()
 
     @invariant()
@@ -245,7 +278,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert queued == sorted(queued)
         idle_scores = [table.eviction_score(s) for s, q in zip(order, queued) if not q]
         assert idle_scores == sorted(idle_scores, reverse=True), "eviction order is not by score"
-        assert table.evictable_pages == sum(m.pages_held(s.slot) for s in listed)
+        assert table.evictable_pages == sum(int(np.sum(m.pages_held(s.slot))) for s in listed)
         assert all(s.session_id in table for s in listed)
         holders = [s for s in table.sequences() if s.is_cached]
         holders += [s for s in self.sched.running if s.session_id is None]
@@ -275,7 +308,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.max_new
         for session in list(self.idle_sessions):
             self.sched.close_session(session)
-        assert self.manager.pool.num_free == NUM_PAGES - 1
+        assert [p.num_free for p in self.manager.pools] == list(self.pool_sizes - 1)
         for name in ("num_preemptions", "num_evictions", "num_capped", "num_rejected"):
             if getattr(self.sched.metrics, name):
                 event(name)
@@ -292,3 +325,11 @@ TestReserveStateMachine = SchedulerMachine.TestCase
 TestReserveStateMachine.settings = _settings
 TestReclaimStateMachine = ReclaimMachine.TestCase
 TestReclaimStateMachine.settings = settings(_settings, max_examples=20)
+
+
+class TieredMachine(SchedulerMachine):
+    tiered = True
+
+
+TestTieredStateMachine = TieredMachine.TestCase
+TestTieredStateMachine.settings = _settings

@@ -130,7 +130,7 @@ class _StepRecorder:
 
     def reset(self):
         self.steps = self.decode_rows = self.prefill_tokens = self.peak_batch = 0
-        self.peak_pages = 0
+        self.peak_utilisation = 0.0   # of the fullest tier's pool (one pool untiered)
 
     def _schedule(self):
         out = self.original()
@@ -142,7 +142,8 @@ class _StepRecorder:
         return out
 
     def sample_pool(self):
-        self.peak_pages = max(self.peak_pages, self.engine.manager.pool.num_used)
+        self.peak_utilisation = max(self.peak_utilisation, *(
+            p.num_used / p.capacity for p in self.engine.manager.pools))
 
 
 def summarize(records: list[session_loop.TurnRecord], elapsed: float) -> dict:
@@ -204,7 +205,7 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
                "capped": metrics.num_capped - before[2],
                "pages_reclaimed": engine.manager.pages_reclaimed - before[3],
                "reclaim_seconds": engine.manager.reclaim_seconds - before[4],
-               "peak_pool_utilisation": recorder.peak_pages / engine.manager.pool.capacity}
+               "peak_pool_utilisation": recorder.peak_utilisation}
         if row["capped"]:
             raise RuntimeError(f"{name}: {row['capped']} turns were cut short for lack of KV "
                                f"room; the run would not be complete")
@@ -242,6 +243,7 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
               "split_map": engine.config.split_map, "attention": engine.runner.ops.name,
               "mean_group_budget": float(np.mean(base_layout.group_budgets)),
               "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
+              "pool_slots": pool["slots"], "pool_tiers": pool.get("tiers"),
               "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
               "workloads": rows}
     del engine

@@ -54,6 +54,8 @@ LAYER_LOOPS = ("scan", "unrolled")
 # `chunk_size`, so it keeps small chunks (speed over accuracy; pass chunk_size to choose).
 DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
+# A tiered pool's smallest num_pages: each tier's null page and one page.
+TIERED_MIN_PAGES = 4
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 # Long prefills (the scheduler's `long_prefill_token_threshold` / `max_long_partial_prefills`).
 # Default: one long turn prefills at a time (vLLM's default too), and the threshold is the
@@ -222,8 +224,10 @@ class EngineConfig:
         f"prefill compression chunk (and prefill piece size), tokens; default "
         f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU, {DEFAULT_CHUNK_SIZE['cpu']} on a CPU")
     num_pages: int | None = _field(None, _int_at_least(2, optional=True),
-                                   "KV pool pages (page 0 is the null page); default: sized from "
-                                   "--kv-cache-tokens")
+                                   "KV pool pages (page 0 is the null page); with precision tiers "
+                                   "the pages of both tiers' pools together, each with its null "
+                                   "page, split by the high tier's share of the retained tokens "
+                                   "(at least 4); default: sized from --kv-cache-tokens")
     kv_cache_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),
         "full-KV tokens' worth of memory the pool gets when --num-pages is not given (the same "
@@ -288,7 +292,8 @@ class EngineConfig:
                                "pool keeps its page count, on a GPU it gets more pages for the "
                                "same bytes; k8v4-k4v2: precision tiers (tangram mode, a profile "
                                "with tier budgets): each group's top kept tokens in K8V4 pages, "
-                               "the rest in K4V2 pages")
+                               "the rest in K4V2 pages, each tier a pool of its own split by the "
+                               "high tier's share of the retained tokens")
     data_parallel_size: int = _field(
         1, _int_at_least(1), "engine replicas, one per device, that share an offline batch "
         "(`LLM`: prompts spread by tokens, a session stays on its replica); each replica "
@@ -352,6 +357,7 @@ class EngineConfig:
             raise EngineConfigError(f"kv_precision {self.kv_precision!r} (precision tiers) needs "
                                     f"tangram mode (its tier budgets come from the profile), got "
                                     f"mode {self.mode!r}")
+        check_tiered_num_pages(self)
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
@@ -417,7 +423,7 @@ class ResolvedConfig:
     """The settings an engine runs with (see `EngineConfig.resolve`)."""
 
     layout: KVLayout | TieredLayout   # tiered: kv_precision names precision tiers
-    num_pages: int               # KV pool pages, null page included
+    num_pages: int | tuple[int, int]   # KV pool pages, null page included; tiered: (high, low)
     max_model_len: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int   # tokens; a prefill with more left is capped at it
@@ -544,15 +550,37 @@ def pool_is_fixed(cfg: EngineConfig) -> bool:
     return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
 
 
-def pool_pages(cfg: EngineConfig, model_config: ModelConfig, layout: KVLayout) -> int:
-    """Pages of the pool: `num_pages`, or the full-KV bytes of `kv_cache_tokens` tokens
-    (DEFAULT_KV_CACHE_TOKENS when None; on a GPU the engine sizes the pool instead).
+def check_tiered_num_pages(cfg: EngineConfig) -> None:
+    """Raise unless `num_pages` (when given) can hold a tiered pool of `kv_precision`."""
+    if cfg.kv_precision in PRECISION_TIERS and cfg.num_pages is not None \
+            and cfg.num_pages < TIERED_MIN_PAGES:
+        raise EngineConfigError(
+            f"num_pages={cfg.num_pages} cannot hold a tiered pool (kv_precision "
+            f"{cfg.kv_precision!r}): each tier's pool needs its null page and at least one "
+            f"page, so num_pages must be >= {TIERED_MIN_PAGES}")
+
+
+def pool_pages(cfg: EngineConfig, model_config: ModelConfig,
+               layout: KVLayout | TieredLayout) -> int | tuple[int, int]:
+    """Pages of the pool: `num_pages`, or the head-token slots of `kv_cache_tokens` full-KV
+    tokens (DEFAULT_KV_CACHE_TOKENS when None; on a GPU the engine sizes the pool instead).
 
     A page of G heads holds ``page_size * G`` head-token slots; a full-KV token needs
     ``layers * kv_heads`` of them. Plus the null page 0.
+
+    Precision tiers: a (high, low) pair of pool sizes, each with its own null page, whose
+    usable pages together are what the untiered pool would hand out (``num_pages - 2`` of
+    `num_pages`, at least 2; the slots of `kv_cache_tokens`), split by the high tier's share
+    of the retained tokens (`TieredLayout.pool_pages`): the same retained tokens as a K8V4
+    pool in fewer bytes whenever a share of them is in the low tier.
     """
+    tiered = isinstance(layout, TieredLayout)
     if cfg.num_pages is not None:
-        return cfg.num_pages
+        if not tiered:
+            return cfg.num_pages
+        check_tiered_num_pages(cfg)
+        return layout.pool_pages(cfg.num_pages - 2)
     tokens = cfg.kv_cache_tokens if cfg.kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
     slots = tokens * model_config.num_layers * model_config.num_kv_heads
-    return int(np.ceil(slots / (layout.page_size * layout.group_size))) + 1
+    usable = int(np.ceil(slots / (layout.page_size * layout.group_size)))
+    return layout.pool_pages(max(usable, 2)) if tiered else usable + 1

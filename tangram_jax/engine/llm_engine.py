@@ -241,9 +241,14 @@ def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
 def _copy_pages(k_pages, v_pages, src, dst):
     """The pool with pages `dst` overwritten by pages `src` (int32 [n]; a `dst` out of range is
     padding, dropped): a fork's copies of partly filled pages (`KVCacheManager.fork`). Every
-    array of a page format (quantised codes and scales too) has the page axis first."""
+    array of a page format (quantised codes and scales too) has the page axis first. With
+    precision tiers the copies are of the high tier's pool (the decode tier's pages, page ids
+    of that pool); the low tier's is left alone."""
     def copy(pages):
         return pages.at[dst].set(pages[src], mode="drop")
+    if isinstance(k_pages, kv_quant.TieredPages):
+        return (dataclasses.replace(k_pages, high=jax.tree.map(copy, k_pages.high)),
+                dataclasses.replace(v_pages, high=jax.tree.map(copy, v_pages.high)))
     return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
 
 
@@ -347,7 +352,7 @@ class Engine:
             self.memory_plan = self._size_pool(max(buckets), allocator.fraction)
             self.runner.allocate_pool(self.memory_plan.num_pages)
         self.manager = KVCacheManager(
-            self.layout, int(self.runner.k_pages.shape[0]), cfg.max_num_seqs,
+            self.layout, self.runner.num_pages, cfg.max_num_seqs,
             rc.max_pages_per_seq,
             model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim), policy=rc.policy)
         assert self.manager.block_tables.shape == table_shape, (self.manager.block_tables.shape,
@@ -383,39 +388,55 @@ class Engine:
         compiled steps are then reused as they are), else shrink the pool to fit."""
         cfg, layout = self.config, self.layout
         now = memory.DeviceMemory.read(self.device, fraction)   # weights are in now
-        page_bytes = self.runner.kv_bytes_per_page
         budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
                                         now.bytes_limit)
-        # One max_model_len sequence must fit, or nothing could be served.
-        min_pages = int(pages_for(layout.retained_counts(self.max_model_len),
-                                  layout.page_size).sum()) + 1
-        provisional = memory.pages_that_fit(budget, now.bytes_in_use,
-                                            memory.step_reserve(budget), 0, page_bytes)
-        compiled = self.runner.compile_steps(max(provisional, min_pages), max_bucket,
+        # One max_model_len sequence must fit, or nothing could be served (with tiers: in
+        # each tier's pool).
+        one = pages_for(layout.retained_counts(self.max_model_len), layout.page_size)
+        if isinstance(layout, TieredLayout):
+            pool = memory.TieredPool(self.runner.tier_page_bytes, layout.pool_pages,
+                                     (int(one[:, 0::2].sum()) + 1, int(one[:, 1::2].sum()) + 1))
+        else:
+            pool = memory.TieredPool.single(self.runner.kv_bytes_per_page, int(one.sum()) + 1)
+        provisional = pool.pages_in(budget - now.bytes_in_use - memory.step_reserve(budget))
+        compiled = self.runner.compile_steps(pool.at_least_min(provisional), max_bucket,
                                              cfg.max_prefill_rows)
         peak = max(memory.step_peak_bytes(c) for c in compiled.values())
-        return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, page_bytes,
-                                min_pages=min_pages,
-                                prefer_pages=provisional if provisional >= min_pages else None)
+        return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
+                                prefer_pages=provisional if pool.holds_min(provisional) else None)
 
     def _pool_line(self) -> str:
         pool = self.kv_pool()
+        tiers = "".join(f", {name} {t['num_pages']:,} pages" for name, t in
+                        pool.get("tiers", {}).items())
         if self.memory_plan is not None:
-            return self.memory_plan.describe(pool["full_kv_tokens"])
+            return self.memory_plan.describe(pool["full_kv_tokens"]) + tiers
         return (f"KV pool {pool['num_pages']:,} pages ({pool['full_kv_tokens']:,} full-KV "
-                f"tokens, {pool['bytes'] / memory.GIB:.2f} GiB), sized by {pool['sized_by']}")
+                f"tokens, {pool['bytes'] / memory.GIB:.2f} GiB{tiers}), sized by "
+                f"{pool['sized_by']}")
 
     def kv_pool(self) -> dict:
-        """The pool's size: pages, bytes, full-KV tokens it holds (every layer and KV head
-        keeping every token; compressed modes hold more), what sized it and, when
-        `gpu_memory_utilization` did, the figures it used (`memory.PoolPlan`)."""
-        mc, cfg = self.model_config, self.config
-        num_pages = int(self.runner.k_pages.shape[0])
-        slots = (num_pages - 1) * self.layout.page_size * self.layout.group_size  # no null page
-        pool = {"num_pages": num_pages, "bytes": num_pages * self.runner.kv_bytes_per_page,
+        """The pool's size: pages (null pages included), bytes (the arrays', on each device),
+        the head-token slots its pages hold and the full-KV tokens that is (every layer and KV
+        head keeping every token; compressed modes hold more), bytes per slot, what sized it
+        and, when `gpu_memory_utilization` did, the figures it used (`memory.PoolPlan`). With
+        precision tiers also `tiers`: each tier's pool (page format -> pages, bytes, slots);
+        its slots hold that tier's retained tokens only."""
+        mc, cfg, runner = self.model_config, self.config, self.runner
+        counts = runner.tier_pages(runner.num_pages)
+        slots_per_page = self.layout.page_size * self.layout.group_size
+        tiers = {name: {"num_pages": n, "bytes": n * b, "slots": (n - 1) * slots_per_page}
+                 for name, n, b in zip(self.manager.tier_names, counts,
+                                       runner.tier_page_bytes)}
+        slots = sum(t["slots"] for t in tiers.values())               # no null pages
+        pool_bytes = runner.pool_bytes()
+        pool = {"num_pages": sum(counts), "bytes": pool_bytes, "slots": slots,
+                "bytes_per_slot": pool_bytes / slots,
                 "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
                 "sized_by": ("num_pages" if cfg.num_pages is not None else "kv_cache_tokens"
                              if self.memory_plan is None else "gpu_memory_utilization")}
+        if isinstance(self.layout, TieredLayout):
+            pool["tiers"] = tiers
         if self.memory_plan is not None:
             pool["plan"] = dataclasses.asdict(self.memory_plan)
         return pool
@@ -753,7 +774,7 @@ class Engine:
         src, dst = self.manager.take_page_copies()
         if src.size:
             size = max(8, 1 << int(src.size - 1).bit_length())   # few shapes (see warmup)
-            num_pages = self.manager.pool.num_pages
+            num_pages = self.manager.pools[0].num_pages   # fork copies: the decode tier's
             pad = size - src.size
             self.runner.k_pages, self.runner.v_pages = _copy_pages(
                 self.runner.k_pages, self.runner.v_pages,
@@ -1034,9 +1055,9 @@ class Engine:
         # Not usage["pages_used"]: the pool also holds finished requests' pages until the
         # scheduler returns them (it does so lazily). Parallel samples share the prompt's
         # pages: each counts once.
-        held = self.manager.distinct_pages_held([s.slot for s in cached_seqs])
+        held = np.atleast_1d(self.manager.distinct_pages_held([s.slot for s in cached_seqs]))
         usage.update(
-            kv_bytes_held=held * self.runner.kv_bytes_per_page,
+            kv_bytes_held=int(held @ np.asarray(self.runner.tier_page_bytes)),
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,

@@ -12,6 +12,10 @@ allocator takes a fixed fraction of the card when its backend starts (75% unless
    pool is updated in place, so a step's temp does not grow with the pool),
 4. gives the pool what is left (`plan_pool`): ``budget - in_use - step_peak - headroom``.
 
+A pool of precision tiers (`kv_layout.TieredLayout`) is two pools of different page bytes whose
+page counts split the usable pages by the high tier's share of the retained tokens
+(`TieredPool`): the bytes buy as many usable pages as that mix of page sizes allows.
+
 The step peak is measured at a provisional pool size; where a step's temp grows with the pool
 (the CPU's jnp reference prefill copies V, see benchmarks/NOTES_memory.md) the measured peak
 includes that copy, so the pool that follows is smaller than needed, never larger.
@@ -24,6 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
+
+import numpy as np
 
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_FRACTION = 0.75     # what JAX's GPU client takes when the variable is unset
@@ -132,6 +139,8 @@ class PoolPlan:
     in_use_bytes: held before the pool (weights, tables); step_peak_bytes: the largest step's
     temporary bytes; headroom_bytes: kept free for small outputs and allocator slack;
     num_pages: pool pages (page 0, the null page, included); pool_bytes = num_pages * page_bytes.
+    With precision tiers page_bytes and num_pages are (high, low) pairs (each tier's pool with
+    its null page) and pool_bytes their products' sum.
     capped_by: "utilization" or "allocator" (the cap in force was lower than asked).
     """
 
@@ -141,17 +150,18 @@ class PoolPlan:
     in_use_bytes: int
     step_peak_bytes: int
     headroom_bytes: int
-    page_bytes: int
-    num_pages: int
+    page_bytes: int | tuple[int, ...]
+    num_pages: int | tuple[int, ...]
     capped_by: str
 
     @property
     def pool_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return int(np.dot(np.atleast_1d(self.num_pages), np.atleast_1d(self.page_bytes)))
 
     def describe(self, tokens: int | None = None) -> str:
         held = f"{tokens:,} full-KV tokens, " if tokens is not None else ""
-        return (f"KV pool {self.num_pages:,} pages ({held}{self.pool_bytes / GIB:.2f} GiB): "
+        pages = int(np.sum(self.num_pages))
+        return (f"KV pool {pages:,} pages ({held}{self.pool_bytes / GIB:.2f} GiB): "
                 f"gpu_memory_utilization {self.utilization} of {self.card_bytes / GIB:.2f} GiB "
                 f"-> budget {self.budget_bytes / GIB:.2f} GiB (capped by {self.capped_by}), "
                 f"minus {self.in_use_bytes / GIB:.2f} GiB in use (weights), "
@@ -187,35 +197,106 @@ def pages_that_fit(budget: int, in_use: int, step_peak: int, headroom: int,
     return (budget - in_use - step_peak - headroom) // page_bytes
 
 
-def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int, page_bytes: int,
-              *, min_pages: int, headroom_bytes: int | None = None,
-              prefer_pages: int | None = None) -> PoolPlan:
-    """The pool that fits: see the module docstring. With `prefer_pages` (the size the steps
-    were compiled for), that size is kept whenever it fits, so the compiled steps are reused.
-    Raises ValueError (naming the figures and what to change) when fewer than `min_pages` pages
-    fit."""
+@dataclasses.dataclass(frozen=True)
+class TieredPool:
+    """The pages of a pool of one or more tiers, to size it by bytes: one page format (the
+    plain pool, `single`) or precision tiers (a high and a low tier's pools, `kv_layout.
+    TieredLayout.pool_pages` splitting the usable pages between them).
+
+    page_bytes: bytes of one page of each tier; split: usable pages -> each tier's pool size
+    (null page included), nondecreasing in every tier; min_pages: each tier's pool size one
+    `max_model_len` sequence needs (null page included). Page counts are ints for one tier,
+    tuples for several (what the runner and the KV-cache manager take).
+    """
+
+    page_bytes: tuple[int, ...]
+    split: Callable[[int], tuple[int, ...]]
+    min_pages: tuple[int, ...]
+
+    @classmethod
+    def single(cls, page_bytes: int, min_pages: int) -> "TieredPool":
+        return cls((int(page_bytes),), lambda usable: (usable + 1,), (int(min_pages),))
+
+    def as_counts(self, pages) -> np.ndarray:
+        """int64 [tiers] of a page count (an int, or a tuple per tier)."""
+        return np.atleast_1d(np.asarray(pages, np.int64))
+
+    def as_pages(self, counts) -> int | tuple[int, ...]:
+        """Counts per tier as a page count: an int for one tier, else a tuple."""
+        counts = tuple(int(c) for c in counts)
+        return counts[0] if len(counts) == 1 else counts
+
+    def bytes_of(self, pages) -> int:
+        """Bytes of a pool of `pages` (per tier)."""
+        return int(self.as_counts(pages) @ np.asarray(self.page_bytes, np.int64))
+
+    def pages_in(self, nbytes: int) -> int | tuple[int, ...]:
+        """The largest pool whose bytes are at most `nbytes`: one tier, ``nbytes // page
+        bytes`` pages (<= 0 when nothing fits); tiers, the split of the most usable pages
+        that fits (zeros when not even one page per tier does)."""
+        if len(self.page_bytes) == 1:
+            if self.page_bytes[0] <= 0:
+                raise ValueError(f"page_bytes must be positive, got {self.page_bytes[0]}")
+            return int(nbytes) // self.page_bytes[0]
+        lo, hi = 2, max(2, int(nbytes) // min(self.page_bytes))   # usable pages: lo fits
+        if self.bytes_of(self.split(lo)) > nbytes:
+            return self.as_pages([0] * len(self.page_bytes))
+        while lo < hi:                                              # bytes grow with usable
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.bytes_of(self.split(mid)) <= nbytes else (lo, mid - 1)
+        return self.as_pages(self.split(lo))
+
+    def holds_min(self, pages) -> bool:
+        """Whether every tier's pool of `pages` holds one `max_model_len` sequence."""
+        return bool((self.as_counts(pages) >= np.asarray(self.min_pages)).all())
+
+    def at_least_min(self, pages) -> int | tuple[int, ...]:
+        """`pages` with every tier raised to its minimum (a size to compile steps for)."""
+        return self.as_pages(np.maximum(self.as_counts(pages), self.min_pages))
+
+    def describe(self, pages) -> str:
+        counts = self.as_counts(pages)
+        if len(counts) == 1:
+            return f"{max(int(counts[0]), 0)} pages of {self.page_bytes[0]} bytes"
+        return " + ".join(f"{max(int(c), 0)} pages of {b} bytes"
+                          for c, b in zip(counts, self.page_bytes))
+
+
+def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int,
+              page_bytes: int | TieredPool, *, min_pages: int | None = None,
+              headroom_bytes: int | None = None, prefer_pages=None) -> PoolPlan:
+    """The pool that fits: see the module docstring. page_bytes: bytes of one page, with
+    `min_pages` the pages one sequence needs; or a `TieredPool` (which carries both, per
+    tier). With `prefer_pages` (the size the steps were compiled for), that size is kept
+    whenever it fits, so the compiled steps are reused. Raises ValueError (naming the figures
+    and what to change) when fewer than the minimum pages fit (in any tier)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    if isinstance(page_bytes, TieredPool) == (min_pages is not None):
+        raise TypeError("plan_pool takes page_bytes with min_pages, or a TieredPool alone")
+    pool = page_bytes if isinstance(page_bytes, TieredPool) else TieredPool.single(
+        page_bytes, min_pages)
     budget, capped_by = budget_bytes(memory.card_bytes, utilization, memory.bytes_limit)
     if headroom_bytes is None:
         headroom_bytes = default_headroom(budget)
-    pages = pages_that_fit(budget, memory.bytes_in_use, step_peak_bytes, headroom_bytes,
-                           page_bytes)
-    if pages < min_pages:
+    pages = pool.pages_in(budget - memory.bytes_in_use - step_peak_bytes - headroom_bytes)
+    if not pool.holds_min(pages):
         raise ValueError(
             f"gpu_memory_utilization={utilization} leaves no room for the KV pool: budget "
             f"{budget / GIB:.2f} GiB (of {memory.card_bytes / GIB:.2f} GiB, capped by "
             f"{capped_by}) minus {memory.bytes_in_use / GIB:.2f} GiB in use (weights), "
             f"{step_peak_bytes / GIB:.2f} GiB step peak and {headroom_bytes / GIB:.2f} GiB "
-            f"headroom fits {max(pages, 0)} pages of {page_bytes} bytes, fewer than the "
-            f"{min_pages} needed; raise gpu_memory_utilization, lower max_num_seqs or "
-            f"max_num_batched_tokens, or set kv_cache_tokens / num_pages")
-    if prefer_pages is not None and min_pages <= prefer_pages <= pages:
+            f"headroom fits {pool.describe(pages)}, fewer than the "
+            f"{pool.as_pages(pool.min_pages)} needed; raise gpu_memory_utilization, lower "
+            f"max_num_seqs or max_num_batched_tokens, or set kv_cache_tokens / num_pages")
+    if prefer_pages is not None and pool.holds_min(prefer_pages) and (
+            pool.as_counts(prefer_pages) <= pool.as_counts(pages)).all():
         pages = prefer_pages
     return PoolPlan(card_bytes=memory.card_bytes, utilization=float(utilization),
                     budget_bytes=budget, in_use_bytes=memory.bytes_in_use,
                     step_peak_bytes=int(step_peak_bytes), headroom_bytes=int(headroom_bytes),
-                    page_bytes=int(page_bytes), num_pages=int(pages), capped_by=capped_by)
+                    page_bytes=pool.as_pages(pool.page_bytes), num_pages=pool.as_pages(
+                        pool.as_counts(pages)), capped_by=capped_by)
 
 
 def step_peak_bytes(compiled) -> int:

@@ -152,8 +152,9 @@ class ModelRunner:
       model: the decoder (its KV heads are permuted in place to `layout.head_perm`).
       config: the model's config.
       layout: the KV layout (groups, budgets, page and chunk size).
-      num_pages: pool pages (page 0 is the null page padded rows read and write); None: no
-        pool until `allocate_pool` (the engine sizes it after compiling the largest steps).
+      num_pages: pool pages (page 0 is the null page padded rows read and write); with precision
+        tiers a (high, low) pair, each tier's pool with its null page; None: no pool until
+        `allocate_pool` (the engine sizes it after compiling the largest steps).
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
@@ -165,7 +166,8 @@ class ModelRunner:
         (`kv_quant.QuantPages`), quantised as the chunk compression and the decode step write
         them and dequantised by the attention kernels. A tiered precision
         (`kv_layout.PRECISION_TIERS`, ``k8v4-k4v2``) needs a `TieredLayout` of that precision:
-        the pool is then `kv_quant.TieredPages` (a high and a low pool, one page id space),
+        the pool is then `kv_quant.TieredPages` (a high and a low pool, each of its own page
+        count, indexed by its tier groups' block-table entries),
         block tables and lengths are of tier groups (``[..., 2 * groups]``, ``2 g`` high), the
         compression writes each group's top kept tokens to the high tier and the rest to the
         low tier, decode tokens go to the high tier, and attention reads both tiers.
@@ -173,7 +175,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: Decoder, config: ModelConfig, layout: KVLayout | TieredLayout,
-                 num_pages: int | None,
+                 num_pages: int | tuple[int, int] | None,
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
@@ -239,12 +241,12 @@ class ModelRunner:
                              if self.tiers is not None else None)
         self.kv_format = (self.tier_formats[0] if self.tiers is not None
                           else kv_quant.page_format(kv_precision))
-        # Bytes of one page id on each device (a page's G heads are split over the devices);
-        # a tiered pool holds a page of each tier per id.
-        self.kv_bytes_per_page = sum(
+        # Bytes of one page of each tier's pool (one pool untiered) on each device (a page's G
+        # heads are split over the devices).
+        self.tier_page_bytes = tuple(
             kv_quant.page_bytes(fmt, base.group_size, base.page_size, base.head_dim,
-                                self.kv_dtype)
-            for fmt in (self.tier_formats or (self.kv_format,))) // tp
+                                self.kv_dtype) // tp
+            for fmt in (self.tier_formats or (self.kv_format,)))
         # Tables, lengths and keep counts per (layer, group) or per (layer, tier group).
         self.counts_shape = (layout.num_layers, layout.num_groups)
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not
@@ -275,29 +277,56 @@ class ModelRunner:
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
 
+    @property
+    def kv_bytes_per_page(self) -> int:
+        """Bytes of one page (K and V) on each device; a tiered pool's pages differ by tier
+        (`tier_page_bytes`, `pool_bytes`)."""
+        if self.tiers is not None:
+            raise AttributeError("a tiered pool's pages differ by tier: use tier_page_bytes")
+        return self.tier_page_bytes[0]
+
     # ----- the pool ----------------------------------------------------------------------
+    def tier_pages(self, num_pages) -> tuple[int, ...]:
+        """`num_pages` (an int, or (high, low) with tiers) as one count per tier's pool,
+        checked against the runner's tiers."""
+        counts = (num_pages,) if isinstance(num_pages, (int, np.integer)) else tuple(num_pages)
+        if len(counts) != len(self.tier_page_bytes) or min(counts) < 2:
+            want = "a (high, low) pair" if self.tiers is not None else "an int"
+            raise ValueError(f"num_pages must be {want} of pool sizes >= 2 (the null page "
+                             f"and one), got {num_pages!r}")
+        return tuple(int(n) for n in counts)
+
+    @property
+    def num_pages(self) -> int | tuple[int, int]:
+        """The pool's pages (null pages included): an int, or (high, low) with tiers."""
+        pools = (self.k_pages,) if self.tiers is None else (self.k_pages.high, self.k_pages.low)
+        counts = tuple(int(p.shape[0]) for p in pools)
+        return counts[0] if self.tiers is None else counts
+
+    def pool_bytes(self, num_pages=None) -> int:
+        """Bytes (K and V, on each device) of a pool of `num_pages` (default: the one held)."""
+        counts = self.tier_pages(self.num_pages if num_pages is None else num_pages)
+        return sum(n * b for n, b in zip(counts, self.tier_page_bytes))
+
     def pool_shape(self, num_pages: int) -> tuple[int, int, int, int]:
-        """``[num_pages, G, page_size, head_dim]``: the shape of `k_pages` and of `v_pages`."""
+        """``[num_pages, G, page_size, head_dim]``: the shape of `k_pages` and of `v_pages`
+        (of one tier's pools: each tier has its own `num_pages`)."""
         return (int(num_pages), self.base_layout.group_size, self.base_layout.page_size,
                 self.base_layout.head_dim)
 
-    def allocate_pool(self, num_pages: int) -> None:
-        """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page)."""
+    def allocate_pool(self, num_pages) -> None:
+        """(Re)allocate the zeroed pool of `num_pages` pages (page 0 is the null page; with
+        tiers a (high, low) pair, each tier's null page included)."""
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
         self.k_pages, self.v_pages = self._pool(
             num_pages, lambda shape, dtype: jnp.zeros(shape, dtype, device=self.placement.pool))
 
-    def _pool(self, num_pages: int, make):
-        """(k_pages, v_pages) of the runner's page format; `make(shape, dtype)` builds each
+    def _pool(self, num_pages, make):
+        """(k_pages, v_pages) of the runner's page format(s); `make(shape, dtype)` builds each
         array (zeros on the runner's devices, or a `jax.ShapeDtypeStruct` spec)."""
-        shape = self.pool_shape(num_pages)
-        pools = [(kv_quant.pool_arrays(shape, self.kv_dtype, fmt.key_bits, make=make),
-                  kv_quant.pool_arrays(shape, self.kv_dtype, fmt.value_bits, make=make))
-                 for fmt in (self.tier_formats or (self.kv_format,))]
-        if self.tiers is None:
-            return pools[0]
-        (k_high, v_high), (k_low, v_low) = pools
-        return kv_quant.TieredPages(k_high, k_low), kv_quant.TieredPages(v_high, v_low)
+        return kv_quant.allocate_pools(self.tier_formats or (self.kv_format,),
+                                       self.tier_pages(num_pages), self.pool_shape(0)[1:],
+                                       self.kv_dtype, make=make)
 
     def _commit(self, tree):
         """`tree`'s arrays committed to the runner's devices, replicated (see `__init__`)."""
@@ -857,7 +886,7 @@ class ModelRunner:
                                  np.zeros((bucket, *self.counts_shape), np.int32),
                                  *_greedy(bucket))
 
-    def compile_steps(self, num_pages: int, decode_bucket: int, prefill_rows: int) -> dict:
+    def compile_steps(self, num_pages, decode_bucket: int, prefill_rows: int) -> dict:
         """Compile (without running, and without a pool in memory) the decode step at
         `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
         pages. Returns {"decode": compiled, "prefill": compiled} and, where prefill plans its

@@ -1,6 +1,7 @@
 """Host-side page pool, block tables, KV-cache manager and scheduler (plain numpy).
 
-- `page_pool.PagePool`: one pool of identical pages (page 0 is the never-allocated null page).
+- `page_pool.PagePool`: one pool of identical pages (page 0 is the never-allocated null page);
+  the manager keeps one per precision tier (`kv_layout.TieredLayout`), one otherwise.
 - `block_table.BlockTable`: ``[slot, layer, group, max_pages]`` page ids, whole-array updates,
   with an update log for a device-resident copy.
 - `kv_cache_manager.KVCacheManager`: slots, Budget Reservation (``policy="reserve"``), decode

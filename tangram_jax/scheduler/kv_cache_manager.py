@@ -35,6 +35,14 @@ Arrays (row ``max_seqs`` is the *null slot*: always empty, padded decode rows po
                       for; always ``num_pages == pages_for(reserved_lengths)`` and
                       ``lengths <= reserved_lengths``.
 
+Precision tiers (`TieredLayout`): a tier group's pages are of its tier's page format, so each
+tier has its own pool of page ids (`pools`, high first; page 0 is the null page of each) and
+its block-table entries index its own tier's pool array. A reservation takes from each tier's
+pool what the tier's cells need, all or nothing; decode growth and fork copies take from the
+high tier (decode tokens go there); freeing, truncating and forks return or share each page in
+its own tier. Page counts the scheduler sees (`PageCounts`) are then int64 ``[tiers]`` arrays
+(an int for an untiered layout), and a request fits only when every tier's entry does.
+
 Two narrow interfaces (as vLLM v1's `KVCacheManager.allocate_slots` / `KVCacheBlocks` keep its
 scheduler away from block tables):
 
@@ -64,8 +72,12 @@ SCHEDULER_INTERFACE = frozenset({
     "layout", "max_seqs", "null_slot", "capacity", "num_free_pages", "num_free_slots",
     "pages_held", "allocate_slot", "free", "pages_to_reserve", "fits_ever", "reserve",
     "commit_prefill", "reclaim", "grow_for_decode", "decode_demand", "at_table_limit",
-    "max_pages_per_group", "fork",
+    "max_pages_per_group", "fork", "describe_pages",
 })
+
+# Pages per tier: an int for an untiered layout, int64 [tiers] (high, low) for a tiered one.
+# Compare them with np.any / np.all (a request fits when every tier's count does).
+PageCounts = int | np.ndarray
 
 
 class LayoutMismatchError(ValueError):
@@ -93,7 +105,8 @@ class KVCacheManager:
 
     Args:
       layout: the KV layout (groups, budgets, page and chunk size).
-      num_pages: pool size including the null page 0.
+      num_pages: pool size including the null page 0; for a `TieredLayout` a pair (high,
+        low): each tier's pool, its own null page included.
       max_seqs: sequence slots.
       max_pages_per_group: width of the block table (pages one (layer, group) can hold).
       model_kv_shape: the model's ``(num_layers, num_kv_heads, head_dim)``; a layout that does
@@ -101,7 +114,8 @@ class KVCacheManager:
       policy: ``"reserve"`` or ``"reclaim"`` (see the module docstring).
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, max_seqs: int,
+    def __init__(self, layout: KVLayout | TieredLayout, num_pages: int | SequenceABC[int],
+                 max_seqs: int,
                  max_pages_per_group: int, *, model_kv_shape: SequenceABC[int],
                  policy: str = "reserve"):
         if not isinstance(layout, (KVLayout, TieredLayout)):
@@ -124,7 +138,25 @@ class KVCacheManager:
         self.page_size = layout.page_size
         self.max_seqs = int(max_seqs)
         self.null_slot = self.max_seqs
-        self.pool = PagePool(num_pages)
+        tiered = isinstance(layout, TieredLayout)
+        if tiered and policy == "reclaim":
+            raise ValueError("precision tiers are reserved with static budgets: policy must be "
+                             "'reserve' with a TieredLayout")
+        num_tiers = 2 if tiered else 1
+        if tiered:
+            if isinstance(num_pages, (int, np.integer)) or len(num_pages) != 2:
+                raise ValueError(f"num_pages must be a (high, low) pair of pool sizes for a "
+                                 f"tiered layout ({layout.precision}), got {num_pages!r}")
+        elif not isinstance(num_pages, (int, np.integer)) or isinstance(num_pages, bool):
+            raise TypeError(f"num_pages must be an int for an untiered layout, got "
+                            f"{num_pages!r}")
+        # One pool of page ids per tier (high first); an untiered layout has one.
+        self.pools = tuple(PagePool(n) for n in ((num_pages,) if not tiered else num_pages))
+        # Tier of each group (a tiered layout's groups are (group, tier) pairs, 2 g + tier),
+        # and its one-hot [groups, tiers] for per-tier sums of per-group page counts.
+        self._group_tier = (np.arange(layout.num_groups) % 2 if tiered
+                            else np.zeros(layout.num_groups, np.int64))
+        self._tier_onehot = (self._group_tier[:, None] == np.arange(num_tiers)).astype(np.int64)
         rows = self.max_seqs + 1
         self.table = BlockTable(rows, layout.num_layers, layout.num_groups, max_pages_per_group)
         self.lengths = np.zeros((rows, layout.num_layers, layout.num_groups), dtype=np.int32)
@@ -148,6 +180,10 @@ class KVCacheManager:
         # groups are (group, tier) pairs, reserved like groups).
         self._decode_groups = (layout.decode_tier_groups if isinstance(layout, TieredLayout)
                                else np.ones(layout.num_groups, dtype=bool))
+        # Decode tokens and fork copies take pages of one tier (the high one), whose pool
+        # `grow_for_decode` and the fork stash use.
+        assert (self._group_tier[self._decode_groups] == 0).all()
+        self._decode_pool = self.pools[0]
 
     # ----- views -------------------------------------------------------------------------
     @property
@@ -160,27 +196,98 @@ class KVCacheManager:
         return self.table.max_pages
 
     @property
-    def capacity(self) -> int:
-        """Pages the pool can hand out (the null page excluded)."""
-        return self.pool.capacity
+    def pool(self) -> PagePool:
+        """The page pool of an untiered layout (a tiered one has one per tier: `pools`)."""
+        if len(self.pools) != 1:
+            raise AttributeError(f"a tiered layout ({self.layout.name}) has a pool per tier: "
+                                 f"use KVCacheManager.pools")
+        return self.pools[0]
 
     @property
-    def num_free_pages(self) -> int:
-        return self.pool.num_free
+    def tier_names(self) -> tuple[str, ...]:
+        """Page format of each tier's pool (an untiered pool: ``("pages",)``)."""
+        return self.layout.tiers if isinstance(self.layout, TieredLayout) else ("pages",)
+
+    def _counts(self, by_tier: np.ndarray) -> PageCounts:
+        """`PageCounts` of int64 [tiers]: an int for one tier, else the array."""
+        return int(by_tier[0]) if len(self.pools) == 1 else by_tier.astype(np.int64)
+
+    def _by_tier(self, cell_pages: np.ndarray) -> np.ndarray:
+        """int64 [tiers]: pages per cell (int [..., layers, groups]) summed per tier."""
+        per_group = np.asarray(cell_pages, np.int64).reshape(-1, self._group_tier.size).sum(0)
+        return per_group @ self._tier_onehot
+
+    def describe_pages(self, counts: PageCounts) -> str:
+        """`PageCounts` in words: ``"12 pages"``, or ``"12 k8v4 + 30 k4v2 pages"``."""
+        counts = np.atleast_1d(np.asarray(counts, np.int64))
+        if len(self.pools) == 1:
+            return f"{int(counts[0])} pages"
+        return " + ".join(f"{int(c)} {name}" for c, name in zip(counts, self.tier_names)) \
+            + " pages"
+
+    @property
+    def capacity(self) -> PageCounts:
+        """Pages each tier's pool can hand out (null pages excluded)."""
+        return self._counts(np.array([p.capacity for p in self.pools]))
+
+    @property
+    def num_free_pages(self) -> PageCounts:
+        return self._counts(np.array([p.num_free for p in self.pools]))
+
+    @property
+    def num_used_pages(self) -> PageCounts:
+        return self._counts(np.array([p.num_used for p in self.pools]))
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
-    def pages_held(self, slot: int) -> int:
+    def pages_held(self, slot: int) -> PageCounts:
         """Pages in `slot`'s block table (those shared with forked siblings included)."""
-        return int(self.table.num_pages[slot].sum())
+        if len(self.pools) == 1:
+            return int(self.table.num_pages[slot].sum())
+        return self._by_tier(self.table.num_pages[slot])
 
-    def distinct_pages_held(self, slots: SequenceABC[int]) -> int:
+    def distinct_pages_held(self, slots: SequenceABC[int]) -> PageCounts:
         """Pages the block tables of `slots` hold together, a shared page counted once."""
-        if not len(slots):
-            return 0
-        return int(np.unique(np.concatenate([self.table.pages_of(s) for s in slots])).size)
+        held = np.zeros(len(self.pools), np.int64)
+        if len(slots):
+            pages = np.concatenate([self.table.pages_of(s) for s in slots])
+            tiers = np.concatenate([self._page_tiers(self.table.num_pages[s]) for s in slots])
+            for t in range(len(self.pools)):
+                held[t] = np.unique(pages[tiers == t]).size
+        return self._counts(held)
+
+    # ----- pages of several tiers ------------------------------------------------------------
+    def _page_tiers(self, cell_pages: np.ndarray) -> np.ndarray:
+        """Tier of each page of cells holding `cell_pages` (int [..., layers, groups]) pages,
+        listed in C order of (..., layer, group, page) as the block table lists them."""
+        counts = np.asarray(cell_pages, np.int64)
+        return np.repeat(np.broadcast_to(self._group_tier, counts.shape).ravel(),
+                         counts.ravel())
+
+    def _allocate(self, cell_pages: np.ndarray) -> np.ndarray:
+        """int32 page ids for cells needing `cell_pages` (int [..., layers, groups]) pages, in
+        the block table's C order, each from its cell's tier pool (the caller has checked
+        every tier has them free)."""
+        if len(self.pools) == 1:
+            return self.pools[0].allocate(int(np.sum(cell_pages)))
+        tiers = self._page_tiers(cell_pages)
+        pages = np.empty(tiers.size, np.int32)
+        for t, pool in enumerate(self.pools):
+            mine = tiers == t
+            pages[mine] = pool.allocate(int(mine.sum()))
+        return pages
+
+    def _release(self, pages: np.ndarray, tiers: np.ndarray | None, *,
+                 distinct: bool = False) -> None:
+        """Drop a holder of each of `pages` in its tier's pool (`tiers`: the tier of each,
+        None for an untiered layout)."""
+        if len(self.pools) == 1:
+            self.pools[0].release(pages, distinct=distinct)
+            return
+        for t, pool in enumerate(self.pools):
+            pool.release(pages[tiers == t], distinct=distinct)
 
     # ----- slots -------------------------------------------------------------------------
     def allocate_slot(self) -> int:
@@ -195,11 +302,14 @@ class KVCacheManager:
         with the sibling). Returns the number of pages the slot held (its unused fork stash
         included)."""
         self._check_slot(slot)
+        tiers = self._page_tiers(self.table.num_pages[slot]) if len(self.pools) > 1 else None
         released = self.table.clear(slot)
+        # A slot holds each of its pages once.
+        self._release(released, tiers, distinct=True)
         stash = self._fork_stash.pop(slot, None)
         if stash is not None:
+            self._decode_pool.release(stash, distinct=True)
             released = np.concatenate([released, stash])
-        self.pool.release(released, distinct=True)   # a slot holds each of its pages once
         self.lengths[slot] = 0
         self.reserved_lengths[slot] = 0
         self._slot_in_use[slot] = False
@@ -222,13 +332,19 @@ class KVCacheManager:
             return np.zeros(self.lengths.shape[1:], dtype=np.int64)
         return self.lengths[slot]
 
-    def pages_to_reserve(self, slot: int | None, num_new_tokens, forks: int = 0) -> int:
+    def pages_to_reserve(self, slot: int | None, num_new_tokens, forks: int = 0) -> PageCounts:
         """Extra pages `reserve(slot, num_new_tokens, forks=forks)` would take (slot None: a
-        fresh one)."""
+        fresh one), per tier."""
         held = 0 if slot is None else self.table.num_pages[slot]
         target = self.reservation_target(self._base_lengths(slot), num_new_tokens)
-        need = pages_for(target, self.page_size) - held
-        return int(np.maximum(need, 0).sum()) + self._fork_pages(target, forks)
+        need = np.maximum(pages_for(target, self.page_size) - held, 0)
+        return self._counts(self._by_tier(need) + self._fork_pages_by_tier(target, forks))
+
+    def _fork_pages_by_tier(self, target: np.ndarray, forks: int) -> np.ndarray:
+        """int64 [tiers]: `_fork_pages` in the tier it takes them from (the decode tier)."""
+        by_tier = np.zeros(len(self.pools), np.int64)
+        by_tier[0] = self._fork_pages(target, forks)
+        return by_tier
 
     def _fork_pages(self, target: np.ndarray, forks: int) -> int:
         """Pages `forks` forks of a slot holding `target` tokens [layers, groups] copy: each
@@ -245,11 +361,13 @@ class KVCacheManager:
         """Whether a turn of `num_new_tokens` (or a prefill plan) on top of what `slot` holds
         (None: from nothing), plus one decode token (for each of `forks` forks too: a page per
         decode cell), could be held by an otherwise empty pool and the block table."""
-        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens) + 1,
-                         self.page_size)
+        need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens)
+                         + self._decode_groups, self.page_size)
         per_fork = int(np.broadcast_to(self._decode_groups, need.shape).sum())
-        return bool(need.max() <= self.max_pages_per_group
-                    and need.sum() + forks * per_fork <= self.pool.capacity)
+        by_tier = self._by_tier(need)
+        by_tier[0] += forks * per_fork                  # the decode tier's copies
+        capacity = np.array([p.capacity for p in self.pools])
+        return bool(need.max() <= self.max_pages_per_group and (by_tier <= capacity).all())
 
     def reserve(self, slot: int, num_new_tokens, forks: int = 0) -> bool:
         """Reserve, for every (layer, group), the pages a turn of `num_new_tokens` new tokens (or
@@ -268,14 +386,16 @@ class KVCacheManager:
         new_held = np.maximum(pages_for(target, self.page_size), held)
         need = new_held - held
         stash = self._fork_pages(target, forks)
+        by_tier = self._by_tier(need)
+        by_tier[0] += stash
         if new_held.max() > self.max_pages_per_group or \
-                need.sum() + stash > self.pool.num_free:
+                (by_tier > np.array([p.num_free for p in self.pools])).any():
             return False
-        pages = self.pool.allocate(int(need.sum()))
+        pages = self._allocate(need)
         self.table.append(np.array([slot]), need[None], pages)
         self.reserved_lengths[slot] = target
         if forks:
-            self._fork_stash[slot] = self.pool.allocate(stash)
+            self._fork_stash[slot] = self._decode_pool.allocate(stash)
         return True
 
     def fork(self, parent: int, children: SequenceABC[int]) -> int:
@@ -301,15 +421,23 @@ class KVCacheManager:
         last = (np.cumsum(counts.ravel()) - 1)[partial]       # each partly filled last page
         per_child = last.size
         if per_child * children.size > stash.size:
-            self.pool.release(stash, distinct=True)
+            self._decode_pool.release(stash, distinct=True)
             raise ValueError(f"fork: {children.size} forks of slot {parent} copy "
                              f"{per_child * children.size} pages; {stash.size} were reserved")
         shared = np.delete(pages, last)
+        # Each shared page gains a holder in its own tier's pool (the copies are all of the
+        # decode tier, as is the stash they come from).
+        shared_tiers = (np.delete(self._page_tiers(counts), last) if len(self.pools) > 1
+                        else None)
         used = stash[:per_child * children.size]
-        self.pool.release(stash[used.size:], distinct=True)
+        self._decode_pool.release(stash[used.size:], distinct=True)
         copies = used.reshape(children.size, per_child)
         for c, own in zip(children, copies):
-            self.pool.share(shared)
+            if shared_tiers is None:
+                self.pools[0].share(shared)
+            else:
+                for t, pool in enumerate(self.pools):
+                    pool.share(shared[shared_tiers == t])
             child_pages = pages.copy()
             child_pages[last] = own
             self.table.append(np.array([c]), counts[None], child_pages)
@@ -324,11 +452,13 @@ class KVCacheManager:
         """The device has written a prefill piece of `num_tokens` new tokens starting at token
         `start` of a turn of `turn_len` new tokens (default: the piece is the whole turn),
         `start` on a compression-chunk boundary of the turn: lengths grow by what
-        ``layout.piece_retained_counts`` says the piece keeps (by `num_tokens` for a segment
-        that is not `compressed`)."""
+        ``layout.piece_retained_counts`` says the piece keeps (by `num_tokens` in every decode
+        group for a segment that is not `compressed`)."""
         turn_len = start + num_tokens if turn_len is None else turn_len
+        # A segment kept whole (decode tokens replayed) goes where decode tokens go: every
+        # group, or a tiered layout's high tier (`segments_retained_counts`).
         kept = (self.layout.piece_retained_counts(turn_len, start, start + num_tokens)
-                if compressed else num_tokens)
+                if compressed else num_tokens * self._decode_groups)
         new = self.lengths[slot] + kept
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
@@ -354,7 +484,7 @@ class KVCacheManager:
         new_reserved = actual + unwritten
         released = self.table.truncate(np.array([slot]),
                                        pages_for(new_reserved, self.page_size)[None])
-        self.pool.release(released)
+        self.pool.release(released)        # reclaim's layouts are untiered (`__init__`)
         self.lengths[slot] = actual
         self.reserved_lengths[slot] = new_reserved
         self.pages_reclaimed += int(released.size)
@@ -390,14 +520,15 @@ class KVCacheManager:
         cells = crossing.reshape(-1).nonzero()[0]     # global cell ids, in slot order
         columns = self.table.num_pages.reshape(-1)[cells]
         ok = self._all_granted[:n]
-        if cells.size > self.pool.num_free or (
+        if cells.size > self._decode_pool.num_free or (
                 cells.size and columns.max() >= self.max_pages_per_group):
             ok = self._grant_prefix(slots, cells, columns)
             rows = self._row_mask(slots[ok])
             keep = rows[cells // self.table.cells_per_row]
             cells, columns = cells[keep], columns[keep]
-        if cells.size:
-            self.table.append_to_cells(cells, self.pool.allocate(cells.size), columns=columns)
+        if cells.size:   # every decode cell is of the decode tier
+            self.table.append_to_cells(cells, self._decode_pool.allocate(cells.size),
+                                       columns=columns)
         granted = (rows[:, None, None] & self._decode_groups).astype(np.int32)  # bools would cast
         self.lengths += granted
         self.reserved_lengths += granted
@@ -414,7 +545,7 @@ class KVCacheManager:
         over = columns >= self.max_pages_per_group
         fits_table = np.bincount(row[over], minlength=num_rows)[slots] == 0
         demand = np.where(fits_table, np.bincount(row, minlength=num_rows)[slots], 0)
-        return fits_table & (np.cumsum(demand) <= self.pool.num_free)
+        return fits_table & (np.cumsum(demand) <= self._decode_pool.num_free)
 
     def _row_mask(self, slots: np.ndarray) -> np.ndarray:
         """bool [rows]: True at `slots`."""
@@ -422,11 +553,12 @@ class KVCacheManager:
         mask[slots] = True
         return mask
 
-    def decode_demand(self, slot: int) -> int:
-        """Pages `slot`'s next decode token takes (one per group crossing a page boundary)."""
+    def decode_demand(self, slot: int) -> PageCounts:
+        """Pages `slot`'s next decode token takes (one per group crossing a page boundary),
+        per tier."""
         want = pages_for(self.lengths[slot].astype(np.int64) + self._decode_groups,
                          self.page_size)
-        return int(np.maximum(want - self.table.num_pages[slot], 0).sum())
+        return self._counts(self._by_tier(np.maximum(want - self.table.num_pages[slot], 0)))
 
     def at_table_limit(self, slot: int) -> bool:
         """Whether one more decode token would overflow the block table width."""
@@ -466,10 +598,15 @@ class KVCacheManager:
         """Pool utilisation and fragmentation (allocated vs occupied token slots)."""
         allocated = int(self.table.num_pages.sum()) * self.page_size
         occupied = int(self.lengths.sum())
+        total = sum(p.capacity for p in self.pools)
+        used = sum(p.num_used for p in self.pools)
         return {
-            "pages_total": self.pool.capacity,
-            "pages_used": self.pool.num_used,
-            "pool_utilisation": self.pool.num_used / self.pool.capacity,
+            "pages_total": total,
+            "pages_used": used,
+            "pool_utilisation": used / total,
+            # Per tier's pool (one entry untiered): a tiered pool is full when one tier is.
+            "tiers": {name: {"pages_total": p.capacity, "pages_used": p.num_used}
+                      for name, p in zip(self.tier_names, self.pools)},
             "allocated_token_slots": allocated,
             "occupied_token_slots": occupied,
             "fragmentation": 1.0 - occupied / allocated if allocated else 0.0,

@@ -3,6 +3,8 @@
 Every page has the shape ``[G, page_size, head_dim]`` (for K and for V), so a single pool of
 page ids serves all (layer, group) pairs of a `KVLayout`. The pool only hands out ids; the
 device arrays ``k_pages, v_pages: [num_pages, G, page_size, head_dim]`` live with the engine.
+Precision tiers (`kv_layout.TieredLayout`) store pages of two formats: the KV-cache manager
+keeps a `PagePool` per tier, each the ids of its tier's arrays.
 
 Page 0 is the *null page*: it is never handed out. Unused block-table entries are 0 and padded
 decode rows point at it, so a kernel that reads an unused entry stays in range and a padded row's

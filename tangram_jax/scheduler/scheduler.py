@@ -182,7 +182,9 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []          # PREFILL and DECODE, oldest admission first
         self._requests: dict[str, Sequence] = {}   # live request id -> sequence
-        self.sessions = SessionTable(manager.pages_held, clock=clock)
+        # Eviction ranks sessions by the pages they hold, every tier's together.
+        self.sessions = SessionTable(lambda slot: int(np.sum(manager.pages_held(slot))),
+                                     clock=clock)
         self._parked: list[int] = []               # slots of finished requests, pages not freed yet
         self._step = 0
         self._admissions = 0
@@ -269,12 +271,13 @@ class Scheduler:
                 f"slots; the engine has {self.manager.max_seqs} (max_num_seqs)")
         if not self.manager.fits_ever(None, total, forks):
             self.metrics.num_rejected += 1
-            need = self.manager.pages_to_reserve(None, total, forks)
+            m = self.manager
+            need = m.pages_to_reserve(None, total, forks)
             raise RequestTooLargeError(
                 f"request {request_id!r} ({total} tokens of history"
-                f"{f', {forks + 1} samples' if forks else ''}) needs {need} pages after "
-                f"compression plus decode room; the pool has {self.manager.capacity} pages "
-                f"and a group at most {self.manager.max_pages_per_group}")
+                f"{f', {forks + 1} samples' if forks else ''}) needs {m.describe_pages(need)} "
+                f"after compression plus decode room; the pool has "
+                f"{m.describe_pages(m.capacity)} and a group at most {m.max_pages_per_group}")
 
     def get(self, request_id: str) -> Sequence:
         return self._requests[request_id]
@@ -483,7 +486,7 @@ class Scheduler:
         while pending:
             first = pending[0]
             own = self.manager.pages_held(first.slot) + self.manager.decode_demand(first.slot)
-            if self.manager.at_table_limit(first.slot) or own > self.manager.capacity:
+            if self.manager.at_table_limit(first.slot) or np.any(own > self.manager.capacity):
                 self._end_capped(first, capped)
                 pending = pending[1:]
             elif self._parked:   # pages of finished requests not returned yet
@@ -607,16 +610,17 @@ class Scheduler:
         if seq.reservation_need is None or seq.reservation_need[0] != key:
             seq.reservation_need = (key, m.pages_to_reserve(seq.slot if seq.is_cached else None,
                                                             self._plan(seq), forks))
+        # Page counts are per tier with precision tiers: every tier must have its pages.
         need = seq.reservation_need[1]
         need_slots = (not seq.is_cached) + forks
-        if m.num_free_pages < need or m.num_free_slots < need_slots:
+        if np.any(m.num_free_pages < need) or m.num_free_slots < need_slots:
             victims = self._admission_victims(seq)
-            if need > m.num_free_pages + sum(m.pages_held(v.slot) for v in victims):
+            if np.any(need > m.num_free_pages + sum(m.pages_held(v.slot) for v in victims)):
                 return False
             if m.num_free_slots + len(victims) < need_slots:
                 return False
             for victim in victims:
-                if m.num_free_pages >= need and m.num_free_slots >= need_slots:
+                if np.all(m.num_free_pages >= need) and m.num_free_slots >= need_slots:
                     break
                 self._evict(victim)
         self.sessions.unlist(seq)   # before its page count changes
