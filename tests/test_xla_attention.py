@@ -52,6 +52,37 @@ def test_prefill_matches_reference(group_size, q_per_kv, row_lens):
     assert (np.asarray(out)[~inside] == 0).all()
 
 
+def test_prefill_of_aligned_rows_reads_each_rows_history_per_tile():
+    """Rows packed at the row alignment (as the runner packs them): each query tile reads its
+    own row's history; a row of several tiles, a one-token row and a padding tile."""
+    from tangram_jax.pallas_kernels.prefill_attention import PrefillTuning, pack_rows
+    tuning = PrefillTuning(block_q=16, block_k=16)
+    rng = np.random.default_rng(7)
+    group_size, q_per_kv, width = 1, 3, 5
+    kv_heads = groups = 3
+    row_lens = [37, 1, 16]                                 # 3 tiles, 1 tile, exactly 1 tile
+    starts, used = pack_rows(row_lens, 16)
+    n = used + 16                                          # a padding tile
+    hist = rng.integers(0, width * PAGE + 1, size=(len(row_lens), groups)).astype(np.int32)
+    k_pages, v_pages, tables = _pool(rng, len(row_lens), groups, group_size, width)
+    q = jnp.asarray(rng.normal(size=(n, kv_heads * q_per_kv, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
+    args = (q, k, v, k_pages, v_pages, tables, jnp.asarray(hist), jnp.asarray(starts),
+            jnp.asarray(row_lens, jnp.int32))
+    out, lse = ragged_prefill_attention_xla(*args, tuning=tuning)
+    ref, ref_lse = ragged_prefill_attention_reference(*args)
+    inside = np.zeros(n, bool)
+    for s, ln in zip(starts, row_lens):
+        inside[s:s + ln] = True
+    np.testing.assert_allclose(np.asarray(out)[inside], np.asarray(ref)[inside], rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:, inside], np.asarray(ref_lse)[:, inside],
+                               rtol=1e-4, atol=1e-5)
+    assert np.isneginf(np.asarray(lse)[:, ~inside]).all()
+    assert (np.asarray(out)[~inside] == 0).all()
+
+
 @pytest.mark.parametrize("group_size,q_per_kv", [(1, 3), (2, 2), (4, 1)])
 def test_decode_matches_reference(group_size, q_per_kv):
     rng = np.random.default_rng(group_size)

@@ -8,7 +8,8 @@ What they read: the block-table columns they are given (the runner passes only t
 batch's longest retained length needs, `ModelRunner._table_width`), gathered once per call.
 Masks are additive biases built from small index vectors, so XLA fuses them into the softmax
 instead of materialising [N, heads, keys] booleans. The history and the new tokens of a prefill
-row are two softmax blocks merged by their maxima (no concatenation of keys).
+row are two softmax blocks merged by their maxima (no concatenation of keys); a row's history is
+read per query tile of that row, so a call of several rows costs N x keys, not rows x N x keys.
 
 Pool contents are finite by construction (zeros, or K/V the model wrote), so keys outside a
 row's length get probability exactly 0 and their values need no masking.
@@ -42,15 +43,26 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     k_pages, v_pages [num_pages, G, ps, d]; block_tables [rows, groups, W]; hist_len [rows,
     groups]. Every token of a row attends to its row's history (the first hist_len tokens of
     each group) and causally to its row's earlier tokens. Returns (out [N, Hq, d] in q's dtype,
-    lse [Hq, N] float32; tokens outside every row: out 0, lse -inf). `work_items` and the kernel
-    `tuning` are ignored.
+    lse [Hq, N] float32; tokens outside every row: out 0, lse -inf). `work_items` are ignored;
+    `tuning` (default `PREFILL_TUNING`) gives the row alignment.
+
+    The history is read per query tile of `row_alignment(tuning)` tokens (`lax.map`): row starts
+    are multiples of it, so each tile belongs to one row and attends to that row's history only
+    (its pages gathered once per tile, then in cache for its two dots), where computing every
+    row's history against all N queries cost rows x N x keys.
     """
-    del work_items, tuning
+    from tangram_jax.pallas_kernels.prefill_attention import PREFILL_TUNING, row_alignment
+    del work_items
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_pages, group_size, page_size, _ = k_pages.shape
     rows, _, width = block_tables.shape
     q_per_kv = num_q_heads // num_kv_heads
+    # Row starts are multiples of the row alignment (the kernel's contract; `pack_rows`). A flat
+    # axis that is not (the runner never builds one) takes one-token tiles: exact, slower.
+    tile = row_alignment(tuning or PREFILL_TUNING)
+    if n % tile:
+        tile = 1
     qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
         n, num_kv_heads, q_per_kv, head_dim)
     token = jnp.arange(n)
@@ -62,34 +74,47 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     # The rows' own tokens: one block-diagonal causal softmax block for all rows.
     own = ((row_of[:, None] == row_of[None, :]) & (row_of[None, :] >= 0)
            & (token[None, :] <= token[:, None]))                            # [N(q), N(k)]
-    chunk_logits = jnp.einsum("nkjd,mkd->nkjm", qg, k.astype(jnp.float32)) \
+    own_logits = jnp.einsum("nkjd,mkd->nkjm", qg, k.astype(jnp.float32)) \
         + jnp.where(own, 0.0, neg)[:, None, None, :]
-    m = chunk_logits.max(axis=-1)                                          # [N, Hkv, qpk]
+    own_m = own_logits.max(axis=-1)                                        # [N, Hkv, qpk]
+    p = jnp.exp(own_logits - jnp.where(jnp.isfinite(own_m), own_m, 0.0)[..., None])
+    own_denom = p.sum(axis=-1)
+    own_acc = jnp.einsum("nkjm,mkd->nkjd", p, v.astype(jnp.float32))
 
-    # Each row's history: its queries see the first hist_len tokens of every head.
+    # Each tile's row history: the first hist_len tokens of every head of that row.
     tables = jnp.clip(block_tables, 0, num_pages - 1)
     slot = jnp.arange(width * page_size)
-    hist_logits, hist_vals = [], []
-    for r in range(rows):
-        keys = _gather_history(k_pages, tables[r])                         # [Hkv, H, d]
-        seen = slot[None, :] < jnp.repeat(hist_len[r], group_size)[:, None]  # [Hkv, H]
-        bias = jnp.where(member[r][:, None, None] & seen[None], 0.0, neg)  # [N, Hkv, H]
-        logits = jnp.einsum("nkjd,ksd->nkjs", qg, keys) + bias[:, :, None, :]
-        m = jnp.maximum(m, logits.max(axis=-1))
-        hist_logits.append(logits)
-        hist_vals.append(_gather_history(v_pages, tables[r]))
+    tiles = n // tile
+    tile_row = row_of[::tile]                                              # [tiles]
 
-    safe_m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
-    p = jnp.exp(chunk_logits - safe_m)
-    denom = p.sum(axis=-1)
-    acc = jnp.einsum("nkjm,mkd->nkjd", p, v.astype(jnp.float32))
-    for logits, vals in zip(hist_logits, hist_vals):
-        p = jnp.exp(logits - safe_m)
-        denom = denom + p.sum(axis=-1)
-        acc = acc + jnp.einsum("nkjs,ksd->nkjd", p, vals)
+    def history(xs):
+        q_tile, row, valid = xs                       # [tile, Hkv, qpk, d], scalar, [tile]
+        r = jnp.maximum(row, 0)
+        keys = _gather_history(k_pages, tables[r])                         # [Hkv, S, d]
+        vals = _gather_history(v_pages, tables[r])
+        seen = (slot[None, :] < jnp.repeat(hist_len[r], group_size)[:, None]) & (row >= 0)
+        bias = jnp.where(valid[:, None, None] & seen[None], 0.0, neg)     # [tile, Hkv, S]
+        logits = jnp.einsum("nkjd,ksd->nkjs", q_tile, keys) + bias[:, :, None, :]
+        m = logits.max(axis=-1)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+        return m, p.sum(axis=-1), jnp.einsum("nkjs,ksd->nkjd", p, vals)
+
+    hist_m, hist_denom, hist_acc = jax.lax.map(history, (
+        qg.reshape(tiles, tile, num_kv_heads, q_per_kv, head_dim), tile_row,
+        (row_of >= 0).reshape(tiles, tile)))
+    hist_m, hist_denom = hist_m.reshape(own_m.shape), hist_denom.reshape(own_m.shape)
+    hist_acc = hist_acc.reshape(own_acc.shape)
+
+    # Merge the two blocks by their maxima.
+    m = jnp.maximum(own_m, hist_m)
+    safe_m = jnp.where(jnp.isfinite(m), m, 0.0)
+    own_scale = jnp.where(jnp.isfinite(own_m), jnp.exp(own_m - safe_m), 0.0)
+    hist_scale = jnp.where(jnp.isfinite(hist_m), jnp.exp(hist_m - safe_m), 0.0)
+    denom = own_denom * own_scale + hist_denom * hist_scale
+    acc = own_acc * own_scale[..., None] + hist_acc * hist_scale[..., None]
     found = denom > 0
     out = acc / jnp.where(found, denom, 1.0)[..., None]
-    lse = jnp.where(found, safe_m[..., 0] + jnp.log(jnp.where(found, denom, 1.0)), neg)
+    lse = jnp.where(found, safe_m + jnp.log(jnp.where(found, denom, 1.0)), neg)
     return (out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
             jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1))
 
