@@ -382,15 +382,6 @@ class TieredLayout:
     def _interleave(self, high: np.ndarray, low: np.ndarray) -> np.ndarray:
         return np.stack([high, low], axis=-1).reshape(*high.shape[:-1], self.num_groups)
 
-    @property
-    def tier_group_budgets(self) -> np.ndarray:
-        """float64 [layers, 2 * groups]: the share of a turn each tier group holds when a group
-        keeps its budget r (r * h high, r * (1 - h) low; protected and decode tokens aside),
-        floored at 1e-3 so that an empty tier still gets a decode work item (`split_map`)."""
-        r = self.base.group_budgets
-        return np.maximum(self._interleave(r * self.high_share, r * (1 - self.high_share)),
-                          1e-3)
-
     def chunk_keep_counts(self, chunk_len: int, num_protected: int = 0) -> np.ndarray:
         """int64 [layers, 2 * groups]: `KVLayout.chunk_keep_counts` of one chunk split by the
         tier rule: the high tier takes `tier_high_count` of the unprotected part's kept tokens
