@@ -385,3 +385,30 @@ def test_engine_splits_tier_pools_for_kv_tier_turn():
         EngineConfig(mode="tangram", kv_precision="k8v4", kv_tier_turn=(48, 200)).check()
     with pytest.raises(EngineConfigError, match="kv_tier_turn must be"):
         EngineConfig(kv_tier_turn=(48,))
+
+
+def test_server_metrics_report_the_fullest_tier(tiny_folder):
+    """`/metrics` of a tiered engine: the KV pool gauge is the fullest tier's use (the one
+    that stops admission), and a gauge per tier gives each tier's."""
+    import asyncio
+    from tangram_jax.server.metrics import ServerMetrics
+    engine = _tiny_llm(tiny_folder, num_pages=160).engine
+    high, low = engine.manager.pools
+    taken = [high.allocate(high.capacity * 3 // 4), low.allocate(low.capacity // 4)]
+
+    class Running:            # what ServerMetrics reads of an AsyncEngine
+        num_live_requests, is_alive = 0, True
+
+        async def call(self, fn):
+            return fn(engine)
+
+    text = asyncio.run(ServerMetrics(Running()).render())[0].decode()
+    gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("tangram_kv_") and "pool" in line}
+    high_use, low_use = (p.num_used / p.capacity for p in (high, low))
+    assert high_use > 0.7 and low_use < 0.3
+    assert gauges["tangram_kv_pool_pages_used_ratio"] == pytest.approx(high_use)
+    assert gauges['tangram_kv_tier_pool_pages_used_ratio{tier="k8v4"}'] == pytest.approx(high_use)
+    assert gauges['tangram_kv_tier_pool_pages_used_ratio{tier="k4v2"}'] == pytest.approx(low_use)
+    for pool, ids in zip((high, low), taken):
+        pool.release(ids)
