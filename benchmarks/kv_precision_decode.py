@@ -200,7 +200,10 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         attend = lambda q, k, v, t, n, **kw: ragged_paged_decode_attention(   # noqa: E731
             q, k, v, t, n, work_list=work, **kw)
         reference = ragged_paged_decode_attention_reference
-    entry = {"bytes_read": read, "by_block_tokens": {}}
+    # Kernel launches a layer's decode attention makes (pallas_calls in its program).
+    launches = str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, tbl, lens))(
+        qs[0], k_pages, v_pages)).count("pallas_call[")
+    entry = {"bytes_read": read, "launches": launches, "by_block_tokens": {}}
     for tuning in block_list:            # "block_tokens" or "block_tokens/num_warps"
         block_tokens, _, warps = str(tuning).partition("/")
         @jax.jit
