@@ -1,9 +1,10 @@
 """Workload split maps: how the decode attention grid's work items are cut across head groups.
 
 The decode kernel (`decode_attention.py`) runs a grid of ``(batch, item, head_in_group)``; a work
-item is one row ``(group, split, num_splits)`` of a *work list*, and covers the page-aligned share
-``split`` of ``num_splits`` of that group's pages, found at run time from the group's length. Three
-ways of making the work list feed that one kernel:
+item is one row ``(group, split, num_splits)`` of a *work list*, and covers share ``split`` of
+``num_splits`` of that group's compute blocks, cut by cost (a block of a precision tier costs
+its bytes) and found at run time from the group's lengths. Three ways of making the work list
+feed that one kernel:
 
 - `build_split_map` (Tangram, ahead of time): from the calibrated group budgets, per layer, the
   splits of group g are proportional to its expected work ``G * r_g`` times the bytes of one of
