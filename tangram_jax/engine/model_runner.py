@@ -156,7 +156,8 @@ class ModelRunner:
         `allocate_pool` (the engine sizes it after compiling the largest steps).
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
-      split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
+      split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references); of
+        the groups (with precision tiers the base layout's: an item reads both tiers).
       runner_config: mode and scorer settings.
       kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
         values are dequantised to.
