@@ -366,7 +366,8 @@ def test_pool_split_for_short_turns_with_long_answers_fills_both_tiers():
 
 def test_engine_splits_tier_pools_for_kv_tier_turn():
     """`kv_tier_turn` reaches the layout the pools are split by; the default is one
-    max_model_len sequence ending in a 256-token answer; it is refused without tiers."""
+    max_model_len sequence ending in a 256-token answer (at most an eighth of it); it is
+    refused without tiers."""
     from tangram_jax.engine.config import tiered_layout
     mc = types.SimpleNamespace(num_layers=2, num_kv_heads=4)
     calibrated = _layout()
@@ -381,6 +382,9 @@ def test_engine_splits_tier_pools_for_kv_tier_turn():
     default = tiered_layout(EngineConfig(mode="tangram", kv_precision="k8v4-k4v2"), profile,
                             base, 4096)
     assert default.pool_turn == (4096 - 256, 256)
+    short = tiered_layout(EngineConfig(mode="tangram", kv_precision="k8v4-k4v2"), profile,
+                          base, 400)
+    assert short.pool_turn == (400 - 50, 50)
     with pytest.raises(EngineConfigError, match=r"kv_tier_turn=\(48, 200\) splits a tiered"):
         EngineConfig(mode="tangram", kv_precision="k8v4", kv_tier_turn=(48, 200)).check()
     with pytest.raises(EngineConfigError, match="kv_tier_turn must be"):

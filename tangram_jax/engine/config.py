@@ -57,7 +57,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 # A tiered pool's smallest num_pages: each tier's null page and one page.
 TIERED_MIN_PAGES = 4
 # The answer of the default typical turn a tiered pool is split for (`kv_tier_turn`): a chat
-# answer (SCBench's multi-turn tasks answer in ~128 tokens; a few hundred is a long one).
+# answer (SCBench's multi-turn tasks answer in ~128 tokens; a few hundred is a long one), at
+# most an eighth of the sequence (a short max_model_len is not mostly answer).
 DEFAULT_TIER_ANSWER_TOKENS = 256
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 # Long prefills (the scheduler's `long_prefill_token_threshold` / `max_long_partial_prefills`).
@@ -331,7 +332,7 @@ class EngineConfig:
         "precision tiers: PROMPT,ANSWER tokens of the typical turn the tiers' pools are split "
         "for (its protected tail and its answer go to the high tier, so short turns and long "
         "answers need a larger high pool: TieredLayout.pool_high_share); default: one "
-        "max_model_len sequence ending in a 256-token answer")
+        "max_model_len sequence ending in a 256-token answer (at most max_model_len / 8)")
     split_map: str = _field("aot", _choice(SPLIT_MAPS),
                             "decode work split across head groups: ahead of time from the budgets "
                             "(aot) or the same for every group (uniform; an ablation baseline); "
@@ -560,7 +561,8 @@ def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout,
                   max_model_len: int) -> TieredLayout:
     """`layout` split into the precision tiers of `cfg.kv_precision` by the profile's
     calibrated tier budgets, its pools split for `cfg.kv_tier_turn` (default: one
-    `max_model_len` sequence whose last `DEFAULT_TIER_ANSWER_TOKENS` are its answer)."""
+    `max_model_len` sequence whose last `DEFAULT_TIER_ANSWER_TOKENS`, at most an eighth of it,
+    are its answer)."""
     if profile.tiers is None:
         raise EngineConfigError(
             f"kv_precision {cfg.kv_precision!r} needs a profile with precision-tier budgets; "
@@ -571,7 +573,7 @@ def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout,
                                 f"tiers {profile.tiers.precision!r}")
     turn = cfg.kv_tier_turn
     if turn is None:
-        answer = min(DEFAULT_TIER_ANSWER_TOKENS, max_model_len // 2)
+        answer = min(DEFAULT_TIER_ANSWER_TOKENS, max_model_len // 8)
         turn = (max_model_len - answer, answer)
     return TieredLayout(layout, profile.group_high_share(), precision=cfg.kv_precision,
                         pool_turn=turn)
