@@ -406,7 +406,9 @@ _STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_pr
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens: int, num_warps: int, num_stages: int,
                     heads_per_program: int = 1):
-    """The kernel alone: per work item normalised partial outputs and log-sum-exps.
+    """The kernel alone: per work item normalised partial outputs and log-sum-exps. Inputs as
+    for `ragged_paged_decode_attention` (one pool, or `kv_quant.TieredPages` with tables and
+    lengths of tier groups), unchecked.
 
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
     work as given). `ragged_paged_decode_attention` merges them."""
