@@ -1,7 +1,8 @@
 """Serving precision tiers (``k8v4-k4v2``): the tiered pool's dense history, the compression
 writing the top-ranked kept tokens to the high tier and the rest to the low tier, decode
-attention over both tiers (the Pallas kernel in interpret mode against its jnp reference), the
-split map's tier work lists, and the engine end to end on a tiny model."""
+attention over both tiers in one launch (the Pallas kernel in interpret mode against its jnp
+reference, and its byte-weighted work items), the split map weighing groups by their tiers'
+bytes, and the engine end to end on a tiny model."""
 
 import dataclasses
 
