@@ -67,8 +67,9 @@ def fill_manager(layout, max_batch: int, context: int, seed: int):
     manager = KVCacheManager(layout, num_pages, rows, max_pages,
                              model_kv_shape=(layout.num_layers, layout.num_kv_heads,
                                              layout.head_dim))
-    pool = manager.pool
-    pool.release(np.random.default_rng(seed).permutation(pool.allocate(pool.capacity)))
+    rng = np.random.default_rng(seed)
+    for pool in manager.pools:          # each tier's pool (one untiered), ids scattered
+        pool.release(rng.permutation(pool.allocate(pool.capacity)))
     slots = []
     for _ in range(max_batch):
         slot = manager.allocate_slot()
@@ -148,7 +149,8 @@ def main(argv=None) -> None:
     num_programs = EngineConfig().num_programs
     split_maps = {b: build_split_map(tangram.group_budgets, num_programs, b,
                                      group_size=tangram.group_size) for b in args.batches}
-    runner = ModelRunner(model, config, tangram, manager.pool.num_pages,
+    num_pages = tuple(p.num_pages for p in manager.pools)   # per tier's pool (one untiered)
+    runner = ModelRunner(model, config, tangram, num_pages[0] if len(num_pages) == 1 else num_pages,
                          manager.block_tables.shape, split_maps=split_maps,
                          runner_config=RunnerConfig(mode="tangram", obs_window=32,
                                                     layer_loop=args.layer_loop))
@@ -156,7 +158,7 @@ def main(argv=None) -> None:
     jax.block_until_ready(runner.block_tables)
     build_s = time.perf_counter() - t0
     print(f"model {params / 1e9:.2f} B params built in {build_s:.1f} s, pool "
-          f"{manager.pool.num_pages} pages ({manager.pool.num_pages * runner.kv_bytes_per_page / 2**30:.1f} GiB), "
+          f"{runner.num_pages} pages ({runner.pool_bytes() / 2**30:.1f} GiB), "
           f"attention ops {runner.ops.name}, layer loop {runner.layer_loop}", flush=True)
     on_gpu = jax.devices()[0].platform == "gpu"
 

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from tangram_jax.provenance import device_description, git_revision
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,7 +40,7 @@ def serve(mode: str, conversations: list[list[str]], args) -> dict:
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     engine.tokens_processed = 0
     chats = [[{"role": "user", "content": turns[0]}] for turns in conversations]
-    generated, peak_pages, ttfts = 0, 0, []
+    generated, peak_use, ttfts = 0, 0.0, []
     t0 = time.perf_counter()
     for turn in range(args.turns):
         active = [i for i, turns in enumerate(conversations) if turn < len(turns)]
@@ -57,7 +59,7 @@ def serve(mode: str, conversations: list[list[str]], args) -> dict:
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-            peak_pages = max(peak_pages, engine.manager.pool.num_used)
+            peak_use = max(peak_use, engine.manager.fullest_pool_use)
         for i, rid in requests:
             out = done[rid]
             chats[i].append({"role": "assistant", "content": out.outputs[0].text})
@@ -70,13 +72,15 @@ def serve(mode: str, conversations: list[list[str]], args) -> dict:
         "mode": mode,
         "layout": engine.layout.name,
         "group_size": engine.layout.group_size,
-        "pool_pages": engine.manager.pool.capacity,
+        "pool_pages": int(np.sum(engine.manager.capacity)),     # usable pages of every tier
+        "pool_tiers": dict(zip(engine.manager.tier_names,
+                               np.atleast_1d(engine.manager.capacity).tolist())),
         "seconds": elapsed,
         "generated_tokens": generated,
         "output_tokens_per_s": generated / elapsed,
         "processed_tokens_per_s": usage["tokens_processed"] / elapsed,
         "median_ttft_s": sorted(ttfts)[len(ttfts) // 2],
-        "peak_pool_utilisation": peak_pages / engine.manager.pool.capacity,
+        "peak_pool_utilisation": peak_use,     # of the fullest tier's pool
         "kv_bytes_held_end": usage["kv_bytes_held"],
         "full_kv_bytes_same_tokens_end": usage["full_kv_bytes"],
         "kv_memory_vs_full_end": usage["kv_bytes_held"] / max(usage["full_kv_bytes"], 1),

@@ -121,7 +121,7 @@ def serve(folder: Path, variant: str, args) -> dict:
     warmup_seconds = time.perf_counter() - t_warm
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine.tokens_processed = 0
-    generated, peak = 0, 0
+    generated, peak = 0, 0.0
     t0 = time.perf_counter()
     for turn in range(args.turns):
         for i in range(args.conversations):
@@ -133,7 +133,7 @@ def serve(folder: Path, variant: str, args) -> dict:
             for out in engine.step():
                 if out.finished:
                     generated += len(out.outputs[0].token_ids)
-            peak = max(peak, engine.manager.pool.num_used)
+            peak = max(peak, engine.manager.fullest_pool_use)
     import jax
     jax.block_until_ready(engine.runner.k_pages)
     elapsed = time.perf_counter() - t0
@@ -146,7 +146,8 @@ def serve(folder: Path, variant: str, args) -> dict:
             "seconds": elapsed, "generated_tokens": generated,
             "output_tokens_per_s": generated / elapsed,
             "processed_tokens_per_s": usage["tokens_processed"] / elapsed,
-            "pool_pages": engine.manager.pool.capacity, "peak_pool_utilisation": peak / engine.manager.pool.capacity,
+            "pool_pages": int(np.sum(engine.manager.capacity)),   # every tier's usable pages
+            "peak_pool_utilisation": peak,                      # of the fullest tier's pool
             "kv_memory_vs_full_end": usage["kv_bytes_held"] / max(usage["full_kv_bytes"], 1),
             "preemptions": sched["preemptions"], "evictions": sched["evictions"],
             "pages_reclaimed": usage["pages_reclaimed"], "reclaim_seconds": usage["reclaim_seconds"],

@@ -299,11 +299,15 @@ class TieredLayout:
 
     high_share: float [layers, groups] in [0, 1], the calibrated static share of the high tier
     (`BudgetProfile.tiers`).
+    pool_turn: (prompt tokens, answer tokens) of the typical turn the tiers' pools are split
+    for (`pool_high_share`; the engine's `kv_tier_turn`), or None: turns so long that their
+    protected tails and answers do not count.
     """
 
     base: KVLayout
     high_share: np.ndarray
     precision: str = "k8v4-k4v2"
+    pool_turn: tuple[int, int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.base, KVLayout):
@@ -318,6 +322,13 @@ class TieredLayout:
         if not (np.isfinite(h).all() and (h >= 0).all() and (h <= 1).all()):
             raise ValueError("high_share must lie in [0, 1]")
         object.__setattr__(self, "high_share", h)
+        if self.pool_turn is not None:
+            turn = tuple(self.pool_turn)
+            if len(turn) != 2 or not all(isinstance(x, (int, np.integer)) for x in turn) or \
+                    turn[0] < 1 or turn[1] < 0:
+                raise ValueError(f"pool_turn must be (prompt tokens >= 1, answer tokens >= 0) or "
+                                 f"None, got {self.pool_turn!r}")
+            object.__setattr__(self, "pool_turn", (int(turn[0]), int(turn[1])))
 
     # The base layout's shape and rules, for the manager, the engine and the runner.
     num_layers = property(lambda self: self.base.num_layers)
@@ -354,13 +365,24 @@ class TieredLayout:
 
     @property
     def pool_high_share(self) -> float:
-        """The high tier's share of the retained tokens over every (layer, group): ``sum(r h)
-        / sum(r)`` (a group of budget r keeps r of a turn, h of that in the high tier), the
-        share of the pool's pages the high tier's pool gets (`pool_pages`). Protected tails
-        and decode tokens also go to the high tier, so short turns and long answers fill it
-        before the low tier (admission then waits for high pages while low pages are free)."""
-        r = self.base.group_budgets
-        return float((r * self.high_share).sum() / r.sum())
+        """The share of the pool's pages the high tier's pool gets (`pool_pages`): of the pages
+        a typical sequence holds, the high tier's. The one rule: a sequence of one turn of
+        `pool_turn` = (P prompt tokens, A answer tokens) holds, per (layer, tier group),
+        ``pages_for(retained_counts(P) + A * decode_tier_groups)`` pages: the high tier its
+        top-ranked kept tokens, the turn's whole protected tail (kept uncompressed until
+        answered) and every decode token, the low tier the rest; the share is the high tier's
+        sum over the sum of both. Short turns and long answers thus give the high tier more
+        of the pool (without them it would fill first while low pages sit free). Without
+        `pool_turn` (turns long against their tails and answers) it is the calibrated share
+        of the compressed tokens, ``sum(r h) / sum(r)`` over every (layer, group) (a group of
+        budget r keeps r of a turn, h of that in the high tier)."""
+        if self.pool_turn is None:
+            r = self.base.group_budgets
+            return float((r * self.high_share).sum() / r.sum())
+        prompt, answer = self.pool_turn
+        pages = pages_for(self.retained_counts(prompt) + answer * self.decode_tier_groups,
+                          self.page_size)
+        return float(pages[:, 0::2].sum() / pages.sum())
 
     def pool_pages(self, usable: int) -> tuple[int, int]:
         """(high, low) pool sizes, each its null page included, of a tiered pool with `usable`
@@ -381,15 +403,6 @@ class TieredLayout:
 
     def _interleave(self, high: np.ndarray, low: np.ndarray) -> np.ndarray:
         return np.stack([high, low], axis=-1).reshape(*high.shape[:-1], self.num_groups)
-
-    @property
-    def tier_group_budgets(self) -> np.ndarray:
-        """float64 [layers, 2 * groups]: the share of a turn each tier group holds when a group
-        keeps its budget r (r * h high, r * (1 - h) low; protected and decode tokens aside),
-        floored at 1e-3 so that an empty tier still gets a decode work item (`split_map`)."""
-        r = self.base.group_budgets
-        return np.maximum(self._interleave(r * self.high_share, r * (1 - self.high_share)),
-                          1e-3)
 
     def chunk_keep_counts(self, chunk_len: int, num_protected: int = 0) -> np.ndarray:
         """int64 [layers, 2 * groups]: `KVLayout.chunk_keep_counts` of one chunk split by the

@@ -1,5 +1,6 @@
 """Split maps (AOT / uniform) and the runtime planner: shapes, proportionality, and that the
-decode kernel's page-aligned share rule covers every page of every group exactly once."""
+decode kernel's share rule (a group's blocks cut by cost) covers every page of every group
+exactly once, with one pool or precision tiers."""
 
 import numpy as np
 import pytest
@@ -7,25 +8,41 @@ import pytest
 from tangram_jax.pallas_kernels import split_map as sm
 
 
-def _shares(length, split, num_splits, page_size, pages_per_block):
-    """The decode kernel's share rule, written out independently in numpy."""
-    pages = -(-length // page_size)
+def _shares(lengths, split, num_splits, page_size, pages_per_block, costs=(1,)):
+    """The decode kernel's share rule, written out independently in numpy: per tier, the pages
+    of item `split` of `num_splits`. A group's blocks are its tiers' (`lengths`, one per tier)
+    one after the other, block b of tier t costing costs[t]; the item takes the blocks whose
+    cost starts in [split W / n, (split + 1) W / n), W the group's total cost."""
     if num_splits == 0:
-        return range(0)
-    per = -(-(-(-pages // num_splits)) // pages_per_block) * pages_per_block
-    return range(split * per, min(split * per + per, pages))
+        return [range(0) for _ in lengths]
+    pages = [-(-int(n) // page_size) for n in lengths]
+    blocks = [-(-p // pages_per_block) for p in pages]
+    starts = np.cumsum([0] + [b * c for b, c in zip(blocks, costs)])[:-1]
+    total = sum(b * c for b, c in zip(blocks, costs))
+    lo, hi = split * total // num_splits, (split + 1) * total // num_splits
+    out = []
+    for p, b, c, start in zip(pages, blocks, costs, starts):
+        mine = [i for i in range(b) if lo <= start + i * c < hi]
+        out.append(range(0) if not mine else
+                   range(mine[0] * pages_per_block, min((mine[-1] + 1) * pages_per_block, p)))
+    return out
 
 
-def _covered_once(work, lengths, page_size, pages_per_block):
-    batch, groups = lengths.shape
+def _covered_once(work, lengths, page_size, pages_per_block, costs=(1,)):
+    """lengths [batch, groups * tiers] (tier t of group g at g * tiers + t)."""
+    tiers = len(costs)
+    batch, groups = lengths.shape[0], lengths.shape[1] // tiers
     for b in range(batch):
-        seen = [[] for _ in range(groups)]
+        seen = [[[] for _ in range(tiers)] for _ in range(groups)]
         for g, k, n in work[b]:
             if n:
-                seen[g].extend(_shares(int(lengths[b, g]), k, n, page_size, pages_per_block))
+                lens = lengths[b, g * tiers:(g + 1) * tiers]
+                for t, pages in enumerate(_shares(lens, k, n, page_size, pages_per_block, costs)):
+                    seen[g][t].extend(pages)
         for g in range(groups):
-            pages = -(-int(lengths[b, g]) // page_size)
-            assert sorted(seen[g]) == list(range(pages)), (b, g)
+            for t in range(tiers):
+                pages = -(-int(lengths[b, g * tiers + t]) // page_size)
+                assert sorted(seen[g][t]) == list(range(pages)), (b, g, t)
 
 
 def test_aot_map_is_proportional_and_same_size_per_layer():
@@ -79,6 +96,11 @@ def test_every_work_list_covers_every_page_once(pages_per_block):
     for work in (np.broadcast_to(aot, (5, *aot.shape)), np.broadcast_to(uniform, (5, 28, 3)),
                  sm.plan_runtime_work(lengths, 200, ps, group_size=2)):
         _covered_once(work, lengths, ps, pages_per_block)
+    # Precision tiers (K8V4 : K4V2 bytes 13 : 7): each group's two tiers, ragged, one empty.
+    tier_lengths = rng.integers(0, 1500, size=(5, 8))
+    tier_lengths[0] = [0, 0, 0, 5 * ps, 3 * ps + 1, 0, 1, 20000]
+    for work in (np.broadcast_to(aot, (5, *aot.shape)), np.broadcast_to(uniform, (5, 28, 3))):
+        _covered_once(work, tier_lengths, ps, pages_per_block, costs=(13, 7))
 
 
 def test_runtime_plan_balances_by_actual_length():

@@ -320,3 +320,99 @@ def test_gpu_sizing_gives_tiers_more_retained_tokens_than_k8v4(tiny_folder, monk
             assert len(out[0].outputs[0].token_ids) == 3
     assert pools["k8v4-k4v2"]["bytes_per_slot"] < pools["k8v4"]["bytes_per_slot"]
     assert pools["k8v4-k4v2"]["slots"] > pools["k8v4"]["slots"]
+
+
+def _serve_until_a_tier_is_full(layout, usable, prompt, answer):
+    """Sequences of one `prompt`-token turn answered in `answer` decode tokens, admitted one
+    after the other and held, on a manager whose pools `layout.pool_pages(usable)` splits,
+    until a reservation or a decode page fails. Returns (sequences whole, free pages per tier
+    then, pages a whole sequence holds per tier)."""
+    m = KVCacheManager(layout, layout.pool_pages(usable), 64, 80, model_kv_shape=(2, 4, 16))
+    done = 0
+    while True:
+        slot = m.allocate_slot()
+        if not m.reserve(slot, prompt):
+            break
+        m.commit_prefill(slot, prompt)
+        if not all(m.grow_for_decode(np.array([slot])).all() for _ in range(answer)):
+            break
+        done += 1
+    one = pages_for(layout.retained_counts(prompt) + answer * layout.decode_tier_groups, PS)
+    return done, np.asarray(m.num_free_pages), _tier_pages(one)
+
+
+def test_pool_split_for_short_turns_with_long_answers_fills_both_tiers():
+    """Short turns (48 tokens, the last 8 protected) answered in 200 tokens: nearly everything
+    a sequence holds is in the high tier (tail + answer), so pools split by the calibrated
+    share alone run out of high pages while most low pages are free; split for that turn
+    (`pool_turn`, the engine's `kv_tier_turn`) the low pool has no room left for another
+    sequence when the high pool is full, and more sequences fit the same pages."""
+    import dataclasses
+    prompt, answer, usable = 48, 200, 1200
+    calibrated = _layout().with_tail("window", 8)
+    for_turn = dataclasses.replace(calibrated, pool_turn=(prompt, answer))
+    assert for_turn.pool_high_share > 0.9 > 0.34 == pytest.approx(calibrated.pool_high_share)
+    done_cal, free_cal, one = _serve_until_a_tier_is_full(calibrated, usable, prompt, answer)
+    done_turn, free_turn, _ = _serve_until_a_tier_is_full(for_turn, usable, prompt, answer)
+    # Calibrated split: the high pool is what ran out; the low one could hold many more.
+    assert free_cal[0] < one[0] and free_cal[1] > 10 * one[1]
+    # Split for the turn: neither pool could take another sequence's share.
+    assert free_turn[0] < one[0] and free_turn[1] < 2 * one[1]
+    assert done_turn >= 2 * done_cal
+    # Long turns with short answers: the share tends to the calibrated one.
+    long_turn = dataclasses.replace(calibrated, pool_turn=(4000, 0))
+    assert long_turn.pool_high_share == pytest.approx(calibrated.pool_high_share, abs=0.03)
+
+
+def test_engine_splits_tier_pools_for_kv_tier_turn():
+    """`kv_tier_turn` reaches the layout the pools are split by; the default is one
+    max_model_len sequence ending in a 256-token answer (at most an eighth of it); it is
+    refused without tiers."""
+    from tangram_jax.engine.config import tiered_layout
+    mc = types.SimpleNamespace(num_layers=2, num_kv_heads=4)
+    calibrated = _layout()
+    profile = types.SimpleNamespace(tiers=types.SimpleNamespace(precision="k8v4-k4v2"),
+                                    group_high_share=lambda: calibrated.high_share)
+    base = calibrated.base.with_tail("window", 8)
+    cfg = EngineConfig(mode="tangram", kv_precision="k8v4-k4v2", kv_tier_turn=(48, 200),
+                       num_pages=402)
+    layout = tiered_layout(cfg, profile, base, 4096)
+    assert layout.pool_turn == (48, 200)
+    assert pool_pages(cfg, mc, layout) == layout.pool_pages(400) != calibrated.pool_pages(400)
+    default = tiered_layout(EngineConfig(mode="tangram", kv_precision="k8v4-k4v2"), profile,
+                            base, 4096)
+    assert default.pool_turn == (4096 - 256, 256)
+    short = tiered_layout(EngineConfig(mode="tangram", kv_precision="k8v4-k4v2"), profile,
+                          base, 400)
+    assert short.pool_turn == (400 - 50, 50)
+    with pytest.raises(EngineConfigError, match=r"kv_tier_turn=\(48, 200\) splits a tiered"):
+        EngineConfig(mode="tangram", kv_precision="k8v4", kv_tier_turn=(48, 200)).check()
+    with pytest.raises(EngineConfigError, match="kv_tier_turn must be"):
+        EngineConfig(kv_tier_turn=(48,))
+
+
+def test_server_metrics_report_the_fullest_tier(tiny_folder):
+    """`/metrics` of a tiered engine: the KV pool gauge is the fullest tier's use (the one
+    that stops admission), and a gauge per tier gives each tier's."""
+    import asyncio
+    from tangram_jax.server.metrics import ServerMetrics
+    engine = _tiny_llm(tiny_folder, num_pages=160).engine
+    high, low = engine.manager.pools
+    taken = [high.allocate(high.capacity * 3 // 4), low.allocate(low.capacity // 4)]
+
+    class Running:            # what ServerMetrics reads of an AsyncEngine
+        num_live_requests, is_alive = 0, True
+
+        async def call(self, fn):
+            return fn(engine)
+
+    text = asyncio.run(ServerMetrics(Running()).render())[0].decode()
+    gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("tangram_kv_") and "pool" in line}
+    high_use, low_use = (p.num_used / p.capacity for p in (high, low))
+    assert high_use > 0.7 and low_use < 0.3
+    assert gauges["tangram_kv_pool_pages_used_ratio"] == pytest.approx(high_use)
+    assert gauges['tangram_kv_tier_pool_pages_used_ratio{tier="k8v4"}'] == pytest.approx(high_use)
+    assert gauges['tangram_kv_tier_pool_pages_used_ratio{tier="k4v2"}'] == pytest.approx(low_use)
+    for pool, ids in zip((high, low), taken):
+        pool.release(ids)

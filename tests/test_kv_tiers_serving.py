@@ -1,7 +1,8 @@
 """Serving precision tiers (``k8v4-k4v2``): the tiered pool's dense history, the compression
 writing the top-ranked kept tokens to the high tier and the rest to the low tier, decode
-attention over both tiers (the Pallas kernel in interpret mode against its jnp reference), the
-split map's tier work lists, and the engine end to end on a tiny model."""
+attention over both tiers in one launch (the Pallas kernel in interpret mode against its jnp
+reference, and its byte-weighted work items), the split map weighing groups by their tiers'
+bytes, and the engine end to end on a tiny model."""
 
 import dataclasses
 
@@ -95,40 +96,119 @@ def functools_partial_interpret(fn):
     return lambda *a: fn(*a, interpret=True)
 
 
-def test_tier_work_lists_cover_each_tier_group_once():
-    layout = TieredLayout(KVLayout(num_layers=2, num_kv_heads=4, head_dim=D, group_size=G,
-                                   page_size=PS, chunk_size=8,
-                                   head_perm=np.tile(np.arange(4), (2, 1)),
-                                   group_budgets=np.array([[0.2, 0.8], [0.5, 0.5]])),
-                          np.array([[0.5, 0.1], [1.0, 0.0]]))
-    smap = build_split_map(layout.tier_group_budgets, 16, 1, group_size=G,
-                           bytes_per_token=np.tile([208.0, 112.0], (2, 2)))
-    hi, lo = smap.tier_work_lists()
-    for layer in range(2):
-        for tier, lists in ((0, hi), (1, lo)):
-            rows = [tuple(r) for r in lists[layer] if r[2] > 0]
-            want = [(g, s, n) for g in range(2) for n in [smap.splits[layer][2 * g + tier]]
-                    for s in range(n)]
-            assert sorted(rows) == sorted(want)
+def _poisoned_tiered_pools(rng, tier_lens, width):
+    """(k, v TieredPages K8V4 + K4V2, tables [batch, 2 * groups, width]): each tier's pool holds
+    exactly its tier groups' pages (shuffled ids); every slot past a tier group's length is
+    NaN (its scale and zero stay NaN), so a kernel reading one shows."""
+    batch, tier_groups = tier_lens.shape
+    num_pages = batch * tier_groups * width + 1
+    tables = (1 + rng.permutation(num_pages - 1)).reshape(batch, tier_groups, width)
+    pools = {}
+    for tier, (key_bits, value_bits) in enumerate(((8, 4), (4, 2))):
+        owned = np.zeros((num_pages, PS), bool)
+        for b in range(batch):
+            for g in range(tier, tier_groups, 2):
+                for t in range(int(tier_lens[b, g])):
+                    owned[tables[b, g, t // PS], t % PS] = True
+        for name, bits in (("k", key_bits), ("v", value_bits)):
+            x = rng.normal(size=(num_pages, G, PS, D)).astype(np.float32)
+            x[~owned[:, None, :, None].repeat(G, 1).repeat(D, 3)] = np.nan
+            pools[name, tier] = kv_quant.quantise_pages(jnp.asarray(x), bits, jnp.float32)
+    return (kv_quant.TieredPages(pools["k", 0], pools["k", 1]),
+            kv_quant.TieredPages(pools["v", 0], pools["v", 1]),
+            jnp.asarray(tables, jnp.int32))
 
 
 def test_tiered_decode_kernel_matches_reference():
+    """One launch reads both tiers of a group: every work list (the AOT map weighed by the
+    tiers' bytes, uniform splits finer than the blocks, runtime planning), both loop variants
+    and both heads-per-program settings against the dense-history reference. Tier lengths are
+    ragged: a group empty in both tiers, high only, low only, page boundaries (PS, 2 PS, one
+    short and one past), both tiers at the table's end; unowned slots are NaN."""
+    from tangram_jax.pallas_kernels import split_map as sm
     rng = np.random.default_rng(2)
-    batch, groups, q_per_kv, width, num_pages = 3, 2, 2, 4, 20
-    k, v = _tiered_pools(rng, num_pages)
+    batch, groups, q_per_kv, width = 4, 3, 2, 5
+    cap = width * PS
+    tier_lens = rng.integers(0, cap + 1, size=(batch, 2 * groups)).astype(np.int32)
+    tier_lens[0] = [0, 0, 5, 0, 0, 7]               # empty group; high only; low only
+    tier_lens[1] = [PS, PS, 2 * PS, PS - 1, PS + 1, 2 * PS + 1]  # page boundaries
+    tier_lens[2] = [cap, cap, 1, cap, cap, 1]       # full tables, one-token tiers
+    k, v, tables = _poisoned_tiered_pools(rng, tier_lens, width)
     q = jnp.asarray(rng.normal(size=(batch, groups, G * q_per_kv, D)), jnp.float32)
-    tables = jnp.asarray(rng.integers(1, num_pages, size=(batch, 2 * groups, width)), jnp.int32)
-    lens = rng.integers(0, width * PS + 1, size=(batch, 2 * groups)).astype(np.int32)
-    lens[0] = [0, 0, 5, 0]          # a group with no tokens in either tier, one with high only
-    lens[1] = [0, 7, 16, 16]        # low only; both tiers full
-    lens = jnp.asarray(lens)
-    smap = build_split_map(np.full((1, 2 * groups), 0.5), 12, batch, group_size=G)
-    hi, lo = smap.tier_work_lists()
-    got = decode_attention.tiered_paged_decode_attention(
-        q, k, v, tables, lens, work_lists=(hi[0], lo[0]), interpret=True, block_tokens=8)
-    want = decode_attention.tiered_paged_decode_attention_reference(q, k, v, tables, lens)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
-    assert not np.asarray(got)[0, 0].any()
+    lens = jnp.asarray(tier_lens)
+    want = decode_attention.ragged_paged_decode_attention_reference(q, k, v, tables, lens)
+    assert np.isfinite(np.asarray(want)).all()
+    budgets = np.array([[0.2, 0.5, 0.9]])
+    high_share = np.array([[0.3, 0.6, 0.1]])
+    bytes_per_token = high_share * 40 + (1 - high_share) * 24      # K8V4 / K4V2 at D = 16
+    work_lists = {
+        "aot": sm.build_split_map(budgets, 24, batch, group_size=G,
+                                  bytes_per_token=bytes_per_token).work_list(0),
+        "uniform": sm.uniform_split_map(1, groups, 7).work_list(0),   # more items than blocks
+        "runtime_planned": sm.plan_runtime_work(tier_lens[:, 0::2] + tier_lens[:, 1::2], 24,
+                                                PS, group_size=G),
+    }
+    paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
+             "runtime_planned": dict(heads_per_program=G)}
+    for name, work in work_lists.items():
+        got = decode_attention.ragged_paged_decode_attention(
+            q, k, v, tables, lens, work_list=work, interpret=True, block_tokens=2 * PS,
+            **paths[name])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5,
+                                   err_msg=name)
+        assert not np.asarray(got)[0, 0].any()
+
+
+def test_tiered_decode_items_cut_the_bytes_evenly():
+    """The kernel's work items on one group of 6 high and 10 low blocks (one page each), cut
+    by the tiers' bytes per slot (K8V4 : K4V2 = 40 : 28 B = 10 : 7 at D = 16; total cost 130)
+    into 4 items at costs 0, 32, 65, 97: a block belongs to the item where its cost starts.
+    Each item's partial is the reference over exactly its blocks (item 1 reads the last two
+    high blocks and the first low one), and the partials merge to the whole group's output."""
+    rng = np.random.default_rng(3)
+    tier_lens = np.array([[6 * PS, 10 * PS]], np.int32)
+    k, v, tables = _poisoned_tiered_pools(rng, tier_lens, 10)
+    assert decode_attention._block_costs(decode_attention._tier_pools(k, v)) == (10, 7)
+    q = jnp.asarray(rng.normal(size=(1, 1, G, D)), jnp.float32)
+    work = jnp.asarray([(0, s, 4) for s in range(4)], jnp.int32)
+    o_part, lse, _ = decode_attention.decode_partials(
+        q, k, v, tables, jnp.asarray(tier_lens), work, interpret=True, block_tokens=PS,
+        num_warps=2, num_stages=2)
+    # (high blocks, low blocks) of each item: high block i costs from 10 i, low j from 60 + 7 j.
+    shares = [((0, 4), (0, 0)), ((4, 6), (0, 1)), ((6, 6), (1, 6)), ((6, 6), (6, 10))]
+    table = np.asarray(tables)[0]
+    for item, ((h0, h1), (l0, l1)) in enumerate(shares):
+        sub_tables = np.zeros((1, 2, 10), np.int32)
+        sub_tables[0, 0, :h1 - h0] = table[0, h0:h1]
+        sub_tables[0, 1, :l1 - l0] = table[1, l0:l1]
+        sub_lens = jnp.asarray([[(h1 - h0) * PS, (l1 - l0) * PS]], jnp.int32)
+        want = decode_attention.ragged_paged_decode_attention_reference(
+            q, k, v, jnp.asarray(sub_tables), sub_lens)
+        np.testing.assert_allclose(np.asarray(o_part)[0, item].reshape(want.shape),
+                                   np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=str(item))
+    merged = decode_attention.merge_partials(o_part, lse, work, 1)
+    full = decode_attention.ragged_paged_decode_attention_reference(
+        q, k, v, tables, jnp.asarray(tier_lens))
+    np.testing.assert_allclose(np.asarray(merged).reshape(full.shape), np.asarray(full),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_tiered_split_map_weighs_groups_by_their_tier_bytes():
+    """The AOT map of a tiered layout is over its base groups, each weighed by its budget and
+    its calibrated mix of K8V4 and K4V2 bytes: a group all in the low tier gets fewer items
+    than one of the same budget all in the high tier."""
+    from tangram_jax.engine.llm_engine import decode_work_weights
+    import types
+    base = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, group_size=2, page_size=PS,
+                    chunk_size=8, head_perm=np.arange(4)[None], group_budgets=np.array([[0.5,
+                                                                                       0.5]]))
+    tiered = TieredLayout(base, np.array([[1.0, 0.0]]))
+    budgets, per_token = decode_work_weights(tiered, types.SimpleNamespace(head_dim=128),
+                                             jnp.bfloat16)
+    np.testing.assert_array_equal(budgets, base.group_budgets)
+    np.testing.assert_array_equal(per_token, [[208.0, 112.0]])
+    smap = build_split_map(budgets, 40, 1, group_size=2, bytes_per_token=per_token)
+    assert smap.num_groups == 2 and smap.splits[0][0] > smap.splits[0][1]
 
 
 # ----- the engine end to end (tiny model, CPU serving path) -----------------------------------

@@ -142,8 +142,7 @@ class _StepRecorder:
         return out
 
     def sample_pool(self):
-        self.peak_utilisation = max(self.peak_utilisation, *(
-            p.num_used / p.capacity for p in self.engine.manager.pools))
+        self.peak_utilisation = max(self.peak_utilisation, self.engine.manager.fullest_pool_use)
 
 
 def summarize(records: list[session_loop.TurnRecord], elapsed: float) -> dict:

@@ -56,6 +56,10 @@ DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 # A tiered pool's smallest num_pages: each tier's null page and one page.
 TIERED_MIN_PAGES = 4
+# The answer of the default typical turn a tiered pool is split for (`kv_tier_turn`): a chat
+# answer (SCBench's multi-turn tasks answer in ~128 tokens; a few hundred is a long one), at
+# most an eighth of the sequence (a short max_model_len is not mostly answer).
+DEFAULT_TIER_ANSWER_TOKENS = 256
 DEFAULT_KV_CACHE_TOKENS = 16384    # the pool where nothing sizes it (CPU, no allocator cap)
 # Long prefills (the scheduler's `long_prefill_token_threshold` / `max_long_partial_prefills`).
 # Default: one long turn prefills at a time (vLLM's default too), and the threshold is the
@@ -174,6 +178,19 @@ def _buckets(name, value):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
                                 f"{value!r}")
     return tuple(sorted({int(b) for b in values}))
+
+
+def _tier_turn(name, value):
+    """None, or (prompt tokens >= 1, answer tokens >= 0)."""
+    if value is None:
+        return None
+    values = None if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) \
+        else list(value)
+    if values is None or len(values) != 2 or not all(_is_int(x) for x in values) or \
+            values[0] < 1 or values[1] < 0:
+        raise EngineConfigError(f"{name} must be (prompt tokens >= 1, answer tokens >= 0) or "
+                                f"None, got {value!r}")
+    return int(values[0]), int(values[1])
 
 
 def _host_port(name, value):
@@ -310,6 +327,12 @@ class EngineConfig:
     process_id: int | None = _field(None, _int_at_least(0, optional=True),
                                     "several hosts: this process's index, 0 .. num_processes - 1 "
                                     "(see --distributed-coordinator)")
+    kv_tier_turn: tuple[int, int] | None = _field(
+        None, _tier_turn,
+        "precision tiers: PROMPT,ANSWER tokens of the typical turn the tiers' pools are split "
+        "for (its protected tail and its answer go to the high tier, so short turns and long "
+        "answers need a larger high pool: TieredLayout.pool_high_share); default: one "
+        "max_model_len sequence ending in a 256-token answer (at most max_model_len / 8)")
     split_map: str = _field("aot", _choice(SPLIT_MAPS),
                             "decode work split across head groups: ahead of time from the budgets "
                             "(aot) or the same for every group (uniform; an ablation baseline); "
@@ -357,6 +380,10 @@ class EngineConfig:
             raise EngineConfigError(f"kv_precision {self.kv_precision!r} (precision tiers) needs "
                                     f"tangram mode (its tier budgets come from the profile), got "
                                     f"mode {self.mode!r}")
+        if self.kv_tier_turn is not None and self.kv_precision not in PRECISION_TIERS:
+            raise EngineConfigError(f"kv_tier_turn={self.kv_tier_turn} splits a tiered pool; "
+                                    f"kv_precision {self.kv_precision!r} has no tiers (one of "
+                                    f"{tuple(PRECISION_TIERS)})")
         check_tiered_num_pages(self)
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
@@ -397,7 +424,7 @@ class EngineConfig:
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
             self.tail_rule, obs_window)
         if self.kv_precision in PRECISION_TIERS:   # mode is tangram (`check`)
-            layout = tiered_layout(self, profile, layout)
+            layout = tiered_layout(self, profile, layout, max_model_len)
         try:   # every KV head group is split over the tensor-parallel devices
             check_tensor_parallel(self.tensor_parallel_size, num_heads=mc.num_heads,
                                   num_kv_heads=mc.num_kv_heads, group_size=layout.group_size,
@@ -441,7 +468,7 @@ def _cli_type(f: dataclasses.Field):
     """argparse `type` for a field: the string becomes the Python value its check expects (the
     check itself runs when the `EngineConfig` is built, so CLI and API report the same error)."""
     default = f.default
-    if f.name == "decode_buckets":
+    if f.name in ("decode_buckets", "kv_tier_turn"):
         return _comma_ints
     if isinstance(default, float):
         return float
@@ -530,9 +557,12 @@ def build_layout(cfg: EngineConfig, model_config: ModelConfig, is_embedded: bool
                                chunk_size=cfg.resolved_chunk_size(), name=cfg.mode)
 
 
-def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout) -> TieredLayout:
+def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout,
+                  max_model_len: int) -> TieredLayout:
     """`layout` split into the precision tiers of `cfg.kv_precision` by the profile's
-    calibrated tier budgets."""
+    calibrated tier budgets, its pools split for `cfg.kv_tier_turn` (default: one
+    `max_model_len` sequence whose last `DEFAULT_TIER_ANSWER_TOKENS`, at most an eighth of it,
+    are its answer)."""
     if profile.tiers is None:
         raise EngineConfigError(
             f"kv_precision {cfg.kv_precision!r} needs a profile with precision-tier budgets; "
@@ -541,7 +571,12 @@ def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout) -
     if profile.tiers.precision != cfg.kv_precision:
         raise EngineConfigError(f"kv_precision {cfg.kv_precision!r} differs from the profile's "
                                 f"tiers {profile.tiers.precision!r}")
-    return TieredLayout(layout, profile.group_high_share(), precision=cfg.kv_precision)
+    turn = cfg.kv_tier_turn
+    if turn is None:
+        answer = min(DEFAULT_TIER_ANSWER_TOKENS, max_model_len // 8)
+        turn = (max_model_len - answer, answer)
+    return TieredLayout(layout, profile.group_high_share(), precision=cfg.kv_precision,
+                        pool_turn=turn)
 
 
 def pool_is_fixed(cfg: EngineConfig) -> bool:

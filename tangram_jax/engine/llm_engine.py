@@ -255,15 +255,14 @@ def _copy_pages(k_pages, v_pages, src, dst):
 def decode_work_weights(layout, model_config, dtype) -> tuple[np.ndarray, object]:
     """(group budgets, bytes per retained token) the AOT split map weighs a layer's groups by
     (`build_split_map`'s first and `bytes_per_token` arguments): the layout's budgets and one
-    cost (every group holds one page format), or, with precision tiers, each tier group's share
-    of the turn (`TieredLayout.tier_group_budgets`) and its tier's bytes per slot."""
+    cost (every group holds one page format), or, with precision tiers, the base groups'
+    budgets and per group the calibrated mix of its tiers' bytes per slot, ``h b_high + (1 - h)
+    b_low`` (a work item covers a byte-weighted range of both tiers of its group)."""
     if not isinstance(layout, TieredLayout):
         return layout.group_budgets, 1.0
-    per_slot = [kv_quant.page_bytes(kv_quant.page_format(t), 1, 1, model_config.head_dim,
-                                    jnp.dtype(dtype)) for t in layout.tiers]
-    budgets = layout.tier_group_budgets
-    return budgets, np.tile(np.asarray(per_slot, np.float64), (budgets.shape[0],
-                                                               budgets.shape[1] // 2))
+    high, low = (kv_quant.page_bytes(kv_quant.page_format(t), 1, 1, model_config.head_dim,
+                                     jnp.dtype(dtype)) for t in layout.tiers)
+    return layout.base.group_budgets, layout.high_share * high + (1 - layout.high_share) * low
 
 
 class _RequestFailed(Exception):
@@ -322,7 +321,7 @@ class Engine:
                                          // cfg.tensor_parallel_size,
                                          bytes_per_token=bytes_per_token) for b in buckets}
         if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
-            groups = self.layout.num_groups
+            groups = work_budgets.shape[1]
             split_maps = {b: dataclasses.replace(
                 uniform_split_map(mc.num_layers, groups, max(1, m.num_items // groups)), batch=b)
                 for b, m in split_maps.items()}

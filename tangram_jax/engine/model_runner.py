@@ -47,7 +47,6 @@ from tangram_jax import kv_quant
 from tangram_jax.engine.xla_attention import apply_chunk_writes
 from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
 from tangram_jax.pallas_kernels.chunk_compress import compress_chunk_into_tiers
-from tangram_jax.pallas_kernels.decode_attention import tiered_paged_decode_attention
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
@@ -157,7 +156,8 @@ class ModelRunner:
         `allocate_pool` (the engine sizes it after compiling the largest steps).
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
-      split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references).
+      split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references); of
+        the groups (with precision tiers the base layout's: an item reads both tiers).
       runner_config: mode and scorer settings.
       kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
         values are dequantised to.
@@ -712,10 +712,10 @@ class ModelRunner:
         [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
         Returns (out [B, 1, Hq, d], k_pages, v_pages).
 
-        tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups, work
-        a (high, low) pair), attended by the Pallas kernels (``"pallas"``: each tier's pool
-        read in its format, merged by log-sum-exp) or, on the CPU path, as one dense history.
-        The token goes to the high tier."""
+        tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups, work a
+        list of groups), attended by the Pallas decode kernel (``"pallas"``: its work items read
+        both tiers of a group, each page in its format) or, on the CPU path, as one dense
+        history. The token goes to the high tier."""
         batch = lens.shape[0]
         if tiered is None:
             k_pages, v_pages = ModelRunner._append_token(k, v, k_pages, v_pages, tables, lens)
@@ -730,8 +730,7 @@ class ModelRunner:
         seen = lens + (jnp.arange(lens.shape[1]) % 2 == 0)        # the new token is high
         qg = q[:, 0].reshape(batch, lens.shape[1] // 2, -1, q.shape[-1])
         if tiered == "pallas":
-            out = tiered_paged_decode_attention(qg, k_pages, v_pages, tables, seen,
-                                                work_lists=work)
+            out = decode_attention(qg, k_pages, v_pages, tables, seen, work)
         else:
             out = decode_attention(qg, *kv_quant.tiered_dense_history(
                 k_pages, v_pages, tables, seen, jnp.float32), None)
@@ -810,9 +809,6 @@ class ModelRunner:
         # take none (a dummy keeps the scan's inputs uniform).
         work_lists = (jnp.asarray(split_map.work_lists()) if split_map is not None
                       else jnp.zeros((layout.num_layers, 1, 3), jnp.int32))
-        if self.tiers is not None:   # one list per tier's kernel call (the map is of tier groups)
-            work_lists = (tuple(jnp.asarray(w) for w in split_map.tier_work_lists())
-                          if split_map is not None else (work_lists, work_lists))
         heads = P(None, None, AXIS, None)          # [B, 1, heads, d]: heads over the devices
         attend = self.placement.per_device(
             functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,

@@ -1,9 +1,10 @@
 """Workload split maps: how the decode attention grid's work items are cut across head groups.
 
 The decode kernel (`decode_attention.py`) runs a grid of ``(batch, item, head_in_group)``; a work
-item is one row ``(group, split, num_splits)`` of a *work list*, and covers the page-aligned share
-``split`` of ``num_splits`` of that group's pages, found at run time from the group's length. Three
-ways of making the work list feed that one kernel:
+item is one row ``(group, split, num_splits)`` of a *work list*, and covers share ``split`` of
+``num_splits`` of that group's compute blocks, cut by cost (a block of a precision tier costs
+its bytes) and found at run time from the group's lengths. Three ways of making the work list
+feed that one kernel:
 
 - `build_split_map` (Tangram, ahead of time): from the calibrated group budgets, per layer, the
   splits of group g are proportional to its expected work ``G * r_g`` times the bytes of one of
@@ -91,23 +92,6 @@ class SplitMap:
         """int32 [layers, num_items, 3]: every layer's work list (scan-friendly)."""
         return np.stack([self.work_list(layer) for layer in range(self.num_layers)])
 
-    def tier_work_lists(self) -> tuple[np.ndarray, np.ndarray]:
-        """A map over the tier groups of a `kv_layout.TieredLayout` (``2 g`` high, ``2 g + 1``
-        low) cut into the work lists of the two tiers' kernel calls: (high, low), each int32
-        [layers, items, 3] rows (group g of the base layout, split, num_splits), padded with
-        (0, 0, 0) rows (no-ops) to the most items a layer needs in that tier."""
-        if self.num_groups % 2:
-            raise ValueError(f"a tiered map has an even number of groups, got {self.num_groups}")
-        out = []
-        for tier in (0, 1):
-            rows = [[(g // 2, k, n) for g, n in enumerate(layer) if g % 2 == tier
-                     for k in range(n)] for layer in self.splits]
-            lists = np.zeros((self.num_layers, max(len(r) for r in rows), 3), np.int32)
-            for layer, r in enumerate(rows):
-                lists[layer, :len(r)] = r
-            out.append(lists)
-        return out[0], out[1]
-
 
 def _min_max_apportion(weights: np.ndarray, total: int, cap: int) -> list[int]:
     """Integers s >= 1, s <= cap, sum <= total, minimising max(weights / s) (greedy is optimal)."""
@@ -135,7 +119,8 @@ def build_split_map(group_budgets: np.ndarray, num_programs: int, batch: int = 1
     the bytes a group's share reads, ``G * r_g * bytes_per_token_g`` (min-max apportionment of
     `items_per_row(...)` items, each group >= 1 split, at most `max_splits`).
     bytes_per_token: KV bytes one retained token of a group costs (a scalar, or [layers,
-    groups] when groups hold pages of different precisions, `kv_quant.page_bytes` per slot);
+    groups] when groups hold pages of different precisions, `kv_quant.page_bytes` per slot;
+    with precision tiers a group's mix of its tiers' bytes, `llm_engine.decode_work_weights`);
     decode attention is bound by the bytes it reads, not the tokens. A scalar leaves the map
     as the budgets alone make it.
     """

@@ -239,6 +239,13 @@ class KVCacheManager:
         return self._counts(np.array([p.num_used for p in self.pools]))
 
     @property
+    def fullest_pool_use(self) -> float:
+        """Fraction of its pages in use of the fullest tier's pool (the pool's, untiered): what
+        admission and decode growth run out of first (a tiered pool is full when one tier
+        is)."""
+        return max(p.num_used / max(p.capacity, 1) for p in self.pools)
+
+    @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
@@ -604,6 +611,7 @@ class KVCacheManager:
             "pages_total": total,
             "pages_used": used,
             "pool_utilisation": used / total,
+            "fullest_pool_utilisation": self.fullest_pool_use,
             # Per tier's pool (one entry untiered): a tiered pool is full when one tier is.
             "tiers": {name: {"pages_total": p.capacity, "pages_used": p.num_used}
                       for name, p in zip(self.tier_names, self.pools)},

@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (`/metrics`, text exposition format).
 
-Counters and histograms are updated as requests end; gauges (live requests, KV pool use and the
-bytes the cached sequences hold against full KV) are read from the engine when scraped. Each
+Counters and histograms are updated as requests end; gauges (live requests, KV pool use (the
+fullest tier's pool, and each tier's) and the bytes the cached sequences hold against full KV)
+are read from the engine when scraped. Each
 server has its own registry, so several servers in one process do not collide.
 """
 
@@ -36,8 +37,12 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.live = Gauge("tangram_num_requests_live", "Requests admitted and not yet ended",
                           registry=r)
-        self.pool = Gauge("tangram_kv_pool_pages_used_ratio", "Fraction of KV pool pages in use",
-                          registry=r)
+        self.pool = Gauge("tangram_kv_pool_pages_used_ratio", "Fraction of KV pool pages in use "
+                          "(with precision tiers: of the fullest tier's pool, the one that stops "
+                          "admission)", registry=r)
+        self.tier_pool = Gauge("tangram_kv_tier_pool_pages_used_ratio", "Fraction of each tier's "
+                               "KV pool pages in use (tier: its page format; 'pages' untiered)",
+                               ["tier"], registry=r)
         self.kv_held = Gauge("tangram_kv_bytes_held", "KV bytes the cached sequences hold",
                              registry=r)
         self.kv_full = Gauge("tangram_kv_full_bytes", "KV bytes the same tokens take uncompressed",
@@ -66,7 +71,10 @@ class ServerMetrics:
         self.live.set(self.async_engine.num_live_requests)
         if self.async_engine.is_alive:
             usage = await self.async_engine.call(lambda engine: engine.kv_usage())
-            self.pool.set(usage["pages_used"] / max(1, usage["pages_total"]))
+            self.pool.set(usage["fullest_pool_utilisation"])
+            for tier, pages in usage["tiers"].items():
+                self.tier_pool.labels(tier=tier).set(pages["pages_used"] /
+                                                     max(1, pages["pages_total"]))
             self.kv_held.set(usage["kv_bytes_held"])
             self.kv_full.set(usage["full_kv_bytes"])
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
