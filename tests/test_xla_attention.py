@@ -22,49 +22,13 @@ def _pool(rng, rows, groups, group_size, width):
     return jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(tables, jnp.int32)
 
 
-@pytest.mark.parametrize("group_size,q_per_kv,row_lens", [(1, 3, [5, 0, 7]), (2, 2, [9]),
-                                                         (3, 1, [3, 6])])
-def test_prefill_matches_reference(group_size, q_per_kv, row_lens):
-    rng = np.random.default_rng(len(row_lens) * 10 + group_size)
-    kv_heads, width = 3 * group_size, 3
-    groups = kv_heads // group_size
-    rows = len(row_lens)
-    starts = np.cumsum([0] + row_lens[:-1]).astype(np.int32)
-    n = sum(row_lens) + 3                                  # 3 padding tokens at the end
+def _check_prefill(rng, group_size, q_per_kv, row_lens, starts, n, width, tuning=None):
+    """The XLA prefill against the reference on random rows at `starts` of a flat axis of n."""
+    kv_heads = 3 * group_size
+    groups, rows = kv_heads // group_size, len(row_lens)
     hist = rng.integers(0, width * PAGE + 1, size=(rows, groups)).astype(np.int32)
     hist[0, 0] = 0                                         # a group with no history
     k_pages, v_pages, tables = _pool(rng, rows, groups, group_size, width)
-    q = jnp.asarray(rng.normal(size=(n, kv_heads * q_per_kv, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
-    args = (q, k, v, k_pages, v_pages, tables, jnp.asarray(hist), jnp.asarray(starts),
-            jnp.asarray(row_lens, jnp.int32))
-    out, lse = ragged_prefill_attention_xla(*args)
-    ref, ref_lse = ragged_prefill_attention_reference(*args)
-    inside = np.zeros(n, bool)
-    for s, ln in zip(starts, row_lens):
-        inside[s:s + ln] = True
-    np.testing.assert_allclose(np.asarray(out)[inside], np.asarray(ref)[inside], rtol=1e-4,
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse)[:, inside], np.asarray(ref_lse)[:, inside],
-                               rtol=1e-4, atol=1e-5)
-    assert np.isneginf(np.asarray(lse)[:, ~inside]).all()     # tokens of no row
-    assert (np.asarray(out)[~inside] == 0).all()
-
-
-def test_prefill_of_aligned_rows_reads_each_rows_history_per_tile():
-    """Rows packed at the row alignment (as the runner packs them): each query tile reads its
-    own row's history; a row of several tiles, a one-token row and a padding tile."""
-    from tangram_jax.pallas_kernels.prefill_attention import PrefillTuning, pack_rows
-    tuning = PrefillTuning(block_q=16, block_k=16)
-    rng = np.random.default_rng(7)
-    group_size, q_per_kv, width = 1, 3, 5
-    kv_heads = groups = 3
-    row_lens = [37, 1, 16]                                 # 3 tiles, 1 tile, exactly 1 tile
-    starts, used = pack_rows(row_lens, 16)
-    n = used + 16                                          # a padding tile
-    hist = rng.integers(0, width * PAGE + 1, size=(len(row_lens), groups)).astype(np.int32)
-    k_pages, v_pages, tables = _pool(rng, len(row_lens), groups, group_size, width)
     q = jnp.asarray(rng.normal(size=(n, kv_heads * q_per_kv, D)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(n, kv_heads, D)), jnp.float32)
@@ -79,8 +43,27 @@ def test_prefill_of_aligned_rows_reads_each_rows_history_per_tile():
                                atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse)[:, inside], np.asarray(ref_lse)[:, inside],
                                rtol=1e-4, atol=1e-5)
-    assert np.isneginf(np.asarray(lse)[:, ~inside]).all()
+    assert np.isneginf(np.asarray(lse)[:, ~inside]).all()     # tokens of no row
     assert (np.asarray(out)[~inside] == 0).all()
+
+
+@pytest.mark.parametrize("group_size,q_per_kv,row_lens", [(1, 3, [5, 0, 7]), (2, 2, [9]),
+                                                         (3, 1, [3, 6])])
+def test_prefill_matches_reference(group_size, q_per_kv, row_lens):
+    """Rows at any offsets (one-token tiles)."""
+    starts = np.cumsum([0] + row_lens[:-1]).astype(np.int32)
+    _check_prefill(np.random.default_rng(len(row_lens) * 10 + group_size), group_size, q_per_kv,
+                   row_lens, starts, sum(row_lens) + 3, width=3)   # 3 padding tokens at the end
+
+
+def test_prefill_of_aligned_rows_reads_each_rows_history_per_tile():
+    """Rows packed at the row alignment (as the runner packs them): each query tile reads its
+    own row's history; a row of several tiles, a one-token row and a padding tile."""
+    from tangram_jax.pallas_kernels.prefill_attention import PrefillTuning, pack_rows
+    row_lens = [37, 1, 16]                                 # 3 tiles, 1 tile, exactly 1 tile
+    starts, used = pack_rows(row_lens, 16)
+    _check_prefill(np.random.default_rng(7), 1, 3, row_lens, starts, used + 16, width=5,
+                   tuning=PrefillTuning(block_q=16, block_k=16))
 
 
 @pytest.mark.parametrize("group_size,q_per_kv", [(1, 3), (2, 2), (4, 1)])
