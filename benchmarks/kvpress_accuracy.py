@@ -15,6 +15,11 @@ How kvpress compresses, and how that differs from the engine:
   question, the answers and every later turn are appended uncompressed afterwards (its default
   question-agnostic mode, as in its own pipeline). SnapKV's observation window is therefore the
   last 64 tokens of the context, not the question.
+- `--question-aware` adds each press with the first question inside the compressed prefill
+  (mode `<press>+question`): the context and the first turn's question, up to its last token, are
+  compressed together, so SnapKV's window holds the question, as the engine's whole-turn chunks
+  (2048 tokens >= every first turn here) score it; later turns are appended uncompressed as in
+  the question-agnostic mode.
 - The engine compresses each turn chunk by chunk (`chunk_size` tokens) as it prefills, scoring
   each chunk with that chunk's last queries; how the current question is kept uncompressed until
   it is answered is the engine's retention rule (see `kv_layout.py`).
@@ -52,9 +57,10 @@ PRESSES = ("snapkv", "adakv_snapkv", "expected_attention", "streaming_llm")
 
 
 class PressSpec:
-    def __init__(self, mode: str, ratio: float):
-        self.mode, self.ratio = mode, ratio
-        self.label = "full" if mode == "full" else f"{mode}@{ratio:g}"
+    def __init__(self, mode: str, ratio: float, question_aware: bool = False):
+        self.mode, self.ratio, self.question_aware = mode, ratio, question_aware
+        self.mode_name = mode + ("+question" if question_aware else "")
+        self.label = "full" if mode == "full" else f"{self.mode_name}@{ratio:g}"
 
 
 def make_press(name: str, keep_ratio: float):
@@ -76,7 +82,7 @@ class Session:
     """One sample's chat on one (possibly compressed) cache; `pos` counts every token fed (the
     position of the next one), whatever the press removed."""
 
-    def __init__(self, model, tokenizer, sample, press):
+    def __init__(self, model, tokenizer, sample, press, question_aware: bool = False):
         import torch
         from transformers import DynamicCache
 
@@ -87,14 +93,19 @@ class Session:
             [{"role": "user", "content": sample.context + sep}], add_generation_prompt=True,
             tokenize=False)
         context_text, self.first_suffix = text.split(sep)
-        context_ids = tokenizer.encode(context_text, add_special_tokens=False,
-                                       return_tensors="pt").to(model.device)
+        self.pending: list[int] = []   # generated but not yet fed (the last answer token)
+        self.first_turn_held: list[int] | None = None
+        ids = tokenizer.encode(context_text, add_special_tokens=False)
+        if question_aware:   # the first question joins the compressed prefill, but its last token
+            self.first_turn_held = []
+            first = self.turn_ids(0)
+            ids, self.first_turn_held = ids + first[:-1], first[-1:]
+        context_ids = torch.tensor([ids], device=model.device)
         self.cache = DynamicCache()
         with torch.no_grad(), (press(model) if press is not None else _nullcontext()):
             model.model(input_ids=context_ids, past_key_values=self.cache)
         self.pos = context_ids.shape[1]
         self.context_tokens = self.pos
-        self.pending: list[int] = []   # generated but not yet fed (the last answer token)
 
     def clone(self) -> "Session":
         other = copy.copy(self)
@@ -107,6 +118,8 @@ class Session:
         encode = lambda t: self.tok.encode(t, add_special_tokens=False)  # noqa: E731
         prefix = answer_prefix_ids(encode, self.sample.turns[turn].answer_prefix)
         if turn == 0:
+            if self.first_turn_held is not None and len(self.first_turn_held):
+                return list(self.first_turn_held)   # the rest is in the compressed prefill
             return encode("\n\n" + q + self.first_suffix) + prefix
         closing, opening = followup_text(
             lambda m, g: self.tok.apply_chat_template(m, add_generation_prompt=g, tokenize=False),
@@ -161,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--ratios", default="0.5,0.25", help="keep ratios")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-kl", action="store_true")
+    p.add_argument("--question-aware", choices=("no", "yes", "both"), default="no",
+                   help="presses with the first question inside the compressed prefill: no, "
+                        "yes (only those), both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--out", default=str(RESULTS / "accuracy_kvpress.json"))
@@ -189,8 +205,10 @@ def main(argv=None) -> int:
     samples = [group[i] for i in range(max(map(len, per_task))) for group in per_task
                if i < len(group)]
     ratios = [float(r) for r in args.ratios.split(",") if r]
-    specs = [PressSpec("full", 1.0)] + [PressSpec(name, r) for name in args.presses.split(",")
-                                        if name for r in ratios]
+    aware = {"no": (False,), "yes": (True,), "both": (False, True)}[args.question_aware]
+    specs = [PressSpec("full", 1.0)] + [PressSpec(name, r, qa) for qa in aware
+                                        for name in args.presses.split(",") if name
+                                        for r in ratios]
     judged = {s.label: {} for s in specs}
     t0 = time.perf_counter()
     for i, sample in enumerate(samples):
@@ -203,7 +221,8 @@ def main(argv=None) -> int:
             judged["full"][(sample.id, turn)] = _Judged(
                 is_correct(sample.turns[turn].answer, tok.decode(tokens, skip_special_tokens=True)))
         for spec in specs[1:]:
-            session = Session(model, tok, sample, make_press(spec.mode, spec.ratio))
+            session = Session(model, tok, sample, make_press(spec.mode, spec.ratio),
+                              question_aware=spec.question_aware)
             forced_session = None if args.no_kl else session.clone()
             for turn in range(len(sample.turns)):
                 tokens, _ = session.answer(turn, args.max_tokens, eos)
