@@ -12,6 +12,7 @@ from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+from tiny_engine import prefill_then_decode
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
@@ -29,28 +30,9 @@ def run_steps(layer_loop: str, max_pages: int = 16, whole_table: bool = False):
     if whole_table:   # what the Pallas kernels get: every column of the block table
         runner._table_width = lambda max_tokens: max_pages
     assert runner.layer_loop == layer_loop
-    slot = manager.allocate_slot()
     tokens = np.random.default_rng(0).integers(1, 97, 27)
-    assert manager.reserve(slot, len(tokens))
-    runner.update_block_tables(*manager.take_table_updates())
-    logits = []
-    for start in (0, 16):
-        chunk = tokens[start:start + 16]
-        out, kept = runner.prefill_chunk(chunk, start, slot, manager.lengths[slot])
-        np.testing.assert_array_equal(kept, LAYOUT.chunk_keep_counts(len(chunk)))
-        manager.commit_prefill(slot, len(chunk))
-        logits.append(np.asarray(out))
-    greedy = (np.zeros(1, np.float32), np.full(1, -1, np.int32), np.ones(1, np.float32),
-              np.zeros(1, np.uint32), np.zeros(1, np.int32))
-    first = runner.sample(logits[-1:], [slot], *greedy)
-    decoded = [int(first[0])]
-    for step in range(3):
-        assert manager.grow_for_decode(np.array([slot])).all()
-        runner.update_block_tables(*manager.take_table_updates())
-        out = runner.decode(np.array([len(tokens) + step]), np.array([slot]),
-                            manager.lengths[[slot]] - 1, *greedy)   # growth counted the token
-        decoded.append(int(out[0]))
-    return np.stack(logits), decoded, np.asarray(runner.k_pages)
+    logits, decoded, _ = prefill_then_decode(runner, manager, LAYOUT, tokens)
+    return logits, decoded, np.asarray(runner.k_pages)
 
 
 def test_unrolled_layers_equal_the_scan():

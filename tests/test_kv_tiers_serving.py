@@ -18,7 +18,7 @@ from tangram_jax.kv_layout import KVLayout, TieredLayout
 from tangram_jax.pallas_kernels import chunk_compress, decode_attention
 from tangram_jax.pallas_kernels.split_map import build_split_map
 
-from tiny_engine import build_tiny_model, tiny_engine_config, tiny_profile
+from tiny_engine import build_tiny_model, prefill_then_decode, tiny_engine_config, tiny_profile
 
 G, PS, D = 2, 4, 16
 
@@ -301,31 +301,11 @@ def _tiered_runner_steps(use_kernels: bool):
                          runner_config=RunnerConfig(layer_loop="scan"),
                          kv_precision="k8v4-k4v2",
                          ops=AttentionOps.for_backend(use_kernels=use_kernels))
-    slot = manager.allocate_slot()
     tokens = np.random.default_rng(0).integers(1, 97, 27)
-    assert manager.reserve(slot, len(tokens))
-    runner.update_block_tables(*manager.take_table_updates())
-    logits = []
-    for start in (0, 16):
-        chunk = tokens[start:start + 16]
-        protected = tiered.chunk_protected(len(tokens), start, len(chunk))
-        out, kept = runner.prefill_chunk(chunk, start, slot, manager.lengths[slot], protected)
-        np.testing.assert_array_equal(kept, tiered.chunk_keep_counts(len(chunk), protected))
-        manager.commit_prefill(slot, len(chunk), start=start, turn_len=len(tokens))
-        logits.append(np.asarray(out))
-    np.testing.assert_array_equal(manager.lengths[slot], tiered.retained_counts(len(tokens)))
-    greedy = (np.zeros(1, np.float32), np.full(1, -1, np.int32), np.ones(1, np.float32),
-              np.zeros(1, np.uint32), np.zeros(1, np.int32))
-    decoded = [int(runner.sample(logits[-1:], [slot], *greedy)[0])]
-    for step in range(3):
-        assert manager.grow_for_decode(np.array([slot])).all()
-        runner.update_block_tables(*manager.take_table_updates())
-        out = runner.decode(np.array([len(tokens) + step]), np.array([slot]),
-                            manager.decode_write_lengths(np.array([slot])), *greedy)
-        decoded.append(int(out[0]))
+    logits, decoded, _ = prefill_then_decode(runner, manager, tiered, tokens, as_one_turn=True)
     pools = [np.asarray(kv_quant.dequantise_pages(p, jnp.float32))
              for pages in (runner.k_pages, runner.v_pages) for p in (pages.high, pages.low)]
-    return np.stack(logits), decoded, pools
+    return logits, decoded, pools
 
 
 def test_tiered_runner_on_kernels_matches_the_cpu_path():

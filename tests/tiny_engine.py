@@ -109,3 +109,39 @@ def tiny_engine_config(folder: str | Path, mode: str, **overrides):
     elif mode == "dynamic":
         kwargs.setdefault("ratio", 0.5)
     return EngineConfig(**kwargs)
+
+
+def prefill_then_decode(runner, manager, layout, tokens, *, as_one_turn: bool = False,
+                        chunk: int = 16, decode_steps: int = 3):
+    """Reserve a slot for `tokens`, prefill them through `runner` in `chunk`-token pieces and
+    decode `decode_steps` greedy tokens. With `as_one_turn` the pieces are one turn (the layout's
+    protected tail, `commit_prefill` told the turn, the retained counts checked against the
+    layout's); otherwise each piece is committed alone.
+    Returns (each piece's last logits [pieces, vocab], [first sampled token, decoded ...], the
+    slot)."""
+    slot = manager.allocate_slot()
+    assert manager.reserve(slot, len(tokens))
+    runner.update_block_tables(*manager.take_table_updates())
+    logits = []
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start:start + chunk]
+        protected = layout.chunk_protected(len(tokens), start, len(piece)) if as_one_turn else 0
+        out, kept = runner.prefill_chunk(piece, start, slot, manager.lengths[slot], protected)
+        np.testing.assert_array_equal(kept, layout.chunk_keep_counts(len(piece), protected))
+        if as_one_turn:
+            manager.commit_prefill(slot, len(piece), start=start, turn_len=len(tokens))
+        else:
+            manager.commit_prefill(slot, len(piece))
+        logits.append(np.asarray(out))
+    if as_one_turn:   # the turn's pieces together retain what the layout's rule says
+        np.testing.assert_array_equal(manager.lengths[slot], layout.retained_counts(len(tokens)))
+    greedy = (np.zeros(1, np.float32), np.full(1, -1, np.int32), np.ones(1, np.float32),
+              np.zeros(1, np.uint32), np.zeros(1, np.int32))
+    decoded = [int(runner.sample(logits[-1:], [slot], *greedy)[0])]
+    for step in range(decode_steps):
+        assert manager.grow_for_decode(np.array([slot])).all()
+        runner.update_block_tables(*manager.take_table_updates())
+        out = runner.decode(np.array([len(tokens) + step]), np.array([slot]),
+                            manager.decode_write_lengths(np.array([slot])), *greedy)
+        decoded.append(int(out[0]))
+    return np.stack(logits), decoded, slot
