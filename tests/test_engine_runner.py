@@ -24,11 +24,11 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, group_size=1, page_s
                   group_budgets=np.array([[0.5, 1.0], [0.25, 0.75], [1.0, 0.5]]))
 
 
-def run_steps(layer_loop: str, max_pages: int = 16, whole_table: bool = False):
+def run_steps(layer_loop: str, max_pages: int = 16, table_width: int | None = None):
     manager = KVCacheManager(LAYOUT, 64, 2, max_pages, model_kv_shape=(3, 2, 8))
     runner = make_runner(manager, layer_loop)
-    if whole_table:   # what the Pallas kernels get: every column of the block table
-        runner._table_width = lambda max_tokens: max_pages
+    if table_width is not None:   # attention given only these columns of the block table
+        runner._table_width = lambda max_tokens: table_width
     assert runner.layer_loop == layer_loop
     tokens = np.random.default_rng(0).integers(1, 97, 27)
     logits, decoded, _ = prefill_then_decode(runner, manager, LAYOUT, tokens)
@@ -43,21 +43,21 @@ def test_unrolled_layers_equal_the_scan():
     np.testing.assert_allclose(unrolled_pages, scan_pages, rtol=1e-5, atol=1e-5)
 
 
-def test_reference_path_reads_only_the_columns_the_batch_holds():
-    """On the CPU the references gather every column they are given: the runner passes the
-    width the rows' lengths need (a power of two, >= 16 pages), with the same results as the
-    whole table of a long max_model_len."""
-    manager = KVCacheManager(LAYOUT, 64, 2, 64, model_kv_shape=(3, 2, 8))
+def test_cpu_path_takes_the_whole_table_and_reads_only_the_blocks_the_rows_hold():
+    """The CPU path's attention walks a row's block table in blocks of `HISTORY_BLOCK_PAGES`
+    and skips the blocks past its length: the runner passes the whole table (one compiled
+    width), with the same results as a table cut to the pages the rows hold."""
+    from tangram_jax.engine.xla_attention import HISTORY_BLOCK_PAGES
+    max_pages = 2 * HISTORY_BLOCK_PAGES
+    manager = KVCacheManager(LAYOUT, 64, 2, max_pages, model_kv_shape=(3, 2, 8))
     runner = make_runner(manager)
-    assert runner._table_width(30) == 16            # 8 pages of 4 tokens -> the floor, 16
-    assert runner._table_width(4 * 17) == 32
-    assert runner._table_width(10_000) == 64        # capped at the table
-    narrow = run_steps("scan", max_pages=64)
-    whole = run_steps("scan", max_pages=64, whole_table=True)
-    # (Softmax sums over fewer masked columns: equal up to float32 summation order.)
-    np.testing.assert_allclose(narrow[0], whole[0], rtol=1e-5, atol=1e-5)
+    assert runner._table_width(30) == runner._table_width(10_000) == max_pages
+    assert runner._table_widths() == [max_pages]
+    whole = run_steps("scan", max_pages=max_pages)
+    narrow = run_steps("scan", max_pages=max_pages, table_width=8)   # 30 tokens: 8 pages
+    np.testing.assert_array_equal(narrow[0], whole[0])
     assert narrow[1] == whole[1]
-    np.testing.assert_allclose(narrow[2], whole[2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(narrow[2], whole[2])
 
 
 def test_unknown_layer_loop_is_refused():

@@ -79,3 +79,24 @@ def test_decode_matches_reference(group_size, q_per_kv):
     ref = np.asarray(ragged_paged_decode_attention_reference(*args))
     np.testing.assert_allclose(out[:2], ref[:2], rtol=1e-4, atol=1e-5)
     assert (out[2] == 0).all()
+
+
+def test_history_longer_than_a_block_is_read_block_by_block():
+    """Tables wider than `HISTORY_BLOCK_PAGES`: histories ending in the first, second and third
+    block, merged by their maxima (online softmax), equal the reference's one softmax; a padded
+    decode row (length 0) reads no block and gives 0."""
+    from tangram_jax.engine.xla_attention import HISTORY_BLOCK_PAGES
+    width = 2 * HISTORY_BLOCK_PAGES + 3
+    rng = np.random.default_rng(11)
+    _check_prefill(rng, 1, 3, [6, 4], np.array([0, 6], np.int32), 12, width=width)
+    batch, groups, group_size = 4, 2, 2
+    k_pages, v_pages, tables = _pool(rng, batch, groups, group_size, width)
+    block = HISTORY_BLOCK_PAGES * PAGE
+    lengths = np.array([[5, block + 3], [2 * block + 7, width * PAGE], [block, 1], [0, 0]],
+                       np.int32)
+    q = jnp.asarray(rng.normal(size=(batch, groups, group_size * 3, D)), jnp.float32)
+    args = (q, k_pages, v_pages, tables, jnp.asarray(lengths))
+    out = np.asarray(ragged_paged_decode_attention_xla(*args))
+    ref = np.asarray(ragged_paged_decode_attention_reference(*args))
+    np.testing.assert_allclose(out[:3], ref[:3], rtol=1e-4, atol=1e-5)
+    assert (out[3] == 0).all()

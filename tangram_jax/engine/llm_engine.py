@@ -159,7 +159,7 @@ class _InFlightToken(NamedTuple):
 def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                        max_prefill_rows: int,
                        prompt_logprobs: dict[str, dict[int, TokenLogprobs]] | None = None,
-                       ) -> tuple[list, dict[str, np.ndarray]]:
+                       decode: dict | None = None) -> tuple:
     """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
     `max_prefill_rows` rows.
 
@@ -174,6 +174,8 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
     of their pieces also computes, on the device, every position's log-probabilities of the
     prompt token that follows it, and ``[request id][position]`` receives that token's entry
     (a `TokenLogprobs` of numpy scalars / [MAX_TOP_LOGPROBS] rows; a replayed piece overwrites).
+    decode: the step's decode rows (`ModelRunner.decode`'s keyword arguments), run with the
+    last call (one program where the runner `mixes_steps`); its result is then a third item.
     """
     layout = runner.layout
     dynamic = runner.runner_config.mode == "dynamic"
@@ -190,7 +192,7 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
             due = [p for p in pieces if p.start + offset < p.end]
             calls += [(offset, due[i:i + max_prefill_rows])
                       for i in range(0, len(due), max_prefill_rows)]
-    for offset, rows in calls:
+    for index, (offset, rows) in enumerate(calls):
         starts = [p.start + offset for p in rows]
         ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
         # What each chunk keeps whole: the protected tail of its turn (pieces start on the chunk
@@ -204,10 +206,13 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                                                    for p in rows)
         targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
             if want else None
+        with_decode = decode if index == len(calls) - 1 else None
         logits, kept, *lp_rows = runner.prefill(
             [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
             starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected, targets)
+            protected, targets, decode=with_decode)
+        if with_decode is not None:
+            decoded = lp_rows.pop()
         for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):
             record = prompt_logprobs.get(p.seq.request_id)
             for i in (np.flatnonzero(t >= 0) if record is not None else ()):
@@ -223,7 +228,9 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                 hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
             if end == p.end and p.is_last:
                 finished.append((p, logits[b]))
-    return finished, hist
+    if decode is None:
+        return finished, hist
+    return finished, hist, decoded if calls else runner.decode(**decode)
 
 
 def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -736,23 +743,26 @@ class Engine:
 
     def _dispatch(self, out) -> list[_InFlightToken]:
         """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
-        first_logits, first_reqs, reclaim = self._prefill(out.prefill_chunks)
         decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
-        pending: list[tuple[_Request, jax.Array, int, TokenLogprobs | None]] = []
+        decode = None
         if decode_reqs:
             n, bucket = len(decode_reqs), out.decode_bucket
             positions = np.zeros(bucket, np.int32)
             steps = np.zeros(bucket, np.int32)
             positions[:n] = [r.seq.num_tokens - 1 for r in decode_reqs]
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
-            mode = self._logprob_mode(decode_reqs)
-            result = self.runner.decode(positions, out.decode_slots,
-                                        self.manager.decode_write_lengths(out.decode_slots),
-                                        *self._sampling_arrays(decode_reqs, bucket), steps,
-                                        forced_tokens=self._forced_tokens(decode_reqs, bucket),
-                                        logprobs=mode,
-                                        adjust=self._logits_adjust(decode_reqs, bucket))
-            tokens, lp = result if mode is not None else (result, None)
+            temperature, top_k, top_p, seeds = self._sampling_arrays(decode_reqs, bucket)
+            decode = dict(positions=positions, slots=out.decode_slots,
+                          lengths=self.manager.decode_write_lengths(out.decode_slots),
+                          temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
+                          steps=steps, forced_tokens=self._forced_tokens(decode_reqs, bucket),
+                          logprobs=self._logprob_mode(decode_reqs),
+                          adjust=self._logits_adjust(decode_reqs, bucket))
+        # The decode rows run with the step's last prefill call (one program on the CPU path).
+        first_logits, first_reqs, reclaim, result = self._prefill(out.prefill_chunks, decode)
+        pending: list[tuple[_Request, jax.Array, int, TokenLogprobs | None]] = []
+        if decode_reqs:
+            tokens, lp = result if decode["logprobs"] is not None else (result, None)
             pending += [(r, tokens, i, lp) for i, r in enumerate(decode_reqs)]
             self.tokens_processed += n
         if first_reqs:
@@ -812,16 +822,18 @@ class Engine:
         forced[:len(reqs)] = [r.forced_token() for r in reqs]
         return forced
 
-    def _prefill(self, pieces) -> tuple[list[jax.Array], list[_Request],
-                                        dict[str, np.ndarray] | None]:
-        """Run this step's prefill pieces (`run_prefill_pieces`).
-        Returns the last logits [V] and requests of pieces that end their prompt, and each
-        piece's retained lengths after compression in dynamic mode (None otherwise)."""
+    def _prefill(self, pieces, decode: dict | None = None) -> tuple:
+        """Run this step's prefill pieces (`run_prefill_pieces`) and its decode rows (`decode`:
+        `ModelRunner.decode`'s keyword arguments, or None).
+        Returns the last logits [V] and requests of pieces that end their prompt, each
+        piece's retained lengths after compression in dynamic mode (None otherwise), and the
+        decode's result (None without decode rows)."""
         wanted = {p.seq.request_id: self._requests[p.seq.request_id].prompt_lp for p in pieces
                   if self._requests[p.seq.request_id].params.prompt_logprobs is not None
                   and self._requests[p.seq.request_id].prompt_lp_entries is None}
-        finished, hist = run_prefill_pieces(self.runner, self.manager, pieces,
-                                            self.config.max_prefill_rows, wanted or None)
+        finished, hist, *decoded = run_prefill_pieces(
+            self.runner, self.manager, pieces, self.config.max_prefill_rows, wanted or None,
+            decode)
         self.tokens_processed += sum(p.num_tokens for p in pieces)
         logits, reqs = [], []
         for p, row in finished:
@@ -833,7 +845,8 @@ class Engine:
                 child.prompt_lp = dict(req.prompt_lp)
             logits += [row] * (1 + len(children))
             reqs += [req, *children]
-        return logits, reqs, hist if self.config.mode == "dynamic" else None
+        return (logits, reqs, hist if self.config.mode == "dynamic" else None,
+                decoded[0] if decoded else None)
 
     def warmup(self, *, logprobs: bool = False) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling,

@@ -274,6 +274,8 @@ class ModelRunner:
         self._decode = jax.jit(self._decode_impl,
                                static_argnames=("split_map", "logprobs", "table_width"),
                                donate_argnums=(2, 3, 4))
+        self._mixed = jax.jit(self._mixed_impl, static_argnames=("table_width", "logprobs"),
+                              donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
 
@@ -389,7 +391,8 @@ class ModelRunner:
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
                 num_protected: list[int] | None = None,
-                prompt_targets: list[np.ndarray] | None = None) -> tuple:
+                prompt_targets: list[np.ndarray] | None = None,
+                decode: dict | None = None) -> tuple:
         """Run one prefill row for each of several sequences in one call (a ragged batch: the
         GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
 
@@ -407,6 +410,12 @@ class ModelRunner:
         `kept` is the layout's keep rule for each row (``chunk_keep_counts(n_b, num_protected[b])``
         for a chunk, n_b for a whole row). With `prompt_targets` a third item: each row's
         log-probabilities of its targets (see `_run_prefill`).
+
+        decode: a decode step to run with this call (the keyword arguments of `decode`; its
+        rows are other sequences than these). Where the runner `mixes_steps` and no
+        prompt_targets are asked, both run as one program (`_mixed_impl`: one pass over the
+        weights and the layers); otherwise the prefill, then the decode. Its result (`decode`'s
+        return value) is then the last item of the returned tuple.
         """
         n_rows = len(tokens)
         if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
@@ -426,8 +435,37 @@ class ModelRunner:
         if prompt_targets is not None and [len(t) for t in prompt_targets] != \
                 [len(t) for t in tokens]:
             raise ValueError("prompt_targets needs one target per token of every row")
-        return self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected,
-                                 prompt_targets)
+        if decode is not None and self.mixes_steps and prompt_targets is None:
+            return self._run_mixed(tokens, start_positions, slots, hist_lengths, num_protected,
+                                   decode)
+        out = self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected,
+                                prompt_targets)
+        return out if decode is None else (*out, self.decode(**decode))
+
+    def _run_mixed(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                   decode: dict) -> tuple:
+        """`prefill` of these rows and `decode(**decode)` as one program (`_mixed_impl`)."""
+        decode = dict(decode)
+        positions, d_slots, lengths = (decode.pop(k) for k in ("positions", "slots", "lengths"))
+        sampling = [decode.pop(k) for k in ("temperature", "top_k", "top_p", "seeds", "steps")]
+        logprobs = decode.pop("logprobs", None)
+        forced, adjust = decode.pop("forced_tokens", None), decode.pop("adjust", None)
+        if decode:
+            raise ValueError(f"unknown decode arguments {sorted(decode)}")
+        if set(int(s) for s in slots) & set(int(s) for s in d_slots if s != self.null_slot):
+            raise ValueError("a mixed step's prefill and decode rows must be distinct sequences")
+        prefill_args, prefill_static = self._prefill_args(
+            tokens, start_positions, slots, hist_lengths, num_protected, None, self.k_pages,
+            self.v_pages)
+        decode_args, decode_static = self._decode_call(
+            self.k_pages, self.v_pages, positions, d_slots, lengths, *sampling, forced,
+            logprobs, adjust)
+        # One width for both parts: where steps mix it is the whole table (`_table_width`).
+        prefill_static = dict(prefill_static, table_width=max(
+            prefill_static["table_width"], decode_static["table_width"]))
+        logits, kept, next_tokens, lp = self._call_mixed(prefill_args, prefill_static,
+                                                         decode_args, decode_static)
+        return logits, kept, (next_tokens if logprobs is None else (next_tokens, lp))
 
     def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected,
                      prompt_targets=None):
@@ -532,22 +570,16 @@ class ModelRunner:
                                     [num_protected])
         return logits[0], kept[0]
 
-    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
-                      row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
-                      work_items, targets=None, *, table_width):
-        """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
-        slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
-        items, 5]; table_width: static, the block-table columns attention reads (see
-        `_table_width`, `_prefill_args`). Returns (k_pages, v_pages, logits, kept[, lp]), or
-        with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
-        writes for `_apply_writes`."""
-        model = nnx.merge(self.graphdef, state)
-        rows, n = row_starts.shape[0], tokens.shape[0]
+    def _prefill_layer_attention(self, rows: int, n: int, k_pages) -> Callable:
+        """One layer's prefill attention, compression scoring and KV write for `rows` rows over
+        a flat axis of `n` tokens (run per device): ``attend(q, k, v, k_pages, v_pages, tables,
+        write_tables, hist, keep, items, row_starts, row_lens, num_protected, positions) ->
+        (out [n, Hq, d], k_pages, v_pages, kept [rows, groups], planned writes)``."""
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
 
         planned = self.plans_prefill_writes
-        num_pages = k_pages.shape[0]
+        num_pages = k_pages.shape[0] if planned else None
         tiered = self.tiers is not None
 
         def write(k_chunk, v_chunk, scores, keep_b, chunk_len, k_pages, v_pages, table, hist_b,
@@ -622,6 +654,22 @@ class ModelRunner:
             + (P(),) * 9,
             out_specs=(heads, self._pool_spec, self._pool_spec, P(), []))
 
+        return attend
+
+    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
+                      row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
+                      work_items, targets=None, *, table_width):
+        """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
+        slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
+        items, 5]; table_width: static, the block-table columns attention reads (see
+        `_table_width`, `_prefill_args`). Returns (k_pages, v_pages, logits, kept[, lp]), or
+        with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
+        writes for `_apply_writes`."""
+        model = nnx.merge(self.graphdef, state)
+        rows, n = row_starts.shape[0], tokens.shape[0]
+        planned = self.plans_prefill_writes
+        attend = self._prefill_layer_attention(rows, n, k_pages)
+
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
             # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 2, [I, 5]
@@ -635,12 +683,10 @@ class ModelRunner:
             return (h, k_pages, v_pages), (kept, plans or None)
 
         h = model.embed(tokens[None])                    # [1, N, hidden]
-        per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         (h, k_pages, v_pages), (kept, plans) = self._over_layers(
             layer_step, (h, k_pages, v_pages),
-            (layer_states, per_layer(all_tables[slots][..., :table_width]),
-             per_layer(all_tables[slots] if planned else all_tables[slots][..., :table_width]),
-             per_layer(hist_lengths), per_layer(keep_counts), work_items))
+            (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
+                                                        keep_counts, work_items, table_width)))
         # The CPU path returns its writes of every layer and row (`_apply_writes` scatters them
         # in place, in a second program): scattered here, after the loop, they could still be
         # ordered before a layer's history read (unrolled, nothing makes the scatter wait for
@@ -648,11 +694,23 @@ class ModelRunner:
         pool = (plans,) if planned else (k_pages, v_pages)
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
         logits = model.logits(last[:, None])[:, 0]
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [layers, rows, ...] -> [rows, layers, ...]
         if targets is None:
             return *pool, logits, per_layer(kept)
         # prompt_logprobs: every position's distribution over the token that follows it.
         lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
         return *pool, logits, per_layer(kept), lp
+
+    def _prefill_layer_inputs(self, all_tables, slots, hist_lengths, keep_counts, work_items,
+                              table_width) -> tuple:
+        """The prefill's per-layer inputs (leading axis layers): the rows' tables of the
+        columns attention reads, the tables writes use (the whole table where writes are
+        planned), histories, keep counts, work items."""
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
+        tables = all_tables[slots]
+        return (per_layer(tables[..., :table_width]),
+                per_layer(tables if self.plans_prefill_writes else tables[..., :table_width]),
+                per_layer(hist_lengths), per_layer(keep_counts), work_items)
 
     def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
@@ -677,14 +735,16 @@ class ModelRunner:
         """Block-table columns a step passes to attention when rows hold at most `max_tokens`
         retained tokens per group (history plus what the step writes).
 
-        The Pallas kernels read only the pages a row's length covers, so they get the whole
-        table (one compiled shape). The XLA references gather every column they are given:
-        there the width is the pages `max_tokens` needs, rounded up to a power of two (at
-        least `_MIN_TABLE_WIDTH` pages), so a step reads what its batch holds, not `max_model_len`, and few
-        widths compile.
+        The Pallas kernels read only the pages a row's length covers, and so does the CPU
+        path's attention (`xla_attention` walks a row's table in blocks and skips those past
+        its length): both get the whole table (one compiled shape). With precision tiers the
+        CPU path first gathers both tiers' pages of every column into one dense history
+        (`kv_quant.tiered_dense_history`): there the width is the pages `max_tokens` needs,
+        rounded up to a power of two (at least `_MIN_TABLE_WIDTH` pages), so a step reads what
+        its batch holds, not `max_model_len`, and few widths compile.
         """
         full = int(self.block_tables.shape[-1])
-        if self.ops.name == "pallas":
+        if self.ops.name == "pallas" or self.tiers is None:
             return full
         pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
         return min(full, max(_MIN_TABLE_WIDTH, backend.next_power_of_2(pages)))
@@ -692,7 +752,7 @@ class ModelRunner:
     def _table_widths(self) -> list[int]:
         """Every width `_table_width` returns (the shapes warm-up compiles)."""
         full = int(self.block_tables.shape[-1])
-        if self.ops.name == "pallas":
+        if self.ops.name == "pallas" or self.tiers is None:
             return [full]
         widths, width = [], _MIN_TABLE_WIDTH
         while width < full:
@@ -798,6 +858,17 @@ class ModelRunner:
         return args, dict(split_map=split_map, logprobs=logprobs,
                           table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
 
+    def _decode_layer_attention(self, split_map) -> Callable:
+        """One layer's decode attention (`_decode_attention`) run per device: ``attend(q, k, v,
+        k_pages, v_pages, tables, lens, work) -> (out, k_pages, v_pages)``."""
+        heads = P(None, None, AXIS, None)          # [B, 1, heads, d]: heads over the devices
+        return self.placement.per_device(
+            functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,
+                              use_work=split_map is not None,
+                              tiered=None if self.tiers is None else self.ops.name),
+            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
+            out_specs=(heads, self._pool_spec, self._pool_spec))
+
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
                      adjust, *, split_map, logprobs, table_width):
@@ -809,13 +880,7 @@ class ModelRunner:
         # take none (a dummy keeps the scan's inputs uniform).
         work_lists = (jnp.asarray(split_map.work_lists()) if split_map is not None
                       else jnp.zeros((layout.num_layers, 1, 3), jnp.int32))
-        heads = P(None, None, AXIS, None)          # [B, 1, heads, d]: heads over the devices
-        attend = self.placement.per_device(
-            functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,
-                              use_work=split_map is not None,
-                              tiered=None if self.tiers is None else self.ops.name),
-            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
-            out_specs=(heads, self._pool_spec, self._pool_spec))
+        attend = self._decode_layer_attention(split_map)
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
@@ -836,6 +901,95 @@ class ModelRunner:
                                          logprobs, adjust, tokens)
         # Padded rows all point at the null slot; whichever write wins there is never read.
         return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens, lp
+
+    # ----- a mixed step: prefill rows and decode rows in one program (the CPU path) -------------
+    @property
+    def mixes_steps(self) -> bool:
+        """Whether a step's last prefill call and its decode rows run as one program (`prefill`
+        with `decode`): the CPU path, where the two programs of a mixed step each read every
+        weight and walk every layer (a decode step at batch 8 is ~0.15 s of that on the
+        embedded model). Not with precision tiers (their attention reads a dense history of a
+        per-width table) nor tensor parallelism; the Pallas path keeps its two programs."""
+        return self.ops.name == "xla" and self.tiers is None and self.placement.tp == 1
+
+    def _mixed_args(self, prefill_args: tuple, prefill_static: dict, decode_args: tuple,
+                    decode_static: dict) -> tuple[tuple, dict]:
+        """`_mixed`'s inputs and static arguments from a prefill call's and a decode call's
+        (`_prefill_args`, `_decode_call`) over the same pool."""
+        (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
+         tables, row_slots, hist, keep, items) = prefill_args
+        (_, _, _, _, slot_tokens, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
+        return ((state, layer_states, k_pages, v_pages, slot_tokens, tables, flat, positions,
+                 row_starts, lens, protected, row_slots, hist, keep, items, d_positions, d_slots,
+                 d_lengths, *sampling),
+                dict(table_width=prefill_static["table_width"],
+                     logprobs=decode_static["logprobs"]))
+
+    def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, all_tables,
+                    tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
+                    keep_counts, work_items, d_positions, d_slots, d_lengths, temperature, top_k,
+                    top_p, seeds, steps, forced, adjust, *, table_width, logprobs):
+        """A prefill call (`_prefill_impl`'s inputs, N flat tokens) and a decode step
+        (`_decode_impl`'s, B rows) in one forward: per layer the projections of all N + B
+        tokens in one matmul, the decode rows' attention (their token appended to the pool
+        first), the prefill rows' attention over the pool, and o-proj + MLP of all tokens in
+        one matmul. Returns (k_pages, v_pages, slot_tokens, next_tokens [B], lp, writes or None,
+        prefill logits [rows, vocab], kept [rows, layers, groups]): the decode step's results,
+        then the prefill's (`_prefill_impl`: its planned writes, or None where it wrote in
+        place). Mixed steps exist where `_table_width` is the whole table, so both parts read
+        `table_width` columns.
+
+        Order inside a layer: the decode rows write their token, then both parts read the pool.
+        Their pages are disjoint (distinct sequences), but the order matters to XLA: a read
+        before a write of the same buffer in one loop iteration makes it copy the pool."""
+        model = nnx.merge(self.graphdef, state)
+        rows, n = row_starts.shape[0], tokens.shape[0]
+        planned = self.plans_prefill_writes
+        prefill_attend = self._prefill_layer_attention(rows, n, k_pages)
+        decode_attend = self._decode_layer_attention(None)
+        no_work = jnp.zeros((1, 3), jnp.int32)           # the CPU path's decode takes none
+        d_tokens = slot_tokens[d_slots]
+        all_positions = jnp.concatenate([positions, d_positions])
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry                     # h [1, N + B, hidden]
+            layer_state, tables, write_tables, hist, keep, items, d_tables, d_lens = xs
+            layer = nnx.merge(self.layer_graphdef, layer_state)
+            q, k, v = layer.qkv(h, all_positions[None])     # one GEMM over both parts' tokens
+            d_out, k_pages, v_pages = decode_attend(
+                q[0, n:, None], k[0, n:, None], v[0, n:, None], k_pages, v_pages, d_tables,
+                d_lens, no_work)
+            out, k_pages, v_pages, kept, plans = prefill_attend(
+                q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, tables, write_tables, hist, keep,
+                items, row_starts, row_lens, num_protected, positions)
+            out = jnp.concatenate([out, d_out[:, 0].astype(out.dtype)])
+            h = layer.finish(h, out[None].astype(h.dtype))
+            return (h, k_pages, v_pages), (kept, plans or None)
+
+        h = model.embed(jnp.concatenate([tokens, d_tokens])[None])
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)
+        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
+            layer_step, (h, k_pages, v_pages),
+            (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
+                                                        keep_counts, work_items, table_width),
+             per_layer(all_tables[d_slots][..., :table_width]), per_layer(d_lengths)))
+        last = h[0, jnp.clip(row_starts + row_lens - 1, 0, n - 1)]        # [rows, hidden]
+        logits = model.logits(jnp.concatenate([last, h[0, n:]])[:, None])[:, 0]
+        d_logits = logits[rows:]
+        next_tokens, lp = _choose_tokens(d_logits, temperature, top_k, top_p, seeds, steps,
+                                         forced, logprobs, adjust, d_tokens)
+        return (k_pages, v_pages, slot_tokens.at[d_slots].set(next_tokens), next_tokens, lp,
+                plans if planned else None, logits[:rows], per_layer(kept))
+
+    def _call_mixed(self, prefill_args, prefill_static, decode_args, decode_static) -> tuple:
+        """Run `_mixed` on the held pool (and apply the prefill's planned writes); returns
+        (logits, kept, next_tokens, lp)."""
+        args, static = self._mixed_args(prefill_args, prefill_static, decode_args, decode_static)
+        (self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp, writes, logits,
+         kept) = self._mixed(*args, **static)
+        if writes is not None:
+            self.k_pages, self.v_pages = self._apply_writes(self.k_pages, self.v_pages, writes)
+        return logits, kept, next_tokens, lp
 
     # ----- sampling of prefill logits -----------------------------------------------------
     def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
@@ -898,7 +1052,21 @@ class ModelRunner:
                  "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
         if self.plans_prefill_writes:
             steps["prefill_writes"] = self._compile_apply_writes(prefill_args, prefill_static)
+        if self.mixes_steps:
+            steps["mixed"] = self._mixed.lower(*self._mixed_args(
+                prefill_args, prefill_static, decode_args, decode_static)[0],
+                **prefill_static | dict(logprobs=None)).compile()
         return steps
+
+    def _compile_mixed(self, rows: int, num_tokens: int | None, bucket: int, logprobs) -> None:
+        """Compile `_mixed` for a prefill call of `rows` rows (over `num_tokens` flat tokens,
+        whole rows) beside a decode step of `bucket` rows."""
+        prefill_args, prefill_static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                               num_tokens)
+        decode_args, decode_static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+        args, static = self._mixed_args(prefill_args, prefill_static, decode_args,
+                                        dict(decode_static, logprobs=logprobs))
+        self._mixed.lower(*args, **static).compile()
 
     def _compile_apply_writes(self, prefill_args, prefill_static):
         """`_apply_writes` compiled for the write plan a prefill call with these arguments
@@ -938,6 +1106,10 @@ class ModelRunner:
                                         **dict(static, table_width=width)).compile()
                 if self.plans_prefill_writes:
                     self._compile_apply_writes(args, static)
+                # This prefill call beside each decode bucket (a mixed step's one program).
+                for bucket, mode in itertools.product(
+                        decode_buckets if self.mixes_steps else (), logprob_modes):
+                    self._compile_mixed(rows, num_tokens, bucket, mode)
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
@@ -967,8 +1139,8 @@ class ModelRunner:
         jax.block_until_ready(self.block_tables)
 
 
-# The narrowest block-table width of the reference attention (pages): shorter rows are padded
-# to it, so short contexts share one compiled shape.
+# The narrowest block-table width of the CPU path over precision tiers (pages): shorter rows are
+# padded to it, so short contexts share one compiled shape.
 _MIN_TABLE_WIDTH = 16
 
 

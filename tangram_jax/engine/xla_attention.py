@@ -35,6 +35,50 @@ def _gather_history(pages: kv_quant.Pages, tables: jax.Array) -> jax.Array:
     return x.reshape(*lead, groups * g, w * ps, d).astype(jnp.float32)
 
 
+# Pages of one history block: attention walks a row's block table in blocks of this many pages
+# and skips the blocks past the row's longest group, so a step can take the whole table (one
+# compiled shape) and still read only what its rows hold.
+HISTORY_BLOCK_PAGES = 32
+
+
+def _history_attention(q, k_pages, v_pages, table, seen, query_valid=None):
+    """Unnormalised softmax attention of one row's queries over its history.
+
+    q [heads, M, d] float32 (scaled; heads = groups * G, head-major); k_pages, v_pages
+    [num_pages, G, ps, d]; table int [groups, W] (clipped); seen int [heads]: each head attends
+    to its first `seen` history tokens; query_valid bool [M] (default all). Returns (m [heads,
+    M] the running maximum, -inf where nothing was seen; denom [heads, M]; acc [heads, M, d]).
+    The table is read in blocks of `HISTORY_BLOCK_PAGES` pages merged by their maxima
+    (online softmax); a block past every head's `seen` is skipped (`lax.cond`: no gather, no
+    dot), so a padded row (seen 0) costs nothing and the width given is only an upper bound."""
+    heads, rows, head_dim = q.shape
+    width, page_size = table.shape[-1], k_pages.shape[2]
+    carry = (jnp.full((heads, rows), -jnp.inf, jnp.float32),
+             jnp.zeros((heads, rows), jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
+    most = seen.max()
+    for first in range(0, width, HISTORY_BLOCK_PAGES):
+        last = min(width, first + HISTORY_BLOCK_PAGES)
+
+        def block(carry, first=first, last=last):
+            m, denom, acc = carry
+            keys = _gather_history(k_pages, table[:, first:last])       # [heads, S, d]
+            vals = _gather_history(v_pages, table[:, first:last])
+            slot = first * page_size + jnp.arange((last - first) * page_size)
+            mask = (slot[None, None, :] < seen[:, None, None])          # [heads, 1, S]
+            if query_valid is not None:
+                mask = mask & query_valid[None, :, None]
+            logits = jnp.einsum("hmd,hsd->hms", q, keys) + jnp.where(mask, 0.0, -jnp.inf)
+            new_m = jnp.maximum(m, logits.max(axis=-1))
+            safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
+            p = jnp.exp(logits - safe_m[..., None])
+            scale = jnp.where(jnp.isfinite(m), jnp.exp(m - safe_m), 0.0)
+            return (new_m, denom * scale + p.sum(axis=-1),
+                    acc * scale[..., None] + jnp.einsum("hms,hsd->hmd", p, vals))
+
+        carry = jax.lax.cond(most > first * page_size, block, lambda c: c, carry)
+    return carry
+
+
 def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
                                  row_lens, work_items=None, tuning=None):
     """Ragged prefill attention (signature and result of `ragged_prefill_attention`).
@@ -81,23 +125,21 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     own_denom = p.sum(axis=-1)
     own_acc = jnp.einsum("nkjm,mkd->nkjd", p, v.astype(jnp.float32))
 
-    # Each tile's row history: the first hist_len tokens of every head of that row.
+    # Each tile's row history: the first hist_len tokens of every head of that row, in blocks of
+    # pages (blocks past the row's history skipped).
     tables = jnp.clip(block_tables, 0, num_pages - 1)
-    slot = jnp.arange(width * page_size)
     tiles = n // tile
     tile_row = row_of[::tile]                                              # [tiles]
 
     def history(xs):
         q_tile, row, valid = xs                       # [tile, Hkv, qpk, d], scalar, [tile]
         r = jnp.maximum(row, 0)
-        keys = _gather_history(k_pages, tables[r])                         # [Hkv, S, d]
-        vals = _gather_history(v_pages, tables[r])
-        seen = (slot[None, :] < jnp.repeat(hist_len[r], group_size)[:, None]) & (row >= 0)
-        bias = jnp.where(valid[:, None, None] & seen[None], 0.0, neg)     # [tile, Hkv, S]
-        logits = jnp.einsum("nkjd,ksd->nkjs", q_tile, keys) + bias[:, :, None, :]
-        m = logits.max(axis=-1)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
-        return m, p.sum(axis=-1), jnp.einsum("nkjs,ksd->nkjd", p, vals)
+        seen = jnp.where(row >= 0, jnp.repeat(hist_len[r], group_size), 0)    # [Hkv]
+        heads_major = jnp.moveaxis(q_tile, 0, 1).reshape(num_kv_heads, tile * q_per_kv, head_dim)
+        m, denom, acc = _history_attention(heads_major, k_pages, v_pages, tables[r], seen,
+                                           jnp.repeat(valid, q_per_kv))
+        back = lambda x: jnp.moveaxis(x.reshape(num_kv_heads, tile, q_per_kv, *x.shape[2:]), 1, 0)
+        return back(m), back(denom), back(acc)
 
     hist_m, hist_denom, hist_acc = jax.lax.map(history, (
         qg.reshape(tiles, tile, num_kv_heads, q_per_kv, head_dim), tile_row,
@@ -137,19 +179,11 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
     tables = jnp.clip(block_tables, 0, num_pages - 1)
     qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
         batch, num_groups * group_size, q_rows // group_size, head_dim)
-    slot = jnp.arange(width * page_size)
-
     def one_row(row):
         q_row, table, length = row                  # [heads, j, d], [groups, W], [groups]
-        keys = _gather_history(k_pages, table)      # [heads, W * ps, d]
-        vals = _gather_history(v_pages, table)
-        seen = slot < jnp.repeat(length, group_size)[:, None]
-        logits = jnp.einsum("hjd,hsd->hjs", q_row, keys) \
-            + jnp.where(seen, 0.0, -jnp.inf)[:, None, :]
-        m = logits.max(axis=-1, keepdims=True)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = p.sum(axis=-1, keepdims=True)
-        return jnp.einsum("hjs,hsd->hjd", p, vals) / jnp.where(denom > 0, denom, 1.0)
+        _, denom, acc = _history_attention(q_row, k_pages, v_pages, table,
+                                           jnp.repeat(length, group_size))
+        return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
     out = jax.lax.map(one_row, (qg, tables, lengths))
     return out.reshape(q.shape).astype(q.dtype)
