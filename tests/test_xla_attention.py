@@ -100,3 +100,14 @@ def test_history_longer_than_a_block_is_read_block_by_block():
     ref = np.asarray(ragged_paged_decode_attention_reference(*args))
     np.testing.assert_allclose(out[:3], ref[:3], rtol=1e-4, atol=1e-5)
     assert (out[3] == 0).all()
+
+
+def test_own_tokens_longer_than_a_query_block_skip_the_upper_blocks():
+    """Rows longer than `OWN_BLOCK`: each query block attends to the keys up to its end (the
+    blocks above the diagonal are not computed), equal to the reference's full causal square;
+    a second row starts inside a block of the first's tail."""
+    from tangram_jax.engine.xla_attention import OWN_BLOCK
+    row_lens = [OWN_BLOCK + 37, OWN_BLOCK // 2 + 3]
+    starts = np.array([0, OWN_BLOCK + 40], np.int32)
+    _check_prefill(np.random.default_rng(13), 1, 3, row_lens, starts,
+                   int(starts[1]) + row_lens[1] + 5, width=3)

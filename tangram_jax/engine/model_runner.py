@@ -1081,7 +1081,9 @@ class ModelRunner:
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                logprob_modes=(None,), prompt_logprobs=(False,)) -> None:
         """Compile every step shape serving can meet (decode buckets, prefill row counts and,
-        for whole rows, flat-token buckets; first-token sampling row counts) ahead of time, without running them: jit reuses these
+        for whole rows, flat-token buckets; where the runner `mixes_steps`, each prefill shape
+        beside each decode bucket; first-token sampling row counts) ahead of time, without
+        running them: jit reuses these
         executables when serving meets the shapes, so nothing compiles while requests wait
         (running the steps would add nothing but time: on a CPU the reference attention is
         slow).

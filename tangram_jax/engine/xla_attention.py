@@ -4,9 +4,9 @@
 kernels do not compile, unlike the kernels' test references beside them (which build one
 N x keys matrix per row with every mask materialised, in HIGHEST precision).
 
-What they read: the block-table columns they are given (the runner passes only the pages the
-batch's longest retained length needs, `ModelRunner._table_width`), gathered once per call.
-Masks are additive biases built from small index vectors, so XLA fuses them into the softmax
+What they read: a row's block table in blocks of `HISTORY_BLOCK_PAGES` pages, skipping the
+blocks past its longest group (`lax.cond`), so the runner passes the whole table (one compiled
+width, `ModelRunner._table_width`) and a step still reads only the pages its rows hold. Masks are additive biases built from small index vectors, so XLA fuses them into the softmax
 instead of materialising [N, heads, keys] booleans. The history and the new tokens of a prefill
 row are two softmax blocks merged by their maxima (no concatenation of keys); a row's history is
 read per query tile of that row, so a call of several rows costs N x keys, not rows x N x keys.
@@ -34,6 +34,11 @@ def _gather_history(pages: kv_quant.Pages, tables: jax.Array) -> jax.Array:
     *lead, groups, g, w, ps, d = x.shape
     return x.reshape(*lead, groups * g, w * ps, d).astype(jnp.float32)
 
+
+# Query tokens of one block of a prefill's own causal attention: each block attends to the keys
+# up to its end only, so the upper half of the N x N square (blocks above the diagonal) is not
+# computed (one block of N tokens when N <= OWN_BLOCK).
+OWN_BLOCK = 128
 
 # Pages of one history block: attention walks a row's block table in blocks of this many pages
 # and skips the blocks past the row's longest group, so a step can take the whole table (one
@@ -115,15 +120,21 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     row_of = jnp.where(member.any(axis=0), jnp.argmax(member, axis=0), -1)  # [N]
     neg = jnp.float32(-jnp.inf)
 
-    # The rows' own tokens: one block-diagonal causal softmax block for all rows.
+    # The rows' own tokens: a block-diagonal causal softmax over all rows, computed per query
+    # block of `OWN_BLOCK` tokens against the keys up to that block's end only (the blocks
+    # above the diagonal are never anyone's: a token sees no later token).
     own = ((row_of[:, None] == row_of[None, :]) & (row_of[None, :] >= 0)
            & (token[None, :] <= token[:, None]))                            # [N(q), N(k)]
-    own_logits = jnp.einsum("nkjd,mkd->nkjm", qg, k.astype(jnp.float32)) \
-        + jnp.where(own, 0.0, neg)[:, None, None, :]
-    own_m = own_logits.max(axis=-1)                                        # [N, Hkv, qpk]
-    p = jnp.exp(own_logits - jnp.where(jnp.isfinite(own_m), own_m, 0.0)[..., None])
-    own_denom = p.sum(axis=-1)
-    own_acc = jnp.einsum("nkjm,mkd->nkjd", p, v.astype(jnp.float32))
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    parts = []
+    for first in range(0, n, OWN_BLOCK):
+        last = min(n, first + OWN_BLOCK)
+        logits = jnp.einsum("nkjd,mkd->nkjm", qg[first:last], k32[:last]) \
+            + jnp.where(own[first:last, :last], 0.0, neg)[:, None, None, :]
+        m_blk = logits.max(axis=-1)                                        # [b, Hkv, qpk]
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(m_blk), m_blk, 0.0)[..., None])
+        parts.append((m_blk, p.sum(axis=-1), jnp.einsum("nkjm,mkd->nkjd", p, v32[:last])))
+    own_m, own_denom, own_acc = (jnp.concatenate(x) for x in zip(*parts))
 
     # Each tile's row history: the first hist_len tokens of every head of that row, in blocks of
     # pages (blocks past the row's history skipped).
