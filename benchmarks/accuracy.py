@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     p.add_argument("--layer-loop", default=None, choices=[None, "scan", "unrolled"])
     p.add_argument("--tail-rule", default=None,
                    help="EngineConfig.tail_rule (kv_layout.TAIL_RULES; default the engine's)")
+    p.add_argument("--scoring-rule", default=None,
+                   help="EngineConfig.scoring_rule of the tangram and uniform engines "
+                        "(chunk_scoring.SCORING_RULES: window, window+context; default the "
+                        "engine's); full and dynamic keep 'window'")
     p.add_argument("--obs-window", type=int, default=None,
                    help="EngineConfig.obs_window (default the engine's)")
     p.add_argument("--decode-buckets", type=_csv(int), default=None,
