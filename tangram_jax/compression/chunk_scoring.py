@@ -47,14 +47,16 @@ def check_served_method(method: str) -> str:
 # - "window":          the method's scores alone (SnapKV: the chunk's last obs_window queries,
 #                      which for a whole-turn chunk are the turn's question);
 # - "window+context":  a union by rank (`union_by_rank`) of the method's ranking and a
-#                      question-agnostic one: the SnapKV score of queries spread over the chunk
-#                      (`context_query_probs`), each ranking filling its share of a head's count.
-#                      A later turn asks about facts the current question does not: the spread
-#                      queries keep what the text itself attends to.
-SCORING_RULES = ("window", "window+context")
+#                      question-agnostic one, the SnapKV score of queries spread over the chunk
+#                      (`context_query_probs`), each ranking filling its share of a head's count;
+# - "window+keydiff":  the same union with KeyDiff's ranking (keys least like the head's mean
+#                      key: query-free, no attention to compute).
+# A later turn asks about what the current question does not: the question-agnostic half keeps
+# tokens for it (`benchmarks/NOTES_accuracy_harness.md`, "Follow-up turns: scoring rule").
+SCORING_RULES = ("window", "window+context", "window+keydiff")
 # The spread queries: every CONTEXT_STRIDE-th query of the chunk before its protected tail.
 CONTEXT_STRIDE = 16
-# The window's share of a head's count under "window+context" (the rest: the spread queries').
+# The window's share of a head's count under the union rules (the rest: the agnostic part's).
 WINDOW_SHARE = 0.5
 
 
@@ -174,11 +176,16 @@ def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, 
     above everything."""
     scores = method_scores(method, obs_probs, q, k, v, chunk_len, first_position,
                            q_per_kv=q_per_kv, inv_freq=inv_freq)
-    if check_scoring_rule(rule) == "window+context":
-        context = snapkv_chunk_scores(
-            context_query_probs(q, k, chunk_len, num_protected, stride=CONTEXT_STRIDE,
-                                q_per_kv=q_per_kv), chunk_len, q_per_kv)
-        scores = union_by_rank(scores, context, chunk_len - num_protected, WINDOW_SHARE)
+    rule = check_scoring_rule(rule)
+    if rule != "window":
+        if rule == "window+context":
+            agnostic = snapkv_chunk_scores(
+                context_query_probs(q, k, chunk_len, num_protected, stride=CONTEXT_STRIDE,
+                                    q_per_kv=q_per_kv), chunk_len, q_per_kv)
+        else:
+            agnostic = method_scores("keydiff", obs_probs, q, k, v, chunk_len, first_position,
+                                     q_per_kv=q_per_kv)
+        scores = union_by_rank(scores, agnostic, chunk_len - num_protected, WINDOW_SHARE)
     return protect_tail(scores, chunk_len, num_protected)
 
 

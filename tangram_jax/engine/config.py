@@ -346,8 +346,9 @@ class EngineConfig:
         "window", _choice(SCORING_RULES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
         "observation window (window: the turn's question for a whole-turn chunk), or half of "
-        "each head's count by the window and half by queries spread over the chunk "
-        "(window+context: keeps facts a later turn asks about); tangram mode (dynamic: window)")
+        "each head's count by the window and half by a question-agnostic score: queries "
+        "spread over the chunk (window+context) or KeyDiff (window+keydiff), for what a later "
+        "turn asks; tangram mode (dynamic counts with the window's scores)")
 
     def __setattr__(self, name, value):
         # Every assignment is checked, the constructor's and later ones alike.
