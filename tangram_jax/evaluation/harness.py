@@ -261,6 +261,9 @@ class HarnessConfig:
     max_model_len: int | None = None
     kl: bool = True
     kl_top_k: int = 256
+    # EngineConfig.scoring_rule of the engines that compress with a static profile (tangram,
+    # uniform); None: the engine's default. dynamic counts with the window's scores.
+    scoring_rule: str | None = None
 
 
 def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, fingerprint: dict):
@@ -283,6 +286,8 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     # The pool holds every admitted session at full length in every mode: no preemption, no
     # eviction, whatever the mode keeps.
     kwargs.setdefault("kv_cache_tokens", cfg.max_active * max_model_len)
+    if cfg.scoring_rule is not None and spec.mode in ("tangram", "uniform"):
+        kwargs["scoring_rule"] = cfg.scoring_rule
     return EngineConfig(model=cfg.model, mode=mode, ratio=spec.ratio, profile=profile,
                         kv_precision=spec.kv_precision,
                         max_model_len=-(-max_model_len // page) * page, **kwargs)
