@@ -6,7 +6,8 @@
 #      samples of the README table and of the kvpress runs), 100 a task, with KL: full with
 #      tangram / dynamic / uniform at 0.25 and 0.5 (one mode per process: each serves full KV
 #      too, for its KL reference);
-#   B. tangram with the scoring rule given in $RULE_FLAGS (accuracy.py flags), same samples;
+#   B. tangram under each scoring rule named in $SCORING_RULES (EngineConfig.scoring_rule), same
+#      samples;
 #   C. KV precision (issue 17): tangram+k8v4 and tangram+k8v4-k4v2 at 0.25 and 0.5, same samples
 #      (tangram bf16 of A1 is the pair: greedy serving is deterministic);
 #   D. the solvable task set: new samples of the current generator (answer prefixes, essay kv
@@ -14,7 +15,7 @@
 # Everything lands in /tmp/run and comes back as $OUT/accuracy_run.tar.gz. Run from the repository
 # root on the device machine, after a call that carried the model's first piece:
 #   GIT_REV=... MODEL_PARTS=.gpu/model WHEELS=.gpu/acc-wheels NEEDLE_PKGS=.gpu/acc-pkgs \
-#     RULE_FLAGS="..." bash benchmarks/accuracy_gpu_all.sh SECONDS
+#     SCORING_RULES="window+context window+keydiff" bash benchmarks/accuracy_gpu_all.sh SECONDS
 set -uo pipefail
 LIMIT=${1:-560}
 FINAL_OUT=${OUT:-/tmp/out}; export OUT=/tmp/run; mkdir -p "$OUT" "$FINAL_OUT"
@@ -34,8 +35,10 @@ part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
 part A1_tangram "${TABLE[@]}" --modes full,tangram --answers-out "$OUT/answers_tangram.jsonl"
 part A2_dynamic "${TABLE[@]}" --modes full,dynamic
 part A3_uniform "${TABLE[@]}" --modes full,uniform
-[ -n "${RULE_FLAGS:-}" ] && part B_rule "${TABLE[@]}" --modes full,tangram --no-kl $RULE_FLAGS \
-  --answers-out "$OUT/answers_rule.jsonl"
+for rule in ${SCORING_RULES:-}; do     # e.g. "window+context window+keydiff"
+  part "B_${rule/+/_}" "${TABLE[@]}" --modes full,tangram --no-kl --scoring-rule "$rule" \
+    --answers-out "$OUT/answers_${rule/+/_}.jsonl"
+done
 part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 --no-kl
 part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0.25,0.5 --no-kl \
   --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active 128 --decode-buckets 128 \
