@@ -364,11 +364,11 @@ class EngineConfig:
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
         was set); `Engine` calls this before loading the model, so such errors come at once."""
-        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
         if self.mode == "dynamic" and self.scoring_rule != "window":
             raise EngineConfigError(f"scoring_rule {self.scoring_rule!r} needs tangram or full "
                                     f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
                                     f"scoring_rule must be 'window'")
+        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
         # prefill always progresses.
         chunk = self.resolved_chunk_size()
         minimum = self.max_num_seqs + chunk
