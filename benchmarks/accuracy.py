@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.compression.chunk_scoring import SCORING_RULES  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,6 +62,10 @@ def main(argv=None) -> int:
     p.add_argument("--layer-loop", default=None, choices=[None, "scan", "unrolled"])
     p.add_argument("--tail-rule", default=None,
                    help="EngineConfig.tail_rule (kv_layout.TAIL_RULES; default the engine's)")
+    p.add_argument("--scoring-rule", default=None, choices=SCORING_RULES,
+                   help="EngineConfig.scoring_rule of the tangram and uniform engines "
+                        "(chunk_scoring.SCORING_RULES; default the engine's); full and dynamic "
+                        "keep 'window'")
     p.add_argument("--obs-window", type=int, default=None,
                    help="EngineConfig.obs_window (default the engine's)")
     p.add_argument("--decode-buckets", type=_csv(int), default=None,
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
     cfg = HarnessConfig(
         model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
         max_model_len=args.max_model_len,
-        kl=not args.no_kl, kl_top_k=args.kl_top_k,
+        kl=not args.no_kl, kl_top_k=args.kl_top_k, scoring_rule=args.scoring_rule,
         engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,

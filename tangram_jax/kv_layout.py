@@ -53,6 +53,16 @@ with every chunk scored by them) costs a second prefill of the turn and is not b
 wins back its cost on turns longer than a chunk is the measurement `accuracy_gpu_all.sh` part E
 prepares (chunk 512 against 2048 on the same samples).
 
+Which tokens of a chunk a head keeps (never how many: the counts above are the scheduler's) is
+the scoring rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks
+by the method's scores alone (SnapKV: the window above); ``"window+context"`` and
+``"window+keydiff"`` fill half of each head's count by that ranking and half by a
+question-agnostic one (the attention of queries spread over the chunk, or KeyDiff's key
+distinctiveness), so that what a later turn asks about, and the current question does not, has
+a share of the budget (issue 12's follow-up turns: `benchmarks/NOTES_accuracy_harness.md`,
+"Follow-up turns: scoring rule"). The same jnp scores feed the XLA path and the Pallas path
+(selection happens before the compression kernel), and the protected tail stays above both.
+
 Decode appends one token to every group per step, uncompressed.
 """
 

@@ -27,7 +27,7 @@ def fake(limit_gib, in_use_gib, fraction):
 def test_pool_gets_what_utilization_leaves_after_weights_step_and_headroom():
     mem = fake(72, 15, 0.9)                     # the engine set the cap: 0.9 of an 80 GiB card
     assert mem.card_bytes == 80 * GIB
-    plan = memory.plan_pool(mem, 0.9, int(1.25 * GIB), PAGE, min_pages=10,
+    plan = memory.plan_pool(mem, 0.9, int(1.25 * GIB), memory.TieredPool.single(PAGE, 10),
                             headroom_bytes=GIB // 2)
     assert plan.budget_bytes == 72 * GIB and plan.capped_by == "utilization"
     assert plan.num_pages == int((72 - 15 - 1.25 - 0.5) * GIB) // PAGE
@@ -36,28 +36,28 @@ def test_pool_gets_what_utilization_leaves_after_weights_step_and_headroom():
 
 def test_lower_allocator_cap_than_asked_bounds_the_budget():
     mem = fake(60, 15, 0.75)                    # JAX's default cap was in force: 0.75 of 80
-    plan = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, headroom_bytes=0)
+    plan = memory.plan_pool(mem, 0.9, GIB, memory.TieredPool.single(PAGE, 10), headroom_bytes=0)
     assert plan.capped_by == "allocator" and plan.budget_bytes == 60 * GIB
     assert plan.num_pages == 44 * GIB // PAGE
     # Asking less than the cap: the utilization binds.
-    plan = memory.plan_pool(mem, 0.5, GIB, PAGE, min_pages=10, headroom_bytes=0)
+    plan = memory.plan_pool(mem, 0.5, GIB, memory.TieredPool.single(PAGE, 10), headroom_bytes=0)
     assert plan.capped_by == "utilization" and plan.budget_bytes == 40 * GIB
 
 
 def test_provisional_size_is_kept_only_when_it_fits():
     mem = fake(72, 15, 0.9)
-    fits = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, prefer_pages=1000)
+    fits = memory.plan_pool(mem, 0.9, GIB, memory.TieredPool.single(PAGE, 10), prefer_pages=1000)
     assert fits.num_pages == 1000
     too_big = 72 * GIB // PAGE
-    plan = memory.plan_pool(mem, 0.9, GIB, PAGE, min_pages=10, prefer_pages=too_big)
-    assert plan.num_pages < too_big and plan.num_pages == memory.pages_that_fit(
-        72 * GIB, 15 * GIB, GIB, memory.default_headroom(72 * GIB), PAGE)
+    plan = memory.plan_pool(mem, 0.9, GIB, memory.TieredPool.single(PAGE, 10), prefer_pages=too_big)
+    assert plan.num_pages < too_big and plan.num_pages == (
+        72 * GIB - 15 * GIB - GIB - memory.default_headroom(72 * GIB)) // PAGE
 
 
 def test_no_room_for_the_pool_is_one_clear_error():
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.18 .*14.00 GiB in use.*"
                                          r"kv_cache_tokens / num_pages"):
-        memory.plan_pool(fake(72, 14, 0.9), 0.18, GIB, PAGE, min_pages=10)
+        memory.plan_pool(fake(72, 14, 0.9), 0.18, GIB, memory.TieredPool.single(PAGE, 10))
 
 
 def test_step_reserve_is_a_32nd_of_the_budget_at_least_a_gib_or_an_8th():
@@ -216,10 +216,10 @@ def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
     assert plan.headroom_bytes == plan.budget_bytes // 16
     # The provisional pool (compiled with `step_reserve` left free) is kept when the measured
     # peak fits beside it; otherwise the pool shrinks to what fits.
-    fits = memory.pages_that_fit(plan.budget_bytes, in_use, plan.step_peak_bytes,
-                                 plan.headroom_bytes, page_bytes)
-    provisional = memory.pages_that_fit(plan.budget_bytes, in_use,
-                                        memory.step_reserve(plan.budget_bytes), 0, page_bytes)
+    fits = (plan.budget_bytes - in_use - plan.step_peak_bytes - plan.headroom_bytes) \
+        // page_bytes
+    provisional = (plan.budget_bytes - in_use - memory.step_reserve(plan.budget_bytes)) \
+        // page_bytes
     assert plan.num_pages == (provisional if provisional <= fits else fits)
     assert plan.pool_bytes + in_use + plan.step_peak_bytes + plan.headroom_bytes \
         <= plan.budget_bytes

@@ -9,6 +9,8 @@ for ONE sequence's (padded) chunk, so a runner can call them per row whatever it
   inputs can feed), with the chunk's protected tokens (the end of the turn,
   `KVLayout.chunk_protected`) lifted above every other score so any count >= their number keeps
   them. The Pallas path and the XLA reference path of the runner both call it, after attention;
+- `SCORING_RULES`: which queries' attention ranks a chunk's tokens beside the method (the
+  observation window alone, or a union with queries spread over the chunk: `union_by_rank`);
 - `dynamic_keep_count`: the per-input (Ada-SnapKV) count of ``dynamic`` mode on monolithic pages,
   the protected tokens kept on top of it.
 
@@ -18,8 +20,11 @@ Shapes: a chunk is padded to the static T; ``chunk_len`` valid tokens (traced sc
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from tangram_jax.compression.scorers import (expected_attention, keydiff, snapkv_from_probs,
                                              streaming_llm)
@@ -37,6 +42,31 @@ def check_served_method(method: str) -> str:
                          f"chunk compression scores with one of {', '.join(SERVED_METHODS)} "
                          f"(calibrate the profile with one of them)")
     return method
+
+# Scoring rules (`kv_layout`'s "which queries score a chunk"; EngineConfig.scoring_rule):
+# - "window":          the method's scores alone (SnapKV: the chunk's last obs_window queries,
+#                      which for a whole-turn chunk are the turn's question);
+# - "window+context":  a union by rank (`union_by_rank`) of the method's ranking and a
+#                      question-agnostic one, the SnapKV score of queries spread over the chunk
+#                      (`context_query_probs`), each ranking filling its share of a head's count;
+# - "window+keydiff":  the same union with KeyDiff's ranking (keys least like the head's mean
+#                      key: query-free, no attention to compute).
+# A later turn asks about what the current question does not: the question-agnostic half keeps
+# tokens for it (`benchmarks/NOTES_accuracy_harness.md`, "Follow-up turns: scoring rule").
+SCORING_RULES = ("window", "window+context", "window+keydiff")
+# The spread queries: every CONTEXT_STRIDE-th query of the chunk before its protected tail.
+CONTEXT_STRIDE = 16
+# The window's share of a head's count under the union rules (the rest: the agnostic part's).
+WINDOW_SHARE = 0.5
+
+
+def check_scoring_rule(rule: str) -> str:
+    """`rule`, or a ValueError naming it and the rules there are."""
+    if rule not in SCORING_RULES:
+        raise ValueError(f"scoring_rule must be one of {', '.join(map(repr, SCORING_RULES))}, "
+                         f"got {rule!r}")
+    return rule
+
 
 # Above every scorer's score (SnapKV's are at most the window length); protected tokens get it.
 PROTECTED_SCORE = 1e9
@@ -93,13 +123,69 @@ def method_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array,
                               num_valid=chunk_len)
 
 
+def context_query_probs(q: jax.Array, k: jax.Array, chunk_len: jax.Array,
+                        num_protected: jax.Array, *, stride: int, q_per_kv: int) -> jax.Array:
+    """Attention of queries spread over a padded chunk, for a question-agnostic score.
+
+    q [T, num_q_heads, D], k [T, num_kv_heads, D] (RoPE applied). The queries are the chunk's
+    tokens stride - 1, 2 stride - 1, ... before its protected tail (S = T // stride rows, static;
+    rows at or after ``chunk_len - num_protected`` are zero). Each row is the causal softmax over
+    the chunk's own keys (not the history: every query casts the same vote over the chunk),
+    times the number of keys it sees, so a probability reads against uniform attention (an early
+    query's few keys would otherwise outweigh a late one's many).
+    Returns float32 [num_q_heads, S, T].
+    """
+    t, _, dim = q.shape
+    rows = jnp.arange(stride - 1, t, stride)                                  # [S]
+    live = rows < chunk_len - num_protected
+    keys = jnp.repeat(k.astype(jnp.float32), q_per_kv, axis=1)               # [T, Hq, D]
+    logits = jnp.einsum("shd,thd->hst", q[rows].astype(jnp.float32), keys,
+                        precision=lax.Precision.HIGHEST) / math.sqrt(dim)
+    visible = (jnp.arange(t)[None, :] <= rows[:, None]) & live[:, None]      # [S, T]
+    probs = jax.nn.softmax(jnp.where(visible[None], logits, -jnp.inf), axis=-1)
+    weight = (rows + 1).astype(jnp.float32)[None, :, None]
+    return jnp.where(visible[None], probs * weight, 0.0)
+
+
+def union_by_rank(first: jax.Array, second: jax.Array, num_ranked: jax.Array,
+                  first_share: float) -> jax.Array:
+    """Scores [heads, T] whose top k is the union of `first`'s and `second`'s top tokens, in the
+    proportion first_share : 1 - first_share (a token already in one list is not counted twice,
+    so the other list reaches further down).
+
+    first, second: [heads, T] (higher = better); only tokens t < num_ranked are ranked (the
+    others get -inf: the protected tail and padding, placed by the caller). A token's score is
+    -min(rank_first / share, rank_second / (1 - share)): the top k then holds the tokens whose
+    better scaled rank is among the k best."""
+    valid = jnp.arange(first.shape[-1])[None, :] < num_ranked
+
+    def rank(scores):
+        masked = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+        order = jnp.argsort(-masked, axis=-1, stable=True)
+        return jnp.argsort(order, axis=-1, stable=True).astype(jnp.float32)
+
+    scaled = jnp.minimum(rank(first) / first_share, rank(second) / (1.0 - first_share))
+    return jnp.where(valid, -scaled, -jnp.inf)
+
+
 def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                  chunk_len: jax.Array, num_protected: jax.Array, first_position: jax.Array, *,
-                 q_per_kv: int, inv_freq=None) -> jax.Array:
+                 q_per_kv: int, inv_freq=None, rule: str = "window") -> jax.Array:
     """Scores [num_kv_heads, T] that the chunk compression ranks by (higher = kept first):
-    `method_scores`, the protected tail above everything."""
+    `method_scores`, under the scoring `rule` (`SCORING_RULES`; static), the protected tail
+    above everything."""
     scores = method_scores(method, obs_probs, q, k, v, chunk_len, first_position,
                            q_per_kv=q_per_kv, inv_freq=inv_freq)
+    rule = check_scoring_rule(rule)
+    if rule != "window":
+        if rule == "window+context":
+            agnostic = snapkv_chunk_scores(
+                context_query_probs(q, k, chunk_len, num_protected, stride=CONTEXT_STRIDE,
+                                    q_per_kv=q_per_kv), chunk_len, q_per_kv)
+        else:
+            agnostic = method_scores("keydiff", obs_probs, q, k, v, chunk_len, first_position,
+                                     q_per_kv=q_per_kv)
+        scores = union_by_rank(scores, agnostic, chunk_len - num_protected, WINDOW_SHARE)
     return protect_tail(scores, chunk_len, num_protected)
 
 

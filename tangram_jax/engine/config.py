@@ -29,6 +29,7 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
+from tangram_jax.compression.chunk_scoring import SCORING_RULES
 from tangram_jax.kv_layout import PRECISION_TIERS, TAIL_RULES, KVLayout, TieredLayout, pages_for
 from tangram_jax.kv_quant import KV_PRECISIONS
 
@@ -341,6 +342,13 @@ class EngineConfig:
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
                             "turn's final chunk (final_chunk), or none")
+    scoring_rule: str = _field(
+        "window", _choice(SCORING_RULES),
+        "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
+        "observation window (window: the turn's question for a whole-turn chunk), or half of "
+        "each head's count by the window and half by a question-agnostic score: queries "
+        "spread over the chunk (window+context) or KeyDiff (window+keydiff), for what a later "
+        "turn asks; tangram mode (dynamic counts with the window's scores)")
 
     def __setattr__(self, name, value):
         # Every assignment is checked, the constructor's and later ones alike.
@@ -356,6 +364,10 @@ class EngineConfig:
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
         was set); `Engine` calls this before loading the model, so such errors come at once."""
+        if self.mode == "dynamic" and self.scoring_rule != "window":
+            raise EngineConfigError(f"scoring_rule {self.scoring_rule!r} needs tangram or full "
+                                    f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
+                                    f"scoring_rule must be 'window'")
         # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
         # prefill always progresses.
         chunk = self.resolved_chunk_size()
@@ -506,7 +518,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES, "kv_precision": SERVED_PRECISIONS,
+                       "tail_rule": TAIL_RULES, "scoring_rule": SCORING_RULES,
+                       "kv_precision": SERVED_PRECISIONS,
                        "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,
                                choices=choices, help=help_text)

@@ -189,14 +189,6 @@ def budget_bytes(card_bytes: int, utilization: float, allocator_limit: int) -> t
                                                                        "allocator")
 
 
-def pages_that_fit(budget: int, in_use: int, step_peak: int, headroom: int,
-                   page_bytes: int) -> int:
-    """Pages of `page_bytes` in ``budget - in_use - step_peak - headroom`` (may be <= 0)."""
-    if page_bytes <= 0:
-        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
-    return (budget - in_use - step_peak - headroom) // page_bytes
-
-
 @dataclasses.dataclass(frozen=True)
 class TieredPool:
     """The pages of a pool of one or more tiers, to size it by bytes: one page format (the
@@ -263,19 +255,15 @@ class TieredPool:
 
 
 def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int,
-              page_bytes: int | TieredPool, *, min_pages: int | None = None,
-              headroom_bytes: int | None = None, prefer_pages=None) -> PoolPlan:
-    """The pool that fits: see the module docstring. page_bytes: bytes of one page, with
-    `min_pages` the pages one sequence needs; or a `TieredPool` (which carries both, per
-    tier). With `prefer_pages` (the size the steps were compiled for), that size is kept
-    whenever it fits, so the compiled steps are reused. Raises ValueError (naming the figures
-    and what to change) when fewer than the minimum pages fit (in any tier)."""
+              pool: TieredPool, *, headroom_bytes: int | None = None,
+              prefer_pages=None) -> PoolPlan:
+    """The pool that fits: see the module docstring. pool: its pages' bytes and the pages one
+    sequence needs, per tier (`TieredPool.single` for one page format). With `prefer_pages`
+    (the size the steps were compiled for), that size is kept whenever it fits, so the
+    compiled steps are reused. Raises ValueError (naming the figures and what to change) when
+    fewer than the minimum pages fit (in any tier)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    if isinstance(page_bytes, TieredPool) == (min_pages is not None):
-        raise TypeError("plan_pool takes page_bytes with min_pages, or a TieredPool alone")
-    pool = page_bytes if isinstance(page_bytes, TieredPool) else TieredPool.single(
-        page_bytes, min_pages)
     budget, capped_by = budget_bytes(memory.card_bytes, utilization, memory.bytes_limit)
     if headroom_bytes is None:
         headroom_bytes = default_headroom(budget)

@@ -40,8 +40,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from tangram_jax.compression.chunk_scoring import (check_served_method, chunk_scores,
-                                                   dynamic_keep_count)
+from tangram_jax.compression.chunk_scoring import (check_scoring_rule, check_served_method,
+                                                   chunk_scores, dynamic_keep_count)
 from tangram_jax.engine.config import MODES
 from tangram_jax import kv_quant
 from tangram_jax.engine.xla_attention import apply_chunk_writes
@@ -109,6 +109,7 @@ class RunnerConfig:
     method: the scorer of the chunk compression, the method the budget profile was calibrated
       with (`chunk_scoring.SERVED_METHODS`); ``dynamic`` mode is Ada-SnapKV, so SnapKV.
     dynamic_ratio / dynamic_safeguard: the per-input selection of ``dynamic`` mode.
+    scoring_rule: which queries rank a chunk's tokens (`chunk_scoring.SCORING_RULES`).
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
       stack every step) or ``"unrolled"`` (one traced body per layer over separate parameter
@@ -121,6 +122,7 @@ class RunnerConfig:
     mode: str = "tangram"
     obs_window: int = 32
     method: str = "snapkv"
+    scoring_rule: str = "window"
     dynamic_ratio: float = 0.5
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
@@ -139,6 +141,10 @@ class RunnerConfig:
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         check_served_method(self.method)
+        check_scoring_rule(self.scoring_rule)
+        if self.mode == "dynamic" and self.scoring_rule != "window":
+            raise ValueError(f"dynamic mode counts with Ada-SnapKV's scores; scoring_rule must "
+                             f"be 'window', got {self.scoring_rule!r}")
         if self.mode == "dynamic" and self.method != "snapkv":
             raise ValueError(f"dynamic mode selects with Ada-SnapKV; method must be 'snapkv', "
                              f"got {self.method!r}")
@@ -719,7 +725,7 @@ class ModelRunner:
         [T, heads, d] (padded); first_position: the row's first token position."""
         scores = chunk_scores(self.runner_config.method, obs_probs, q, k, v, chunk_len,
                               num_protected, first_position, q_per_kv=self.config.q_per_kv,
-                              inv_freq=self._inv_freq)
+                              inv_freq=self._inv_freq, rule=self.runner_config.scoring_rule)
         if self.runner_config.mode == "dynamic":
             # One count for every head of the layer: under tensor parallelism it is decided
             # over all devices' heads (the selection does not depend on the heads' order).

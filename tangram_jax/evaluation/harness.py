@@ -261,6 +261,9 @@ class HarnessConfig:
     max_model_len: int | None = None
     kl: bool = True
     kl_top_k: int = 256
+    # EngineConfig.scoring_rule of the engines that compress with a static profile (tangram,
+    # uniform); None: the engine's default. dynamic counts with the window's scores.
+    scoring_rule: str | None = None
 
 
 def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, fingerprint: dict):
@@ -283,6 +286,12 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     # The pool holds every admitted session at full length in every mode: no preemption, no
     # eviction, whatever the mode keeps.
     kwargs.setdefault("kv_cache_tokens", cfg.max_active * max_model_len)
+    # Offline: compile the step shapes as the sessions meet them. The GPU's default warm-up
+    # compiles every flat-token bucket x prefill row count of full KV's whole-row prefill (and
+    # its write program): dozens of 30-layer programs, minutes per engine, most never met here.
+    kwargs.setdefault("warmup", False)
+    if cfg.scoring_rule is not None and spec.mode in ("tangram", "uniform"):
+        kwargs["scoring_rule"] = cfg.scoring_rule
     return EngineConfig(model=cfg.model, mode=mode, ratio=spec.ratio, profile=profile,
                         kv_precision=spec.kv_precision,
                         max_model_len=-(-max_model_len // page) * page, **kwargs)
@@ -333,6 +342,7 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
         t0 = time.perf_counter()
         engine = Engine(_engine_config(spec, cfg, max_model_len, fingerprint))
         build_s = time.perf_counter() - t0
+        log(f"{spec.label}: built {build_s:.1f}s, serving {len(samples)} sessions")
         want_ref_logprobs = spec.mode == "full" and not kl_missing
 
         def keep_reference(sample, turn, out):

@@ -342,16 +342,19 @@ class KVCacheManager:
     def pages_to_reserve(self, slot: int | None, num_new_tokens, forks: int = 0) -> PageCounts:
         """Extra pages `reserve(slot, num_new_tokens, forks=forks)` would take (slot None: a
         fresh one), per tier."""
-        held = 0 if slot is None else self.table.num_pages[slot]
-        target = self.reservation_target(self._base_lengths(slot), num_new_tokens)
-        need = np.maximum(pages_for(target, self.page_size) - held, 0)
-        return self._counts(self._by_tier(need) + self._fork_pages_by_tier(target, forks))
+        return self._counts(self._reservation(slot, num_new_tokens, forks)[-1])
 
-    def _fork_pages_by_tier(self, target: np.ndarray, forks: int) -> np.ndarray:
-        """int64 [tiers]: `_fork_pages` in the tier it takes them from (the decode tier)."""
-        by_tier = np.zeros(len(self.pools), np.int64)
-        by_tier[0] = self._fork_pages(target, forks)
-        return by_tier
+    def _reservation(self, slot: int | None, num_new_tokens, forks: int) -> tuple:
+        """What `reserve` takes: (target tokens [layers, groups], pages held after it, new pages
+        per cell, the forks' stash pages, int64 [tiers] of all the pages it takes)."""
+        held = 0 if slot is None else self.table.num_pages[slot].astype(np.int64)
+        target = self.reservation_target(self._base_lengths(slot), num_new_tokens)
+        new_held = np.maximum(pages_for(target, self.page_size), held)
+        need = new_held - held
+        stash = self._fork_pages(target, forks)
+        by_tier = self._by_tier(need)
+        by_tier[0] += stash                             # fork copies come from the decode tier
+        return target, new_held, need, stash, by_tier
 
     def _fork_pages(self, target: np.ndarray, forks: int) -> int:
         """Pages `forks` forks of a slot holding `target` tokens [layers, groups] copy: each
@@ -388,13 +391,7 @@ class KVCacheManager:
                              "commit the previous turn first")
         if forks and (self.table.num_pages[slot].any() or slot in self._fork_stash):
             raise ValueError(f"slot {slot}: only a fresh slot can be reserved for forks")
-        target = self.reservation_target(self.lengths[slot], num_new_tokens)
-        held = self.table.num_pages[slot].astype(np.int64)
-        new_held = np.maximum(pages_for(target, self.page_size), held)
-        need = new_held - held
-        stash = self._fork_pages(target, forks)
-        by_tier = self._by_tier(need)
-        by_tier[0] += stash
+        target, new_held, need, stash, by_tier = self._reservation(slot, num_new_tokens, forks)
         if new_held.max() > self.max_pages_per_group or \
                 (by_tier > np.array([p.num_free for p in self.pools])).any():
             return False

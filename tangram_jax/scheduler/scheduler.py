@@ -327,15 +327,20 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq, SequenceStatus.ABORTED)
 
+    def _free_children(self, children) -> None:
+        """Drop the slots of a family's completions not forked yet (the family is admitted
+        again, slots and all)."""
+        for child in children:
+            if child.is_cached:
+                self.manager.free(child.slot)
+                child.drop_cache()
+
     def _hand_family_on(self, seq: Sequence) -> None:
         """`seq`, prefilling for its family, goes away before the fork: its first waiting
         completion prefills for the rest instead, queued first (from the start of the prompt)."""
         heir, *rest = seq.fork_children
         seq.fork_children = []
-        for child in (heir, *rest):   # the family is admitted again, slots and all
-            if child.is_cached:
-                self.manager.free(child.slot)
-                child.drop_cache()
+        self._free_children((heir, *rest))
         heir.fork_parent = None
         heir.fork_children = rest
         for child in rest:
@@ -614,6 +619,11 @@ class Scheduler:
         need = seq.reservation_need[1]
         need_slots = (not seq.is_cached) + forks
         if np.any(m.num_free_pages < need) or m.num_free_slots < need_slots:
+            # Victims are listed sessions: when all of them together are not enough, skip
+            # ranking them (this runs for every waiting turn short of room, every step).
+            if (np.any(need > m.num_free_pages + self.sessions.evictable_pages)
+                    or m.num_free_slots + self.sessions.num_evictable < need_slots):
+                return False
             victims = self._admission_victims(seq)
             if np.any(need > m.num_free_pages + sum(m.pages_held(v.slot) for v in victims)):
                 return False
@@ -699,10 +709,7 @@ class Scheduler:
             self.sessions.unlist(seq)
             self.manager.free(seq.slot)
         seq.drop_cache()
-        for child in seq.fork_children:   # a family not forked yet: their slots go too
-            if child.is_cached:
-                self.manager.free(child.slot)
-                child.drop_cache()
+        self._free_children(seq.fork_children)   # a family not forked yet: their slots go too
 
     def _preempt(self, seq: Sequence) -> None:
         self._stop_running(seq)
