@@ -11,8 +11,9 @@ batch bucket, split map) are the only things a step is compiled for; nothing is 
 time in ``tangram`` mode.
 
 Where attention comes from: on a GPU the Pallas kernels of `tangram_jax.pallas_kernels`, on a CPU
-the XLA serving path of `engine/xla_attention.py` (same signatures, bounded to the block-table
-columns the batch needs); `AttentionOps.for_backend` makes that choice.
+the XLA serving path of `engine/xla_attention.py` (same signatures, reading only the pages the
+rows hold); there a step that decodes some sequences while others prefill runs as one program
+(`prefill(..., decode=...)`, `mixes_steps`). `AttentionOps.for_backend` makes that choice.
 
 Modes (one runner, other configurations):
 - ``tangram`` / ``full``: every (layer, group) keeps ``layout.chunk_keep_counts(n, p)`` tokens of
