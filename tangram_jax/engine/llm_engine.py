@@ -868,8 +868,10 @@ class Engine:
         self._warm_variants.update(("prompt", t) for t in ((False, True) if logprobs
                                                            else (False,)))
         # The fork's page copies: 8 pages and up, by powers of two (`_dispatch`).
-        most = (self.config.max_num_seqs - 1) * self.model_config.num_layers \
-            * self.layout.num_groups
+        # A fork copies decode cells only (the high tier's groups of a tiered layout).
+        decode_groups = (int(self.layout.decode_tier_groups.sum())
+                         if isinstance(self.layout, TieredLayout) else self.layout.num_groups)
+        most = (self.config.max_num_seqs - 1) * self.model_config.num_layers * decode_groups
         for size in (1 << b for b in range(3, max(3, int(most - 1).bit_length()) + 1)):
             index = np.zeros(size, np.int32)
             _copy_pages.lower(self.runner.k_pages, self.runner.v_pages, index, index).compile()
