@@ -164,17 +164,26 @@ def per_tier_work_lists(precision, batch):
     return out
 
 
-def per_tier_attention(q, k, v, tables, lens, *, work_lists, block_tokens, num_warps):
+def per_tier_attention(q, k, v, tables, lens, *, work_lists, block_tokens=32, num_warps=2,
+                       num_stages=3, heads_per_program=1):
     """The baseline: the kernel over each tier's pool alone, then one merge launch."""
     interpret = backend.default_interpret()
     parts = [decode_partials(q, kt, vt, tables[:, t::2], lens[:, t::2], work_lists[t],
                              interpret=interpret, block_tokens=block_tokens,
-                             num_warps=num_warps, num_stages=3)
+                             num_warps=num_warps, num_stages=num_stages,
+                             heads_per_program=heads_per_program)
              for t, (kt, vt) in enumerate(((k.high, v.high), (k.low, v.low)))]
     return merge_partials_pallas(jnp.concatenate([p[0] for p in parts], axis=1),
                                  jnp.concatenate([p[1] for p in parts], axis=1),
                                  jnp.concatenate(work_lists), num_groups=q.shape[1],
                                  out_dtype=q.dtype, interpret=interpret)
+
+
+def _tuning(tuning) -> dict:
+    """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]"."""
+    parts = [int(x) for x in str(tuning).split("/")]
+    return dict(zip(("block_tokens", "num_warps", "num_stages", "heads_per_program"), parts), **(
+        {"num_warps": 2} if len(parts) == 1 else {}))
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
@@ -204,13 +213,10 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
     launches = str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, tbl, lens))(
         qs[0], k_pages, v_pages)).count("pallas_call[")
     entry = {"bytes_read": read, "launches": launches, "by_block_tokens": {}}
-    for tuning in block_list:            # "block_tokens" or "block_tokens/num_warps"
-        block_tokens, _, warps = str(tuning).partition("/")
+    for tuning in block_list:            # "block_tokens[/num_warps[/num_stages]]"
         @jax.jit
-        def block(qs, k_pages, v_pages, block_tokens=int(block_tokens), warps=int(warps or 2)):
-            return [attend(qs[i], k_pages, v_pages, tbl, lens, block_tokens=block_tokens,
-                           num_warps=warps)
-                    for i in range(CALLS)]
+        def block(qs, k_pages, v_pages, kw=_tuning(tuning)):
+            return [attend(qs[i], k_pages, v_pages, tbl, lens, **kw) for i in range(CALLS)]
         t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
         entry["by_block_tokens"][str(tuning)] = t
     best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
@@ -220,9 +226,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
     if correctness_rows:
         r = correctness_rows
         q = qs[0, :r]
-        block_tokens, _, warps = best.partition("/")
-        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], block_tokens=int(block_tokens),
-                     num_warps=int(warps or 2))
+        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], **_tuning(best))
         ref = reference(q, k_pages, v_pages, tbl[:r], lens[:r])
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         entry["check_rows"] = r
@@ -239,7 +243,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
-    p.add_argument("--sweep", default="32,64", help="block_tokens (or block_tokens/num_warps) "
+    p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
                    "tried at the first config; the best is used for the others")
     p.add_argument("--precisions",
                    default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS) + tuple(

@@ -314,23 +314,28 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    closed = [w["name"] for w in report["workloads"] if w["arrival"] == "closed"]
-    rated = [w for w in report["workloads"] if w["arrival"] == "poisson"]
-    fig, axes = plt.subplots(1, 2 if rated else 1, figsize=(12 if rated else 7, 4.2),
+    served = {w["workload"] for r in results for w in r["workloads"]}
+    closed = [w["name"] for w in report["workloads"]
+              if w["arrival"] == "closed" and w["name"] in served]
+    rated = [w for w in report["workloads"] if w["arrival"] == "poisson" and w["name"] in served]
+    panels = int(bool(closed)) + int(bool(rated))      # a panel only for what was served
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(12 if panels == 2 else 7, 4.2),
                              squeeze=False)
-    ax = axes[0, 0]
-    width = 0.8 / max(len(results), 1)
-    for i, r in enumerate(results):
-        by = {w["workload"]: w for w in r["workloads"]}
-        xs = [j for j, name in enumerate(closed) if name in by]
-        ax.bar([x + i * width for x in xs], [by[closed[x]]["turns_per_s"] for x in xs], width,
-               label=r["variant"])
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(closed))], closed)
-    ax.set_ylabel("turns / s (closed loop)")
-    ax.set_title("throughput per context class")
-    ax.legend(fontsize=8)
+    axes = list(axes[0])
+    if closed:
+        ax = axes.pop(0)
+        width = 0.8 / max(len(results), 1)
+        for i, r in enumerate(results):
+            by = {w["workload"]: w for w in r["workloads"]}
+            xs = [j for j, name in enumerate(closed) if name in by]
+            ax.bar([x + i * width for x in xs], [by[closed[x]]["turns_per_s"] for x in xs],
+                   width, label=r["variant"])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(closed))], closed)
+        ax.set_ylabel("turns / s (closed loop)")
+        ax.set_title("throughput per context class")
+        ax.legend(fontsize=8)
     if rated:
-        ax = axes[0, 1]
+        ax = axes.pop(0)
         for r in results:
             by = {w["workload"]: w for w in r["workloads"]}
             pts = [(w["session_rate"], by[w["name"]]) for w in rated if w["name"] in by]
@@ -344,7 +349,10 @@ def plot(report: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.set_title("TTFT vs rate")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{report['model']} on {report.get('device', '')}", fontsize=9)
+    if "device" not in report:      # the provenance writer adds it to the file, not to `report`
+        from tangram_jax.provenance import device_description
+        report = {**report, "device": device_description()}
+    fig.suptitle(f"{report['model']} on {report['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

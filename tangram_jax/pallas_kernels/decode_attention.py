@@ -204,14 +204,17 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         if bits is None:
             return ([gather(jnp.arange(head_dim)[None, :])] if planes == 1 else
                     [gather(cols) for cols in plane_cols(planes)]), None, None
-        levels = (1 << bits) - 1
+        levels = jnp.uint8((1 << bits) - 1)
         if planes == planes_of(bits):
-            codes = gather(jnp.arange(refs[0].shape[-1])[None, :]).astype(jnp.int32)
-            tiles = [((codes >> (p * bits)) & levels).astype(compute_dtype)
+            # Shifts and masks on the uint8 codes themselves (no widening to int32: the unpack
+            # is per element of every tile, the kernel's main work besides the products).
+            codes = gather(jnp.arange(refs[0].shape[-1])[None, :])
+            tiles = [(codes if bits == 8 else
+                      (codes >> jnp.uint8(p * bits)) & levels).astype(compute_dtype)
                      for p in range(planes)]
         else:
             packed = refs[0].shape[-1]       # dims of one packed plane
-            tiles = [((gather(cols % packed).astype(jnp.int32) >> ((cols // packed) * bits))
+            tiles = [((gather(cols % packed) >> ((cols // packed) * bits).astype(jnp.uint8))
                       & levels).astype(compute_dtype) for cols in plane_cols(planes)]
         s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
         z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
