@@ -146,3 +146,57 @@ def test_the_keydiff_rule_gives_each_ranking_its_half():
     assert set(np.argsort(-snap, kind="stable")[:half - 1].tolist()) <= kept
     assert set(np.argsort(-kd, kind="stable")[:half - 1].tolist()) <= kept
     assert not set(np.argsort(-kd, kind="stable")[:count].tolist()) <= kept
+
+
+@pytest.mark.parametrize("rule", ["window+context", "window+keydiff"])
+def test_the_runner_serves_the_scoring_rule(rule):
+    """The runner's prefill keeps, per head, the top of `chunk_scores` under the configured rule
+    (layer 0 of a first chunk: its window's attention is a plain causal softmax), the layout's
+    count, and not what the window rule keeps."""
+    from flax import nnx
+
+    from tangram_jax.compression.scorers import causal_attention_probs
+    from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+    from tangram_jax.kv_layout import KVLayout
+    from tangram_jax.models.config import ModelConfig
+    from tangram_jax.models.decoder import Decoder
+    from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
+
+    config = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32,
+                         intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         attention_bias=False, qk_norm=False, bos_token_id=None,
+                         eos_token_ids=(0,))
+    t = 64
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, group_size=1, page_size=4,
+                      chunk_size=t, head_perm=np.tile(np.arange(2), (2, 1)),
+                      group_budgets=np.full((2, 2), 0.25))
+    tokens = np.random.default_rng(5).integers(1, 97, t)
+
+    def kept_rows(scoring_rule):
+        manager = KVCacheManager(layout, 128, 2, 32, model_kv_shape=(2, 2, 8))
+        runner = ModelRunner(Decoder(config, rngs=nnx.Rngs(0)), config, layout, 128,
+                             manager.block_tables.shape,
+                             runner_config=RunnerConfig(obs_window=4, scoring_rule=scoring_rule))
+        slot = manager.allocate_slot()
+        assert manager.reserve(slot, t)
+        runner.update_block_tables(*manager.take_table_updates())
+        _, kept = runner.prefill_chunk(tokens, 0, slot, manager.lengths[slot])
+        np.testing.assert_array_equal(kept, layout.chunk_keep_counts(t, 0))
+        pages = np.asarray(runner.k_pages)
+        return [pages[manager.block_tables[slot, 0, h]][:, 0].reshape(-1, 8)[:int(kept[0, h])]
+                for h in range(2)]
+
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    q, k, v = model.layers[0].qkv(model.embed(jnp.asarray(tokens, jnp.int32)[None]),
+                                  jnp.arange(t, dtype=jnp.int32)[None])
+    q, k, v = q[0], k[0], v[0]
+    window = causal_attention_probs(jnp.moveaxis(q[-4:], 0, 1), jnp.moveaxis(k, 0, 1), 2)
+    scores = chunk_scores("snapkv", window, q, k, v, jnp.int32(t), jnp.int32(0), jnp.int32(0),
+                          q_per_kv=2, rule=rule)
+    got, plain = kept_rows(rule), kept_rows("window")
+    for h in range(2):
+        top = np.sort(np.argsort(-np.asarray(scores[h]), kind="stable")[:len(got[h])])
+        np.testing.assert_allclose(got[h], np.asarray(k)[top, h], rtol=1e-4, atol=1e-5)
+    assert any(a.shape != b.shape or not np.allclose(a, b) for a, b in zip(got, plain))
