@@ -6,7 +6,8 @@ N x keys matrix per row with every mask materialised, in HIGHEST precision).
 
 What they read: a row's block table in blocks of `HISTORY_BLOCK_PAGES` pages, skipping the
 blocks past its longest group (`lax.cond`), so the runner passes the whole table (one compiled
-width, `ModelRunner._table_width`) and a step still reads only the pages its rows hold. Masks are additive biases built from small index vectors, so XLA fuses them into the softmax
+width, `ModelRunner._table_width`) and a step still reads only the pages its rows hold. Masks are
+additive biases built from small index vectors, so XLA fuses them into the softmax
 instead of materialising [N, heads, keys] booleans. The history and the new tokens of a prefill
 row are two softmax blocks merged by their maxima (no concatenation of keys); a row's history is
 read per query tile of that row, so a call of several rows costs N x keys, not rows x N x keys.

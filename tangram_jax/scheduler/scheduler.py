@@ -25,8 +25,8 @@ One engine step is::
    is queued, nor, while other sequences run, sessions that went idle under a second ago:
    `_admission_victims`). A short turn gets its first
    piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
-   long turns have more than one piece left; until then the turns behind it go first. A turn that does not fit the
-   pool is passed over so smaller ones behind it can run, but each time it is overtaken its
+   long turns have more than one piece left; until then the turns behind it go first. A turn
+   that does not fit the pool is passed over so smaller ones behind it can run, but each time it is overtaken its
    skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
    fits. Requests larger than the whole pool are rejected by `add_request`.
 4. Prefill of long turns, oldest admission first, each piece at most the threshold (vLLM's
