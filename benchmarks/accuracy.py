@@ -66,6 +66,10 @@ def main(argv=None) -> int:
                    help="EngineConfig.scoring_rule of the tangram and uniform engines "
                         "(chunk_scoring.SCORING_RULES; default the engine's); full and dynamic "
                         "keep 'window'")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="EngineConfig.gpu_memory_utilization (default the engine's): the share "
+                        "of the card each engine's process may take; give each of several "
+                        "processes on one GPU its share")
     p.add_argument("--obs-window", type=int, default=None,
                    help="EngineConfig.obs_window (default the engine's)")
     p.add_argument("--decode-buckets", type=_csv(int), default=None,
@@ -104,7 +108,9 @@ def main(argv=None) -> int:
                            **({"decode_buckets": tuple(args.decode_buckets)}
                               if args.decode_buckets else {}),
                            **({"tail_rule": args.tail_rule} if args.tail_rule else {}),
-                           **({"obs_window": args.obs_window} if args.obs_window else {})))
+                           **({"obs_window": args.obs_window} if args.obs_window else {}),
+                           **({"gpu_memory_utilization": args.gpu_memory_utilization}
+                              if args.gpu_memory_utilization else {})))
     sizes, pilot = task_mod.TaskSizes(), None
     if args.tasks_in:
         given = task_mod.read_jsonl(args.tasks_in)

@@ -27,10 +27,13 @@ TASKS=benchmarks/results/accuracy_tasks.jsonl
 TABLE=(--tasks-in "$TASKS" --samples 100 --ratios 0.25,0.5 --max-model-len 1536 --chunk-size 2048
        --max-active 128 --decode-buckets 128 --max-num-batched-tokens 8192 --max-prefill-rows 4
        --layer-loop scan --tasks-out /tmp/unused.jsonl)
+# Each engine caps JAX's allocator at its gpu_memory_utilization: a share of the card each
+# (seven processes at 0.9 each left five without memory).
+SHARE=${SHARE:-0.12}
 part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
   local name=$1; shift
   LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
-    "$@" > /dev/null 2>&1 &
+    --gpu-memory-utilization "$SHARE" "$@" > /dev/null 2>&1 &
 }
 part A1_tangram "${TABLE[@]}" --modes full,tangram --answers-out "$OUT/answers_tangram.jsonl"
 part A2_dynamic "${TABLE[@]}" --modes full,dynamic
