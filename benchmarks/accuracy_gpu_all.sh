@@ -24,12 +24,20 @@ source benchmarks/gpu_model.sh || exit 1
 left() { echo $((LIMIT - SECONDS)); }
 TASKS=benchmarks/results/accuracy_tasks.jsonl
 # The README table's engine settings (rev e578b41), so this run compares with it cell by cell.
+# 48 sessions at a time (not the table's 128): the harness fixes the pool at max-active full-length
+# sessions (4.2 GiB at 128), and seven pools of that size with their steps' transients did not fit
+# on one card beside each other (run of ba20a72: every part out of memory).
+MAX_ACTIVE=${MAX_ACTIVE:-48}
 TABLE=(--tasks-in "$TASKS" --samples 100 --ratios 0.25,0.5 --max-model-len 1536 --chunk-size 2048
-       --max-active 128 --decode-buckets 128 --max-num-batched-tokens 8192 --max-prefill-rows 4
+       --max-active "$MAX_ACTIVE" --decode-buckets "$MAX_ACTIVE" --max-num-batched-tokens 8192 --max-prefill-rows 4
        --layer-loop scan --tasks-out /tmp/unused.jsonl)
 # Each engine caps JAX's allocator at its gpu_memory_utilization: a share of the card each
 # (seven processes at 0.9 each left five without memory).
-SHARE=${SHARE:-0.12}
+SHARE=${SHARE:-0.11}
+# What the card holds while the parts run (each process adds its context and programs to its share).
+(while sleep 15; do echo "$SECONDS s: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done) \
+  > "$OUT/gpu_memory.log" 2>&1 &
+SAMPLER=$!
 part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
   local name=$1; shift
   LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
@@ -44,10 +52,12 @@ for rule in ${SCORING_RULES:-}; do     # e.g. "window+context window+keydiff"
 done
 part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 --no-kl
 part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0.25,0.5 --no-kl \
-  --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active 128 --decode-buckets 128 \
+  --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE" \
+  --decode-buckets "$MAX_ACTIVE" \
   --max-num-batched-tokens 8192 --max-prefill-rows 4 --layer-loop scan \
   --tasks-out "$OUT/accuracy_tasks_solvable.jsonl"
-wait
+wait $(jobs -p | grep -v "^$SAMPLER$")
+kill "$SAMPLER" 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
 for f in "$OUT"/*.log; do echo "== $f"; grep -v -i -E "warn|^\s*$" "$f" | tail -14; done
 tar czf "$FINAL_OUT/accuracy_run.tar.gz" -C "$OUT" .
