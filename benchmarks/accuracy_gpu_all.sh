@@ -22,6 +22,16 @@ FINAL_OUT=${OUT:-/tmp/out}; export OUT=/tmp/run; mkdir -p "$OUT" "$FINAL_OUT"
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_model.sh || exit 1
 left() { echo $((LIMIT - SECONDS)); }
+# XLA's GEMM autotuning made each new prefill shape a 40-50 s compile (run of e4210d6: 5 shapes
+# in 280 s, float32 weights); the table needs dozens of shapes. Autotuning picks faster GEMMs,
+# not different results, so the accuracy run turns it off (probed first: an unknown flag aborts).
+AUTOTUNE_OFF=--xla_gpu_autotune_level=0
+if XLA_FLAGS="${XLA_FLAGS:-} $AUTOTUNE_OFF" python3 -c "import jax; (jax.numpy.ones(4) + 1).block_until_ready()" \
+    > /dev/null 2>&1; then
+  export XLA_FLAGS="${XLA_FLAGS:-} $AUTOTUNE_OFF"
+fi
+echo "XLA_FLAGS=${XLA_FLAGS:-}"
+export JAX_LOG_COMPILES=1   # each log then says what compiled and for how long
 TASKS=benchmarks/results/accuracy_tasks.jsonl
 # The README table's engine settings (rev e578b41), so this run compares with it cell by cell.
 # 48 sessions at a time (not the table's 128): the harness fixes the pool at max-active full-length
@@ -59,5 +69,9 @@ part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0
 wait $(jobs -p | grep -v "^$SAMPLER$")
 kill "$SAMPLER" 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
-for f in "$OUT"/*.log; do echo "== $f"; grep -v -i -E "warn|^\s*$" "$f" | tail -14; done
+for f in "$OUT"/*.log; do
+  echo "== $f: $(grep "Finished XLA compilation" "$f" | sed -E 's/.* in ([0-9.]+) sec.*/\1/' |
+    awk '{s += $1; n++} END {printf "%d compiles, %.0f s", n, s}')"
+  grep -v -i -E "warn|^\s*$|^=== |external/xla|Compiling|Finished" "$f" | tail -14
+done
 tar czf "$FINAL_OUT/accuracy_run.tar.gz" -C "$OUT" .

@@ -246,6 +246,23 @@ def serve_sessions(engine, samples: list[Sample], *, max_tokens: int, max_active
     return results
 
 
+def _progress_log(label: str, total: int, log: Callable[[str], None],
+                  every_s: float = 60.0) -> Callable[[int], None]:
+    """A `serve_sessions` progress callback that logs sessions done at most once a minute (a
+    long column then shows whether it is serving or stuck)."""
+    done, started = 0, time.perf_counter()
+    last = started
+
+    def progress(n: int) -> None:
+        nonlocal done, last
+        done += n
+        now = time.perf_counter()
+        if now - last >= every_s and done < total:
+            last = now
+            log(f"{label}: {done}/{total} sessions in {now - started:.0f}s")
+    return progress
+
+
 # ----- one table -----------------------------------------------------------------------------
 
 
@@ -352,7 +369,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
         t0 = time.perf_counter()
         outputs = serve_sessions(engine, samples, max_tokens=cfg.max_tokens,
                                  max_active=cfg.max_active, logprobs=want_ref_logprobs,
-                                 on_turn=keep_reference if want_ref_logprobs else None)
+                                 on_turn=keep_reference if want_ref_logprobs else None,
+                                 progress=_progress_log(spec.label, len(samples), log))
         serve_s = time.perf_counter() - t0
         if on_answers is not None:
             on_answers(spec.label, outputs)
