@@ -75,6 +75,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode-buckets", type=_csv(int), default=None,
                    help="decode batch shapes to compile (default: the engine's; on a GPU one "
                         "bucket = --max-active saves compile time for every engine)")
+    p.add_argument("--prefill-token-buckets", type=_csv(int), default=None,
+                   help="EngineConfig.prefill_token_buckets: full KV's prefill sizes to compile "
+                        "(default the engine's ladder; on a GPU each is a compile of tens of "
+                        "seconds, so a run of many short engines gives one or two)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL pass")
     p.add_argument("--kl-top-k", type=int, default=256,
@@ -107,6 +111,8 @@ def main(argv=None) -> int:
                            max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,
                            **({"decode_buckets": tuple(args.decode_buckets)}
                               if args.decode_buckets else {}),
+                           **({"prefill_token_buckets": tuple(args.prefill_token_buckets)}
+                              if args.prefill_token_buckets else {}),
                            **({"tail_rule": args.tail_rule} if args.tail_rule else {}),
                            **({"obs_window": args.obs_window} if args.obs_window else {}),
                            **({"gpu_memory_utilization": args.gpu_memory_utilization}

@@ -38,8 +38,12 @@ TASKS=benchmarks/results/accuracy_tasks.jsonl
 # sessions (4.2 GiB at 128), and seven pools of that size with their steps' transients did not fit
 # on one card beside each other (run of ba20a72: every part out of memory).
 MAX_ACTIVE=${MAX_ACTIVE:-48}
+# One prefill row a call and one padded size of it: each prefill shape is a compile of ~40 s on
+# the GPU (run of 8b3e7b1: full KV's 12 shapes, 1, 2 or 4 rows x the ~1.5x ladder, took 480 s of
+# every process), serving padded calls of a 135M model takes seconds.
+ONE_SHAPE=(--max-num-batched-tokens 2112 --max-prefill-rows 1 --prefill-token-buckets 2112)
 TABLE=(--tasks-in "$TASKS" --samples 100 --ratios 0.25,0.5 --max-model-len 1536 --chunk-size 2048
-       --max-active "$MAX_ACTIVE" --decode-buckets "$MAX_ACTIVE" --max-num-batched-tokens 8192 --max-prefill-rows 4
+       --max-active "$MAX_ACTIVE" --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}"
        --layer-loop scan --tasks-out /tmp/unused.jsonl)
 # Each engine caps JAX's allocator at its gpu_memory_utilization: a share of the card each
 # (seven processes at 0.9 each left five without memory).
@@ -63,8 +67,7 @@ done
 part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 --no-kl
 part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0.25,0.5 --no-kl \
   --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE" \
-  --decode-buckets "$MAX_ACTIVE" \
-  --max-num-batched-tokens 8192 --max-prefill-rows 4 --layer-loop scan \
+  --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}" --layer-loop scan \
   --tasks-out "$OUT/accuracy_tasks_solvable.jsonl"
 wait $(jobs -p | grep -v "^$SAMPLER$")
 kill "$SAMPLER" 2>/dev/null

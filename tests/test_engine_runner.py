@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tangram_jax.engine.config import EngineConfig, EngineConfigError
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.pallas_kernels.prefill_attention import row_alignment
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
@@ -172,6 +174,29 @@ def test_whole_row_prefill_of_a_full_layout_equals_the_dense_model():
     got = np.moveaxis(pages, 1, 0).reshape(2, -1, 8)[:, :19]
     np.testing.assert_allclose(got, np.moveaxis(np.asarray(cache.k)[0, 0, :19], 1, 0),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_configured_prefill_token_buckets_are_aligned_and_end_at_the_token_budget():
+    full = KVLayout.monolithic(3, 2, 8, page_size=4, chunk_size=16)
+    manager = KVCacheManager(full, 64, 4, 16, model_kv_shape=(3, 2, 8))
+
+    def buckets(configured, rows=1):
+        runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, full, 64,
+                             manager.block_tables.shape,
+                             runner_config=RunnerConfig(mode="full", max_prefill_tokens=100,
+                                                        prefill_token_buckets=configured))
+        return runner.prefill_token_buckets(rows), row_alignment(runner.prefill_tuning)
+
+    ladder, align = buckets(None)
+    cap = -(-100 // align) * align
+    assert ladder[-1] == cap and len(ladder) >= 2
+    got, _ = buckets((1, align + 1, 10_000))
+    # Rounded up to the alignment, sizes at or past the budget dropped, the budget kept.
+    assert got == sorted({align, 2 * align, cap})
+    got, _ = buckets((1,), rows=2)
+    assert got == [align, cap + align]
+    with pytest.raises(EngineConfigError, match="prefill_token_buckets"):
+        EngineConfig(prefill_token_buckets=(0, 64))
 
 
 def test_prefill_of_a_protected_turn_writes_the_layouts_counts_and_keeps_the_tail():

@@ -274,6 +274,13 @@ class EngineConfig:
         DEFAULT_DECODE_BUCKETS, _buckets,
         "batch sizes the decode step is compiled for (comma-separated); sizes above max_num_seqs "
         "beyond the first are dropped")
+    prefill_token_buckets: tuple[int, ...] | None = _field(
+        None, lambda name, value: None if value is None else _buckets(name, value),
+        "flat-token sizes a prefill call of whole rows (full KV on a GPU) is padded to, each "
+        "compiled once (comma-separated; rounded up to the kernel's row alignment, "
+        "max_num_batched_tokens always added). Default: a ladder growing by ~1.5x (a third of "
+        "padding at most, a dozen shapes at 8192 tokens); fewer sizes compile faster and pad "
+        "more")
     num_programs: int = _field(132 * 4, _int_at_least(1),
                                "concurrent programs the decode kernel's split map is sized for")
     obs_window: int = _field(32, _int_at_least(1),
@@ -480,7 +487,7 @@ def _cli_type(f: dataclasses.Field):
     """argparse `type` for a field: the string becomes the Python value its check expects (the
     check itself runs when the `EngineConfig` is built, so CLI and API report the same error)."""
     default = f.default
-    if f.name in ("decode_buckets", "kv_tier_turn"):
+    if f.name in ("decode_buckets", "prefill_token_buckets", "kv_tier_turn"):
         return _comma_ints
     if isinstance(default, float):
         return float

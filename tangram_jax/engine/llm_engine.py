@@ -349,7 +349,8 @@ class Engine:
                                        method=self.compression_method,
                                        scoring_rule=cfg.scoring_rule,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
-                                       max_prefill_tokens=rc.max_num_batched_tokens),
+                                       max_prefill_tokens=rc.max_num_batched_tokens,
+                                       prefill_token_buckets=cfg.prefill_token_buckets),
             kv_precision=cfg.kv_precision)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None

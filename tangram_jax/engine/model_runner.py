@@ -118,6 +118,8 @@ class RunnerConfig:
       kernels run (GPU), scan on the CPU.
     max_prefill_tokens: the most tokens of one prefill call (the engine's token budget); the
       largest flat-token bucket of a call of whole rows (`ModelRunner.prefill`).
+    prefill_token_buckets: the flat-token sizes below that a call of whole rows is padded to
+      (`ModelRunner.prefill_token_buckets`); None: a ladder growing by ~1.5x.
     """
 
     mode: str = "tangram"
@@ -128,6 +130,7 @@ class RunnerConfig:
     dynamic_safeguard: float = 0.2
     layer_loop: str | None = None
     max_prefill_tokens: int = 8192
+    prefill_token_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -383,11 +386,15 @@ class ModelRunner:
                 and self.tiers is None)
 
     def prefill_token_buckets(self, max_rows: int = 1) -> list[int]:
-        """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): multiples
-        of the row alignment growing by ~1.5x (so at most a third is padding), up to
-        `max_prefill_tokens` plus one alignment of slack per extra row."""
+        """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): the
+        configured `RunnerConfig.prefill_token_buckets` rounded up to the row alignment, else
+        multiples of the alignment growing by ~1.5x (so at most a third is padding); up to
+        `max_prefill_tokens` plus one alignment of slack per extra row (always a bucket)."""
         align = row_alignment(self.prefill_tuning)
         cap = -(-self.runner_config.max_prefill_tokens // align) * align + align * (max_rows - 1)
+        if self.runner_config.prefill_token_buckets is not None:
+            return sorted({-(-b // align) * align for b in self.runner_config.prefill_token_buckets
+                           if b < cap} | {cap})
         sizes, size = [], align
         while size < cap:
             sizes += [size] + ([size * 3 // 2] if size * 3 // 2 < cap and size >= 2 * align
