@@ -140,7 +140,7 @@ def pool_parameters(hlo: str, shape: str) -> set[int]:
                                        entry)}
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled", "switch"])
 def test_compiled_steps_keep_the_pool_in_place(layer_loop):
     manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
     model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))

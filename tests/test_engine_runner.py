@@ -37,12 +37,29 @@ def run_steps(layer_loop: str, max_pages: int = 16, table_width: int | None = No
     return logits, decoded, np.asarray(runner.k_pages)
 
 
-def test_unrolled_layers_equal_the_scan():
+@pytest.mark.parametrize("layer_loop", ["unrolled", "switch"])
+def test_layer_loops_equal_the_scan(layer_loop):
     scan_logits, scan_tokens, scan_pages = run_steps("scan")
-    unrolled_logits, unrolled_tokens, unrolled_pages = run_steps("unrolled")
-    np.testing.assert_allclose(unrolled_logits, scan_logits, rtol=1e-5, atol=1e-5)
-    assert unrolled_tokens == scan_tokens
-    np.testing.assert_allclose(unrolled_pages, scan_pages, rtol=1e-5, atol=1e-5)
+    logits, tokens, pages = run_steps(layer_loop)
+    np.testing.assert_allclose(logits, scan_logits, rtol=1e-5, atol=1e-5)
+    assert tokens == scan_tokens
+    np.testing.assert_allclose(pages, scan_pages, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_loop_reads_the_weights_in_place():
+    """The ``switch`` loop (the CPU default) picks each layer's weights by a branch per layer:
+    the compiled decode step slices no weight out of a stack (the scan's per-step copies)."""
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+    texts = {}
+    for loop in ("scan", "switch"):
+        runner = make_runner(manager, loop)
+        args, static = runner._null_decode_call(2, runner.k_pages, runner.v_pages)
+        texts[loop] = runner._decode.lower(*args, **static).compile().as_text()
+    kernel = f"f32[1,{CONFIG.hidden_size},{CONFIG.intermediate_size}]"   # one layer's gate/up
+    sliced = lambda text: [line for line in text.splitlines()
+                           if "dynamic-slice(" in line and kernel in line]
+    assert sliced(texts["scan"])          # what the test would catch
+    assert not sliced(texts["switch"])
 
 
 def test_cpu_path_takes_the_whole_table_and_reads_only_the_blocks_the_rows_hold():
@@ -320,7 +337,7 @@ def test_serving_after_warmup_compiles_nothing():
     assert compiles == []
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled", "switch"])
 def test_cpu_prefill_updates_the_pool_in_place(layer_loop):
     """The CPU path's prefill only reads the pool and returns its planned writes, which a
     second program scatters in place: neither compiled program holds a copy of the pool (XLA

@@ -44,7 +44,7 @@ MODES = ("tangram", "full", "dynamic")
 # ahead-of-time map from the budgets (Tangram), or the same splits for every group (the ablation's
 # FlashDecoding-style baseline, with as many work items per row as the AOT map).
 SPLIT_MAPS = ("aot", "uniform")
-LAYER_LOOPS = ("scan", "unrolled")
+LAYER_LOOPS = ("scan", "unrolled", "switch")
 # Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
 # backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
 # 2048-token compression chunks prefill tangram 1.2x / 1.7x faster than 256-token ones at
@@ -291,8 +291,8 @@ class EngineConfig:
         True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
         "while the device runs step N (vLLM's async_scheduling)")
     layer_loop: str | None = _field(None, _choice(LAYER_LOOPS, optional=True),
-                                    "layer loop of the runner: scan or unrolled (default: "
-                                    "unrolled on a GPU, scan on a CPU)")
+                                    "layer loop of the runner: scan, unrolled or switch "
+                                    "(default: unrolled on a GPU, switch on a CPU)")
     max_prefill_rows: int = _field(1, _int_at_least(1),
                                    "prefill chunks of different sequences run together in one "
                                    "call (more rows: fewer calls, longer compiles)")

@@ -63,7 +63,7 @@ from tangram_jax.pallas_kernels.split_map import SplitMap
 from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, sample_tokens,
                                   step_keys, token_logprobs)
 
-LAYER_LOOPS = ("scan", "unrolled")
+LAYER_LOOPS = ("scan", "unrolled", "switch")
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
 # whole [rows, vocab] log-softmax (each a separately compiled variant of the step).
 LOGPROB_MODES = (None, "top", "full")
@@ -113,9 +113,12 @@ class RunnerConfig:
     scoring_rule: which queries rank a chunk's tokens (`chunk_scoring.SCORING_RULES`).
     layer_loop: how a step runs the layers: ``"scan"`` (`lax.scan` over stacked parameters: one
       layer body compiled, fast to compile, but XLA copies each layer's weights out of the
-      stack every step) or ``"unrolled"`` (one traced body per layer over separate parameter
-      arrays: no copies, compile time grows with depth). None: unrolled where the Pallas
-      kernels run (GPU), scan on the CPU.
+      stack every step), ``"unrolled"`` (one traced body per layer over separate parameter
+      arrays: no copies, compile time grows with depth) or ``"switch"`` (`lax.scan` over the
+      layer index; each half of a layer around attention is a `lax.switch` with one branch per
+      layer over separate arrays: no copies, and attention, the larger part of a CPU step's
+      program, compiled once). None: unrolled where the Pallas kernels run (GPU), switch on
+      the CPU.
     max_prefill_tokens: the most tokens of one prefill call (the engine's token budget); the
       largest flat-token bucket of a call of whole rows (`ModelRunner.prefill`).
     prefill_token_buckets: the flat-token sizes below that a call of whole rows is padded to
@@ -226,11 +229,12 @@ class ModelRunner:
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
         # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
         layers = list(model.layers)
-        # Scan on the CPU: unrolled saves a decode step at batch 8 ~0.06 CPU-s of ~0.35 (the
-        # scan's per-layer weight copies), but compiles 30 layer bodies per shape: the warm-up of
-        # `bench serve` (~50 shapes) went from ~4 minutes to over 15 (NOTES_bench_serve.md).
+        # Switch on the CPU: unrolled saves the scan's per-layer weight copies (~425 MB a step
+        # on the embedded model) but compiles 30 layer bodies per shape (the warm-up of `bench
+        # serve`, ~50 shapes, went from ~4 minutes to over 15); the switch loop saves the
+        # copies too and compiles the attention once (NOTES_bench_serve.md, session 9).
         self.layer_loop = runner_config.layer_loop or (
-            "unrolled" if self.ops.name == "pallas" else "scan")
+            "unrolled" if self.ops.name == "pallas" else "switch")
         self.layer_graphdef = nnx.split(layers[0])[0]
         states = [nnx.split(layer)[1] for layer in layers]
         # Every array the steps take is committed to the devices: jit keys its compiled steps
@@ -346,15 +350,31 @@ class ModelRunner:
 
     def _over_layers(self, layer_step, carry, xs):
         """`lax.scan(layer_step, carry, xs)`, or the same loop unrolled over the layer list
-        (then ``xs[0]`` is that list and the other per-layer inputs are sliced statically)."""
+        (then ``xs[0]`` is that list and the other per-layer inputs are sliced statically), or
+        (``switch``) a scan over the layer index whose step gets a `_SwitchedLayer` of that
+        list in place of a layer's state (layer steps take their layer from `_layer`)."""
         if self.layer_loop == "scan":
             return jax.lax.scan(layer_step, carry, xs)
         layer_states, *rest = xs
+        if self.layer_loop == "switch":
+            def indexed_step(carry, xs):
+                index, *per_layer = xs
+                return layer_step(carry, (_SwitchedLayer(self.layer_graphdef, layer_states, index),
+                                          *per_layer))
+            return jax.lax.scan(indexed_step, carry,
+                                (jnp.arange(len(layer_states), dtype=jnp.int32), *rest))
         ys = []
         for i, layer_state in enumerate(layer_states):
             carry, y = layer_step(carry, (layer_state, *(x[i] for x in rest)))
             ys.append(y)
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+    def _layer(self, layer_state):
+        """The layer a layer step runs: its state merged into a `DecoderLayer`, or (the
+        ``switch`` loop) the `_SwitchedLayer` that picks it by index."""
+        if isinstance(layer_state, _SwitchedLayer):
+            return layer_state
+        return nnx.merge(self.layer_graphdef, layer_state)
 
     # ----- block tables ----------------------------------------------------------------------
     def update_block_tables(self, flat_index: np.ndarray, values: np.ndarray) -> None:
@@ -688,7 +708,7 @@ class ModelRunner:
             h, k_pages, v_pages = carry
             # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 2, [I, 5]
             layer_state, tables, write_tables, hist, keep, items = xs
-            layer = nnx.merge(self.layer_graphdef, layer_state)
+            layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
             out, k_pages, v_pages, kept, plans = attend(
                 q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, keep, items,
@@ -899,7 +919,7 @@ class ModelRunner:
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
             layer_state, tables, lens, work = xs          # [B, Gn, P], [B, Gn], [items, 3]
-            layer = nnx.merge(self.layer_graphdef, layer_state)
+            layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[:, None])
             out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work)
             h = layer.finish(h, out.astype(h.dtype))
@@ -968,7 +988,7 @@ class ModelRunner:
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry                     # h [1, N + B, hidden]
             layer_state, tables, write_tables, hist, keep, items, d_tables, d_lens = xs
-            layer = nnx.merge(self.layer_graphdef, layer_state)
+            layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, all_positions[None])     # one GEMM over both parts' tokens
             d_out, k_pages, v_pages = decode_attend(
                 q[0, n:, None], k[0, n:, None], v[0, n:, None], k_pages, v_pages, d_tables,
@@ -1158,6 +1178,29 @@ class ModelRunner:
 # The narrowest block-table width of the CPU path over precision tiers (pages): shorter rows are
 # padded to it, so short contexts share one compiled shape.
 _MIN_TABLE_WIDTH = 16
+
+
+class _SwitchedLayer:
+    """Layer `index` (a traced scalar) of separate per-layer states, as a `DecoderLayer`'s two
+    halves: each half is a `lax.switch` over one branch per layer, which reads that layer's
+    weights where they are (a scan over stacked weights copies each layer's out of the stack
+    every step: XLA's CPU dots take no dynamic slice). Only the halves are compiled per layer;
+    what lies between them (attention) is compiled once, in the scan's body."""
+
+    def __init__(self, graphdef, states, index):
+        self.graphdef, self.states, self.index = graphdef, states, index
+
+    def _switch(self, half: str, *args):
+        branches = [functools.partial(
+            lambda state, *a: getattr(nnx.merge(self.graphdef, state), half)(*a), state)
+            for state in self.states]
+        return jax.lax.switch(self.index, branches, *args)
+
+    def qkv(self, h, positions):
+        return self._switch("qkv", h, positions)
+
+    def finish(self, h, attn):
+        return self._switch("finish", h, attn)
 
 
 def _greedy(rows: int) -> tuple[np.ndarray, ...]:
