@@ -422,6 +422,22 @@ class ModelRunner:
             size *= 2
         return sorted(set(sizes)) + [cap]
 
+    def chunk_token_buckets(self, rows: int) -> list[int]:
+        """Flat-token sizes of a call of `rows` compression-chunk rows (not
+        `prefill_whole_rows`): every row's chunk, aligned; on the CPU path a single row also
+        takes the powers of two of the row alignment below that (a follow-up turn's few
+        dozen tokens cost a 64-token GEMM, not a whole chunk's; each size is one more compiled
+        prefill and mixed program)."""
+        align = row_alignment(self.prefill_tuning)
+        whole = rows * (-(-self.layout.chunk_size // align) * align)
+        if self.ops.name != "xla" or rows > 1:
+            return [whole]
+        sizes, size = [], align
+        while size < whole:
+            sizes.append(size)
+            size *= 2
+        return sizes + [whole]
+
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
                 num_protected: list[int] | None = None,
@@ -552,8 +568,8 @@ class ModelRunner:
                     raise ValueError(f"a prefill call of {int(lens.sum())} tokens in {n_rows} "
                                      f"rows exceeds max_prefill_tokens "
                                      f"{self.runner_config.max_prefill_tokens}")
-        else:
-            num_tokens = rows * (-(-layout.chunk_size // align) * align)
+        elif num_tokens is None:
+            num_tokens = next(b for b in self.chunk_token_buckets(rows) if b >= used)
         # Empty padding rows start at the end of the flat axis (they own no token).
         row_starts = np.full(rows, num_tokens, np.int32)
         row_starts[:n_rows] = starts
@@ -1054,11 +1070,11 @@ class ModelRunner:
                            num_tokens: int | None = None) -> tuple[tuple, dict]:
         """`_prefill` inputs and static arguments of `rows` one-token rows on the null slot,
         whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
-        it holds nothing), over a flat axis of `num_tokens` (whole rows; default the largest
-        bucket)."""
+        it holds nothing), over a flat axis of `num_tokens` (default the largest bucket)."""
         zeros = np.zeros(self.counts_shape, np.int32)
-        if self.prefill_whole_rows and num_tokens is None:
-            num_tokens = self.prefill_token_buckets(rows)[-1]
+        if num_tokens is None:
+            num_tokens = (self.prefill_token_buckets(rows) if self.prefill_whole_rows
+                          else self.chunk_token_buckets(rows))[-1]
         return self._prefill_args([np.zeros(1, np.int32)] * rows, [0] * rows,
                                   [self.null_slot] * rows, [zeros] * rows, [0] * rows,
                                   num_tokens, k_pages, v_pages)
@@ -1132,7 +1148,7 @@ class ModelRunner:
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
                        if b >= rows * row_alignment(self.prefill_tuning)] \
-                if self.prefill_whole_rows else [None]
+                if self.prefill_whole_rows else self.chunk_token_buckets(rows)
             for num_tokens in buckets:
                 for width, targets in itertools.product(self._table_widths(), prompt_logprobs):
                     args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
