@@ -1,5 +1,6 @@
 """ModelRunner on a tiny random model: the two ways of looping over layers give the same step."""
 
+import dataclasses
 import functools
 import jax
 import jax.numpy as jnp
@@ -355,3 +356,32 @@ def test_cpu_prefill_updates_the_pool_in_place(layer_loop):
     copies = [line for text in texts for line in text.splitlines()
               if " copy(" in line and pool in line]
     assert not copies, copies
+
+
+def test_a_short_chunk_row_prefills_over_a_smaller_flat_axis_with_the_same_results():
+    """On the CPU path a single compression-chunk row of few tokens (a follow-up turn) takes the
+    smallest flat-token size that holds it, not its whole chunk's: same logits, kept counts and
+    pages as over the whole chunk's axis."""
+    probe = make_runner(KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8)))
+    align = row_alignment(probe.prefill_tuning)
+    layout = dataclasses.replace(LAYOUT, chunk_size=4 * align)
+    max_pages = -(-(4 * align + 16) // LAYOUT.page_size)
+    num_pages = LAYOUT.num_layers * LAYOUT.num_groups * max_pages + 8
+    results = []
+    for small in (True, False):
+        manager = KVCacheManager(layout, num_pages, 2, max_pages, model_kv_shape=(3, 2, 8))
+        runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, layout,
+                             num_pages, manager.block_tables.shape)
+        assert runner.chunk_token_buckets(1) == [align, 2 * align, 4 * align]
+        assert runner.chunk_token_buckets(2) == [8 * align]
+        if not small:
+            runner.chunk_token_buckets = lambda rows: [rows * 4 * align]
+        tokens = np.random.default_rng(2).integers(1, 97, 4 * align + 9)
+        # A whole chunk, then a short piece (9 tokens over the first chunk's history).
+        logits, decoded, _ = prefill_then_decode(runner, manager, layout, tokens,
+                                                 chunk=4 * align)
+        results.append((logits, decoded, np.asarray(runner.k_pages)))
+    (small_logits, small_tokens, small_pages), (logits, tokens, pages) = results
+    np.testing.assert_allclose(small_logits, logits, rtol=1e-5, atol=1e-5)
+    assert small_tokens == tokens
+    np.testing.assert_allclose(small_pages, pages, rtol=1e-5, atol=1e-5)
