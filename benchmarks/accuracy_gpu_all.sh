@@ -42,6 +42,11 @@ MAX_ACTIVE=${MAX_ACTIVE:-48}
 # the GPU (run of 8b3e7b1: full KV's 12 shapes, 1, 2 or 4 rows x the ~1.5x ladder, took 480 s of
 # every process), serving padded calls of a 135M model takes seconds.
 ONE_SHAPE=(--max-num-batched-tokens 2112 --max-prefill-rows 1 --prefill-token-buckets 2112)
+# bf16, as the engine serves on a GPU: float32 prefill steps ran 15x slower there (a probe of the
+# harness's settings on an H100: 359 ms vs 23 ms a prefill step, 18 vs 6 ms a decode step), which
+# made a full-KV column of 400 sessions take 261 s; every mode of the table runs in this dtype.
+DTYPE=${DTYPE:-bfloat16}
+ONE_SHAPE+=(--dtype "$DTYPE")
 TABLE=(--tasks-in "$TASKS" --samples 100 --ratios 0.25,0.5 --max-model-len 1536 --chunk-size 2048
        --max-active "$MAX_ACTIVE" --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}"
        --layer-loop scan --tasks-out /tmp/unused.jsonl)
