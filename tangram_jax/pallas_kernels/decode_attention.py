@@ -1,4 +1,5 @@
-"""Ragged paged decode attention over head groups, driven by a work list (one launch per layer).
+"""Ragged paged decode attention over head groups, driven by a work list (a launch per layer
+and KV pool, then a merge).
 
 Layout (see `tangram_jax.kv_layout`): the pool ``k_pages, v_pages: [num_pages, G, page_size,
 head_dim]`` is shared by every layer and group; this layer's ``block_tables: [batch, groups,
