@@ -471,8 +471,7 @@ def _decode(q, tier_pools, block_tables, lengths, works, **kwargs):
     parts = [decode_partials(q, k, v, block_tables, lengths, work, tier=t,
                              num_tiers=len(tier_pools), **kwargs)
              for t, ((k, v), work) in enumerate(zip(tier_pools, works))]
-    o_part = jnp.concatenate([p[0] for p in parts], axis=1) if len(parts) > 1 else parts[0][0]
-    lse_part = jnp.concatenate([p[1] for p in parts], axis=1) if len(parts) > 1 else parts[0][1]
+    o_part, lse_part = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
     return merge_partials_pallas(o_part, lse_part, _concat_work(works), num_groups=q.shape[1],
                                  out_dtype=q.dtype, interpret=kwargs["interpret"])
 
