@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Issue 12's and 17's accuracy runs in one device call, as parallel processes on the one GPU (a
-# 135M model leaves the card and its 16 cores mostly idle; every part writes its JSON after each
-# (mode, ratio), so a part cut by the time limit keeps its finished columns):
+# Issue 12's and 17's accuracy runs in one device call, one process a part (each part writes its
+# JSON after each (mode, ratio), so a part cut by the time limit keeps its finished columns):
 #   A1-A3. the table on the committed samples (benchmarks/results/accuracy_tasks.jsonl, the
 #      samples of the README table and of the kvpress runs), 100 a task, with KL: full with
 #      tangram / dynamic / uniform at 0.25 and 0.5 (one mode per process: each serves full KV
@@ -42,6 +41,11 @@ MAX_ACTIVE=${MAX_ACTIVE:-48}
 # the GPU (run of 8b3e7b1: full KV's 12 shapes, 1, 2 or 4 rows x the ~1.5x ladder, took 480 s of
 # every process), serving padded calls of a 135M model takes seconds.
 ONE_SHAPE=(--max-num-batched-tokens 2112 --max-prefill-rows 1 --prefill-token-buckets 2112)
+# bf16, as the engine serves on a GPU: float32 prefill steps ran 15x slower there (a probe of the
+# harness's settings on an H100: 359 ms vs 23 ms a prefill step, 18 vs 6 ms a decode step), which
+# made a full-KV column of 400 sessions take 261 s; every mode of the table runs in this dtype.
+DTYPE=${DTYPE:-bfloat16}
+ONE_SHAPE+=(--dtype "$DTYPE")
 TABLE=(--tasks-in "$TASKS" --samples 100 --ratios 0.25,0.5 --max-model-len 1536 --chunk-size 2048
        --max-active "$MAX_ACTIVE" --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}"
        --layer-loop scan --tasks-out /tmp/unused.jsonl)
@@ -52,14 +56,21 @@ SHARE=${SHARE:-0.11}
 (while sleep 15; do echo "$SECONDS s: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done) \
   > "$OUT/gpu_memory.log" 2>&1 &
 SAMPLER=$!
-# Which parts run (their letters); processes share the GPU by time slices, so fewer parts serve
-# faster each (run of e167714, seven parts: ~0.5 sessions/s a process, no part finished full KV).
+# Which parts run (their letters), one after another unless PARALLEL=1: processes share the GPU
+# by time slices, and a 135M model's steps are many small kernels, so parallel parts slowed each
+# other far more than they overlapped (run of 931e3f9, four parts in bf16: 97 s a full-KV column
+# of 400 sessions; a probe of the same settings alone served 96 sessions in 1.4 s).
 PARTS=${PARTS:-ABCD}
 part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
   local name=$1; shift
   [[ $PARTS == *${name:0:1}* ]] || return 0
-  LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
-    --gpu-memory-utilization "$SHARE" "$@" > /dev/null 2>&1 &
+  if [[ ${PARALLEL:-0} == 1 ]]; then
+    LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
+      --gpu-memory-utilization "$SHARE" "$@" > /dev/null 2>&1 &
+  else
+    LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
+      --gpu-memory-utilization 0.5 "$@" > /dev/null 2>&1
+  fi
 }
 part A1_tangram "${TABLE[@]}" --modes full,tangram --answers-out "$OUT/answers_tangram.jsonl"
 part A2_dynamic "${TABLE[@]}" --modes full,dynamic
@@ -73,7 +84,7 @@ part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0
   --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE" \
   --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}" --layer-loop scan \
   --tasks-out "$OUT/accuracy_tasks_solvable.jsonl"
-wait $(jobs -p | grep -v "^$SAMPLER$")
+for job in $(jobs -p); do [[ $job == "$SAMPLER" ]] || wait "$job"; done
 kill "$SAMPLER" 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
 for f in "$OUT"/*.log; do

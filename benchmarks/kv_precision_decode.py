@@ -14,12 +14,11 @@ the float32 scale and zero of K and V: 512 / 272 / 208 / 112 bytes a slot at hea
 
 Precision tiers (``k8v4-k4v2``, `kv_layout.TieredLayout`): the same retained tokens of every
 group split into a K8V4 tier of ``TIER_HIGH_SHARE`` of them and a K4V2 tier of the rest, each in
-its own pool and block table; one decode launch whose work items each read a byte-weighted
-range of both tiers of a group (the AOT split map over the groups, weighed by the tiers' mix of
-bytes) and the merge launch: 2 launches a layer, as untiered. Its ideal is the bytes ratio of
-that mix. Baseline of the same run, ``k8v4-k4v2/per-tier`` (what served tiers before): the
-same kernel once per tier's pool with that tier's work list (a split map over tier groups) and
-one merge of both tiers' partials: 3 launches a layer.
+its own pool and block table; attended as the engine does (`ragged_paged_decode_attention` on
+`kv_quant.TieredPages`): the untiered kernel once per tier's pool, each launch with its tier's
+work list (`split_map.build_tier_split_map`: the AOT map over the tier groups, weighed by
+their bytes, cut by tier), then one merge of both tiers' partials: 3 launches a layer. Its
+ideal is the bytes ratio of that mix.
 
     GIT_REV=$(git rev-parse HEAD) python benchmarks/kv_precision_decode.py --out result.json
 """
@@ -27,7 +26,6 @@ one merge of both tiers' partials: 3 launches a layer.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -39,10 +37,8 @@ import numpy as np
 from tangram_jax import kv_quant
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
-from tangram_jax.pallas_kernels import backend
-from tangram_jax.pallas_kernels.decode_attention import (
-    decode_partials, merge_partials_pallas, ragged_paged_decode_attention,
-    ragged_paged_decode_attention_reference)
+from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
+                                                         ragged_paged_decode_attention_reference)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import _median_time  # noqa: E402  (the timing of the decode benchmark)
@@ -53,13 +49,11 @@ NUM_PROGRAMS = 132 * 4
 CALLS = 8
 DTYPE = jnp.bfloat16
 TIER_HIGH_SHARE = 0.5
-PER_TIER = "/per-tier"      # suffix of the tiered baseline: a launch per tier, then the merge
 
 
 def slot_bytes(precision: str) -> float:
     """Bytes one retained (token, KV head) slot costs, K and V together (precision tiers: the
     mean over the `TIER_HIGH_SHARE` mix)."""
-    precision = precision.removesuffix(PER_TIER)
     if precision in PRECISION_TIERS:
         high, low = (slot_bytes(t) for t in PRECISION_TIERS[precision])
         return TIER_HIGH_SHARE * high + (1 - TIER_HIGH_SHARE) * low
@@ -120,15 +114,15 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows)
     return out
 
 
-def tiered_case(key, precision, lens, num_pages):
+def tiered_case(key, precision, lens, batch):
     """The same retained tokens as tier groups: (k, v `kv_quant.TieredPages`, tables [batch,
-    2 groups, max_pages], lengths [batch, 2 groups], the work list of the groups, bytes read).
+    2 groups, max_pages], lengths [batch, 2 groups], the (high, low) work lists, bytes read).
     Each tier pool holds exactly its tier's pages (shuffled), the high tier `TIER_HIGH_SHARE`
     of a group's tokens."""
     lengths = np.asarray(lens)
     high = np.round(lengths * TIER_HIGH_SHARE).astype(np.int32)
     tier_lens = np.stack([high, lengths - high], axis=-1).reshape(lengths.shape[0], -1)
-    batch, tier_groups = tier_lens.shape
+    tier_groups = tier_lens.shape[1]
     width = int(-(-tier_lens.max() // PAGE_SIZE))
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
     pages = batch * tier_groups * width + 1
@@ -139,44 +133,15 @@ def tiered_case(key, precision, lens, num_pages):
         kk, vk = jax.random.split(jax.random.fold_in(key, 200 + i))
         pools.append((random_pool(kk, pages, fmt.key_bits), random_pool(vk, pages, fmt.value_bits)))
     (k_hi, v_hi), (k_lo, v_lo) = pools
-    # As the engine weighs groups (`llm_engine.decode_work_weights`): budget x the tiers' mix.
-    smap = sm.build_split_map(BUDGETS, NUM_PROGRAMS, batch, group_size=GROUP_SIZE,
-                              bytes_per_token=np.full(BUDGETS.shape, slot_bytes(precision)))
+    # As the engine builds them (`llm_engine.decode_split_map`).
+    smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
+                                   tuple(slot_bytes(t) for t in PRECISION_TIERS[precision]),
+                                   NUM_PROGRAMS, batch, group_size=GROUP_SIZE)
     read = GROUP_SIZE * sum(int(tier_lens[:, t::2].sum()) * slot_bytes(tier)
                             for t, tier in enumerate(PRECISION_TIERS[precision]))
     return (kv_quant.TieredPages(k_hi, k_lo), kv_quant.TieredPages(v_hi, v_lo),
-            jnp.asarray(tables), jnp.asarray(tier_lens), smap.work_list(0), read)
-
-
-def per_tier_work_lists(precision, batch):
-    """The per-tier baseline's work lists (high, low), each int32 [items, 3] of groups: a split
-    map over tier groups (r h and r (1 - h), each at its tier's bytes) cut by tier."""
-    share = np.full(BUDGETS.shape, TIER_HIGH_SHARE)
-    tier_budgets = np.stack([BUDGETS * share, BUDGETS * (1 - share)], -1).reshape(1, -1)
-    cost = np.tile([slot_bytes(t) for t in PRECISION_TIERS[precision]], (1, BUDGETS.shape[1]))
-    smap = sm.build_split_map(tier_budgets, NUM_PROGRAMS, batch, group_size=GROUP_SIZE,
-                              bytes_per_token=cost)
-    out = []
-    for tier in (0, 1):
-        rows = [(g // 2, k, n) for g, n in enumerate(smap.splits[0]) if g % 2 == tier
-                for k in range(n)]
-        out.append(jnp.asarray(rows, jnp.int32))
-    return out
-
-
-def per_tier_attention(q, k, v, tables, lens, *, work_lists, block_tokens=32, num_warps=2,
-                       num_stages=3, heads_per_program=1):
-    """The baseline: the kernel over each tier's pool alone, then one merge launch."""
-    interpret = backend.default_interpret()
-    parts = [decode_partials(q, kt, vt, tables[:, t::2], lens[:, t::2], work_lists[t],
-                             interpret=interpret, block_tokens=block_tokens,
-                             num_warps=num_warps, num_stages=num_stages,
-                             heads_per_program=heads_per_program)
-             for t, (kt, vt) in enumerate(((k.high, v.high), (k.low, v.low)))]
-    return merge_partials_pallas(jnp.concatenate([p[0] for p in parts], axis=1),
-                                 jnp.concatenate([p[1] for p in parts], axis=1),
-                                 jnp.concatenate(work_lists), num_groups=q.shape[1],
-                                 out_dtype=q.dtype, interpret=interpret)
+            jnp.asarray(tables), jnp.asarray(tier_lens),
+            tuple(w[0] for w in smap.tier_work_lists()), read)
 
 
 def _tuning(tuning) -> dict:
@@ -189,16 +154,8 @@ def _tuning(tuning) -> dict:
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
              correctness_rows):
     """One format's entry: time per launch for each block size, the best, bandwidth, check."""
-    tiers = precision.removesuffix(PER_TIER)
-    if tiers in PRECISION_TIERS:
-        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, tiers, lens, num_pages)
-        if precision.endswith(PER_TIER):
-            attend = functools.partial(per_tier_attention,                  # 3 launches
-                                       work_lists=per_tier_work_lists(tiers, qs.shape[1]))
-        else:
-            attend = lambda q, k, v, t, n, **kw: ragged_paged_decode_attention(  # noqa: E731
-                q, k, v, t, n, work_list=work, **kw)
-        reference = ragged_paged_decode_attention_reference
+    if precision in PRECISION_TIERS:
+        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1])
     else:
         fmt = kv_quant.page_format(precision)
         kk, vk = jax.random.split(jax.random.fold_in(
@@ -206,9 +163,10 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         k_pages = random_pool(kk, num_pages, fmt.key_bits)
         v_pages = random_pool(vk, num_pages, fmt.value_bits)
         read = slots * slot_bytes(precision)
-        attend = lambda q, k, v, t, n, **kw: ragged_paged_decode_attention(   # noqa: E731
-            q, k, v, t, n, work_list=work, **kw)
-        reference = ragged_paged_decode_attention_reference
+
+    def attend(q, k, v, t, n, **kw):
+        return ragged_paged_decode_attention(q, k, v, t, n, work_list=work, **kw)
+    reference = ragged_paged_decode_attention_reference
     # Kernel launches a layer's decode attention makes (pallas_calls in its program).
     launches = str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, tbl, lens))(
         qs[0], k_pages, v_pages)).count("pallas_call[")
@@ -246,8 +204,7 @@ def main(argv=None):
     p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
                    "tried at the first config; the best is used for the others")
     p.add_argument("--precisions",
-                   default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS) + tuple(
-                       t + PER_TIER for t in PRECISION_TIERS)))
+                   default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--baseline-sweep", default=None,
                    help="tunings tried for bf16 (default: --sweep)")
     args = p.parse_args(argv)

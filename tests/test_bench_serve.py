@@ -103,9 +103,9 @@ def test_ablation_configurations():
     assert tiered["kv_precision"] == "k8v4-k4v2"
     assert tiered["profile"].tiers.precision == "k8v4-k4v2"
     assert variant_config("full+bf16", mc, 2, 0.25, 0, "k8v4-k4v2")["kv_precision"] == "bf16"
-    with pytest.raises(ValueError, match="tangram-mode configurations only"):
+    with pytest.raises(ValueError, match="needs tangram mode"):
         variant_config("full", mc, 2, 0.25, 0, "k8v4-k4v2")
-    with pytest.raises(ValueError, match="KV precision must be one of"):
+    with pytest.raises(ValueError, match="kv_precision must be one of"):
         variant_config("tangram+k3v1", mc, 2, 0.25, 0)
 
 

@@ -173,7 +173,7 @@ def test_mode_specs_and_labels():
     assert [s.label for s in specs] == ["full", "tangram+k8v4-k4v2@0.5", "dynamic+k8v4@0.5"]
     assert [s.kv_precision for s in specs] == ["bf16", "k8v4-k4v2", "k8v4"]
     assert specs[1].mode_name == "tangram+k8v4-k4v2"
-    with pytest.raises(ValueError, match="need tangram mode"):
+    with pytest.raises(ValueError, match="needs tangram mode"):
         ModeSpec.parse("uniform+k8v4-k4v2", 0.5)
     with pytest.raises(ValueError, match="bf16 reference"):
         mode_specs(["full+k8v4"], [0.5])

@@ -1,6 +1,7 @@
-"""Split maps (AOT / uniform) and the runtime planner: shapes, proportionality, and that the
-decode kernel's share rule (a group's blocks cut by cost) covers every page of every group
-exactly once, with one pool or precision tiers."""
+"""Split maps (AOT / uniform, untiered and over precision tiers' tier groups) and the runtime
+planner: shapes, proportionality, and that the decode kernel's share rule (a group's blocks cut
+into equal runs) covers every page of every group exactly once, with one pool or a launch per
+tier."""
 
 import numpy as np
 import pytest
@@ -8,41 +9,29 @@ import pytest
 from tangram_jax.pallas_kernels import split_map as sm
 
 
-def _shares(lengths, split, num_splits, page_size, pages_per_block, costs=(1,)):
-    """The decode kernel's share rule, written out independently in numpy: per tier, the pages
-    of item `split` of `num_splits`. A group's blocks are its tiers' (`lengths`, one per tier)
-    one after the other, block b of tier t costing costs[t]; the item takes the blocks whose
-    cost starts in [split W / n, (split + 1) W / n), W the group's total cost."""
+def _shares(length, split, num_splits, page_size, pages_per_block):
+    """The decode kernel's share rule, written out independently in numpy: the pages of item
+    `split` of `num_splits` of a group of `length` tokens, whose B blocks are cut into the
+    runs [floor(split B / n), floor((split + 1) B / n))."""
     if num_splits == 0:
-        return [range(0) for _ in lengths]
-    pages = [-(-int(n) // page_size) for n in lengths]
-    blocks = [-(-p // pages_per_block) for p in pages]
-    starts = np.cumsum([0] + [b * c for b, c in zip(blocks, costs)])[:-1]
-    total = sum(b * c for b, c in zip(blocks, costs))
-    lo, hi = split * total // num_splits, (split + 1) * total // num_splits
-    out = []
-    for p, b, c, start in zip(pages, blocks, costs, starts):
-        mine = [i for i in range(b) if lo <= start + i * c < hi]
-        out.append(range(0) if not mine else
-                   range(mine[0] * pages_per_block, min((mine[-1] + 1) * pages_per_block, p)))
-    return out
+        return range(0)
+    pages = -(-int(length) // page_size)
+    blocks = -(-pages // pages_per_block)
+    lo, hi = split * blocks // num_splits, (split + 1) * blocks // num_splits
+    return range(lo * pages_per_block, min(hi * pages_per_block, pages))
 
 
-def _covered_once(work, lengths, page_size, pages_per_block, costs=(1,)):
-    """lengths [batch, groups * tiers] (tier t of group g at g * tiers + t)."""
-    tiers = len(costs)
-    batch, groups = lengths.shape[0], lengths.shape[1] // tiers
+def _covered_once(work, lengths, page_size, pages_per_block):
+    """work [batch, items, 3] over lengths [batch, groups]: every page read by one item."""
+    batch, groups = lengths.shape
     for b in range(batch):
-        seen = [[[] for _ in range(tiers)] for _ in range(groups)]
+        seen = [[] for _ in range(groups)]
         for g, k, n in work[b]:
             if n:
-                lens = lengths[b, g * tiers:(g + 1) * tiers]
-                for t, pages in enumerate(_shares(lens, k, n, page_size, pages_per_block, costs)):
-                    seen[g][t].extend(pages)
+                seen[g].extend(_shares(lengths[b, g], k, n, page_size, pages_per_block))
         for g in range(groups):
-            for t in range(tiers):
-                pages = -(-int(lengths[b, g * tiers + t]) // page_size)
-                assert sorted(seen[g][t]) == list(range(pages)), (b, g, t)
+            pages = -(-int(lengths[b, g]) // page_size)
+            assert sorted(seen[g]) == list(range(pages)), (b, g)
 
 
 def test_aot_map_is_proportional_and_same_size_per_layer():
@@ -96,11 +85,16 @@ def test_every_work_list_covers_every_page_once(pages_per_block):
     for work in (np.broadcast_to(aot, (5, *aot.shape)), np.broadcast_to(uniform, (5, 28, 3)),
                  sm.plan_runtime_work(lengths, 200, ps, group_size=2)):
         _covered_once(work, lengths, ps, pages_per_block)
-    # Precision tiers (K8V4 : K4V2 bytes 13 : 7): each group's two tiers, ragged, one empty.
+    # Precision tiers: each tier's launch covers its tier groups (``2 g + t``) of every row,
+    # ragged, some empty; the tiered AOT map (shares 0 and 1 included) and uniform splits.
     tier_lengths = rng.integers(0, 1500, size=(5, 8))
     tier_lengths[0] = [0, 0, 0, 5 * ps, 3 * ps + 1, 0, 1, 20000]
-    for work in (np.broadcast_to(aot, (5, *aot.shape)), np.broadcast_to(uniform, (5, 28, 3))):
-        _covered_once(work, tier_lengths, ps, pages_per_block, costs=(13, 7))
+    tiered_aot = sm.build_tier_split_map(budgets, np.array([[0.0, 0.3, 0.7, 1.0]]), (208, 112),
+                                         200, 5, group_size=2)
+    for smap in (tiered_aot, sm.uniform_split_map(1, 8, 3, tiered=True)):
+        for tier, work in enumerate(smap.tier_work_lists()):
+            _covered_once(np.broadcast_to(work[0], (5, *work.shape[1:])),
+                          tier_lengths[:, tier::2], ps, pages_per_block)
 
 
 def test_runtime_plan_balances_by_actual_length():
@@ -125,3 +119,46 @@ def test_split_map_weighs_groups_by_bytes_to_read():
     assert m.splits[1] == plain.splits[1]
     with pytest.raises(ValueError, match="bytes_per_token"):
         sm.build_split_map(budgets, 528, group_size=2, bytes_per_token=np.ones((2, 3)))
+
+
+def test_tier_split_map_weighs_tier_groups_by_bytes_and_cuts_by_tier():
+    """Over the tier groups (2 g high, 2 g + 1 low) the splits follow budget x share x the
+    tier's bytes; the two tiers' lists hold exactly the map's splits of their tier groups, as
+    rows of the base groups; empty tiers get one item each without raising the item count
+    (the floor); each launch is sized for about num_programs programs."""
+    budgets = np.array([[0.2, 0.4, 0.6, 0.8], [0.5, 0.5, 0.5, 0.5]])
+    share = np.array([[0.5, 0.5, 0.5, 0.5], [1.0, 0.0, 0.5, 0.25]])
+    m = sm.build_tier_split_map(budgets, share, (208.0, 112.0), 528, 4, group_size=2)
+    assert m.tiered and m.num_groups == 8 and m.num_layers == 2
+    work = np.stack([budgets * share * 208, budgets * (1 - share) * 112], -1).reshape(2, 8)
+    s0 = np.array(m.splits[0])
+    ratio = work[0] / s0                          # bytes per item: balanced across both tiers
+    assert ratio.max() <= 1.3 * ratio.min(), m.splits[0]
+    s1 = m.splits[1]
+    assert s1[1] == 1 and s1[2] == 1                   # the empty tiers: one no-op item each
+    assert s1[0] > 1.5 * s1[3]                         # 104 B-units against 56
+    # Each launch sized for ~num_programs: the untiered rule at twice the programs.
+    assert m.num_items >= sm.items_per_row(2 * 528, 4, 2, 8, 256)
+    # At a large batch the items are raised for balance, bounded by the floor (empty tiers
+    # would otherwise ask for sum(w) / 0 and get 8 x max_splits).
+    big = sm.build_tier_split_map(budgets, share, (208.0, 112.0), 528, 64, group_size=2)
+    assert sm.items_per_row(2 * 528, 64, 2, 8, 256) < big.num_items <= 8 / sm.TIER_WORK_FLOOR
+    high, low = m.tier_work_lists()
+    for tier, lists in ((0, high), (1, low)):
+        assert lists.dtype == np.int32 and lists.shape[0] == 2
+        for layer in range(2):
+            rows = lists[layer][lists[layer, :, 2] > 0]
+            for g in range(4):
+                mine = rows[rows[:, 0] == g]
+                n = m.splits[layer][2 * g + tier]
+                assert sorted(mine[:, 1]) == list(range(n)) and (mine[:, 2] == n).all()
+    with pytest.raises(ValueError, match="tier_work_lists"):
+        sm.build_split_map(budgets, 528, 4, group_size=2).tier_work_lists()
+    with pytest.raises(ValueError, match="tier_work_lists"):
+        m.work_lists()
+    with pytest.raises(ValueError, match="high_share"):
+        sm.build_tier_split_map(budgets, share[:1], (208.0, 112.0), 528, group_size=2)
+    with pytest.raises(ValueError, match="tier_bytes_per_token"):
+        sm.build_tier_split_map(budgets, share, (208.0,), 528, group_size=2)
+    with pytest.raises(ValueError, match="two tier groups"):
+        sm.uniform_split_map(1, 3, 2, tiered=True)

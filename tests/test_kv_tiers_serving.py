@@ -1,7 +1,7 @@
 """Serving precision tiers (``k8v4-k4v2``): the tiered pool's dense history, the compression
 writing the top-ranked kept tokens to the high tier and the rest to the low tier, decode
-attention over both tiers in one launch (the Pallas kernel in interpret mode against its jnp
-reference, and its byte-weighted work items), the split map weighing groups by their tiers'
+attention as a launch per tier's pool and one merge (the Pallas kernel in interpret mode
+against its jnp reference), the split map over the tier groups weighing them by their tiers'
 bytes, and the engine end to end on a tiny model."""
 
 import dataclasses
@@ -16,7 +16,6 @@ from tangram_jax.compression.profile import TierBudgets
 from tangram_jax.sampling import SamplingParams
 from tangram_jax.kv_layout import KVLayout, TieredLayout
 from tangram_jax.pallas_kernels import chunk_compress, decode_attention
-from tangram_jax.pallas_kernels.split_map import build_split_map
 
 from tiny_engine import build_tiny_model, prefill_then_decode, tiny_engine_config, tiny_profile
 
@@ -120,11 +119,12 @@ def _poisoned_tiered_pools(rng, tier_lens, width):
 
 
 def test_tiered_decode_kernel_matches_reference():
-    """One launch reads both tiers of a group: every work list (the AOT map weighed by the
-    tiers' bytes, uniform splits finer than the blocks, runtime planning), both loop variants
-    and both heads-per-program settings against the dense-history reference. Tier lengths are
-    ragged: a group empty in both tiers, high only, low only, page boundaries (PS, 2 PS, one
-    short and one past), both tiers at the table's end; unowned slots are NaN."""
+    """A launch per tier's pool, then one merge: every kind of work list pair (the tiered AOT
+    map cut by tier, uniform splits finer than the blocks, runtime planning per tier, and a
+    static high list with a planned low one), both loop variants and both heads-per-program
+    settings against the dense-history reference. Tier lengths are ragged: a group empty in
+    both tiers, high only, low only, page boundaries (PS, 2 PS, one short and one past), both
+    tiers at the table's end; unowned slots are NaN."""
     from tangram_jax.pallas_kernels import split_map as sm
     rng = np.random.default_rng(2)
     batch, groups, q_per_kv, width = 4, 3, 2, 5
@@ -138,18 +138,18 @@ def test_tiered_decode_kernel_matches_reference():
     lens = jnp.asarray(tier_lens)
     want = decode_attention.ragged_paged_decode_attention_reference(q, k, v, tables, lens)
     assert np.isfinite(np.asarray(want)).all()
-    budgets = np.array([[0.2, 0.5, 0.9]])
-    high_share = np.array([[0.3, 0.6, 0.1]])
-    bytes_per_token = high_share * 40 + (1 - high_share) * 24      # K8V4 / K4V2 at D = 16
+    aot = sm.build_tier_split_map(np.array([[0.2, 0.5, 0.9]]), np.array([[0.3, 0.6, 0.1]]),
+                                  (40, 24), 24, batch, group_size=G)      # K8V4 / K4V2 at D = 16
+    planned = [sm.plan_runtime_work(tier_lens[:, t::2], 24, PS, group_size=G) for t in (0, 1)]
     work_lists = {
-        "aot": sm.build_split_map(budgets, 24, batch, group_size=G,
-                                  bytes_per_token=bytes_per_token).work_list(0),
-        "uniform": sm.uniform_split_map(1, groups, 7).work_list(0),   # more items than blocks
-        "runtime_planned": sm.plan_runtime_work(tier_lens[:, 0::2] + tier_lens[:, 1::2], 24,
-                                                PS, group_size=G),
+        "aot": tuple(w[0] for w in aot.tier_work_lists()),
+        "uniform": tuple(w[0] for w in sm.uniform_split_map(1, 2 * groups, 7,   # > the blocks
+                                                            tiered=True).tier_work_lists()),
+        "runtime_planned": tuple(planned),
+        "aot_high_planned_low": (aot.tier_work_lists()[0][0], planned[1]),
     }
     paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
-             "runtime_planned": dict(heads_per_program=G)}
+             "runtime_planned": dict(heads_per_program=G), "aot_high_planned_low": {}}
     for name, work in work_lists.items():
         got = decode_attention.ragged_paged_decode_attention(
             q, k, v, tables, lens, work_list=work, interpret=True, block_tokens=2 * PS,
@@ -157,58 +157,67 @@ def test_tiered_decode_kernel_matches_reference():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5,
                                    err_msg=name)
         assert not np.asarray(got)[0, 0].any()
+    with pytest.raises(ValueError, match="pair"):
+        decode_attention.ragged_paged_decode_attention(q, k, v, tables, lens,
+                                                       work_list=work_lists["aot"][0])
 
 
-def test_tiered_decode_items_cut_the_bytes_evenly():
-    """The kernel's work items on one group of 6 high and 10 low blocks (one page each), cut
-    by the tiers' bytes per slot (K8V4 : K4V2 = 40 : 28 B = 10 : 7 at D = 16; total cost 130)
-    into 4 items at costs 0, 32, 65, 97: a block belongs to the item where its cost starts.
-    Each item's partial is the reference over exactly its blocks (item 1 reads the last two
-    high blocks and the first low one), and the partials merge to the whole group's output."""
+def test_tiered_decode_merges_the_partials_of_both_launches():
+    """Each tier's launch reads only its tier groups' rows of the shared tables and lengths
+    (``2 g + t``) in its pool's format: its partials are the untiered reference over that tier
+    alone; the merge of both launches' partials is the reference over both tiers."""
     rng = np.random.default_rng(3)
-    tier_lens = np.array([[6 * PS, 10 * PS]], np.int32)
-    k, v, tables = _poisoned_tiered_pools(rng, tier_lens, 10)
-    assert decode_attention._block_costs(decode_attention._tier_pools(k, v)) == (10, 7)
-    q = jnp.asarray(rng.normal(size=(1, 1, G, D)), jnp.float32)
-    work = jnp.asarray([(0, s, 4) for s in range(4)], jnp.int32)
-    o_part, lse, _ = decode_attention.decode_partials(
-        q, k, v, tables, jnp.asarray(tier_lens), work, interpret=True, block_tokens=PS,
-        num_warps=2, num_stages=2)
-    # (high blocks, low blocks) of each item: high block i costs from 10 i, low j from 60 + 7 j.
-    shares = [((0, 4), (0, 0)), ((4, 6), (0, 1)), ((6, 6), (1, 6)), ((6, 6), (6, 10))]
-    table = np.asarray(tables)[0]
-    for item, ((h0, h1), (l0, l1)) in enumerate(shares):
-        sub_tables = np.zeros((1, 2, 10), np.int32)
-        sub_tables[0, 0, :h1 - h0] = table[0, h0:h1]
-        sub_tables[0, 1, :l1 - l0] = table[1, l0:l1]
-        sub_lens = jnp.asarray([[(h1 - h0) * PS, (l1 - l0) * PS]], jnp.int32)
-        want = decode_attention.ragged_paged_decode_attention_reference(
-            q, k, v, jnp.asarray(sub_tables), sub_lens)
-        np.testing.assert_allclose(np.asarray(o_part)[0, item].reshape(want.shape),
-                                   np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=str(item))
-    merged = decode_attention.merge_partials(o_part, lse, work, 1)
-    full = decode_attention.ragged_paged_decode_attention_reference(
-        q, k, v, tables, jnp.asarray(tier_lens))
+    tier_lens = np.array([[3 * PS + 1, 5 * PS], [0, 2 * PS - 1]], np.int32)   # 2 rows, 1 group
+    k, v, tables = _poisoned_tiered_pools(rng, tier_lens, 6)
+    q = jnp.asarray(rng.normal(size=(2, 1, G, D)), jnp.float32)
+    lens = jnp.asarray(tier_lens)
+    work = jnp.asarray([(0, s, 2) for s in range(2)], jnp.int32)
+    parts = []
+    for tier, (kt, vt) in enumerate(((k.high, v.high), (k.low, v.low))):
+        o_part, lse, _ = decode_attention.decode_partials(
+            q, kt, vt, tables, lens, work, interpret=True, block_tokens=PS, num_warps=2,
+            num_stages=2, tier=tier, num_tiers=2)
+        alone = decode_attention.ragged_paged_decode_attention_reference(
+            q, kt, vt, tables[:, tier::2], lens[:, tier::2])
+        merged = decode_attention.merge_partials(o_part, lse, work, 1)
+        np.testing.assert_allclose(np.asarray(merged).reshape(alone.shape), np.asarray(alone),
+                                   rtol=2e-5, atol=2e-5, err_msg=str(tier))
+        parts.append((o_part, lse))
+    merged = decode_attention.merge_partials(
+        jnp.concatenate([p[0] for p in parts], axis=1),
+        jnp.concatenate([p[1] for p in parts], axis=1), jnp.concatenate([work, work]), 1)
+    full = decode_attention.ragged_paged_decode_attention_reference(q, k, v, tables, lens)
     np.testing.assert_allclose(np.asarray(merged).reshape(full.shape), np.asarray(full),
                                rtol=2e-5, atol=2e-5)
+    # The decode and merge launches a layer makes: one per tier, then the merge.
+    jaxpr = str(jax.make_jaxpr(lambda q: decode_attention.ragged_paged_decode_attention(
+        q, k, v, tables, lens, work_list=(work, work), interpret=True))(q))
+    assert jaxpr.count("name=ragged_paged_decode_attention") == 2
+    assert jaxpr.count("name=ragged_paged_decode_merge") == 1
 
 
-def test_tiered_split_map_weighs_groups_by_their_tier_bytes():
-    """The AOT map of a tiered layout is over its base groups, each weighed by its budget and
-    its calibrated mix of K8V4 and K4V2 bytes: a group all in the low tier gets fewer items
-    than one of the same budget all in the high tier."""
-    from tangram_jax.engine.llm_engine import decode_work_weights
+def test_tiered_split_map_weighs_tier_groups_by_their_bytes():
+    """The engine's AOT map of a tiered layout is over its tier groups, each weighed by its
+    budget x tier share x its tier's bytes per slot: a group all in the high tier (K8V4,
+    208 B at head_dim 128) gets about 208 / 112 the items of one of the same budget all in the
+    low tier (K4V2); the empty tiers get one item each, which the kernel runs as a no-op."""
+    from tangram_jax.engine.llm_engine import decode_split_map
     import types
     base = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, group_size=2, page_size=PS,
                     chunk_size=8, head_perm=np.arange(4)[None], group_budgets=np.array([[0.5,
                                                                                        0.5]]))
     tiered = TieredLayout(base, np.array([[1.0, 0.0]]))
-    budgets, per_token = decode_work_weights(tiered, types.SimpleNamespace(head_dim=128),
-                                             jnp.bfloat16)
-    np.testing.assert_array_equal(budgets, base.group_budgets)
-    np.testing.assert_array_equal(per_token, [[208.0, 112.0]])
-    smap = build_split_map(budgets, 40, 1, group_size=2, bytes_per_token=per_token)
-    assert smap.num_groups == 2 and smap.splits[0][0] > smap.splits[0][1]
+    smap = decode_split_map(tiered, types.SimpleNamespace(head_dim=128), jnp.bfloat16, 40, 1,
+                            group_size=2)
+    assert smap.tiered and smap.num_groups == 4
+    high_of_0, low_of_0, high_of_1, low_of_1 = smap.splits[0]
+    assert low_of_0 == 1 and high_of_1 == 1
+    assert 208 / 112 * 0.8 <= high_of_0 / low_of_1 <= 208 / 112 * 1.25
+    high, low = smap.tier_work_lists()
+    assert (high[0, :, 2] > 0).sum() == high_of_0 + high_of_1
+    assert (low[0, :, 2] > 0).sum() == low_of_0 + low_of_1
+    untiered = decode_split_map(base, None, jnp.bfloat16, 40, 1, group_size=2)
+    assert not untiered.tiered and untiered.num_groups == 2
 
 
 # ----- the engine end to end (tiny model, CPU serving path) -----------------------------------
@@ -287,15 +296,13 @@ def _tiered_runner_steps(use_kernels: bool):
     tokens, the four pools dequantised)."""
     from flax import nnx
     from test_engine_runner import CONFIG, LAYOUT
-    from tangram_jax.engine.llm_engine import decode_work_weights
+    from tangram_jax.engine.llm_engine import decode_split_map
     from tangram_jax.engine.model_runner import AttentionOps, ModelRunner, RunnerConfig
     from tangram_jax.models.decoder import Decoder
     from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
     tiered = TieredLayout(LAYOUT, np.array([[0.5, 0.0], [1.0, 0.3], [0.6, 0.5]]))
     manager = KVCacheManager(tiered, (40, 24), 2, 16, model_kv_shape=(3, 2, 8))
-    budgets, bytes_per_token = decode_work_weights(tiered, CONFIG, jnp.float32)
-    split_maps = {1: build_split_map(budgets, 4, 1, group_size=1,
-                                     bytes_per_token=bytes_per_token)}
+    split_maps = {1: decode_split_map(tiered, CONFIG, jnp.float32, 4, 1, group_size=1)}
     runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, (40, 24),
                          manager.block_tables.shape, split_maps=split_maps,
                          runner_config=RunnerConfig(layer_loop="scan"),

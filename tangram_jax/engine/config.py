@@ -395,10 +395,7 @@ class EngineConfig:
         if self.mode != "tangram" and self.profile is not None:
             raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
                                     f"with profile {self.profile!r}")
-        if self.kv_precision in PRECISION_TIERS and self.mode != "tangram":
-            raise EngineConfigError(f"kv_precision {self.kv_precision!r} (precision tiers) needs "
-                                    f"tangram mode (its tier budgets come from the profile), got "
-                                    f"mode {self.mode!r}")
+        check_precision(self.mode, self.kv_precision, "EngineConfig")
         if self.kv_tier_turn is not None and self.kv_precision not in PRECISION_TIERS:
             raise EngineConfigError(f"kv_tier_turn={self.kv_tier_turn} splits a tiered pool; "
                                     f"kv_precision {self.kv_precision!r} has no tiers (one of "
@@ -603,6 +600,20 @@ def pool_is_fixed(cfg: EngineConfig) -> bool:
     """Whether the user fixed the pool (`num_pages` or `kv_cache_tokens`); else a GPU sizes it
     from `gpu_memory_utilization`."""
     return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
+
+
+def check_precision(mode: str, kv_precision: str, subject: str) -> None:
+    """Raise EngineConfigError (a ValueError) unless the engine mode `mode` can serve
+    `kv_precision`: a served page format (`SERVED_PRECISIONS`), and precision tiers only in
+    tangram mode (the tier budgets come with its profile). `subject` starts the message: what
+    the caller calls the setting (a field, a mode name of the harness, a bench configuration)."""
+    if kv_precision not in SERVED_PRECISIONS:
+        raise EngineConfigError(f"{subject}: kv_precision must be one of "
+                                f"{', '.join(SERVED_PRECISIONS)}, got {kv_precision!r}")
+    if kv_precision in PRECISION_TIERS and mode != "tangram":
+        raise EngineConfigError(f"{subject}: kv_precision {kv_precision!r} (precision tiers) "
+                                f"needs tangram mode (its tier budgets come from the profile), "
+                                f"got mode {mode!r}")
 
 
 def check_tiered_num_pages(cfg: EngineConfig) -> None:

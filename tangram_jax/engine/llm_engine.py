@@ -46,7 +46,8 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
 from tangram_jax import kv_quant
 from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
-from tangram_jax.pallas_kernels.split_map import build_split_map, uniform_split_map
+from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
+                                                   uniform_split_map)
 from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
                                   TokenLogprobs, logits_adjust_arrays, resolve_seed)
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
@@ -259,17 +260,20 @@ def _copy_pages(k_pages, v_pages, src, dst):
     return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
 
 
-def decode_work_weights(layout, model_config, dtype) -> tuple[np.ndarray, object]:
-    """(group budgets, bytes per retained token) the AOT split map weighs a layer's groups by
-    (`build_split_map`'s first and `bytes_per_token` arguments): the layout's budgets and one
-    cost (every group holds one page format), or, with precision tiers, the base groups'
-    budgets and per group the calibrated mix of its tiers' bytes per slot, ``h b_high + (1 - h)
-    b_low`` (a work item covers a byte-weighted range of both tiers of its group)."""
+def decode_split_map(layout, model_config, dtype, num_programs: int, batch: int, *,
+                     group_size: int):
+    """The AOT split map of decode bucket `batch`: over the layout's groups weighed by their
+    budgets (every group holds one page format), or, with precision tiers, over its tier groups
+    weighed by the bytes each is expected to read (`build_tier_split_map`: each tier is read by
+    its own launch). group_size: the KV heads of a group on one device."""
     if not isinstance(layout, TieredLayout):
-        return layout.group_budgets, 1.0
-    high, low = (kv_quant.page_bytes(kv_quant.page_format(t), 1, 1, model_config.head_dim,
-                                     jnp.dtype(dtype)) for t in layout.tiers)
-    return layout.base.group_budgets, layout.high_share * high + (1 - layout.high_share) * low
+        return build_split_map(layout.group_budgets, num_programs, batch,
+                               group_size=group_size)
+    tier_bytes = tuple(kv_quant.page_bytes(kv_quant.page_format(t), 1, 1,
+                                           model_config.head_dim, jnp.dtype(dtype))
+                       for t in layout.tiers)
+    return build_tier_split_map(layout.base.group_budgets, layout.high_share, tier_bytes,
+                                num_programs, batch, group_size=group_size)
 
 
 class _RequestFailed(Exception):
@@ -322,15 +326,13 @@ class Engine:
         self.compression_method = rc.compression_method
         buckets = rc.decode_buckets
         # Each device attends over its share of every group's heads (tensor parallelism).
-        work_budgets, bytes_per_token = decode_work_weights(self.layout, mc, loaded.model.dtype)
-        split_maps = {b: build_split_map(work_budgets, cfg.num_programs, b,
-                                         group_size=self.layout.group_size
-                                         // cfg.tensor_parallel_size,
-                                         bytes_per_token=bytes_per_token) for b in buckets}
+        split_maps = {b: decode_split_map(self.layout, mc, loaded.model.dtype, cfg.num_programs,
+                                          b, group_size=self.layout.group_size
+                                          // cfg.tensor_parallel_size) for b in buckets}
         if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
-            groups = work_budgets.shape[1]
             split_maps = {b: dataclasses.replace(
-                uniform_split_map(mc.num_layers, groups, max(1, m.num_items // groups)), batch=b)
+                uniform_split_map(mc.num_layers, m.num_groups, max(1, m.num_items // m.num_groups),
+                                  tiered=m.tiered), batch=b)
                 for b, m in split_maps.items()}
         # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,

@@ -170,7 +170,7 @@ class ModelRunner:
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references); of
-        the groups (with precision tiers the base layout's: an item reads both tiers).
+        the groups (with precision tiers a tiered map of the tier groups: a launch per tier).
       runner_config: mode and scorer settings.
       kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
         values are dequantised to.
@@ -217,6 +217,11 @@ class ModelRunner:
         self.runner_config = runner_config
         self.ops = ops or AttentionOps.for_backend()
         self.split_maps = dict(split_maps or {})
+        for bucket, split_map in self.split_maps.items():
+            if split_map.tiered != (self.tiers is not None):
+                raise ValueError(f"split map of bucket {bucket} must be "
+                                 + ("tiered (build_tier_split_map)" if self.tiers is not None
+                                    else "untiered") + f" for layout {layout.name!r}")
         tp = self.placement.tp
         check_tensor_parallel(tp, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                               group_size=base.group_size,
@@ -815,17 +820,17 @@ class ModelRunner:
 
     @staticmethod
     def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, *, decode_attention,
-                          use_work, tiered=None):
+                          use_work, tiered=None, high_items=0):
         """One layer's decode attention on one device's heads (all of them without tensor
         parallelism): append the new token's K/V at slot `lens` of every group, attend.
         q [B, 1, Hq, d], k/v [B, 1, Hkv, d] (this device's heads, group-major); k/v_pages
         [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
         Returns (out [B, 1, Hq, d], k_pages, v_pages).
 
-        tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups, work a
-        list of groups), attended by the Pallas decode kernel (``"pallas"``: its work items read
-        both tiers of a group, each page in its format) or, on the CPU path, as one dense
-        history. The token goes to the high tier."""
+        tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups),
+        attended by the Pallas decode kernel (``"pallas"``: a launch per tier's pool, work the
+        high tier's `high_items` rows then the low tier's, `SplitMap.tier_work_lists`) or, on
+        the CPU path, as one dense history. The token goes to the high tier."""
         batch = lens.shape[0]
         if tiered is None:
             k_pages, v_pages = ModelRunner._append_token(k, v, k_pages, v_pages, tables, lens)
@@ -840,7 +845,8 @@ class ModelRunner:
         seen = lens + (jnp.arange(lens.shape[1]) % 2 == 0)        # the new token is high
         qg = q[:, 0].reshape(batch, lens.shape[1] // 2, -1, q.shape[-1])
         if tiered == "pallas":
-            out = decode_attention(qg, k_pages, v_pages, tables, seen, work)
+            out = decode_attention(qg, k_pages, v_pages, tables, seen,
+                                   (work[:high_items], work[high_items:]))
         else:
             out = decode_attention(qg, *kv_quant.tiered_dense_history(
                 k_pages, v_pages, tables, seen, jnp.float32), None)
@@ -915,7 +921,9 @@ class ModelRunner:
         return self.placement.per_device(
             functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,
                               use_work=split_map is not None,
-                              tiered=None if self.tiers is None else self.ops.name),
+                              tiered=None if self.tiers is None else self.ops.name,
+                              high_items=split_map.tier_work_lists()[0].shape[1]
+                              if self.tiers is not None and split_map is not None else 0),
             in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
@@ -928,8 +936,10 @@ class ModelRunner:
         layout = self.layout
         # The AOT work lists are constants of the trace ([layers, items, 3]); the references
         # take none (a dummy keeps the scan's inputs uniform).
-        work_lists = (jnp.asarray(split_map.work_lists()) if split_map is not None
-                      else jnp.zeros((layout.num_layers, 1, 3), jnp.int32))
+        # With precision tiers each layer's row is the high tier's list then the low tier's.
+        work_lists = (jnp.zeros((layout.num_layers, 1, 3), jnp.int32) if split_map is None else
+                      jnp.asarray(split_map.work_lists()) if self.tiers is None else
+                      jnp.asarray(np.concatenate(split_map.tier_work_lists(), axis=1)))
         attend = self._decode_layer_attention(split_map)
 
         def layer_step(carry, xs):

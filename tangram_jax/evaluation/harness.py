@@ -52,23 +52,19 @@ class ModeSpec:
     kv_precision: str = "bf16"
 
     def __post_init__(self):
-        from tangram_jax.engine.config import SERVED_PRECISIONS
-        from tangram_jax.kv_layout import PRECISION_TIERS
+        from tangram_jax.engine.config import check_precision
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must lie in (0, 1], got {self.ratio}")
         if self.mode == "full" and self.ratio != 1:
             raise ValueError(f"full KV keeps everything: its ratio is 1, got {self.ratio}")
-        if self.kv_precision not in SERVED_PRECISIONS:
-            raise ValueError(f"kv_precision must be one of {', '.join(SERVED_PRECISIONS)}, got "
-                             f"{self.kv_precision!r}")
+        # A uniform top-k serves in tangram mode but its profile has no tier budgets: refused
+        # with tiers as the other modes are.
+        check_precision(self.mode, self.kv_precision, f"mode {self.mode}+{self.kv_precision}")
         if self.mode == "full" and self.kv_precision != "bf16":
             raise ValueError(f"full KV is the bf16 reference every mode is compared with, got "
                              f"full+{self.kv_precision}")
-        if self.kv_precision in PRECISION_TIERS and self.mode != "tangram":
-            raise ValueError(f"precision tiers ({self.kv_precision}) need tangram mode (tier "
-                             f"budgets come with its profile), got {self.mode}")
 
     @classmethod
     def parse(cls, name: str, ratio: float) -> "ModeSpec":

@@ -2,15 +2,16 @@
 
 The decode kernel (`decode_attention.py`) runs a grid of ``(batch, item, head_in_group)``; a work
 item is one row ``(group, split, num_splits)`` of a *work list*, and covers share ``split`` of
-``num_splits`` of that group's compute blocks, cut by cost (a block of a precision tier costs
-its bytes) and found at run time from the group's lengths. Three ways of making the work list
-feed that one kernel:
+``num_splits`` of that group's compute blocks, found at run time from the group's length.
+Three ways of making the work list feed that one kernel:
 
 - `build_split_map` (Tangram, ahead of time): from the calibrated group budgets, per layer, the
   splits of group g are proportional to its expected work ``G * r_g`` times the bytes of one of
   its tokens (quantised pages read fewer; apportioned so that the
   largest expected tokens-per-split ``r_g / s_g`` is as small as possible, each ``s_g >= 1``).
   Static: hashed into the jitted decode step, never recomputed while serving.
+  With precision tiers (`build_tier_split_map`) the map is over the tier groups, weighed by
+  their tiers' bytes, and cut into one work list per tier's launch (`SplitMap.tier_work_lists`).
 - `uniform_split_map` (FlashDecoding-style baseline): the same number of splits for every group.
 - `plan_runtime_work` (FlashInfer-style baseline): recomputed on the host at every decode step for
   every layer from the actual lengths, then copied to the device as an int32 array.
@@ -56,12 +57,15 @@ class SplitMap:
       num_items: work items per batch row, the same for every layer (>= max sum of a layer).
       batch: the batch bucket the map was sized for (informational; any batch works).
       name: label for reports (``aot``, ``uniform``).
+      tiered: the groups are the tier groups of precision tiers (``2 g`` group g's high tier,
+        ``2 g + 1`` its low tier), each tier read by its own launch: `tier_work_lists`.
     """
 
     splits: tuple[tuple[int, ...], ...]
     num_items: int
     batch: int = 1
     name: str = "aot"
+    tiered: bool = False
 
     def __post_init__(self):
         if not self.splits or len({len(s) for s in self.splits}) != 1:
@@ -72,6 +76,9 @@ class SplitMap:
             if sum(s) > self.num_items:
                 raise ValueError(f"layer {layer}: {sum(s)} splits exceed num_items "
                                  f"{self.num_items}")
+        if self.tiered and len(self.splits[0]) % 2:
+            raise ValueError(f"a tiered map has two tier groups per group, got "
+                             f"{len(self.splits[0])} groups")
 
     @property
     def num_layers(self) -> int:
@@ -90,7 +97,25 @@ class SplitMap:
 
     def work_lists(self) -> np.ndarray:
         """int32 [layers, num_items, 3]: every layer's work list (scan-friendly)."""
+        if self.tiered:
+            raise ValueError("a tiered map's groups are tier groups: use tier_work_lists")
         return np.stack([self.work_list(layer) for layer in range(self.num_layers)])
+
+    def tier_work_lists(self) -> tuple[np.ndarray, np.ndarray]:
+        """A tiered map cut into the work lists of its tiers' launches: (high, low), each int32
+        [layers, items, 3] rows (group g of the base layout, split, num_splits), padded with
+        (0, 0, 0) rows (no-ops) to the most items a layer has in that tier."""
+        if not self.tiered:
+            raise ValueError("tier_work_lists needs a tiered map (build_tier_split_map)")
+        out = []
+        for tier in (0, 1):
+            rows = [[(g // 2, k, n) for g, n in enumerate(layer) if g % 2 == tier
+                     for k in range(n)] for layer in self.splits]
+            lists = np.zeros((self.num_layers, max(len(r) for r in rows), 3), np.int32)
+            for layer, r in enumerate(rows):
+                lists[layer, :len(r)] = r
+            out.append(lists)
+        return out[0], out[1]
 
 
 def _min_max_apportion(weights: np.ndarray, total: int, cap: int) -> list[int]:
@@ -120,7 +145,7 @@ def build_split_map(group_budgets: np.ndarray, num_programs: int, batch: int = 1
     `items_per_row(...)` items, each group >= 1 split, at most `max_splits`).
     bytes_per_token: KV bytes one retained token of a group costs (a scalar, or [layers,
     groups] when groups hold pages of different precisions, `kv_quant.page_bytes` per slot;
-    with precision tiers a group's mix of its tiers' bytes, `llm_engine.decode_work_weights`);
+    precision tiers: `build_tier_split_map`);
     decode attention is bound by the bytes it reads, not the tokens. A scalar leaves the map
     as the budgets alone make it.
     """
@@ -134,25 +159,81 @@ def build_split_map(group_budgets: np.ndarray, num_programs: int, batch: int = 1
             cost.ndim and cost.shape != budgets.shape):
         raise ValueError(f"bytes_per_token must be a positive scalar or [layers, groups] = "
                          f"{budgets.shape}, got {bytes_per_token!r}")
-    work = budgets * cost
-    num_groups = budgets.shape[1]
+    return _apportion(budgets * cost, num_programs, batch, group_size, max_splits, "aot")
+
+
+def _apportion(work: np.ndarray, num_programs: int, batch: int, group_size: int,
+               max_splits: int, name: str, tiered: bool = False,
+               work_floor: float = 0.0) -> SplitMap:
+    """The map of expected work [layers, groups] >= 0, each layer's sum > 0 (the bucket rule,
+    then min-max splits; every group gets at least one). work_floor: a group's work counts at
+    least this share of its layer's mean for the items raised for balance."""
+    num_groups = work.shape[1]
     items = items_per_row(num_programs, batch, group_size, num_groups, max_splits)
     # Large batches leave few items per row; the least-work group still needs one, so keep
     # enough items that the others can get splits in proportion (sum(w) / min(w) per layer).
-    balance = int(np.ceil((work.sum(axis=1) / work.min(axis=1)).max() - 1e-9))
+    least = np.maximum(work.min(axis=1), work_floor * work.mean(axis=1))
+    balance = int(np.ceil((work.sum(axis=1) / least).max() - 1e-9))
     items = min(max(items, balance), num_groups * max_splits)
     splits = tuple(tuple(_min_max_apportion(group_size * row, items, max_splits))
                    for row in work)
-    return SplitMap(splits=splits, num_items=items, batch=int(batch), name="aot")
+    return SplitMap(splits=splits, num_items=items, batch=int(batch), name=name, tiered=tiered)
 
 
-def uniform_split_map(num_layers: int, num_groups: int, splits: int) -> SplitMap:
-    """FlashDecoding-style: `splits` splits for every group of every layer."""
+# For the items raised for balance, sum(w) / min(w), a tier group expected to read less than
+# this share of its layer's mean tier group counts as that much: an empty tier (a high share of
+# 0 or 1) would otherwise raise them without bound, and its one work item is cheap anyway.
+TIER_WORK_FLOOR = 1 / 8
+
+
+def build_tier_split_map(group_budgets: np.ndarray, high_share: np.ndarray,
+                         tier_bytes_per_token: tuple[float, float], num_programs: int,
+                         batch: int = 1, *, group_size: int, max_splits: int = 256) -> SplitMap:
+    """The ahead-of-time split map of precision tiers (`kv_layout.TieredLayout`), whose tiers
+    are read by one decode launch each (`SplitMap.tier_work_lists` cuts it into their lists).
+
+    Over the tier groups (``2 g`` high, ``2 g + 1`` low), each weighed by the bytes it is
+    expected to read: ``G r_g h_g b_high`` and ``G r_g (1 - h_g) b_low``, so the items of both
+    launches are apportioned by bytes, not tokens, as one map (the rule the tiered decode
+    benchmark measured); every tier group gets at least one item (a no-op where its tier is
+    empty). Both launches together are sized for about `num_programs` programs each (the
+    bucket rule over 2 x num_programs): the launches run one after the other, and each should
+    fill the device.
+
+    group_budgets: float [layers, groups] in (0, 1]; high_share: float [layers, groups] in
+    [0, 1], the calibrated share of a group's retained tokens in the high tier;
+    tier_bytes_per_token: (high, low) bytes of one retained (token, head) slot of each tier's
+    page format (`kv_quant.page_bytes` per slot).
+    """
+    budgets = np.asarray(group_budgets, dtype=np.float64)
+    share = np.asarray(high_share, dtype=np.float64)
+    if budgets.ndim != 2 or budgets.shape[1] < 1:
+        raise ValueError(f"group_budgets must be [layers, groups], got shape {budgets.shape}")
+    if not (np.isfinite(budgets).all() and (budgets > 0).all() and (budgets <= 1).all()):
+        raise ValueError("group budgets must lie in (0, 1]")
+    if share.shape != budgets.shape or not (np.isfinite(share).all() and (share >= 0).all()
+                                             and (share <= 1).all()):
+        raise ValueError(f"high_share must be [layers, groups] = {budgets.shape} in [0, 1], got "
+                         f"shape {share.shape}")
+    cost = np.asarray(tier_bytes_per_token, dtype=np.float64)
+    if cost.shape != (2,) or not (np.isfinite(cost).all() and (cost > 0).all()):
+        raise ValueError(f"tier_bytes_per_token must be positive (high, low) bytes, got "
+                         f"{tier_bytes_per_token!r}")
+    work = np.stack([budgets * share * cost[0], budgets * (1 - share) * cost[1]],
+                    axis=-1).reshape(budgets.shape[0], -1)
+    return _apportion(work, 2 * num_programs, batch, group_size, max_splits, "aot",
+                      tiered=True, work_floor=TIER_WORK_FLOOR)
+
+
+def uniform_split_map(num_layers: int, num_groups: int, splits: int, *,
+                      tiered: bool = False) -> SplitMap:
+    """FlashDecoding-style: `splits` splits for every group of every layer (with `tiered`, of
+    every tier group: `num_groups` counts them)."""
     if min(num_layers, num_groups, splits) < 1:
         raise ValueError(f"num_layers ({num_layers}), num_groups ({num_groups}) and splits "
                          f"({splits}) must be >= 1")
     return SplitMap(splits=((int(splits),) * num_groups,) * num_layers,
-                    num_items=num_groups * int(splits), name="uniform")
+                    num_items=num_groups * int(splits), name="uniform", tiered=tiered)
 
 
 def plan_runtime_work(lengths: np.ndarray, num_programs: int, page_size: int, *, group_size: int,
