@@ -437,11 +437,7 @@ class ModelRunner:
         whole = rows * (-(-self.layout.chunk_size // align) * align)
         if self.ops.name != "xla" or rows > 1:
             return [whole]
-        sizes, size = [], align
-        while size < whole:
-            sizes.append(size)
-            size *= 2
-        return sizes + [whole]
+        return _doublings(align, whole)
 
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
@@ -809,11 +805,7 @@ class ModelRunner:
         full = int(self.block_tables.shape[-1])
         if self.ops.name == "pallas" or self.tiers is None:
             return [full]
-        widths, width = [], _MIN_TABLE_WIDTH
-        while width < full:
-            widths.append(width)
-            width *= 2
-        return widths + [full]
+        return _doublings(_MIN_TABLE_WIDTH, full)
 
     # ----- decode ---------------------------------------------------------------------------
     _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
@@ -1227,6 +1219,16 @@ class _SwitchedLayer:
 
     def finish(self, h, attn):
         return self._switch("finish", h, attn)
+
+
+def _doublings(first: int, last: int) -> list[int]:
+    """first, 2 first, 4 first, ... below `last`, then `last`: the sizes a few compiled
+    shapes cover."""
+    sizes = []
+    while first < last:
+        sizes.append(first)
+        first *= 2
+    return sizes + [last]
 
 
 def _greedy(rows: int) -> tuple[np.ndarray, ...]:
