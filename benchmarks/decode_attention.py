@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tangram_jax.benchmarking.timing import gpu_busy_time, wall_quantiles
 from tangram_jax.kv_layout import pages_for, retained_counts
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.backend import default_interpret
@@ -39,26 +40,12 @@ DTYPE = jnp.bfloat16
 L2_BYTES = 50 << 20
 
 
-def _median_time(fn, args, reps):
-    """Median seconds of fn(*args) over `reps`, after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), float(np.percentile(times, 10)), float(np.percentile(times, 90))
-
-
-from tangram_jax.benchmarking.timing import gpu_busy_time  # noqa: E402  (the one timer)
-
 
 def copy_bandwidth(mib=2048, reps=20):
     """Device-to-device copy of `mib` MiB: (bytes read + bytes written) / time."""
     x = jax.random.normal(jax.random.key(0), (mib << 18,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
-    t, _, _ = _median_time(f, (x,), reps)
+    t, _, _ = wall_quantiles(f, (x,), reps)
     gpu = gpu_busy_time(f, (x,), reps)
     t = gpu or t
     return 2 * x.nbytes / t
@@ -121,7 +108,7 @@ def run_case(rng, batch, context, page_size, num_programs, calls, reps, builtin,
         f = jax.jit(block)
         # Separate arrays per launch (not slices of one stack, which XLA would copy).
         f_args = (list(q), k, v, list(tables), lens_dev, jnp.zeros(1) if static else work)
-        t, p10, p90 = _median_time(f, f_args, reps)
+        t, p10, p90 = wall_quantiles(f, f_args, reps)
         kernels = {}
         gpu = gpu_busy_time(f, f_args, reps, kernels)
         per_call = gpu / calls if gpu else t / calls
@@ -190,7 +177,7 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
         return [paged_attention(q[c], k, v, tables[c % sets], lengths, k_splits=k_splits)
                 for c in range(calls)]
     f, f_args = jax.jit(block), (q, k, v, list(tables), lengths)
-    t, p10, p90 = _median_time(f, f_args, reps)
+    t, p10, p90 = wall_quantiles(f, f_args, reps)
     gpu = gpu_busy_time(f, f_args, reps)
     per_call = gpu / calls if gpu else t / calls
     return dict(variant="jax_builtin_paged_attention", batch=batch, context=context,

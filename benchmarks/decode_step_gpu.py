@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from control_plane import CHUNK, layouts  # noqa: E402
-from decode_attention import gpu_busy_time  # noqa: E402
+from tangram_jax.benchmarking.timing import gpu_busy_time  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.kv_layout import pages_for  # noqa: E402

@@ -35,13 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax import kv_quant
+from tangram_jax.benchmarking.timing import wall_quantiles
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
                                                          ragged_paged_decode_attention_reference)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_attention import _median_time  # noqa: E402  (the timing of the decode benchmark)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
 BUDGETS = np.array([[0.2, 0.4, 0.6, 0.8]])
@@ -175,7 +174,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         @jax.jit
         def block(qs, k_pages, v_pages, kw=_tuning(tuning)):
             return [attend(qs[i], k_pages, v_pages, tbl, lens, **kw) for i in range(CALLS)]
-        t = _median_time(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+        t = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
         entry["by_block_tokens"][str(tuning)] = t
     best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
     entry["block_tokens"] = best

@@ -22,13 +22,12 @@ import numpy as np
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
-sys.path.insert(0, BENCH)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from decode_step_gpu import LLAMA_8B, model_config  # noqa: E402
+from tangram_jax.benchmarking.models import LLAMA_8B, model_config  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.kv_layout import KVLayout  # noqa: E402
 from tangram_jax.models.decoder import Decoder  # noqa: E402

@@ -45,7 +45,7 @@ sys.path.insert(0, BENCH)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from decode_attention import gpu_busy_time  # noqa: E402
+from tangram_jax.benchmarking.timing import gpu_busy_time  # noqa: E402
 from tangram_jax.pallas_kernels.prefill_attention import (  # noqa: E402
     PREFILL_TUNING, PrefillTuning, item_capacity, pack_rows, prefill_work_items,
     ragged_prefill_attention,

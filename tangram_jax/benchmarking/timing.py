@@ -33,6 +33,14 @@ def median_wall(fn: Callable, args: Sequence = (), reps: int = 5, warmup: int = 
     return float(np.median(wall_times(fn, args, reps, warmup)))
 
 
+def wall_quantiles(fn: Callable, args: Sequence = (), reps: int = 5,
+                   warmup: int = 2) -> tuple[float, float, float]:
+    """(median, 10th, 90th percentile) of `wall_times`: a figure and its spread."""
+    times = wall_times(fn, args, reps, warmup)
+    return (float(np.median(times)), float(np.percentile(times, 10)),
+            float(np.percentile(times, 90)))
+
+
 def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
                   per_kernel: dict | None = None) -> float | None:
     """Seconds of GPU stream activity per call of ``fn(*args)``, from a profiler trace (CUPTI):
