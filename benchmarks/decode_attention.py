@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax.benchmarking.timing import gpu_busy_time, wall_quantiles
+from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.kv_layout import pages_for, retained_counts
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.backend import default_interpret
@@ -274,8 +275,8 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(args.copy_mib)
     print(f"device {dev.device_kind}, SMs {sms}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    result = dict(device=dev.device_kind, num_sms=sms, jax_version=jax.__version__,
-                  git_revision=os.environ.get("GIT_REV", "unknown"),
+    result = dict(device=device_description(), num_sms=sms, jax_version=jax.__version__,
+                  git_revision=git_revision() or "unknown",
                   command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                   hbm_copy_bytes_per_s=bw, num_programs=num_programs,
                   shape=dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,

@@ -36,6 +36,7 @@ import numpy as np
 
 from tangram_jax import kv_quant
 from tangram_jax.benchmarking.timing import wall_quantiles
+from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
@@ -234,8 +235,8 @@ def main(argv=None):
 
 def _write(path, results, precisions):
     """The JSON so far (rewritten after every configuration: a run cut short keeps its part)."""
-    doc = {"benchmark": "kv_precision_decode", "device": jax.devices()[0].device_kind,
-           "jax": jax.__version__, "git_revision": os.environ.get("GIT_REV", "unknown"),
+    doc = {"benchmark": "kv_precision_decode", "device": device_description(),
+           "jax": jax.__version__, "git_revision": git_revision() or "unknown",
            "command": " ".join(sys.argv), "shape": dict(q_heads=NUM_Q_HEADS,
                                                        kv_heads=NUM_KV_HEADS,
                                                        head_dim=HEAD_DIM, group_size=GROUP_SIZE,
