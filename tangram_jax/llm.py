@@ -49,7 +49,7 @@ from tangram_jax.engine.inputs import check_messages
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.engine.outputs import RequestOutput
 from tangram_jax.engine.tensor_parallel import devices_for
-from tangram_jax.sampling import SamplingParams
+from tangram_jax.sampling import SamplingParams, is_int
 
 
 class LLM:
@@ -352,10 +352,6 @@ def _checked(index: int, what: str, check):
         raise type(e)(f"{what}[{index}]: {e}") from None
 
 
-def _is_token_id(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _prompt_list(prompts) -> list:
     """`generate`'s prompts as a list of single prompts."""
     if isinstance(prompts, (str, dict)):
@@ -368,6 +364,6 @@ def _prompt_list(prompts) -> list:
     if not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be text, token ids or a list of them, got "
                         f"{type(prompts).__name__}")
-    if len(prompts) and _is_token_id(prompts[0]):
+    if len(prompts) and is_int(prompts[0]):
         return [prompts]   # one prompt of token ids (each id is checked by the engine)
     return list(prompts)

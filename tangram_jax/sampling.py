@@ -32,12 +32,13 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 MIN_TEMPERATURE = 1e-2
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (the one integer check of the settings)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _is_number(value) -> bool:
-    return _is_int(value) or isinstance(value, (float, np.floating))
+    return is_int(value) or isinstance(value, (float, np.floating))
 
 
 def _number(name: str, value) -> float:
@@ -52,7 +53,7 @@ def _number(name: str, value) -> float:
 
 def _integer(name: str, value) -> int:
     """An integer (Python or numpy scalar, not bool), as a Python int."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     return int(value)
 
@@ -121,7 +122,7 @@ def _check_stop_token_ids(value) -> tuple[int, ...]:
         raise TypeError(f"stop_token_ids must be a list of token ids, got {type(value).__name__}")
     ids = tuple(value)
     for t in ids:
-        if not _is_int(t) or not 0 <= t <= _INT32_MAX:
+        if not is_int(t) or not 0 <= t <= _INT32_MAX:
             raise ValueError(f"stop_token_ids must be token ids (ints in [0, vocabulary)), got "
                              f"{t!r} in {list(ids)!r}")
     return tuple(int(t) for t in ids)

@@ -36,6 +36,7 @@ from tangram_jax.kv_quant import KV_PRECISIONS
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
 SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
 from tangram_jax.models.config import ModelConfig
+from tangram_jax.sampling import is_int
 from tangram_jax.models.registry import DTYPES
 from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
 
@@ -96,15 +97,11 @@ class EngineConfigError(ValueError):
 
 # ----- field checks: each returns the normalised value or raises naming field and value ------
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _int_at_least(lo: int, *, optional: bool = False) -> Callable[[str, Any], Any]:
     def check(name, value):
         if value is None and optional:
             return None
-        if not _is_int(value) or value < lo:
+        if not is_int(value) or value < lo:
             allowed = f"an int >= {lo}" + (" or None" if optional else "")
             raise EngineConfigError(f"{name} must be {allowed}, got {value!r}")
         return int(value)
@@ -112,7 +109,7 @@ def _int_at_least(lo: int, *, optional: bool = False) -> Callable[[str, Any], An
 
 
 def _fraction(name, value):
-    if (not _is_int(value) and not isinstance(value, (float, np.floating))) \
+    if (not is_int(value) and not isinstance(value, (float, np.floating))) \
             or not 0 < float(value) <= 1:
         raise EngineConfigError(f"{name} must be a number in (0, 1], got {value!r}")
     return float(value)
@@ -175,7 +172,7 @@ def _buckets(name, value):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
                                 f"{value!r}")
     values = list(value)
-    if not values or any(not _is_int(b) or b < 1 for b in values):
+    if not values or any(not is_int(b) or b < 1 for b in values):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
                                 f"{value!r}")
     return tuple(sorted({int(b) for b in values}))
@@ -187,7 +184,7 @@ def _tier_turn(name, value):
         return None
     values = None if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) \
         else list(value)
-    if values is None or len(values) != 2 or not all(_is_int(x) for x in values) or \
+    if values is None or len(values) != 2 or not all(is_int(x) for x in values) or \
             values[0] < 1 or values[1] < 0:
         raise EngineConfigError(f"{name} must be (prompt tokens >= 1, answer tokens >= 0) or "
                                 f"None, got {value!r}")
