@@ -30,16 +30,10 @@ def _gather_history(pages: kv_quant.Pages, tables: jax.Array) -> jax.Array:
     """pages [num_pages, G, ps, d] (an array or `kv_quant.QuantPages`, dequantised here), tables
     int [..., groups, W] (clipped) -> [..., groups * G, W * ps, d] float32: each head's retained
     tokens in order."""
-    if isinstance(pages, kv_quant.QuantPages):
-        x = kv_quant.take_pages(pages, tables, jnp.float32)  # [..., groups, W, G, ps, d]
-        x = jnp.moveaxis(x, -3, -4)                          # [..., groups, G, W, ps, d]
-    else:
-        # One gather straight into head-major order (a head's page slots are contiguous in
-        # the pool): gathering [W, G, ps, d] pages and moving G first copied them twice more.
-        heads = jnp.arange(pages.shape[1])[:, None]
-        x = pages[tables[..., None, :], heads].astype(jnp.float32)   # [..., groups, G, W, ps, d]
+    x = kv_quant.take_pages(pages, tables, jnp.float32)  # [..., groups, W, G, ps, d]
+    x = jnp.moveaxis(x, -3, -4)                         # [..., groups, G, W, ps, d]
     *lead, groups, g, w, ps, d = x.shape
-    return x.reshape(*lead, groups * g, w * ps, d).astype(jnp.float32)
+    return x.reshape(*lead, groups * g, w * ps, d)
 
 
 # Query tokens of one block of a prefill's own causal attention: each block attends to the keys
