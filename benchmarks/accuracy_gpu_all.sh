@@ -11,6 +11,7 @@
 #      (tangram bf16 of A1 is the pair: greedy serving is deterministic);
 #   D. the solvable task set: new samples of the current generator (answer prefixes, essay kv
 #      retrieval), task sizes chosen by a 20-sample full-KV pilot, full and tangram.
+#   They run A, C, B, D: a call cut by its time limit keeps the earlier letters.
 # Everything lands in /tmp/run and comes back as $OUT/accuracy_run.tar.gz. Run from the repository
 # root on the device machine, after a call that carried the model's first piece:
 #   GIT_REV=... MODEL_PARTS=.gpu/model WHEELS=.gpu/acc-wheels NEEDLE_PKGS=.gpu/acc-pkgs \
@@ -61,25 +62,31 @@ SAMPLER=$!
 # other far more than they overlapped (run of 931e3f9, four parts in bf16: 97 s a full-KV column
 # of 400 sessions; a probe of the same settings alone served 96 sessions in 1.4 s).
 PARTS=${PARTS:-ABCD}
+# Everything so far, packed after each part: a device call cut by its own time limit (run of
+# 4722624: the last part outlived LIMIT, the call ended before the final pack) keeps what finished.
+pack() { tar czf "$FINAL_OUT/accuracy_run.tar.gz" -C "$OUT" .; }
 part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
   local name=$1; shift
   [[ $PARTS == *${name:0:1}* ]] || return 0
+  (( $(left) > 30 )) || { echo "$name: skipped, $(left) s left"; return 0; }
+  # -k: a process that ignores SIGTERM is killed 10 s later, so the script keeps to LIMIT.
   if [[ ${PARALLEL:-0} == 1 ]]; then
-    LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
+    LOG=$OUT/$name.log timeout -k 10 "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
       --gpu-memory-utilization "$SHARE" "$@" > /dev/null 2>&1 &
   else
-    LOG=$OUT/$name.log timeout "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
+    LOG=$OUT/$name.log timeout -k 10 "$(left)" bash benchmarks/accuracy_gpu.sh --out "$OUT/$name.json" \
       --gpu-memory-utilization 0.5 "$@" > /dev/null 2>&1
+    pack
   fi
 }
 part A1_tangram "${TABLE[@]}" --modes full,tangram --answers-out "$OUT/answers_tangram.jsonl"
 part A2_dynamic "${TABLE[@]}" --modes full,dynamic
 part A3_uniform "${TABLE[@]}" --modes full,uniform
+part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 --no-kl
 for rule in ${SCORING_RULES:-}; do     # e.g. "window+context window+keydiff"
   part "B_${rule/+/_}" "${TABLE[@]}" --modes full,tangram --no-kl --scoring-rule "$rule" \
     --answers-out "$OUT/answers_${rule/+/_}.jsonl"
 done
-part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 --no-kl
 part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0.25,0.5 --no-kl \
   --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE" \
   --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}" --layer-loop scan \
@@ -92,4 +99,4 @@ for f in "$OUT"/*.log; do
     awk '{s += $1; n++} END {printf "%d compiles, %.0f s", n, s}')"
   grep -v -i -E "warn|^\s*$|^=== |external/xla|Compiling|Finished" "$f" | tail -14
 done
-tar czf "$FINAL_OUT/accuracy_run.tar.gz" -C "$OUT" .
+pack

@@ -285,3 +285,36 @@ def test_answer_prefix_follows_the_generation_prompt_in_every_turn():
     bare = T.Sample.from_json({**sample.to_json(), "turns": [
         {"question": t.question, "answer": t.answer} for t in sample.turns]})
     assert first_turn_token_ids(tok, bare) == first[:-len(prefix)]
+
+
+def _part(rule, rows, rev="abc"):
+    return {"git_revision": rev, "device": "gpu: H100", "tasks_file": "t.jsonl",
+            "config": {"scoring_rule": rule}, "command": f"accuracy.py --scoring-rule {rule}",
+            "seconds": 10.0, "complete": True, "checks": [], "results": [
+                {"task": "passkey", "mode": m, "ratio": r, "n": 10, "correct": c,
+                 "accuracy": c / 10, "ci95": [0.0, 1.0], "agreement": None}
+                for m, r, c in rows]}
+
+
+def test_merged_parts_keep_full_kv_once_and_label_scoring_rules():
+    from tangram_jax.evaluation.report import markdown_table, merge_reports
+    a = _part(None, [("full", 1.0, 9), ("tangram", 0.25, 7)])
+    b = _part("window+keydiff", [("full", 1.0, 9), ("tangram", 0.25, 8)])
+    c = _part("window", [("full", 1.0, 9), ("dynamic", 0.25, 6)])
+    merged = merge_reports(a, b, c)
+    modes = [(r["mode"], r["correct"]) for r in merged["results"]]
+    assert modes == [("full", 9), ("tangram", 7), ("tangram (window+keydiff)", 8), ("dynamic", 6)]
+    assert [p["scoring_rule"] for p in merged["parts"]] == [None, "window+keydiff", "window"]
+    assert merged["seconds"] == 30.0 and merged["complete"]
+    assert "| tangram (window+keydiff) | 0.25 | 80 [0-100] |" in markdown_table(merged)
+
+
+def test_merge_refuses_parts_that_do_not_belong_together():
+    from tangram_jax.evaluation.report import merge_reports
+    a = _part(None, [("full", 1.0, 9)])
+    with pytest.raises(ValueError, match=r"parts disagree on \('tangram-jax', 'passkey', 'full'"):
+        merge_reports(a, _part(None, [("full", 1.0, 8)]))
+    with pytest.raises(ValueError, match="parts disagree on git_revision"):
+        merge_reports(a, _part(None, [("full", 1.0, 9)], rev="def"))
+    with pytest.raises(ValueError, match="at least one report"):
+        merge_reports()

@@ -9,6 +9,54 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def merge_reports(*parts: dict) -> dict:
+    """One report from the parts of one table (one process a part, each serving full KV beside its
+    modes, e.g. `benchmarks/accuracy_gpu_all.sh`). Parts must share the git revision, device and
+    task file; full KV's rows must be equal in every part (greedy serving is deterministic, so a
+    difference means the parts did not serve the same thing) and are kept once. A part served with
+    a scoring rule other than the default labels its compressed rows ``mode (rule)``, so rules
+    sit beside each other in one table.
+
+    Raises ValueError naming the field and the parts' values when they disagree."""
+    if not parts:
+        raise ValueError("merge_reports needs at least one report, got none")
+    for key in ("git_revision", "device", "tasks_file"):
+        values = sorted({str(p.get(key)) for p in parts})
+        if len(values) > 1:
+            raise ValueError(f"parts disagree on {key}: {values}; merge parts of one run only")
+    rows: dict[tuple, dict] = {}
+    for part in parts:
+        rule = (part.get("config") or {}).get("scoring_rule")
+        for row in part["results"]:
+            row = dict(row)
+            if rule and rule != "window" and row["mode"] != "full":
+                row["mode"] = f"{row['mode']} ({rule})"
+            key = (row.get("library", "tangram-jax"), row["task"], row["mode"], row["ratio"])
+            seen = rows.get(key)
+            if seen is None:
+                rows[key] = row
+            elif (seen["n"], seen["correct"]) != (row["n"], row["correct"]):
+                raise ValueError(
+                    f"parts disagree on {key}: {seen['correct']}/{seen['n']} vs "
+                    f"{row['correct']}/{row['n']} correct")
+    first = parts[0]
+    return {
+        "benchmark": first.get("benchmark", "accuracy"),
+        "device": first.get("device"),
+        "git_revision": first.get("git_revision"),
+        "tasks_file": first.get("tasks_file"),
+        "max_model_len": first.get("max_model_len"),
+        "parts": [{"command": p.get("command"), "seconds": p.get("seconds"),
+                   "kl_status": p.get("kl_status"), "complete": p.get("complete"),
+                   "scoring_rule": (p.get("config") or {}).get("scoring_rule")}
+                  for p in parts],
+        "complete": all(p.get("complete", False) for p in parts),
+        "seconds": round(sum(p.get("seconds") or 0 for p in parts), 1),
+        "results": list(rows.values()),
+        "checks": first.get("checks"),
+    }
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}"
 

@@ -1,0 +1,39 @@
+"""One accuracy table from the parts of one run (`accuracy_gpu_all.sh` runs a process a part).
+
+    python benchmarks/accuracy_merge.py --out benchmarks/results/accuracy.json \\
+        --kvpress benchmarks/results/accuracy_kvpress.json A1.json A2.json ...
+
+Writes the merged JSON (`tangram_jax.evaluation.report.merge_reports`: full KV's rows checked
+equal across parts and kept once; rows of a non-default scoring rule labelled ``mode (rule)``),
+its PNG beside it, and prints the markdown table (with kvpress's rows when its JSON is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.evaluation.report import markdown_table, merge_reports, plot_accuracy  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("parts", nargs="+", help="accuracy.py JSONs of one run")
+    p.add_argument("--out", required=True, help="merged JSON; the PNG goes beside it")
+    p.add_argument("--kvpress", default=None, help="kvpress JSON to draw and tabulate beside ours")
+    args = p.parse_args(argv)
+    merged = merge_reports(*(json.loads(Path(f).read_text()) for f in args.parts))
+    Path(args.out).write_text(json.dumps(merged, indent=1))
+    reports = [merged]
+    if args.kvpress:
+        reports.append(json.loads(Path(args.kvpress).read_text()))
+    plot_accuracy(Path(args.out).with_suffix(".png"), *reports)
+    print(markdown_table(*reports))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
