@@ -87,10 +87,18 @@ for rule in ${SCORING_RULES:-}; do     # e.g. "window+context window+keydiff"
   part "B_${rule/+/_}" "${TABLE[@]}" --modes full,tangram --no-kl --scoring-rule "$rule" \
     --answers-out "$OUT/answers_${rule/+/_}.jsonl"
 done
+SOLVABLE=(--max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE"
+          --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}" --layer-loop scan)
 part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0.25,0.5 --no-kl \
-  --max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE" \
-  --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}" --layer-loop scan \
-  --tasks-out "$OUT/accuracy_tasks_solvable.jsonl"
+  "${SOLVABLE[@]}" --tasks-out "$OUT/accuracy_tasks_solvable.jsonl" \
+  --answers-out "$OUT/answers_solvable.jsonl"
+# The same solvable samples under each scoring rule (serial runs: the samples exist once D is done).
+for rule in ${SCORING_RULES:-}; do
+  [[ -s $OUT/accuracy_tasks_solvable.jsonl ]] || break
+  part "D_solvable_${rule/+/_}" --tasks-in "$OUT/accuracy_tasks_solvable.jsonl" --samples 100 \
+    --modes full,tangram --ratios 0.25,0.5 --no-kl --scoring-rule "$rule" "${SOLVABLE[@]}" \
+    --tasks-out /tmp/unused.jsonl
+done
 for job in $(jobs -p); do [[ $job == "$SAMPLER" ]] || wait "$job"; done
 kill "$SAMPLER" 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
