@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tangram_jax.compression.chunk_scoring import SCORING_RULES  # noqa: E402
+from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--layer-loop", default=None, choices=[None, "scan", "unrolled"])
     p.add_argument("--tail-rule", default=None,
                    help="EngineConfig.tail_rule (kv_layout.TAIL_RULES; default the engine's)")
-    p.add_argument("--scoring-rule", default=None, choices=SCORING_RULES,
+    p.add_argument("--scoring-rule", default=None, choices=SCORING_RULE_CHOICES,
                    help="EngineConfig.scoring_rule of the tangram and uniform engines "
                         "(chunk_scoring.SCORING_RULES; default the engine's); full and dynamic "
                         "keep 'window'")

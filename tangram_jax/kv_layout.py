@@ -50,8 +50,8 @@ passkey 85% with whole-turn chunks against 28% with 128-token chunks, and 2048-t
 prefill faster (`NOTES_prefill.md`), so whole-turn chunks win on accuracy and on prefill time. A
 two-pass scoring of long turns (the turn prefilled once for its final window's queries, then again
 with every chunk scored by them) costs a second prefill of the turn and is not built: whether it
-wins back its cost on turns longer than a chunk is the measurement `accuracy_gpu_all.sh` part E
-prepares (chunk 512 against 2048 on the same samples).
+wins back its cost on turns longer than a chunk (chunk 512 against 2048 on the same samples) is
+not measured.
 
 Which tokens of a chunk a head keeps (never how many: the counts above are the scheduler's) is
 the scoring rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks
@@ -60,8 +60,12 @@ by the method's scores alone (SnapKV: the window above); ``"window+context"`` an
 question-agnostic one (the attention of queries spread over the chunk, or KeyDiff's key
 distinctiveness), so that what a later turn asks about, and the current question does not, has
 a share of the budget (issue 12's follow-up turns: `benchmarks/NOTES_accuracy_harness.md`,
-"Follow-up turns: scoring rule"). The same jnp scores feed the XLA path and the Pallas path
-(selection happens before the compression kernel), and the protected tail stays above both.
+"Follow-up turns: scoring rule"). The default, ``"auto"``, serves ``"window+keydiff"`` for a
+profile that keeps less than half (`chunk_scoring.AUTO_KEYDIFF_BELOW_RATIO`) and ``"window"``
+otherwise: measured on the embedded model at 0.25, the union kept variable tracking where the
+window alone lost it, at 0.5 the window alone kept more (`NOTES_accuracy_harness.md`, session
+10). The same jnp scores feed the XLA path and the Pallas path (selection happens before the
+compression kernel), and the protected tail stays above both.
 
 Decode appends one token to every group per step, uncompressed.
 """

@@ -307,6 +307,13 @@ def test_merged_parts_keep_full_kv_once_and_label_scoring_rules():
     assert [p["scoring_rule"] for p in merged["parts"]] == [None, "window+keydiff", "window"]
     assert merged["seconds"] == 30.0 and merged["complete"]
     assert "| tangram (window+keydiff) | 0.25 | 80 [0-100] |" in markdown_table(merged)
+    # Since "auto", a part records the rule each engine served; rows are labelled by it.
+    auto = _part("auto", [("full", 1.0, 9), ("tangram", 0.25, 8), ("tangram", 0.5, 9)])
+    auto["engines"] = {"full": {"scoring_rule": "window"},
+                       "tangram@0.25": {"scoring_rule": "window+keydiff"},
+                       "tangram@0.5": {"scoring_rule": "window"}}
+    assert [r["mode"] for r in merge_reports(auto)["results"]] == [
+        "full", "tangram (window+keydiff)", "tangram"]
 
 
 def test_merge_refuses_parts_that_do_not_belong_together():

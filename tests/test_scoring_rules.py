@@ -115,7 +115,7 @@ def test_a_bad_scoring_rule_is_refused_with_its_name_value_and_choices():
     from tangram_jax.engine.config import EngineConfig, EngineConfigError
     from tangram_jax.engine.model_runner import RunnerConfig
     with pytest.raises(EngineConfigError,
-                       match=r"scoring_rule must be one of 'window', 'window\+context', "
+                       match=r"scoring_rule must be one of 'auto', 'window', 'window\+context', "
                              r"'window\+keydiff', got 'question'"):
         EngineConfig(scoring_rule="question")
     with pytest.raises(EngineConfigError, match="dynamic mode"):
@@ -126,6 +126,28 @@ def test_a_bad_scoring_rule_is_refused_with_its_name_value_and_choices():
                      q_per_kv=2, rule="spread")
     with pytest.raises(ValueError, match="dynamic mode"):
         RunnerConfig(mode="dynamic", scoring_rule="window+context")
+
+
+def test_auto_picks_keydiff_for_profiles_keeping_under_half_and_the_window_otherwise():
+    from tangram_jax.compression.chunk_scoring import resolve_scoring_rule
+    from tangram_jax.engine.config import EngineConfig
+    from tangram_jax.models.registry import load_model
+    assert resolve_scoring_rule("auto", "tangram", 0.25) == "window+keydiff"
+    assert resolve_scoring_rule("auto", "tangram", 0.5) == "window"
+    assert resolve_scoring_rule("auto", "dynamic", 0.25) == "window"
+    assert resolve_scoring_rule("auto", "full", None) == "window"
+    assert resolve_scoring_rule("window+context", "tangram", 0.25) == "window+context"
+    with pytest.raises(ValueError, match="scoring_rule must be one of"):
+        resolve_scoring_rule("spread", "tangram", 0.25)
+    # The engine's resolved settings carry the rule the runner serves, from the shipped profiles.
+    mc = load_model(None).config
+    resolved = {(mode, ratio, rule): EngineConfig(mode=mode, ratio=ratio, scoring_rule=rule,
+                                                  chunk_size=128).resolve(mc, is_embedded=True)
+                .scoring_rule
+                for mode, ratio, rule in [("tangram", 0.25, "auto"), ("tangram", 0.5, "auto"),
+                                          ("dynamic", 0.25, "auto"), ("tangram", 0.25, "window")]}
+    assert list(resolved.values()) == ["window+keydiff", "window", "window", "window"]
+    assert EngineConfig().scoring_rule == "auto"
 
 
 def test_the_keydiff_rule_gives_each_ranking_its_half():

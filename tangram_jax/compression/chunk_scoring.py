@@ -54,6 +54,17 @@ def check_served_method(method: str) -> str:
 # A later turn asks about what the current question does not: the question-agnostic half keeps
 # tokens for it (`benchmarks/NOTES_accuracy_harness.md`, "Follow-up turns: scoring rule").
 SCORING_RULES = ("window", "window+context", "window+keydiff")
+# What `EngineConfig.scoring_rule` accepts: a rule, or "auto" (the default), which picks by the
+# profile's keep ratio (`resolve_scoring_rule`).
+SCORING_RULE_CHOICES = ("auto",) + SCORING_RULES
+# "auto" takes window+keydiff below this keep ratio and the window alone at or above it. H100,
+# SmolLM2, 100 samples a task on two sample sets (`benchmarks/results/accuracy.json`,
+# `accuracy_solvable.json`; NOTES_accuracy_harness.md, session 10): at 0.25 the union keeps
+# variable tracking where the window alone loses it (39% vs 8% and 46% vs 6%; full KV 44 / 41%),
+# ties multi-turn and passkey, and costs kv retrieval 5 / 1 points: the best mean over the four
+# tasks on both sets (40 vs 33%, 65 vs 54%). At 0.5 the window alone keeps more (kv retrieval 36
+# vs 20% on the first set; a tie on the second). Between 0.25 and 0.5 nothing was measured.
+AUTO_KEYDIFF_BELOW_RATIO = 0.5
 # The spread queries: every CONTEXT_STRIDE-th query of the chunk before its protected tail.
 CONTEXT_STRIDE = 16
 # The window's share of a head's count under the union rules (the rest: the agnostic part's).
@@ -66,6 +77,17 @@ def check_scoring_rule(rule: str) -> str:
         raise ValueError(f"scoring_rule must be one of {', '.join(map(repr, SCORING_RULES))}, "
                          f"got {rule!r}")
     return rule
+
+
+def resolve_scoring_rule(rule: str, mode: str, ratio: float | None) -> str:
+    """The rule a runner serves: `rule` itself, or for "auto" window+keydiff when a tangram
+    profile keeps less than `AUTO_KEYDIFF_BELOW_RATIO` of each turn (its keep ratio `ratio`), and
+    the window otherwise (full KV compresses nothing; dynamic counts with the window's scores)."""
+    if rule != "auto":
+        return check_scoring_rule(rule)
+    if mode == "tangram" and ratio is not None and ratio < AUTO_KEYDIFF_BELOW_RATIO:
+        return "window+keydiff"
+    return "window"
 
 
 # Above every scorer's score (SnapKV's are at most the window length); protected tokens get it.

@@ -29,7 +29,7 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
-from tangram_jax.compression.chunk_scoring import SCORING_RULES
+from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES, resolve_scoring_rule
 from tangram_jax.kv_layout import PRECISION_TIERS, TAIL_RULES, KVLayout, TieredLayout, pages_for
 from tangram_jax.kv_quant import KV_PRECISIONS
 
@@ -347,12 +347,14 @@ class EngineConfig:
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
                             "turn's final chunk (final_chunk), or none")
     scoring_rule: str = _field(
-        "window", _choice(SCORING_RULES),
+        "auto", _choice(SCORING_RULE_CHOICES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
         "observation window (window: the turn's question for a whole-turn chunk), or half of "
         "each head's count by the window and half by a question-agnostic score: queries "
         "spread over the chunk (window+context) or KeyDiff (window+keydiff), for what a later "
-        "turn asks; tangram mode (dynamic counts with the window's scores)")
+        "turn asks; auto: window+keydiff for profiles that keep less than half, else window "
+        "(measured on the embedded model: chunk_scoring.AUTO_KEYDIFF_BELOW_RATIO); tangram "
+        "mode (dynamic counts with the window's scores)")
 
     def __setattr__(self, name, value):
         # Every assignment is checked, the constructor's and later ones alike.
@@ -368,7 +370,7 @@ class EngineConfig:
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
         was set); `Engine` calls this before loading the model, so such errors come at once."""
-        if self.mode == "dynamic" and self.scoring_rule != "window":
+        if self.mode == "dynamic" and self.scoring_rule not in ("window", "auto"):
             raise EngineConfigError(f"scoring_rule {self.scoring_rule!r} needs tangram or full "
                                     f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
                                     f"scoring_rule must be 'window'")
@@ -452,6 +454,8 @@ class EngineConfig:
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
             compression_method=profile.method if profile is not None else "snapkv",
+            scoring_rule=resolve_scoring_rule(self.scoring_rule, self.mode,
+                                              profile.rho if profile is not None else None),
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 
 
@@ -473,6 +477,7 @@ class ResolvedConfig:
     obs_window: int
     policy: str                  # the KV manager's: "reserve" or "reclaim" (dynamic mode)
     compression_method: str      # the scorer chunks are compressed with (the profile's method)
+    scoring_rule: str            # the rule "auto" resolved to (chunk_scoring.SCORING_RULES)
 
 
 # ----- command line -------------------------------------------------------------------------
@@ -519,7 +524,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
                                default=default, help=help_text)
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
-                       "tail_rule": TAIL_RULES, "scoring_rule": SCORING_RULES,
+                       "tail_rule": TAIL_RULES, "scoring_rule": SCORING_RULE_CHOICES,
                        "kv_precision": SERVED_PRECISIONS,
                        "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,

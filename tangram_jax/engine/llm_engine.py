@@ -349,7 +349,7 @@ class Engine:
             table_shape, split_maps=split_maps, devices=self.devices,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
-                                       scoring_rule=cfg.scoring_rule,
+                                       scoring_rule=rc.scoring_rule,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
                                        max_prefill_tokens=rc.max_num_batched_tokens,
                                        prefill_token_buckets=cfg.prefill_token_buckets),

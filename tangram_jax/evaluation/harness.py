@@ -275,7 +275,7 @@ class HarnessConfig:
     kl: bool = True
     kl_top_k: int = 256
     # EngineConfig.scoring_rule of the engines that compress with a static profile (tangram,
-    # uniform); None: the engine's default. dynamic counts with the window's scores.
+    # uniform); None: the engine's default ("auto"). dynamic counts with the window's scores.
     scoring_rule: str | None = None
 
 
@@ -355,7 +355,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
         t0 = time.perf_counter()
         engine = Engine(_engine_config(spec, cfg, max_model_len, fingerprint))
         build_s = time.perf_counter() - t0
-        log(f"{spec.label}: built {build_s:.1f}s, serving {len(samples)} sessions")
+        log(f"{spec.label}: built {build_s:.1f}s ({engine.resolved.scoring_rule} scoring), "
+            f"serving {len(samples)} sessions")
         want_ref_logprobs = spec.mode == "full" and not kl_missing
 
         def keep_reference(sample, turn, out):
@@ -401,7 +402,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
             build_seconds=round(build_s, 2), serve_seconds=round(serve_s, 2),
             forced_seconds=None if forced_s is None else round(forced_s, 2),
             preemptions=int(sched["preemptions"]), evictions=int(sched["evictions"]),
-            layout=engine.layout.name, max_model_len=engine.max_model_len)
+            layout=engine.layout.name, max_model_len=engine.max_model_len,
+            scoring_rule=engine.resolved.scoring_rule)
         judged[spec.label] = rows
         if on_partial is not None:
             done = specs[:specs.index(spec) + 1]

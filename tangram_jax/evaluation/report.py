@@ -26,10 +26,14 @@ def merge_reports(*parts: dict) -> dict:
             raise ValueError(f"parts disagree on {key}: {values}; merge parts of one run only")
     rows: dict[tuple, dict] = {}
     for part in parts:
-        rule = (part.get("config") or {}).get("scoring_rule")
+        asked = (part.get("config") or {}).get("scoring_rule")
+        engines = part.get("engines") or {}
         for row in part["results"]:
             row = dict(row)
-            if rule and rule != "window" and row["mode"] != "full":
+            # The rule the row's engine served (recorded since "auto"), else the one asked for.
+            served = (engines.get(f"{row['mode']}@{row['ratio']:g}") or {}).get("scoring_rule")
+            rule = served or asked or "window"
+            if rule != "window" and row["mode"] != "full":
                 row["mode"] = f"{row['mode']} ({rule})"
             key = (row.get("library", "tangram-jax"), row["task"], row["mode"], row["ratio"])
             seen = rows.get(key)
