@@ -89,8 +89,8 @@ for rule in ${SCORING_RULES:-}; do     # e.g. "window+context window+keydiff"
 done
 SOLVABLE=(--max-tokens 8 --max-model-len 2048 --chunk-size 2048 --max-active "$MAX_ACTIVE"
           --decode-buckets "$MAX_ACTIVE" "${ONE_SHAPE[@]}" --layer-loop scan)
-part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram --ratios 0.25,0.5 --no-kl \
-  "${SOLVABLE[@]}" --tasks-out "$OUT/accuracy_tasks_solvable.jsonl" \
+part D_solvable --samples 100 --pilot-samples 20 --modes full,tangram,dynamic,uniform \
+  --ratios 0.25,0.5 --no-kl "${SOLVABLE[@]}" --tasks-out "$OUT/accuracy_tasks_solvable.jsonl" \
   --answers-out "$OUT/answers_solvable.jsonl"
 # The same solvable samples under each scoring rule (serial runs: the samples exist once D is done).
 for rule in ${SCORING_RULES:-}; do
