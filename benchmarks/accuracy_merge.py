@@ -24,8 +24,11 @@ def main(argv=None) -> int:
     p.add_argument("parts", nargs="+", help="accuracy.py JSONs of one run")
     p.add_argument("--out", required=True, help="merged JSON; the PNG goes beside it")
     p.add_argument("--kvpress", default=None, help="kvpress JSON to draw and tabulate beside ours")
+    p.add_argument("--mixed-revisions", action="store_true",
+                   help="admit parts of different git revisions (full KV's rows must still agree)")
     args = p.parse_args(argv)
-    merged = merge_reports(*(json.loads(Path(f).read_text()) for f in args.parts))
+    merged = merge_reports(*(json.loads(Path(f).read_text()) for f in args.parts),
+                           mixed_revisions=args.mixed_revisions)
     Path(args.out).write_text(json.dumps(merged, indent=1))
     reports = [merged]
     if args.kvpress:

@@ -323,5 +323,11 @@ def test_merge_refuses_parts_that_do_not_belong_together():
         merge_reports(a, _part(None, [("full", 1.0, 8)]))
     with pytest.raises(ValueError, match="parts disagree on git_revision"):
         merge_reports(a, _part(None, [("full", 1.0, 9)], rev="def"))
+    later = _part(None, [("full", 1.0, 9), ("dynamic", 0.5, 7)], rev="def")
+    merged = merge_reports(a, later, mixed_revisions=True)
+    assert merged["git_revision"] == "abc,def"
+    assert [p["git_revision"] for p in merged["parts"]] == ["abc", "def"]
+    with pytest.raises(ValueError, match=r"parts disagree on \('tangram-jax', 'passkey', 'full'"):
+        merge_reports(a, _part(None, [("full", 1.0, 8)], rev="def"), mixed_revisions=True)
     with pytest.raises(ValueError, match="at least one report"):
         merge_reports()

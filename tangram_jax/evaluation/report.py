@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def merge_reports(*parts: dict) -> dict:
+def merge_reports(*parts: dict, mixed_revisions: bool = False) -> dict:
     """One report from the parts of one table (one process a part, each serving full KV beside its
     modes, e.g. `benchmarks/accuracy_gpu_all.sh`). Parts must share the git revision, device and
     task file; full KV's rows must be equal in every part (greedy serving is deterministic, so a
@@ -17,13 +17,18 @@ def merge_reports(*parts: dict) -> dict:
     a scoring rule other than the default labels its compressed rows ``mode (rule)``, so rules
     sit beside each other in one table.
 
+    `mixed_revisions` admits parts of different git revisions (each part's is recorded, and
+    full KV's rows must still be equal): for a column added later to a table whose other
+    columns' code did not change.
+
     Raises ValueError naming the field and the parts' values when they disagree."""
     if not parts:
         raise ValueError("merge_reports needs at least one report, got none")
-    for key in ("git_revision", "device", "tasks_file"):
+    for key in ("device", "tasks_file") + (() if mixed_revisions else ("git_revision",)):
         values = sorted({str(p.get(key)) for p in parts})
         if len(values) > 1:
-            raise ValueError(f"parts disagree on {key}: {values}; merge parts of one run only")
+            raise ValueError(f"parts disagree on {key}: {values}; merge parts of one run only"
+                             + (" (or pass mixed_revisions)" if key == "git_revision" else ""))
     rows: dict[tuple, dict] = {}
     for part in parts:
         asked = (part.get("config") or {}).get("scoring_rule")
@@ -47,10 +52,11 @@ def merge_reports(*parts: dict) -> dict:
     return {
         "benchmark": first.get("benchmark", "accuracy"),
         "device": first.get("device"),
-        "git_revision": first.get("git_revision"),
+        "git_revision": ",".join(dict.fromkeys(str(p.get("git_revision")) for p in parts)),
         "tasks_file": first.get("tasks_file"),
         "max_model_len": first.get("max_model_len"),
-        "parts": [{"command": p.get("command"), "seconds": p.get("seconds"),
+        "parts": [{"command": p.get("command"), "git_revision": p.get("git_revision"),
+                   "seconds": p.get("seconds"),
                    "kl_status": p.get("kl_status"), "complete": p.get("complete"),
                    "scoring_rule": (p.get("config") or {}).get("scoring_rule")}
                   for p in parts],
