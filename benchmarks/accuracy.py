@@ -66,6 +66,11 @@ def main(argv=None) -> int:
                    help="EngineConfig.scoring_rule of the tangram and uniform engines "
                         "(chunk_scoring.SCORING_RULES; default the engine's); full and dynamic "
                         "keep 'window'")
+    p.add_argument("--profile", action="append", default=[],
+                   help="a budget profile file the tangram mode serves at its ratio (its rho) "
+                        "instead of the shipped SnapKV one, e.g. one from `tangram-jax calibrate "
+                        "--method keydiff`; repeat for other ratios. Rows are labelled with the "
+                        "profile's method")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="EngineConfig.gpu_memory_utilization (default the engine's): the share "
                         "of the card each engine's process may take; give each of several "
@@ -106,6 +111,7 @@ def main(argv=None) -> int:
         model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
         max_model_len=args.max_model_len,
         kl=not args.no_kl, kl_top_k=args.kl_top_k, scoring_rule=args.scoring_rule,
+        profiles=tuple(args.profile),
         engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_prefill_rows=args.max_prefill_rows, layer_loop=args.layer_loop,

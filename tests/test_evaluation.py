@@ -331,3 +331,30 @@ def test_merge_refuses_parts_that_do_not_belong_together():
         merge_reports(a, _part(None, [("full", 1.0, 8)], rev="def"), mixed_revisions=True)
     with pytest.raises(ValueError, match="at least one report"):
         merge_reports()
+
+
+def test_a_given_profile_is_served_at_its_ratio_and_labels_its_rows(tmp_path):
+    """`--profile`: the tangram column at the profile's rho serves it (a KeyDiff-calibrated
+    profile is then scored with KeyDiff by the engine), other ratios keep the shipped profile,
+    and the table names the method."""
+    import dataclasses as dc
+    from tangram_jax.compression.profile import shipped_profile
+    from tangram_jax.evaluation.harness import HarnessConfig, _engine_config
+    from tangram_jax.evaluation.report import markdown_table
+    shipped = shipped_profile(0.25, 1)
+    path = tmp_path / "keydiff.json"
+    dc.replace(shipped, method="keydiff").save(path)
+    cfg = HarnessConfig(profiles=(str(path),))
+    fingerprint = shipped.model
+    at_quarter = _engine_config(ModeSpec("tangram", 0.25), cfg, 512, fingerprint).profile
+    at_half = _engine_config(ModeSpec("tangram", 0.5), cfg, 512, fingerprint).profile
+    assert (at_quarter.method, at_quarter.rho) == ("keydiff", 0.25)
+    assert (at_half.method, at_half.rho) == ("snapkv", 0.5)
+    with pytest.raises(ValueError, match=r"one file per ratio, got rho \[0.25, 0.25\]"):
+        HarnessConfig(profiles=(str(path), str(path)))
+    report = _part(None, [("full", 1.0, 9), ("tangram", 0.25, 6), ("tangram", 0.5, 8)])
+    report["engines"] = {"tangram@0.25": {"method": "keydiff", "scoring_rule": "window+keydiff"},
+                         "tangram@0.5": {"method": "snapkv", "scoring_rule": "window"}}
+    table = markdown_table(report)
+    assert "| tangram (keydiff profile, window+keydiff) | 0.25 |" in table
+    assert "| tangram | 0.5 |" in table

@@ -277,6 +277,16 @@ class HarnessConfig:
     # EngineConfig.scoring_rule of the engines that compress with a static profile (tangram,
     # uniform); None: the engine's default ("auto"). dynamic counts with the window's scores.
     scoring_rule: str | None = None
+    # Budget profile files the tangram mode serves instead of the shipped ones, each at its own
+    # ratio (its rho), e.g. one calibrated with KeyDiff: the engine then scores with KeyDiff.
+    profiles: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        from tangram_jax.compression.profile import BudgetProfile
+        rhos = [BudgetProfile.load(p).rho for p in self.profiles]
+        if len(set(rhos)) != len(rhos):
+            raise ValueError(f"profiles must have one file per ratio, got rho {rhos} for "
+                             f"{list(self.profiles)}")
 
 
 def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, fingerprint: dict):
@@ -288,8 +298,9 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     if spec.mode == "tangram":
         from tangram_jax.kv_layout import PRECISION_TIERS
         tiers = spec.kv_precision if spec.kv_precision in PRECISION_TIERS else None
-        profile = shipped_profile(spec.ratio, cfg.group_size, expected_fingerprint=fingerprint,
-                                  tiers=tiers)
+        given = [BudgetProfile.load(p, expected_fingerprint=fingerprint) for p in cfg.profiles]
+        profile = next((p for p in given if p.rho == spec.ratio), None) or shipped_profile(
+            spec.ratio, cfg.group_size, expected_fingerprint=fingerprint, tiers=tiers)
     elif spec.mode == "uniform":
         profile = BudgetProfile.uniform(fingerprint, spec.ratio, group_size=cfg.group_size)
         mode = "tangram"
@@ -403,7 +414,7 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
             forced_seconds=None if forced_s is None else round(forced_s, 2),
             preemptions=int(sched["preemptions"]), evictions=int(sched["evictions"]),
             layout=engine.layout.name, max_model_len=engine.max_model_len,
-            scoring_rule=engine.resolved.scoring_rule)
+            scoring_rule=engine.resolved.scoring_rule, method=engine.compression_method)
         judged[spec.label] = rows
         if on_partial is not None:
             done = specs[:specs.index(spec) + 1]

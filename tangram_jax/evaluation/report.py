@@ -9,6 +9,35 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def served_rows(report: dict) -> list[dict]:
+    """The report's rows, each compressing mode of this library labelled with what its engine
+    served beyond the defaults: a scoring rule other than the window (``tangram
+    (window+keydiff)``) and a profile calibrated with another method than SnapKV (``tangram
+    (keydiff profile)``). The engine's rule and method come from the report's `engines` (recorded
+    since "auto"), else the rule from the part's `--scoring-rule`. A merged report's rows are
+    labelled already (it has no `engines`)."""
+    asked = (report.get("config") or {}).get("scoring_rule")
+    engines = report.get("engines")
+    if engines is None and "parts" in report:
+        return [dict(r) for r in report["results"]]
+    out = []
+    for row in report["results"]:
+        row = dict(row)
+        if row["mode"] != "full" and row.get("library", "tangram-jax") == "tangram-jax":
+            served = (engines or {}).get(f"{row['mode']}@{row['ratio']:g}") or {}
+            notes = []
+            method = served.get("method")
+            if method and method != "snapkv" and row["mode"].startswith("tangram"):
+                notes.append(f"{method} profile")
+            rule = served.get("scoring_rule") or asked or "window"
+            if rule != "window":
+                notes.append(rule)
+            if notes:
+                row["mode"] = f"{row['mode']} ({', '.join(notes)})"
+        out.append(row)
+    return out
+
+
 def merge_reports(*parts: dict, mixed_revisions: bool = False) -> dict:
     """One report from the parts of one table (one process a part, each serving full KV beside its
     modes, e.g. `benchmarks/accuracy_gpu_all.sh`). Parts must share the git revision, device and
@@ -31,15 +60,7 @@ def merge_reports(*parts: dict, mixed_revisions: bool = False) -> dict:
                              + (" (or pass mixed_revisions)" if key == "git_revision" else ""))
     rows: dict[tuple, dict] = {}
     for part in parts:
-        asked = (part.get("config") or {}).get("scoring_rule")
-        engines = part.get("engines") or {}
-        for row in part["results"]:
-            row = dict(row)
-            # The rule the row's engine served (recorded since "auto"), else the one asked for.
-            served = (engines.get(f"{row['mode']}@{row['ratio']:g}") or {}).get("scoring_rule")
-            rule = served or asked or "window"
-            if rule != "window" and row["mode"] != "full":
-                row["mode"] = f"{row['mode']} ({rule})"
+        for row in served_rows(part):
             key = (row.get("library", "tangram-jax"), row["task"], row["mode"], row["ratio"])
             seen = rows.get(key)
             if seen is None:
@@ -79,7 +100,7 @@ def _row_label(r: dict) -> str:
 def markdown_table(*reports: dict) -> str:
     """One line per (library, mode, ratio), one column group per task: accuracy % [95% CI],
     then agreement and KL with full KV (of the report's own library)."""
-    rows = [r for rep in reports for r in rep["results"]]
+    rows = [r for rep in reports for r in served_rows(rep)]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     header = ["method", "ratio"] + [f"{t} acc % [CI]" for t in tasks] + \
         ["follow-up acc %", "agreement %", "KL (nats/token)"]
@@ -114,7 +135,7 @@ def plot_accuracy(out: str | Path, *reports: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for rep in reports for r in rep["results"]]
+    rows = [r for rep in reports for r in served_rows(rep)]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False,
                              sharey=True)
