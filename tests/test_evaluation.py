@@ -56,7 +56,7 @@ def test_variable_tracking_chain_resolves_to_the_answer():
         s = T.generate("variable_tracking", i)
         assign = {}
         for line in s.context.splitlines():
-            if " = " in line and len(line.split(" = ")[0]) == 1:
+            if " = " in line and line.split(" = ")[0] in T._VARIABLES:
                 name, value = line.split(" = ")
                 assign[name] = assign.get(value, value)   # statements come in chain order
         asked = s.turns[0].question.split("value of ")[-1].split("?")[0]

@@ -61,8 +61,12 @@ _NOUNS = ("apple", "bridge", "candle", "desert", "engine", "forest", "garden", "
           "canyon", "donkey", "pebble")
 _PEOPLE = ("Alice", "Bruno", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hugo", "Irene", "Jonas",
            "Karen", "Leo", "Maria", "Nadia", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara")
-_VARIABLES = ("A", "B", "C", "D", "E", "F", "G", "H", "K", "M", "N", "P", "Q", "R", "S", "T",
-              "U", "W", "X", "Y", "Z")
+# Variables are words, not letters: full KV (SmolLM2-135M, CPU, 24 samples at 36 filler lines)
+# answered 14 with word names, 9 with single letters and 5 with RULER's "VAR XYZ" names; with
+# letters it stayed at 38-46% at 16-36 filler lines (`benchmarks/NOTES_accuracy_harness.md`).
+_VARIABLES = ("apple", "river", "stone", "cloud", "tiger", "maple", "lemon", "otter", "piano",
+              "coral", "ember", "frost", "grape", "honey", "ivory", "jelly", "koala", "lotus",
+              "mango", "nylon")
 _FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
            "again.")
 
