@@ -373,7 +373,8 @@ class EngineConfig:
         if self.mode == "dynamic" and self.scoring_rule not in ("window", "auto"):
             raise EngineConfigError(f"scoring_rule {self.scoring_rule!r} needs tangram or full "
                                     f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
-                                    f"scoring_rule must be 'window'")
+                                    f"scoring_rule must be 'window' (or 'auto', which serves "
+                                    f"'window' there)")
         # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
         # prefill always progresses.
         chunk = self.resolved_chunk_size()
