@@ -78,7 +78,10 @@ def random_pool(key, num_pages: int, bits: int | None):
         return jax.random.normal(key, shape, DTYPE)
     k1, k2, k3 = jax.random.split(key, 3)
     pd = kv_quant.packed_dim(HEAD_DIM, bits)
-    codes = jax.random.bits(k1, (*shape[:-1], pd), jnp.uint8)
+    # Drawn as 32-bit words and viewed as bytes: uint8 draws go through a 4x-sized intermediate
+    # (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
+    words = jax.random.bits(k1, (*shape[:-1], pd // 4), jnp.uint32)
+    codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape[:-1], pd)
     scale = jax.random.uniform(k2, shape[:-1], jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
     zero = jax.random.uniform(k3, shape[:-1], jnp.float32, -1.5, -0.5)
     return kv_quant.QuantPages(codes=codes, scale=scale, zero=zero, bits=bits,

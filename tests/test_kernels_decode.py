@@ -154,9 +154,10 @@ def test_decode_rejects_bad_inputs():
                                       work_list=work)
 
 
-@pytest.mark.parametrize("precision, dtype", [("k8v8", jnp.float32), ("k8v4", jnp.bfloat16),
-                                              ("k4v2", jnp.float32), ("k4v2", jnp.bfloat16)],
-                         ids=["k8v8-f32", "k8v4-bf16", "k4v2-f32", "k4v2-bf16"])
+@pytest.mark.parametrize("precision, dtype", [("k8v8", jnp.float32), ("k8v8", jnp.bfloat16),
+                                              ("k8v4", jnp.bfloat16), ("k4v2", jnp.float32),
+                                              ("k4v2", jnp.bfloat16)],
+                         ids=["k8v8-f32", "k8v8-bf16", "k8v4-bf16", "k4v2-f32", "k4v2-bf16"])
 def test_quantised_decode_matches_reference(precision, dtype):
     """Packed pages dequantised on the fly: the kernel against the jnp reference on the same
     quantised pool (every work list), and against attention over the unquantised pool within
@@ -186,3 +187,19 @@ def test_quantised_decode_matches_reference(precision, dtype):
     # head_dim 32), but attention over the dequantised pool, not noise.
     quant_err = _rel_err(ref, exact)
     assert quant_err < {"k8v8": 0.03, "k8v4": 0.12, "k4v2": 0.6}[precision], quant_err
+
+
+@pytest.mark.parametrize("bits, compute", [(8, jnp.bfloat16), (4, jnp.bfloat16),
+                                           (2, jnp.bfloat16), (8, jnp.float16),
+                                           (8, jnp.float32)])
+def test_codes_become_exact_operands_without_conversion(bits, compute):
+    """The magic-number operands are exactly M + code for every code of the width, in a dtype
+    whose products are exact (8-bit codes leave bfloat16 for float16)."""
+    from tangram_jax.pallas_kernels.decode_attention import code_operand, codes_as_operand
+    dtype, magic, offset = code_operand(bits, compute)
+    codes = jnp.arange(1 << bits, dtype=jnp.uint8)
+    values = np.asarray(codes_as_operand(codes, dtype, magic), np.float64)
+    np.testing.assert_array_equal(values, offset + np.arange(1 << bits))
+    assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
+                                jnp.bfloat16 if bits < 8 and compute == jnp.bfloat16 else
+                                jnp.float16)

@@ -66,6 +66,34 @@ def _bits(pages) -> int | None:
     return pages.bits if isinstance(pages, kv_quant.QuantPages) else None
 
 
+# Codes become matrix-unit operands by the magic-number trick: a code c (an unsigned integer)
+# ORed into the mantissa of a power of two M is the float M + c, exactly, with no int -> float
+# conversion (those run on the GPU's conversion units at 1/4-1/8 of the integer rate; with one
+# per code they set the quantised kernels' time, benchmarks/NOTES_kv_precision.md session 11).
+# bfloat16's 7 mantissa bits hold codes of up to 7 bits (M = 128: bits 0x4300); 8-bit codes
+# use float16's 10 (M = 1024: 0x6400), q or the weights cast to float16 for that product. The
+# offset M is folded into the zero point: ``s (c + M) + (z - M s) = s c + z``.
+_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
+
+
+def code_operand(bits: int, compute_dtype) -> tuple:
+    """(operand dtype, magic bits or None, offset M) of `bits`-bit codes in a kernel computing
+    in `compute_dtype`. float32 kernels (the CPU tests' models) cast the codes (offset 0)."""
+    compute_dtype = jnp.dtype(compute_dtype)
+    if compute_dtype == jnp.float32:
+        return compute_dtype, None, 0.0
+    dtype = compute_dtype if bits <= 7 else jnp.dtype(jnp.float16)
+    return (dtype, *_MAGIC[dtype])
+
+
+def codes_as_operand(codes, dtype, magic: int | None):
+    """Unsigned integer codes (any shape) -> `dtype` values ``M + code`` (or ``code`` when
+    `magic` is None), see `code_operand`."""
+    if magic is None:
+        return codes.astype(dtype)
+    return lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(magic), dtype)
+
+
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
@@ -90,9 +118,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     Quantised tiles are never dequantised element by element: with x = code * s + z per token,
     ``q . k_t = s_t (q . code_t) + z_t sum(q)`` and ``sum_t p_t v_t = (p * s) @ codes + (p . z)``,
-    so the matrix unit multiplies the raw codes (exact in bf16) plane by plane (a plane of a
-    packed row is a contiguous slice of head_dim, see `kv_quant`), and the scales are applied
-    to the [rows, tokens] logits and probabilities.
+    so the matrix unit multiplies the codes (as ``M + code``, exact: `code_operand`) plane by
+    plane (a plane of a packed row is a contiguous slice of head_dim, see `kv_quant`), and the
+    scales are applied to the [rows, tokens] logits and probabilities, the offset M with the
+    zero points: ``z - M s`` per key, ``- M sum(weights)`` per value row.
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
@@ -107,6 +136,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     head_dim = q_ref.shape[-1]
     pages_per_block = max(1, block_tokens // page_size)
     compute_dtype = q_ref.dtype
+    # Operand dtype, magic bits and offset of the key and value codes (`code_operand`).
+    k_dtype, k_magic, k_offset = (code_operand(key_bits, compute_dtype) if key_bits
+                                  else (compute_dtype, None, 0.0))
+    v_dtype, v_magic, v_offset = (code_operand(value_bits, compute_dtype) if value_bits
+                                  else (compute_dtype, None, 0.0))
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
     # bug) are cut there rather than read out of bounds.
@@ -134,10 +168,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
               for p in range(v_planes)]
     if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
-        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)]
+        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0).astype(k_dtype)]
               for j in head_ids]
     else:                   # per head, planes [rows, d/n]
-        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
+        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None],
+                          other=0).astype(k_dtype)
                for cols in k_cols] for j in head_ids]
     # sum(q) per query row, what a key's zero point adds to its logit.
     q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
@@ -149,8 +184,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # Clamped: the prefetch reads one block past the share; those ids are never used.
         return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
 
-    def load_tile(refs, bits, page, j, slot, token_valid):
-        """([tokens, d/n] planes in compute_dtype, scale [tokens] or None, zero or None)."""
+    def load_tile(refs, bits, operand, page, j, slot, token_valid):
+        """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
+        ``M + code`` in the operand dtype (`operand`: (dtype, magic) of `code_operand`)."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
@@ -160,8 +196,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # Shifts and masks on the uint8 codes themselves (no widening to int32: the unpack is
         # per element of every tile, the kernel's main work besides the products).
         levels = jnp.uint8((1 << bits) - 1)
-        planes = [(raw if bits == 8 else
-                   (raw >> jnp.uint8(p * bits)) & levels).astype(compute_dtype)
+        planes = [codes_as_operand(raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels,
+                                   *operand)
                   for p in range(8 // bits)]
         s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
         z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
@@ -175,8 +211,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         slot = token % page_size
-        ks = [load_tile(k_refs, key_bits, page, j, slot, token_valid) for j in head_ids]
-        vs = [load_tile(v_refs, value_bits, page, j, slot, token_valid) for j in head_ids]
+        ks = [load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, slot, token_valid)
+              for j in head_ids]
+        vs = [load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, slot, token_valid)
+              for j in head_ids]
         new = []
         for j in range(heads):
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
@@ -186,7 +224,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             for qp, kp in zip(qs[j][1:], k_tile[1:]):
                 logits = logits + _dot(qp, kp, trans_b=True)
             if key_bits is not None:
-                logits = logits * k_scale[None, :] + q_sums[j][:, None] * k_zero[None, :]
+                logits = (logits * k_scale[None, :]
+                          + q_sums[j][:, None] * (k_zero - k_offset * k_scale)[None, :])
             logits = jnp.where(token_valid[None, :], logits * scale, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = jnp.exp(m_prev - m_next)
@@ -195,8 +234,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             if value_bits is None:
                 weights, o_zero_next = p.astype(v_tile[0].dtype), o_zero_prev
             else:
-                weights = (p * v_scale[None, :]).astype(compute_dtype)
+                weights = (p * v_scale[None, :]).astype(v_dtype)
                 o_zero_next = correction * o_zero_prev + (p * v_zero[None, :]).sum(axis=-1)
+                if v_offset:    # the products added M * weights per value: taken back here
+                    o_zero_next = o_zero_next - v_offset * weights.astype(jnp.float32).sum(-1)
             o_next = tuple(correction[:, None] * o + _dot(weights, vp)
                            for o, vp in zip(o_prev, v_tile))
             new.append((o_next, o_zero_next, m_next, l_next))
