@@ -193,13 +193,14 @@ def test_quantised_decode_matches_reference(precision, dtype):
                                            (2, jnp.bfloat16), (8, jnp.float16),
                                            (8, jnp.float32)])
 def test_codes_become_exact_operands_without_conversion(bits, compute):
-    """The magic-number operands are exactly M + code for every code of the width, in a dtype
-    whose products are exact (8-bit codes leave bfloat16 for float16)."""
+    """The magic-number operands are exactly the codes, for every code of the width, in a dtype
+    that holds them exactly (8-bit codes leave bfloat16 for float16)."""
     from tangram_jax.pallas_kernels.decode_attention import code_operand, codes_as_operand
-    dtype, magic, offset = code_operand(bits, compute)
+    dtype, magic = code_operand(bits, compute)
     codes = jnp.arange(1 << bits, dtype=jnp.uint8)
     values = np.asarray(codes_as_operand(codes, dtype, magic), np.float64)
-    np.testing.assert_array_equal(values, offset + np.arange(1 << bits))
+    np.testing.assert_array_equal(values, np.arange(1 << bits))
+    assert (magic is None) == (compute == jnp.float32)
     assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
                                 jnp.bfloat16 if bits < 8 and compute == jnp.bfloat16 else
                                 jnp.float16)

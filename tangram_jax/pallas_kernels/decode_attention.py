@@ -67,31 +67,36 @@ def _bits(pages) -> int | None:
 
 
 # Codes become matrix-unit operands by the magic-number trick: a code c (an unsigned integer)
-# ORed into the mantissa of a power of two M is the float M + c, exactly, with no int -> float
-# conversion (those run on the GPU's conversion units at 1/4-1/8 of the integer rate; with one
-# per code they set the quantised kernels' time, benchmarks/NOTES_kv_precision.md session 11).
-# bfloat16's 7 mantissa bits hold codes of up to 7 bits (M = 128: bits 0x4300); 8-bit codes
-# use float16's 10 (M = 1024: 0x6400), q or the weights cast to float16 for that product. The
-# offset M is folded into the zero point: ``s (c + M) + (z - M s) = s c + z``.
+# ORed into the mantissa of a power of two M is the float M + c, exactly, and M + c - M = c
+# exactly: no int -> float conversion (those run on the GPU's conversion units at a fraction of
+# the integer rate). bfloat16's 7 mantissa bits hold codes of up to 7 bits (M = 128: 0x4300);
+# 8-bit codes use float16's 10 (M = 1024: 0x6400), q or the value weights cast to float16 for
+# that product. M is subtracted in the kernel, not folded into the zero points: a folded offset
+# made the products M times larger than what they add, and the matrix unit's float32
+# accumulation lost ~1e-5 of M per output, 4-15% of near-uniform attention's small outputs
+# over 26k random tokens (benchmarks/NOTES_kv_precision.md, session 11).
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 
 
 def code_operand(bits: int, compute_dtype) -> tuple:
-    """(operand dtype, magic bits or None, offset M) of `bits`-bit codes in a kernel computing
-    in `compute_dtype`. float32 kernels (the CPU tests' models) cast the codes (offset 0)."""
+    """(operand dtype, magic) of `bits`-bit codes in a kernel computing in `compute_dtype`:
+    magic the (bits, offset M) of `_MAGIC`, or None where codes are cast (float32 kernels,
+    the CPU tests' models, whose casts are exact and cheap)."""
     compute_dtype = jnp.dtype(compute_dtype)
     if compute_dtype == jnp.float32:
-        return compute_dtype, None, 0.0
+        return compute_dtype, None
     dtype = compute_dtype if bits <= 7 else jnp.dtype(jnp.float16)
-    return (dtype, *_MAGIC[dtype])
+    return dtype, _MAGIC[dtype]
 
 
-def codes_as_operand(codes, dtype, magic: int | None):
-    """Unsigned integer codes (any shape) -> `dtype` values ``M + code`` (or ``code`` when
-    `magic` is None), see `code_operand`."""
+def codes_as_operand(codes, dtype, magic: tuple | None):
+    """Unsigned integer codes (any shape) -> the same integers as `dtype` values, exactly (see
+    `code_operand`)."""
     if magic is None:
         return codes.astype(dtype)
-    return lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(magic), dtype)
+    bits, offset = magic
+    shifted = lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(bits), dtype)
+    return shifted - jnp.asarray(offset, dtype)
 
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
@@ -118,10 +123,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     Quantised tiles are never dequantised element by element: with x = code * s + z per token,
     ``q . k_t = s_t (q . code_t) + z_t sum(q)`` and ``sum_t p_t v_t = (p * s) @ codes + (p . z)``,
-    so the matrix unit multiplies the codes (as ``M + code``, exact: `code_operand`) plane by
-    plane (a plane of a packed row is a contiguous slice of head_dim, see `kv_quant`), and the
-    scales are applied to the [rows, tokens] logits and probabilities, the offset M with the
-    zero points: ``z - M s`` per key, ``- M sum(weights)`` per value row.
+    so the matrix unit multiplies the codes (exact in the operand dtype, `code_operand`) plane
+    by plane (a plane of a packed row is a contiguous slice of head_dim, see `kv_quant`), and
+    the scales are applied to the [rows, tokens] logits and probabilities.
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
@@ -136,11 +140,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     head_dim = q_ref.shape[-1]
     pages_per_block = max(1, block_tokens // page_size)
     compute_dtype = q_ref.dtype
-    # Operand dtype, magic bits and offset of the key and value codes (`code_operand`).
-    k_dtype, k_magic, k_offset = (code_operand(key_bits, compute_dtype) if key_bits
-                                  else (compute_dtype, None, 0.0))
-    v_dtype, v_magic, v_offset = (code_operand(value_bits, compute_dtype) if value_bits
-                                  else (compute_dtype, None, 0.0))
+    # Operand dtype and magic of the key and value codes (`code_operand`).
+    k_dtype, k_magic = code_operand(key_bits, compute_dtype) if key_bits else (compute_dtype, None)
+    v_dtype, v_magic = (code_operand(value_bits, compute_dtype) if value_bits
+                        else (compute_dtype, None))
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
     # bug) are cut there rather than read out of bounds.
@@ -186,7 +189,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     def load_tile(refs, bits, operand, page, j, slot, token_valid):
         """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
-        ``M + code`` in the operand dtype (`operand`: (dtype, magic) of `code_operand`)."""
+        the codes in the operand dtype (`operand`: (dtype, magic) of `code_operand`)."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
@@ -224,8 +227,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             for qp, kp in zip(qs[j][1:], k_tile[1:]):
                 logits = logits + _dot(qp, kp, trans_b=True)
             if key_bits is not None:
-                logits = (logits * k_scale[None, :]
-                          + q_sums[j][:, None] * (k_zero - k_offset * k_scale)[None, :])
+                logits = logits * k_scale[None, :] + q_sums[j][:, None] * k_zero[None, :]
             logits = jnp.where(token_valid[None, :], logits * scale, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = jnp.exp(m_prev - m_next)
@@ -236,8 +238,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             else:
                 weights = (p * v_scale[None, :]).astype(v_dtype)
                 o_zero_next = correction * o_zero_prev + (p * v_zero[None, :]).sum(axis=-1)
-                if v_offset:    # the products added M * weights per value: taken back here
-                    o_zero_next = o_zero_next - v_offset * weights.astype(jnp.float32).sum(-1)
             o_next = tuple(correction[:, None] * o + _dot(weights, vp)
                            for o, vp in zip(o_prev, v_tile))
             new.append((o_next, o_zero_next, m_next, l_next))
