@@ -70,20 +70,23 @@ def _bits(pages) -> int | None:
 # ORed into the mantissa of a power of two M is the float M + c, exactly, and M + c - M = c
 # exactly: no int -> float conversion (those run on the GPU's conversion units at a fraction of
 # the integer rate). bfloat16's 7 mantissa bits hold codes of up to 7 bits (M = 128: 0x4300);
-# 8-bit codes use float16's 10 (M = 1024: 0x6400), q or the value weights cast to float16 for
-# that product. M is subtracted in the kernel, not folded into the zero points: a folded offset
-# made the products M times larger than what they add, and the matrix unit's float32
-# accumulation lost ~1e-5 of M per output, 4-15% of near-uniform attention's small outputs
-# over 26k random tokens (benchmarks/NOTES_kv_precision.md, session 11).
+# 8-bit key codes use float16's 10 (M = 1024: 0x6400), q cast to float16 for that product (8-bit
+# value codes are cast: `code_operand`). M is subtracted in the kernel, not folded into the zero
+# points: a folded offset made the products M times larger than what they add, and the matrix
+# unit's float32 accumulation lost ~1e-5 of M per output, 4-15% of near-uniform attention's
+# small outputs over 26k random tokens (benchmarks/NOTES_kv_precision.md, session 11).
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 
 
-def code_operand(bits: int, compute_dtype) -> tuple:
-    """(operand dtype, magic) of `bits`-bit codes in a kernel computing in `compute_dtype`:
-    magic the (bits, offset M) of `_MAGIC`, or None where codes are cast (float32 kernels,
-    the CPU tests' models, whose casts are exact and cheap)."""
+def code_operand(bits: int, compute_dtype, *, values: bool = False) -> tuple:
+    """(operand dtype, magic) of `bits`-bit key (or `values`) codes in a kernel computing in
+    `compute_dtype`: magic the (bits, offset M) of `_MAGIC`, or None where codes are cast:
+    float32 kernels (the CPU tests' models: casts are exact and cheap there), and 8-bit value
+    codes (cast to bfloat16 they were 10% faster than as float16 magic operands on an H100:
+    the cast of a [tokens, d] value tile feeding the product directly is one Triton lowers
+    well; session 11's probe)."""
     compute_dtype = jnp.dtype(compute_dtype)
-    if compute_dtype == jnp.float32:
+    if compute_dtype == jnp.float32 or (values and bits == 8):
         return compute_dtype, None
     dtype = compute_dtype if bits <= 7 else jnp.dtype(jnp.float16)
     return dtype, _MAGIC[dtype]
@@ -142,7 +145,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     compute_dtype = q_ref.dtype
     # Operand dtype and magic of the key and value codes (`code_operand`).
     k_dtype, k_magic = code_operand(key_bits, compute_dtype) if key_bits else (compute_dtype, None)
-    v_dtype, v_magic = (code_operand(value_bits, compute_dtype) if value_bits
+    v_dtype, v_magic = (code_operand(value_bits, compute_dtype, values=True) if value_bits
                         else (compute_dtype, None))
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
