@@ -416,3 +416,34 @@ def test_server_metrics_report_the_fullest_tier(tiny_folder):
     assert gauges['tangram_kv_tier_pool_pages_used_ratio{tier="k4v2"}'] == pytest.approx(low_use)
     for pool, ids in zip((high, low), taken):
         pool.release(ids)
+
+
+def test_kv_cache_memory_bytes_buys_more_slots_in_smaller_formats(tiny_folder):
+    """`kv_cache_memory_bytes` sizes the pool in its own page format: the arrays' bytes are at
+    most the budget and within a page (per tier) of it, so K8V4 and the tiers hold more
+    head-token slots than bf16 in the same bytes; too few bytes for one max_model_len
+    sequence, or a second pool size beside it, is one clear error."""
+    budget = 3 * 2**20
+    pools = {}
+    for precision in ("bf16", "k8v4", "k8v4-k4v2"):
+        kwargs = dict(num_pages=None, kv_cache_memory_bytes=budget, compile_cache_dir="off",
+                      warmup=False)
+        llm = (_tiny_llm(tiny_folder, **kwargs) if precision == "k8v4-k4v2" else
+               LLM(config=tiny_engine_config(tiny_folder, "tangram", kv_precision=precision,
+                                             **kwargs)))
+        engine, pool = llm.engine, llm.engine.kv_pool()
+        assert pool["sized_by"] == "kv_cache_memory_bytes"
+        assert budget - sum(engine.runner.tier_page_bytes) < pool["bytes"] <= budget, precision
+        pools[precision] = pool
+        if precision == "k8v4-k4v2":
+            out = llm.generate([{"prompt_token_ids": list(range(1, 40))}],
+                               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 3
+    assert pools["bf16"]["slots"] < pools["k8v4"]["slots"] < pools["k8v4-k4v2"]["slots"]
+    with pytest.raises(EngineConfigError, match=r"kv_cache_memory_bytes=1000 holds .* "
+                                                r"max_model_len=\d+ sequence needs"):
+        LLM(config=tiny_engine_config(tiny_folder, "tangram", kv_precision="k8v4",
+                                      num_pages=None, kv_cache_memory_bytes=1000, warmup=False))
+    with pytest.raises(EngineConfigError, match="give one of the three"):
+        EngineConfig(kv_cache_memory_bytes=budget, kv_cache_tokens=1000).check()

@@ -214,8 +214,8 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
 def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                 workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
                 profile_seed: int | None) -> dict:
-    """Build the engine of `variant` (equal pool bytes: `engine_fields` fixes kv_cache_tokens),
-    serve every workload, free the engine."""
+    """Build the engine of `variant` (the pool `engine_fields` fixes: kv_cache_memory_bytes,
+    equal bytes, or kv_cache_tokens, equal slots), serve every workload, free the engine."""
     import jax
 
     from tangram_jax.engine.config import EngineConfig

@@ -20,7 +20,7 @@ from tangram_jax.commands import UsageError, check_output_path
 DEFAULT_VARIANTS = "full,reserve-mono,ragged,tangram,dynamic"
 # Engine fields this command sets itself (per configuration, or from its own flags).
 _OWN_FIELDS = ("model", "mode", "profile", "ratio", "group_size", "warmup", "kv_cache_tokens",
-               "num_pages", "split_map")
+               "kv_cache_memory_bytes", "num_pages", "split_map")
 
 
 def _floats(text: str) -> list[float]:
@@ -76,9 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the skewed profile of random / HF models")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--kv-gib", type=float, default=None,
-                      help="KV pool bytes, GiB (the same in every configuration and for vLLM)")
+                      help="KV pool bytes, GiB, the same in every configuration and for vLLM "
+                           "(EngineConfig.kv_cache_memory_bytes: a quantised or tiered KV "
+                           "precision holds more tokens in them)")
     pool.add_argument("--kv-cache-tokens", type=positive_int, default=None,
-                      help="KV pool as full-KV tokens (the same bytes in every configuration)")
+                      help="KV pool as bf16 full-KV tokens' head-token slots, the same slots in "
+                           "every configuration (the same bytes for bf16 ones; a quantised "
+                           "precision holds them in fewer bytes)")
     p.add_argument("--vllm", action="store_true",
                    help="also serve the closed-loop workloads with vLLM's CPU backend")
     p.add_argument("--vllm-model", default="/work/main/.cache/smollm2-135m-hf",
@@ -170,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                          "configuration)")
     engine_cfg = from_cli_args(args)
     fields = {name: getattr(engine_cfg, name) for name in args._engine_fields}
-    fields["kv_cache_tokens"] = kv_tokens
+    # --kv-gib: equal bytes (each configuration's page format decides the tokens they hold);
+    # --kv-cache-tokens: equal slots.
+    if args.kv_gib:
+        fields["kv_cache_memory_bytes"] = int(args.kv_gib * 2**30)
+    else:
+        fields["kv_cache_tokens"] = kv_tokens
     if fields.get("max_model_len") is None:
         fields["max_model_len"] = longest + 64
 
@@ -183,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                   k: getattr(model_config, k) for k in ("num_layers", "hidden_size", "num_heads",
                                                         "num_kv_heads", "head_dim", "vocab_size")},
               "ratio": args.ratio, "group_size": group_size, "kv_cache_tokens": kv_tokens,
-              "kv_cache_gib": kv_tokens * token_bytes / 2**30, "engine_fields": fields,
+              "kv_cache_gib": args.kv_gib or kv_tokens * token_bytes / 2**30,
+              "pool_sized_by": "bytes" if args.kv_gib else "bf16 full-KV tokens' slots",
+              "engine_fields": fields,
               "workloads": workloads, "results": []}
 
     def save():

@@ -248,6 +248,11 @@ class EngineConfig:
         "full-KV tokens' worth of memory the pool gets when --num-pages is not given (the same "
         "bytes in every mode); default: on a GPU what --gpu-memory-utilization leaves after the "
         f"weights and the largest step (engine/memory.py), elsewhere {DEFAULT_KV_CACHE_TOKENS}")
+    kv_cache_memory_bytes: int | None = _field(
+        None, _int_at_least(1, optional=True),
+        "bytes of KV pool (on each device), in the pool's own page format: a quantised or "
+        "tiered --kv-precision holds more tokens in them (vLLM's kv_cache_memory_bytes); "
+        "instead of --num-pages / --kv-cache-tokens / --gpu-memory-utilization's sizing")
     max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
     max_num_batched_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),
@@ -401,6 +406,12 @@ class EngineConfig:
                                     f"kv_precision {self.kv_precision!r} has no tiers (one of "
                                     f"{tuple(PRECISION_TIERS)})")
         check_tiered_num_pages(self)
+        if self.kv_cache_memory_bytes is not None and (self.num_pages is not None
+                                                       or self.kv_cache_tokens is not None):
+            raise EngineConfigError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} sizes the KV pool, and so "
+                f"do num_pages={self.num_pages} / kv_cache_tokens={self.kv_cache_tokens}: give "
+                f"one of the three")
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
@@ -600,9 +611,10 @@ def tiered_layout(cfg: EngineConfig, profile: BudgetProfile, layout: KVLayout,
 
 
 def pool_is_fixed(cfg: EngineConfig) -> bool:
-    """Whether the user fixed the pool (`num_pages` or `kv_cache_tokens`); else a GPU sizes it
-    from `gpu_memory_utilization`."""
-    return cfg.num_pages is not None or cfg.kv_cache_tokens is not None
+    """Whether the user fixed the pool (`num_pages`, `kv_cache_tokens` or
+    `kv_cache_memory_bytes`); else a GPU sizes it from `gpu_memory_utilization`."""
+    return (cfg.num_pages is not None or cfg.kv_cache_tokens is not None
+            or cfg.kv_cache_memory_bytes is not None)
 
 
 def check_precision(mode: str, kv_precision: str, subject: str) -> None:

@@ -345,7 +345,8 @@ class Engine:
                         "the default %d tokens; set kv_cache_tokens or num_pages",
                         jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
-            loaded.model, mc, self.layout, rc.num_pages if device_memory is None else None,
+            loaded.model, mc, self.layout,
+            rc.num_pages if device_memory is None and cfg.kv_cache_memory_bytes is None else None,
             table_shape, split_maps=split_maps, devices=self.devices,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
@@ -361,6 +362,8 @@ class Engine:
                 log.warning(allocator.note)
             self.memory_plan = self._size_pool(max(buckets), allocator.fraction)
             self.runner.allocate_pool(self.memory_plan.num_pages)
+        elif cfg.kv_cache_memory_bytes is not None:
+            self.runner.allocate_pool(self._pages_in_bytes(cfg.kv_cache_memory_bytes))
         self.manager = KVCacheManager(
             self.layout, self.runner.num_pages, cfg.max_num_seqs,
             rc.max_pages_per_seq,
@@ -396,24 +399,40 @@ class Engine:
         decode bucket and prefill for a provisional pool that leaves `step_reserve` free, read
         their peak, and keep the provisional size when the peak fits in the reserve (the
         compiled steps are then reused as they are), else shrink the pool to fit."""
-        cfg, layout = self.config, self.layout
+        cfg = self.config
         now = memory.DeviceMemory.read(self.device, fraction)   # weights are in now
         budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
                                         now.bytes_limit)
-        # One max_model_len sequence must fit, or nothing could be served (with tiers: in
-        # each tier's pool).
-        one = pages_for(layout.retained_counts(self.max_model_len), layout.page_size)
-        if isinstance(layout, TieredLayout):
-            pool = memory.TieredPool(self.runner.tier_page_bytes, layout.pool_pages,
-                                     (int(one[:, 0::2].sum()) + 1, int(one[:, 1::2].sum()) + 1))
-        else:
-            pool = memory.TieredPool.single(self.runner.kv_bytes_per_page, int(one.sum()) + 1)
+        pool = self._pool_by_bytes()
         provisional = pool.pages_in(budget - now.bytes_in_use - memory.step_reserve(budget))
         compiled = self.runner.compile_steps(pool.at_least_min(provisional), max_bucket,
                                              cfg.max_prefill_rows)
         peak = max(memory.step_peak_bytes(c) for c in compiled.values())
         return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
                                 prefer_pages=provisional if pool.holds_min(provisional) else None)
+
+    def _pool_by_bytes(self) -> memory.TieredPool:
+        """The pool's page bytes per tier (one tier untiered) and the pages one max_model_len
+        sequence needs in each, which must fit or nothing could be served."""
+        layout = self.layout
+        one = pages_for(layout.retained_counts(self.max_model_len), layout.page_size)
+        if isinstance(layout, TieredLayout):
+            return memory.TieredPool(self.runner.tier_page_bytes, layout.pool_pages,
+                                     (int(one[:, 0::2].sum()) + 1, int(one[:, 1::2].sum()) + 1))
+        return memory.TieredPool.single(self.runner.kv_bytes_per_page, int(one.sum()) + 1)
+
+    def _pages_in_bytes(self, nbytes: int):
+        """The largest pool of at most `nbytes` (`kv_cache_memory_bytes`) in the pool's page
+        format(s); raises EngineConfigError when it cannot hold one max_model_len sequence."""
+        pool = self._pool_by_bytes()
+        pages = pool.pages_in(nbytes)
+        if not pool.holds_min(pages):
+            raise EngineConfigError(
+                f"kv_cache_memory_bytes={nbytes} holds {pool.describe(pages)}; one "
+                f"max_model_len={self.max_model_len} sequence needs {pool.describe(pool.min_pages)}"
+                f" ({pool.bytes_of(pool.min_pages):,} bytes): raise kv_cache_memory_bytes or "
+                f"lower max_model_len")
+        return pages
 
     def _pool_line(self) -> str:
         pool = self.kv_pool()
@@ -443,8 +462,10 @@ class Engine:
         pool = {"num_pages": sum(counts), "bytes": pool_bytes, "slots": slots,
                 "bytes_per_slot": pool_bytes / slots,
                 "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
-                "sized_by": ("num_pages" if cfg.num_pages is not None else "kv_cache_tokens"
-                             if self.memory_plan is None else "gpu_memory_utilization")}
+                "sized_by": ("num_pages" if cfg.num_pages is not None else
+                             "kv_cache_memory_bytes" if cfg.kv_cache_memory_bytes is not None else
+                             "kv_cache_tokens" if self.memory_plan is None else
+                             "gpu_memory_utilization")}
         if isinstance(self.layout, TieredLayout):
             pool["tiers"] = tiers
         if self.memory_plan is not None:
