@@ -286,3 +286,59 @@ def test_fit_tuning_shrinks_float32_tiles_to_shared_memory():
     assert fit_tuning(PREFILL_TUNING, 4, 128, 2) == PREFILL_TUNING
     assert fit_tuning(big, 4, 128, 2) == big                   # bf16 fits as it is
     assert fit_tuning(PREFILL_TUNING, 4, 128, 4).block_q == 16  # float32 at the default shrinks
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_ragged_prefill_over_precision_tiers(dtype):
+    """Precision tiers (`kv_quant.TieredPages`, tables and lengths of tier groups): a launch per
+    tier's pool, merged by log-sum-exp, equals the float64 oracle over each group's history with
+    its first pages in K8V4 and the rest in K4V2 (and the jnp reference, which reads both tiers
+    as one dense history); unowned slots stay NaN in both pools."""
+    from tangram_jax import kv_quant
+    rng = np.random.default_rng()
+    row_lens = [int(rng.integers(20, 40)), 0, 16, int(rng.integers(1, 16))]
+    args, meta = _ragged_case(rng, row_lens, jnp.float32)
+    q, k, v, k_dense, v_dense = args[:5]
+    tables, hist = meta["tables"], meta["hist"]
+    ps, width = RAGGED_SHAPE[4], RAGGED_SHAPE[5]
+    rows, groups = hist.shape
+    tier_tables = np.zeros((rows, 2 * groups, width), np.int32)
+    tier_hist = np.zeros((rows, 2 * groups), np.int32)
+    in_high = np.zeros(k_dense.shape[0], bool)
+    for r in range(rows):
+        for g in range(groups):
+            pages = -(-hist[r, g] // ps)
+            high = (pages + 1) // 2                       # the first pages: the high tier
+            tier_hist[r, 2 * g] = min(hist[r, g], high * ps)
+            tier_hist[r, 2 * g + 1] = hist[r, g] - tier_hist[r, 2 * g]
+            tier_tables[r, 2 * g, :high] = tables[r, g, :high]
+            tier_tables[r, 2 * g + 1, :pages - high] = tables[r, g, high:pages]
+            in_high[tables[r, g, :high]] = True
+    pools = [(kv_quant.quantise_pages(x, kb), kv_quant.quantise_pages(y, vb))
+             for kb, vb in ((8, 4), (4, 2)) for x, y in [(k_dense, v_dense)]]
+    k_tiers = kv_quant.TieredPages(pools[0][0], pools[1][0])
+    v_tiers = kv_quant.TieredPages(pools[0][1], pools[1][1])
+    # The oracle's pool: each page dequantised from the tier its table puts it in.
+    pick = lambda hi, lo: np.where(in_high[:, None, None, None],  # noqa: E731
+                                   np.asarray(kv_quant.dequantise_pages(hi)),
+                                   np.asarray(kv_quant.dequantise_pages(lo)))
+    want, want_lse = _oracle(q, k, v, pick(k_tiers.high, k_tiers.low),
+                             pick(v_tiers.high, v_tiers.low), tables, hist, meta["starts"],
+                             row_lens)
+    cast = [x.astype(dtype) for x in (q, k, v)]
+    tier_args = (*cast, k_tiers, v_tiers, jnp.asarray(tier_tables), jnp.asarray(tier_hist),
+                 *args[7:])
+    out, lse = ragged_prefill_attention(*tier_args, tuning=RAGGED_TUNING)
+    ref, _ = ragged_prefill_attention_reference(*tier_args)
+    inside = meta["inside"]
+    tol = RTOL[dtype]
+    for got in (out, ref):
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all()
+        err = np.linalg.norm(got[inside] - want[inside]) / np.linalg.norm(want[inside])
+        assert err < tol, err
+    np.testing.assert_allclose(np.asarray(lse)[:, inside], want_lse[:, inside],
+                               rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="tier groups"):
+        ragged_prefill_attention(*cast, k_tiers, v_tiers, jnp.asarray(tables, jnp.int32),
+                                 *args[6:], tuning=RAGGED_TUNING)

@@ -590,8 +590,7 @@ class ModelRunner:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
-        # (Tiers: a group's history is both its tiers, read as one:
-        # `kv_quant.tiered_dense_history`.)
+        # (Tiers: a group's history is both its tiers; each tier's launch splits its share.)
         group_hist = hist if self.tiers is None else hist[..., 0::2] + hist[..., 1::2]
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(group_hist, 0, 1), num_tokens=num_tokens,
@@ -657,14 +656,12 @@ class ModelRunner:
             v_pages, kept [rows, groups], the planned writes (a list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
-            # Tiers: the kernels read one page format, so both tiers of a group are one dense
-            # history here (dequantised, as a quantised pool's history is for the kernel).
-            # (In float32 on the CPU path, which computes in it: the values a k8v4 pool's
-            # history gives it; the prefill kernel takes pages in k's dtype.)
-            read = ((k_pages, v_pages, tables, hist) if not tiered else
-                    kv_quant.tiered_dense_history(
-                        k_pages, v_pages, tables, hist,
-                        k.dtype if self.ops.name == "pallas" else jnp.float32))
+            # Tiers: the prefill kernel reads each tier's pool with its own launch (tables and
+            # lengths of tier groups); the CPU path reads both tiers of a group as one dense
+            # history, in float32, which it computes in.
+            read = ((k_pages, v_pages, tables, hist) if not tiered or self.ops.name == "pallas"
+                    else kv_quant.tiered_dense_history(k_pages, v_pages, tables, hist,
+                                                       jnp.float32))
             out, lse = self.ops.prefill_attention(q, k, v, *read, row_starts, row_lens, items,
                                                   tuning=self.prefill_tuning)
             if whole_rows:
