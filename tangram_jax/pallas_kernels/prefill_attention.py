@@ -218,48 +218,21 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
     return out if per_layer else out[0]
 
 
-def _pool_inputs(pages) -> tuple:
-    """The arrays a pool passes to the kernel: (pages,) or (codes, scale, zero)."""
-    if isinstance(pages, kv_quant.QuantPages):
-        return pages.codes, pages.scale, pages.zero
-    return (pages,)
-
-
-def _bits(pages) -> int | None:
-    return pages.bits if isinstance(pages, kv_quant.QuantPages) else None
-
-
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
-                    v_ref, *refs, block_q: int, block_k: int, q_per_kv: int, group_size: int,
-                    page_size: int, scale: float, key_bits: int | None, value_bits: int | None,
+                    v_ref, k_pages_ref, v_pages_ref, lse_in_ref, o_ref, lse_ref, *, block_q: int,
+                    block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float,
                     attend_chunk: bool):
     """items_ref [items, 5]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
     tables_ref [rows, groups, max_pages]; q_ref [Hkv, N * q_per_kv, d]; k/v_ref [Hkv, N, d];
-    then the K pool refs and the V pool refs (head j of every page), each either pages
-    [num_pages, page_size, d] or, quantised at `key_bits` / `value_bits` (`kv_quant`), codes
-    uint8 [num_pages, page_size, d * bits / 8] and scale, zero float32 [num_pages, page_size];
-    then lse_in_ref, o_ref [splits, Hkv, N * q_per_kv, d] float32 (each split's normalised
-    partial output) and lse_ref [splits, Hkv, N * q_per_kv] (base-e log-sum-exp of each
-    partial; the same buffer as lse_in_ref, which arrives -inf, so splits nobody writes stay
-    -inf). Without `attend_chunk` the rows' own keys are not attended (a launch over a second
-    pool of the history: precision tiers).
-
-    Quantised history pages are dequantised in the loop, never in memory: with x = code * s + z
-    per key, ``q . k_t = s_t (q . code_t) + z_t sum(q)`` and ``sum_t p_t v_t = (p * s) @ codes +
-    (p . z)``, so the products take the codes (exact in bf16) plane by plane (a plane of a packed
-    row is a contiguous slice of head_dim, `kv_quant`) and the scales go to the [rows, keys]
-    logits and probabilities, as in the decode kernel. The rows' own keys come in planes of the
-    same widths (ref slices), so one online softmax carries both."""
-    n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
-    k_pool, v_pool = refs[:n_k], refs[n_k:n_k + n_v]
-    _, o_ref, lse_ref = refs[n_k + n_v:]
+    k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref [splits, Hkv,
+    N * q_per_kv, d] float32 (each split's normalised partial output); lse_ref [splits, Hkv,
+    N * q_per_kv] (base-e log-sum-exp of each partial; the same buffer as lse_in_ref, which
+    arrives -inf, so splits nobody writes stay -inf). Without `attend_chunk` the rows' own keys
+    are not attended (the launch over a second pool of the history: precision tiers)."""
+    del lse_in_ref
     j = pl.program_id(0)
     item = pl.program_id(1)
     row = items_ref[item, 0]
-    head_dim = q_ref.shape[-1]
-    k_planes = 1 if key_bits is None else 8 // key_bits
-    v_planes = 1 if value_bits is None else 8 // value_bits
-    k_width, v_width = head_dim // k_planes, head_dim // v_planes
 
     @pl.when(row >= 0)
     def _():
@@ -274,84 +247,51 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
         hist = jnp.minimum(hist_ref[row, group], table_pages * page_size)
         m_rows = block_q * q_per_kv
         first_token = q_block * block_q                          # in the flat token axis
-        q_rows = pl.ds(first_token * q_per_kv, m_rows)
-        qs = [q_ref[kv, q_rows, pl.ds(p * k_width, k_width)] for p in range(k_planes)]
-        # sum(q) per query row: what a key's zero point adds to its logit.
-        q_sum = sum(x.astype(jnp.float32).sum(axis=-1) for x in qs) if key_bits else None
+        q = q_ref[kv, pl.ds(first_token * q_per_kv, m_rows), :]
         local = first_token - start + jnp.arange(m_rows) // q_per_kv   # query's index in the row
         pages_per_block = block_k // page_size
-        dtype = q_ref.dtype
 
-        def step(ks, k_sz, vs, v_sz, valid, carry):
-            """One block of keys in planes (ks [block_k, d/nk] each, vs [block_k, d/nv] each),
-            with per-key (scale, zero) of quantised ones (else None); valid None: every key is
-            visible to every row (an interior block: no masks, and its slots are all written)."""
-            o_prev, o_zero_prev, m_prev, l_prev = carry
-            logits = _dot(qs[0], ks[0].astype(dtype), trans_b=True)
-            for qp, kp in zip(qs[1:], ks[1:]):
-                logits = logits + _dot(qp, kp.astype(dtype), trans_b=True)
-            if k_sz is not None:
-                logits = logits * k_sz[0][None, :] + q_sum[:, None] * k_sz[1][None, :]
-            logits = logits * scale
+        def step(k, v, valid, key_valid, carry):
+            """One block of keys; valid None: every key is visible to every row (an interior
+            block: no masks, and its slots are all written)."""
+            o_prev, m_prev, l_prev = carry
+            logits = _dot(q, k, trans_b=True) * scale
             if valid is not None:
                 logits = jnp.where(valid, logits, _MASK_VALUE)
+                v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))   # unowned: NaN
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(logits - m_next[:, None])
             l_next = correction * l_prev + p.sum(axis=-1)
-            if v_sz is None:   # (o_zero: what earlier quantised blocks' zero points added)
-                weights, o_zero_next = p.astype(vs[0].dtype), correction * o_zero_prev
-            else:
-                weights = (p * v_sz[0][None, :]).astype(dtype)
-                o_zero_next = correction * o_zero_prev + (p * v_sz[1][None, :]).sum(axis=-1)
-            o_next = tuple(correction[:, None] * o + _dot(weights, vp.astype(weights.dtype))
-                           for o, vp in zip(o_prev, vs))
-            return o_next, o_zero_next, m_next, l_next
-
-        def pool_tile(pool, bits, page_ids, key_valid):
-            """(planes [block_k, d/n], (scale, zero) [block_k] or None) of a pool's block;
-            slots past the history (key_valid False; unowned, may be NaN) read as 0."""
-            raw = pool[0][page_ids].reshape(block_k, -1)
-            if bits is None:
-                if key_valid is not None:
-                    raw = jnp.where(key_valid[:, None], raw, jnp.zeros_like(raw))
-                return [raw], None
-            levels = jnp.uint8((1 << bits) - 1)
-            planes = [raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels
-                      for p in range(8 // bits)]
-            sz = [r[page_ids].reshape(block_k) for r in pool[1:]]
-            if key_valid is not None:
-                sz = [jnp.where(key_valid, x, 0.0) for x in sz]
-            return planes, tuple(sz)
+            o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
+            return o_next, m_next, l_next
 
         def history_body(masked, block, carry):
             first_page = block * pages_per_block
             page_ids = tables_ref[row, group, pl.ds(first_page, pages_per_block)]
-            key_valid = valid = None
             if masked:
                 page_ids = jnp.where(first_page + jnp.arange(pages_per_block)
                                      < pl.cdiv(hist, page_size), page_ids, 0)
-                key_valid = first_page * page_size + jnp.arange(block_k) < hist
-                valid = jnp.broadcast_to(key_valid[None, :], (m_rows, block_k))
-            ks, k_sz = pool_tile(k_pool, key_bits, page_ids, key_valid)
-            vs, v_sz = pool_tile(v_pool, value_bits, page_ids, key_valid)
-            return step(ks, k_sz, vs, v_sz, valid, carry)
+            k = k_pages_ref[page_ids].reshape(block_k, -1)
+            v = v_pages_ref[page_ids].reshape(block_k, -1)
+            if not masked:
+                return step(k, v, None, None, carry)
+            key_valid = first_page * page_size + jnp.arange(block_k) < hist
+            valid = jnp.broadcast_to(key_valid[None, :], (m_rows, block_k))
+            return step(k, v, valid, key_valid, carry)
 
         def chunk_body(masked, block, carry):
             keys = block * block_k + jnp.arange(block_k)
-            tokens = pl.ds(start + block * block_k, block_k)
-            ks = [k_ref[kv, tokens, pl.ds(p * k_width, k_width)] for p in range(k_planes)]
-            vs = [v_ref[kv, tokens, pl.ds(p * v_width, v_width)] for p in range(v_planes)]
+            k = k_ref[kv, pl.ds(start + block * block_k, block_k), :]
+            v = v_ref[kv, pl.ds(start + block * block_k, block_k), :]
             if not masked:
-                return step(ks, None, vs, None, None, carry)
+                return step(k, v, None, None, carry)
             key_valid = keys < row_len
             valid = (keys[None, :] <= local[:, None]) & key_valid[None, :]
-            vs = [jnp.where(key_valid[:, None], x, jnp.zeros_like(x)) for x in vs]
-            return step(ks, None, vs, None, valid, carry)
+            return step(k, v, valid, key_valid, carry)
 
-        carry = (tuple(jnp.zeros((m_rows, v_width), jnp.float32) for _ in range(v_planes)),
-                 jnp.zeros((m_rows,), jnp.float32),
-                 jnp.full((m_rows,), _MASK_VALUE, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
+        carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((m_rows,), _MASK_VALUE, jnp.float32),
+                 jnp.zeros((m_rows,), jnp.float32))
         # This split's share of the history blocks; all but a partial last block are interior.
         hist_blocks = pl.cdiv(hist, block_k)
         per_split = pl.cdiv(hist_blocks, num_splits)
@@ -360,54 +300,71 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
         interior = jnp.clip(hist // block_k, lo, hi)
         carry = lax.fori_loop(lo, interior, functools.partial(history_body, False), carry)
         carry = lax.fori_loop(interior, hi, functools.partial(history_body, True), carry)
-        if attend_chunk:
-            # The causal keys (last split only): blocks below every query of this item and
-            # inside the row are interior; the diagonal and the row's partial end are masked.
-            first_local = first_token - start
-            last_key = jnp.minimum(first_local + block_q, row_len)
-            chunk_blocks = jnp.where(split == num_splits - 1, pl.cdiv(last_key, block_k), 0)
-            visible = jnp.clip(jnp.minimum((first_local + 1) // block_k, row_len // block_k), 0,
-                               chunk_blocks)
-            carry = lax.fori_loop(0, visible, functools.partial(chunk_body, False), carry)
-            carry = lax.fori_loop(visible, chunk_blocks, functools.partial(chunk_body, True),
-                                  carry)
-        o_planes, o_zero, m, l = carry
+        # The causal keys (last split only): blocks below every query of this item and inside
+        # the row are interior; the diagonal and the row's partial end are masked.
+        first_local = first_token - start
+        last_key = jnp.minimum(first_local + block_q, row_len)
+        chunk_blocks = jnp.where((split == num_splits - 1) & attend_chunk,
+                                 pl.cdiv(last_key, block_k), 0)
+        visible = jnp.clip(jnp.minimum((first_local + 1) // block_k, row_len // block_k), 0,
+                           chunk_blocks)
+        carry = lax.fori_loop(0, visible, functools.partial(chunk_body, False), carry)
+        carry = lax.fori_loop(visible, chunk_blocks, functools.partial(chunk_body, True), carry)
+        o, m, l = carry
         has_keys = l > 0.0
         safe_l = jnp.where(has_keys, l, 1.0)
-        for p, o in enumerate(o_planes):
-            o_ref[split, kv, q_rows, pl.ds(p * v_width, v_width)] = \
-                (o + o_zero[:, None]) / safe_l[:, None]
-        lse_ref[split, kv, q_rows] = jnp.where(has_keys, (m + jnp.log2(safe_l)) * _LN2,
-                                               -jnp.inf)
+        o_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows), :] = o / safe_l[:, None]
+        lse_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows)] = jnp.where(
+            has_keys, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+
+
+def dense_history(k_pages, v_pages, block_tables, dtype):
+    """Quantised pools (`kv_quant.QuantPages`) as dense pages of the rows' histories.
+
+    Prefill attention is bound by the chunk's own [chunk x (history + chunk)] products, not by
+    reading the history (each history page is read once per chunk), so the history is
+    dequantised once per layer in XLA (one fused gather + dequantise of the pages the rows'
+    tables name) and the kernel runs unchanged on it. (Dequantising in the kernel's loop
+    instead, codes plane by plane as the decode kernel reads them, made first turns 37% slower
+    on an H100: an int -> float conversion per code in every query block's program,
+    benchmarks/NOTES_kv_precision.md, session 11.) Returns (k_pages, v_pages, block_tables):
+    dense [rows * groups * max_pages, G, page_size, d] pools in `dtype` and tables renumbered
+    onto them; dense pools come back as they are.
+    """
+    if not isinstance(k_pages, kv_quant.QuantPages) and \
+            not isinstance(v_pages, kv_quant.QuantPages):
+        return k_pages, v_pages, block_tables
+    ids = jnp.clip(block_tables.reshape(-1), 0, k_pages.shape[0] - 1)
+    compact = jnp.arange(ids.shape[0], dtype=jnp.int32).reshape(block_tables.shape)
+    return (kv_quant.take_pages(k_pages, ids, dtype), kv_quant.take_pages(v_pages, ids, dtype),
+            compact)
 
 
 def _prefill_launch(qg, kt, vt, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens,
                     work_items, *, splits: int, q_per_kv: int, attend_chunk: bool,
                     interpret: bool, tuning: PrefillTuning):
-    """One launch of the kernel over one pool (dense or `kv_quant.QuantPages`): qg [Hkv,
-    N * q_per_kv, d], kt/vt [Hkv, N, d], tables [rows, groups, max_pages] (a multiple of the
-    key block), hist_len [rows, groups]. Returns (parts f32 [splits, Hkv, N * q_per_kv, d],
-    lse f32 [splits, Hkv, N * q_per_kv])."""
+    """One launch of the kernel over one pool (dense or `kv_quant.QuantPages`, whose rows'
+    pages are dequantised first: `dense_history`): qg [Hkv, N * q_per_kv, d], kt/vt [Hkv, N,
+    d], tables [rows, groups, max_pages] (a multiple of the key block), hist_len [rows,
+    groups]. Returns (parts f32 [splits, Hkv, N * q_per_kv, d], lse f32 [splits, Hkv,
+    N * q_per_kv])."""
+    k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, kt.dtype)
     num_kv_heads, _, head_dim = qg.shape
     num_pages, group_size, page_size, _ = k_pages.shape
     kernel = functools.partial(
         _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=q_per_kv,
         group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim),
-        key_bits=_bits(k_pages), value_bits=_bits(v_pages), attend_chunk=attend_chunk)
+        attend_chunk=attend_chunk)
     lse_init = jnp.full((splits, num_kv_heads, qg.shape[1]), -jnp.inf, jnp.float32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
-    # Each pool array's head j: pages [num_pages, page_size, d'] or scales [num_pages, page_size].
-    pool_arrays = (*_pool_inputs(k_pages), *_pool_inputs(v_pages))
-    pool_specs = [pl.BlockSpec((a.shape[0], None, *a.shape[2:]),
-                               lambda j, i, nd=a.ndim: (0, j) + (0,) * (nd - 2))
-                  for a in pool_arrays]
+    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda j, i: (0, j, 0, 0))
     o_shape = (splits, *qg.shape)
-    inputs = (work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt,
-              *pool_arrays, lse_init)
+    inputs = (work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages,
+              v_pages, lse_init)
     return pl.pallas_call(
         kernel,
         grid=(group_size, work_items.shape[0]),
-        in_specs=[*(whole(x) for x in inputs[:8]), *pool_specs, whole(lse_init)],
+        in_specs=[*(whole(x) for x in inputs[:8]), pool_spec, pool_spec, whole(lse_init)],
         out_specs=[pl.BlockSpec(o_shape, lambda j, i: (0, 0, 0, 0)), whole(lse_init)],
         out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
                    jax.ShapeDtypeStruct(lse_init.shape, jnp.float32)],
@@ -510,8 +467,9 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
     Args:
       q: [N, num_q_heads, head_dim]; k, v: [N, num_kv_heads, head_dim] (flat token axis).
       k_pages, v_pages: [num_pages, G, page_size, head_dim]: arrays, `kv_quant.QuantPages`
-        (dequantised in the kernel's loop), or `kv_quant.TieredPages` (precision tiers: a
-        launch per tier's pool, merged by log-sum-exp; tables and lengths of tier groups).
+        (the rows' history pages dequantised first: `dense_history`), or
+        `kv_quant.TieredPages` (precision tiers: a launch per tier's pool, merged by
+        log-sum-exp; tables and lengths of tier groups).
       block_tables: int32 [rows, groups, max_pages]; hist_len: int32 [rows, groups] (with tiers
         [rows, 2 groups, ...]: ``2 g`` high, ``2 g + 1`` low, `kv_layout.TieredLayout`).
       row_starts: int32 [rows], multiples of `row_alignment(tuning)`; row_lens: int32 [rows]
