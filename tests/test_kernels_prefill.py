@@ -290,10 +290,10 @@ def test_fit_tuning_shrinks_float32_tiles_to_shared_memory():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_ragged_prefill_over_precision_tiers(dtype):
-    """Precision tiers (`kv_quant.TieredPages`, tables and lengths of tier groups): a launch per
-    tier's pool, merged by log-sum-exp, equals the float64 oracle over each group's history with
-    its first pages in K8V4 and the rest in K4V2 (and the jnp reference, which reads both tiers
-    as one dense history); unowned slots stay NaN in both pools."""
+    """Precision tiers (`kv_quant.TieredPages`, tables and lengths of tier groups): the kernel
+    and the jnp reference equal the float64 oracle over each group's history with its first
+    pages in K8V4 and the rest in K4V2; unowned slots stay NaN in both pools; tables of groups
+    instead of tier groups are one clear error."""
     from tangram_jax import kv_quant
     rng = np.random.default_rng()
     row_lens = [int(rng.integers(20, 40)), 0, 16, int(rng.integers(1, 16))]

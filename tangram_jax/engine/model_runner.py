@@ -590,7 +590,7 @@ class ModelRunner:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
-        # (Tiers: a group's history is both its tiers; each tier's launch splits its share.)
+        # (Tiers: a group's history is both its tiers, read as one.)
         group_hist = hist if self.tiers is None else hist[..., 0::2] + hist[..., 1::2]
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(group_hist, 0, 1), num_tokens=num_tokens,
@@ -656,9 +656,9 @@ class ModelRunner:
             v_pages, kept [rows, groups], the planned writes (a list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
-            # Tiers: the prefill kernel reads each tier's pool with its own launch (tables and
-            # lengths of tier groups); the CPU path reads both tiers of a group as one dense
-            # history, in float32, which it computes in.
+            # Tiers: tables and lengths of tier groups; the prefill kernel reads both tiers of a
+            # group as one dense history (`kv_quant.tiered_dense_history`, in k's dtype), and
+            # so does the CPU path, in float32, which it computes in.
             read = ((k_pages, v_pages, tables, hist) if not tiered or self.ops.name == "pallas"
                     else kv_quant.tiered_dense_history(k_pages, v_pages, tables, hist,
                                                        jnp.float32))

@@ -220,15 +220,13 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
 
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
                     v_ref, k_pages_ref, v_pages_ref, lse_in_ref, o_ref, lse_ref, *, block_q: int,
-                    block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float,
-                    attend_chunk: bool):
+                    block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float):
     """items_ref [items, 5]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
     tables_ref [rows, groups, max_pages]; q_ref [Hkv, N * q_per_kv, d]; k/v_ref [Hkv, N, d];
     k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref [splits, Hkv,
     N * q_per_kv, d] float32 (each split's normalised partial output); lse_ref [splits, Hkv,
     N * q_per_kv] (base-e log-sum-exp of each partial; the same buffer as lse_in_ref, which
-    arrives -inf, so splits nobody writes stay -inf). Without `attend_chunk` the rows' own keys
-    are not attended (the launch over a second pool of the history: precision tiers)."""
+    arrives -inf, so splits nobody writes stay -inf)."""
     del lse_in_ref
     j = pl.program_id(0)
     item = pl.program_id(1)
@@ -304,8 +302,7 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
         # the row are interior; the diagonal and the row's partial end are masked.
         first_local = first_token - start
         last_key = jnp.minimum(first_local + block_q, row_len)
-        chunk_blocks = jnp.where((split == num_splits - 1) & attend_chunk,
-                                 pl.cdiv(last_key, block_k), 0)
+        chunk_blocks = jnp.where(split == num_splits - 1, pl.cdiv(last_key, block_k), 0)
         visible = jnp.clip(jnp.minimum((first_local + 1) // block_k, row_len // block_k), 0,
                            chunk_blocks)
         carry = lax.fori_loop(0, visible, functools.partial(chunk_body, False), carry)
@@ -326,7 +323,7 @@ def dense_history(k_pages, v_pages, block_tables, dtype):
     dequantised once per layer in XLA (one fused gather + dequantise of the pages the rows'
     tables name) and the kernel runs unchanged on it. (Dequantising in the kernel's loop
     instead, codes plane by plane as the decode kernel reads them, made first turns 37% slower
-    on an H100: an int -> float conversion per code in every query block's program,
+    on an H100: an int -> float conversion per code in every query block's program;
     benchmarks/NOTES_kv_precision.md, session 11.) Returns (k_pages, v_pages, block_tables):
     dense [rows * groups * max_pages, G, page_size, d] pools in `dtype` and tables renumbered
     onto them; dense pools come back as they are.
@@ -340,48 +337,19 @@ def dense_history(k_pages, v_pages, block_tables, dtype):
             compact)
 
 
-def _prefill_launch(qg, kt, vt, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens,
-                    work_items, *, splits: int, q_per_kv: int, attend_chunk: bool,
-                    interpret: bool, tuning: PrefillTuning):
-    """One launch of the kernel over one pool (dense or `kv_quant.QuantPages`, whose rows'
-    pages are dequantised first: `dense_history`): qg [Hkv, N * q_per_kv, d], kt/vt [Hkv, N,
-    d], tables [rows, groups, max_pages] (a multiple of the key block), hist_len [rows,
-    groups]. Returns (parts f32 [splits, Hkv, N * q_per_kv, d], lse f32 [splits, Hkv,
-    N * q_per_kv])."""
-    k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, kt.dtype)
-    num_kv_heads, _, head_dim = qg.shape
-    num_pages, group_size, page_size, _ = k_pages.shape
-    kernel = functools.partial(
-        _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=q_per_kv,
-        group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim),
-        attend_chunk=attend_chunk)
-    lse_init = jnp.full((splits, num_kv_heads, qg.shape[1]), -jnp.inf, jnp.float32)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
-    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda j, i: (0, j, 0, 0))
-    o_shape = (splits, *qg.shape)
-    inputs = (work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages,
-              v_pages, lse_init)
-    return pl.pallas_call(
-        kernel,
-        grid=(group_size, work_items.shape[0]),
-        in_specs=[*(whole(x) for x in inputs[:8]), pool_spec, pool_spec, whole(lse_init)],
-        out_specs=[pl.BlockSpec(o_shape, lambda j, i: (0, 0, 0, 0)), whole(lse_init)],
-        out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
-                   jax.ShapeDtypeStruct(lse_init.shape, jnp.float32)],
-        input_output_aliases={len(inputs) - 1: 1},
-        interpret=interpret,
-        compiler_params=backend.compiler_params(num_warps=tuning.num_warps,
-                                                num_stages=tuning.num_stages),
-        name="ragged_prefill_attention",
-    )(*inputs)
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens,
                     work_items, *, interpret: bool, tuning: PrefillTuning):
+    if isinstance(k_pages, kv_quant.TieredPages):
+        # Both tiers of a group as one dense history, one launch. (A launch per tier's pool,
+        # each over its own dense pages, merged by log-sum-exp, made first turns 9% slower on
+        # an H100: benchmarks/NOTES_kv_precision.md, session 11.)
+        k_pages, v_pages, block_tables, hist_len = kv_quant.tiered_dense_history(
+            k_pages, v_pages, block_tables, hist_len, k.dtype)
+    k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, k.dtype)
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    group_size, page_size = k_pages.shape[1], k_pages.shape[2]
+    num_pages, group_size, page_size, _ = k_pages.shape
     q_per_kv = num_q_heads // num_kv_heads
     stack = backend.next_power_of_2(q_per_kv)          # Triton tiles are powers of two
     qg = q.reshape(n, num_kv_heads, q_per_kv, head_dim)
@@ -392,23 +360,33 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     max_pages = block_tables.shape[-1]
     ppb = tuning.block_k // page_size
     block_tables = jnp.pad(block_tables, ((0, 0), (0, 0), (0, -max_pages % ppb)))
+    kernel = functools.partial(
+        _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
+        group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim))
     splits = split_slots(work_items.shape[0], n, num_kv_heads // group_size, tuning)
-    launch = functools.partial(_prefill_launch, qg, kt, vt, row_starts=row_starts,
-                               row_lens=row_lens, work_items=work_items, splits=splits,
-                               q_per_kv=stack, interpret=interpret, tuning=tuning)
-    if isinstance(k_pages, kv_quant.TieredPages):
-        # A launch per tier's pool (tables and lengths of tier groups: 2 g high, 2 g + 1 low),
-        # the rows' own keys with the high tier; their partials merge as splits do.
-        high = launch(k_pages.high, v_pages.high, block_tables[:, 0::2], hist_len[:, 0::2],
-                      attend_chunk=True)
-        low = launch(k_pages.low, v_pages.low, block_tables[:, 1::2], hist_len[:, 1::2],
-                     attend_chunk=False)
-        parts, lse_parts = (jnp.concatenate(x, axis=0) for x in zip(high, low))
-    else:
-        parts, lse_parts = launch(k_pages, v_pages, block_tables, hist_len, attend_chunk=True)
-    if parts.shape[0] == 1:
+    lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
+    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda j, i: (0, j, 0, 0))
+    o_shape = (splits, *qg.shape)
+    parts, lse_parts = pl.pallas_call(
+        kernel,
+        grid=(group_size, work_items.shape[0]),
+        in_specs=[whole(work_items), whole(row_starts), whole(row_lens), whole(hist_len),
+                  whole(block_tables), whole(qg), whole(kt), whole(vt), pool_spec, pool_spec,
+                  whole(lse_init)],
+        out_specs=[pl.BlockSpec(o_shape, lambda j, i: (0, 0, 0, 0)), whole(lse_init)],
+        out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
+                   jax.ShapeDtypeStruct(lse_init.shape, jnp.float32)],
+        input_output_aliases={10: 1},
+        interpret=interpret,
+        compiler_params=backend.compiler_params(num_warps=tuning.num_warps,
+                                                num_stages=tuning.num_stages),
+        name="ragged_prefill_attention",
+    )(work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages, v_pages,
+      lse_init)
+    if splits == 1:
         out, lse = parts[0], lse_parts[0]
-    else:   # merge the splits' (and tiers') partials by their log-sum-exps
+    else:   # merge the splits' partials by their log-sum-exps
         top = lse_parts.max(axis=0)
         safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
         weight = jnp.exp(lse_parts - safe_top)                    # 0 where a split is empty
@@ -467,9 +445,8 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
     Args:
       q: [N, num_q_heads, head_dim]; k, v: [N, num_kv_heads, head_dim] (flat token axis).
       k_pages, v_pages: [num_pages, G, page_size, head_dim]: arrays, `kv_quant.QuantPages`
-        (the rows' history pages dequantised first: `dense_history`), or
-        `kv_quant.TieredPages` (precision tiers: a launch per tier's pool, merged by
-        log-sum-exp; tables and lengths of tier groups).
+        (the history is dequantised: `dense_history`), or `kv_quant.TieredPages` (precision
+        tiers: both tiers of a group read as one dense history, `kv_quant.tiered_dense_history`).
       block_tables: int32 [rows, groups, max_pages]; hist_len: int32 [rows, groups] (with tiers
         [rows, 2 groups, ...]: ``2 g`` high, ``2 g + 1`` low, `kv_layout.TieredLayout`).
       row_starts: int32 [rows], multiples of `row_alignment(tuning)`; row_lens: int32 [rows]
