@@ -22,12 +22,11 @@ max|x|``, i.e. ``(max(x) - min(x)) / (2 L)`` up to float32 rounding: 1/510 of th
 4 bytes and halves the error against a symmetric code of the same bits for rows whose values are
 not centred on 0 (keys after RoPE rarely are).
 
-Packing (interleaved, little-endian within a byte): ``n = 8 // bits`` codes share a byte; byte
-i of a row holds the codes of dimensions ``n i, n i + 1, ..., n i + n - 1`` at bit offsets ``0,
-bits, ..., (n-1) bits``. Plane k (``(byte >> k*bits) & L``) holds dims ``n i + k``, so a kernel
-unpacks with shifts and masks and interleaves the planes back into one [tokens, head_dim] tile
-(Triton's join: ``stack(..., axis=-1)`` then a reshape), which one product takes whole: the
-first layout (plane k the contiguous slice ``[k d/n, (k+1) d/n)``) needed a product per plane.
+Packing (plane layout): ``n = 8 // bits`` codes share a byte; byte i of a row holds the codes of
+dimensions ``i, i + d/n, ..., i + (n-1) d/n`` at bit offsets ``0, bits, ..., (n-1) bits``. Plane
+p (``(byte >> p*bits) & L``) is then the contiguous slice ``[p d/n, (p+1) d/n)`` of the head,
+so a kernel unpacks with shifts and masks and multiplies plane by plane against the matching
+slice of q (or writes the matching slice of the output): no interleaving shuffles.
 
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8
 [num_pages, G, page_size, head_dim * bits / 8]``, ``scale, zero float32 [num_pages, G,
@@ -113,21 +112,21 @@ def quantise(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     scale = (hi - lo) / levels
     safe = jnp.where(scale > 0, scale, 1.0)
     codes = jnp.clip(jnp.round((x - lo[..., None]) / safe[..., None]), 0, levels).astype(jnp.uint8)
-    groups = codes.reshape(*codes.shape[:-1], d // n, n)              # [..., byte, code in byte]
-    shifts = jnp.arange(n, dtype=jnp.uint8) * bits
-    # The codes' bits do not overlap, so their sum is their bitwise or.
-    packed = (groups << shifts).sum(axis=-1, dtype=jnp.uint8)
+    planes = codes.reshape(*codes.shape[:-1], n, d // n)              # [..., plane, d/n]
+    shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
+    # The planes' bits do not overlap, so their sum is their bitwise or.
+    packed = (planes << shifts).sum(axis=-2, dtype=jnp.uint8)
     return packed.astype(jnp.uint8), scale, lo
 
 
 def unpack(codes: jax.Array, bits: int) -> jax.Array:
-    """uint8 [..., d * bits / 8] -> the integer codes [..., d] (uint8, packing undone)."""
+    """uint8 [..., d * bits / 8] -> the integer codes [..., d] (uint8, plane layout undone)."""
     bits = _check_bits(bits)
     n = 8 // bits
     if n == 1:
         return codes
-    shifts = jnp.arange(n, dtype=jnp.uint8) * bits
-    planes = (codes[..., :, None] >> shifts) & jnp.uint8((1 << bits) - 1)   # [..., d/n, n]
+    shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
+    planes = (codes[..., None, :] >> shifts) & jnp.uint8((1 << bits) - 1)   # [..., n, d/n]
     return planes.reshape(*codes.shape[:-1], n * codes.shape[-1])
 
 

@@ -209,18 +209,3 @@ def test_codes_become_exact_operands_without_conversion(bits, compute):
     assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
                                 jnp.bfloat16 if bits < 8 and compute == jnp.bfloat16 else
                                 jnp.float16)
-
-
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_kernel_interleave_undoes_the_packing(bits):
-    """The kernel's unpack (`interleave_codes`: planes joined two at a time) gives the codes in
-    head_dim order, as `kv_quant.unpack` does, for random codes of every width."""
-    from tangram_jax import kv_quant
-    from tangram_jax.pallas_kernels.decode_attention import interleave_codes
-    rng = np.random.default_rng()
-    codes = rng.integers(0, 1 << bits, size=(16, 64))
-    packed, _, _ = kv_quant.quantise(jnp.asarray(codes, jnp.float32).at[:, 0].set(0)
-                                     .at[:, 1].set((1 << bits) - 1), bits)
-    want = np.asarray(kv_quant.unpack(packed, bits))
-    assert np.asarray(interleave_codes(packed, bits)).tolist() == want.tolist()
-    assert want[:, 2:].tolist() == codes[:, 2:].tolist()

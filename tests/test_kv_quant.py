@@ -39,9 +39,8 @@ def test_round_trip_within_bound(bits, head_dim):
 
 
 @pytest.mark.parametrize("bits", kv_quant.QUANT_BITS)
-def test_packing_interleaves_dims_within_a_byte(bits):
-    """Byte i holds dims n i .. n i + n - 1, dim n i + k at bit offset k bits: plane k of the
-    packed row is dims k, n + k, 2 n + k, ..."""
+def test_packing_is_planes_of_contiguous_dims(bits):
+    """Byte i holds dims i, i + d/n, ...: plane p of the packed row is dims [p d/n, (p+1) d/n)."""
     levels = (1 << bits) - 1
     d = 32
     n = 8 // bits
@@ -54,7 +53,7 @@ def test_packing_interleaves_dims_within_a_byte(bits):
     packed = np.asarray(codes[0]).astype(np.int64)
     for p in range(n):
         plane = (packed >> (p * bits)) & levels
-        assert plane.tolist() == want[p::n].tolist()
+        assert plane.tolist() == want[p * d // n:(p + 1) * d // n].tolist()
     assert np.asarray(kv_quant.unpack(codes, bits))[0].tolist() == want.tolist()
 
 

@@ -102,24 +102,6 @@ def codes_as_operand(codes, dtype, magic: tuple | None):
     return shifted - jnp.asarray(offset, dtype)
 
 
-def interleave_codes(raw, bits: int):
-    """uint8 codes packed `bits` to a byte, [tokens, d * bits / 8] -> the codes [tokens, d] in
-    head_dim order (`kv_quant`'s packing: byte i holds dims n i .. n i + n - 1). Triton joins
-    two tensors at a time (``stack(..., axis=-1)``), so four planes interleave in two rounds:
-    stacking planes (0, 2) and (1, 3), then the pairs, puts plane ``2 b + a`` at column
-    ``4 i + 2 b + a``."""
-    if bits == 8:
-        return raw
-    levels = jnp.uint8((1 << bits) - 1)
-    planes = [(raw >> jnp.uint8(k * bits)) & levels for k in range(8 // bits)]
-    if len(planes) == 2:
-        x = jnp.stack(planes, axis=-1)
-    else:
-        x = jnp.stack([jnp.stack(planes[0::2], axis=-1), jnp.stack(planes[1::2], axis=-1)],
-                      axis=-1)
-    return x.reshape(raw.shape[0], -1)
-
-
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
@@ -144,9 +126,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     Quantised tiles are never dequantised element by element: with x = code * s + z per token,
     ``q . k_t = s_t (q . code_t) + z_t sum(q)`` and ``sum_t p_t v_t = (p * s) @ codes + (p . z)``,
-    so the matrix unit multiplies the codes (unpacked and interleaved back into one [tokens,
-    head_dim] tile, `interleave_codes`; exact in the operand dtype, `code_operand`), and the
-    scales are applied to the [rows, tokens] logits and probabilities.
+    so the matrix unit multiplies the codes (exact in the operand dtype, `code_operand`) plane
+    by plane (a plane of a packed row is a contiguous slice of head_dim, see `kv_quant`), and
+    the scales are applied to the [rows, tokens] logits and probabilities.
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
@@ -181,12 +163,26 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     rows = q_ref.shape[-2]
     row_real = jnp.arange(rows) < q_per_kv
+    row_ids = jnp.arange(rows)[:, None]
     # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
     head_ids = [jnp.int32(j) for j in range(heads)]
-    qs = [plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0).astype(k_dtype)
-          for j in head_ids]
+    # head_dim as the planes the keys / values are packed in (one plane when not quantised).
+    k_planes = 1 if key_bits is None else 8 // key_bits
+    v_planes = 1 if value_bits is None else 8 // value_bits
+    k_cols = [p * (head_dim // k_planes) + jnp.arange(head_dim // k_planes)[None, :]
+              for p in range(k_planes)]
+    v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
+              for p in range(v_planes)]
+    if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
+        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0).astype(k_dtype)]
+              for j in head_ids]
+    else:                   # per head, planes [rows, d/n]
+        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None],
+                          other=0).astype(k_dtype)
+               for cols in k_cols] for j in head_ids]
     # sum(q) per query row, what a key's zero point adds to its logit.
-    q_sums = [x.astype(jnp.float32).sum(axis=-1) for x in qs] if key_bits is not None else None
+    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
+        if key_bits is not None else None
     offsets = jnp.arange(block_tokens)
 
     def page_ids(block):                                                     # [tokens]
@@ -195,20 +191,23 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
 
     def load_tile(refs, bits, operand, page, j, slot, token_valid):
-        """(tile [tokens, d], scale [tokens] or None, zero or None); a quantised tile holds the
-        codes in the operand dtype (`operand`: (dtype, magic) of `code_operand`)."""
+        """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
+        the codes in the operand dtype (`operand`: (dtype, magic) of `code_operand`)."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
         raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask, other=0)
         if bits is None:
-            return raw, None, None
-        # Shifts and masks on the uint8 codes themselves (no widening to int32), the planes
-        # interleaved back into head_dim order (`kv_quant` packing), then one conversion.
-        tile = codes_as_operand(interleave_codes(raw, bits), *operand)
+            return [raw], None, None
+        # Shifts and masks on the uint8 codes themselves (no widening to int32: the unpack is
+        # per element of every tile, the kernel's main work besides the products).
+        levels = jnp.uint8((1 << bits) - 1)
+        planes = [codes_as_operand(raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels,
+                                   *operand)
+                  for p in range(8 // bits)]
         s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
         z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
-        return tile, s, z
+        return planes, s, z
 
     def attend(block, page, states):
         token = (first_block + block) * block_tokens + offsets
@@ -227,7 +226,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
             k_tile, k_scale, k_zero = ks[j]
             v_tile, v_scale, v_zero = vs[j]
-            logits = _dot(qs[j], k_tile.astype(qs[j].dtype), trans_b=True)
+            logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
+            for qp, kp in zip(qs[j][1:], k_tile[1:]):
+                logits = logits + _dot(qp, kp, trans_b=True)
             if key_bits is not None:
                 logits = logits * k_scale[None, :] + q_sums[j][:, None] * k_zero[None, :]
             logits = jnp.where(token_valid[None, :], logits * scale, _MASK_VALUE)
@@ -236,15 +237,17 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             p = jnp.exp(logits - m_next[:, None])
             l_next = correction * l_prev + p.sum(axis=-1)
             if value_bits is None:
-                weights, o_zero_next = p.astype(v_tile.dtype), o_zero_prev
+                weights, o_zero_next = p.astype(v_tile[0].dtype), o_zero_prev
             else:
                 weights = (p * v_scale[None, :]).astype(v_dtype)
                 o_zero_next = correction * o_zero_prev + (p * v_zero[None, :]).sum(axis=-1)
-            o_next = correction[:, None] * o_prev + _dot(weights, v_tile)
+            o_next = tuple(correction[:, None] * o + _dot(weights, vp)
+                           for o, vp in zip(o_prev, v_tile))
             new.append((o_next, o_zero_next, m_next, l_next))
         return tuple(new)
 
-    init = tuple((jnp.zeros((rows, head_dim), jnp.float32),
+    init = tuple((tuple(jnp.zeros((rows, head_dim // v_planes), jnp.float32)
+                        for _ in range(v_planes)),
                   jnp.zeros((rows,), jnp.float32),
                   jnp.full((rows,), _MASK_VALUE, jnp.float32),
                   jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
@@ -259,13 +262,16 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, states: attend(block, page_ids(block), states), init)
-    for j, (o, o_zero, m, l) in zip(head_ids, final):
+    for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
         denominator = jnp.where(has_tokens, l, 1.0)[:, None]
         lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
-        if value_bits is not None:
-            o = o + o_zero[:, None]
-        plgpu.store(o_ref.at[j], o / denominator, mask=row_real[:, None])
+        if value_bits is None:
+            plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
+        else:
+            for o, cols in zip(o_planes, v_cols):
+                plgpu.store(o_ref.at[j, row_ids, cols], (o + o_zero[:, None]) / denominator,
+                            mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
 
