@@ -358,3 +358,17 @@ def test_a_given_profile_is_served_at_its_ratio_and_labels_its_rows(tmp_path):
     table = markdown_table(report)
     assert "| tangram (keydiff profile, window+keydiff) | 0.25 |" in table
     assert "| tangram | 0.5 |" in table
+
+
+def test_harness_pool_defaults_to_full_length_sessions_unless_sized_otherwise():
+    """The harness fixes the pool at max_active full-length sessions (kv_cache_tokens) unless
+    its engine kwargs size it another way (num_pages / kv_cache_memory_bytes), which it then
+    passes on without a second size the engine would refuse."""
+    from tangram_jax.evaluation.harness import HarnessConfig, ModeSpec, _engine_config
+    fingerprint = {}
+    default = _engine_config(ModeSpec("full", 1.0), HarnessConfig(max_active=4), 512, fingerprint)
+    assert default.kv_cache_tokens == 4 * 512 and default.kv_cache_memory_bytes is None
+    sized = _engine_config(ModeSpec("full", 1.0), HarnessConfig(
+        max_active=4, engine_kwargs=dict(kv_cache_memory_bytes=2**24)), 512, fingerprint)
+    assert sized.kv_cache_tokens is None and sized.kv_cache_memory_bytes == 2**24
+    sized.check()

@@ -308,8 +308,9 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     kwargs = dict(cfg.engine_kwargs)
     kwargs.setdefault("max_num_seqs", cfg.max_active)
     # The pool holds every admitted session at full length in every mode: no preemption, no
-    # eviction, whatever the mode keeps.
-    kwargs.setdefault("kv_cache_tokens", cfg.max_active * max_model_len)
+    # eviction, whatever the mode keeps (unless the caller sized it another way).
+    if not any(kwargs.get(k) is not None for k in ("num_pages", "kv_cache_memory_bytes")):
+        kwargs.setdefault("kv_cache_tokens", cfg.max_active * max_model_len)
     # Offline: compile the step shapes as the sessions meet them. The GPU's default warm-up
     # compiles every flat-token bucket x prefill row count of full KV's whole-row prefill (and
     # its write program): dozens of 30-layer programs, minutes per engine, most never met here.
