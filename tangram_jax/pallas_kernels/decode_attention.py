@@ -80,7 +80,7 @@ _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6
 
 def code_operand(bits: int, compute_dtype, *, values: bool = False) -> tuple:
     """(operand dtype, magic) of `bits`-bit key (or `values`) codes in a kernel computing in
-    `compute_dtype`: magic the (bits, offset M) of `_MAGIC`, or None where codes are cast:
+    `compute_dtype`: magic the (bit pattern, offset M) of `_MAGIC`, or None where codes are cast:
     float32 kernels (the CPU tests' models: casts are exact and cheap there), and 8-bit value
     codes (cast to bfloat16 they were 10% faster than as float16 magic operands on an H100:
     the cast of a [tokens, d] value tile feeding the product directly is one Triton lowers
@@ -97,8 +97,8 @@ def codes_as_operand(codes, dtype, magic: tuple | None):
     `code_operand`)."""
     if magic is None:
         return codes.astype(dtype)
-    bits, offset = magic
-    shifted = lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(bits), dtype)
+    pattern, offset = magic
+    shifted = lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(pattern), dtype)
     return shifted - jnp.asarray(offset, dtype)
 
 
