@@ -148,7 +148,10 @@ def tiered_case(key, precision, lens, batch):
 
 
 def _tuning(tuning) -> dict:
-    """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]"."""
+    """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
+    "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs)."""
+    if str(tuning) == "default":
+        return {}
     parts = [int(x) for x in str(tuning).split("/")]
     return dict(zip(("block_tokens", "num_warps", "num_stages", "heads_per_program"), parts), **(
         {"num_warps": 2} if len(parts) == 1 else {}))
@@ -205,7 +208,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
     p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
-                   "tried at the first config; the best is used for the others")
+                   "or 'default' (the library's per-format tuning), tried at the first config; "
+                   "the best is used for the others")
     p.add_argument("--precisions",
                    default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--baseline-sweep", default=None,

@@ -209,3 +209,24 @@ def test_codes_become_exact_operands_without_conversion(bits, compute):
     assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
                                 jnp.bfloat16 if bits < 8 and compute == jnp.bfloat16 else
                                 jnp.float16)
+
+
+def test_decode_tuning_is_the_measured_one_of_each_page_format():
+    """Without an explicit tuning each launch takes its pool's page format's measured entry
+    (`DECODE_TUNING`), and a quantised pool attended that way matches the reference."""
+    import jax
+    from tangram_jax import kv_quant
+    from tangram_jax.pallas_kernels.decode_attention import DECODE_TUNING, decode_tuning
+    for name, fmt in kv_quant.PAGE_FORMATS.items():
+        k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct)
+                for bits in (fmt.key_bits, fmt.value_bits))
+        assert decode_tuning(k, v) == DECODE_TUNING[name]
+    rng = np.random.default_rng()
+    shape = (3, 4, 2, 2, 32, 8, 9, 16, 48)
+    q, k, v, tables, lengths = _case(rng, jnp.float32, shape)
+    kq, vq = kv_quant.quantise_pages(k, 4), kv_quant.quantise_pages(v, 2)
+    lens = jnp.asarray(lengths)
+    work = _work_lists(lengths, q.shape[1], shape)["aot"]
+    out = ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work)
+    ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
+    assert _rel_err(out, ref) < RTOL[jnp.float32]

@@ -508,21 +508,42 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     )(work, o_part, lse_part)
 
 
+# (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
+# H100 at a Llama-3.1-8B layer (head_dim 128, G 2), batch 64 x 32k context
+# (benchmarks/results/kv_precision_decode.json, session 11; bf16: decode_attention.json). The
+# quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B).
+DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (128, 4), "k4v2": (64, 2)}
+
+
+def decode_tuning(k_pages, v_pages) -> tuple[int, int]:
+    """(block_tokens, num_warps) of `DECODE_TUNING` for a pool's page format (one pool: with
+    precision tiers each tier's launch takes its own format's)."""
+    bits = (_bits(k_pages), _bits(v_pages))
+    name = next((f.name for f in kv_quant.PAGE_FORMATS.values()
+                 if (f.key_bits, f.value_bits) == bits), "bf16")
+    return DECODE_TUNING[name]
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(q, tier_pools, block_tables, lengths, works, **kwargs):
-    """A decode launch per pool (one, or a tier's pool each), then one merge launch of all
-    their partials."""
-    parts = [decode_partials(q, k, v, block_tables, lengths, work, tier=t,
-                             num_tiers=len(tier_pools), **kwargs)
-             for t, ((k, v), work) in enumerate(zip(tier_pools, works))]
+def _decode(q, tier_pools, block_tables, lengths, works, *, block_tokens, num_warps, **kwargs):
+    """A decode launch per pool (one, or a tier's pool each; tuning not given: its format's
+    `decode_tuning`), then one merge launch of all their partials."""
+    parts = []
+    for t, ((k, v), work) in enumerate(zip(tier_pools, works)):
+        tuned = decode_tuning(k, v)
+        parts.append(decode_partials(q, k, v, block_tables, lengths, work, tier=t,
+                                     num_tiers=len(tier_pools),
+                                     block_tokens=block_tokens or tuned[0],
+                                     num_warps=num_warps or tuned[1], **kwargs))
     o_part, lse_part = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
     return merge_partials_pallas(o_part, lse_part, _concat_work(works), num_groups=q.shape[1],
                                  out_dtype=q.dtype, interpret=kwargs["interpret"])
 
 
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
-                                  interpret: bool | None = None, block_tokens: int = 32,
-                                  num_warps: int = 2, num_stages: int = 3,
+                                  interpret: bool | None = None,
+                                  block_tokens: int | None = None,
+                                  num_warps: int | None = None, num_stages: int = 3,
                                   heads_per_program: int = 1) -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers one per tier's pool), then the merge launch.
@@ -547,7 +568,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
         (g, s, n) of the high list covers share s of n of group g's high tier. The merge
         combines a group's items of both launches.
       block_tokens, num_warps, num_stages, heads_per_program: Triton tuning (tokens per inner
-        step = block_tokens // page_size pages; KV heads of the group one program streams).
+        step = block_tokens // page_size pages; KV heads of the group one program streams);
+        block_tokens / num_warps None: the pool's page format's `DECODE_TUNING`.
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """
