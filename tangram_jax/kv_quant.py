@@ -305,6 +305,15 @@ class TieredPages:
 jax.tree_util.register_dataclass(TieredPages, data_fields=["high", "low"], meta_fields=[])
 
 
+def is_tiered(k_pages, v_pages) -> bool:
+    """Whether a K and a V pool are precision tiers (`TieredPages`); a mixed pair is a TypeError
+    naming both types."""
+    if isinstance(k_pages, TieredPages) != isinstance(v_pages, TieredPages):
+        raise TypeError(f"k_pages and v_pages must both be TieredPages or neither, got "
+                        f"{type(k_pages).__name__} and {type(v_pages).__name__}")
+    return isinstance(k_pages, TieredPages)
+
+
 def tiered_dense_history(k_pages: TieredPages, v_pages: TieredPages, block_tables: jax.Array,
                          lengths: jax.Array, dtype) -> tuple:
     """Both tiers of every group as one dense history: what attention over a tiered pool reads

@@ -656,13 +656,10 @@ class ModelRunner:
             v_pages, kept [rows, groups], the planned writes (a list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
-            # Tiers: tables and lengths of tier groups; the prefill kernel reads both tiers of a
-            # group as one dense history (`kv_quant.tiered_dense_history`, in k's dtype), and
-            # so does the CPU path, in float32, which it computes in.
-            read = ((k_pages, v_pages, tables, hist) if not tiered or self.ops.name == "pallas"
-                    else kv_quant.tiered_dense_history(k_pages, v_pages, tables, hist,
-                                                       jnp.float32))
-            out, lse = self.ops.prefill_attention(q, k, v, *read, row_starts, row_lens, items,
+            # Tiers: tables and lengths of tier groups; both prefill paths read a group's two
+            # tiers as one dense history (`kv_quant.tiered_dense_history`).
+            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
+                                                  row_starts, row_lens, items,
                                                   tuning=self.prefill_tuning)
             if whole_rows:
                 # Every token kept: the fused compression kernel appends each row's K/V after its

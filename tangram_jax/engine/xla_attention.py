@@ -91,7 +91,8 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
 
     q [N, Hq, d]; k, v [N, Hkv, d] (flat rows at `row_starts`, lengths `row_lens` [rows]);
     k_pages, v_pages [num_pages, G, ps, d]; block_tables [rows, groups, W]; hist_len [rows,
-    groups]. Every token of a row attends to its row's history (the first hist_len tokens of
+    groups] (precision tiers, `kv_quant.TieredPages`: tables and lengths of tier groups, both
+    tiers of a group read as one dense float32 history). Every token of a row attends to its row's history (the first hist_len tokens of
     each group) and causally to its row's earlier tokens. Returns (out [N, Hq, d] in q's dtype,
     lse [Hq, N] float32; tokens outside every row: out 0, lse -inf). `work_items` are ignored;
     `tuning` (default `PREFILL_TUNING`) gives the row alignment.
@@ -103,6 +104,9 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     """
     from tangram_jax.pallas_kernels.prefill_attention import PREFILL_TUNING, row_alignment
     del work_items
+    if kv_quant.is_tiered(k_pages, v_pages):   # computed in float32, as everything here
+        k_pages, v_pages, block_tables, hist_len = kv_quant.tiered_dense_history(
+            k_pages, v_pages, block_tables, hist_len, jnp.float32)
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_pages, group_size, page_size, _ = k_pages.shape

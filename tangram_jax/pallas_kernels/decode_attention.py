@@ -336,10 +336,7 @@ def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
 def _tier_pools(k_pages, v_pages) -> list[tuple]:
     """The (k, v) pools of a layer's launches, high tier first: one pair, or the two tiers of
     `kv_quant.TieredPages`."""
-    if isinstance(k_pages, kv_quant.TieredPages) != isinstance(v_pages, kv_quant.TieredPages):
-        raise TypeError(f"k_pages and v_pages must both be TieredPages or neither, got "
-                        f"{type(k_pages).__name__} and {type(v_pages).__name__}")
-    if isinstance(k_pages, kv_quant.TieredPages):
+    if kv_quant.is_tiered(k_pages, v_pages):
         return [(k_pages.high, v_pages.high), (k_pages.low, v_pages.low)]
     return [(k_pages, v_pages)]
 

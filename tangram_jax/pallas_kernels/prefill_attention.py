@@ -420,11 +420,8 @@ def _check_ragged(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
                          f"{k_pages.shape}, {v_pages.shape}")
     if k.shape[1] % k_pages.shape[1]:
         raise ValueError(f"num_kv_heads {k.shape[1]} is not a multiple of G {k_pages.shape[1]}")
-    if isinstance(k_pages, kv_quant.TieredPages) != isinstance(v_pages, kv_quant.TieredPages):
-        raise TypeError(f"k_pages and v_pages must both be TieredPages or neither, got "
-                        f"{type(k_pages).__name__} and {type(v_pages).__name__}")
     # Tables and lengths are of groups, or with precision tiers of tier groups (2 per group).
-    tiers = 2 if isinstance(k_pages, kv_quant.TieredPages) else 1
+    tiers = 2 if kv_quant.is_tiered(k_pages, v_pages) else 1
     rows, groups = len(row_starts), tiers * (k.shape[1] // k_pages.shape[1])
     if hist_len.shape != (rows, groups) or block_tables.ndim != 3 or \
             block_tables.shape[:2] != (rows, groups) or row_lens.shape != (rows,):
