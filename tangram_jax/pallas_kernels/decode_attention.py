@@ -102,10 +102,72 @@ def codes_as_operand(codes, dtype, magic: tuple | None):
     return shifted - jnp.asarray(offset, dtype)
 
 
+def unpack_planes(raw, bits: int, dtype, magic: tuple | None, *, asm: bool) -> list:
+    """Packed uint8 codes [tokens, d/n] -> the n = 8 / bits planes [tokens, d/n] as `dtype`
+    operands (`code_operand`), plane p from bits ``p*bits .. (p+1)*bits - 1`` of each byte.
+
+    `asm` (compiled kernels only: inline PTX cannot be interpreted): the unpack as
+    `_unpack_asm`, every 32-bit word of 4 bytes turned into the 4n operands with a handful of
+    32-bit instructions, where the element-wise ops below cost several instructions per code
+    (shift, mask, widen, or, subtract, each on one 8- or 16-bit value). Both give the same
+    values bit for bit."""
+    if asm and magic is not None:
+        return _unpack_asm(raw, bits, dtype, magic)
+    levels = jnp.uint8((1 << bits) - 1)
+    return [codes_as_operand(raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels,
+                             dtype, magic)
+            for p in range(8 // bits)]
+
+
+def _unpack_asm(raw, bits: int, dtype, magic: tuple) -> list:
+    """`unpack_planes` in inline PTX, 4 bytes (one 32-bit register) an instance.
+
+    The magic-number trick on packed pairs (as in mixed-precision GEMM kernels): ``prmt``
+    spreads bytes 0, 1 (2, 3) of the word into the low bytes of the two 16-bit halves of a
+    register; one ``lop3`` masks a plane's bits there and ORs in M's pattern, giving two
+    operands M + c; one packed subtract of M (a ``fma`` by 1 for bfloat16, which has no packed
+    subtract before sm_90) leaves c, exactly. 8-bit key codes (float16, M = 1024): the prmt takes
+    the pattern's high byte from its second operand, so a pair costs a prmt and a subtract."""
+    pattern, offset = magic
+    planes = 8 // bits
+    bits_pattern = f"0x{pattern:04X}{pattern:04X}"
+    if jnp.dtype(dtype) == jnp.float16:
+        minus_m = "sub.f16x2 {d}, {d}, m;"
+        consts = f"mov.b32 m, 0x{pattern:04X}{pattern:04X};"
+    else:
+        minus_m = "fma.rn.bf16x2 {d}, {d}, one, m;"
+        neg = np.float32(-offset).view(np.uint32) >> 16            # bfloat16 bits of -M
+        consts = f"mov.b32 one, 0x3F803F80; mov.b32 m, 0x{neg:04X}{neg:04X};"
+    src = f"${2 * planes}"                 # outputs $0 .. $(2n-1): plane p in $(2p), $(2p+1)
+    lines = ["{", ".reg .b32 t0, t1, s, one, m;", consts]
+    if bits == 8:
+        high = pattern >> 8                # M's high byte, taken by prmt from s's bytes
+        lines += [f"mov.b32 s, 0x{high:02X}{high:02X}{high:02X}{high:02X};",
+                  f"prmt.b32 $0, {src}, s, 0x4140;", f"prmt.b32 $1, {src}, s, 0x4342;"]
+    else:
+        mask = (1 << bits) - 1
+        lines += [f"prmt.b32 t0, {src}, 0, 0x4140;", f"prmt.b32 t1, {src}, 0, 0x4342;"]
+        for p in range(planes):
+            for half in (0, 1):
+                word = f"t{half}"
+                if p:
+                    lines.append(f"shr.u32 s, t{half}, {p * bits};")
+                    word = "s"
+                # lop3 0xEA: (a & b) | c
+                lines.append(f"lop3.b32 ${2 * p + half}, {word}, 0x{mask:04X}{mask:04X}, "
+                             f"{bits_pattern}, 0xEA;")
+    lines += [minus_m.format(d=f"${r}") for r in range(2 * planes)]
+    lines.append("}")
+    constraints = ",".join(["=r"] * (2 * planes) + ["r"])
+    return list(plgpu.elementwise_inline_asm(
+        "\n".join(lines), args=[raw], constraints=constraints, pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)] * planes))
+
+
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   tier: int, num_tiers: int):
+                   tier: int, num_tiers: int, unpack_asm: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -199,12 +261,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask, other=0)
         if bits is None:
             return [raw], None, None
-        # Shifts and masks on the uint8 codes themselves (no widening to int32: the unpack is
-        # per element of every tile, the kernel's main work besides the products).
-        levels = jnp.uint8((1 << bits) - 1)
-        planes = [codes_as_operand(raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels,
-                                   *operand)
-                  for p in range(8 // bits)]
+        # The unpack is per element of every tile, the kernel's main work besides the
+        # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
+        planes = unpack_planes(raw, bits, *operand, asm=unpack_asm)
         s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
         z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
         return planes, s, z
@@ -423,7 +482,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
-                               num_tiers=num_tiers)
+                               num_tiers=num_tiers, unpack_asm=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
     page_arrays = (*_page_inputs(k_pages), *_page_inputs(v_pages))
