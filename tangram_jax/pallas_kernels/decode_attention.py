@@ -124,44 +124,42 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple) -> list:
 
     The magic-number trick on packed pairs (as in mixed-precision GEMM kernels): ``prmt``
     spreads bytes 0, 1 (2, 3) of the word into the low bytes of the two 16-bit halves of a
-    register; one ``lop3`` masks a plane's bits there and ORs in M's pattern, giving two
-    operands M + c; one packed subtract of M (a ``fma`` by 1 for bfloat16, which has no packed
-    subtract before sm_90) leaves c, exactly. 8-bit key codes (float16, M = 1024): the prmt takes
-    the pattern's high byte from its second operand, so a pair costs a prmt and a subtract."""
+    register; one ``lop3`` masks a plane's bits there (after a shift) and ORs in M's pattern,
+    giving two operands M + c; one packed subtract of M (a ``fma`` by 1 for bfloat16, which has
+    no packed subtract before sm_90) leaves c, exactly. 8-bit key codes (float16, M = 1024): the
+    prmt takes M's high byte from its second operand, so a pair costs a prmt and a subtract.
+    One asm a plane: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple results,
+    but 2 outvars do not match 1 outvals"), so each plane repeats the two prmt."""
     pattern, offset = magic
-    planes = 8 // bits
-    bits_pattern = f"0x{pattern:04X}{pattern:04X}"
+    pair = f"0x{pattern:04X}{pattern:04X}"
     if jnp.dtype(dtype) == jnp.float16:
-        minus_m = "sub.f16x2 {d}, {d}, m;"
-        consts = f"mov.b32 m, 0x{pattern:04X}{pattern:04X};"
+        consts, minus_m = f"mov.b32 m, {pair};", "sub.f16x2 {d}, {d}, m;"
     else:
-        minus_m = "fma.rn.bf16x2 {d}, {d}, one, m;"
         neg = np.float32(-offset).view(np.uint32) >> 16            # bfloat16 bits of -M
         consts = f"mov.b32 one, 0x3F803F80; mov.b32 m, 0x{neg:04X}{neg:04X};"
-    src = f"${2 * planes}"                 # outputs $0 .. $(2n-1): plane p in $(2p), $(2p+1)
-    lines = ["{", ".reg .b32 t0, t1, s, one, m;", consts]
-    if bits == 8:
-        high = pattern >> 8                # M's high byte, taken by prmt from s's bytes
-        lines += [f"mov.b32 s, 0x{high:02X}{high:02X}{high:02X}{high:02X};",
-                  f"prmt.b32 $0, {src}, s, 0x4140;", f"prmt.b32 $1, {src}, s, 0x4342;"]
-    else:
-        mask = (1 << bits) - 1
-        lines += [f"prmt.b32 t0, {src}, 0, 0x4140;", f"prmt.b32 t1, {src}, 0, 0x4342;"]
-        for p in range(planes):
+        minus_m = "fma.rn.bf16x2 {d}, {d}, one, m;"
+    planes = []
+    for p in range(8 // bits):
+        # Outputs $0 (elements 0, 1) and $1 (2, 3); the 4 packed bytes in $2.
+        lines = ["{", ".reg .b32 t0, t1, s, one, m;", consts]
+        if bits == 8:
+            high = pattern >> 8            # M's high byte, which prmt takes from s
+            lines += [f"mov.b32 s, 0x{high:02X}{high:02X}{high:02X}{high:02X};",
+                      "prmt.b32 $0, $2, s, 0x4140;", "prmt.b32 $1, $2, s, 0x4342;"]
+        else:
+            mask = (1 << bits) - 1
+            lines += ["prmt.b32 t0, $2, 0, 0x4140;", "prmt.b32 t1, $2, 0, 0x4342;"]
             for half in (0, 1):
                 word = f"t{half}"
                 if p:
-                    lines.append(f"shr.u32 s, t{half}, {p * bits};")
-                    word = "s"
+                    lines.append(f"shr.u32 {word}, {word}, {p * bits};")
                 # lop3 0xEA: (a & b) | c
-                lines.append(f"lop3.b32 ${2 * p + half}, {word}, 0x{mask:04X}{mask:04X}, "
-                             f"{bits_pattern}, 0xEA;")
-    lines += [minus_m.format(d=f"${r}") for r in range(2 * planes)]
-    lines.append("}")
-    constraints = ",".join(["=r"] * (2 * planes) + ["r"])
-    return list(plgpu.elementwise_inline_asm(
-        "\n".join(lines), args=[raw], constraints=constraints, pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)] * planes))
+                lines.append(f"lop3.b32 ${half}, {word}, 0x{mask:04X}{mask:04X}, {pair}, 0xEA;")
+        lines += [minus_m.format(d="$0"), minus_m.format(d="$1"), "}"]
+        planes.append(plgpu.elementwise_inline_asm(
+            "\n".join(lines), args=[raw], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)])[0])
+    return planes
 
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
