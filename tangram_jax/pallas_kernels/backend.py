@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 LOWERING = "triton"
@@ -53,3 +54,16 @@ def dot_f32(a, b, trans_b: bool = False):
     """Matrix-unit product with float32 accumulation; float32 operands stay IEEE (no tf32), so
     f32 kernels match their references to ~1e-6 and bf16 ones to bf16 rounding."""
     return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False).astype("float32")
+
+
+def exp2(x, *, fast: bool):
+    """2 ** x in float32 inside a kernel. `fast` (compiled kernels: inline PTX cannot be
+    interpreted): one ``ex2.approx.ftz`` (the GPU's special-function unit, ~2 ulp, subnormal
+    results flushed to 0: softmax weights below 2^-126 of the row's largest), where Pallas
+    lowers `jnp.exp2` / `jnp.exp` to libdevice's full-range functions, several instructions
+    an element around the same unit; else `jnp.exp2`."""
+    if not fast:
+        return jnp.exp2(x)
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]

@@ -53,6 +53,8 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
 def _page_inputs(pages) -> tuple:
@@ -92,19 +94,22 @@ def code_operand(bits: int, compute_dtype, *, values: bool = False) -> tuple:
     return dtype, _MAGIC[dtype]
 
 
-def codes_as_operand(codes, dtype, magic: tuple | None):
+def codes_as_operand(codes, dtype, magic: tuple | None, minus_magic: bool = True):
     """Unsigned integer codes (any shape) -> the same integers as `dtype` values, exactly (see
-    `code_operand`)."""
+    `code_operand`); M + code with `minus_magic` False."""
     if magic is None:
         return codes.astype(dtype)
     pattern, offset = magic
     shifted = lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(pattern), dtype)
-    return shifted - jnp.asarray(offset, dtype)
+    return shifted - jnp.asarray(offset, dtype) if minus_magic else shifted
 
 
-def unpack_planes(raw, bits: int, dtype, magic: tuple | None, *, asm: bool) -> list:
+def unpack_planes(raw, bits: int, dtype, magic: tuple | None, *, asm: bool,
+                  minus_magic: bool = True) -> list:
     """Packed uint8 codes [tokens, d/n] -> the n = 8 / bits planes [tokens, d/n] as `dtype`
-    operands (`code_operand`), plane p from bits ``p*bits .. (p+1)*bits - 1`` of each byte.
+    operands (`code_operand`), plane p from bits ``p*bits .. (p+1)*bits - 1`` of each byte;
+    with `minus_magic` False (and a magic) the operands are M + code, M for the caller to
+    subtract where it is cheaper (keys: in their zero points, per token, not per code).
 
     `asm` (compiled kernels only: inline PTX cannot be interpreted): the unpack as
     `_unpack_asm`, every 32-bit word of 4 bytes turned into the 4n operands with a handful of
@@ -112,14 +117,14 @@ def unpack_planes(raw, bits: int, dtype, magic: tuple | None, *, asm: bool) -> l
     (shift, mask, widen, or, subtract, each on one 8- or 16-bit value). Both give the same
     values bit for bit."""
     if asm and magic is not None:
-        return _unpack_asm(raw, bits, dtype, magic)
+        return _unpack_asm(raw, bits, dtype, magic, minus_magic)
     levels = jnp.uint8((1 << bits) - 1)
     return [codes_as_operand(raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels,
-                             dtype, magic)
+                             dtype, magic, minus_magic)
             for p in range(8 // bits)]
 
 
-def _unpack_asm(raw, bits: int, dtype, magic: tuple) -> list:
+def _unpack_asm(raw, bits: int, dtype, magic: tuple, minus_magic: bool) -> list:
     """`unpack_planes` in inline PTX, 4 bytes (one 32-bit register) an instance.
 
     The magic-number trick on packed pairs (as in mixed-precision GEMM kernels): ``prmt``
@@ -155,7 +160,9 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple) -> list:
                     lines.append(f"shr.u32 {word}, {word}, {p * bits};")
                 # lop3 0xEA: (a & b) | c
                 lines.append(f"lop3.b32 ${half}, {word}, 0x{mask:04X}{mask:04X}, {pair}, 0xEA;")
-        lines += [minus_m.format(d="$0"), minus_m.format(d="$1"), "}"]
+        if minus_magic:
+            lines += [minus_m.format(d="$0"), minus_m.format(d="$1")]
+        lines.append("}")
         planes.append(plgpu.elementwise_inline_asm(
             "\n".join(lines), args=[raw], constraints="=r,=r,r", pack=4,
             result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)])[0])
@@ -165,7 +172,7 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   tier: int, num_tiers: int, unpack_asm: bool):
+                   tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -207,6 +214,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     k_dtype, k_magic = code_operand(key_bits, compute_dtype) if key_bits else (compute_dtype, None)
     v_dtype, v_magic = (code_operand(value_bits, compute_dtype, values=True) if value_bits
                         else (compute_dtype, None))
+    key_offset = k_magic[1] if k_magic else 0.0
+    log2_scale = scale * _LOG2E
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
     # bug) are cut there rather than read out of bounds.
@@ -250,9 +259,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # Clamped: the prefetch reads one block past the share; those ids are never used.
         return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
 
-    def load_tile(refs, bits, operand, page, j, slot, token_valid):
+    def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic):
         """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
-        the codes in the operand dtype (`operand`: (dtype, magic) of `code_operand`)."""
+        the codes in the operand dtype (`operand`: (dtype, magic) of `code_operand`), plus M
+        with `minus_magic` False."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
@@ -261,7 +271,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             return [raw], None, None
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
-        planes = unpack_planes(raw, bits, *operand, asm=unpack_asm)
+        planes = unpack_planes(raw, bits, *operand, asm=compiled, minus_magic=minus_magic)
         s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
         z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
         return planes, s, z
@@ -274,10 +284,13 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         slot = token % page_size
-        ks = [load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, slot, token_valid)
-              for j in head_ids]
-        vs = [load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, slot, token_valid)
-              for j in head_ids]
+        # Key operands keep M (`key_offset` below); value operands do not: the products of
+        # values accumulate over the whole share, and M times larger terms lost 4-15% of
+        # near-uniform attention's small outputs (session 11).
+        ks = [load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, slot, token_valid,
+                        False) for j in head_ids]
+        vs = [load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, slot, token_valid,
+                        True) for j in head_ids]
         new = []
         for j in range(heads):
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
@@ -286,12 +299,19 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
             for qp, kp in zip(qs[j][1:], k_tile[1:]):
                 logits = logits + _dot(qp, kp, trans_b=True)
+            # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
+            # into the per-token key scale and zero, which also absorb the operands' M:
+            # s q.(M + c) + (z - M s) sum(q) = s q.c + z sum(q), per token not per code.
             if key_bits is not None:
-                logits = logits * k_scale[None, :] + q_sums[j][:, None] * k_zero[None, :]
-            logits = jnp.where(token_valid[None, :], logits * scale, _MASK_VALUE)
+                logits = (logits * (k_scale * log2_scale)[None, :]
+                          + q_sums[j][:, None]
+                          * ((k_zero - key_offset * k_scale) * log2_scale)[None, :])
+            else:
+                logits = logits * log2_scale
+            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-            correction = jnp.exp(m_prev - m_next)
-            p = jnp.exp(logits - m_next[:, None])
+            correction = backend.exp2(m_prev - m_next, fast=compiled)
+            p = backend.exp2(logits - m_next[:, None], fast=compiled)
             l_next = correction * l_prev + p.sum(axis=-1)
             if value_bits is None:
                 weights, o_zero_next = p.astype(v_tile[0].dtype), o_zero_prev
@@ -322,7 +342,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
         denominator = jnp.where(has_tokens, l, 1.0)[:, None]
-        lse = jnp.where(has_tokens, m + jnp.log(jnp.where(has_tokens, l, 1.0)), -jnp.inf)
+        lse = jnp.where(has_tokens, m * _LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
+                        -jnp.inf)
         if value_bits is None:
             plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
         else:
@@ -480,7 +501,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
-                               num_tiers=num_tiers, unpack_asm=not interpret)
+                               num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
     page_arrays = (*_page_inputs(k_pages), *_page_inputs(v_pages))
