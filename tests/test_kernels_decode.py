@@ -211,6 +211,41 @@ def test_codes_become_exact_operands_without_conversion(bits, compute):
                                 jnp.float16)
 
 
+@pytest.mark.skipif(default_interpret(), reason="inline PTX runs only in a compiled kernel")
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("minus_magic", [True, False])
+def test_inline_ptx_unpack_equals_the_element_wise_ops(bits, minus_magic):
+    """The compiled kernels' unpack (`unpack_planes(asm=True)`, inline PTX on 32-bit words) gives
+    the same operands, bit for bit, as the element-wise ops the interpreter runs, for every
+    byte value in every position of a 4-byte word."""
+    import functools
+    import jax
+    from jax.experimental import pallas as pl
+    from tangram_jax.pallas_kernels.backend import compiler_params
+    from tangram_jax.pallas_kernels.decode_attention import code_operand, unpack_planes
+    dtype, magic = code_operand(bits, jnp.bfloat16)
+    planes = 8 // bits
+    rng = np.random.default_rng()
+    raw = rng.integers(0, 256, size=(64, 16 * bits), dtype=np.uint8)
+    raw[:4, :] = np.arange(256, dtype=np.uint8).reshape(4, 64)[:, :raw.shape[1]]
+    raw[4:8, :] = np.roll(np.arange(256, dtype=np.uint8), 1).reshape(4, 64)[:, :raw.shape[1]]
+
+    def kernel(raw_ref, asm_ref, ops_ref):
+        codes = raw_ref[...]
+        for out, asm in ((asm_ref, True), (ops_ref, False)):
+            for p, x in enumerate(unpack_planes(codes, bits, dtype, magic, asm=asm,
+                                                minus_magic=minus_magic)):
+                out[p] = x.astype(jnp.float32)
+
+    shape = jax.ShapeDtypeStruct((planes, *raw.shape), jnp.float32)
+    got, want = pl.pallas_call(kernel, out_shape=[shape, shape],
+                               compiler_params=compiler_params())(jnp.asarray(raw))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    offset = 0 if minus_magic else magic[1]
+    expect = np.stack([(raw >> (p * bits)) & ((1 << bits) - 1) for p in range(planes)]) + offset
+    np.testing.assert_array_equal(np.asarray(got), expect)
+
+
 def test_decode_tuning_is_the_measured_one_of_each_page_format():
     """Without an explicit tuning each launch takes its pool's page format's measured entry
     (`DECODE_TUNING`), and a quantised pool attended that way matches the reference."""

@@ -585,9 +585,9 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 
 # (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
 # H100 at a Llama-3.1-8B layer (head_dim 128, G 2), batch 64 x 32k context
-# (benchmarks/results/kv_precision_decode.json, session 11; bf16: decode_attention.json). The
+# (benchmarks/results/kv_precision_decode.json, session 12; bf16: decode_attention.json). The
 # quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B).
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (128, 4), "k4v2": (64, 2)}
+DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (128, 4), "k4v2": (256, 4)}
 
 
 def decode_tuning(k_pages, v_pages) -> tuple[int, int]:
