@@ -7,8 +7,9 @@
 #      too, for its KL reference);
 #   B. tangram under each scoring rule named in $SCORING_RULES (EngineConfig.scoring_rule), same
 #      samples;
-#   C. KV precision (issue 17): tangram+k8v4 and tangram+k8v4-k4v2 at 0.25 and 0.5, same samples
-#      (tangram bf16 of A1 is the pair: greedy serving is deterministic);
+#   C. KV precision (issue 17): tangram+k8v4 and tangram+k8v4-k4v2 at 0.25 and 0.5, same samples,
+#      with KL to full KV and every answer (tangram bf16 of A1 is the pair: compare answers sample
+#      by sample, `accuracy_compare.py`, and the KLs);
 #   D. the solvable task set: new samples of the current generator (answer prefixes, essay kv
 #      retrieval), task sizes chosen by a 20-sample full-KV pilot, full and tangram.
 #   They run A, C, B, D: a call cut by its time limit keeps the earlier letters.
@@ -62,12 +63,22 @@ SAMPLER=$!
 # other far more than they overlapped (run of 931e3f9, four parts in bf16: 97 s a full-KV column
 # of 400 sessions; a probe of the same settings alone served 96 sessions in 1.4 s).
 PARTS=${PARTS:-ABCD}
+# PARTS: letters (every part of that letter: "AC"), or a comma list of part ids and letters
+# ("A1,C": the tangram column of A and the precision part only).
+wanted() {
+  local id=${1%%_*} p
+  if [[ $PARTS == *,* ]]; then
+    for p in ${PARTS//,/ }; do [[ $id == "$p" || ${id:0:1} == "$p" ]] && return 0; done
+    return 1
+  fi
+  [[ $PARTS == *${id:0:1}* ]]
+}
 # Everything so far, packed after each part: a device call cut by its own time limit (run of
 # 4722624: the last part outlived LIMIT, the call ended before the final pack) keeps what finished.
 pack() { tar czf "$FINAL_OUT/accuracy_run.tar.gz" -C "$OUT" .; }
 part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
   local name=$1; shift
-  [[ $PARTS == *${name:0:1}* ]] || return 0
+  wanted "$name" || return 0
   (( $(left) > 30 )) || { echo "$name: skipped, $(left) s left"; return 0; }
   # -k: a process that ignores SIGTERM is killed 10 s later, so the script keeps to LIMIT.
   if [[ ${PARALLEL:-0} == 1 ]]; then
@@ -82,7 +93,8 @@ part() {   # part NAME accuracy.py-args...: one process, its own log and JSON
 part A1_tangram "${TABLE[@]}" --modes full,tangram --answers-out "$OUT/answers_tangram.jsonl"
 part A2_dynamic "${TABLE[@]}" --modes full,dynamic
 part A3_uniform "${TABLE[@]}" --modes full,uniform
-part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 --no-kl
+part C_precision "${TABLE[@]}" --modes full,tangram+k8v4,tangram+k8v4-k4v2 \
+  --answers-out "$OUT/answers_precision.jsonl"
 for rule in ${SCORING_RULES:-}; do     # e.g. "window+context window+keydiff"
   part "B_${rule/+/_}" "${TABLE[@]}" --modes full,tangram --no-kl --scoring-rule "$rule" \
     --answers-out "$OUT/answers_${rule/+/_}.jsonl"
