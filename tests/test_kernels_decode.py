@@ -227,8 +227,11 @@ def test_inline_ptx_unpack_equals_the_element_wise_ops(bits, minus_magic):
     planes = 8 // bits
     rng = np.random.default_rng()
     raw = rng.integers(0, 256, size=(64, 16 * bits), dtype=np.uint8)
-    raw[:4, :] = np.arange(256, dtype=np.uint8).reshape(4, 64)[:, :raw.shape[1]]
-    raw[4:8, :] = np.roll(np.arange(256, dtype=np.uint8), 1).reshape(4, 64)[:, :raw.shape[1]]
+    # Every byte value in every position of a 4-byte word: 0..255 in order, rolled by 0..3.
+    every = np.arange(256, dtype=np.uint8)
+    for shift in range(4):
+        rows = slice(8 * shift, 8 * shift + 8)
+        raw[rows] = np.resize(np.roll(every, shift), raw[rows].size).reshape(8, -1)
 
     def kernel(raw_ref, asm_ref, ops_ref):
         codes = raw_ref[...]
