@@ -220,7 +220,8 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
 
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
                     v_ref, k_pages_ref, v_pages_ref, lse_in_ref, o_ref, lse_ref, *, block_q: int,
-                    block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float):
+                    block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float,
+                    compiled: bool):
     """items_ref [items, 5]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
     tables_ref [rows, groups, max_pages]; q_ref [Hkv, N * q_per_kv, d]; k/v_ref [Hkv, N, d];
     k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref [splits, Hkv,
@@ -258,8 +259,8 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
                 logits = jnp.where(valid, logits, _MASK_VALUE)
                 v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))   # unowned: NaN
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-            correction = jnp.exp2(m_prev - m_next)
-            p = jnp.exp2(logits - m_next[:, None])
+            correction = backend.exp2(m_prev - m_next, fast=compiled)
+            p = backend.exp2(logits - m_next[:, None], fast=compiled)
             l_next = correction * l_prev + p.sum(axis=-1)
             o_next = correction[:, None] * o_prev + _dot(p.astype(v.dtype), v)
             return o_next, m_next, l_next
@@ -362,7 +363,8 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     block_tables = jnp.pad(block_tables, ((0, 0), (0, 0), (0, -max_pages % ppb)))
     kernel = functools.partial(
         _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
-        group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim))
+        group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim),
+        compiled=not interpret)
     splits = split_slots(work_items.shape[0], n, num_kv_heads // group_size, tuning)
     lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
