@@ -63,11 +63,11 @@ SAMPLER=$!
 # other far more than they overlapped (run of 931e3f9, four parts in bf16: 97 s a full-KV column
 # of 400 sessions; a probe of the same settings alone served 96 sessions in 1.4 s).
 PARTS=${PARTS:-ABCD}
-# PARTS: letters (every part of that letter: "AC"), or a comma list of part ids and letters
-# ("A1,C": the tangram column of A and the precision part only).
+# PARTS: letters (every part of that letter: "AC"), or part ids and letters separated by commas
+# ("A1,C": the tangram column of A and the precision part only; "A1": that part alone).
 wanted() {
   local id=${1%%_*} p
-  if [[ $PARTS == *,* ]]; then
+  if [[ $PARTS == *,* || $PARTS == *[0-9]* ]]; then
     for p in ${PARTS//,/ }; do [[ $id == "$p" || ${id:0:1} == "$p" ]] && return 0; done
     return 1
   fi
