@@ -21,6 +21,8 @@ constant of the jitted step, a planned one is a runtime int32 array of shape ``[
 Quantised pools (`tangram_jax.kv_quant`, K8V8 / K8V4 / K4V2): the same grid and work lists; the
 kernel reads packed codes and per-slot scale / zero instead of pages of values, so a work item
 moves fewer bytes (what the split map weighs: `split_map.build_split_map`'s `bytes_per_token`).
+Compiled kernels unpack the codes in inline PTX (`unpack_planes`); interpreted ones (the CPU
+tests) run the same arithmetic as element-wise ops, giving the same operands bit for bit.
 
 Precision tiers (`kv_quant.TieredPages`, ``k8v4-k4v2``: each group's tokens in a K8V4 pool and
 a K4V2 pool, block tables and lengths of tier groups): the same kernel once per tier's pool,
@@ -195,7 +197,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     ``q . k_t = s_t (q . code_t) + z_t sum(q)`` and ``sum_t p_t v_t = (p * s) @ codes + (p . z)``,
     so the matrix unit multiplies the codes (exact in the operand dtype, `code_operand`) plane
     by plane (a plane of a packed row is a contiguous slice of head_dim, see `kv_quant`), and
-    the scales are applied to the [rows, tokens] logits and probabilities.
+    the scales are applied to the [rows, tokens] logits and probabilities. Compiled, the codes
+    are unpacked by inline PTX on 32-bit words (`unpack_planes`); key operands keep the magic
+    offset M, which the per-token zero term absorbs (``(z - M s) sum(q)``), value operands drop
+    it per code (their products accumulate over the share). The softmax runs in base 2:
+    scale * log2(e) is folded into the per-token key scale and zero (bf16 pools: into the
+    logits), and each exp2 is one ``ex2.approx`` (`backend.exp2`). Measured on an H100
+    (benchmarks/NOTES_kv_precision.md, session 12): -10 to -18% and -5 to -15% of the
+    quantised formats' time.
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
