@@ -13,6 +13,7 @@ compile. `resolve_interpret(None)` picks by the default backend, so callers pass
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -20,6 +21,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 LOWERING = "triton"
+
+# The kernels' softmax runs in base 2 (`exp2`): logits are scaled by log2(e), and a base-2
+# log-sum-exp m + log2(l) becomes natural by a factor ln 2.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 # jax >= 0.11 warns on every Triton lowering (a DeprecationWarning per compile); the choice is
 # deliberate and recorded above, so the warning is silenced for this message only.

@@ -55,8 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 def _page_inputs(pages) -> tuple:
@@ -224,7 +222,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     v_dtype, v_magic = (code_operand(value_bits, compute_dtype, values=True) if value_bits
                         else (compute_dtype, None))
     key_offset = k_magic[1] if k_magic else 0.0
-    log2_scale = scale * _LOG2E
+    log2_scale = scale * backend.LOG2E
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
     # bug) are cut there rather than read out of bounds.
@@ -351,7 +349,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
         denominator = jnp.where(has_tokens, l, 1.0)[:, None]
-        lse = jnp.where(has_tokens, m * _LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
+        lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
                         -jnp.inf)
         if value_bits is None:
             plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])

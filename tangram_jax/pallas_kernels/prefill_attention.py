@@ -48,8 +48,6 @@ from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +311,7 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
         safe_l = jnp.where(has_keys, l, 1.0)
         o_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows), :] = o / safe_l[:, None]
         lse_ref[split, kv, pl.ds(first_token * q_per_kv, m_rows)] = jnp.where(
-            has_keys, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+            has_keys, (m + jnp.log2(safe_l)) * backend.LN2, -jnp.inf)
 
 
 def dense_history(k_pages, v_pages, block_tables, dtype):
@@ -363,7 +361,7 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     block_tables = jnp.pad(block_tables, ((0, 0), (0, 0), (0, -max_pages % ppb)))
     kernel = functools.partial(
         _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
-        group_size=group_size, page_size=page_size, scale=_LOG2E / math.sqrt(head_dim),
+        group_size=group_size, page_size=page_size, scale=backend.LOG2E / math.sqrt(head_dim),
         compiled=not interpret)
     splits = split_slots(work_items.shape[0], n, num_kv_heads // group_size, tuning)
     lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
