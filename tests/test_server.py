@@ -8,17 +8,16 @@ import socket
 import threading
 import time
 
+import httpx
+import openai
 import pytest
+import uvicorn
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-
-from tangram_jax.engine.async_engine import AsyncEngine  # noqa: E402
-from tangram_jax.engine.config import EngineConfig  # noqa: E402
-from tangram_jax.engine.llm_engine import Engine  # noqa: E402
-from tangram_jax.sampling import SamplingParams  # noqa: E402
-from tangram_jax.server import build_app  # noqa: E402
+from tangram_jax.engine.async_engine import AsyncEngine
+from tangram_jax.engine.config import EngineConfig
+from tangram_jax.engine.llm_engine import Engine
+from tangram_jax.sampling import SamplingParams
+from tangram_jax.server import build_app
 
 pytestmark = pytest.mark.slow
 
