@@ -12,14 +12,13 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder, DenseKVCache, dense_attention
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.models.hf_loader import CheckpointError, decoder_from_state_dict, load_hf_folder
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 _COMMON = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,23 +1,21 @@
 """The embedded SmolLM2-135M-Instruct GGUF, loaded by us and by transformers from the same file."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
+
+from tangram_jax.models.config import ModelConfig
+from tangram_jax.models.decoder import DenseKVCache
+from tangram_jax.models.gguf_loader import read_gguf
+from tangram_jax.models.hf_loader import decoder_from_state_dict
+from tangram_jax.models.registry import LoadedModel, default_model_path
+from tangram_jax.models.tokenizer import Tokenizer
+from tangram_jax.reference import generate_dense
+from tangram_jax.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import jax.numpy as jnp  # noqa: E402
-
-from tangram_jax.models.config import ModelConfig  # noqa: E402
-from tangram_jax.models.decoder import DenseKVCache  # noqa: E402
-from tangram_jax.models.gguf_loader import read_gguf  # noqa: E402
-from tangram_jax.models.hf_loader import decoder_from_state_dict  # noqa: E402
-from tangram_jax.models.registry import LoadedModel, default_model_path  # noqa: E402
-from tangram_jax.models.tokenizer import Tokenizer  # noqa: E402
-from tangram_jax.reference import generate_dense  # noqa: E402
-from tangram_jax.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,"]
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+import transformers
 from tokenizers import models, pre_tokenizers
 
 from tangram_jax.models.gguf_loader import open_gguf, tokenizer_spec_from_metadata
@@ -45,7 +46,6 @@ def ours(smollm_spec):
 
 @pytest.fixture(scope="module")
 def theirs(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
     src = default_model_path()
     folder = tmp_path_factory.mktemp("smollm2_tok")
     (folder / src.name).symlink_to(src)
@@ -190,7 +190,6 @@ def _hf_folder(tmp_path, template: str, specials: dict[str, str]):
     ("qwen3.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, {"enable_thinking": False}),
 ])
 def test_shipped_templates_render_as_transformers(tmp_path, name, specials, kwargs):
-    transformers = pytest.importorskip("transformers")
     folder = _hf_folder(tmp_path, (TEMPLATES / name).read_text(encoding="utf-8"), specials)
     ours_tok = Tokenizer.from_hf_folder(folder)
     theirs_tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -238,7 +237,6 @@ def test_smollm2_hf_folder_template_matches_transformers(theirs, tmp_path):
     """SmolLM2's tokenizer files as a Hugging Face folder (tokenizer.json, tokenizer_config.json,
     chat_template.jinja, written by transformers): the folder path renders the same text and
     the same ids as transformers' `apply_chat_template` on that folder."""
-    transformers = pytest.importorskip("transformers")
     theirs.save_pretrained(tmp_path)
     folder_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     ours_tok = Tokenizer.from_hf_folder(tmp_path)
