@@ -114,9 +114,9 @@ def paired(shared, a, b, answers, is_correct) -> dict:
         flat = [x for turns in samples.values() for x in turns]
         diffs = np.array([np.mean([rb - ra for ra, rb, _ in turns]) for turns in samples.values()])
         n = len(flat)
-        half = 1.96 * diffs.std(ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-        scale = 100.0                        # a fraction of the task's answers, in points
-        mean = diffs.mean() * scale
+        # In points: 100 x the mean (and interval) of the per-sample differences.
+        half = 196 * diffs.std(ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+        mean = 100 * diffs.mean()
         report[task] = {"samples": len(diffs), "answers": n,
                         "a_correct": sum(ra for ra, _, _ in flat),
                         "b_correct": sum(rb for _, rb, _ in flat),
@@ -124,7 +124,7 @@ def paired(shared, a, b, answers, is_correct) -> dict:
                         "only_a": sum(ra and not rb for ra, rb, _ in flat),
                         "only_b": sum(rb and not ra for ra, rb, _ in flat),
                         "difference_points": float(mean),
-                        "ci95_points": [float(mean - half * scale), float(mean + half * scale)]}
+                        "ci95_points": [float(mean - half), float(mean + half)]}
     return report
 
 

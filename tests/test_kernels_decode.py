@@ -218,7 +218,6 @@ def test_inline_ptx_unpack_equals_the_element_wise_ops(bits, minus_magic):
     """The compiled kernels' unpack (`unpack_planes(asm=True)`, inline PTX on 32-bit words) gives
     the same operands, bit for bit, as the element-wise ops the interpreter runs, for every
     byte value in every position of a 4-byte word."""
-    import functools
     import jax
     from jax.experimental import pallas as pl
     from tangram_jax.pallas_kernels.backend import compiler_params

@@ -92,9 +92,10 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     q [N, Hq, d]; k, v [N, Hkv, d] (flat rows at `row_starts`, lengths `row_lens` [rows]);
     k_pages, v_pages [num_pages, G, ps, d]; block_tables [rows, groups, W]; hist_len [rows,
     groups] (precision tiers, `kv_quant.TieredPages`: tables and lengths of tier groups, both
-    tiers of a group read as one dense float32 history). Every token of a row attends to its row's history (the first hist_len tokens of
-    each group) and causally to its row's earlier tokens. Returns (out [N, Hq, d] in q's dtype,
-    lse [Hq, N] float32; tokens outside every row: out 0, lse -inf). `work_items` are ignored;
+    tiers of a group read as one dense float32 history). Every token of a row attends to its
+    row's history (the first hist_len tokens of each group) and causally to its row's earlier
+    tokens. Returns (out [N, Hq, d] in q's dtype, lse [Hq, N] float32; tokens outside every row:
+    out 0, lse -inf). `work_items` are ignored;
     `tuning` (default `PREFILL_TUNING`) gives the row alignment.
 
     The history is read per query tile of `row_alignment(tuning)` tokens (`lax.map`): row starts
