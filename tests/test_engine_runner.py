@@ -31,7 +31,7 @@ def run_steps(layer_loop: str, max_pages: int = 16, table_width: int | None = No
     manager = KVCacheManager(LAYOUT, 64, 2, max_pages, model_kv_shape=(3, 2, 8))
     runner = make_runner(manager, layer_loop)
     if table_width is not None:   # attention given only these columns of the block table
-        runner._table_width = lambda max_tokens: table_width
+        runner._table_width = lambda max_tokens, prefill: table_width
     assert runner.layer_loop == layer_loop
     tokens = np.random.default_rng(0).integers(1, 97, 27)
     logits, decoded, _ = prefill_then_decode(runner, manager, LAYOUT, tokens)
@@ -71,8 +71,10 @@ def test_cpu_path_takes_the_whole_table_and_reads_only_the_blocks_the_rows_hold(
     max_pages = 2 * HISTORY_BLOCK_PAGES
     manager = KVCacheManager(LAYOUT, 64, 2, max_pages, model_kv_shape=(3, 2, 8))
     runner = make_runner(manager)
-    assert runner._table_width(30) == runner._table_width(10_000) == max_pages
-    assert runner._table_widths() == [max_pages]
+    for prefill in (True, False):
+        assert runner._table_width(30, prefill=prefill) == max_pages
+        assert runner._table_width(10_000, prefill=prefill) == max_pages
+        assert runner._table_widths(prefill=prefill) == [max_pages]
     whole = run_steps("scan", max_pages=max_pages)
     narrow = run_steps("scan", max_pages=max_pages, table_width=8)   # 30 tokens: 8 pages
     np.testing.assert_array_equal(narrow[0], whole[0])

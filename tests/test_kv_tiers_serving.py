@@ -290,40 +290,78 @@ def test_tiny_engine_serves_tiers(tiny_folder):
 
 # ----- the runner on the Pallas kernels (interpret mode) against the CPU serving path -------
 
-def _tiered_runner_steps(use_kernels: bool):
-    """A tiny random model's tiered runner: two prefill chunks of one sequence, then three
-    decode steps (the first crosses a page of the high tier). Returns (prefill logits, decoded
-    tokens, the four pools dequantised)."""
+def _runner_steps(use_kernels: bool, kv_precision: str = "k8v4-k4v2", max_pages: int = 16):
+    """A tiny random model's runner over quantised pools (precision tiers: `kv_precision`
+    ``k8v4-k4v2``), block tables of `max_pages` columns: two prefill chunks of one sequence,
+    then three decode steps (the first crosses a page of the high tier). Returns (prefill
+    logits, decoded tokens, every pool dequantised, the runner; its `prefill_widths` lists
+    the table width of each prefill call)."""
     from flax import nnx
     from test_engine_runner import CONFIG, LAYOUT
     from tangram_jax.engine.llm_engine import decode_split_map
     from tangram_jax.engine.model_runner import AttentionOps, ModelRunner, RunnerConfig
     from tangram_jax.models.decoder import Decoder
     from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
-    tiered = TieredLayout(LAYOUT, np.array([[0.5, 0.0], [1.0, 0.3], [0.6, 0.5]]))
-    manager = KVCacheManager(tiered, (40, 24), 2, 16, model_kv_shape=(3, 2, 8))
-    split_maps = {1: decode_split_map(tiered, CONFIG, jnp.float32, 4, 1, group_size=1)}
-    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, tiered, (40, 24),
-                         manager.block_tables.shape, split_maps=split_maps,
+    if kv_precision == "k8v4-k4v2":
+        layout = TieredLayout(LAYOUT, np.array([[0.5, 0.0], [1.0, 0.3], [0.6, 0.5]]))
+        pool_pages = (40, 24)
+    else:
+        layout, pool_pages = LAYOUT, 64
+    manager = KVCacheManager(layout, pool_pages, 2, max_pages, model_kv_shape=(3, 2, 8))
+    split_maps = {1: decode_split_map(layout, CONFIG, jnp.float32, 4, 1, group_size=1)}
+    runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, layout,
+                         pool_pages, manager.block_tables.shape, split_maps=split_maps,
                          runner_config=RunnerConfig(layer_loop="scan"),
-                         kv_precision="k8v4-k4v2",
+                         kv_precision=kv_precision,
                          ops=AttentionOps.for_backend(use_kernels=use_kernels))
+    prefill, runner.prefill_widths = runner._prefill, []
+
+    def recorded_prefill(*args, **static):
+        runner.prefill_widths.append(static["table_width"])
+        return prefill(*args, **static)
+
+    runner._prefill = recorded_prefill
     tokens = np.random.default_rng(0).integers(1, 97, 27)
-    logits, decoded, _ = prefill_then_decode(runner, manager, tiered, tokens, as_one_turn=True)
+    logits, decoded, _ = prefill_then_decode(runner, manager, layout, tokens, as_one_turn=True)
+    tiers = lambda pages: (pages.high, pages.low) if isinstance(pages, kv_quant.TieredPages) \
+        else (pages,)
     pools = [np.asarray(kv_quant.dequantise_pages(p, jnp.float32))
-             for pages in (runner.k_pages, runner.v_pages) for p in (pages.high, pages.low)]
-    return logits, decoded, pools
+             for pages in (runner.k_pages, runner.v_pages) for p in tiers(pages)]
+    return logits, decoded, pools, runner
 
 
 def test_tiered_runner_on_kernels_matches_the_cpu_path():
     """The runner's kernel branch (tiered dense history into the prefill kernel, compression
     kernel into both tiers, the tiered decode kernel with the split map's tier work lists) and
     the CPU serving path give the same step results."""
-    kernel_logits, kernel_tokens, kernel_pools = _tiered_runner_steps(True)
-    xla_logits, xla_tokens, xla_pools = _tiered_runner_steps(False)
+    kernel_logits, kernel_tokens, kernel_pools, _ = _runner_steps(True)
+    xla_logits, xla_tokens, xla_pools, _ = _runner_steps(False)
     np.testing.assert_allclose(kernel_logits, xla_logits, rtol=1e-4, atol=1e-4)
     assert kernel_tokens == xla_tokens
     for a, b in zip(kernel_pools, xla_pools):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_precision", ["k8v4-k4v2", "k8v4"])
+def test_kernel_prefill_dequantises_only_the_columns_its_rows_hold(kv_precision):
+    """The Pallas prefill reads a quantised pool as a dense history of its rows' table
+    columns: the runner passes the columns the rows' retained tokens need (a power of two,
+    at least an eighth of the table), not `max_model_len`'s, with the same step results as
+    the CPU path; decode steps keep the whole table (the decode kernel reads pages in
+    place)."""
+    max_pages = 128                        # 512 slots; the sequence holds at most 8 pages
+    kernel = _runner_steps(True, kv_precision, max_pages)
+    xla = _runner_steps(False, kv_precision, max_pages)
+    runner = kernel[3]
+    assert runner._table_widths(prefill=True) == [16, 32, 64, 128]
+    assert runner._table_widths(prefill=False) == [max_pages]
+    assert runner._table_width(27, prefill=True) == 16       # 7 pages
+    assert runner._table_width(27, prefill=False) == max_pages
+    assert runner._table_width(100 * 4, prefill=True) == 128
+    assert runner.prefill_widths == [16, 16]                  # both chunks
+    np.testing.assert_allclose(kernel[0], xla[0], rtol=1e-4, atol=1e-4)
+    assert kernel[1] == xla[1]
+    for a, b in zip(kernel[2], xla[2]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 

@@ -602,7 +602,7 @@ class ModelRunner:
         # The columns attention reads: the history's (the CPU path plans its writes from the
         # whole table after the loop), or the history's and the row's (kernels write in place).
         reach = int(hist.max()) + (0 if self.plans_prefill_writes else int(lens.max()))
-        return args, dict(table_width=self._table_width(reach))
+        return args, dict(table_width=self._table_width(reach, prefill=True))
 
     @property
     def plans_prefill_writes(self) -> bool:
@@ -776,30 +776,52 @@ class ModelRunner:
             return scores, jnp.full(keep.shape, count, jnp.int32)
         return scores, keep
 
-    def _table_width(self, max_tokens: int) -> int:
+    def _table_width(self, max_tokens: int, *, prefill: bool) -> int:
         """Block-table columns a step passes to attention when rows hold at most `max_tokens`
         retained tokens per group (history plus what the step writes).
 
-        The Pallas kernels read only the pages a row's length covers, and so does the CPU
-        path's attention (`xla_attention` walks a row's table in blocks and skips those past
-        its length): both get the whole table (one compiled shape). With precision tiers the
-        CPU path first gathers both tiers' pages of every column into one dense history
-        (`kv_quant.tiered_dense_history`): there the width is the pages `max_tokens` needs,
-        rounded up to a power of two (at least `_MIN_TABLE_WIDTH` pages), so a step reads what
-        its batch holds, not `max_model_len`, and few widths compile.
+        The Pallas decode kernel reads only the pages a row's length covers, and so does the
+        CPU path's attention (`xla_attention` walks a row's table in blocks and skips those
+        past its length): both get the whole table (one compiled shape). Where attention
+        first gathers every column of the rows' tables into a dense history
+        (`_reads_dense_history`: precision tiers on the CPU path, quantised pools in the
+        Pallas prefill), the width is the pages `max_tokens` needs, rounded up to a power of
+        two and at least `_dense_width_floor` pages, so a step dequantises what its rows hold,
+        not `max_model_len`, and few widths compile.
         """
         full = int(self.block_tables.shape[-1])
-        if self.ops.name == "pallas" or self.tiers is None:
+        if not self._reads_dense_history(prefill):
             return full
         pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
-        return min(full, max(_MIN_TABLE_WIDTH, backend.next_power_of_2(pages)))
+        return min(full, max(self._dense_width_floor, backend.next_power_of_2(pages)))
 
-    def _table_widths(self) -> list[int]:
-        """Every width `_table_width` returns (the shapes warm-up compiles)."""
+    def _table_widths(self, *, prefill: bool) -> list[int]:
+        """Every width `_table_width` returns for prefill (or decode) steps: the shapes
+        warm-up compiles."""
         full = int(self.block_tables.shape[-1])
-        if self.ops.name == "pallas" or self.tiers is None:
+        if not self._reads_dense_history(prefill):
             return [full]
-        return _doublings(_MIN_TABLE_WIDTH, full)
+        return _doublings(min(self._dense_width_floor, full), full)
+
+    def _reads_dense_history(self, prefill: bool) -> bool:
+        """Whether a step's attention gathers its rows' table columns into a dense history:
+        the CPU path over precision tiers (`kv_quant.tiered_dense_history`, prefill and
+        decode), and the Pallas prefill over a quantised or tiered pool (`prefill_attention.
+        dense_history`: the kernel reads one dense page format)."""
+        if self.ops.name == "pallas":
+            return prefill and (self.kv_format.quantised or self.tiers is not None)
+        return self.tiers is not None
+
+    @property
+    def _dense_width_floor(self) -> int:
+        """The narrowest dense-history width (pages): `_MIN_TABLE_WIDTH` on the CPU path; on
+        the Pallas path an eighth of the table (at most 4 widths a prefill shape compiles: the
+        8B model's prefill programs take seconds each to compile, and a dense history of an
+        eighth of `max_model_len` costs little beside a chunk's attention)."""
+        if self.ops.name != "pallas":
+            return _MIN_TABLE_WIDTH
+        return max(_MIN_TABLE_WIDTH,
+                   backend.next_power_of_2(max(1, int(self.block_tables.shape[-1]) // 8)))
 
     # ----- decode ---------------------------------------------------------------------------
     _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
@@ -898,7 +920,8 @@ class ModelRunner:
                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
                 np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced, adjust)
         return args, dict(split_map=split_map, logprobs=logprobs,
-                          table_width=self._table_width(int(np.max(lengths, initial=0)) + 1))
+                          table_width=self._table_width(int(np.max(lengths, initial=0)) + 1,
+                                                        prefill=False))
 
     def _decode_layer_attention(self, split_map) -> Callable:
         """One layer's decode attention (`_decode_attention`) run per device: ``attend(q, k, v,
@@ -1146,7 +1169,8 @@ class ModelRunner:
                        if b >= rows * row_alignment(self.prefill_tuning)] \
                 if self.prefill_whole_rows else self.chunk_token_buckets(rows)
             for num_tokens in buckets:
-                for width, targets in itertools.product(self._table_widths(), prompt_logprobs):
+                for width, targets in itertools.product(self._table_widths(prefill=True),
+                                                        prompt_logprobs):
                     args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
                                                            num_tokens)
                     extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
@@ -1166,7 +1190,7 @@ class ModelRunner:
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
                 logprobs=mode).compile()
         for bucket, mode in itertools.product(decode_buckets, logprob_modes):
-            for width in self._table_widths():
+            for width in self._table_widths(prefill=False):
                 args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
                 self._decode.lower(*args, **dict(static, table_width=width,
                                                  logprobs=mode)).compile()
