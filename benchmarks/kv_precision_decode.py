@@ -148,13 +148,12 @@ def tiered_case(key, precision, lens, batch):
 
 
 def _tuning(tuning) -> dict:
-    """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads[/lanes]]]]",
-    or "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs)."""
+    """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
+    "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs)."""
     if str(tuning) == "default":
         return {}
     parts = [int(x) for x in str(tuning).split("/")]
-    return dict(zip(("block_tokens", "num_warps", "num_stages", "heads_per_program", "lanes"),
-                    parts), **(
+    return dict(zip(("block_tokens", "num_warps", "num_stages", "heads_per_program"), parts), **(
         {"num_warps": 2} if len(parts) == 1 else {}))
 
 
@@ -208,7 +207,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
-    p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program[/lanes]]]] "
+    p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
                    "or 'default' (the library's per-format tuning), tried at the first config; "
                    "the best is used for the others")
     p.add_argument("--precisions",

@@ -73,18 +73,11 @@ def _rel_err(out, ref):
 def _work_lists(lengths, groups, shape=SHAPE):
     batch, _, g, _, _, ps, _, _, programs = shape
     budgets = np.array([[0.05, 0.1, 0.25, 0.85][-groups:]])
-    aot = sm.build_split_map(budgets, programs, batch, group_size=g).work_list(0)
     return {
-        "aot": aot,
+        "aot": sm.build_split_map(budgets, programs, batch, group_size=g).work_list(0),
         "uniform": sm.uniform_split_map(1, groups, 3).work_list(0),
         "runtime_planned": sm.plan_runtime_work(lengths, programs, ps, group_size=g),
-        "aot_lanes": aot,
     }
-
-
-# The kernel's tile rows as 4 lanes of query heads, each over a quarter of every block's tokens
-# (at GPU scale blocks of 64 tokens: a lane's product needs >= 16 tokens).
-LANES = dict(lanes=4, block_tokens=64 if GPU_SCALE else 16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -96,14 +89,12 @@ def test_decode_matches_reference_for_every_work_list(dtype, shape):
     block_tokens, q_per_kv = shape[7], shape[3]
     # Every kernel path: one KV head per program (2 stages: page ids loaded in the loop; 3
     # stages: page ids one block ahead), and all G heads of the group in one program.
-    # And 4 lanes of rows (`lanes`), each over its quarter of a block's tokens.
     paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
-             "runtime_planned": dict(heads_per_program=q.shape[2] // q_per_kv),
-             "aot_lanes": LANES}
+             "runtime_planned": dict(heads_per_program=q.shape[2] // q_per_kv)}
     for name, work in _work_lists(lengths, q.shape[1], shape).items():
         out = ragged_paged_decode_attention(q, k, v, tables, jnp.asarray(lengths),
-                                            work_list=work,
-                                            **{"block_tokens": block_tokens, **paths[name]})
+                                            work_list=work, block_tokens=block_tokens,
+                                            **paths[name])
         assert out.shape == q.shape and out.dtype == q.dtype
         err = _rel_err(out, ref)
         assert err < RTOL[dtype], f"{name}: relative error {err:.2e}"
@@ -184,10 +175,10 @@ def test_quantised_decode_matches_reference(precision, dtype):
     ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
     exact = ragged_paged_decode_attention_reference(q, k, v, tables, lens)
     paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
-             "runtime_planned": dict(heads_per_program=2), "aot_lanes": LANES}
+             "runtime_planned": dict(heads_per_program=2)}
     for name, work in _work_lists(lengths, q.shape[1], shape).items():
         out = ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work,
-                                            **{"block_tokens": shape[7], **paths[name]})
+                                            block_tokens=shape[7], **paths[name])
         assert out.shape == q.shape and out.dtype == q.dtype
         err = _rel_err(out, ref)
         assert err < RTOL[dtype], f"{name}: relative error {err:.2e}"

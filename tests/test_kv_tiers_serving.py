@@ -149,8 +149,7 @@ def test_tiered_decode_kernel_matches_reference():
         "aot_high_planned_low": (aot.tier_work_lists()[0][0], planned[1]),
     }
     paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
-             "runtime_planned": dict(heads_per_program=G),
-             "aot_high_planned_low": dict(lanes=4)}
+             "runtime_planned": dict(heads_per_program=G), "aot_high_planned_low": {}}
     for name, work in work_lists.items():
         got = decode_attention.ragged_paged_decode_attention(
             q, k, v, tables, lens, work_list=work, interpret=True, block_tokens=2 * PS,

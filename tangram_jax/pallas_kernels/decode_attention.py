@@ -172,7 +172,7 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple, minus_magic: bool) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   tier: int, num_tiers: int, compiled: bool, lanes: int):
+                   tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -238,13 +238,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                             * page_size)
 
     rows = q_ref.shape[-2]
-    # Row r of the tiles is query head r % lane_rows of lane r // lane_rows (`lanes`):
-    # lane i attends to tokens i*N .. (i+1)*N - 1 of every block, N = block_tokens / lanes.
-    lane_rows = rows // lanes
-    lane_tokens = block_tokens // lanes
-    row_lane = (jnp.arange(rows) // lane_rows)[:, None]                        # [rows, 1]
-    row_head = (jnp.arange(rows) % lane_rows)[:, None]
-    row_real = row_head < q_per_kv
+    row_real = jnp.arange(rows) < q_per_kv
+    row_ids = jnp.arange(rows)[:, None]
     # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
     head_ids = [jnp.int32(j) for j in range(heads)]
     # head_dim as the planes the keys / values are packed in (one plane when not quantised).
@@ -254,36 +249,22 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
               for p in range(k_planes)]
     v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
               for p in range(v_planes)]
-    if k_planes == 1 and lanes == 1:   # the whole head (a block load)
-        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real, other=0).astype(k_dtype)]
+    if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
+        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0).astype(k_dtype)]
               for j in head_ids]
-    else:                   # per head, planes [rows, d/n], each lane's rows the query heads
-        qs = [[plgpu.load(q_ref.at[group, j, row_head, cols], mask=row_real,
+    else:                   # per head, planes [rows, d/n]
+        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None],
                           other=0).astype(k_dtype)
                for cols in k_cols] for j in head_ids]
     # sum(q) per query row, what a key's zero point adds to its logit.
     q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
         if key_bits is not None else None
-    # Each lane's query operands: the rows of other lanes zeroed, so the lanes' products
-    # summed into one [rows, N] tile give each row its own lane's logits.
-    lane_qs = [[[jnp.where(row_lane == i, x, jnp.zeros_like(x)) if lanes > 1 else x
-                 for x in planes] for i in range(lanes)] for planes in qs]
-    offsets = [i * lane_tokens + jnp.arange(lane_tokens) for i in range(lanes)]
-    token_in_block = row_lane * lane_tokens + jnp.arange(lane_tokens)[None, :]  # [rows, N]
+    offsets = jnp.arange(block_tokens)
 
-    def by_lane(vectors):
-        """[rows, N] tile whose row r is vectors[lane of r] (lanes vectors [N])."""
-        tile = jnp.broadcast_to(vectors[0][None, :], (rows, lane_tokens))
-        for i in range(1, lanes):
-            tile = jnp.where(row_lane == i, vectors[i][None, :], tile)
-        return tile
-
-    def page_ids(block):                                           # lanes x [N] page ids
-        base = (first_block + block) * block_tokens
+    def page_ids(block):                                                     # [tokens]
+        token = (first_block + block) * block_tokens + offsets
         # Clamped: the prefetch reads one block past the share; those ids are never used.
-        return tuple(block_tables_ref[table_row,
-                                      jnp.minimum((base + o) // page_size, max_pages - 1)]
-                     for o in offsets)
+        return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
 
     def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic):
         """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
@@ -302,62 +283,51 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
         return planes, s, z
 
-    def attend(block, pages, states):
-        base = (first_block + block) * block_tokens
-        tokens = [base + o for o in offsets]
-        valid = [t < end_token for t in tokens]
+    def attend(block, page, states):
+        token = (first_block + block) * block_tokens + offsets
+        token_valid = token < end_token
         # The K/V tile is gathered as [tokens, head_dim] rows (one page id per token, each
         # page a contiguous run of page_size rows), so it lands in shared memory in the layout
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
+        slot = token % page_size
         # Key operands keep M (`key_offset` below); value operands do not: the products of
         # values accumulate over the whole share, and M times larger terms lost 4-15% of
         # near-uniform attention's small outputs (session 11).
-        ks = [[load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, t % page_size, ok,
-                         False) for page, t, ok in zip(pages, tokens, valid)]
-              for j in head_ids]
-        vs = [[load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, t % page_size, ok,
-                         True) for page, t, ok in zip(pages, tokens, valid)]
-              for j in head_ids]
-        row_valid = base + token_in_block < end_token                           # [rows, N]
+        ks = [load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, slot, token_valid,
+                        False) for j in head_ids]
+        vs = [load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, slot, token_valid,
+                        True) for j in head_ids]
         new = []
         for j in range(heads):
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
-            logits = None
-            for q_planes, (k_tile, _, _) in zip(lane_qs[j], ks[j]):
-                for qp, kp in zip(q_planes, k_tile):
-                    product = _dot(qp, kp.astype(qp.dtype), trans_b=True)
-                    logits = product if logits is None else logits + product
+            k_tile, k_scale, k_zero = ks[j]
+            v_tile, v_scale, v_zero = vs[j]
+            logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
+            for qp, kp in zip(qs[j][1:], k_tile[1:]):
+                logits = logits + _dot(qp, kp, trans_b=True)
             # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
             # into the per-token key scale and zero, which also absorb the operands' M:
             # s q.(M + c) + (z - M s) sum(q) = s q.c + z sum(q), per token not per code.
             if key_bits is not None:
-                logits = (logits * by_lane([s * log2_scale for _, s, _ in ks[j]])
+                logits = (logits * (k_scale * log2_scale)[None, :]
                           + q_sums[j][:, None]
-                          * by_lane([(z - key_offset * s) * log2_scale for _, s, z in ks[j]]))
+                          * ((k_zero - key_offset * k_scale) * log2_scale)[None, :])
             else:
                 logits = logits * log2_scale
-            logits = jnp.where(row_valid, logits, _MASK_VALUE)
+            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = backend.exp2(m_prev - m_next, fast=compiled)
             p = backend.exp2(logits - m_next[:, None], fast=compiled)
             l_next = correction * l_prev + p.sum(axis=-1)
             if value_bits is None:
-                weights, o_zero_next = p, o_zero_prev
+                weights, o_zero_next = p.astype(v_tile[0].dtype), o_zero_prev
             else:
-                weights = p * by_lane([s for _, s, _ in vs[j]])
-                o_zero_next = correction * o_zero_prev + \
-                    (p * by_lane([z for _, _, z in vs[j]])).sum(axis=-1)
-            # Each lane's values take only its rows' weights (the others zeroed).
-            lane_weights = [(jnp.where(row_lane == i, weights, 0.0) if lanes > 1 else weights)
-                            .astype(vs[j][i][0][0].dtype) for i in range(lanes)]
-            o_next = []
-            for plane, o in enumerate(o_prev):
-                o = correction[:, None] * o
-                for w, (v_tile, _, _) in zip(lane_weights, vs[j]):
-                    o = o + _dot(w, v_tile[plane])
-                o_next.append(o)
-            new.append((tuple(o_next), o_zero_next, m_next, l_next))
+                weights = (p * v_scale[None, :]).astype(v_dtype)
+                o_zero_next = correction * o_zero_prev + (p * v_zero[None, :]).sum(axis=-1)
+            o_next = tuple(correction[:, None] * o + _dot(weights, vp)
+                           for o, vp in zip(o_prev, v_tile))
+            new.append((o_next, o_zero_next, m_next, l_next))
         return tuple(new)
 
     init = tuple((tuple(jnp.zeros((rows, head_dim // v_planes), jnp.float32)
@@ -381,12 +351,13 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         denominator = jnp.where(has_tokens, l, 1.0)[:, None]
         lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
                         -jnp.inf)
-        # Row r is (lane r // lane_rows, head r % lane_rows): partial item `lane` of this one.
-        for o, cols in zip(o_planes, v_cols):
-            if value_bits is not None:
-                o = o + o_zero[:, None]
-            plgpu.store(o_ref.at[row_lane, j, row_head, cols], o / denominator, mask=row_real)
-        plgpu.store(lse_ref.at[row_lane[:, 0], j, row_head[:, 0]], lse, mask=row_real[:, 0])
+        if value_bits is None:
+            plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
+        else:
+            for o, cols in zip(o_planes, v_cols):
+                plgpu.store(o_ref.at[j, row_ids, cols], (o + o_zero[:, None]) / denominator,
+                            mask=row_real[:, None])
+        plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
 
 def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int,
@@ -506,24 +477,21 @@ def _work_spec(work):
     return pl.BlockSpec((None, *work.shape[1:]), lambda b, *_: (b, 0, 0))
 
 
-_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program",
-           "lanes")
+_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens: int, num_warps: int, num_stages: int,
-                    heads_per_program: int = 1, lanes: int = 1, tier: int = 0,
-                    num_tiers: int = 1):
+                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1):
     """The kernel alone (one launch over one pool): per work item normalised partial outputs
     and log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
     with precision tiers the pool of tier `tier` of `num_tiers`, whose block-table rows and
     lengths are ``num_tiers * g + tier`` of `block_tables` [batch, num_tiers * groups,
     max_pages] and `lengths` [batch, num_tiers * groups].
 
-    Returns (o_part f32 [batch, items * lanes, G, q_per_kv, d], lse f32 [batch, items * lanes,
-    G, q_per_kv], work [items * lanes, 3] or [batch, items * lanes, 3]: each item's row
-    repeated for its lanes' partials). `ragged_paged_decode_attention` merges them."""
+    Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
+    work as given). `ragged_paged_decode_attention` merges them."""
     batch, num_groups, q_rows, head_dim = q.shape
     _, group_size, page_size, _ = k_pages.shape
     q_per_kv = q_rows // group_size
@@ -535,15 +503,12 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     heads = heads_per_program
     if group_size % heads:
         raise ValueError(f"heads_per_program {heads} must divide G={group_size}")
-    if lanes < 1 or rows % lanes or rows // lanes < q_per_kv or block_tokens % lanes:
-        raise ValueError(f"lanes {lanes} must divide the {rows} tile rows into lanes of at "
-                         f"least q_per_kv={q_per_kv} rows and block_tokens={block_tokens}")
 
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
-                               num_tiers=num_tiers, compiled=not interpret, lanes=lanes)
+                               num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
     page_arrays = (*_page_inputs(k_pages), *_page_inputs(v_pages))
@@ -551,10 +516,9 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                lambda b, i, j, nd=a.ndim: (0, j) + (0,) * (nd - 2))
                   for a in page_arrays]
     # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
-    # power of two, >= 16 for the matrix unit) and mask the rest on load and store. The
-    # partials have an axis of lanes (each lane's rows a partial result of its own tokens).
+    # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
-    o_part, lse_part = pl.pallas_call(
+    return *pl.pallas_call(
         kernel,
         grid=(batch, num_items, group_size // heads),
         in_specs=[
@@ -566,23 +530,18 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
             *page_specs,
         ],
         out_specs=[
-            pl.BlockSpec((None, None, lanes, heads, rows // lanes, head_dim),
-                         lambda b, i, j: (b, i, 0, j, 0, 0)),
-            pl.BlockSpec((None, None, lanes, heads, rows // lanes),
-                         lambda b, i, j: (b, i, 0, j, 0)),
+            pl.BlockSpec((None, None, heads, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
+            pl.BlockSpec((None, None, heads, rows), lambda b, i, j: (b, i, j, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, num_items, lanes, group_size, q_per_kv, head_dim),
+            jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv, head_dim),
                                  jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_items, lanes, group_size, q_per_kv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
-    )(work, lengths, block_tables, q, *page_arrays)
-    return (o_part.reshape(batch, num_items * lanes, group_size, q_per_kv, head_dim),
-            lse_part.reshape(batch, num_items * lanes, group_size, q_per_kv),
-            jnp.repeat(work, lanes, axis=-2) if lanes > 1 else work)
+    )(work, lengths, block_tables, q, *page_arrays), work
 
 
 def _concat_work(works) -> jax.Array:
@@ -659,8 +618,7 @@ def _decode(q, tier_pools, block_tables, lengths, works, *, block_tokens, num_wa
                                      block_tokens=block_tokens or tuned[0],
                                      num_warps=num_warps or tuned[1], **kwargs))
     o_part, lse_part = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
-    return merge_partials_pallas(o_part, lse_part, _concat_work([p[2] for p in parts]),
-                                 num_groups=q.shape[1],
+    return merge_partials_pallas(o_part, lse_part, _concat_work(works), num_groups=q.shape[1],
                                  out_dtype=q.dtype, interpret=kwargs["interpret"])
 
 
@@ -668,7 +626,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   interpret: bool | None = None,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
-                                  heads_per_program: int = 1, lanes: int = 1) -> jax.Array:
+                                  heads_per_program: int = 1) -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers one per tier's pool), then the merge launch.
 
@@ -703,7 +661,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     return _decode(q, tier_pools, block_tables, lengths, works,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
-                   heads_per_program=heads_per_program, lanes=lanes)
+                   heads_per_program=heads_per_program)
 
 
 @jax.jit
