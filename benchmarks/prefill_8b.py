@@ -341,9 +341,9 @@ def runner_part(args, roofline_tflops: float, save=lambda rows: None) -> list[di
             calls = []
             orig = runner.prefill
 
-            def recording(tok, starts, slots, hists, protected=None, _orig=orig, _calls=calls):
+            def recording(tok, starts, slots, hists, *args, _orig=orig, _calls=calls, **kwargs):
                 _calls.append(([len(t) for t in tok], [np.asarray(h) for h in hists]))
-                return _orig(tok, starts, slots, hists, protected)
+                return _orig(tok, starts, slots, hists, *args, **kwargs)
             runner.prefill = recording
             t0 = time.perf_counter()
             prefill_turn(runner, scheduler, manager, tokens, f"t{turn}", 1)
