@@ -181,8 +181,15 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         @jax.jit
         def block(qs, k_pages, v_pages, kw=_tuning(tuning)):
             return [attend(qs[i], k_pages, v_pages, tbl, lens, **kw) for i in range(CALLS)]
-        t = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+        try:
+            t = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+        except Exception as e:   # e.g. a tuning needing more shared memory than an SM has
+            entry.setdefault("failed_tunings", {})[str(tuning)] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{precision} {tuning}: FAILED {e!r}"[:500], flush=True)
+            continue
         entry["by_block_tokens"][str(tuning)] = t
+    if not entry["by_block_tokens"]:
+        raise RuntimeError(f"every tuning failed: {entry['failed_tunings']}")
     best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
     entry["block_tokens"] = best
     entry["time_s"] = entry["by_block_tokens"][best]
