@@ -815,13 +815,14 @@ class ModelRunner:
     @property
     def _dense_width_floor(self) -> int:
         """The narrowest dense-history width (pages): `_MIN_TABLE_WIDTH` on the CPU path; on
-        the Pallas path an eighth of the table (at most 4 widths a prefill shape compiles: the
-        8B model's prefill programs take seconds each to compile, and a dense history of an
-        eighth of `max_model_len` costs little beside a chunk's attention)."""
+        the Pallas path an eighth of the table rounded up to a power of two (at most 4 widths a
+        prefill shape compiles: each adds seconds of warm-up on the 8B model, 50-120 s in all
+        on an H100, and a dense history of an eighth of `max_model_len` costs little beside a
+        chunk's attention)."""
         if self.ops.name != "pallas":
             return _MIN_TABLE_WIDTH
         return max(_MIN_TABLE_WIDTH,
-                   backend.next_power_of_2(max(1, int(self.block_tables.shape[-1]) // 8)))
+                   backend.next_power_of_2(-(-int(self.block_tables.shape[-1]) // 8)))
 
     # ----- decode ---------------------------------------------------------------------------
     _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
