@@ -45,7 +45,7 @@ from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_att
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
 BUDGETS = np.array([[0.2, 0.4, 0.6, 0.8]])
-NUM_PROGRAMS = 132 * 4
+NUM_PROGRAMS = 132 * 4          # the split map's program target (--num-programs)
 CALLS = 8
 DTYPE = jnp.bfloat16
 TIER_HIGH_SHARE = 0.5
@@ -88,22 +88,25 @@ def random_pool(key, num_pages: int, bits: int | None):
                                dtype=jnp.dtype(DTYPE))
 
 
-def run_config(key, batch, context, block_tokens_by_precision, correctness_rows):
+def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
+               num_programs=NUM_PROGRAMS):
     lengths, tables, num_pages = make_case(key, batch, context)
     groups = lengths.shape[1]
-    work = sm.build_split_map(BUDGETS, NUM_PROGRAMS, batch, group_size=GROUP_SIZE).work_list(0)
+    work = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE).work_list(0)
     slots = int(lengths.sum()) * GROUP_SIZE
     qs = jax.random.normal(jax.random.fold_in(key, 1),
                            (CALLS, batch, groups, GROUP_SIZE * NUM_Q_HEADS // NUM_KV_HEADS,
                             HEAD_DIM), DTYPE)
-    out = {"batch": batch, "context": context, "retained_slots": slots,
+    out = {"batch": batch, "context": context, "num_programs": num_programs,
+           "retained_slots": slots,
            "lengths_per_group": lengths[0].tolist(), "num_pages": num_pages, "formats": {}}
     lens = jnp.asarray(lengths)
     tbl = jnp.asarray(tables)
     for precision, block_list in block_tokens_by_precision.items():
         try:
             out["formats"][precision] = _measure(key, precision, block_list, num_pages, slots,
-                                                 qs, tbl, lens, work, correctness_rows)
+                                                 qs, tbl, lens, work, correctness_rows,
+                                                 num_programs)
         except Exception as e:   # a format that fails to compile or run is reported, not fatal
             out["formats"][precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"batch {batch} ctx {context} {precision}: FAILED {e!r}"[:2000], flush=True)
@@ -117,7 +120,7 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows)
     return out
 
 
-def tiered_case(key, precision, lens, batch):
+def tiered_case(key, precision, lens, batch, num_programs=NUM_PROGRAMS):
     """The same retained tokens as tier groups: (k, v `kv_quant.TieredPages`, tables [batch,
     2 groups, max_pages], lengths [batch, 2 groups], the (high, low) work lists, bytes read).
     Each tier pool holds exactly its tier's pages (shuffled), the high tier `TIER_HIGH_SHARE`
@@ -139,7 +142,7 @@ def tiered_case(key, precision, lens, batch):
     # As the engine builds them (`llm_engine.decode_split_map`).
     smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
                                    tuple(slot_bytes(t) for t in PRECISION_TIERS[precision]),
-                                   NUM_PROGRAMS, batch, group_size=GROUP_SIZE)
+                                   num_programs, batch, group_size=GROUP_SIZE)
     read = GROUP_SIZE * sum(int(tier_lens[:, t::2].sum()) * slot_bytes(tier)
                             for t, tier in enumerate(PRECISION_TIERS[precision]))
     return (kv_quant.TieredPages(k_hi, k_lo), kv_quant.TieredPages(v_hi, v_lo),
@@ -158,10 +161,11 @@ def _tuning(tuning) -> dict:
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
-             correctness_rows):
+             correctness_rows, num_programs=NUM_PROGRAMS):
     """One format's entry: time per launch for each block size, the best, bandwidth, check."""
     if precision in PRECISION_TIERS:
-        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1])
+        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1],
+                                                              num_programs)
     else:
         fmt = kv_quant.page_format(precision)
         kk, vk = jax.random.split(jax.random.fold_in(
@@ -219,6 +223,8 @@ def main(argv=None):
                    "the best is used for the others")
     p.add_argument("--precisions",
                    default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
+    p.add_argument("--num-programs", type=int, default=NUM_PROGRAMS,
+                   help="the AOT split map's program target (the engine's default: 528)")
     p.add_argument("--baseline-sweep", default=None,
                    help="tunings tried for bf16 (default: --sweep)")
     args = p.parse_args(argv)
@@ -236,7 +242,8 @@ def main(argv=None):
             if chosen is None else \
             {p: [chosen[p]] for p in precisions}
         res = run_config(jax.random.fold_in(key, i), batch, context, blocks,
-                         correctness_rows=4 if context <= 32768 else 0)
+                         correctness_rows=4 if context <= 32768 else 0,
+                         num_programs=args.num_programs)
         if chosen is None:
             chosen = {p: e.get("block_tokens", sweep[0]) for p, e in res["formats"].items()}
         results.append(res)
