@@ -89,7 +89,7 @@ def random_pool(key, num_pages: int, bits: int | None):
 
 
 def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
-               num_programs=NUM_PROGRAMS):
+               num_programs):
     lengths, tables, num_pages = make_case(key, batch, context)
     groups = lengths.shape[1]
     work = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE).work_list(0)
@@ -120,7 +120,7 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
     return out
 
 
-def tiered_case(key, precision, lens, batch, num_programs=NUM_PROGRAMS):
+def tiered_case(key, precision, lens, batch, num_programs):
     """The same retained tokens as tier groups: (k, v `kv_quant.TieredPages`, tables [batch,
     2 groups, max_pages], lengths [batch, 2 groups], the (high, low) work lists, bytes read).
     Each tier pool holds exactly its tier's pages (shuffled), the high tier `TIER_HIGH_SHARE`
@@ -161,7 +161,7 @@ def _tuning(tuning) -> dict:
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
-             correctness_rows, num_programs=NUM_PROGRAMS):
+             correctness_rows, num_programs):
     """One format's entry: time per launch for each block size, the best, bandwidth, check."""
     if precision in PRECISION_TIERS:
         k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1],

@@ -293,7 +293,7 @@ def test_tiny_engine_serves_tiers(tiny_folder):
 def _runner_steps(use_kernels: bool, kv_precision: str = "k8v4-k4v2", max_pages: int = 16):
     """A tiny random model's runner over quantised pools (precision tiers: `kv_precision`
     ``k8v4-k4v2``), block tables of `max_pages` columns: two prefill chunks of one sequence,
-    then three decode steps (the first crosses a page of the high tier). Returns (prefill
+    then three decode steps (the first crosses a page: of the high tier with tiers). Returns (prefill
     logits, decoded tokens, every pool dequantised, the runner; its `prefill_widths` lists
     the table width of each prefill call)."""
     from flax import nnx

@@ -605,12 +605,16 @@ class ModelRunner:
         return args, dict(table_width=self._table_width(reach, prefill=True))
 
     @property
+    def dense_pool(self) -> bool:
+        """Whether the pool holds pages of values (bf16), not quantised codes or tiers."""
+        return not self.kv_format.quantised and self.tiers is None
+
+    @property
     def plans_prefill_writes(self) -> bool:
         """Whether prefill plans its K/V writes and scatters them after the layer loop (the CPU
         path: writing inside the loop made XLA copy the whole pool every layer) rather than
         writing in place. Plans are of dense (bf16) pools on one device."""
-        return (self.ops.plan_writes is not None and self.placement.tp == 1
-                and not self.kv_format.quantised and self.tiers is None)
+        return self.ops.plan_writes is not None and self.placement.tp == 1 and self.dense_pool
 
     def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
                       hist_lengths: np.ndarray,
@@ -809,7 +813,7 @@ class ModelRunner:
         decode), and the Pallas prefill over a quantised or tiered pool (`prefill_attention.
         dense_history`: the kernel reads one dense page format)."""
         if self.ops.name == "pallas":
-            return prefill and (self.kv_format.quantised or self.tiers is not None)
+            return prefill and not self.dense_pool
         return self.tiers is not None
 
     @property
