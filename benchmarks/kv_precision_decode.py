@@ -39,13 +39,14 @@ from tangram_jax.benchmarking.timing import wall_quantiles
 from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
-from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
+from tangram_jax.pallas_kernels.decode_attention import (decode_programs,
+                                                         ragged_paged_decode_attention,
                                                          ragged_paged_decode_attention_reference)
 
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
 BUDGETS = np.array([[0.2, 0.4, 0.6, 0.8]])
-NUM_PROGRAMS = 132 * 4          # the split map's program target (--num-programs)
+NUM_PROGRAMS = 132 * 4          # the engine's num_programs (--num-programs)
 CALLS = 8
 DTYPE = jnp.bfloat16
 TIER_HIGH_SHARE = 0.5
@@ -88,25 +89,36 @@ def random_pool(key, num_pages: int, bits: int | None):
                                dtype=jnp.dtype(DTYPE))
 
 
+def programs_of(precision: str, num_programs: int, program_scale: str) -> int:
+    """The split map's program target of `precision`: the engine's (`decode_programs`: the
+    format's measured multiple of num_programs) with `program_scale` "auto", else num_programs
+    times that integer for every format."""
+    if program_scale == "auto":
+        return decode_programs(precision, num_programs)
+    return num_programs * int(program_scale)
+
+
 def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
-               num_programs):
+               num_programs, program_scale="auto"):
     lengths, tables, num_pages = make_case(key, batch, context)
     groups = lengths.shape[1]
-    work = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE).work_list(0)
     slots = int(lengths.sum()) * GROUP_SIZE
     qs = jax.random.normal(jax.random.fold_in(key, 1),
                            (CALLS, batch, groups, GROUP_SIZE * NUM_Q_HEADS // NUM_KV_HEADS,
                             HEAD_DIM), DTYPE)
     out = {"batch": batch, "context": context, "num_programs": num_programs,
+           "program_scale": program_scale,
            "retained_slots": slots,
            "lengths_per_group": lengths[0].tolist(), "num_pages": num_pages, "formats": {}}
     lens = jnp.asarray(lengths)
     tbl = jnp.asarray(tables)
     for precision, block_list in block_tokens_by_precision.items():
+        programs = programs_of(precision, num_programs, program_scale)
+        work = sm.build_split_map(BUDGETS, programs, batch, group_size=GROUP_SIZE).work_list(0)
         try:
             out["formats"][precision] = _measure(key, precision, block_list, num_pages, slots,
                                                  qs, tbl, lens, work, correctness_rows,
-                                                 num_programs)
+                                                 programs)
         except Exception as e:   # a format that fails to compile or run is reported, not fatal
             out["formats"][precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"batch {batch} ctx {context} {precision}: FAILED {e!r}"[:2000], flush=True)
@@ -180,7 +192,8 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
     # Kernel launches a layer's decode attention makes (pallas_calls in its program).
     launches = str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, tbl, lens))(
         qs[0], k_pages, v_pages)).count("pallas_call[")
-    entry = {"bytes_read": read, "launches": launches, "by_block_tokens": {}}
+    entry = {"bytes_read": read, "launches": launches, "num_programs": num_programs,
+             "by_block_tokens": {}}
     for tuning in block_list:            # "block_tokens[/num_warps[/num_stages]]"
         @jax.jit
         def block(qs, k_pages, v_pages, kw=_tuning(tuning)):
@@ -224,7 +237,11 @@ def main(argv=None):
     p.add_argument("--precisions",
                    default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--num-programs", type=int, default=NUM_PROGRAMS,
-                   help="the AOT split map's program target (the engine's default: 528)")
+                   help="the engine's num_programs (default 528)")
+    p.add_argument("--program-scale", default="auto",
+                   help="'auto': each format's split map sized as the engine sizes it "
+                   "(decode_attention.DECODE_PROGRAM_SCALE); an integer N: num_programs x N "
+                   "for every format")
     p.add_argument("--baseline-sweep", default=None,
                    help="tunings tried for bf16 (default: --sweep)")
     args = p.parse_args(argv)
@@ -243,7 +260,7 @@ def main(argv=None):
             {p: [chosen[p]] for p in precisions}
         res = run_config(jax.random.fold_in(key, i), batch, context, blocks,
                          correctness_rows=4 if context <= 32768 else 0,
-                         num_programs=args.num_programs)
+                         num_programs=args.num_programs, program_scale=args.program_scale)
         if chosen is None:
             chosen = {p: e.get("block_tokens", sweep[0]) for p, e in res["formats"].items()}
         results.append(res)

@@ -7,6 +7,7 @@ import pytest
 
 from tangram_jax import LLM, kv_quant
 from tangram_jax.engine.config import EngineConfig, EngineConfigError
+from tangram_jax.engine.llm_engine import decode_split_map
 from tangram_jax.sampling import SamplingParams
 
 from tiny_engine import build_tiny_model, tiny_engine_config
@@ -47,6 +48,16 @@ def test_tiny_engine_runs_every_precision(tiny_folder, mode, precisions):
             assert isinstance(pages, kv_quant.QuantPages) == (bits is not None)
             assert bits is None or pages.bits == bits
         page_bytes[precision] = runner.kv_bytes_per_page
+        # The decode split maps are sized for the format's program target.
+        engine = llm.engine
+        assert runner.split_maps == {b: decode_split_map(
+            engine.layout, engine.model_config, None, engine.config.num_programs, b,
+            group_size=engine.layout.group_size, kv_precision=precision)
+            for b in runner.split_maps}
+        if precision == "k8v4" and mode == "tangram":
+            assert runner.split_maps != {b: decode_split_map(
+                engine.layout, engine.model_config, None, engine.config.num_programs, b,
+                group_size=engine.layout.group_size) for b in runner.split_maps}
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                             use_tqdm=False)
         outputs[precision] = _greedy_ids(outs)

@@ -46,6 +46,7 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
 from tangram_jax import kv_quant
 from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
+from tangram_jax.pallas_kernels.decode_attention import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
                                                    uniform_split_map)
 from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
@@ -261,14 +262,15 @@ def _copy_pages(k_pages, v_pages, src, dst):
 
 
 def decode_split_map(layout, model_config, dtype, num_programs: int, batch: int, *,
-                     group_size: int):
+                     group_size: int, kv_precision: str = "bf16"):
     """The AOT split map of decode bucket `batch`: over the layout's groups weighed by their
-    budgets (every group holds one page format), or, with precision tiers, over its tier groups
-    weighed by the bytes each is expected to read (`build_tier_split_map`: each tier is read by
-    its own launch). group_size: the KV heads of a group on one device."""
+    budgets (every group holds one page format, `kv_precision`, whose measured program target
+    `decode_programs` sizes the map), or, with precision tiers, over its tier groups weighed by
+    the bytes each is expected to read (`build_tier_split_map`: each tier is read by its own
+    launch). group_size: the KV heads of a group on one device."""
     if not isinstance(layout, TieredLayout):
-        return build_split_map(layout.group_budgets, num_programs, batch,
-                               group_size=group_size)
+        return build_split_map(layout.group_budgets, decode_programs(kv_precision, num_programs),
+                               batch, group_size=group_size)
     tier_bytes = tuple(kv_quant.page_bytes(kv_quant.page_format(t), 1, 1,
                                            model_config.head_dim, jnp.dtype(dtype))
                        for t in layout.tiers)
@@ -328,7 +330,8 @@ class Engine:
         # Each device attends over its share of every group's heads (tensor parallelism).
         split_maps = {b: decode_split_map(self.layout, mc, loaded.model.dtype, cfg.num_programs,
                                           b, group_size=self.layout.group_size
-                                          // cfg.tensor_parallel_size) for b in buckets}
+                                          // cfg.tensor_parallel_size,
+                                          kv_precision=cfg.kv_precision) for b in buckets}
         if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
             split_maps = {b: dataclasses.replace(
                 uniform_split_map(mc.num_layers, m.num_groups, max(1, m.num_items // m.num_groups),

@@ -596,6 +596,21 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 # quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B).
 DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (128, 4), "k4v2": (256, 4)}
 
+# Programs a decode launch's split map is sized for, as a multiple of the engine's
+# `num_programs`, by page format. Measured on an H100 at 32 x 32k (results/
+# kv_precision_decode_num_programs.json): K8V8 and K8V4 11% and 9% faster at 2x (more, smaller
+# items even out the SMs' last wave), bf16 fastest at 1x, K4V2 7% faster at 4x but 17% slower
+# at 2x (its 256-token blocks cut a group's shares unevenly), so it stays at 1x. At batch 64
+# the AOT map's items are set by the budgets' spread (`split_map`: sum r / min r), the same at
+# 1x and 2x. Precision tiers (two launches of different formats over one map) keep 1x.
+DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 2, "k4v2": 1}
+
+
+def decode_programs(kv_precision: str, num_programs: int) -> int:
+    """The program target of `kv_precision`'s decode split maps: `num_programs` (the engine's
+    setting) times the format's `DECODE_PROGRAM_SCALE` (1 for precision tiers)."""
+    return num_programs * DECODE_PROGRAM_SCALE.get(kv_precision, 1)
+
 
 def decode_tuning(k_pages, v_pages) -> tuple[int, int]:
     """(block_tokens, num_warps) of `DECODE_TUNING` for a pool's page format (one pool: with
