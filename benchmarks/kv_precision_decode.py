@@ -72,8 +72,8 @@ def make_case(key, batch: int, context: int):
     return np.ascontiguousarray(lengths), tables.astype(np.int32), num_pages
 
 
-def random_pool(key, num_pages: int, bits: int | None):
-    """A K or V pool of random contents in the format of `bits`."""
+def random_pool(key, num_pages: int, bits: int | None, groups: int = 1):
+    """A K or V pool of random contents in the format of `bits` (`groups` scales a row)."""
     shape = (num_pages, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)
     if bits is None:
         return jax.random.normal(key, shape, DTYPE)
@@ -83,10 +83,11 @@ def random_pool(key, num_pages: int, bits: int | None):
     # (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
     words = jax.random.bits(k1, (*shape[:-1], pd // 4), jnp.uint32)
     codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape[:-1], pd)
-    scale = jax.random.uniform(k2, shape[:-1], jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
-    zero = jax.random.uniform(k3, shape[:-1], jnp.float32, -1.5, -0.5)
+    scales = shape[:-1] + ((groups,) if groups > 1 else ())
+    scale = jax.random.uniform(k2, scales, jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
+    zero = jax.random.uniform(k3, scales, jnp.float32, -1.5, -0.5)
     return kv_quant.QuantPages(codes=codes, scale=scale, zero=zero, bits=bits,
-                               dtype=jnp.dtype(DTYPE))
+                               dtype=jnp.dtype(DTYPE), groups=groups)
 
 
 def programs_of(precision: str, num_programs: int, program_scale: str) -> int:
@@ -149,7 +150,8 @@ def tiered_case(key, precision, lens, batch, num_programs):
     for i, tier in enumerate(PRECISION_TIERS[precision]):
         fmt = kv_quant.page_format(tier)
         kk, vk = jax.random.split(jax.random.fold_in(key, 200 + i))
-        pools.append((random_pool(kk, pages, fmt.key_bits), random_pool(vk, pages, fmt.value_bits)))
+        pools.append((random_pool(kk, pages, fmt.key_bits),
+                      random_pool(vk, pages, fmt.value_bits, fmt.value_groups)))
     (k_hi, v_hi), (k_lo, v_lo) = pools
     # As the engine builds them (`llm_engine.decode_split_map`).
     smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
@@ -183,7 +185,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         kk, vk = jax.random.split(jax.random.fold_in(
             key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
         k_pages = random_pool(kk, num_pages, fmt.key_bits)
-        v_pages = random_pool(vk, num_pages, fmt.value_bits)
+        v_pages = random_pool(vk, num_pages, fmt.value_bits, fmt.value_groups)
         read = slots * slot_bytes(precision)
 
     def attend(q, k, v, t, n, **kw):

@@ -28,9 +28,16 @@ p (``(byte >> p*bits) & L``) is then the contiguous slice ``[p d/n, (p+1) d/n)``
 so a kernel unpacks with shifts and masks and multiplies plane by plane against the matching
 slice of q (or writes the matching slice of the output): no interleaving shuffles.
 
+Value groups (K8V4's values): a row may be quantised as ``groups`` equal slices of head_dim,
+each with its own scale and zero (KIVI-style group quantisation); with the plane layout below
+at ``groups = 8 // bits`` a group is exactly a plane, so kernels weigh each plane's product by
+its own scale. Scale and zero then carry a trailing ``[groups]`` axis. K8V4 stores its 4-bit
+values in 2 groups: one scale over the whole head lost 2-3 points of variable tracking
+against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14), K8V8 none.
+
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8
 [num_pages, G, page_size, head_dim * bits / 8]``, ``scale, zero float32 [num_pages, G,
-page_size]``; its `shape` is the logical ``[num_pages, G, page_size, head_dim]`` and its `dtype`
+page_size]`` (``[..., groups]`` with value groups); its `shape` is the logical ``[num_pages, G, page_size, head_dim]`` and its `dtype`
 the dtype values come back in, so code that only reads shapes treats both kinds of pool alike.
 Within a precision every page has the same bytes (one pool serves every layer and group).
 """
@@ -55,6 +62,7 @@ class PageFormat:
     name: str
     key_bits: int | None
     value_bits: int | None
+    value_groups: int = 1     # scale / zero groups of a value row (module docstring)
 
     @property
     def quantised(self) -> bool:
@@ -64,7 +72,7 @@ class PageFormat:
 PAGE_FORMATS = {
     "bf16": PageFormat("bf16", None, None),
     "k8v8": PageFormat("k8v8", 8, 8),
-    "k8v4": PageFormat("k8v4", 8, 4),
+    "k8v4": PageFormat("k8v4", 8, 4, value_groups=2),
     "k4v2": PageFormat("k4v2", 4, 2),
 }
 
@@ -95,23 +103,40 @@ def packed_dim(head_dim: int, bits: int) -> int:
     return head_dim // n
 
 
-def quantise(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Quantise rows of the last axis.
+def _check_groups(groups, head_dim: int) -> int:
+    if int(groups) != groups or groups < 1 or head_dim % groups:
+        raise ValueError(f"groups must be a positive divisor of head_dim {head_dim}, got "
+                         f"{groups!r}")
+    return int(groups)
+
+
+def _grouped(x: jax.Array, groups: int) -> jax.Array:
+    """[..., d] -> [..., groups, d / groups]."""
+    return x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+
+
+def quantise(x: jax.Array, bits: int, groups: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantise rows of the last axis, each in `groups` equal slices with their own scale and
+    zero.
 
     x: float [..., d]. Returns (codes uint8 [..., d * bits / 8] (plane layout), scale float32
-    [...], zero float32 [...]).
+    [...], zero float32 [...]; scale and zero [..., groups] when groups > 1).
     """
     bits = _check_bits(bits)
     levels = (1 << bits) - 1
     n = 8 // bits
     d = x.shape[-1]
     packed_dim(d, bits)
-    x = x.astype(jnp.float32)
+    groups = _check_groups(groups, d)
+    x = _grouped(x.astype(jnp.float32), groups)                        # [..., groups, d/g]
     lo = x.min(axis=-1)
     hi = x.max(axis=-1)
     scale = (hi - lo) / levels
     safe = jnp.where(scale > 0, scale, 1.0)
     codes = jnp.clip(jnp.round((x - lo[..., None]) / safe[..., None]), 0, levels).astype(jnp.uint8)
+    codes = codes.reshape(*codes.shape[:-2], d)
+    if groups == 1:
+        scale, lo = scale[..., 0], lo[..., 0]
     planes = codes.reshape(*codes.shape[:-1], n, d // n)              # [..., plane, d/n]
     shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
     # The planes' bits do not overlap, so their sum is their bitwise or.
@@ -132,19 +157,22 @@ def unpack(codes: jax.Array, bits: int) -> jax.Array:
 
 def dequantise(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
                dtype=jnp.float32) -> jax.Array:
-    """codes uint8 [..., d*bits/8], scale/zero [...] -> values [..., d] in `dtype` (computed in
-    float32)."""
-    values = unpack(codes, bits).astype(jnp.float32) * scale[..., None] + zero[..., None]
-    return values.astype(dtype)
+    """codes uint8 [..., d*bits/8], scale/zero [...] (or [..., groups]: one more axis than
+    the codes' leading ones) -> values [..., d] in `dtype` (computed in float32)."""
+    values = unpack(codes, bits).astype(jnp.float32)
+    if scale.ndim == codes.ndim:                                        # value groups
+        grouped = _grouped(values, scale.shape[-1]) * scale[..., None] + zero[..., None]
+        return grouped.reshape(values.shape).astype(dtype)
+    return (values * scale[..., None] + zero[..., None]).astype(dtype)
 
 
-def error_bound(x: jax.Array, bits: int) -> jax.Array:
-    """Largest |x - dequantise(quantise(x))| the format allows per row of x [..., d] -> [...]
-    (the module docstring's bound)."""
+def error_bound(x: jax.Array, bits: int, groups: int = 1) -> jax.Array:
+    """Largest |x - dequantise(quantise(x, bits, groups))| the format allows per row of x
+    [..., d] -> [...] (the module docstring's bound; with groups the largest group's)."""
     levels = (1 << _check_bits(bits)) - 1
-    x = jnp.asarray(x, jnp.float32)
+    x = _grouped(jnp.asarray(x, jnp.float32), _check_groups(groups, x.shape[-1]))
     spread = x.max(axis=-1) - x.min(axis=-1)
-    return spread / (2 * levels) + 4 * _EPS32 * jnp.abs(x).max(axis=-1)
+    return (spread / (2 * levels) + 4 * _EPS32 * jnp.abs(x).max(axis=-1)).max(axis=-1)
 
 
 # ----- pages ---------------------------------------------------------------------------------
@@ -152,14 +180,17 @@ def error_bound(x: jax.Array, bits: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class QuantPages:
     """A quantised K (or V) pool: codes uint8 [num_pages, G, page_size, head_dim*bits/8],
-    scale and zero float32 [num_pages, G, page_size]. A pytree (jit, donation and scan carry
-    it like an array); `bits` and `dtype` (what dequantised values come back as) are static."""
+    scale and zero float32 [num_pages, G, page_size] (with `groups` > 1: [..., groups], a
+    scale and zero per group of head_dim / groups dims, the plane of that index when groups
+    equals the planes). A pytree (jit, donation and scan carry it like an array); `bits`,
+    `dtype` (what dequantised values come back as) and `groups` are static."""
 
     codes: jax.Array
     scale: jax.Array
     zero: jax.Array
     bits: int
     dtype: np.dtype
+    groups: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -177,21 +208,23 @@ class QuantPages:
 
 
 jax.tree_util.register_dataclass(QuantPages, data_fields=["codes", "scale", "zero"],
-                                 meta_fields=["bits", "dtype"])
+                                 meta_fields=["bits", "dtype", "groups"])
 
 Pages = jax.Array | QuantPages
 
 
-def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros) -> Pages:
+def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int = 1) -> Pages:
     """A K or V pool of logical shape [num_pages, G, page_size, head_dim]: an array of `dtype`
-    (bits None) or `QuantPages`. `make(shape, dtype)` builds each leaf: `jnp.zeros` (a zeroed
-    pool) or `jax.ShapeDtypeStruct` (a spec to compile against)."""
+    (bits None) or `QuantPages` (with `groups` scales a row). `make(shape, dtype)` builds each
+    leaf: `jnp.zeros` (a zeroed pool) or `jax.ShapeDtypeStruct` (a spec to compile against)."""
     shape = tuple(int(s) for s in shape)
     if bits is None:
         return make(shape, dtype)
+    groups = _check_groups(groups, shape[-1])
+    scales = shape[:-1] + ((groups,) if groups > 1 else ())
     return QuantPages(codes=make((*shape[:-1], packed_dim(shape[-1], bits)), jnp.uint8),
-                      scale=make(shape[:-1], jnp.float32), zero=make(shape[:-1], jnp.float32),
-                      bits=_check_bits(bits), dtype=jnp.dtype(dtype))
+                      scale=make(scales, jnp.float32), zero=make(scales, jnp.float32),
+                      bits=_check_bits(bits), dtype=jnp.dtype(dtype), groups=groups)
 
 
 def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> tuple:
@@ -202,7 +235,8 @@ def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> 
         raise ValueError(f"one page count per format (1 or 2 of them), got {len(formats)} "
                          f"formats and num_pages {tuple(num_pages)}")
     pools = [(pool_arrays((n, *page_shape), dtype, fmt.key_bits, make=make),
-              pool_arrays((n, *page_shape), dtype, fmt.value_bits, make=make))
+              pool_arrays((n, *page_shape), dtype, fmt.value_bits, make=make,
+                          groups=fmt.value_groups))
              for n, fmt in zip(num_pages, formats)]
     if len(pools) == 1:
         return pools[0]
@@ -214,11 +248,11 @@ def page_bytes(fmt: PageFormat, group_size: int, page_size: int, head_dim: int, 
     """Bytes of one page (K and V together) of this format."""
     slots = group_size * page_size
     total = 0
-    for bits in (fmt.key_bits, fmt.value_bits):
+    for bits, groups in ((fmt.key_bits, 1), (fmt.value_bits, fmt.value_groups)):
         if bits is None:
             total += slots * head_dim * jnp.dtype(dtype).itemsize
-        else:
-            total += slots * (packed_dim(head_dim, bits) + 8)     # codes + f32 scale and zero
+        else:   # codes + a float32 scale and zero per group
+            total += slots * (packed_dim(head_dim, bits) + 8 * groups)
     return total
 
 
@@ -233,7 +267,7 @@ def write_slots(pages: Pages, index: tuple, values: jax.Array, *, mode=None) -> 
     `values` [..., head_dim], quantising them for `QuantPages`; `mode` as for ``.at[].set``
     (``"drop"``: out-of-range indices are skipped)."""
     if isinstance(pages, QuantPages):
-        codes, scale, zero = quantise(values, pages.bits)
+        codes, scale, zero = quantise(values, pages.bits, pages.groups)
         return dataclasses.replace(pages, codes=pages.codes.at[index].set(codes, mode=mode),
                                    scale=pages.scale.at[index].set(scale, mode=mode),
                                    zero=pages.zero.at[index].set(zero, mode=mode))
@@ -255,19 +289,22 @@ def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
     return take_pages(pages, jnp.arange(pages.shape[0]), dtype)
 
 
-def quantise_pages(pages: jax.Array, bits: int | None, dtype=None) -> Pages:
+def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int = 1) -> Pages:
     """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
-    pool itself, cast to `dtype`). Rows holding a NaN get NaN scale and zero (codes cannot be
-    NaN), so a poisoned slot stays poisoned (what the kernel tests rely on)."""
+    pool itself, cast to `dtype`) with `groups` scales a row. Rows holding a NaN get NaN scale
+    and zero (codes cannot be NaN), so a poisoned slot stays poisoned (what the kernel tests
+    rely on)."""
     dtype = jnp.dtype(dtype or pages.dtype)
     if bits is None:
         return pages.astype(dtype)
     x = jnp.asarray(pages, jnp.float32)
     poisoned = jnp.isnan(x).any(axis=-1)
-    codes, scale, zero = quantise(jnp.nan_to_num(x), bits)
+    codes, scale, zero = quantise(jnp.nan_to_num(x), bits, groups)
+    if scale.ndim > poisoned.ndim:
+        poisoned = poisoned[..., None]
     return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),
                       zero=jnp.where(poisoned, jnp.nan, zero), bits=_check_bits(bits),
-                      dtype=dtype)
+                      dtype=dtype, groups=int(groups))
 
 
 # ----- precision tiers (`kv_layout.TieredLayout`) ---------------------------------------------

@@ -169,7 +169,7 @@ def test_quantised_decode_matches_reference(precision, dtype):
     q, k, v, tables, lengths = _case(rng, jnp.float32, shape)
     # Poisoned slots keep NaN scales and zeros.
     kq = kv_quant.quantise_pages(k, fmt.key_bits, dtype)
-    vq = kv_quant.quantise_pages(v, fmt.value_bits, dtype)
+    vq = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=fmt.value_groups)
     q = q.astype(dtype)
     lens = jnp.asarray(lengths)
     ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
@@ -187,6 +187,18 @@ def test_quantised_decode_matches_reference(precision, dtype):
     # head_dim 32), but attention over the dequantised pool, not noise.
     quant_err = _rel_err(ref, exact)
     assert quant_err < {"k8v8": 0.03, "k8v4": 0.12, "k4v2": 0.6}[precision], quant_err
+    # A scale and zero per value plane (K8V4's format; here also K8V8's single plane and
+    # K4V2's four): the kernel weighs each plane's product by its own scale and zero.
+    planes = 8 // fmt.value_bits
+    vg = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=planes)
+    ref_g = ragged_paged_decode_attention_reference(q, kq, vg, tables, lens)
+    work = _work_lists(lengths, q.shape[1], shape)["aot"]
+    out = ragged_paged_decode_attention(q, kq, vg, tables, lens, work_list=work,
+                                        block_tokens=shape[7])
+    assert _rel_err(out, ref_g) < RTOL[dtype]
+    if planes > 1:   # the groups are used: the output differs from one scale a row's
+        assert _rel_err(ref_g, ragged_paged_decode_attention_reference(
+            q, kq, kv_quant.quantise_pages(v, fmt.value_bits, dtype), tables, lens)) > 1e-4
 
 
 @pytest.mark.parametrize("bits, compute", [(8, jnp.bfloat16), (4, jnp.bfloat16),

@@ -96,11 +96,46 @@ def test_page_bytes_fall_with_bits():
     slots = 2 * 16
     assert b["bf16"] == slots * 128 * 2 * 2
     assert b["k8v8"] == slots * (128 + 8) * 2
-    assert b["k8v4"] == slots * (128 + 8 + 64 + 8)
+    assert b["k8v4"] == slots * (128 + 8 + 64 + 2 * 8)     # values: a scale / zero a plane
     assert b["k4v2"] == slots * (64 + 8 + 32 + 8)
     # The pool's own arrays agree with the formula.
     for p in kv_quant.KV_PRECISIONS:
         fmt = kv_quant.page_format(p)
-        pools = [kv_quant.pool_arrays((3, 2, 16, 128), jnp.bfloat16, bits)
-                 for bits in (fmt.key_bits, fmt.value_bits)]
+        pools = [kv_quant.pool_arrays((3, 2, 16, 128), jnp.bfloat16, bits, groups=groups)
+                 for bits, groups in ((fmt.key_bits, 1), (fmt.value_bits, fmt.value_groups))]
         assert sum(x.nbytes for x in pools) == 3 * b[p]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_value_groups_quantise_each_plane_on_its_own_range(bits):
+    """With a scale and zero per plane (K8V4's values) each half (plane) of a row is coded on
+    its own range: within the tighter per-plane bound, and exact where a plane is constant;
+    `quantise_pages` / `take_pages` carry the groups; a plane whose range is tenfold smaller
+    than the other's comes back far closer than with one scale a row."""
+    rng = np.random.default_rng(0)
+    planes = 8 // bits
+    d = 16 * planes
+    x = rng.normal(size=(6, 3, d)).astype(np.float32)
+    x[..., : d // planes] *= 0.1                                 # plane 0: a tenth of the range
+    codes, scale, zero = kv_quant.quantise(jnp.asarray(x), bits, groups=planes)
+    assert scale.shape == zero.shape == (6, 3, planes)
+    back = np.asarray(kv_quant.dequantise(codes, scale, zero, bits))
+    for p in range(planes):
+        cols = slice(p * d // planes, (p + 1) * d // planes)
+        bound = np.asarray(kv_quant.error_bound(x[..., cols], bits))
+        assert (np.abs(back[..., cols] - x[..., cols]).max(-1) <= bound).all()
+    one = np.asarray(kv_quant.dequantise(*kv_quant.quantise(jnp.asarray(x), bits), bits))
+    first = slice(0, d // planes)
+    assert np.abs(back[..., first] - x[..., first]).mean() < \
+        0.3 * np.abs(one[..., first] - x[..., first]).mean()
+    pages = kv_quant.quantise_pages(jnp.asarray(x.reshape(6, 3, 1, d)), bits, jnp.float32,
+                                    groups=planes)
+    assert pages.groups == planes and pages.scale.shape == (6, 3, 1, planes)
+    np.testing.assert_allclose(np.asarray(kv_quant.take_pages(pages, jnp.arange(6)))[:, :, 0],
+                               back, rtol=0, atol=1e-6)
+    x[..., first] = 0.5                                          # a constant plane is exact
+    codes, scale, zero = kv_quant.quantise(jnp.asarray(x), bits, groups=planes)
+    assert np.array_equal(np.asarray(kv_quant.dequantise(codes, scale, zero, bits))[..., first],
+                          x[..., first])
+    with pytest.raises(ValueError, match="groups"):
+        kv_quant.quantise(jnp.asarray(x), bits, groups=3)

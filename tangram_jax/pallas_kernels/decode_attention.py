@@ -172,7 +172,7 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple, minus_magic: bool) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   tier: int, num_tiers: int, compiled: bool):
+                   value_groups: int, tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -183,7 +183,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     never read); then the K refs and the V refs, each either pages [num_pages, H, page_size,
     head_dim] (these KV heads' slab of the pool) or, quantised at `key_bits` / `value_bits`
     (`kv_quant`), codes uint8 [num_pages, H, page_size, head_dim * bits / 8] and scale, zero
-    float32 [num_pages, H, page_size]; o_ref [H, rows, head_dim] float32 and lse_ref [H, rows]
+    float32 [num_pages, H, page_size] (values with `value_groups` > 1: [..., groups], one a
+    plane, so each plane's product is weighed by its own scale and zero); o_ref [H, rows, head_dim] float32 and lse_ref [H, rows]
     float32, both over q_per_kv real rows (masked stores).
 
     A work item's share of its group: the group's pages cut into blocks of `block_tokens`, B
@@ -249,6 +250,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
               for p in range(k_planes)]
     v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
               for p in range(v_planes)]
+    if value_groups not in (1, v_planes):
+        raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
+                         f"({v_planes})")
     if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
         qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0).astype(k_dtype)]
               for j in head_ids]
@@ -279,9 +283,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
         planes = unpack_planes(raw, bits, *operand, asm=compiled, minus_magic=minus_magic)
-        s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
-        z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
-        return planes, s, z
+        if len(refs[1].shape) == 3:
+            s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
+            z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
+            return planes, s, z
+        # A scale and zero per group (= plane): lists of [tokens], one a plane.
+        gs = [jnp.int32(g) for g in range(refs[1].shape[-1])]
+        return (planes,
+                [plgpu.load(refs[1].at[page, j, slot, g], mask=token_valid, other=0) for g in gs],
+                [plgpu.load(refs[2].at[page, j, slot, g], mask=token_valid, other=0) for g in gs])
 
     def attend(block, page, states):
         token = (first_block + block) * block_tokens + offsets
@@ -321,18 +331,22 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             p = backend.exp2(logits - m_next[:, None], fast=compiled)
             l_next = correction * l_prev + p.sum(axis=-1)
             if value_bits is None:
-                weights, o_zero_next = p.astype(v_tile[0].dtype), o_zero_prev
+                weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
             else:
-                weights = (p * v_scale[None, :]).astype(v_dtype)
-                o_zero_next = correction * o_zero_prev + (p * v_zero[None, :]).sum(axis=-1)
-            o_next = tuple(correction[:, None] * o + _dot(weights, vp)
-                           for o, vp in zip(o_prev, v_tile))
+                # One scale and zero a row, or one a plane (value groups): lists of [tokens].
+                v_scales = v_scale if isinstance(v_scale, list) else [v_scale]
+                v_zeros = v_zero if isinstance(v_zero, list) else [v_zero]
+                weights = [(p * sc[None, :]).astype(v_dtype) for sc in v_scales]
+                o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
+                                    for oz, z in zip(o_zero_prev, v_zeros))
+            o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
+                           for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
             new.append((o_next, o_zero_next, m_next, l_next))
         return tuple(new)
 
     init = tuple((tuple(jnp.zeros((rows, head_dim // v_planes), jnp.float32)
                         for _ in range(v_planes)),
-                  jnp.zeros((rows,), jnp.float32),
+                  tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
                   jnp.full((rows,), _MASK_VALUE, jnp.float32),
                   jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
     if prefetch_page_ids:
@@ -354,8 +368,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         if value_bits is None:
             plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
         else:
-            for o, cols in zip(o_planes, v_cols):
-                plgpu.store(o_ref.at[j, row_ids, cols], (o + o_zero[:, None]) / denominator,
+            for i, (o, cols) in enumerate(zip(o_planes, v_cols)):
+                plgpu.store(o_ref.at[j, row_ids, cols],
+                            (o + o_zero[i % len(o_zero)][:, None]) / denominator,
                             mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
@@ -507,7 +522,8 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
-                               key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
+                               key_bits=_bits(k_pages), value_bits=_bits(v_pages),
+                               value_groups=getattr(v_pages, "groups", 1), tier=tier,
                                num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
