@@ -66,7 +66,11 @@ def test_tiny_engine_runs_every_precision(tiny_folder, mode, precisions):
         # The pool holds what was written: quantised pages are not all zero codes.
         if fmt.quantised:
             assert np.asarray(runner.k_pages.scale).any()
-    assert list(page_bytes.values()) == sorted(page_bytes.values(), reverse=True)
+    # bf16 pages the largest and K4V2's the smallest; K8V4's per-plane value scales cost more
+    # than its 4-bit codes save at the tiny model's head_dim (the formula's order at real head
+    # dims: test_kv_quant.test_page_bytes_fall_with_bits).
+    assert max(page_bytes, key=page_bytes.get) == "bf16"
+    assert min(page_bytes, key=page_bytes.get) == precisions[-1]
     assert len(set(page_bytes.values())) == len(page_bytes)
     # Random weights have nearly flat logits, so only 8-bit keys and values are asked to
     # repeat bf16's first tokens (the embedded model's test below asks more).

@@ -75,7 +75,8 @@ def test_tiered_pool_holds_a_retained_token_in_fewer_bytes_than_k8v4(rho, group_
     model): a pool of 4096 full-KV tokens' slots, as the engine sizes it, allocated for real;
     its bytes per head-token slot (the arrays' nbytes over the slots of both tiers, whose
     pages split as the retained tokens do) are below a K8V4 pool's, by the share's mix of
-    K8V4 (112 B a slot) and K4V2 (64 B) pages."""
+    K8V4 (120 B a slot: 64 + 8 key bytes, 32 + 2 x 8 value bytes with a scale and zero a
+    plane) and K4V2 (64 B) pages."""
     profile = BudgetProfile.load(shipped_profile_path(rho, group_size, tiers="k8v4-k4v2"))
     base = profile.to_layout(16, 256)
     tiered = TieredLayout(base, profile.group_high_share())
@@ -93,8 +94,8 @@ def test_tiered_pool_holds_a_retained_token_in_fewer_bytes_than_k8v4(rho, group_
         per_slot[precision] = nbytes / ((counts - 1).sum() * slots_per_page)
     share = tiered.pool_high_share
     assert 0 < share < 1
-    assert per_slot["k8v4"] == pytest.approx(112, rel=1e-3)
-    assert per_slot["k8v4-k4v2"] == pytest.approx(112 * share + 64 * (1 - share), rel=2e-3)
+    assert per_slot["k8v4"] == pytest.approx(120, rel=1e-3)
+    assert per_slot["k8v4-k4v2"] == pytest.approx(120 * share + 64 * (1 - share), rel=2e-3)
     assert per_slot["k8v4-k4v2"] < per_slot["k8v4"]
 
 
