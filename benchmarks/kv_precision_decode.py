@@ -83,7 +83,7 @@ def random_pool(key, num_pages: int, bits: int | None, groups: int = 1):
     # (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
     words = jax.random.bits(k1, (*shape[:-1], pd // 4), jnp.uint32)
     codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape[:-1], pd)
-    scales = shape[:-1] + ((groups,) if groups > 1 else ())
+    scales = kv_quant.scale_shape(shape[:-1], groups)
     scale = jax.random.uniform(k2, scales, jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
     zero = jax.random.uniform(k3, scales, jnp.float32, -1.5, -0.5)
     return kv_quant.QuantPages(codes=codes, scale=scale, zero=zero, bits=bits,

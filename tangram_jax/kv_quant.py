@@ -37,8 +37,8 @@ against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14
 
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8
 [num_pages, G, page_size, head_dim * bits / 8]``, ``scale, zero float32 [num_pages, G,
-page_size]`` (``[..., groups]`` with value groups); its `shape` is the logical ``[num_pages, G, page_size, head_dim]`` and its `dtype`
-the dtype values come back in, so code that only reads shapes treats both kinds of pool alike.
+page_size]`` (`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
+``[num_pages, G, page_size, head_dim]`` and its `dtype` the dtype values come back in, so code that only reads shapes treats both kinds of pool alike.
 Within a precision every page has the same bytes (one pool serves every layer and group).
 """
 
@@ -108,6 +108,13 @@ def _check_groups(groups, head_dim: int) -> int:
         raise ValueError(f"groups must be a positive divisor of head_dim {head_dim}, got "
                          f"{groups!r}")
     return int(groups)
+
+
+def scale_shape(rows: tuple, groups: int) -> tuple:
+    """Shape of the scale (and zero) of rows of shape `rows` (a row's leading axes) quantised
+    in `groups` groups: `rows`, with a trailing ``[groups]`` axis only when groups > 1 (so
+    pools without value groups keep their shapes)."""
+    return tuple(rows) + ((groups,) if groups > 1 else ())
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
@@ -221,7 +228,7 @@ def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int =
     if bits is None:
         return make(shape, dtype)
     groups = _check_groups(groups, shape[-1])
-    scales = shape[:-1] + ((groups,) if groups > 1 else ())
+    scales = scale_shape(shape[:-1], groups)
     return QuantPages(codes=make((*shape[:-1], packed_dim(shape[-1], bits)), jnp.uint8),
                       scale=make(scales, jnp.float32), zero=make(scales, jnp.float32),
                       bits=_check_bits(bits), dtype=jnp.dtype(dtype), groups=groups)

@@ -284,8 +284,8 @@ class EngineConfig:
         "padding at most, a dozen shapes at 8192 tokens); fewer sizes compile faster and pad "
         "more")
     num_programs: int = _field(132 * 4, _int_at_least(1),
-                               "concurrent programs the decode kernel's split map is sized for (bf16 "
-                               "pages; a quantised format scales it by its measured "
+                               "concurrent programs the decode kernel's split map is sized "
+                               "for (bf16 pages; a quantised format scales it by its measured "
                                "`decode_attention.DECODE_PROGRAM_SCALE`)")
     obs_window: int = _field(32, _int_at_least(1),
                              "observation window of the compression scorer (capped at chunk_size)")

@@ -172,7 +172,7 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple, minus_magic: bool) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   value_groups: int, tier: int, num_tiers: int, compiled: bool):
+                   tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -183,9 +183,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     never read); then the K refs and the V refs, each either pages [num_pages, H, page_size,
     head_dim] (these KV heads' slab of the pool) or, quantised at `key_bits` / `value_bits`
     (`kv_quant`), codes uint8 [num_pages, H, page_size, head_dim * bits / 8] and scale, zero
-    float32 [num_pages, H, page_size] (values with `value_groups` > 1: [..., groups], one a
-    plane, so each plane's product is weighed by its own scale and zero); o_ref [H, rows, head_dim] float32 and lse_ref [H, rows]
-    float32, both over q_per_kv real rows (masked stores).
+    float32 [num_pages, H, page_size] (values in groups, `kv_quant.scale_shape`: [...,
+    groups], one a plane, so each plane's product is weighed by its own scale and zero);
+    o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32, both over q_per_kv real
+    rows (masked stores).
 
     A work item's share of its group: the group's pages cut into blocks of `block_tokens`, B
     blocks cut into `num_splits` equal ranges: item `split` runs the blocks in
@@ -250,6 +251,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
               for p in range(k_planes)]
     v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
               for p in range(v_planes)]
+    # Scale / zero groups of a value row: a trailing axis of the scale ref when above 1.
+    value_groups = v_refs[1].shape[-1] if value_bits and len(v_refs[1].shape) == 4 else 1
     if value_groups not in (1, v_planes):
         raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
                          f"({v_planes})")
@@ -522,8 +525,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
-                               key_bits=_bits(k_pages), value_bits=_bits(v_pages),
-                               value_groups=getattr(v_pages, "groups", 1), tier=tier,
+                               key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
                                num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
