@@ -55,7 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-_SCALAR_PAGE_IDS = True
 
 
 def _page_inputs(pages) -> tuple:
@@ -269,23 +268,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         if key_bits is not None else None
     offsets = jnp.arange(block_tokens)
 
-    def page_ids(block):
-        if not _SCALAR_PAGE_IDS:
-            token = (first_block + block) * block_tokens + offsets
-            return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
-        first_page = (first_block + block) * pages_per_block
+    def page_ids(block):                                                     # [tokens]
+        token = (first_block + block) * block_tokens + offsets
         # Clamped: the prefetch reads one block past the share; those ids are never used.
-        return tuple(block_tables_ref[table_row, jnp.minimum(first_page + i, max_pages - 1)]
-                     for i in range(pages_per_block))
-
-    def token_pages(pids):                                                   # [tokens]
-        if not _SCALAR_PAGE_IDS:
-            return pids
-        which = offsets // page_size
-        page = jnp.full(offsets.shape, pids[0], jnp.int32)
-        for i in range(1, len(pids)):
-            page = jnp.where(which == i, pids[i], page)
-        return page
+        return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
 
     def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic):
         """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
@@ -310,8 +296,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                 [plgpu.load(refs[1].at[page, j, slot, g], mask=token_valid, other=0) for g in gs],
                 [plgpu.load(refs[2].at[page, j, slot, g], mask=token_valid, other=0) for g in gs])
 
-    def attend(block, pids, states):
-        page = token_pages(pids)
+    def attend(block, page, states):
         token = (first_block + block) * block_tokens + offsets
         token_valid = token < end_token
         # The K/V tile is gathered as [tokens, head_dim] rows (one page id per token, each
