@@ -611,17 +611,20 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 # (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
 # H100 at a Llama-3.1-8B layer (head_dim 128, G 2), batch 64 x 32k context
 # (benchmarks/results/kv_precision_decode.json, session 12; bf16: decode_attention.json). The
-# quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B).
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (128, 4), "k4v2": (256, 4)}
+# quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
+# since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
+# 12-13% with its program scale below.
+DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (256, 4)}
 
 # Programs a decode launch's split map is sized for, as a multiple of the engine's
-# `num_programs`, by page format. Measured on an H100 at 32 x 32k (results/
-# kv_precision_decode_num_programs.json): K8V8 and K8V4 11% and 9% faster at 2x (more, smaller
-# items even out the SMs' last wave), bf16 fastest at 1x, K4V2 7% faster at 4x but 17% slower
-# at 2x (its 256-token blocks cut a group's shares unevenly), so it stays at 1x. At batch 64
-# the AOT map's items are set by the budgets' spread (`split_map`: sum r / min r), the same at
-# 1x and 2x. Precision tiers (two launches of different formats over one map) keep 1x.
-DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 2, "k4v2": 1}
+# `num_programs`, by page format: more, smaller items even out the SMs' last wave of programs.
+# Measured on an H100 (NOTES_kv_precision.md, sessions 13-15): K8V8 11% faster at 2x than 1x
+# at 32 x 32k; K8V4 at 64/2 (two warps a program, about 4 programs an SM) 833 / 459 us at 4x
+# against 921 / 468 at 2x (64 / 32 x 32k; 8x equal to 4x, 3x and 6x between); bf16 fastest at
+# 1x; K4V2 7% faster at 4x but 17% slower at 2x at batch 32 (its 256-token blocks cut a group's
+# shares unevenly) and not faster at batch 64, so 1x. Precision tiers (two launches of
+# different formats over one map) keep 1x.
+DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 1}
 
 
 def decode_programs(kv_precision: str, num_programs: int) -> int:
