@@ -214,10 +214,7 @@ def test_codes_become_exact_operands_without_conversion(bits, compute):
     np.testing.assert_array_equal(values, np.arange(1 << bits))
     assert (magic is None) == (compute == jnp.float32)
     value_dtype, value_magic = code_operand(bits, compute, values=True)
-    if bits == 8:       # 8-bit value codes are cast to the compute dtype
-        assert value_magic is None and value_dtype == jnp.dtype(compute)
-    else:
-        assert (value_dtype, value_magic) == (dtype, magic)
+    assert (value_dtype, value_magic) == (dtype, magic)
     assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
                                 jnp.bfloat16 if bits < 8 and compute == jnp.bfloat16 else
                                 jnp.float16)

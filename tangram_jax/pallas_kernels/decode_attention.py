@@ -55,6 +55,14 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
+_F16_VALUES = True
+# Value weights (softmax probability x the token's value scale) multiplied by this before they
+# become float16 product operands (8-bit value codes), and the products divided by it after:
+# p s spans [0, s] with s ~ range / 255, and float16's normal range starts at 6e-5, so unscaled
+# the small weights of flat attention over tens of thousands of tokens (p ~ 3e-5, s ~ 0.01)
+# would be subnormal (a few significant bits); scaled by 2^12 they are normal down to p s =
+# 1.5e-8 and the largest stays below float16's 65504 for value scales up to 16 (ranges of 4000).
+_F16_WEIGHT_SCALE = 2.0 ** 12
 
 
 def _page_inputs(pages) -> tuple:
@@ -82,13 +90,10 @@ _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6
 
 def code_operand(bits: int, compute_dtype, *, values: bool = False) -> tuple:
     """(operand dtype, magic) of `bits`-bit key (or `values`) codes in a kernel computing in
-    `compute_dtype`: magic the (bit pattern, offset M) of `_MAGIC`, or None where codes are cast:
-    float32 kernels (the CPU tests' models: casts are exact and cheap there), and 8-bit value
-    codes (cast to bfloat16 they were 10% faster than as float16 magic operands on an H100:
-    the cast of a [tokens, d] value tile feeding the product directly is one Triton lowers
-    well; session 11's probe)."""
+    `compute_dtype`: magic the (bit pattern, offset M) of `_MAGIC`, or None where codes are cast
+    (float32 kernels: the CPU tests' models, where casts are exact and cheap)."""
     compute_dtype = jnp.dtype(compute_dtype)
-    if compute_dtype == jnp.float32 or (values and bits == 8):
+    if compute_dtype == jnp.float32 or (values and bits == 8 and not _F16_VALUES):
         return compute_dtype, None
     dtype = compute_dtype if bits <= 7 else jnp.dtype(jnp.float16)
     return dtype, _MAGIC[dtype]
@@ -224,6 +229,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     v_dtype, v_magic = (code_operand(value_bits, compute_dtype, values=True) if value_bits
                         else (compute_dtype, None))
     key_offset = k_magic[1] if k_magic else 0.0
+    weight_scale = _F16_WEIGHT_SCALE if v_dtype == jnp.float16 else 1.0
     log2_scale = scale * backend.LOG2E
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
@@ -339,7 +345,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                 # One scale and zero a row, or one a plane (value groups): lists of [tokens].
                 v_scales = v_scale if isinstance(v_scale, list) else [v_scale]
                 v_zeros = v_zero if isinstance(v_zero, list) else [v_zero]
-                weights = [(p * sc[None, :]).astype(v_dtype) for sc in v_scales]
+                weights = [(p * (sc * weight_scale)[None, :]).astype(v_dtype)
+                           for sc in v_scales]
                 o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
                                     for oz, z in zip(o_zero_prev, v_zeros))
             o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
@@ -373,7 +380,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         else:
             for i, (o, cols) in enumerate(zip(o_planes, v_cols)):
                 plgpu.store(o_ref.at[j, row_ids, cols],
-                            (o + o_zero[i % len(o_zero)][:, None]) / denominator,
+                            (o * (1.0 / weight_scale) + o_zero[i % len(o_zero)][:, None])
+                            / denominator,
                             mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
