@@ -55,7 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-_F16_VALUES = True
 # Value weights (softmax probability x the token's value scale) multiplied by this before they
 # become float16 product operands (8-bit value codes), and the products divided by it after:
 # p s spans [0, s] with s ~ range / 255, and float16's normal range starts at 6e-5, so unscaled
@@ -80,8 +79,10 @@ def _bits(pages) -> int | None:
 # ORed into the mantissa of a power of two M is the float M + c, exactly, and M + c - M = c
 # exactly: no int -> float conversion (those run on the GPU's conversion units at a fraction of
 # the integer rate). bfloat16's 7 mantissa bits hold codes of up to 7 bits (M = 128: 0x4300);
-# 8-bit key codes use float16's 10 (M = 1024: 0x6400), q cast to float16 for that product (8-bit
-# value codes are cast: `code_operand`). M is subtracted in the kernel, not folded into the zero
+# 8-bit codes use float16's 10 (M = 1024: 0x6400), q (keys) or the value weights (values, scaled
+# by `_F16_WEIGHT_SCALE`) cast to float16 for that product; 8-bit value codes were cast to
+# bfloat16 until session 15 (the magic path 1-5% faster at 32k contexts, 21% at 64 x 128k on an
+# H100: benchmarks/NOTES_kv_precision.md). M is subtracted in the kernel, not folded into the zero
 # points: a folded offset made the products M times larger than what they add, and the matrix
 # unit's float32 accumulation lost ~1e-5 of M per output, 4-15% of near-uniform attention's
 # small outputs over 26k random tokens (benchmarks/NOTES_kv_precision.md, session 11).
@@ -93,7 +94,7 @@ def code_operand(bits: int, compute_dtype, *, values: bool = False) -> tuple:
     `compute_dtype`: magic the (bit pattern, offset M) of `_MAGIC`, or None where codes are cast
     (float32 kernels: the CPU tests' models, where casts are exact and cheap)."""
     compute_dtype = jnp.dtype(compute_dtype)
-    if compute_dtype == jnp.float32 or (values and bits == 8 and not _F16_VALUES):
+    if compute_dtype == jnp.float32:
         return compute_dtype, None
     dtype = compute_dtype if bits <= 7 else jnp.dtype(jnp.float16)
     return dtype, _MAGIC[dtype]
