@@ -55,7 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-_PREFETCH_IDS = True
 # Value weights (softmax probability x the token's value scale) multiplied by this before they
 # become float16 product operands (8-bit value codes), and the products divided by it after:
 # p s spans [0, s] with s ~ range / 255, and float16's normal range starts at 6e-5, so unscaled
@@ -534,7 +533,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
 
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
-                               max_pages=max_pages, prefetch_page_ids=num_stages >= 3 and _PREFETCH_IDS,
+                               max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
                                num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
