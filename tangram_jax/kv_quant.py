@@ -38,7 +38,8 @@ against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8
 [num_pages, G, page_size, head_dim * bits / 8]``, ``scale, zero float32 [num_pages, G,
 page_size]`` (`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
-``[num_pages, G, page_size, head_dim]`` and its `dtype` the dtype values come back in, so code that only reads shapes treats both kinds of pool alike.
+``[num_pages, G, page_size, head_dim]`` and its `dtype` the dtype values come back in, so code
+that only reads shapes treats both kinds of pool alike.
 Within a precision every page has the same bytes (one pool serves every layer and group).
 """
 

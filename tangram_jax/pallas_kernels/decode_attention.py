@@ -281,9 +281,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return block_tables_ref[table_row, jnp.minimum(token // page_size, max_pages - 1)]
 
     def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic):
-        """([tokens, d/n] planes, scale [tokens] or None, zero or None); quantised planes hold
-        the codes in the operand dtype (`operand`: (dtype, magic) of `code_operand`), plus M
-        with `minus_magic` False."""
+        """([tokens, d/n] planes, scales, zeros); quantised planes hold the codes in the
+        operand dtype (`operand`: (dtype, magic) of `code_operand`), plus M with `minus_magic`
+        False; scales and zeros are lists of [tokens], one a scale group of the row (one, or
+        one a plane with value groups: `kv_quant.scale_shape`), None unquantised."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
@@ -293,15 +294,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
         planes = unpack_planes(raw, bits, *operand, asm=compiled, minus_magic=minus_magic)
-        if len(refs[1].shape) == 3:
-            s = plgpu.load(refs[1].at[page, j, slot], mask=token_valid, other=0)
-            z = plgpu.load(refs[2].at[page, j, slot], mask=token_valid, other=0)
-            return planes, s, z
-        # A scale and zero per group (= plane): lists of [tokens], one a plane.
-        gs = [jnp.int32(g) for g in range(refs[1].shape[-1])]
-        return (planes,
-                [plgpu.load(refs[1].at[page, j, slot, g], mask=token_valid, other=0) for g in gs],
-                [plgpu.load(refs[2].at[page, j, slot, g], mask=token_valid, other=0) for g in gs])
+        # A scale ref with a trailing groups axis is read a group at a time.
+        groups = [()] if len(refs[1].shape) == 3 else \
+            [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
+        return (planes, *([plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
+                           for g in groups] for ref in refs[1:]))
 
     def attend(block, page, states):
         token = (first_block + block) * block_tokens + offsets
@@ -321,8 +318,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         new = []
         for j in range(heads):
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
-            k_tile, k_scale, k_zero = ks[j]
-            v_tile, v_scale, v_zero = vs[j]
+            k_tile, k_scales, k_zeros = ks[j]
+            v_tile, v_scales, v_zeros = vs[j]
             logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
             for qp, kp in zip(qs[j][1:], k_tile[1:]):
                 logits = logits + _dot(qp, kp, trans_b=True)
@@ -330,6 +327,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             # into the per-token key scale and zero, which also absorb the operands' M:
             # s q.(M + c) + (z - M s) sum(q) = s q.c + z sum(q), per token not per code.
             if key_bits is not None:
+                (k_scale,), (k_zero,) = k_scales, k_zeros          # keys: one group a row
                 logits = (logits * (k_scale * log2_scale)[None, :]
                           + q_sums[j][:, None]
                           * ((k_zero - key_offset * k_scale) * log2_scale)[None, :])
@@ -343,9 +341,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             if value_bits is None:
                 weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
             else:
-                # One scale and zero a row, or one a plane (value groups): lists of [tokens].
-                v_scales = v_scale if isinstance(v_scale, list) else [v_scale]
-                v_zeros = v_zero if isinstance(v_zero, list) else [v_zero]
+                # One scale and zero a row, or one a plane (value groups).
                 weights = [(p * (sc * weight_scale)[None, :]).astype(v_dtype)
                            for sc in v_scales]
                 o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
