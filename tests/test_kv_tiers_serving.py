@@ -223,8 +223,8 @@ def test_tiered_split_map_weighs_tier_groups_by_their_bytes():
 def test_engine_split_map_takes_each_page_format_s_measured_program_target():
     """An untiered layout's map is sized for `decode_programs(kv_precision, num_programs)`:
     twice the items per row for K8V8, four times for K8V4 (each measured fastest there), bf16's
-    for K4V2; a tiered
-    layout's map does not depend on the setting (the engine's maps: test_engine_kv_precision)."""
+    for K4V2; a tiered layout's map does not depend on the setting (the engine's maps:
+    test_engine_kv_precision)."""
     from tangram_jax.engine.llm_engine import decode_split_map
     from tangram_jax.pallas_kernels.decode_attention import DECODE_PROGRAM_SCALE
     from tangram_jax.pallas_kernels.split_map import build_split_map
