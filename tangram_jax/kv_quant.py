@@ -199,14 +199,11 @@ class QuantPages:
     bits: int
     dtype: np.dtype
     groups: int = 1
-    slots_last: bool = False  # codes [num_pages, G, head_dim*bits/8, page_size]
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[num_pages, G, page_size, head_dim]``."""
-        *lead, packed, slots = self.codes.shape if self.slots_last else \
-            (*self.codes.shape[:-2], self.codes.shape[-1], self.codes.shape[-2])
-        return (*lead, slots, packed * codes_per_byte(self.bits))
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * codes_per_byte(self.bits))
 
     @property
     def ndim(self) -> int:
@@ -219,7 +216,7 @@ class QuantPages:
 
 
 jax.tree_util.register_dataclass(QuantPages, data_fields=["codes", "scale", "zero"],
-                                 meta_fields=["bits", "dtype", "groups", "slots_last"])
+                                 meta_fields=["bits", "dtype", "groups"])
 
 Pages = jax.Array | QuantPages
 
@@ -290,10 +287,7 @@ def take_pages(pages: Pages, page_ids: jax.Array, dtype=None) -> jax.Array:
     in `dtype` (default the pool's value dtype); quantised pages are dequantised."""
     dtype = dtype or pages.dtype
     if isinstance(pages, QuantPages):
-        codes = pages.codes[page_ids]
-        if pages.slots_last:
-            codes = jnp.swapaxes(codes, -1, -2)
-        return dequantise(codes, pages.scale[page_ids], pages.zero[page_ids],
+        return dequantise(pages.codes[page_ids], pages.scale[page_ids], pages.zero[page_ids],
                           pages.bits, dtype)
     return pages[page_ids].astype(dtype)
 

@@ -178,7 +178,7 @@ def _unpack_asm(raw, bits: int, dtype, magic: tuple, minus_magic: bool) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   value_slots_last: bool, tier: int, num_tiers: int, compiled: bool):
+                   tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -274,6 +274,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
         if key_bits is not None else None
     offsets = jnp.arange(block_tokens)
+    # Tokens are never negative, so page and slot are truncating `lax.div` / `lax.rem`: jnp's
+    # floor `//` and `%` add sign fix-ups per token that hide from Triton's axis analysis that
+    # a page id is constant (and a slot contiguous) over a page's tokens. Measured on an H100
+    # (NOTES_kv_precision.md, session 16): K4V2 -12 to -16%, tiers -9%, K8V4 / K8V8 -2 to -4%.
     page_size_i32 = jnp.int32(page_size)
 
     def page_ids(block):                                                     # [tokens]
@@ -282,21 +286,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
                                                        max_pages - 1)]
 
-    def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic,
-                  slots_last=False, page_valid=None):
+    def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic):
         """([tokens, d/n] planes, scales, zeros); quantised planes hold the codes in the
         operand dtype (`operand`: (dtype, magic) of `code_operand`), plus M with `minus_magic`
         False; scales and zeros are lists of [tokens], one a scale group of the row (one, or
         one a plane with value groups: `kv_quant.scale_shape`), None unquantised."""
+        mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
-        if slots_last:
-            dims = jnp.arange(refs[0].shape[-2])[:, None]
-            raw = plgpu.load(refs[0].at[page[None, :], j, dims, slot[None, :]],
-                             mask=page_valid[None, :], other=0)
-        else:
-            dims = jnp.arange(refs[0].shape[-1])[None, :]
-            raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims],
-                             mask=token_valid[:, None], other=0)
+        dims = jnp.arange(refs[0].shape[-1])[None, :]
+        raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask, other=0)
         if bits is None:
             return [raw], None, None
         # The unpack is per element of every tile, the kernel's main work besides the
@@ -316,14 +314,13 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         slot = lax.rem(token, page_size_i32)
-        page_valid = lax.div(token, page_size_i32) * page_size_i32 < end_token
         # Key operands keep M (`key_offset` below); value operands do not: the products of
         # values accumulate over the whole share, and M times larger terms lost 4-15% of
         # near-uniform attention's small outputs (session 11).
         ks = [load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, slot, token_valid,
                         False) for j in head_ids]
         vs = [load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, slot, token_valid,
-                        True, value_slots_last, page_valid) for j in head_ids]
+                        True) for j in head_ids]
         new = []
         for j in range(heads):
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
@@ -355,8 +352,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                            for sc in v_scales]
                 o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
                                     for oz, z in zip(o_zero_prev, v_zeros))
-            o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp,
-                                                          trans_b=value_slots_last)
+            o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
                            for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
             new.append((o_next, o_zero_next, m_next, l_next))
         return tuple(new)
@@ -540,8 +536,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
-                               key_bits=_bits(k_pages), value_bits=_bits(v_pages),
-                               value_slots_last=getattr(v_pages, "slots_last", False), tier=tier,
+                               key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
                                num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
