@@ -62,7 +62,6 @@ _MERGE_CHUNK_ITEMS = 128
 # would be subnormal (a few significant bits); scaled by 2^12 they are normal down to p s =
 # 1.5e-8 and the largest stays below float16's 65504 for value scales up to 16 (ranges of 4000).
 _F16_WEIGHT_SCALE = 2.0 ** 12
-_PAGE_MASKED_SCALES = True
 
 
 def _page_inputs(pages) -> tuple:
@@ -280,7 +279,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # a page id is constant (and a slot contiguous) over a page's tokens. Measured on an H100
     # (NOTES_kv_precision.md, session 16): K4V2 -12 to -16%, tiers -9%, K8V4 / K8V8 -2 to -4%.
     page_size_i32 = jnp.int32(page_size)
-    token_valid_tokens = None
 
     def page_ids(block):                                                     # [tokens]
         token = (first_block + block) * block_tokens + offsets
@@ -305,22 +303,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # A scale ref with a trailing groups axis is read a group at a time.
         groups = [()] if len(refs[1].shape) == 3 else \
             [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
-        if not _PAGE_MASKED_SCALES:
-            return (planes, *([plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid,
-                                          other=0) for g in groups] for ref in refs[1:]))
-        page_valid = lax.div(token_valid_tokens[0], page_size_i32) * page_size_i32 < \
-            token_valid_tokens[1]
-        loaded = [[plgpu.load(ref.at[(page, j, slot, *g)], mask=page_valid, other=0)
-                   for g in groups] for ref in refs[1:]]
-        if minus_magic:     # values: a NaN scale of an unwritten slot would reach the sums
-            loaded = [[jnp.where(token_valid, x, 0.0) for x in xs] for xs in loaded]
-        return (planes, *loaded)
+        return (planes, *([plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
+                           for g in groups] for ref in refs[1:]))
 
     def attend(block, page, states):
         token = (first_block + block) * block_tokens + offsets
         token_valid = token < end_token
-        nonlocal token_valid_tokens
-        token_valid_tokens = (token, end_token)
         # The K/V tile is gathered as [tokens, head_dim] rows (one page id per token, each
         # page a contiguous run of page_size rows), so it lands in shared memory in the layout
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
