@@ -277,7 +277,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # Tokens are never negative, so page and slot are truncating `lax.div` / `lax.rem`: jnp's
     # floor `//` and `%` add sign fix-ups per token that hide from Triton's axis analysis that
     # a page id is constant (and a slot contiguous) over a page's tokens. Measured on an H100
-    # (NOTES_kv_precision.md, session 16): K4V2 -12 to -16%, tiers -9%, K8V4 / K8V8 -2 to -4%.
+    # (NOTES_kv_precision.md, session 16): K4V2 -14 to -20%, tiers -5 to -9%, K8V4 -1 to -7%, K8V8
+    # equal, outputs bit for bit the same.
     page_size_i32 = jnp.int32(page_size)
 
     def page_ids(block):                                                     # [tokens]
