@@ -62,7 +62,6 @@ _MERGE_CHUNK_ITEMS = 128
 # would be subnormal (a few significant bits); scaled by 2^12 they are normal down to p s =
 # 1.5e-8 and the largest stays below float16's 65504 for value scales up to 16 (ranges of 4000).
 _F16_WEIGHT_SCALE = 2.0 ** 12
-_IDS_PER_PAGE = True
 
 
 def _page_inputs(pages) -> tuple:
@@ -283,12 +282,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     page_size_i32 = jnp.int32(page_size)
 
     def page_ids(block):                                                     # [tokens]
-        if _IDS_PER_PAGE and pages_per_block > 1:
-            first_page = (first_block + block) * pages_per_block
-            ids = block_tables_ref[table_row, jnp.minimum(
-                first_page + jnp.arange(pages_per_block), max_pages - 1)]
-            return jnp.broadcast_to(ids[:, None], (pages_per_block, page_size)).reshape(
-                block_tokens)
         token = (first_block + block) * block_tokens + offsets
         # Clamped: the prefetch reads one block past the share; those ids are never used.
         return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
