@@ -201,37 +201,48 @@ def test_quantised_decode_matches_reference(precision, dtype):
             q, kq, kv_quant.quantise_pages(v, fmt.value_bits, dtype), tables, lens)) > 1e-4
 
 
-@pytest.mark.parametrize("bits, compute", [(8, jnp.bfloat16), (4, jnp.bfloat16),
-                                           (2, jnp.bfloat16), (8, jnp.float16),
-                                           (8, jnp.float32)])
-def test_codes_become_exact_operands_without_conversion(bits, compute):
-    """The magic-number operands are exactly the codes, for every code of the width, in a dtype
-    that holds them exactly (8-bit codes leave bfloat16 for float16)."""
-    from tangram_jax.pallas_kernels.decode_attention import code_operand, codes_as_operand
-    dtype, magic = code_operand(bits, compute)
-    codes = jnp.arange(1 << bits, dtype=jnp.uint8)
-    values = np.asarray(codes_as_operand(codes, dtype, magic), np.float64)
-    np.testing.assert_array_equal(values, np.arange(1 << bits))
-    assert (magic is None) == (compute == jnp.float32)
-    value_dtype, value_magic = code_operand(bits, compute, values=True)
-    assert (value_dtype, value_magic) == (dtype, magic)
+@pytest.mark.parametrize("bits, compute, values", [
+    (8, jnp.bfloat16, False), (8, jnp.bfloat16, True), (4, jnp.bfloat16, False),
+    (4, jnp.bfloat16, True), (2, jnp.bfloat16, True), (8, jnp.float32, False)])
+def test_codes_become_exact_operands_without_conversion(bits, compute, values):
+    """Every code of every plane is an exact operand: a masked byte N = c * 2^(bits p) whose
+    pattern, in the low byte of the operand dtype, is the float N * 2^E (`code_operand`,
+    compiled: subnormal or lowest-binade patterns, linear in their bits); interpreted, N cast."""
+    import ml_dtypes
+    from tangram_jax.pallas_kernels.decode_attention import (code_operand, plane_masks,
+                                                             unpack_planes)
+    dtype, exponent, other = code_operand(bits, compute, values=values)
     assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
-                                jnp.bfloat16 if bits < 8 and compute == jnp.bfloat16 else
-                                jnp.float16)
+                                jnp.float16 if values and bits == 8 else compute)
+    assert code_operand(bits, compute, values=values, compiled=False)[1] == 0
+    every = np.arange(256, dtype=np.uint8)
+    planes = unpack_planes(jnp.asarray(every), bits, dtype, asm=False)
+    for p, (plane, mask) in enumerate(zip(planes, plane_masks(bits))):
+        n = every & mask
+        np.testing.assert_array_equal(np.asarray(plane, np.float64), n)
+        np.testing.assert_array_equal(n >> (bits * p), (every >> (bits * p)) & ((1 << bits) - 1))
+        if exponent:   # the compiled operand: the pattern N is N * 2^E
+            np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16
+            as_float = n.astype(np.uint16).view(np_dtype).astype(np.float64)
+            np.testing.assert_array_equal(as_float, n * 2.0 ** exponent)
+            # The other operand's scale keeps the products normal float32 numbers.
+            assert 2.0 ** (exponent + other) * 1e-8 > np.finfo(np.float32).tiny
 
 
 @pytest.mark.skipif(default_interpret(), reason="inline PTX runs only in a compiled kernel")
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("minus_magic", [True, False])
-def test_inline_ptx_unpack_equals_the_element_wise_ops(bits, minus_magic):
-    """The compiled kernels' unpack (`unpack_planes(asm=True)`, inline PTX on 32-bit words) gives
-    the same operands, bit for bit, as the element-wise ops the interpreter runs, for every
-    byte value in every position of a 4-byte word."""
+@pytest.mark.parametrize("bits, values", [(2, True), (4, False), (4, True), (8, False),
+                                          (8, True)])
+def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values):
+    """The compiled kernels' unpack (`unpack_planes(asm=True)`, inline PTX on 32-bit words)
+    gives each plane's masked bytes as the operand's bit patterns, for every byte value in
+    every position of a 4-byte word."""
     import jax
+    from jax import lax
     from jax.experimental import pallas as pl
     from tangram_jax.pallas_kernels.backend import compiler_params
-    from tangram_jax.pallas_kernels.decode_attention import code_operand, unpack_planes
-    dtype, magic = code_operand(bits, jnp.bfloat16)
+    from tangram_jax.pallas_kernels.decode_attention import (code_operand, plane_masks,
+                                                             unpack_planes)
+    dtype, _, _ = code_operand(bits, jnp.bfloat16, values=values)
     planes = 8 // bits
     rng = np.random.default_rng()
     raw = rng.integers(0, 256, size=(64, 16 * bits), dtype=np.uint8)
@@ -241,19 +252,14 @@ def test_inline_ptx_unpack_equals_the_element_wise_ops(bits, minus_magic):
         rows = slice(8 * shift, 8 * shift + 8)
         raw[rows] = np.resize(np.roll(every, shift), raw[rows].size).reshape(8, -1)
 
-    def kernel(raw_ref, asm_ref, ops_ref):
-        codes = raw_ref[...]
-        for out, asm in ((asm_ref, True), (ops_ref, False)):
-            for p, x in enumerate(unpack_planes(codes, bits, dtype, magic, asm=asm,
-                                                minus_magic=minus_magic)):
-                out[p] = x.astype(jnp.float32)
+    def kernel(raw_ref, out_ref):
+        for p, x in enumerate(unpack_planes(raw_ref[...], bits, dtype, asm=True)):
+            out_ref[p] = lax.bitcast_convert_type(x, jnp.uint16)
 
-    shape = jax.ShapeDtypeStruct((planes, *raw.shape), jnp.float32)
-    got, want = pl.pallas_call(kernel, out_shape=[shape, shape],
-                               compiler_params=compiler_params())(jnp.asarray(raw))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    offset = 0 if minus_magic else magic[1]
-    expect = np.stack([(raw >> (p * bits)) & ((1 << bits) - 1) for p in range(planes)]) + offset
+    shape = jax.ShapeDtypeStruct((planes, *raw.shape), jnp.uint16)
+    got = pl.pallas_call(kernel, out_shape=shape, compiler_params=compiler_params())(
+        jnp.asarray(raw))
+    expect = np.stack([raw & mask for mask in plane_masks(bits)]).astype(np.uint16)
     np.testing.assert_array_equal(np.asarray(got), expect)
 
 

@@ -21,8 +21,8 @@ constant of the jitted step, a planned one is a runtime int32 array of shape ``[
 Quantised pools (`tangram_jax.kv_quant`, K8V8 / K8V4 / K4V2): the same grid and work lists; the
 kernel reads packed codes and per-slot scale / zero instead of pages of values, so a work item
 moves fewer bytes (what the split map weighs: `split_map.build_split_map`'s `bytes_per_token`).
-Compiled kernels unpack the codes in inline PTX (`unpack_planes`); interpreted ones (the CPU
-tests) run the same arithmetic as element-wise ops, giving the same operands bit for bit.
+Compiled kernels unpack the codes in inline PTX into subnormal operands (`unpack_planes`);
+interpreted ones (the CPU tests) cast the same codes, the same products up to powers of two.
 
 Precision tiers (`kv_quant.TieredPages`, ``k8v4-k4v2``: each group's tokens in a K8V4 pool and
 a K4V2 pool, block tables and lengths of tier groups): the same kernel once per tier's pool,
@@ -55,13 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-# Value weights (softmax probability x the token's value scale) multiplied by this before they
-# become float16 product operands (8-bit value codes), and the products divided by it after:
-# p s spans [0, s] with s ~ range / 255, and float16's normal range starts at 6e-5, so unscaled
-# the small weights of flat attention over tens of thousands of tokens (p ~ 3e-5, s ~ 0.01)
-# would be subnormal (a few significant bits); scaled by 2^12 they are normal down to p s =
-# 1.5e-8 and the largest stays below float16's 65504 for value scales up to 16 (ranges of 4000).
-_F16_WEIGHT_SCALE = 2.0 ** 12
 
 
 def _page_inputs(pages) -> tuple:
@@ -75,104 +68,78 @@ def _bits(pages) -> int | None:
     return pages.bits if isinstance(pages, kv_quant.QuantPages) else None
 
 
-# Codes become matrix-unit operands by the magic-number trick: a code c (an unsigned integer)
-# ORed into the mantissa of a power of two M is the float M + c, exactly, and M + c - M = c
-# exactly: no int -> float conversion (those run on the GPU's conversion units at a fraction of
-# the integer rate). bfloat16's 7 mantissa bits hold codes of up to 7 bits (M = 128: 0x4300);
-# 8-bit codes use float16's 10 (M = 1024: 0x6400), q (keys) or the value weights (values, scaled
-# by `_F16_WEIGHT_SCALE`) cast to float16 for that product; 8-bit value codes were cast to
-# bfloat16 until session 15 (the magic path 1-5% faster at 32k contexts, 21% at 64 x 128k on an
-# H100: benchmarks/NOTES_kv_precision.md). M is subtracted in the kernel, not folded into the zero
-# points: a folded offset made the products M times larger than what they add, and the matrix
-# unit's float32 accumulation lost ~1e-5 of M per output, 4-15% of near-uniform attention's
-# small outputs over 26k random tokens (benchmarks/NOTES_kv_precision.md, session 11).
-_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
+# Codes become matrix-unit operands without a conversion instruction. A plane's code c of a byte
+# (bits ``b*p .. b*p + b - 1``), masked in place, is the integer N = c * 2^(b p) < 256; placed
+# in the low byte of a 16-bit float's pattern (the high byte 0) it is the float N * 2^E exactly,
+# E = -133 for bfloat16 and -24 for float16: patterns below 2^11 (float16) or 2^8 (bfloat16) are
+# subnormal or in the lowest normal binade, where a pattern's value is linear in its bits. So a
+# compiled kernel spreads each 4 bytes into two registers' 16-bit halves once (two ``prmt``) and
+# takes every plane from them with one ``and`` a code pair; the per-plane power of two 2^(b p)
+# goes into q's planes (keys) or the output's (values), and 2^E is lifted by scaling the other
+# operand by 2^S (q and bfloat16 value weights by 2^100, float16 value weights by 2^12) so the
+# float32 products are normal numbers: exact powers of two, so the products are those of the codes
+# themselves, scaled. Interpreted kernels (the CPU tests: XLA on the CPU flushes subnormal
+# operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Until
+# session 17 the codes were magic-number operands (OR a code into the mantissa of M = 128 or 1024,
+# then subtract M: a shift and a packed subtract a code pair per plane, and the two prmt repeated
+# per plane): measured in benchmarks/NOTES_kv_precision.md.
+# Operand dtypes: keys in the compute dtype (any width: N < 256 is exact in bfloat16); 8-bit value
+# codes in float16, whose weights (p * s, cast to the operand dtype) keep 11 significant bits,
+# narrower ones in the compute dtype.
+_SUBNORMAL_EXPONENT = {jnp.dtype(jnp.bfloat16): -133, jnp.dtype(jnp.float16): -24}
+# log2 of the factor q (keys) or the value weights are scaled by, by operand dtype, compiled:
+# bfloat16 q and weights keep float32's range (2^100 leaves |x| up to 2^27); float16 value
+# weights p * s span [0, s] with s ~ range / 255, and float16's normal range starts at 6e-5, so
+# unscaled the small weights of flat attention over tens of thousands of tokens (p ~ 3e-5, s ~
+# 0.01) would be subnormal (a few significant bits); scaled by 2^12 they are normal down to p s =
+# 1.5e-8 and the largest stays below float16's 65504 for value scales up to 16 (ranges of 4000).
+_OTHER_OPERAND_EXPONENT = {jnp.dtype(jnp.bfloat16): 100, jnp.dtype(jnp.float16): 12}
 
 
-def code_operand(bits: int, compute_dtype, *, values: bool = False) -> tuple:
-    """(operand dtype, magic) of `bits`-bit key (or `values`) codes in a kernel computing in
-    `compute_dtype`: magic the (bit pattern, offset M) of `_MAGIC`, or None where codes are cast
-    (float32 kernels: the CPU tests' models, where casts are exact and cheap)."""
+def code_operand(bits: int, compute_dtype, *, values: bool = False,
+                 compiled: bool = True) -> tuple:
+    """(operand dtype, E, S) of `bits`-bit key (or `values`) codes in a kernel computing in
+    `compute_dtype`: a plane's operand is N * 2^E (N the code's byte masked to its bits), and
+    the other operand of its product (q, or the value weights) is scaled by 2^S; E = 0 where the
+    kernel is interpreted or computes in float32 (the codes are cast)."""
     compute_dtype = jnp.dtype(compute_dtype)
     if compute_dtype == jnp.float32:
-        return compute_dtype, None
-    dtype = compute_dtype if bits <= 7 else jnp.dtype(jnp.float16)
-    return dtype, _MAGIC[dtype]
+        return compute_dtype, 0, 0
+    dtype = jnp.dtype(jnp.float16) if values and bits == 8 else compute_dtype
+    other = _OTHER_OPERAND_EXPONENT[dtype]
+    if not compiled:   # interpreted: only float16 weights keep their scale (CPU subnormals)
+        return dtype, 0, (other if dtype == jnp.float16 else 0)
+    return dtype, _SUBNORMAL_EXPONENT[dtype], other
 
 
-def codes_as_operand(codes, dtype, magic: tuple | None, minus_magic: bool = True):
-    """Unsigned integer codes (any shape) -> the same integers as `dtype` values, exactly (see
-    `code_operand`); M + code with `minus_magic` False."""
-    if magic is None:
-        return codes.astype(dtype)
-    pattern, offset = magic
-    shifted = lax.bitcast_convert_type(codes.astype(jnp.uint16) | jnp.uint16(pattern), dtype)
-    return shifted - jnp.asarray(offset, dtype) if minus_magic else shifted
+def plane_masks(bits: int) -> list[int]:
+    """Each plane's bits of a byte (plane p: bits ``p*bits .. (p+1)*bits - 1``)."""
+    return [((1 << bits) - 1) << (p * bits) for p in range(8 // bits)]
 
 
-def unpack_planes(raw, bits: int, dtype, magic: tuple | None, *, asm: bool,
-                  minus_magic: bool = True) -> list:
+def unpack_planes(raw, bits: int, dtype, *, asm: bool) -> list:
     """Packed uint8 codes [tokens, d/n] -> the n = 8 / bits planes [tokens, d/n] as `dtype`
-    operands (`code_operand`), plane p from bits ``p*bits .. (p+1)*bits - 1`` of each byte;
-    with `minus_magic` False (and a magic) the operands are M + code, M for the caller to
-    subtract where it is cheaper (keys: in their zero points, per token, not per code).
+    operands N * 2^E (`code_operand`: N = c * 2^(bits p) for plane p's code c).
 
-    `asm` (compiled kernels only: inline PTX cannot be interpreted): the unpack as
-    `_unpack_asm`, every 32-bit word of 4 bytes turned into the 4n operands with a handful of
-    32-bit instructions, where the element-wise ops below cost several instructions per code
-    (shift, mask, widen, or, subtract, each on one 8- or 16-bit value). Both give the same
-    values bit for bit."""
-    if asm and magic is not None:
-        return _unpack_asm(raw, bits, dtype, magic, minus_magic)
-    levels = jnp.uint8((1 << bits) - 1)
-    return [codes_as_operand(raw if bits == 8 else (raw >> jnp.uint8(p * bits)) & levels,
-                             dtype, magic, minus_magic)
-            for p in range(8 // bits)]
-
-
-def _unpack_asm(raw, bits: int, dtype, magic: tuple, minus_magic: bool) -> list:
-    """`unpack_planes` in inline PTX, 4 bytes (one 32-bit register) an instance.
-
-    The magic-number trick on packed pairs (as in mixed-precision GEMM kernels): ``prmt``
-    spreads bytes 0, 1 (2, 3) of the word into the low bytes of the two 16-bit halves of a
-    register; one ``lop3`` masks a plane's bits there (after a shift) and ORs in M's pattern,
-    giving two operands M + c; one packed subtract of M (a ``fma`` by 1 for bfloat16, which has
-    no packed subtract before sm_90) leaves c, exactly. 8-bit key codes (float16, M = 1024): the
-    prmt takes M's high byte from its second operand, so a pair costs a prmt and a subtract.
-    One asm a plane: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple results,
-    but 2 outvars do not match 1 outvals"), so each plane repeats the two prmt."""
-    pattern, offset = magic
-    pair = f"0x{pattern:04X}{pattern:04X}"
-    if jnp.dtype(dtype) == jnp.float16:
-        consts, minus_m = f"mov.b32 m, {pair};", "sub.f16x2 {d}, {d}, m;"
-    else:
-        neg = np.float32(-offset).view(np.uint32) >> 16            # bfloat16 bits of -M
-        consts = f"mov.b32 one, 0x3F803F80; mov.b32 m, 0x{neg:04X}{neg:04X};"
-        minus_m = "fma.rn.bf16x2 {d}, {d}, one, m;"
-    planes = []
-    for p in range(8 // bits):
-        # Outputs $0 (elements 0, 1) and $1 (2, 3); the 4 packed bytes in $2.
-        lines = ["{", ".reg .b32 t0, t1, s, one, m;", consts]
-        if bits == 8:
-            high = pattern >> 8            # M's high byte, which prmt takes from s
-            lines += [f"mov.b32 s, 0x{high:02X}{high:02X}{high:02X}{high:02X};",
-                      "prmt.b32 $0, $2, s, 0x4140;", "prmt.b32 $1, $2, s, 0x4342;"]
-        else:
-            mask = (1 << bits) - 1
-            lines += ["prmt.b32 t0, $2, 0, 0x4140;", "prmt.b32 t1, $2, 0, 0x4342;"]
-            for half in (0, 1):
-                word = f"t{half}"
-                if p:
-                    lines.append(f"shr.u32 {word}, {word}, {p * bits};")
-                # lop3 0xEA: (a & b) | c
-                lines.append(f"lop3.b32 ${half}, {word}, 0x{mask:04X}{mask:04X}, {pair}, 0xEA;")
-        if minus_magic:
-            lines += [minus_m.format(d="$0"), minus_m.format(d="$1")]
-        lines.append("}")
-        planes.append(plgpu.elementwise_inline_asm(
-            "\n".join(lines), args=[raw], constraints="=r,=r,r", pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)])[0])
-    return planes
+    `asm` (compiled kernels only: inline PTX cannot be interpreted): a ``prmt`` pair spreads each
+    32-bit word of 4 bytes into the low bytes of two registers' 16-bit halves (one asm for all
+    planes), and each plane is one ``and`` a register (two codes) of those: the patterns are the
+    subnormal operands N * 2^E. Else (E = 0) the masked bytes cast to `dtype`."""
+    if not asm:
+        return [(raw & jnp.uint8(mask)).astype(dtype) for mask in plane_masks(bits)]
+    # One asm a result: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple
+    # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
+    spread_dtype = dtype if bits == 8 else jnp.uint16
+    spread = plgpu.elementwise_inline_asm(
+        "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
+        constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
+    if bits == 8:
+        return [spread]
+    return [plgpu.elementwise_inline_asm(
+        f"and.b32 $0, $1, 0x{mask:04X}{mask:04X};", args=[spread], constraints="=r,r",
+        pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)])[0]
+        for mask in plane_masks(bits)]
 
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
@@ -204,9 +171,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     so the matrix unit multiplies the codes (exact in the operand dtype, `code_operand`) plane
     by plane (a plane of a packed row is a contiguous slice of head_dim, see `kv_quant`), and
     the scales are applied to the [rows, tokens] logits and probabilities. Compiled, the codes
-    are unpacked by inline PTX on 32-bit words (`unpack_planes`); key operands keep the magic
-    offset M, which the per-token zero term absorbs (``(z - M s) sum(q)``), value operands drop
-    it per code (their products accumulate over the share). The softmax runs in base 2:
+    are unpacked by inline PTX on 32-bit words into subnormal operands (`unpack_planes`), whose
+    powers of two the per-token key scale and the output's final scale take back (exactly: the
+    products are the codes', scaled; `code_operand`). The softmax runs in base 2:
     scale * log2(e) is folded into the per-token key scale and zero (bf16 pools: into the
     logits), and each exp2 is one ``ex2.approx`` (`backend.exp2`). Measured on an H100
     (benchmarks/NOTES_kv_precision.md, session 12): -10 to -18% and -5 to -15% of the
@@ -225,12 +192,13 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     head_dim = q_ref.shape[-1]
     pages_per_block = max(1, block_tokens // page_size)
     compute_dtype = q_ref.dtype
-    # Operand dtype and magic of the key and value codes (`code_operand`).
-    k_dtype, k_magic = code_operand(key_bits, compute_dtype) if key_bits else (compute_dtype, None)
-    v_dtype, v_magic = (code_operand(value_bits, compute_dtype, values=True) if value_bits
-                        else (compute_dtype, None))
-    key_offset = k_magic[1] if k_magic else 0.0
-    weight_scale = _F16_WEIGHT_SCALE if v_dtype == jnp.float16 else 1.0
+    # Operand dtype, code exponent E and other-operand exponent S of the key and value codes
+    # (`code_operand`): a product of codes comes out 2^(E + S) times the codes' own.
+    k_dtype, k_exp, q_exp = (code_operand(key_bits, compute_dtype, compiled=compiled)
+                             if key_bits else (compute_dtype, 0, 0))
+    v_dtype, v_exp, w_exp = (code_operand(value_bits, compute_dtype, values=True,
+                                          compiled=compiled)
+                             if value_bits else (compute_dtype, 0, 0))
     log2_scale = scale * backend.LOG2E
 
     # The item's blocks (the cut of the docstring). Lengths past the block table (a caller's
@@ -264,15 +232,20 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
                          f"({v_planes})")
     if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
-        qs = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0).astype(k_dtype)]
-              for j in head_ids]
+        q_raw = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)]
+                 for j in head_ids]
     else:                   # per head, planes [rows, d/n]
-        qs = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None],
-                          other=0).astype(k_dtype)
-               for cols in k_cols] for j in head_ids]
+        q_raw = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
+                  for cols in k_cols] for j in head_ids]
     # sum(q) per query row, what a key's zero point adds to its logit.
-    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in qs] \
+    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in q_raw] \
         if key_bits is not None else None
+    # Key plane p's operands are c * 2^(key_bits p + E): its q plane is scaled by
+    # 2^(S - key_bits p) (exact: powers of two), so every plane's product is 2^(E + S) q.c.
+    qs = [[x.astype(k_dtype) if key_bits is None else
+           (x.astype(jnp.float32) * 2.0 ** (q_exp - key_bits * p)).astype(k_dtype)
+           for p, x in enumerate(planes)] for planes in q_raw]
+    key_code_scale = 2.0 ** -(k_exp + q_exp)
     offsets = jnp.arange(block_tokens)
     # Tokens are never negative, so page and slot are truncating `lax.div` / `lax.rem`: jnp's
     # floor `//` and `%` add sign fix-ups per token that hide from Triton's axis analysis that
@@ -287,11 +260,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
                                                        max_pages - 1)]
 
-    def load_tile(refs, bits, operand, page, j, slot, token_valid, minus_magic):
-        """([tokens, d/n] planes, scales, zeros); quantised planes hold the codes in the
-        operand dtype (`operand`: (dtype, magic) of `code_operand`), plus M with `minus_magic`
-        False; scales and zeros are lists of [tokens], one a scale group of the row (one, or
-        one a plane with value groups: `kv_quant.scale_shape`), None unquantised."""
+    def load_tile(refs, bits, dtype, page, j, slot, token_valid):
+        """([tokens, d/n] planes, scales, zeros); quantised planes are `dtype` operands of the
+        codes (`unpack_planes`); scales and zeros are lists of [tokens], one a scale group of the
+        row (one, or one a plane with value groups: `kv_quant.scale_shape`), None
+        unquantised."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
@@ -300,7 +273,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             return [raw], None, None
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
-        planes = unpack_planes(raw, bits, *operand, asm=compiled, minus_magic=minus_magic)
+        planes = unpack_planes(raw, bits, dtype, asm=compiled)
         # A scale ref with a trailing groups axis is read a group at a time.
         groups = [()] if len(refs[1].shape) == 3 else \
             [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
@@ -315,13 +288,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         slot = lax.rem(token, page_size_i32)
-        # Key operands keep M (`key_offset` below); value operands do not: the products of
-        # values accumulate over the whole share, and M times larger terms lost 4-15% of
-        # near-uniform attention's small outputs (session 11).
-        ks = [load_tile(k_refs, key_bits, (k_dtype, k_magic), page, j, slot, token_valid,
-                        False) for j in head_ids]
-        vs = [load_tile(v_refs, value_bits, (v_dtype, v_magic), page, j, slot, token_valid,
-                        True) for j in head_ids]
+        ks = [load_tile(k_refs, key_bits, k_dtype, page, j, slot, token_valid) for j in head_ids]
+        vs = [load_tile(v_refs, value_bits, v_dtype, page, j, slot, token_valid)
+              for j in head_ids]
         new = []
         for j in range(heads):
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
@@ -331,13 +300,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             for qp, kp in zip(qs[j][1:], k_tile[1:]):
                 logits = logits + _dot(qp, kp, trans_b=True)
             # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
-            # into the per-token key scale and zero, which also absorb the operands' M:
-            # s q.(M + c) + (z - M s) sum(q) = s q.c + z sum(q), per token not per code.
+            # into the per-token key scale and zero, and the scale also takes the products'
+            # 2^-(E + S) (`key_code_scale`), per token not per code.
             if key_bits is not None:
                 (k_scale,), (k_zero,) = k_scales, k_zeros          # keys: one group a row
-                logits = (logits * (k_scale * log2_scale)[None, :]
-                          + q_sums[j][:, None]
-                          * ((k_zero - key_offset * k_scale) * log2_scale)[None, :])
+                logits = (logits * (k_scale * (log2_scale * key_code_scale))[None, :]
+                          + q_sums[j][:, None] * (k_zero * log2_scale)[None, :])
             else:
                 logits = logits * log2_scale
             logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
@@ -349,7 +317,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                 weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
             else:
                 # One scale and zero a row, or one a plane (value groups).
-                weights = [(p * (sc * weight_scale)[None, :]).astype(v_dtype)
+                weights = [(p * (sc * 2.0 ** w_exp)[None, :]).astype(v_dtype)
                            for sc in v_scales]
                 o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
                                     for oz, z in zip(o_zero_prev, v_zeros))
@@ -382,10 +350,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         if value_bits is None:
             plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
         else:
+            # Plane i's products are 2^(value_bits i + E + S) times p s c (`unpack_planes`).
             for i, (o, cols) in enumerate(zip(o_planes, v_cols)):
                 plgpu.store(o_ref.at[j, row_ids, cols],
-                            (o * (1.0 / weight_scale) + o_zero[i % len(o_zero)][:, None])
-                            / denominator,
+                            (o * 2.0 ** -(value_bits * i + v_exp + w_exp)
+                             + o_zero[i % len(o_zero)][:, None]) / denominator,
                             mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
