@@ -129,7 +129,8 @@ def unpack_planes(raw, bits: int, dtype, *, asm: bool) -> list:
         return [(raw & jnp.uint8(mask)).astype(dtype) for mask in plane_masks(bits)]
     # One asm a result: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple
     # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
-    spread_dtype = dtype if bits == 8 else jnp.uint16
+    # int16, not uint16: Triton's integers are signless (it rejects an unsigned result type).
+    spread_dtype = dtype if bits == 8 else jnp.int16
     spread = plgpu.elementwise_inline_asm(
         "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
         constraints="=r,=r,r", pack=4,
