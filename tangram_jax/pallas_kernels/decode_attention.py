@@ -124,8 +124,9 @@ def unpack_planes(raw, bits: int, dtype, *, asm: bool) -> list:
     `asm` (compiled kernels only: inline PTX cannot be interpreted): a ``prmt`` pair spreads each
     32-bit word of 4 bytes into the low bytes of two registers' 16-bit halves (one asm for all
     planes), and each plane is one ``and`` a register (two codes) of those: the patterns are the
-    subnormal operands N * 2^E. Else (E = 0) the masked bytes cast to `dtype`."""
-    if not asm:
+    subnormal operands N * 2^E. Else (E = 0; float32 operands too) the masked bytes cast to
+    `dtype`."""
+    if not asm or jnp.dtype(dtype) == jnp.float32:
         return [(raw & jnp.uint8(mask)).astype(dtype) for mask in plane_masks(bits)]
     # One asm a result: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple
     # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
