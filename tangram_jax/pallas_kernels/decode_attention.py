@@ -82,7 +82,8 @@ def _bits(pages) -> int | None:
 # operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Until
 # session 17 the codes were magic-number operands (OR a code into the mantissa of M = 128 or 1024,
 # then subtract M: a shift and a packed subtract a code pair per plane, and the two prmt repeated
-# per plane): measured in benchmarks/NOTES_kv_precision.md.
+# per plane); against those, on an H100 (benchmarks/NOTES_kv_precision.md, session 17): K4V2
+# -4% / -12% at 64 / 32 x 32k, precision tiers -1 to -7%, K8V4 equal, K8V8 +2-4%.
 # Operand dtypes: keys in the compute dtype (any width: N < 256 is exact in bfloat16); 8-bit value
 # codes in float16, whose weights (p * s, cast to the operand dtype) keep 11 significant bits,
 # narrower ones in the compute dtype.
