@@ -73,16 +73,3 @@ def exp2(x, *, fast: bool):
     return plgpu.elementwise_inline_asm(
         "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
-
-
-def fma(a, b, c, *, fast: bool):
-    """a * b + c in float32 inside a kernel (operands broadcast to one shape). `fast` (compiled
-    kernels): one ``fma.rn.f32`` an element, where Pallas emits a multiply and an add that ptxas
-    does not fuse (Triton's LLVM gets no contraction flags); else the two ops."""
-    if not fast:
-        return a * b + c
-    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
-    args = [jnp.broadcast_to(jnp.asarray(x, jnp.float32), shape) for x in (a, b, c)]
-    return plgpu.elementwise_inline_asm(
-        "fma.rn.f32 $0, $1, $2, $3;", args=args, constraints="=r,r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]

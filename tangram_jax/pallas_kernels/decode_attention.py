@@ -55,8 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-_FULL_BLOCKS_UNMASKED = True     # A/B flags (session 17), removed after the measurement
-_FMA_KEY_SCALE = True
 
 
 def _page_inputs(pages) -> tuple:
@@ -270,11 +268,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         codes (`unpack_planes`); scales and zeros are lists of [tokens], one a scale group of the
         row (one, or one a plane with value groups: `kv_quant.scale_shape`), None
         unquantised."""
-        mask = None if token_valid is None else token_valid[:, None]
+        mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
-        raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask,
-                          other=None if mask is None else 0)
+        raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask, other=0)
         if bits is None:
             return [raw], None, None
         # The unpack is per element of every tile, the kernel's main work besides the
@@ -283,13 +280,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # A scale ref with a trailing groups axis is read a group at a time.
         groups = [()] if len(refs[1].shape) == 3 else \
             [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
-        return (planes, *([plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid,
-                                      other=None if token_valid is None else 0)
+        return (planes, *([plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
                            for g in groups] for ref in refs[1:]))
 
-    def attend(block, page, states, masked=True):
+    def attend(block, page, states):
         token = (first_block + block) * block_tokens + offsets
-        token_valid = token < end_token if masked else None
+        token_valid = token < end_token
         # The K/V tile is gathered as [tokens, head_dim] rows (one page id per token, each
         # page a contiguous run of page_size rows), so it lands in shared memory in the layout
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
@@ -311,17 +307,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             # 2^-(E + S) (`key_code_scale`), per token not per code.
             if key_bits is not None:
                 (k_scale,), (k_zero,) = k_scales, k_zeros          # keys: one group a row
-                if _FMA_KEY_SCALE:
-                    logits = backend.fma(logits, (k_scale * (log2_scale * key_code_scale))[None, :],
-                                         q_sums[j][:, None] * (k_zero * log2_scale)[None, :],
-                                         fast=compiled)
-                else:
-                    logits = (logits * (k_scale * (log2_scale * key_code_scale))[None, :]
-                              + q_sums[j][:, None] * (k_zero * log2_scale)[None, :])
+                logits = (logits * (k_scale * (log2_scale * key_code_scale))[None, :]
+                          + q_sums[j][:, None] * (k_zero * log2_scale)[None, :])
             else:
                 logits = logits * log2_scale
-            if token_valid is not None:
-                logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
+            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = backend.exp2(m_prev - m_next, fast=compiled)
             p = backend.exp2(logits - m_next[:, None], fast=compiled)
@@ -348,17 +338,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # Page ids of the next block travel in the loop carry, so the K/V gathers do not
         # depend on a load of their own iteration and Triton's pipeliner can keep
         # num_stages - 1 blocks in flight (without this it single-buffers them).
-        def body(masked):
-            def step(block, carry):
-                page, states = carry
-                return page_ids(block + 1), attend(block, page, states, masked)
-            return step
-        if _FULL_BLOCKS_UNMASKED:
-            last = jnp.maximum(num_blocks - 1, 0)
-            carry = lax.fori_loop(0, last, body(False), (page_ids(0), init))
-            _, final = lax.fori_loop(last, num_blocks, body(True), carry)
-        else:
-            _, final = lax.fori_loop(0, num_blocks, body(True), (page_ids(0), init))
+        def body(block, carry):
+            page, states = carry
+            return page_ids(block + 1), attend(block, page, states)
+        _, final = lax.fori_loop(0, num_blocks, body, (page_ids(0), init))
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, states: attend(block, page_ids(block), states), init)
