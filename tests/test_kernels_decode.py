@@ -216,7 +216,9 @@ def test_codes_become_exact_operands_without_conversion(bits, compute, values):
                                 jnp.float16 if values and bits == 8 else compute)
     assert code_operand(bits, compute, values=values, compiled=False)[1] == 0
     every = np.arange(256, dtype=np.uint8)
-    planes = unpack_planes(jnp.asarray(every), bits, dtype, asm=False)
+    planes = unpack_planes(jnp.asarray(every), bits, dtype, 0)
+    with pytest.raises(ValueError, match="exponent"):   # only a 16-bit dtype's own exponent
+        unpack_planes(jnp.asarray(every), bits, jnp.float32, -133)
     for p, (plane, mask) in enumerate(zip(planes, plane_masks(bits))):
         n = every & mask
         np.testing.assert_array_equal(np.asarray(plane, np.float64), n)
@@ -233,16 +235,16 @@ def test_codes_become_exact_operands_without_conversion(bits, compute, values):
 @pytest.mark.parametrize("bits, values", [(2, True), (4, False), (4, True), (8, False),
                                           (8, True)])
 def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values):
-    """The compiled kernels' unpack (`unpack_planes(asm=True)`, inline PTX on 32-bit words)
-    gives each plane's masked bytes as the operand's bit patterns, for every byte value in
-    every position of a 4-byte word."""
+    """The compiled kernels' unpack (`unpack_planes` at the subnormal exponent, inline PTX on
+    32-bit words) gives each plane's masked bytes as the operand's bit patterns, for every byte
+    value in every position of a 4-byte word."""
     import jax
     from jax import lax
     from jax.experimental import pallas as pl
     from tangram_jax.pallas_kernels.backend import compiler_params
     from tangram_jax.pallas_kernels.decode_attention import (code_operand, plane_masks,
                                                              unpack_planes)
-    dtype, _, _ = code_operand(bits, jnp.bfloat16, values=values)
+    dtype, exponent, _ = code_operand(bits, jnp.bfloat16, values=values)
     planes = 8 // bits
     rng = np.random.default_rng()
     raw = rng.integers(0, 256, size=(64, 16 * bits), dtype=np.uint8)
@@ -253,7 +255,7 @@ def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values):
         raw[rows] = np.resize(np.roll(every, shift), raw[rows].size).reshape(8, -1)
 
     def kernel(raw_ref, out_ref):
-        for p, x in enumerate(unpack_planes(raw_ref[...], bits, dtype, asm=True)):
+        for p, x in enumerate(unpack_planes(raw_ref[...], bits, dtype, exponent)):
             out_ref[p] = lax.bitcast_convert_type(x, jnp.int16)   # Triton: no unsigned
 
     shape = jax.ShapeDtypeStruct((planes, *raw.shape), jnp.int16)

@@ -118,17 +118,20 @@ def plane_masks(bits: int) -> list[int]:
     return [((1 << bits) - 1) << (p * bits) for p in range(8 // bits)]
 
 
-def unpack_planes(raw, bits: int, dtype, *, asm: bool) -> list:
+def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
     """Packed uint8 codes [tokens, d/n] -> the n = 8 / bits planes [tokens, d/n] as `dtype`
-    operands N * 2^E (`code_operand`: N = c * 2^(bits p) for plane p's code c).
+    operands N * 2^E, E = `exponent` (`code_operand`: N = c * 2^(bits p) for plane p's code c).
 
-    `asm` (compiled kernels only: inline PTX cannot be interpreted): a ``prmt`` pair spreads each
-    32-bit word of 4 bytes into the low bytes of two registers' 16-bit halves (one asm for all
-    planes), and each plane is one ``and`` a register (two codes) of those: the patterns are the
-    subnormal operands N * 2^E. Else (E = 0; float32 operands too) the masked bytes cast to
-    `dtype`."""
-    if not asm or jnp.dtype(dtype) == jnp.float32:
+    E != 0 (compiled kernels' 16-bit operands; inline PTX cannot be interpreted): a ``prmt`` pair
+    spreads each 32-bit word of 4 bytes into the low bytes of two registers' 16-bit halves (one
+    asm for all planes), and each plane is one ``and`` a register (two codes) of those: the
+    patterns are the subnormal operands N * 2^E. E = 0 (interpreted, or float32 operands): the
+    masked bytes cast to `dtype`."""
+    if exponent == 0:
         return [(raw & jnp.uint8(mask)).astype(dtype) for mask in plane_masks(bits)]
+    if jnp.dtype(dtype).itemsize != 2 or exponent != _SUBNORMAL_EXPONENT[jnp.dtype(dtype)]:
+        raise ValueError(f"exponent must be 0 or the subnormal exponent of {dtype} "
+                         f"({_SUBNORMAL_EXPONENT.get(jnp.dtype(dtype))}), got {exponent}")
     # One asm a result: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple
     # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
     # int16, not uint16: Triton's integers are signless (it rejects an unsigned result type).
@@ -263,9 +266,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
                                                        max_pages - 1)]
 
-    def load_tile(refs, bits, dtype, page, j, slot, token_valid):
-        """([tokens, d/n] planes, scales, zeros); quantised planes are `dtype` operands of the
-        codes (`unpack_planes`); scales and zeros are lists of [tokens], one a scale group of the
+    def load_tile(refs, bits, operand, page, j, slot, token_valid):
+        """([tokens, d/n] planes, scales, zeros); quantised planes are operands of the codes
+        (`operand`: their (dtype, exponent), `unpack_planes`); scales and zeros are lists of [tokens], one a scale group of the
         row (one, or one a plane with value groups: `kv_quant.scale_shape`), None
         unquantised."""
         mask = token_valid[:, None]
@@ -276,7 +279,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             return [raw], None, None
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
-        planes = unpack_planes(raw, bits, dtype, asm=compiled)
+        planes = unpack_planes(raw, bits, *operand)
         # A scale ref with a trailing groups axis is read a group at a time.
         groups = [()] if len(refs[1].shape) == 3 else \
             [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
@@ -291,8 +294,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         slot = lax.rem(token, page_size_i32)
-        ks = [load_tile(k_refs, key_bits, k_dtype, page, j, slot, token_valid) for j in head_ids]
-        vs = [load_tile(v_refs, value_bits, v_dtype, page, j, slot, token_valid)
+        ks = [load_tile(k_refs, key_bits, (k_dtype, k_exp), page, j, slot, token_valid)
+              for j in head_ids]
+        vs = [load_tile(v_refs, value_bits, (v_dtype, v_exp), page, j, slot, token_valid)
               for j in head_ids]
         new = []
         for j in range(heads):
