@@ -47,15 +47,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.decode_attention import plane_masks
 
 _BLOCK = 64          # tokens a block: wgmma's M
 _ROWS = 16           # query rows as wgmma's N (q_per_kv real ones)
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _plane_masks(bits: int) -> list[int]:
-    """Each plane's bits of a byte (`kv_quant`'s plane layout: plane p at bits p*bits...)."""
-    return [((1 << bits) - 1) << (p * bits) for p in range(8 // bits)]
 
 
 def _swizzled(minor_bytes: int, itemsize: int) -> tuple:
@@ -132,10 +128,10 @@ def _kernel(work_ref, lengths_ref, tables_ref, q_ref, qsum_ref, kc_ref, ks_ref, 
         # masked in place (c * 2^(bits p), exact in bfloat16: < 256) and the power of two goes
         # into q's plane (keys, `prepare_queries`) or the output's dims (values, below).
         kc = kc_smem[slot]                                             # uint8 [T, d/2]
-        for p, mask in enumerate(_plane_masks(key_bits)):
+        for p, mask in enumerate(plane_masks(key_bits)):
             kb_smem[p] = (kc & jnp.uint8(mask)).astype(jnp.bfloat16)
         vc = vc_smem[slot]                                             # uint8 [T, d/4]
-        for p, mask in enumerate(_plane_masks(value_bits)):
+        for p, mask in enumerate(plane_masks(value_bits)):
             vb_smem[:, pl.ds(p * v_width, v_width)] = (vc & jnp.uint8(mask)).astype(jnp.bfloat16)
         plgpu.commit_smem()
 
