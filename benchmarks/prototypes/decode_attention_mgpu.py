@@ -47,11 +47,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
-from tangram_jax.pallas_kernels.decode_attention import plane_masks
+from tangram_jax.pallas_kernels.decode_attention import _MASK_VALUE, plane_masks
 
 _BLOCK = 64          # tokens a block: wgmma's M
 _ROWS = 16           # query rows as wgmma's N (q_per_kv real ones)
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _swizzled(minor_bytes: int, itemsize: int) -> tuple:

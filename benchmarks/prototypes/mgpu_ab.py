@@ -5,7 +5,7 @@ the reference on 4 rows. Run from the repository root:
     PYTHONPATH=$PWD GIT_REV=$(git rev-parse --short HEAD) python3 benchmarks/prototypes/mgpu_ab.py \
         64x32768,32x32768 3,2
 """
-import json, os, sys, time, traceback
+import json, os, sys, traceback
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, "benchmarks/prototypes")
 import jax, jax.numpy as jnp, numpy as np
 import kv_precision_decode as kpd
@@ -77,7 +77,6 @@ for batch, context in configs:
     timed("bf16", lambda qs, k, v: [da.ragged_paged_decode_attention(
         qs[i], k, v, tbl, lens, work_list=work_bf) for i in range(CALLS)], qs, kb, vb)
     del kb, vb
-    slots = int(lengths.sum()) * kpd.GROUP_SIZE
     res["ideal_us_k4v2"] = res["us"].get("bf16", float("nan")) * kpd.slot_bytes("k4v2") / kpd.slot_bytes("bf16") if isinstance(res["us"].get("bf16"), float) else None
     out["runs"].append(res)
     json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "mgpu_ab.json"), "w"), indent=1)

@@ -268,9 +268,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     def load_tile(refs, bits, operand, page, j, slot, token_valid):
         """([tokens, d/n] planes, scales, zeros); quantised planes are operands of the codes
-        (`operand`: their (dtype, exponent), `unpack_planes`); scales and zeros are lists of [tokens], one a scale group of the
-        row (one, or one a plane with value groups: `kv_quant.scale_shape`), None
-        unquantised."""
+        (`operand`: their (dtype, exponent), `unpack_planes`); scales and zeros are lists of
+        [tokens], one a scale group of the row (one, or one a plane with value groups:
+        `kv_quant.scale_shape`), None unquantised."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         dims = jnp.arange(refs[0].shape[-1])[None, :]
