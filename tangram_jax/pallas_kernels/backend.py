@@ -56,10 +56,10 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def dot_f32(a, b, trans_a: bool = False, trans_b: bool = False):
+def dot_f32(a, b, trans_b: bool = False):
     """Matrix-unit product with float32 accumulation; float32 operands stay IEEE (no tf32), so
     f32 kernels match their references to ~1e-6 and bf16 ones to bf16 rounding."""
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False).astype("float32")
+    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False).astype("float32")
 
 
 def exp2(x, *, fast: bool):

@@ -55,9 +55,6 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-# A/B switch (session 19): products with the tokens as the matrix unit's M (scores^T = K q^T,
-# out^T = V^T p^T) instead of the query rows (scores = q K^T, out = p V).
-_TOKENS_AS_M = False
 
 
 def _page_inputs(pages) -> tuple:
@@ -240,34 +237,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     if value_groups not in (1, v_planes):
         raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
                          f"({v_planes})")
-    tokens_as_m = _TOKENS_AS_M
-    # [rows, tokens] tiles (tokens as N), or [tokens, rows] (tokens as M): a per-token vector
-    # and a per-row vector broadcast along the other axis; `token_axis` is reduced over.
-    token_axis = 0 if tokens_as_m else 1
-    per_token = (lambda x: x[:, None]) if tokens_as_m else (lambda x: x[None, :])
-    per_row = (lambda x: x[None, :]) if tokens_as_m else (lambda x: x[:, None])
-    row_real_tile = per_row(row_real)
-    if tokens_as_m:          # per head, planes [d/n, rows]
-        q_raw = [[plgpu.load(q_ref.at[group, j, row_ids.T, cols.T], mask=row_real_tile,
-                             other=0) for cols in k_cols] for j in head_ids]
-    elif k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
+    if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
         q_raw = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)]
                  for j in head_ids]
     else:                   # per head, planes [rows, d/n]
         q_raw = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
                   for cols in k_cols] for j in head_ids]
-    # sum(q) per query row, what a key's zero point adds to its logit (q planes lie as the
-    # score tiles do, head_dim where the tokens are).
-    q_sums = [sum(x.astype(jnp.float32).sum(axis=token_axis) for x in planes)
-              for planes in q_raw] if key_bits is not None else None
-
-    def scores(qp, kp):
-        """q . k of a plane: [rows, tokens] or [tokens, rows]."""
-        return _dot(kp, qp) if tokens_as_m else _dot(qp, kp, trans_b=True)
-
-    def weighted(w, vp):
-        """w @ v of a plane: [rows, d/n] or, from [tokens, rows] weights, [d/n, rows]."""
-        return _dot(vp, w, trans_a=True) if tokens_as_m else _dot(w, vp)
+    # sum(q) per query row, what a key's zero point adds to its logit.
+    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in q_raw] \
+        if key_bits is not None else None
     # Key plane p's operands are c * 2^(key_bits p + E): its q plane is scaled by
     # 2^(S - key_bits p) (exact: powers of two), so every plane's product is 2^(E + S) q.c.
     qs = [[x.astype(k_dtype) if key_bits is None else
@@ -325,38 +303,38 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             o_prev, o_zero_prev, m_prev, l_prev = states[j]
             k_tile, k_scales, k_zeros = ks[j]
             v_tile, v_scales, v_zeros = vs[j]
-            logits = scores(qs[j][0], k_tile[0].astype(qs[j][0].dtype))
+            logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
             for qp, kp in zip(qs[j][1:], k_tile[1:]):
-                logits = logits + scores(qp, kp)
+                logits = logits + _dot(qp, kp, trans_b=True)
             # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
             # into the per-token key scale and zero, and the scale also takes the products'
             # 2^-(E + S) (`key_code_scale`), per token not per code.
             if key_bits is not None:
                 (k_scale,), (k_zero,) = k_scales, k_zeros          # keys: one group a row
-                logits = (logits * per_token(k_scale * (log2_scale * key_code_scale))
-                          + per_row(q_sums[j]) * per_token(k_zero * log2_scale))
+                logits = (logits * (k_scale * (log2_scale * key_code_scale))[None, :]
+                          + q_sums[j][:, None] * (k_zero * log2_scale)[None, :])
             else:
                 logits = logits * log2_scale
-            logits = jnp.where(per_token(token_valid), logits, _MASK_VALUE)
-            m_next = jnp.maximum(m_prev, logits.max(axis=token_axis))
+            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
+            m_next = jnp.maximum(m_prev, logits.max(axis=-1))
             correction = backend.exp2(m_prev - m_next, fast=compiled)
-            p = backend.exp2(logits - per_row(m_next), fast=compiled)
-            l_next = correction * l_prev + p.sum(axis=token_axis)
+            p = backend.exp2(logits - m_next[:, None], fast=compiled)
+            l_next = correction * l_prev + p.sum(axis=-1)
             if value_bits is None:
                 weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
             else:
                 # One scale and zero a row, or one a plane (value groups).
-                weights = [(p * per_token(sc * 2.0 ** w_exp)).astype(v_dtype)
+                weights = [(p * (sc * 2.0 ** w_exp)[None, :]).astype(v_dtype)
                            for sc in v_scales]
-                o_zero_next = tuple(correction * oz + (p * per_token(z)).sum(axis=token_axis)
+                o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
                                     for oz, z in zip(o_zero_prev, v_zeros))
-            o_next = tuple(per_row(correction) * o + weighted(weights[i % len(weights)], vp)
+            o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
                            for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
             new.append((o_next, o_zero_next, m_next, l_next))
         return tuple(new)
 
-    o_shape = (head_dim // v_planes, rows) if tokens_as_m else (rows, head_dim // v_planes)
-    init = tuple((tuple(jnp.zeros(o_shape, jnp.float32) for _ in range(v_planes)),
+    init = tuple((tuple(jnp.zeros((rows, head_dim // v_planes), jnp.float32)
+                        for _ in range(v_planes)),
                   tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
                   jnp.full((rows,), _MASK_VALUE, jnp.float32),
                   jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
@@ -373,19 +351,18 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                               lambda block, states: attend(block, page_ids(block), states), init)
     for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
         has_tokens = l > 0.0
-        denominator = per_row(jnp.where(has_tokens, l, 1.0))
+        denominator = jnp.where(has_tokens, l, 1.0)[:, None]
         lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
                         -jnp.inf)
-        if value_bits is None and not tokens_as_m:
+        if value_bits is None:
             plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
         else:
             # Plane i's products are 2^(value_bits i + E + S) times p s c (`unpack_planes`).
             for i, (o, cols) in enumerate(zip(o_planes, v_cols)):
-                out = o / denominator if value_bits is None else \
-                    (o * 2.0 ** -(value_bits * i + v_exp + w_exp)
-                     + per_row(o_zero[i % len(o_zero)])) / denominator
-                plgpu.store(o_ref.at[(j, row_ids.T, cols.T) if tokens_as_m else
-                                     (j, row_ids, cols)], out, mask=row_real_tile)
+                plgpu.store(o_ref.at[j, row_ids, cols],
+                            (o * 2.0 ** -(value_bits * i + v_exp + w_exp)
+                             + o_zero[i % len(o_zero)][:, None]) / denominator,
+                            mask=row_real[:, None])
         plgpu.store(lse_ref.at[j], lse, mask=row_real)
 
 
