@@ -49,6 +49,13 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.decode_attention import _MASK_VALUE, plane_masks
 
+# Codes as subnormal operands (session 19 A/B; the Triton kernel's `unpack_planes` idea): a
+# masked code byte zero-extended to 16 bits and bitcast is the bfloat16 N * 2^-133, so no
+# int -> float conversion; q and the value weights are scaled by 2^100 and the scores and
+# the output by 2^33. False: the codes are converted (`astype`), as built in session 18.
+SUBNORMAL = True
+_OPERAND_EXP, _OTHER_EXP = -133, 100
+
 _BLOCK = 64          # tokens a block: wgmma's M
 _ROWS = 16           # query rows as wgmma's N (q_per_kv real ones)
 
@@ -110,6 +117,9 @@ def _kernel(work_ref, lengths_ref, tables_ref, q_ref, qsum_ref, kc_ref, ks_ref, 
     plgpu.barrier_wait(q_bar)
     qsum = qsum_smem[...]                                              # [rows]
     log2_scale = scale * backend.LOG2E
+    # Products of subnormal operands come out 2^(E + S) = 2^-33 times the codes' own.
+    code_scale = 2.0 ** -(_OPERAND_EXP + _OTHER_EXP) if SUBNORMAL else 1.0
+    other_scale = 2.0 ** _OTHER_EXP if SUBNORMAL else 1.0
 
     def body(block, carry):
         acc, oz, m, l = carry
@@ -126,12 +136,17 @@ def _kernel(work_ref, lengths_ref, tables_ref, q_ref, qsum_ref, kc_ref, ks_ref, 
         # Pointwise work on 8-bit values is only bitwise in Mosaic GPU: a plane's codes are
         # masked in place (c * 2^(bits p), exact in bfloat16: < 256) and the power of two goes
         # into q's plane (keys, `prepare_queries`) or the output's dims (values, below).
+        def operand(codes, mask):
+            masked = codes & jnp.uint8(mask)
+            if SUBNORMAL:
+                return lax.bitcast_convert_type(masked.astype(jnp.uint16), jnp.bfloat16)
+            return masked.astype(jnp.bfloat16)
         kc = kc_smem[slot]                                             # uint8 [T, d/2]
         for p, mask in enumerate(plane_masks(key_bits)):
-            kb_smem[p] = (kc & jnp.uint8(mask)).astype(jnp.bfloat16)
+            kb_smem[p] = operand(kc, mask)
         vc = vc_smem[slot]                                             # uint8 [T, d/4]
         for p, mask in enumerate(plane_masks(value_bits)):
-            vb_smem[:, pl.ds(p * v_width, v_width)] = (vc & jnp.uint8(mask)).astype(jnp.bfloat16)
+            vb_smem[:, pl.ds(p * v_width, v_width)] = operand(vc, mask)
         plgpu.commit_smem()
 
         def scores(acc_ref):
@@ -140,7 +155,7 @@ def _kernel(work_ref, lengths_ref, tables_ref, q_ref, qsum_ref, kc_ref, ks_ref, 
             plgpu.wgmma_wait(0)
             return acc_ref[...]
         s = pl.run_scoped(scores, plgpu.ACC((_BLOCK, _ROWS), jnp.float32))   # [T, rows]
-        ks = ks_smem[slot] * log2_scale                                # [T]
+        ks = ks_smem[slot] * (log2_scale * code_scale)                 # [T]
         kz = kz_smem[slot] * log2_scale
         logits = (s * lax.broadcast_in_dim(ks, s.shape, [0])
                   + lax.broadcast_in_dim(kz, s.shape, [0])
@@ -155,7 +170,7 @@ def _kernel(work_ref, lengths_ref, tables_ref, q_ref, qsum_ref, kc_ref, ks_ref, 
         l_next = correction * l + p.sum(axis=0)
         vs = lax.broadcast_in_dim(vs_smem[slot], s.shape, [0])
         vz = lax.broadcast_in_dim(vz_smem[slot], s.shape, [0])
-        w_smem[...] = jnp.where(valid, p * vs, 0.0).astype(jnp.bfloat16)
+        w_smem[...] = jnp.where(valid, p * (vs * other_scale), 0.0).astype(jnp.bfloat16)
         oz_next = correction * oz + jnp.where(valid, p * vz, 0.0).sum(axis=0)
         plgpu.commit_smem()
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
@@ -176,7 +191,7 @@ def _kernel(work_ref, lengths_ref, tables_ref, q_ref, qsum_ref, kc_ref, ks_ref, 
     den = jnp.where(has_tokens, l, 1.0)
     # Value plane p's dims carry its codes' 2^(value_bits p).
     dim = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
-    plane_scale = jnp.exp2(-(value_bits * lax.div(dim, v_width)).astype(jnp.float32))
+    plane_scale = jnp.exp2(-(value_bits * lax.div(dim, v_width)).astype(jnp.float32)) * code_scale
     out = (acc * plane_scale + lax.broadcast_in_dim(oz, acc.shape, [1])) / \
         lax.broadcast_in_dim(den, acc.shape, [1])
     o_smem[...] = out
@@ -198,7 +213,8 @@ def prepare_queries(q, group_size: int, key_bits: int):
     qsum = qg.sum(axis=-1)
     qp = qg.reshape(batch, groups, group_size, _ROWS, planes, d // planes)
     # Plane p's key operands are c * 2^(key_bits p) (masked in place): q's plane takes it back.
-    qp = qp * (2.0 ** -(key_bits * jnp.arange(planes, dtype=jnp.float32)))[:, None]
+    qp = qp * (2.0 ** ((_OTHER_EXP if SUBNORMAL else 0)
+                       - key_bits * jnp.arange(planes, dtype=jnp.float32)))[:, None]
     return jnp.moveaxis(qp, 4, 3).astype(jnp.bfloat16), qsum
 
 
