@@ -24,7 +24,8 @@ the Triton kernel's are. Pipeline: `stages` blocks in flight; block i + stages -
 issued after block i - 1's operands left shared memory (a warpgroup barrier, `commit_smem`).
 
 Formats: K4V2 (4-bit keys in 2 planes, 2-bit values in 4 planes, one scale and zero a token
-and head each, `kv_quant`). Codes are unpacked by shift, mask and convert; the per-token key
+and head each, `kv_quant`). Codes are masked in place and become subnormal bfloat16 operands by
+a zero-extension and a bitcast (`SUBNORMAL`; no conversion); the per-token key
 scale and zero are applied to the [tokens, rows] scores, the value scale to the weights and
 the value zero as ``sum_t p_t z_t`` per row, as in the Triton kernel.
 
@@ -47,14 +48,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
-from tangram_jax.pallas_kernels.decode_attention import _MASK_VALUE, plane_masks
+from tangram_jax.pallas_kernels.decode_attention import _MASK_VALUE, code_operand, plane_masks
 
 # Codes as subnormal operands (session 19 A/B; the Triton kernel's `unpack_planes` idea): a
 # masked code byte zero-extended to 16 bits and bitcast is the bfloat16 N * 2^-133, so no
 # int -> float conversion; q and the value weights are scaled by 2^100 and the scores and
 # the output by 2^33. False: the codes are converted (`astype`), as built in session 18.
 SUBNORMAL = True
-_OPERAND_EXP, _OTHER_EXP = -133, 100
+_, _OPERAND_EXP, _OTHER_EXP = code_operand(4, jnp.bfloat16)   # (bf16, -133, 100)
 
 _BLOCK = 64          # tokens a block: wgmma's M
 _ROWS = 16           # query rows as wgmma's N (q_per_kv real ones)
