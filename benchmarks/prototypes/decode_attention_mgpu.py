@@ -213,7 +213,8 @@ def prepare_queries(q, group_size: int, key_bits: int):
     qg = jnp.pad(qg, ((0, 0),) * 3 + ((0, _ROWS - q_per_kv), (0, 0)))
     qsum = qg.sum(axis=-1)
     qp = qg.reshape(batch, groups, group_size, _ROWS, planes, d // planes)
-    # Plane p's key operands are c * 2^(key_bits p) (masked in place): q's plane takes it back.
+    # Plane p's key operands are c * 2^(key_bits p) (masked in place): q's plane takes it back,
+    # and with SUBNORMAL is scaled by 2^100 so the products of the 2^-133 operands stay normal.
     qp = qp * (2.0 ** ((_OTHER_EXP if SUBNORMAL else 0)
                        - key_bits * jnp.arange(planes, dtype=jnp.float32)))[:, None]
     return jnp.moveaxis(qp, 4, 3).astype(jnp.bfloat16), qsum
