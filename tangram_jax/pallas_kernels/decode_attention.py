@@ -220,37 +220,70 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     end_token = jnp.minimum(length, jnp.minimum(last_block * pages_per_block, max_pages)
                             * page_size)
 
+    # The program's H KV heads share one tile (`heads_per_program`): head h's q_per_kv query
+    # rows are rows h q_per_kv .. of the [rows, .] tiles, and each plane's columns are the H
+    # heads' slices side by side ([tokens, H d/n] code tiles, gathered in one load). Head h's
+    # query rows are zero outside its own columns, so one product per plane gives every row its
+    # own head's logits, and the value product's columns of other heads are never stored: the
+    # softmax, masks and scales run once on one tile for all H heads.
     rows = q_ref.shape[-2]
-    row_real = jnp.arange(rows) < q_per_kv
     row_ids = jnp.arange(rows)[:, None]
-    # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
-    head_ids = [jnp.int32(j) for j in range(heads)]
+    row_head = jnp.minimum(jnp.arange(rows) // q_per_kv, heads - 1)          # [rows]
+    row_in_head = jnp.arange(rows) - row_head * q_per_kv
+    row_real = jnp.arange(rows) < heads * q_per_kv
     # head_dim as the planes the keys / values are packed in (one plane when not quantised).
     k_planes = 1 if key_bits is None else 8 // key_bits
     v_planes = 1 if value_bits is None else 8 // value_bits
-    k_cols = [p * (head_dim // k_planes) + jnp.arange(head_dim // k_planes)[None, :]
-              for p in range(k_planes)]
-    v_cols = [p * (head_dim // v_planes) + jnp.arange(head_dim // v_planes)[None, :]
-              for p in range(v_planes)]
+    k_width, v_width = head_dim // k_planes, head_dim // v_planes     # a plane's dims a head
+
+    def columns(width):
+        """(head, dim of the head's plane) of a plane's [1, H * width] columns."""
+        c = jnp.arange(heads * width)[None, :]
+        return lax.div(c, jnp.int32(width)), lax.rem(c, jnp.int32(width))
+
+    def store_rows(col_head):
+        """[rows, H w] output rows of a tile's entries in head `col_head`'s block of the output:
+        a row's own head's entries its row of that head; every other entry (masked off) a
+        distinct row past the real ones, so no two entries of a store share an address (an
+        interpreted masked store writes every address)."""
+        r = jnp.arange(rows)[:, None]
+        first = col_head * q_per_kv
+        own = (r >= first) & (r < first + q_per_kv)
+        return jnp.where(own, r - first, q_per_kv + jnp.where(r < first, r, r - q_per_kv))
+
+    def per_row(vectors):
+        """[rows, tokens] tile of per-head [tokens] vectors: each row its own head's."""
+        tile = vectors[-1][None, :]
+        for h in range(heads - 2, -1, -1):
+            tile = jnp.where((row_head == h)[:, None], vectors[h][None, :], tile)
+        return tile
+
     # Scale / zero groups of a value row: a trailing axis of the scale ref when above 1.
     value_groups = v_refs[1].shape[-1] if value_bits and len(v_refs[1].shape) == 4 else 1
     if value_groups not in (1, v_planes):
         raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
                          f"({v_planes})")
-    if k_planes == 1:       # the whole head (a block load, as before quantised pages existed)
-        q_raw = [[plgpu.load(q_ref.at[group, j], mask=row_real[:, None], other=0)]
-                 for j in head_ids]
-    else:                   # per head, planes [rows, d/n]
-        q_raw = [[plgpu.load(q_ref.at[group, j, row_ids, cols], mask=row_real[:, None], other=0)
-                  for cols in k_cols] for j in head_ids]
+    # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
+    head_ids = [jnp.int32(j) for j in range(heads)]
+    if heads == 1 and k_planes == 1:  # the whole head (a block load, as before quantised pages)
+        q_raw = [plgpu.load(q_ref.at[group, head_ids[0]], mask=row_real[:, None], other=0)]
+    elif heads == 1:                # planes [rows, d/n]
+        q_raw = [plgpu.load(q_ref.at[group, head_ids[0], row_ids,
+                                     p * k_width + jnp.arange(k_width)[None, :]],
+                            mask=row_real[:, None], other=0) for p in range(k_planes)]
+    else:                           # planes [rows, H d/n], zero outside a row's head
+        col_head, col_dim = columns(k_width)
+        q_raw = [plgpu.load(q_ref.at[group, col_head, row_in_head[:, None], p * k_width + col_dim],
+                            mask=row_real[:, None] & (row_head[:, None] == col_head), other=0)
+                 for p in range(k_planes)]
     # sum(q) per query row, what a key's zero point adds to its logit.
-    q_sums = [sum(x.astype(jnp.float32).sum(axis=-1) for x in planes) for planes in q_raw] \
+    q_sums = sum(x.astype(jnp.float32).sum(axis=-1) for x in q_raw) \
         if key_bits is not None else None
     # Key plane p's operands are c * 2^(key_bits p + E): its q plane is scaled by
     # 2^(S - key_bits p) (exact: powers of two), so every plane's product is 2^(E + S) q.c.
-    qs = [[x.astype(k_dtype) if key_bits is None else
-           (x.astype(jnp.float32) * 2.0 ** (q_exp - key_bits * p)).astype(k_dtype)
-           for p, x in enumerate(planes)] for planes in q_raw]
+    qs = [x.astype(k_dtype) if key_bits is None else
+          (x.astype(jnp.float32) * 2.0 ** (q_exp - key_bits * p)).astype(k_dtype)
+          for p, x in enumerate(q_raw)]
     key_code_scale = 2.0 ** -(k_exp + q_exp)
     offsets = jnp.arange(block_tokens)
     # Tokens are never negative, so page and slot are truncating `lax.div` / `lax.rem`: jnp's
@@ -266,15 +299,18 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
                                                        max_pages - 1)]
 
-    def load_tile(refs, bits, operand, page, j, slot, token_valid):
-        """([tokens, d/n] planes, scales, zeros); quantised planes are operands of the codes
+    def load_tile(refs, bits, operand, page, slot, token_valid):
+        """([tokens, H d/n] planes, scales, zeros); quantised planes are operands of the codes
         (`operand`: their (dtype, exponent), `unpack_planes`); scales and zeros are lists of
-        [tokens], one a scale group of the row (one, or one a plane with value groups:
-        `kv_quant.scale_shape`), None unquantised."""
+        [rows, tokens] tiles (`per_row`), one a scale group of the row (one, or one a plane
+        with value groups: `kv_quant.scale_shape`), None unquantised."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
-        dims = jnp.arange(refs[0].shape[-1])[None, :]
-        raw = plgpu.load(refs[0].at[page[:, None], j, slot[:, None], dims], mask=mask, other=0)
+        if heads == 1:
+            head, dims = head_ids[0], jnp.arange(refs[0].shape[-1])[None, :]
+        else:
+            head, dims = columns(refs[0].shape[-1])
+        raw = plgpu.load(refs[0].at[page[:, None], head, slot[:, None], dims], mask=mask, other=0)
         if bits is None:
             return [raw], None, None
         # The unpack is per element of every tile, the kernel's main work besides the
@@ -283,87 +319,90 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # A scale ref with a trailing groups axis is read a group at a time.
         groups = [()] if len(refs[1].shape) == 3 else \
             [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
-        return (planes, *([plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
-                           for g in groups] for ref in refs[1:]))
+        return (planes, *([[plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
+                            for j in head_ids] for g in groups] for ref in refs[1:]))
 
-    def attend(block, page, states):
+    def attend(block, page, state):
         token = (first_block + block) * block_tokens + offsets
         token_valid = token < end_token
-        # The K/V tile is gathered as [tokens, head_dim] rows (one page id per token, each
+        # The K/V tile is gathered as [tokens, H head_dim] rows (one page id per token, each
         # page a contiguous run of page_size rows), so it lands in shared memory in the layout
         # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         slot = lax.rem(token, page_size_i32)
-        ks = [load_tile(k_refs, key_bits, (k_dtype, k_exp), page, j, slot, token_valid)
-              for j in head_ids]
-        vs = [load_tile(v_refs, value_bits, (v_dtype, v_exp), page, j, slot, token_valid)
-              for j in head_ids]
-        new = []
-        for j in range(heads):
-            o_prev, o_zero_prev, m_prev, l_prev = states[j]
-            k_tile, k_scales, k_zeros = ks[j]
-            v_tile, v_scales, v_zeros = vs[j]
-            logits = _dot(qs[j][0], k_tile[0].astype(qs[j][0].dtype), trans_b=True)
-            for qp, kp in zip(qs[j][1:], k_tile[1:]):
-                logits = logits + _dot(qp, kp, trans_b=True)
-            # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
-            # into the per-token key scale and zero, and the scale also takes the products'
-            # 2^-(E + S) (`key_code_scale`), per token not per code.
-            if key_bits is not None:
-                (k_scale,), (k_zero,) = k_scales, k_zeros          # keys: one group a row
-                logits = (logits * (k_scale * (log2_scale * key_code_scale))[None, :]
-                          + q_sums[j][:, None] * (k_zero * log2_scale)[None, :])
-            else:
-                logits = logits * log2_scale
-            logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
-            m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-            correction = backend.exp2(m_prev - m_next, fast=compiled)
-            p = backend.exp2(logits - m_next[:, None], fast=compiled)
-            l_next = correction * l_prev + p.sum(axis=-1)
-            if value_bits is None:
-                weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
-            else:
-                # One scale and zero a row, or one a plane (value groups).
-                weights = [(p * (sc * 2.0 ** w_exp)[None, :]).astype(v_dtype)
-                           for sc in v_scales]
-                o_zero_next = tuple(correction * oz + (p * z[None, :]).sum(axis=-1)
-                                    for oz, z in zip(o_zero_prev, v_zeros))
-            o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
-                           for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
-            new.append((o_next, o_zero_next, m_next, l_next))
-        return tuple(new)
+        k_tile, k_scales, k_zeros = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, slot,
+                                              token_valid)
+        v_tile, v_scales, v_zeros = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, slot,
+                                              token_valid)
+        o_prev, o_zero_prev, m_prev, l_prev = state
+        logits = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
+        for qp, kp in zip(qs[1:], k_tile[1:]):
+            logits = logits + _dot(qp, kp, trans_b=True)
+        # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
+        # into the per-token key scale and zero, and the scale also takes the products'
+        # 2^-(E + S) (`key_code_scale`), per token not per code.
+        if key_bits is not None:
+            (k_scale,), (k_zero,) = k_scales, k_zeros              # keys: one group a row
+            logits = (logits * per_row([s * (log2_scale * key_code_scale) for s in k_scale])
+                      + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
+        else:
+            logits = logits * log2_scale
+        logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = backend.exp2(m_prev - m_next, fast=compiled)
+        p = backend.exp2(logits - m_next[:, None], fast=compiled)
+        l_next = correction * l_prev + p.sum(axis=-1)
+        if value_bits is None:
+            weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
+        else:
+            # One scale and zero a row, or one a plane (value groups).
+            weights = [(p * per_row([s * 2.0 ** w_exp for s in sc])).astype(v_dtype)
+                       for sc in v_scales]
+            o_zero_next = tuple(correction * oz + (p * per_row(z)).sum(axis=-1)
+                                for oz, z in zip(o_zero_prev, v_zeros))
+        o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
+                       for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
+        return o_next, o_zero_next, m_next, l_next
 
-    init = tuple((tuple(jnp.zeros((rows, head_dim // v_planes), jnp.float32)
-                        for _ in range(v_planes)),
-                  tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
-                  jnp.full((rows,), _MASK_VALUE, jnp.float32),
-                  jnp.zeros((rows,), jnp.float32)) for _ in range(heads))
+    init = (tuple(jnp.zeros((rows, heads * v_width), jnp.float32) for _ in range(v_planes)),
+            tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
+            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
     if prefetch_page_ids:
         # Page ids of the next block travel in the loop carry, so the K/V gathers do not
         # depend on a load of their own iteration and Triton's pipeliner can keep
         # num_stages - 1 blocks in flight (without this it single-buffers them).
         def body(block, carry):
-            page, states = carry
-            return page_ids(block + 1), attend(block, page, states)
+            page, state = carry
+            return page_ids(block + 1), attend(block, page, state)
         _, final = lax.fori_loop(0, num_blocks, body, (page_ids(0), init))
     else:
         final = lax.fori_loop(0, num_blocks,
-                              lambda block, states: attend(block, page_ids(block), states), init)
-    for j, (o_planes, o_zero, m, l) in zip(head_ids, final):
-        has_tokens = l > 0.0
-        denominator = jnp.where(has_tokens, l, 1.0)[:, None]
-        lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
-                        -jnp.inf)
-        if value_bits is None:
-            plgpu.store(o_ref.at[j], o_planes[0] / denominator, mask=row_real[:, None])
-        else:
-            # Plane i's products are 2^(value_bits i + E + S) times p s c (`unpack_planes`).
-            for i, (o, cols) in enumerate(zip(o_planes, v_cols)):
-                plgpu.store(o_ref.at[j, row_ids, cols],
-                            (o * 2.0 ** -(value_bits * i + v_exp + w_exp)
-                             + o_zero[i % len(o_zero)][:, None]) / denominator,
-                            mask=row_real[:, None])
-        plgpu.store(lse_ref.at[j], lse, mask=row_real)
+                              lambda block, state: attend(block, page_ids(block), state), init)
+    o_planes, o_zero, m, l = final
+    has_tokens = l > 0.0
+    denominator = jnp.where(has_tokens, l, 1.0)[:, None]
+    lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
+                    -jnp.inf)
+    # Plane i's products are 2^(value_bits i + E + S) times p s c (`unpack_planes`).
+    plane_scale = [1.0 if value_bits is None else 2.0 ** -(value_bits * i + v_exp + w_exp)
+                   for i in range(v_planes)]
+    for i, o in enumerate(o_planes):
+        out = o if value_bits is None else o * plane_scale[i] + o_zero[i % len(o_zero)][:, None]
+        out = out / denominator
+        if heads == 1 and value_bits is None:
+            plgpu.store(o_ref.at[head_ids[0]], out, mask=row_real[:, None])
+        elif heads == 1:
+            plgpu.store(o_ref.at[head_ids[0], row_ids, i * v_width + jnp.arange(v_width)[None, :]],
+                        out, mask=row_real[:, None])
+        else:   # each row's own head's columns
+            col_head, col_dim = columns(v_width)
+            plgpu.store(o_ref.at[col_head, store_rows(col_head), i * v_width + col_dim], out,
+                        mask=row_real[:, None] & (row_head[:, None] == col_head))
+    if heads == 1:
+        plgpu.store(lse_ref.at[head_ids[0]], lse, mask=row_real)
+    else:
+        plgpu.store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
 def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int,
@@ -501,12 +540,13 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     batch, num_groups, q_rows, head_dim = q.shape
     _, group_size, page_size, _ = k_pages.shape
     q_per_kv = q_rows // group_size
-    rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(q_per_kv))
+    heads = heads_per_program
+    # The kernel's tiles: the H heads' query rows, a power of two >= 16 for the matrix unit.
+    rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(heads * q_per_kv))
     pages_per_block = max(1, block_tokens // page_size)
     block_tokens = pages_per_block * page_size
     max_pages = block_tables.shape[-1]
     num_items = work.shape[-2]
-    heads = heads_per_program
     if group_size % heads:
         raise ValueError(f"heads_per_program {heads} must divide G={group_size}")
 
