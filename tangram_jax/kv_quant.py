@@ -153,13 +153,14 @@ def quantise(x: jax.Array, bits: int, groups: int = 1) -> tuple[jax.Array, jax.A
 
 
 def unpack(codes: jax.Array, bits: int) -> jax.Array:
-    """uint8 [..., d * bits / 8] -> the integer codes [..., d] (uint8, plane layout undone)."""
+    """uint8 [..., d * bits / 8] -> the integer codes [..., d] (uint8, plane layout undone).
+    uint16 codes [..., d * bits / 16] are the same layout in 16-bit units (16 / bits planes)."""
     bits = _check_bits(bits)
-    n = 8 // bits
+    n = codes.dtype.itemsize * 8 // bits
     if n == 1:
         return codes
-    shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
-    planes = (codes[..., None, :] >> shifts) & jnp.uint8((1 << bits) - 1)   # [..., n, d/n]
+    shifts = (jnp.arange(n, dtype=codes.dtype) * bits)[:, None]
+    planes = (codes[..., None, :] >> shifts) & codes.dtype.type((1 << bits) - 1)  # [..., n, d/n]
     return planes.reshape(*codes.shape[:-1], n * codes.shape[-1])
 
 
@@ -203,7 +204,8 @@ class QuantPages:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[num_pages, G, page_size, head_dim]``."""
-        return (*self.codes.shape[:-1], self.codes.shape[-1] * codes_per_byte(self.bits))
+        unit = jnp.dtype(self.codes.dtype).itemsize * 8       # a uint8 or uint16 code unit
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * (unit // self.bits))
 
     @property
     def ndim(self) -> int:

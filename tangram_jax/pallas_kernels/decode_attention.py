@@ -127,6 +127,8 @@ def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
     asm for all planes), and each plane is one ``and`` a register (two codes) of those: the
     patterns are the subnormal operands N * 2^E. E = 0 (interpreted, or float32 operands): the
     masked bytes cast to `dtype`."""
+    if raw.dtype == jnp.uint16:
+        return _unpack_planes16(raw, bits, dtype, exponent)
     if exponent == 0:
         return [(raw & jnp.uint8(mask)).astype(dtype) for mask in plane_masks(bits)]
     if jnp.dtype(dtype).itemsize != 2 or exponent != _SUBNORMAL_EXPONENT[jnp.dtype(dtype)]:
@@ -146,6 +148,26 @@ def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
         f"and.b32 $0, $1, 0x{mask:04X}{mask:04X};", args=[spread], constraints="=r,r",
         pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)])[0]
         for mask in plane_masks(bits)]
+
+
+def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
+    """`unpack_planes` of 16-bit code units [tokens, d/n] (n = 16 / bits planes, plane p at bits
+    ``bits p`` of the unit): the low byte's planes masked in place, the high byte's moved to the
+    low byte first (one ``prmt`` a register), so plane p's operand is N = c 2^(bits (p mod
+    8/bits)) * 2^E, as in a byte."""
+    if exponent == 0:
+        per_byte = 8 // bits
+        return [((raw >> (8 * (p // per_byte))) & plane_masks(bits)[p % per_byte]).astype(dtype)
+                for p in range(16 // bits)]
+    def asm(code, x, out_dtype):
+        return plgpu.elementwise_inline_asm(
+            code, args=[x], constraints="=r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, out_dtype)])[0]
+    high = asm("prmt.b32 $0, $1, 0, 0x4341;", raw, dtype if bits == 8 else jnp.int16)
+    if bits == 8:
+        return [asm("and.b32 $0, $1, 0x00FF00FF;", raw, dtype), high]
+    return [asm(f"and.b32 $0, $1, 0x{mask:04X}{mask:04X};", half, dtype)
+            for half in (raw, high) for mask in plane_masks(bits)]
 
 
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
@@ -232,8 +254,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     row_in_head = jnp.arange(rows) - row_head * q_per_kv
     row_real = jnp.arange(rows) < heads * q_per_kv
     # head_dim as the planes the keys / values are packed in (one plane when not quantised).
-    k_planes = 1 if key_bits is None else 8 // key_bits
-    v_planes = 1 if value_bits is None else 8 // value_bits
+    # Planes a code unit (a byte, or a uint16) holds; plane p's codes come c 2^(bits (p mod
+    # 8/bits)) from the unpack (`unpack_planes`).
+    k_planes = 1 if key_bits is None else k_refs[0].dtype.itemsize * 8 // key_bits
+    v_planes = 1 if value_bits is None else v_refs[0].dtype.itemsize * 8 // value_bits
+    k_shift = [0 if key_bits is None else key_bits * (p % (8 // key_bits))
+               for p in range(k_planes)]
+    v_shift = [0 if value_bits is None else value_bits * (p % (8 // value_bits))
+               for p in range(v_planes)]
     k_width, v_width = head_dim // k_planes, head_dim // v_planes     # a plane's dims a head
 
     def columns(width):
@@ -260,7 +288,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
 
     # Scale / zero groups of a value row: a trailing axis of the scale ref when above 1.
     value_groups = v_refs[1].shape[-1] if value_bits and len(v_refs[1].shape) == 4 else 1
-    if value_groups not in (1, v_planes):
+    if v_planes % value_groups:
         raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
                          f"({v_planes})")
     # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
@@ -282,7 +310,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # Key plane p's operands are c * 2^(key_bits p + E): its q plane is scaled by
     # 2^(S - key_bits p) (exact: powers of two), so every plane's product is 2^(E + S) q.c.
     qs = [x.astype(k_dtype) if key_bits is None else
-          (x.astype(jnp.float32) * 2.0 ** (q_exp - key_bits * p)).astype(k_dtype)
+          (x.astype(jnp.float32) * 2.0 ** (q_exp - k_shift[p])).astype(k_dtype)
           for p, x in enumerate(q_raw)]
     key_code_scale = 2.0 ** -(k_exp + q_exp)
     offsets = jnp.arange(block_tokens)
@@ -360,7 +388,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                        for sc in v_scales]
             o_zero_next = tuple(correction * oz + (p * per_row(z)).sum(axis=-1)
                                 for oz, z in zip(o_zero_prev, v_zeros))
-        o_next = tuple(correction[:, None] * o + _dot(weights[i % len(weights)], vp)
+        o_next = tuple(correction[:, None] * o + _dot(weights[i * len(weights) // v_planes], vp)
                        for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
         return o_next, o_zero_next, m_next, l_next
 
@@ -385,10 +413,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
                     -jnp.inf)
     # Plane i's products are 2^(value_bits i + E + S) times p s c (`unpack_planes`).
-    plane_scale = [1.0 if value_bits is None else 2.0 ** -(value_bits * i + v_exp + w_exp)
-                   for i in range(v_planes)]
+    plane_scale = [2.0 ** -(v_shift[i] + v_exp + w_exp) for i in range(v_planes)]
     for i, o in enumerate(o_planes):
-        out = o if value_bits is None else o * plane_scale[i] + o_zero[i % len(o_zero)][:, None]
+        out = o if value_bits is None else \
+            o * plane_scale[i] + o_zero[i * len(o_zero) // v_planes][:, None]
         out = out / denominator
         if heads == 1 and value_bits is None:
             plgpu.store(o_ref.at[head_ids[0]], out, mask=row_real[:, None])
