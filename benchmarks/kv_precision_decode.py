@@ -73,17 +73,20 @@ def make_case(key, batch: int, context: int):
     return np.ascontiguousarray(lengths), tables.astype(np.int32), num_pages
 
 
-def random_pool(key, num_pages: int, bits: int | None, groups: int = 1):
-    """A K or V pool of random contents in the format of `bits` (`groups` scales a row)."""
+def random_pool(key, num_pages: int, bits: int | None, groups: int = 1, unit: int = 8):
+    """A K or V pool of random contents in the format of `bits` (`groups` scales a row, codes
+    in `unit`-bit units: the page format's `code_unit`)."""
     shape = (num_pages, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)
     if bits is None:
         return jax.random.normal(key, shape, DTYPE)
     k1, k2, k3 = jax.random.split(key, 3)
-    pd = kv_quant.packed_dim(HEAD_DIM, bits)
-    # Drawn as 32-bit words and viewed as bytes: uint8 draws go through a 4x-sized intermediate
+    pd = kv_quant.packed_dim(HEAD_DIM, bits, unit)
+    # Drawn as 32-bit words and viewed as units: uint8 draws go through a 4x-sized intermediate
     # (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
-    words = jax.random.bits(k1, (*shape[:-1], pd // 4), jnp.uint32)
-    codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape[:-1], pd)
+    per_word = 32 // unit
+    words = jax.random.bits(k1, (*shape[:-1], pd // per_word), jnp.uint32)
+    codes = jax.lax.bitcast_convert_type(words, kv_quant.CODE_UNITS[unit]).reshape(
+        *shape[:-1], pd)
     scales = kv_quant.scale_shape(shape[:-1], groups)
     scale = jax.random.uniform(k2, scales, jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
     zero = jax.random.uniform(k3, scales, jnp.float32, -1.5, -0.5)
@@ -151,8 +154,8 @@ def tiered_case(key, precision, lens, batch, num_programs):
     for i, tier in enumerate(PRECISION_TIERS[precision]):
         fmt = kv_quant.page_format(tier)
         kk, vk = jax.random.split(jax.random.fold_in(key, 200 + i))
-        pools.append((random_pool(kk, pages, fmt.key_bits),
-                      random_pool(vk, pages, fmt.value_bits, fmt.value_groups)))
+        pools.append((random_pool(kk, pages, fmt.key_bits, unit=fmt.code_unit),
+                      random_pool(vk, pages, fmt.value_bits, fmt.value_groups, fmt.code_unit)))
     (k_hi, v_hi), (k_lo, v_lo) = pools
     # As the engine builds them (`llm_engine.decode_split_map`).
     smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
@@ -185,8 +188,8 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         fmt = kv_quant.page_format(precision)
         kk, vk = jax.random.split(jax.random.fold_in(
             key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
-        k_pages = random_pool(kk, num_pages, fmt.key_bits)
-        v_pages = random_pool(vk, num_pages, fmt.value_bits, fmt.value_groups)
+        k_pages = random_pool(kk, num_pages, fmt.key_bits, unit=fmt.code_unit)
+        v_pages = random_pool(vk, num_pages, fmt.value_bits, fmt.value_groups, fmt.code_unit)
         read = slots * slot_bytes(precision)
 
     def attend(q, k, v, t, n, **kw):

@@ -22,11 +22,18 @@ max|x|``, i.e. ``(max(x) - min(x)) / (2 L)`` up to float32 rounding: 1/510 of th
 4 bytes and halves the error against a symmetric code of the same bits for rows whose values are
 not centred on 0 (keys after RoPE rarely are).
 
-Packing (plane layout): ``n = 8 // bits`` codes share a byte; byte i of a row holds the codes of
+Packing (plane layout): codes are packed in units of ``unit`` bits (a byte, or a uint16: the page
+format's `code_unit`), ``n = unit // bits`` codes a unit; unit i of a row holds the codes of
 dimensions ``i, i + d/n, ..., i + (n-1) d/n`` at bit offsets ``0, bits, ..., (n-1) bits``. Plane
-p (``(byte >> p*bits) & L``) is then the contiguous slice ``[p d/n, (p+1) d/n)`` of the head,
+p (``(unit >> p*bits) & L``) is then the contiguous slice ``[p d/n, (p+1) d/n)`` of the head,
 so a kernel unpacks with shifts and masks and multiplies plane by plane against the matching
-slice of q (or writes the matching slice of the output): no interleaving shuffles.
+slice of q (or writes the matching slice of the output): no interleaving shuffles. The unit is a
+speed choice of the decode kernel, measured per format (benchmarks/NOTES_kv_precision.md,
+session 20): Triton lays out a product whose operand comes from 8-bit loads with 4 consecutive
+k a thread for both operands, which costs the 16-bit operand (q, the softmax weights) register
+copies and a shared-memory round trip; from 16-bit units the products keep their native layout
+(K8V8 -7 to -10%, K8V4 -5% on an H100), but twice the planes, each half as wide: K4V2's values
+in 16-bit units are 8 planes of 16 dims, far slower, so K4V2 stays in bytes.
 
 Value groups (K8V4's values): a row may be quantised as ``groups`` equal slices of head_dim,
 each with its own scale and zero (KIVI-style group quantisation); with the plane layout below
@@ -35,8 +42,8 @@ its own scale. Scale and zero then carry a trailing ``[groups]`` axis. K8V4 stor
 values in 2 groups: one scale over the whole head lost 2-3 points of variable tracking
 against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14), K8V8 none.
 
-Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8
-[num_pages, G, page_size, head_dim * bits / 8]``, ``scale, zero float32 [num_pages, G,
+Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8 or uint16
+[num_pages, G, page_size, head_dim * bits / unit]``, ``scale, zero float32 [num_pages, G,
 page_size]`` (`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
 ``[num_pages, G, page_size, head_dim]`` and its `dtype` the dtype values come back in, so code
 that only reads shapes treats both kinds of pool alike.
@@ -64,6 +71,7 @@ class PageFormat:
     key_bits: int | None
     value_bits: int | None
     value_groups: int = 1     # scale / zero groups of a value row (module docstring)
+    code_unit: int = 8        # bits of the unit codes are packed in, 8 or 16 (module docstring)
 
     @property
     def quantised(self) -> bool:
@@ -72,8 +80,8 @@ class PageFormat:
 
 PAGE_FORMATS = {
     "bf16": PageFormat("bf16", None, None),
-    "k8v8": PageFormat("k8v8", 8, 8),
-    "k8v4": PageFormat("k8v4", 8, 4, value_groups=2),
+    "k8v8": PageFormat("k8v8", 8, 8, code_unit=16),
+    "k8v4": PageFormat("k8v4", 8, 4, value_groups=2, code_unit=16),
     "k4v2": PageFormat("k4v2", 4, 2),
 }
 
@@ -91,16 +99,27 @@ def _check_bits(bits) -> int:
     return int(bits)
 
 
-def codes_per_byte(bits: int) -> int:
-    return 8 // _check_bits(bits)
+CODE_UNITS = {8: jnp.uint8, 16: jnp.uint16}
 
 
-def packed_dim(head_dim: int, bits: int) -> int:
-    """Bytes of one packed row of `head_dim` values (head_dim must split into whole bytes)."""
-    n = codes_per_byte(bits)
+def _check_unit(unit) -> int:
+    if unit not in CODE_UNITS:
+        raise ValueError(f"unit must be one of {tuple(CODE_UNITS)} (bits of a code unit), got "
+                         f"{unit!r}")
+    return int(unit)
+
+
+def codes_per_unit(bits: int, unit: int = 8) -> int:
+    return _check_unit(unit) // _check_bits(bits)
+
+
+def packed_dim(head_dim: int, bits: int, unit: int = 8) -> int:
+    """Code units (of `unit` bits) of one packed row of `head_dim` values (head_dim must split
+    into whole units)."""
+    n = codes_per_unit(bits, unit)
     if head_dim % n:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of {n} (codes per byte at "
-                         f"{bits} bits)")
+        raise ValueError(f"head_dim {head_dim} is not a multiple of {n} (codes per {unit}-bit "
+                         f"unit at {bits} bits)")
     return head_dim // n
 
 
@@ -123,38 +142,41 @@ def _grouped(x: jax.Array, groups: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
 
 
-def quantise(x: jax.Array, bits: int, groups: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantise(x: jax.Array, bits: int, groups: int = 1,
+             unit: int = 8) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Quantise rows of the last axis, each in `groups` equal slices with their own scale and
     zero.
 
-    x: float [..., d]. Returns (codes uint8 [..., d * bits / 8] (plane layout), scale float32
-    [...], zero float32 [...]; scale and zero [..., groups] when groups > 1).
+    x: float [..., d]. Returns (codes [..., d * bits / unit] in `unit`-bit units, uint8 or
+    uint16 (plane layout), scale float32 [...], zero float32 [...]; scale and zero [...,
+    groups] when groups > 1).
     """
     bits = _check_bits(bits)
     levels = (1 << bits) - 1
-    n = 8 // bits
+    n = codes_per_unit(bits, unit)
     d = x.shape[-1]
-    packed_dim(d, bits)
+    packed_dim(d, bits, unit)
     groups = _check_groups(groups, d)
     x = _grouped(x.astype(jnp.float32), groups)                        # [..., groups, d/g]
     lo = x.min(axis=-1)
     hi = x.max(axis=-1)
     scale = (hi - lo) / levels
     safe = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round((x - lo[..., None]) / safe[..., None]), 0, levels).astype(jnp.uint8)
+    unit_dtype = CODE_UNITS[unit]
+    codes = jnp.clip(jnp.round((x - lo[..., None]) / safe[..., None]), 0, levels).astype(unit_dtype)
     codes = codes.reshape(*codes.shape[:-2], d)
     if groups == 1:
         scale, lo = scale[..., 0], lo[..., 0]
     planes = codes.reshape(*codes.shape[:-1], n, d // n)              # [..., plane, d/n]
-    shifts = (jnp.arange(n, dtype=jnp.uint8) * bits)[:, None]
+    shifts = (jnp.arange(n, dtype=unit_dtype) * bits)[:, None]
     # The planes' bits do not overlap, so their sum is their bitwise or.
-    packed = (planes << shifts).sum(axis=-2, dtype=jnp.uint8)
-    return packed.astype(jnp.uint8), scale, lo
+    packed = (planes << shifts).sum(axis=-2, dtype=unit_dtype)
+    return packed.astype(unit_dtype), scale, lo
 
 
 def unpack(codes: jax.Array, bits: int) -> jax.Array:
-    """uint8 [..., d * bits / 8] -> the integer codes [..., d] (uint8, plane layout undone).
-    uint16 codes [..., d * bits / 16] are the same layout in 16-bit units (16 / bits planes)."""
+    """Codes [..., d * bits / unit] (uint8 or uint16 units) -> the integer codes [..., d] (in
+    the units' dtype, plane layout undone)."""
     bits = _check_bits(bits)
     n = codes.dtype.itemsize * 8 // bits
     if n == 1:
@@ -166,7 +188,7 @@ def unpack(codes: jax.Array, bits: int) -> jax.Array:
 
 def dequantise(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
                dtype=jnp.float32) -> jax.Array:
-    """codes uint8 [..., d*bits/8], scale/zero [...] (or [..., groups]: one more axis than
+    """codes [..., d*bits/unit] (uint8 or uint16), scale/zero [...] (or [..., groups]: one more axis than
     the codes' leading ones) -> values [..., d] in `dtype` (computed in float32)."""
     values = unpack(codes, bits).astype(jnp.float32)
     if scale.ndim == codes.ndim:                                        # value groups
@@ -188,7 +210,8 @@ def error_bound(x: jax.Array, bits: int, groups: int = 1) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class QuantPages:
-    """A quantised K (or V) pool: codes uint8 [num_pages, G, page_size, head_dim*bits/8],
+    """A quantised K (or V) pool: codes [num_pages, G, page_size, head_dim*bits/unit] in
+    `unit`-bit units (uint8 or uint16, the page format's `code_unit`),
     scale and zero float32 [num_pages, G, page_size] (with `groups` > 1: [..., groups], a
     scale and zero per group of head_dim / groups dims, the plane of that index when groups
     equals the planes). A pytree (jit, donation and scan carry it like an array); `bits`,
@@ -204,8 +227,12 @@ class QuantPages:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[num_pages, G, page_size, head_dim]``."""
-        unit = jnp.dtype(self.codes.dtype).itemsize * 8       # a uint8 or uint16 code unit
-        return (*self.codes.shape[:-1], self.codes.shape[-1] * (unit // self.bits))
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * (self.unit // self.bits))
+
+    @property
+    def unit(self) -> int:
+        """Bits of a code unit (8 or 16: the codes' dtype)."""
+        return jnp.dtype(self.codes.dtype).itemsize * 8
 
     @property
     def ndim(self) -> int:
@@ -223,16 +250,18 @@ jax.tree_util.register_dataclass(QuantPages, data_fields=["codes", "scale", "zer
 Pages = jax.Array | QuantPages
 
 
-def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int = 1) -> Pages:
+def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int = 1,
+                unit: int = 8) -> Pages:
     """A K or V pool of logical shape [num_pages, G, page_size, head_dim]: an array of `dtype`
-    (bits None) or `QuantPages` (with `groups` scales a row). `make(shape, dtype)` builds each
+    (bits None) or `QuantPages` (with `groups` scales a row, codes in `unit`-bit units). `make(shape, dtype)` builds each
     leaf: `jnp.zeros` (a zeroed pool) or `jax.ShapeDtypeStruct` (a spec to compile against)."""
     shape = tuple(int(s) for s in shape)
     if bits is None:
         return make(shape, dtype)
     groups = _check_groups(groups, shape[-1])
     scales = scale_shape(shape[:-1], groups)
-    return QuantPages(codes=make((*shape[:-1], packed_dim(shape[-1], bits)), jnp.uint8),
+    return QuantPages(codes=make((*shape[:-1], packed_dim(shape[-1], bits, unit)),
+                                 CODE_UNITS[unit]),
                       scale=make(scales, jnp.float32), zero=make(scales, jnp.float32),
                       bits=_check_bits(bits), dtype=jnp.dtype(dtype), groups=groups)
 
@@ -244,9 +273,10 @@ def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> 
     if len(formats) != len(num_pages) or len(formats) not in (1, 2):
         raise ValueError(f"one page count per format (1 or 2 of them), got {len(formats)} "
                          f"formats and num_pages {tuple(num_pages)}")
-    pools = [(pool_arrays((n, *page_shape), dtype, fmt.key_bits, make=make),
+    pools = [(pool_arrays((n, *page_shape), dtype, fmt.key_bits, make=make,
+                          unit=fmt.code_unit),
               pool_arrays((n, *page_shape), dtype, fmt.value_bits, make=make,
-                          groups=fmt.value_groups))
+                          groups=fmt.value_groups, unit=fmt.code_unit))
              for n, fmt in zip(num_pages, formats)]
     if len(pools) == 1:
         return pools[0]
@@ -277,7 +307,7 @@ def write_slots(pages: Pages, index: tuple, values: jax.Array, *, mode=None) -> 
     `values` [..., head_dim], quantising them for `QuantPages`; `mode` as for ``.at[].set``
     (``"drop"``: out-of-range indices are skipped)."""
     if isinstance(pages, QuantPages):
-        codes, scale, zero = quantise(values, pages.bits, pages.groups)
+        codes, scale, zero = quantise(values, pages.bits, pages.groups, pages.unit)
         return dataclasses.replace(pages, codes=pages.codes.at[index].set(codes, mode=mode),
                                    scale=pages.scale.at[index].set(scale, mode=mode),
                                    zero=pages.zero.at[index].set(zero, mode=mode))
@@ -299,9 +329,10 @@ def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
     return take_pages(pages, jnp.arange(pages.shape[0]), dtype)
 
 
-def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int = 1) -> Pages:
+def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int = 1,
+                   unit: int = 8) -> Pages:
     """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
-    pool itself, cast to `dtype`) with `groups` scales a row. Rows holding a NaN get NaN scale
+    pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units. Rows holding a NaN get NaN scale
     and zero (codes cannot be NaN), so a poisoned slot stays poisoned (what the kernel tests
     rely on)."""
     dtype = jnp.dtype(dtype or pages.dtype)
@@ -309,7 +340,7 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int =
         return pages.astype(dtype)
     x = jnp.asarray(pages, jnp.float32)
     poisoned = jnp.isnan(x).any(axis=-1)
-    codes, scale, zero = quantise(jnp.nan_to_num(x), bits, groups)
+    codes, scale, zero = quantise(jnp.nan_to_num(x), bits, groups, unit)
     if scale.ndim > poisoned.ndim:
         poisoned = poisoned[..., None]
     return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),

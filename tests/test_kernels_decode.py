@@ -168,8 +168,10 @@ def test_quantised_decode_matches_reference(precision, dtype):
     shape = (3, 4, 2, 2, 32, 8, 9, 16, 48)
     q, k, v, tables, lengths = _case(rng, jnp.float32, shape)
     # Poisoned slots keep NaN scales and zeros.
-    kq = kv_quant.quantise_pages(k, fmt.key_bits, dtype)
-    vq = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=fmt.value_groups)
+    # In the format's code unit (bytes, or uint16 units: 16/bits planes a unit), as served.
+    kq = kv_quant.quantise_pages(k, fmt.key_bits, dtype, unit=fmt.code_unit)
+    vq = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=fmt.value_groups,
+                                 unit=fmt.code_unit)
     q = q.astype(dtype)
     lens = jnp.asarray(lengths)
     ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
@@ -189,8 +191,8 @@ def test_quantised_decode_matches_reference(precision, dtype):
     assert quant_err < {"k8v8": 0.03, "k8v4": 0.12, "k4v2": 0.6}[precision], quant_err
     # A scale and zero per value plane (K8V4's format; here also K8V8's single plane and
     # K4V2's four): the kernel weighs each plane's product by its own scale and zero.
-    planes = 8 // fmt.value_bits
-    vg = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=planes)
+    planes = fmt.code_unit // fmt.value_bits
+    vg = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=planes, unit=fmt.code_unit)
     ref_g = ragged_paged_decode_attention_reference(q, kq, vg, tables, lens)
     work = _work_lists(lengths, q.shape[1], shape)["aot"]
     out = ragged_paged_decode_attention(q, kq, vg, tables, lens, work_list=work,
@@ -198,7 +200,8 @@ def test_quantised_decode_matches_reference(precision, dtype):
     assert _rel_err(out, ref_g) < RTOL[dtype]
     if planes > 1:   # the groups are used: the output differs from one scale a row's
         assert _rel_err(ref_g, ragged_paged_decode_attention_reference(
-            q, kq, kv_quant.quantise_pages(v, fmt.value_bits, dtype), tables, lens)) > 1e-4
+            q, kq, kv_quant.quantise_pages(v, fmt.value_bits, dtype, unit=fmt.code_unit),
+            tables, lens)) > 1e-4
 
 
 @pytest.mark.parametrize("bits, compute, values", [
@@ -231,13 +234,30 @@ def test_codes_become_exact_operands_without_conversion(bits, compute, values):
             assert 2.0 ** (exponent + other) * 1e-8 > np.finfo(np.float32).tiny
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_16_bit_units_unpack_into_the_byte_planes_operands(bits):
+    """Codes in 16-bit units (`kv_quant` with unit 16: 16/bits planes a unit) unpack into the
+    planes of `kv_quant.unpack`, each plane's N the code shifted by its place in its byte (as a
+    byte's planes: the high byte's planes are moved down first)."""
+    from tangram_jax import kv_quant
+    from tangram_jax.pallas_kernels.decode_attention import unpack_planes
+    units = np.arange(0, 65536, 7, dtype=np.uint16)
+    planes = unpack_planes(jnp.asarray(units), bits, jnp.float32, 0)
+    codes = np.asarray(kv_quant.unpack(jnp.asarray(units)[:, None], bits))  # [n, planes]
+    assert len(planes) == 16 // bits
+    for p, plane in enumerate(planes):
+        shift = bits * (p % (8 // bits))
+        np.testing.assert_array_equal(np.asarray(plane), codes[:, p].astype(np.float64) * 2 ** shift)
+
+
 @pytest.mark.skipif(default_interpret(), reason="inline PTX runs only in a compiled kernel")
+@pytest.mark.parametrize("unit", [8, 16])
 @pytest.mark.parametrize("bits, values", [(2, True), (4, False), (4, True), (8, False),
                                           (8, True)])
-def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values):
+def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values, unit):
     """The compiled kernels' unpack (`unpack_planes` at the subnormal exponent, inline PTX on
     32-bit words) gives each plane's masked bytes as the operand's bit patterns, for every byte
-    value in every position of a 4-byte word."""
+    value in every position of a 4-byte word, from bytes and from 16-bit units."""
     import jax
     from jax import lax
     from jax.experimental import pallas as pl
@@ -254,6 +274,14 @@ def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values):
         rows = slice(8 * shift, 8 * shift + 8)
         raw[rows] = np.resize(np.roll(every, shift), raw[rows].size).reshape(8, -1)
 
+    if unit == 16:   # the same bytes as 16-bit units: the high byte's planes follow
+        raw = raw.view(np.uint16)
+        planes *= 2
+        expect = np.stack([(raw >> (8 * half)) & mask for half in (0, 1)
+                           for mask in plane_masks(bits)]).astype(np.uint16)
+    else:
+        expect = np.stack([raw & mask for mask in plane_masks(bits)]).astype(np.uint16)
+
     def kernel(raw_ref, out_ref):
         for p, x in enumerate(unpack_planes(raw_ref[...], bits, dtype, exponent)):
             out_ref[p] = lax.bitcast_convert_type(x, jnp.int16)   # Triton: no unsigned
@@ -261,7 +289,6 @@ def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values):
     shape = jax.ShapeDtypeStruct((planes, *raw.shape), jnp.int16)
     got = pl.pallas_call(kernel, out_shape=shape, compiler_params=compiler_params())(
         jnp.asarray(raw))
-    expect = np.stack([raw & mask for mask in plane_masks(bits)]).astype(np.uint16)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), expect)
 
 
@@ -272,7 +299,8 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     from tangram_jax import kv_quant
     from tangram_jax.pallas_kernels.decode_attention import DECODE_TUNING, decode_tuning
     for name, fmt in kv_quant.PAGE_FORMATS.items():
-        k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct)
+        k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct,
+                                     unit=fmt.code_unit)
                 for bits in (fmt.key_bits, fmt.value_bits))
         assert decode_tuning(k, v) == DECODE_TUNING[name]
     rng = np.random.default_rng()

@@ -21,12 +21,14 @@ def _rows(seed, shape, offset=0.0):
     return flat.reshape(shape)
 
 
+@pytest.mark.parametrize("unit", [8, 16])
 @pytest.mark.parametrize("bits", kv_quant.QUANT_BITS)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_round_trip_within_bound(bits, head_dim):
+def test_round_trip_within_bound(bits, head_dim, unit):
     x = _rows(bits * head_dim, (5, 3, 7, head_dim), offset=4.0)
-    codes, scale, zero = kv_quant.quantise(jnp.asarray(x), bits)
-    assert codes.dtype == jnp.uint8 and codes.shape == (5, 3, 7, head_dim * bits // 8)
+    codes, scale, zero = kv_quant.quantise(jnp.asarray(x), bits, unit=unit)
+    assert codes.dtype == kv_quant.CODE_UNITS[unit]
+    assert codes.shape == (5, 3, 7, head_dim * bits // unit)
     assert scale.shape == zero.shape == x.shape[:-1]
     back = np.asarray(kv_quant.dequantise(codes, scale, zero, bits))
     err = np.abs(back - x).max(axis=-1)
@@ -38,17 +40,19 @@ def test_round_trip_within_bound(bits, head_dim):
     assert back.reshape(-1, head_dim)[0].tolist() == [1.25] * head_dim
 
 
+@pytest.mark.parametrize("unit", [8, 16])
 @pytest.mark.parametrize("bits", kv_quant.QUANT_BITS)
-def test_packing_is_planes_of_contiguous_dims(bits):
-    """Byte i holds dims i, i + d/n, ...: plane p of the packed row is dims [p d/n, (p+1) d/n)."""
+def test_packing_is_planes_of_contiguous_dims(bits, unit):
+    """Unit i (a byte or a uint16) holds dims i, i + d/n, ...: plane p of the packed row is
+    dims [p d/n, (p+1) d/n), n = unit / bits."""
     levels = (1 << bits) - 1
     d = 32
-    n = 8 // bits
+    n = unit // bits
     codes_wanted = np.arange(d) % (levels + 1)
     x = jnp.asarray(codes_wanted[None].astype(np.float32))
     x = x.at[0, 0].set(0.0).at[0, 1].set(float(levels))        # range [0, levels]: scale 1
     want = np.asarray(x[0]).astype(np.int64)
-    codes, scale, zero = kv_quant.quantise(x, bits)
+    codes, scale, zero = kv_quant.quantise(x, bits, unit=unit)
     assert float(scale[0]) == 1.0 and float(zero[0]) == 0.0
     packed = np.asarray(codes[0]).astype(np.int64)
     for p in range(n):
@@ -62,6 +66,8 @@ def test_bad_arguments_name_value_and_choices():
         kv_quant.quantise(jnp.zeros((2, 8)), 3)
     with pytest.raises(ValueError, match="head_dim 6 is not a multiple of 4"):
         kv_quant.quantise(jnp.zeros((2, 6)), 2)
+    with pytest.raises(ValueError, match="unit must be one of .*got 32"):
+        kv_quant.quantise(jnp.zeros((2, 8)), 4, unit=32)
     with pytest.raises(ValueError, match="kv_precision must be one of .*'k4v4'"):
         kv_quant.page_format("k4v4")
 
@@ -72,8 +78,10 @@ def test_pool_write_and_take_round_trip(precision):
     shape = (6, 2, 4, 16)                                   # [num_pages, G, page_size, d]
     rng = np.random.default_rng(1)
     for bits in (fmt.key_bits, fmt.value_bits):
-        pool = kv_quant.pool_arrays(shape, jnp.float32, bits)
+        pool = kv_quant.pool_arrays(shape, jnp.float32, bits, unit=fmt.code_unit)
         assert pool.shape == shape
+        if bits is not None:
+            assert pool.codes.dtype == kv_quant.CODE_UNITS[fmt.code_unit]
         page = jnp.array([[3, 3], [5, 5]])
         head = jnp.array([[0, 1], [0, 1]])
         slot = jnp.array([[2, 2], [0, 0]])
@@ -101,7 +109,8 @@ def test_page_bytes_fall_with_bits():
     # The pool's own arrays agree with the formula.
     for p in kv_quant.KV_PRECISIONS:
         fmt = kv_quant.page_format(p)
-        pools = [kv_quant.pool_arrays((3, 2, 16, 128), jnp.bfloat16, bits, groups=groups)
+        pools = [kv_quant.pool_arrays((3, 2, 16, 128), jnp.bfloat16, bits, groups=groups,
+                                      unit=fmt.code_unit)
                  for bits, groups in ((fmt.key_bits, 1), (fmt.value_bits, fmt.value_groups))]
         assert sum(x.nbytes for x in pools) == 3 * b[p]
 

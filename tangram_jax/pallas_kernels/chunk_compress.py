@@ -80,7 +80,7 @@ def _pool_streams(chunk, pages):
     tokens the same codes as quantising them after it: the code of a row depends on that row
     alone."""
     if isinstance(pages, kv_quant.QuantPages):
-        codes, scale, zero = kv_quant.quantise(chunk, pages.bits, pages.groups)
+        codes, scale, zero = kv_quant.quantise(chunk, pages.bits, pages.groups, pages.unit)
         return [(codes, pages.codes), (scale, pages.scale), (zero, pages.zero)]
     return [(chunk.astype(pages.dtype), pages)]
 

@@ -9,8 +9,10 @@ group) uses. Query heads ``j*q_per_kv .. (j+1)*q_per_kv - 1`` of a group attend 
 Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 ``(group, split, num_splits)``: the program reads that group's length, cuts its compute blocks
 (``block_tokens`` of page-aligned tokens) into `num_splits` contiguous runs of equal length (to
-a block) and runs an online softmax over run `split` for `heads_per_program` KV heads (default
-1: measured fastest, see benchmarks/NOTES.md) and their query heads, writing a normalised
+a block) and runs an online softmax over run `split` for `heads_per_program` KV heads side by
+side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
+no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
+writing a normalised
 partial output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group,
 query head x head_dim slice)``) merges the partials of each group by log-sum-exp into the
 output, so a call is two launches. The work list is the only thing that differs between the AOT
@@ -21,8 +23,9 @@ constant of the jitted step, a planned one is a runtime int32 array of shape ``[
 Quantised pools (`tangram_jax.kv_quant`, K8V8 / K8V4 / K4V2): the same grid and work lists; the
 kernel reads packed codes and per-slot scale / zero instead of pages of values, so a work item
 moves fewer bytes (what the split map weighs: `split_map.build_split_map`'s `bytes_per_token`).
-Compiled kernels unpack the codes in inline PTX into subnormal operands (`unpack_planes`);
-interpreted ones (the CPU tests) cast the same codes, the same products up to powers of two.
+Compiled kernels unpack the codes (bytes or 16-bit units, by page format: `kv_quant`) in
+inline PTX into subnormal operands (`unpack_planes`); interpreted ones (the CPU tests) cast the
+same codes, the same products up to powers of two.
 
 Precision tiers (`kv_quant.TieredPages`, ``k8v4-k4v2``: each group's tokens in a K8V4 pool and
 a K4V2 pool, block tables and lengths of tier groups): the same kernel once per tier's pool,
@@ -119,8 +122,9 @@ def plane_masks(bits: int) -> list[int]:
 
 
 def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
-    """Packed uint8 codes [tokens, d/n] -> the n = 8 / bits planes [tokens, d/n] as `dtype`
-    operands N * 2^E, E = `exponent` (`code_operand`: N = c * 2^(bits p) for plane p's code c).
+    """Packed codes [tokens, d/n] -> the n planes [tokens, d/n] as `dtype` operands N * 2^E,
+    E = `exponent` (`code_operand`: N = c * 2^(bits p) for plane p's code c of a byte). uint8
+    codes: n = 8 / bits; uint16 codes (`kv_quant`'s 16-bit units): `_unpack_planes16`.
 
     E != 0 (compiled kernels' 16-bit operands; inline PTX cannot be interpreted): a ``prmt`` pair
     spreads each 32-bit word of 4 bytes into the low bytes of two registers' 16-bit halves (one
@@ -183,7 +187,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     q_ref [groups, H, rows, head_dim] over q_per_kv real rows (the rest are masked on load,
     never read); then the K refs and the V refs, each either pages [num_pages, H, page_size,
     head_dim] (these KV heads' slab of the pool) or, quantised at `key_bits` / `value_bits`
-    (`kv_quant`), codes uint8 [num_pages, H, page_size, head_dim * bits / 8] and scale, zero
+    (`kv_quant`), codes [num_pages, H, page_size, head_dim * bits / unit] (uint8 or uint16
+    units: the page format's `code_unit`, each unit 8 or 16 / bits planes) and scale, zero
     float32 [num_pages, H, page_size] (values in groups, `kv_quant.scale_shape`: [...,
     groups], one a plane, so each plane's product is weighed by its own scale and zero);
     o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32, both over q_per_kv real
