@@ -294,8 +294,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # Scale / zero groups of a value row: a trailing axis of the scale ref when above 1.
     value_groups = v_refs[1].shape[-1] if value_bits and len(v_refs[1].shape) == 4 else 1
     if v_planes % value_groups:
-        raise ValueError(f"value scale groups ({value_groups}) must be 1 or the value planes "
-                         f"({v_planes})")
+        raise ValueError(f"value scale groups ({value_groups}) must divide the value planes "
+                         f"({v_planes}): a plane's dims lie in one group")
     # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
     head_ids = [jnp.int32(j) for j in range(heads)]
     if heads == 1 and k_planes == 1:  # the whole head (a block load, as before quantised pages)
@@ -417,7 +417,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     denominator = jnp.where(has_tokens, l, 1.0)[:, None]
     lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
                     -jnp.inf)
-    # Plane i's products are 2^(value_bits i + E + S) times p s c (`unpack_planes`).
+    # Plane i's products are 2^(v_shift[i] + E + S) times p s c (`unpack_planes`).
     plane_scale = [2.0 ** -(v_shift[i] + v_exp + w_exp) for i in range(v_planes)]
     for i, o in enumerate(o_planes):
         out = o if value_bits is None else \
