@@ -113,6 +113,11 @@ def codes_per_unit(bits: int, unit: int = 8) -> int:
     return _check_unit(unit) // _check_bits(bits)
 
 
+def unit_of(codes_dtype) -> int:
+    """Bits of the code unit an array of `codes_dtype` holds (8 or 16)."""
+    return _check_unit(jnp.dtype(codes_dtype).itemsize * 8)
+
+
 def packed_dim(head_dim: int, bits: int, unit: int = 8) -> int:
     """Code units (of `unit` bits) of one packed row of `head_dim` values (head_dim must split
     into whole units)."""
@@ -177,8 +182,7 @@ def quantise(x: jax.Array, bits: int, groups: int = 1,
 def unpack(codes: jax.Array, bits: int) -> jax.Array:
     """Codes [..., d * bits / unit] (uint8 or uint16 units) -> the integer codes [..., d] (in
     the units' dtype, plane layout undone)."""
-    bits = _check_bits(bits)
-    n = codes.dtype.itemsize * 8 // bits
+    n = codes_per_unit(bits, unit_of(codes.dtype))
     if n == 1:
         return codes
     shifts = (jnp.arange(n, dtype=codes.dtype) * bits)[:, None]
@@ -188,8 +192,8 @@ def unpack(codes: jax.Array, bits: int) -> jax.Array:
 
 def dequantise(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
                dtype=jnp.float32) -> jax.Array:
-    """codes [..., d*bits/unit] (uint8 or uint16), scale/zero [...] (or [..., groups]: one more axis than
-    the codes' leading ones) -> values [..., d] in `dtype` (computed in float32)."""
+    """codes [..., d*bits/unit] (uint8 or uint16), scale/zero [...] (or [..., groups]: one more
+    axis than the codes' leading ones) -> values [..., d] in `dtype` (computed in float32)."""
     values = unpack(codes, bits).astype(jnp.float32)
     if scale.ndim == codes.ndim:                                        # value groups
         grouped = _grouped(values, scale.shape[-1]) * scale[..., None] + zero[..., None]
@@ -232,7 +236,7 @@ class QuantPages:
     @property
     def unit(self) -> int:
         """Bits of a code unit (8 or 16: the codes' dtype)."""
-        return jnp.dtype(self.codes.dtype).itemsize * 8
+        return unit_of(self.codes.dtype)
 
     @property
     def ndim(self) -> int:
@@ -253,8 +257,9 @@ Pages = jax.Array | QuantPages
 def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int = 1,
                 unit: int = 8) -> Pages:
     """A K or V pool of logical shape [num_pages, G, page_size, head_dim]: an array of `dtype`
-    (bits None) or `QuantPages` (with `groups` scales a row, codes in `unit`-bit units). `make(shape, dtype)` builds each
-    leaf: `jnp.zeros` (a zeroed pool) or `jax.ShapeDtypeStruct` (a spec to compile against)."""
+    (bits None) or `QuantPages` (with `groups` scales a row, codes in `unit`-bit units).
+    `make(shape, dtype)` builds each leaf: `jnp.zeros` (a zeroed pool) or `jax.ShapeDtypeStruct`
+    (a spec to compile against)."""
     shape = tuple(int(s) for s in shape)
     if bits is None:
         return make(shape, dtype)
@@ -332,9 +337,9 @@ def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
 def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int = 1,
                    unit: int = 8) -> Pages:
     """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
-    pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units. Rows holding a NaN get NaN scale
-    and zero (codes cannot be NaN), so a poisoned slot stays poisoned (what the kernel tests
-    rely on)."""
+    pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units. Rows
+    holding a NaN get NaN scale and zero (codes cannot be NaN), so a poisoned slot stays
+    poisoned (what the kernel tests rely on)."""
     dtype = jnp.dtype(dtype or pages.dtype)
     if bits is None:
         return pages.astype(dtype)

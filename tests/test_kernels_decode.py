@@ -247,7 +247,8 @@ def test_16_bit_units_unpack_into_the_byte_planes_operands(bits):
     assert len(planes) == 16 // bits
     for p, plane in enumerate(planes):
         shift = bits * (p % (8 // bits))
-        np.testing.assert_array_equal(np.asarray(plane), codes[:, p].astype(np.float64) * 2 ** shift)
+        np.testing.assert_array_equal(np.asarray(plane),
+                                      codes[:, p].astype(np.float64) * 2 ** shift)
 
 
 @pytest.mark.skipif(default_interpret(), reason="inline PTX runs only in a compiled kernel")

@@ -261,16 +261,24 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # head_dim as the planes the keys / values are packed in (one plane when not quantised).
     # Planes a code unit (a byte, or a uint16) holds; plane p's codes come c 2^(bits (p mod
     # 8/bits)) from the unpack (`unpack_planes`).
-    k_planes = 1 if key_bits is None else k_refs[0].dtype.itemsize * 8 // key_bits
-    v_planes = 1 if value_bits is None else v_refs[0].dtype.itemsize * 8 // value_bits
+    k_planes = 1 if key_bits is None else \
+        kv_quant.codes_per_unit(key_bits, kv_quant.unit_of(k_refs[0].dtype))
+    v_planes = 1 if value_bits is None else \
+        kv_quant.codes_per_unit(value_bits, kv_quant.unit_of(v_refs[0].dtype))
     k_shift = [0 if key_bits is None else key_bits * (p % (8 // key_bits))
                for p in range(k_planes)]
     v_shift = [0 if value_bits is None else value_bits * (p % (8 // value_bits))
                for p in range(v_planes)]
     k_width, v_width = head_dim // k_planes, head_dim // v_planes     # a plane's dims a head
 
+    # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
+    head_ids = [jnp.int32(j) for j in range(heads)]
+
     def columns(width):
-        """(head, dim of the head's plane) of a plane's [1, H * width] columns."""
+        """(head, dim of the head's plane) of a plane's [1, H * width] columns (one head: head
+        0 as a scalar index, so the gathers are those of a one-head kernel)."""
+        if heads == 1:
+            return head_ids[0], jnp.arange(width)[None, :]
         c = jnp.arange(heads * width)[None, :]
         return lax.div(c, jnp.int32(width)), lax.rem(c, jnp.int32(width))
 
@@ -296,19 +304,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     if v_planes % value_groups:
         raise ValueError(f"value scale groups ({value_groups}) must divide the value planes "
                          f"({v_planes}): a plane's dims lie in one group")
-    # Python ints as ref indices trip the interpreter's discharge rule: index with int32 arrays.
-    head_ids = [jnp.int32(j) for j in range(heads)]
     if heads == 1 and k_planes == 1:  # the whole head (a block load, as before quantised pages)
         q_raw = [plgpu.load(q_ref.at[group, head_ids[0]], mask=row_real[:, None], other=0)]
-    elif heads == 1:                # planes [rows, d/n]
-        q_raw = [plgpu.load(q_ref.at[group, head_ids[0], row_ids,
-                                     p * k_width + jnp.arange(k_width)[None, :]],
-                            mask=row_real[:, None], other=0) for p in range(k_planes)]
     else:                           # planes [rows, H d/n], zero outside a row's head
         col_head, col_dim = columns(k_width)
-        q_raw = [plgpu.load(q_ref.at[group, col_head, row_in_head[:, None], p * k_width + col_dim],
-                            mask=row_real[:, None] & (row_head[:, None] == col_head), other=0)
-                 for p in range(k_planes)]
+        q_rows, q_mask = (row_ids, row_real[:, None]) if heads == 1 else \
+            (row_in_head[:, None], row_real[:, None] & (row_head[:, None] == col_head))
+        q_raw = [plgpu.load(q_ref.at[group, col_head, q_rows, p * k_width + col_dim],
+                            mask=q_mask, other=0) for p in range(k_planes)]
     # sum(q) per query row, what a key's zero point adds to its logit.
     q_sums = sum(x.astype(jnp.float32).sum(axis=-1) for x in q_raw) \
         if key_bits is not None else None
@@ -339,10 +342,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         with value groups: `kv_quant.scale_shape`), None unquantised."""
         mask = token_valid[:, None]
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
-        if heads == 1:
-            head, dims = head_ids[0], jnp.arange(refs[0].shape[-1])[None, :]
-        else:
-            head, dims = columns(refs[0].shape[-1])
+        head, dims = columns(refs[0].shape[-1])
         raw = plgpu.load(refs[0].at[page[:, None], head, slot[:, None], dims], mask=mask, other=0)
         if bits is None:
             return [raw], None, None
@@ -419,19 +419,18 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
                     -jnp.inf)
     # Plane i's products are 2^(v_shift[i] + E + S) times p s c (`unpack_planes`).
     plane_scale = [2.0 ** -(v_shift[i] + v_exp + w_exp) for i in range(v_planes)]
+    # Each row's own head's columns (`store_rows`: the other entries, masked, at distinct rows).
+    col_head, col_dim = columns(v_width)
+    out_rows, out_mask = (row_ids, row_real[:, None]) if heads == 1 else \
+        (store_rows(col_head), row_real[:, None] & (row_head[:, None] == col_head))
     for i, o in enumerate(o_planes):
         out = o if value_bits is None else \
             o * plane_scale[i] + o_zero[i * len(o_zero) // v_planes][:, None]
         out = out / denominator
-        if heads == 1 and value_bits is None:
+        if heads == 1 and value_bits is None:   # the whole head (a block store)
             plgpu.store(o_ref.at[head_ids[0]], out, mask=row_real[:, None])
-        elif heads == 1:
-            plgpu.store(o_ref.at[head_ids[0], row_ids, i * v_width + jnp.arange(v_width)[None, :]],
-                        out, mask=row_real[:, None])
-        else:   # each row's own head's columns
-            col_head, col_dim = columns(v_width)
-            plgpu.store(o_ref.at[col_head, store_rows(col_head), i * v_width + col_dim], out,
-                        mask=row_real[:, None] & (row_head[:, None] == col_head))
+        else:
+            plgpu.store(o_ref.at[col_head, out_rows, i * v_width + col_dim], out, mask=out_mask)
     if heads == 1:
         plgpu.store(lse_ref.at[head_ids[0]], lse, mask=row_real)
     else:
