@@ -116,6 +116,9 @@ def code_operand(bits: int, compute_dtype, *, values: bool = False,
     return dtype, _SUBNORMAL_EXPONENT[dtype], other
 
 
+_KWIDTH_GUARD = False
+
+
 def plane_masks(bits: int) -> list[int]:
     """Each plane's bits of a byte (plane p: bits ``p*bits .. (p+1)*bits - 1``)."""
     return [((1 << bits) - 1) << (p * bits) for p in range(8 // bits)]
@@ -142,10 +145,17 @@ def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
     # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
     # int16, not uint16: Triton's integers are signless (it rejects an unsigned result type).
     spread_dtype = dtype if bits == 8 else jnp.int16
-    spread = plgpu.elementwise_inline_asm(
-        "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
-        constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
+    if _KWIDTH_GUARD:
+        spread = plgpu.elementwise_inline_asm(
+            "prmt.b32 $0, $6, 0, 0x4140;\nprmt.b32 $1, $6, 0, 0x4342;",
+            args=[jnp.zeros(raw.shape, jnp.int32), raw],
+            constraints="=r,=r,r,r,r,r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
+    else:
+        spread = plgpu.elementwise_inline_asm(
+            "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
+            constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
     if bits == 8:
         return [spread]
     return [plgpu.elementwise_inline_asm(
