@@ -100,6 +100,7 @@ def _check_bits(bits) -> int:
 
 
 CODE_UNITS = {8: jnp.uint8, 16: jnp.uint16}
+PAIR_PROTOTYPE = False   # PROTOTYPE: uint16 codes as token pairs of byte rows
 
 
 def _check_unit(unit) -> int:
@@ -231,6 +232,9 @@ class QuantPages:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[num_pages, G, page_size, head_dim]``."""
+        if PAIR_PROTOTYPE and self.unit == 16:
+            return (*self.codes.shape[:-2], 2 * self.codes.shape[-2],
+                    self.codes.shape[-1] * (8 // self.bits))
         return (*self.codes.shape[:-1], self.codes.shape[-1] * (self.unit // self.bits))
 
     @property

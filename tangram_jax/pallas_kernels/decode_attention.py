@@ -116,7 +116,7 @@ def code_operand(bits: int, compute_dtype, *, values: bool = False,
     return dtype, _SUBNORMAL_EXPONENT[dtype], other
 
 
-_KWIDTH_GUARD = False
+_PREFETCH2 = False   # PROTOTYPE
 
 
 def plane_masks(bits: int) -> list[int]:
@@ -145,17 +145,10 @@ def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
     # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
     # int16, not uint16: Triton's integers are signless (it rejects an unsigned result type).
     spread_dtype = dtype if bits == 8 else jnp.int16
-    if _KWIDTH_GUARD:
-        spread = plgpu.elementwise_inline_asm(
-            "prmt.b32 $0, $6, 0, 0x4140;\nprmt.b32 $1, $6, 0, 0x4342;",
-            args=[jnp.zeros(raw.shape, jnp.int32), raw],
-            constraints="=r,=r,r,r,r,r,r", pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
-    else:
-        spread = plgpu.elementwise_inline_asm(
-            "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
-            constraints="=r,=r,r", pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
+    spread = plgpu.elementwise_inline_asm(
+        "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
+        constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
     if bits == 8:
         return [spread]
     return [plgpu.elementwise_inline_asm(
@@ -271,9 +264,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # head_dim as the planes the keys / values are packed in (one plane when not quantised).
     # Planes a code unit (a byte, or a uint16) holds; plane p's codes come c 2^(bits (p mod
     # 8/bits)) from the unpack (`unpack_planes`).
-    k_planes = 1 if key_bits is None else \
+    pair = kv_quant.PAIR_PROTOTYPE and key_bits is not None and k_refs[0].dtype == jnp.uint16
+    k_planes = 1 if key_bits is None else 8 // key_bits if pair else \
         kv_quant.codes_per_unit(key_bits, kv_quant.unit_of(k_refs[0].dtype))
-    v_planes = 1 if value_bits is None else \
+    v_planes = 1 if value_bits is None else 8 // value_bits if pair else \
         kv_quant.codes_per_unit(value_bits, kv_quant.unit_of(v_refs[0].dtype))
     k_shift = [0 if key_bits is None else key_bits * (p % (8 // key_bits))
                for p in range(k_planes)]
@@ -340,7 +334,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     page_size_i32 = jnp.int32(page_size)
 
     def page_ids(block):                                                     # [tokens]
-        token = (first_block + block) * block_tokens + offsets
+        token = (first_block + block) * block_tokens + (2 * jnp.arange(block_tokens // 2)
+                                                          if pair else offsets)
         # Clamped: the prefetch reads one block past the share; those ids are never used.
         return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
                                                        max_pages - 1)]
@@ -365,7 +360,57 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return (planes, *([[plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
                             for j in head_ids] for g in groups] for ref in refs[1:]))
 
+    def pair_rows(block):
+        even = (first_block + block) * block_tokens + 2 * jnp.arange(block_tokens // 2)
+        return (even, [even < end_token, even + 1 < end_token],
+                lax.div(lax.rem(even, page_size_i32), jnp.int32(2)))
+
+    def value_zeros(block, page):
+        """PROTOTYPE: the block's value zeros (even, odd tokens), loaded a block ahead."""
+        _, valid, pslot = pair_rows(block)
+        return tuple(plgpu.load(v_refs[2].at[page, head_ids[0], 2 * pslot + par],
+                                mask=valid[par], other=0) for par in (0, 1))
+
+    def attend_pairs(block, page, state, vz=None):
+        """PROTOTYPE: [T/2] pair rows; even tokens' planes and odd tokens' planes."""
+        even, valid, pslot = pair_rows(block)
+        head = head_ids[0]
+        def tiles(refs, bits, operand):
+            raw = plgpu.load(refs[0].at[page[:, None], head, pslot[:, None],
+                                        jnp.arange(refs[0].shape[-1])[None, :]],
+                             mask=valid[0][:, None], other=0)
+            planes = _unpack_planes16(raw, bits, *operand)
+            n = len(planes) // 2
+            sz = [[plgpu.load(ref.at[page, head, 2 * pslot + par], mask=valid[par], other=0)
+                   for par in (0, 1)] for ref in refs[1:]]
+            return (planes[:n], planes[n:]), sz[0], sz[1]
+        (k_e, k_o), k_sc, k_zr = tiles(k_refs, key_bits, (k_dtype, k_exp))
+        (v_e, v_o), v_sc, v_zr = tiles(v_refs, value_bits, (v_dtype, v_exp))
+        if vz is not None:
+            v_zr = vz
+        o_prev, o_zero_prev, m_prev, l_prev = state
+        logits = []
+        for par, kt in enumerate((k_e, k_o)):
+            lg = _dot(qs[0], kt[0], trans_b=True)
+            for qp, kp in zip(qs[1:], kt[1:]):
+                lg = lg + _dot(qp, kp, trans_b=True)
+            lg = (lg * (k_sc[par] * (log2_scale * key_code_scale))[None, :]
+                  + q_sums[:, None] * (k_zr[par] * log2_scale)[None, :])
+            logits.append(jnp.where(valid[par][None, :], lg, _MASK_VALUE))
+        m_next = jnp.maximum(m_prev, jnp.maximum(logits[0], logits[1]).max(axis=-1))
+        correction = backend.exp2(m_prev - m_next, fast=compiled)
+        p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
+        l_next = correction * l_prev + (p[0] + p[1]).sum(axis=-1)
+        w = [(p[par] * (v_sc[par] * 2.0 ** w_exp)[None, :]).astype(v_dtype) for par in (0, 1)]
+        o_zero_next = (correction * o_zero_prev[0]
+                       + (p[0] * v_zr[0][None, :] + p[1] * v_zr[1][None, :]).sum(axis=-1),)
+        o_next = tuple(correction[:, None] * o + _dot(w[0], ve) + _dot(w[1], vo)
+                       for o, ve, vo in zip(o_prev, v_e, v_o))
+        return o_next, o_zero_next, m_next, l_next
+
     def attend(block, page, state):
+        if pair:
+            return attend_pairs(block, page, state)
         token = (first_block + block) * block_tokens + offsets
         token_valid = token < end_token
         # The K/V tile is gathered as [tokens, H head_dim] rows (one page id per token, each
@@ -411,7 +456,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    if prefetch_page_ids:
+    if prefetch_page_ids and pair and _PREFETCH2:
+        def body2(block, carry):
+            page, vz, state = carry
+            page_next = page_ids(block + 1)
+            return page_next, value_zeros(block + 1, page_next), attend_pairs(block, page,
+                                                                               state, vz)
+        page0 = page_ids(0)
+        _, _, final = lax.fori_loop(0, num_blocks, body2, (page0, value_zeros(0, page0), init))
+    elif prefetch_page_ids:
         # Page ids of the next block travel in the loop carry, so the K/V gathers do not
         # depend on a load of their own iteration and Triton's pipeliner can keep
         # num_stages - 1 blocks in flight (without this it single-buffers them).
