@@ -73,25 +73,38 @@ def make_case(key, batch: int, context: int):
     return np.ascontiguousarray(lengths), tables.astype(np.int32), num_pages
 
 
-def random_pool(key, num_pages: int, bits: int | None, groups: int = 1, unit: int = 8):
+def random_pool(key, num_pages: int, bits: int | None, groups: int = 1, unit: int = 8,
+                slot_pairs: bool = False):
     """A K or V pool of random contents in the format of `bits` (`groups` scales a row, codes
-    in `unit`-bit units: the page format's `code_unit`)."""
+    in `unit`-bit units, in slot pairs when set: the page format's `code_unit`, `slot_pairs`)."""
     shape = (num_pages, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)
     if bits is None:
         return jax.random.normal(key, shape, DTYPE)
     k1, k2, k3 = jax.random.split(key, 3)
-    pd = kv_quant.packed_dim(HEAD_DIM, bits, unit)
+    # The codes array's [..., rows, units] and unit (slot pairs: uint16 of two slots' bytes).
+    rows, pd = (PAGE_SIZE // 2, kv_quant.packed_dim(HEAD_DIM, bits, 8)) if slot_pairs else \
+        (PAGE_SIZE, kv_quant.packed_dim(HEAD_DIM, bits, unit))
+    code_unit = 16 if slot_pairs else unit
     # Drawn as 32-bit words and viewed as units: uint8 draws go through a 4x-sized intermediate
     # (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
-    per_word = 32 // unit
-    words = jax.random.bits(k1, (*shape[:-1], pd // per_word), jnp.uint32)
-    codes = jax.lax.bitcast_convert_type(words, kv_quant.CODE_UNITS[unit]).reshape(
-        *shape[:-1], pd)
+    per_word = 32 // code_unit
+    words = jax.random.bits(k1, (*shape[:-2], rows, pd // per_word), jnp.uint32)
+    codes = jax.lax.bitcast_convert_type(words, kv_quant.CODE_UNITS[code_unit]).reshape(
+        *shape[:-2], rows, pd)
     scales = kv_quant.scale_shape(shape[:-1], groups)
     scale = jax.random.uniform(k2, scales, jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
     zero = jax.random.uniform(k3, scales, jnp.float32, -1.5, -0.5)
     return kv_quant.QuantPages(codes=codes, scale=scale, zero=zero, bits=bits,
-                               dtype=jnp.dtype(DTYPE), groups=groups)
+                               dtype=jnp.dtype(DTYPE), groups=groups, slot_pairs=slot_pairs)
+
+
+def random_pools(key, num_pages: int, fmt: kv_quant.PageFormat) -> tuple:
+    """(k, v) pools of random contents in page format `fmt`."""
+    kk, vk = jax.random.split(key)
+    return (random_pool(kk, num_pages, fmt.key_bits, unit=fmt.code_unit,
+                        slot_pairs=fmt.slot_pairs),
+            random_pool(vk, num_pages, fmt.value_bits, fmt.value_groups, fmt.code_unit,
+                        fmt.slot_pairs))
 
 
 def programs_of(precision: str, num_programs: int, program_scale: str) -> int:
@@ -152,10 +165,8 @@ def tiered_case(key, precision, lens, batch, num_programs):
     tables = (1 + rng.permutation(pages - 1)).reshape(batch, tier_groups, width).astype(np.int32)
     pools = []
     for i, tier in enumerate(PRECISION_TIERS[precision]):
-        fmt = kv_quant.page_format(tier)
-        kk, vk = jax.random.split(jax.random.fold_in(key, 200 + i))
-        pools.append((random_pool(kk, pages, fmt.key_bits, unit=fmt.code_unit),
-                      random_pool(vk, pages, fmt.value_bits, fmt.value_groups, fmt.code_unit)))
+        pools.append(random_pools(jax.random.fold_in(key, 200 + i), pages,
+                                  kv_quant.page_format(tier)))
     (k_hi, v_hi), (k_lo, v_lo) = pools
     # As the engine builds them (`llm_engine.decode_split_map`).
     smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
@@ -185,11 +196,9 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1],
                                                               num_programs)
     else:
-        fmt = kv_quant.page_format(precision)
-        kk, vk = jax.random.split(jax.random.fold_in(
-            key, 100 + kv_quant.KV_PRECISIONS.index(precision)))
-        k_pages = random_pool(kk, num_pages, fmt.key_bits, unit=fmt.code_unit)
-        v_pages = random_pool(vk, num_pages, fmt.value_bits, fmt.value_groups, fmt.code_unit)
+        k_pages, v_pages = random_pools(jax.random.fold_in(
+            key, 100 + kv_quant.KV_PRECISIONS.index(precision)), num_pages,
+            kv_quant.page_format(precision))
         read = slots * slot_bytes(precision)
 
     def attend(q, k, v, t, n, **kw):

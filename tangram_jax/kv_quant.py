@@ -33,7 +33,15 @@ session 20): Triton lays out a product whose operand comes from 8-bit loads with
 k a thread for both operands, which costs the 16-bit operand (q, the softmax weights) register
 copies and a shared-memory round trip; from 16-bit units the products keep their native layout
 (K8V8 -7 to -10%, K8V4 -5% on an H100), but twice the planes, each half as wide: K4V2's values
-in 16-bit units are 8 planes of 16 dims, far slower, so K4V2 stays in bytes.
+in 16-bit units are 8 planes of 16 dims, far slower.
+
+Slot pairs (K4V2, `PageFormat.slot_pairs`): rows are packed in bytes as above, and the bytes
+of two adjacent slots of a page share a uint16: unit (i, j) holds byte j of slot 2i in its low
+half and byte j of slot 2i + 1 in its high half (`pair_slots`). A kernel's 16-bit loads then
+unpack into an even-slot and an odd-slot plane of full width (K4 2 planes of d/2, V2 4 of d/4),
+so the products keep 16-bit operand layouts without K4V2's planes narrowing: on an H100 with the
+value zeros loaded a block ahead, -18% of K4V2's decode time at 64 x 32k
+(benchmarks/NOTES_kv_precision.md, session 21). Pages need an even page_size.
 
 Value groups (K8V4's values): a row may be quantised as ``groups`` equal slices of head_dim,
 each with its own scale and zero (KIVI-style group quantisation); with the plane layout below
@@ -43,8 +51,8 @@ values in 2 groups: one scale over the whole head lost 2-3 points of variable tr
 against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14), K8V8 none.
 
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8 or uint16
-[num_pages, G, page_size, head_dim * bits / unit]``, ``scale, zero float32 [num_pages, G,
-page_size]`` (`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
+[num_pages, G, page_size, head_dim * bits / unit]`` (slot pairs: ``uint16 [num_pages, G,
+page_size / 2, head_dim * bits / 8]``), ``scale, zero float32 [num_pages, G, page_size]`` (`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
 ``[num_pages, G, page_size, head_dim]`` and its `dtype` the dtype values come back in, so code
 that only reads shapes treats both kinds of pool alike.
 Within a precision every page has the same bytes (one pool serves every layer and group).
@@ -72,6 +80,7 @@ class PageFormat:
     value_bits: int | None
     value_groups: int = 1     # scale / zero groups of a value row (module docstring)
     code_unit: int = 8        # bits of the unit codes are packed in, 8 or 16 (module docstring)
+    slot_pairs: bool = False  # byte rows of two adjacent slots in one uint16 (module docstring)
 
     @property
     def quantised(self) -> bool:
@@ -82,7 +91,7 @@ PAGE_FORMATS = {
     "bf16": PageFormat("bf16", None, None),
     "k8v8": PageFormat("k8v8", 8, 8, code_unit=16),
     "k8v4": PageFormat("k8v4", 8, 4, value_groups=2, code_unit=16),
-    "k4v2": PageFormat("k4v2", 4, 2),
+    "k4v2": PageFormat("k4v2", 4, 2, slot_pairs=True),
 }
 
 
@@ -100,7 +109,6 @@ def _check_bits(bits) -> int:
 
 
 CODE_UNITS = {8: jnp.uint8, 16: jnp.uint16}
-PAIR_PROTOTYPE = False   # PROTOTYPE: uint16 codes as token pairs of byte rows
 
 
 def _check_unit(unit) -> int:
@@ -191,6 +199,22 @@ def unpack(codes: jax.Array, bits: int) -> jax.Array:
     return planes.reshape(*codes.shape[:-1], n * codes.shape[-1])
 
 
+def pair_slots(codes: jax.Array) -> jax.Array:
+    """Byte rows [..., page_size, w] uint8 -> slot pairs [..., page_size / 2, w] uint16: unit
+    (i, j) holds byte j of slot 2i (low half) and of slot 2i + 1 (high half)."""
+    if codes.dtype != jnp.uint8 or codes.shape[-2] % 2:
+        raise ValueError(f"slot pairs take uint8 rows of an even slot count, got {codes.dtype} "
+                         f"{codes.shape}")
+    even, odd = codes[..., 0::2, :], codes[..., 1::2, :]
+    return even.astype(jnp.uint16) | (odd.astype(jnp.uint16) << 8)
+
+
+def unpair_slots(units: jax.Array) -> jax.Array:
+    """`pair_slots` undone: [..., page_size / 2, w] uint16 -> [..., page_size, w] uint8."""
+    halves = jnp.stack([units & 0xFF, units >> 8], axis=-2).astype(jnp.uint8)
+    return halves.reshape(*units.shape[:-2], 2 * units.shape[-2], units.shape[-1])
+
+
 def dequantise(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
                dtype=jnp.float32) -> jax.Array:
     """codes [..., d*bits/unit] (uint8 or uint16), scale/zero [...] (or [..., groups]: one more
@@ -228,19 +252,25 @@ class QuantPages:
     bits: int
     dtype: np.dtype
     groups: int = 1
+    slot_pairs: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[num_pages, G, page_size, head_dim]``."""
-        if PAIR_PROTOTYPE and self.unit == 16:
-            return (*self.codes.shape[:-2], 2 * self.codes.shape[-2],
-                    self.codes.shape[-1] * (8 // self.bits))
-        return (*self.codes.shape[:-1], self.codes.shape[-1] * (self.unit // self.bits))
+        *lead, rows, width = self.codes.shape
+        return (*lead, rows * (2 if self.slot_pairs else 1), width * (self.unit // self.bits))
 
     @property
     def unit(self) -> int:
-        """Bits of a code unit (8 or 16: the codes' dtype)."""
-        return unit_of(self.codes.dtype)
+        """Bits of the unit a row's codes are packed in (8 or 16: the codes' dtype; 8 with slot
+        pairs, whose uint16 hold a byte of each of two rows)."""
+        return 8 if self.slot_pairs else unit_of(self.codes.dtype)
+
+    def row_codes(self, codes: jax.Array | None = None) -> jax.Array:
+        """`codes` (default the pool's, or a slice of whole pages of them) as one packed row a
+        slot: [..., page_size, head_dim * bits / unit] (slot pairs undone)."""
+        codes = self.codes if codes is None else codes
+        return unpair_slots(codes) if self.slot_pairs else codes
 
     @property
     def ndim(self) -> int:
@@ -253,26 +283,37 @@ class QuantPages:
 
 
 jax.tree_util.register_dataclass(QuantPages, data_fields=["codes", "scale", "zero"],
-                                 meta_fields=["bits", "dtype", "groups"])
+                                 meta_fields=["bits", "dtype", "groups", "slot_pairs"])
 
 Pages = jax.Array | QuantPages
 
 
+def _check_pairs(slot_pairs: bool, unit: int, page_size: int) -> bool:
+    if slot_pairs and (unit != 8 or page_size % 2):
+        raise ValueError(f"slot pairs pack byte rows (unit 8) of an even page_size, got unit "
+                         f"{unit} and page_size {page_size}")
+    return bool(slot_pairs)
+
+
 def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int = 1,
-                unit: int = 8) -> Pages:
+                unit: int = 8, slot_pairs: bool = False) -> Pages:
     """A K or V pool of logical shape [num_pages, G, page_size, head_dim]: an array of `dtype`
-    (bits None) or `QuantPages` (with `groups` scales a row, codes in `unit`-bit units).
-    `make(shape, dtype)` builds each leaf: `jnp.zeros` (a zeroed pool) or `jax.ShapeDtypeStruct`
-    (a spec to compile against)."""
+    (bits None) or `QuantPages` (with `groups` scales a row, codes in `unit`-bit units, in
+    `slot_pairs` when set). `make(shape, dtype)` builds each leaf: `jnp.zeros` (a zeroed pool)
+    or `jax.ShapeDtypeStruct` (a spec to compile against)."""
     shape = tuple(int(s) for s in shape)
     if bits is None:
         return make(shape, dtype)
     groups = _check_groups(groups, shape[-1])
     scales = scale_shape(shape[:-1], groups)
-    return QuantPages(codes=make((*shape[:-1], packed_dim(shape[-1], bits, unit)),
-                                 CODE_UNITS[unit]),
-                      scale=make(scales, jnp.float32), zero=make(scales, jnp.float32),
-                      bits=_check_bits(bits), dtype=jnp.dtype(dtype), groups=groups)
+    width = packed_dim(shape[-1], bits, unit)
+    if _check_pairs(slot_pairs, unit, shape[-2]):
+        codes = make((*shape[:-2], shape[-2] // 2, width), jnp.uint16)
+    else:
+        codes = make((*shape[:-1], width), CODE_UNITS[unit])
+    return QuantPages(codes=codes, scale=make(scales, jnp.float32),
+                      zero=make(scales, jnp.float32), bits=_check_bits(bits),
+                      dtype=jnp.dtype(dtype), groups=groups, slot_pairs=bool(slot_pairs))
 
 
 def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> tuple:
@@ -283,9 +324,10 @@ def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> 
         raise ValueError(f"one page count per format (1 or 2 of them), got {len(formats)} "
                          f"formats and num_pages {tuple(num_pages)}")
     pools = [(pool_arrays((n, *page_shape), dtype, fmt.key_bits, make=make,
-                          unit=fmt.code_unit),
+                          unit=fmt.code_unit, slot_pairs=fmt.slot_pairs),
               pool_arrays((n, *page_shape), dtype, fmt.value_bits, make=make,
-                          groups=fmt.value_groups, unit=fmt.code_unit))
+                          groups=fmt.value_groups, unit=fmt.code_unit,
+                          slot_pairs=fmt.slot_pairs))
              for n, fmt in zip(num_pages, formats)]
     if len(pools) == 1:
         return pools[0]
@@ -317,10 +359,27 @@ def write_slots(pages: Pages, index: tuple, values: jax.Array, *, mode=None) -> 
     (``"drop"``: out-of-range indices are skipped)."""
     if isinstance(pages, QuantPages):
         codes, scale, zero = quantise(values, pages.bits, pages.groups, pages.unit)
-        return dataclasses.replace(pages, codes=pages.codes.at[index].set(codes, mode=mode),
+        if pages.slot_pairs:
+            codes = _paired_codes(pages.codes, index, codes, mode)
+        else:
+            codes = pages.codes.at[index].set(codes, mode=mode)
+        return dataclasses.replace(pages, codes=codes,
                                    scale=pages.scale.at[index].set(scale, mode=mode),
                                    zero=pages.zero.at[index].set(zero, mode=mode))
     return pages.at[index].set(values.astype(pages.dtype), mode=mode)
+
+
+def _paired_codes(units: jax.Array, index: tuple, rows: jax.Array, mode) -> jax.Array:
+    """Slot-pair `units` with the byte rows `rows` [..., w] (uint8) written at slots `index`
+    (page, head, slot). Each write adds to its unit the difference between its new and old
+    byte in that slot's half (uint16 arithmetic wraps, and the other half is untouched), so
+    two slots of one pair written in one call both land; a slot written twice in one call
+    (the null page of padded rows) is left with a meaningless byte, never read."""
+    page, head, slot = (jnp.asarray(i) for i in index)
+    unit_index = (page, head, slot // 2)
+    shift = ((slot % 2) * 8).astype(jnp.uint16)[..., None]
+    old = (units[unit_index] >> shift) & 0xFF
+    return units.at[unit_index].add((rows.astype(jnp.uint16) - old) << shift, mode=mode)
 
 
 def take_pages(pages: Pages, page_ids: jax.Array, dtype=None) -> jax.Array:
@@ -328,8 +387,8 @@ def take_pages(pages: Pages, page_ids: jax.Array, dtype=None) -> jax.Array:
     in `dtype` (default the pool's value dtype); quantised pages are dequantised."""
     dtype = dtype or pages.dtype
     if isinstance(pages, QuantPages):
-        return dequantise(pages.codes[page_ids], pages.scale[page_ids], pages.zero[page_ids],
-                          pages.bits, dtype)
+        return dequantise(pages.row_codes(pages.codes[page_ids]), pages.scale[page_ids],
+                          pages.zero[page_ids], pages.bits, dtype)
     return pages[page_ids].astype(dtype)
 
 
@@ -339,9 +398,10 @@ def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
 
 
 def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int = 1,
-                   unit: int = 8) -> Pages:
+                   unit: int = 8, slot_pairs: bool = False) -> Pages:
     """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
-    pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units. Rows
+    pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units (in
+    `slot_pairs` when set). Rows
     holding a NaN get NaN scale and zero (codes cannot be NaN), so a poisoned slot stays
     poisoned (what the kernel tests rely on)."""
     dtype = jnp.dtype(dtype or pages.dtype)
@@ -350,11 +410,13 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int =
     x = jnp.asarray(pages, jnp.float32)
     poisoned = jnp.isnan(x).any(axis=-1)
     codes, scale, zero = quantise(jnp.nan_to_num(x), bits, groups, unit)
+    if _check_pairs(slot_pairs, unit, x.shape[-2]):
+        codes = pair_slots(codes)
     if scale.ndim > poisoned.ndim:
         poisoned = poisoned[..., None]
     return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),
                       zero=jnp.where(poisoned, jnp.nan, zero), bits=_check_bits(bits),
-                      dtype=dtype, groups=int(groups))
+                      dtype=dtype, groups=int(groups), slot_pairs=bool(slot_pairs))
 
 
 # ----- precision tiers (`kv_layout.TieredLayout`) ---------------------------------------------

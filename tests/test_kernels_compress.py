@@ -101,16 +101,22 @@ def test_compress_quantises_kept_tokens(precision):
     shape = args[5].shape
 
     def nan_pool(bits):
-        pool = kv_quant.pool_arrays(shape, jnp.float32, bits)
-        return kv_quant.QuantPages(codes=pool.codes, scale=jnp.full(shape[:-1], jnp.nan),
+        """The format's pool with random codes (so a slot-pair store must keep the other
+        slot's byte of each unit it writes) and NaN scales."""
+        pool = kv_quant.pool_arrays(shape, jnp.float32, bits, unit=fmt.code_unit,
+                                    slot_pairs=fmt.slot_pairs)
+        codes = rng.integers(0, np.iinfo(pool.codes.dtype).max, pool.codes.shape,
+                             dtype=pool.codes.dtype)
+        return kv_quant.QuantPages(codes=jnp.asarray(codes), scale=jnp.full(shape[:-1], jnp.nan),
                                    zero=jnp.full(shape[:-1], jnp.nan), bits=bits,
-                                   dtype=jnp.dtype(jnp.float32))
+                                   dtype=jnp.dtype(jnp.float32), slot_pairs=fmt.slot_pairs)
 
     args[5], args[6] = nan_pool(fmt.key_bits), nan_pool(fmt.value_bits)
     refs = compress_chunk_into_pages_reference(*args)
     outs = compress_chunk_into_pages(*args)
     for out, ref, bits in zip(outs, refs, (fmt.key_bits, fmt.value_bits)):
         assert isinstance(out, kv_quant.QuantPages) and out.bits == bits
+        assert out.slot_pairs == fmt.slot_pairs and out.shape == shape
         for a, b in ((out.codes, ref.codes), (out.scale, ref.scale), (out.zero, ref.zero)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for out, chunk_values, bits in ((outs[0], args[0], fmt.key_bits),

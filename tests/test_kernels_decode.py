@@ -154,24 +154,28 @@ def test_decode_rejects_bad_inputs():
                                       work_list=work)
 
 
-@pytest.mark.parametrize("precision, dtype", [("k8v8", jnp.float32), ("k8v8", jnp.bfloat16),
-                                              ("k8v4", jnp.bfloat16), ("k4v2", jnp.float32),
-                                              ("k4v2", jnp.bfloat16)],
-                         ids=["k8v8-f32", "k8v8-bf16", "k8v4-bf16", "k4v2-f32", "k4v2-bf16"])
-def test_quantised_decode_matches_reference(precision, dtype):
+@pytest.mark.parametrize("precision, dtype, pairs", [
+    ("k8v8", jnp.float32, False), ("k8v8", jnp.bfloat16, False), ("k8v4", jnp.bfloat16, False),
+    ("k4v2", jnp.float32, True), ("k4v2", jnp.bfloat16, True), ("k4v2", jnp.bfloat16, False)],
+    ids=["k8v8-f32", "k8v8-bf16", "k8v4-bf16", "k4v2-f32", "k4v2-bf16", "k4v2-bytes-bf16"])
+def test_quantised_decode_matches_reference(precision, dtype, pairs):
     """Packed pages dequantised on the fly: the kernel against the jnp reference on the same
     quantised pool (every work list), and against attention over the unquantised pool within
-    what the format's rounding allows."""
+    what the format's rounding allows. K4V2 as served (slot pairs: two token sets a block) and
+    as plain byte rows."""
+    import dataclasses
     from tangram_jax import kv_quant
-    fmt = kv_quant.page_format(precision)
+    fmt = dataclasses.replace(kv_quant.page_format(precision), slot_pairs=pairs)
     rng = np.random.default_rng()
     shape = (3, 4, 2, 2, 32, 8, 9, 16, 48)
     q, k, v, tables, lengths = _case(rng, jnp.float32, shape)
     # Poisoned slots keep NaN scales and zeros.
     # In the format's code unit (bytes, or uint16 units: 16/bits planes a unit), as served.
-    kq = kv_quant.quantise_pages(k, fmt.key_bits, dtype, unit=fmt.code_unit)
+    kq = kv_quant.quantise_pages(k, fmt.key_bits, dtype, unit=fmt.code_unit,
+                                 slot_pairs=fmt.slot_pairs)
     vq = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=fmt.value_groups,
-                                 unit=fmt.code_unit)
+                                 unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
+    assert kq.slot_pairs == vq.slot_pairs == pairs
     q = q.astype(dtype)
     lens = jnp.asarray(lengths)
     ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
@@ -192,7 +196,8 @@ def test_quantised_decode_matches_reference(precision, dtype):
     # A scale and zero per value plane (K8V4's format; here also K8V8's single plane and
     # K4V2's four): the kernel weighs each plane's product by its own scale and zero.
     planes = fmt.code_unit // fmt.value_bits
-    vg = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=planes, unit=fmt.code_unit)
+    vg = kv_quant.quantise_pages(v, fmt.value_bits, dtype, groups=planes, unit=fmt.code_unit,
+                                 slot_pairs=fmt.slot_pairs)
     ref_g = ragged_paged_decode_attention_reference(q, kq, vg, tables, lens)
     work = _work_lists(lengths, q.shape[1], shape)["aot"]
     out = ragged_paged_decode_attention(q, kq, vg, tables, lens, work_list=work,
@@ -200,7 +205,8 @@ def test_quantised_decode_matches_reference(precision, dtype):
     assert _rel_err(out, ref_g) < RTOL[dtype]
     if planes > 1:   # the groups are used: the output differs from one scale a row's
         assert _rel_err(ref_g, ragged_paged_decode_attention_reference(
-            q, kq, kv_quant.quantise_pages(v, fmt.value_bits, dtype, unit=fmt.code_unit),
+            q, kq, kv_quant.quantise_pages(v, fmt.value_bits, dtype, unit=fmt.code_unit,
+                                           slot_pairs=fmt.slot_pairs),
             tables, lens)) > 1e-4
 
 
@@ -301,7 +307,7 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     from tangram_jax.pallas_kernels.decode_attention import DECODE_TUNING, decode_tuning
     for name, fmt in kv_quant.PAGE_FORMATS.items():
         k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct,
-                                     unit=fmt.code_unit)
+                                     unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
                 for bits in (fmt.key_bits, fmt.value_bits))
         assert decode_tuning(k, v) == DECODE_TUNING[name]
     rng = np.random.default_rng()

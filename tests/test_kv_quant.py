@@ -78,14 +78,17 @@ def test_pool_write_and_take_round_trip(precision):
     shape = (6, 2, 4, 16)                                   # [num_pages, G, page_size, d]
     rng = np.random.default_rng(1)
     for bits in (fmt.key_bits, fmt.value_bits):
-        pool = kv_quant.pool_arrays(shape, jnp.float32, bits, unit=fmt.code_unit)
+        pool = kv_quant.pool_arrays(shape, jnp.float32, bits, unit=fmt.code_unit,
+                                    slot_pairs=fmt.slot_pairs)
         assert pool.shape == shape
         if bits is not None:
-            assert pool.codes.dtype == kv_quant.CODE_UNITS[fmt.code_unit]
-        page = jnp.array([[3, 3], [5, 5]])
-        head = jnp.array([[0, 1], [0, 1]])
-        slot = jnp.array([[2, 2], [0, 0]])
-        vals = rng.standard_normal((2, 2, 16)).astype(np.float32) * 3
+            assert pool.codes.dtype == (jnp.uint16 if fmt.slot_pairs else
+                                        kv_quant.CODE_UNITS[fmt.code_unit])
+        # Both slots of a pair (page 3 head 0, page 5 head 1) and lone ones, in one call.
+        page = jnp.array([[3, 3, 3], [5, 5, 5]])
+        head = jnp.array([[0, 1, 0], [0, 1, 1]])
+        slot = jnp.array([[2, 2, 3], [0, 0, 1]])
+        vals = rng.standard_normal((2, 3, 16)).astype(np.float32) * 3
         pool = jax.jit(kv_quant.write_slots)(pool, (page, head, slot), jnp.asarray(vals))
         dense = np.array(kv_quant.dequantise_pages(pool))
         got = dense[np.asarray(page), np.asarray(head), np.asarray(slot)]
@@ -110,7 +113,7 @@ def test_page_bytes_fall_with_bits():
     for p in kv_quant.KV_PRECISIONS:
         fmt = kv_quant.page_format(p)
         pools = [kv_quant.pool_arrays((3, 2, 16, 128), jnp.bfloat16, bits, groups=groups,
-                                      unit=fmt.code_unit)
+                                      unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
                  for bits, groups in ((fmt.key_bits, 1), (fmt.value_bits, fmt.value_groups))]
         assert sum(x.nbytes for x in pools) == 3 * b[p]
 
@@ -148,3 +151,18 @@ def test_value_groups_quantise_each_plane_on_its_own_range(bits):
                           x[..., first])
     with pytest.raises(ValueError, match="groups"):
         kv_quant.quantise(jnp.asarray(x), bits, groups=3)
+
+
+def test_slot_pairs_round_trip_and_errors():
+    """`pair_slots` puts slot 2i's byte low and 2i + 1's high; `unpair_slots` undoes it; a
+    paired pool needs byte rows and an even page_size."""
+    rows = np.random.default_rng(2).integers(0, 256, (3, 6, 5), dtype=np.uint8)
+    units = np.asarray(kv_quant.pair_slots(jnp.asarray(rows)))
+    assert units.shape == (3, 3, 5) and units.dtype == np.uint16
+    np.testing.assert_array_equal(units & 0xFF, rows[:, 0::2])
+    np.testing.assert_array_equal(units >> 8, rows[:, 1::2])
+    np.testing.assert_array_equal(np.asarray(kv_quant.unpair_slots(jnp.asarray(units))), rows)
+    with pytest.raises(ValueError, match="even page_size, got unit 8 and page_size 5"):
+        kv_quant.pool_arrays((2, 1, 5, 16), jnp.float32, 4, slot_pairs=True)
+    with pytest.raises(ValueError, match="unit 16"):
+        kv_quant.pool_arrays((2, 1, 4, 16), jnp.float32, 4, unit=16, slot_pairs=True)

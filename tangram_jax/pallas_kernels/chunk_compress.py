@@ -48,14 +48,16 @@ def kept_token_sources(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax
 
 
 def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, *refs, page_size: int,
-                     group_size: int):
+                     group_size: int, paired: tuple):
     """hist_ref [groups]; counts_ref [heads]; block_table_ref [groups, max_pages];
     sources_ref [T] (this head's); then n chunk refs [T, ...] (this head's rows of each pool
     array: K and V values, or K codes, scales and zeros and the same of V), n pool refs (the
-    same buffers as the outputs, unused) and n pool out refs [num_pages, page_size, ...] (this
-    head's slab of each pool array, aliased)."""
+    same buffers as the outputs; read only by slot-pair streams) and n pool out refs
+    [num_pages, page_size, ...] (this head's slab of each pool array, aliased; a slot-pair
+    stream's, `paired[i]`, [num_pages, page_size / 2, w] uint16 of its uint8 chunk rows,
+    `kv_quant.pair_slots`)."""
     n = len(refs) // 3
-    chunk_refs, out_refs = refs[:n], refs[2 * n:]
+    chunk_refs, pool_refs, out_refs = refs[:n], refs[n:2 * n], refs[2 * n:]
     head = pl.program_id(0)
     group = head // group_size
     chunk = sources_ref.shape[0]
@@ -63,13 +65,25 @@ def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, *refs, 
     hist = hist_ref[group]
     count = counts_ref[head]
     page_index = hist // page_size + pl.program_id(1)
-    kept_index = page_index * page_size + jnp.arange(page_size) - hist   # c of each slot
-    write = (kept_index >= 0) & (kept_index < count) & (page_index < max_pages)
     page = block_table_ref[group, jnp.minimum(page_index, max_pages - 1)]
-    src = sources_ref[jnp.clip(kept_index, 0, chunk - 1)]
-    for chunk_ref, out_ref in zip(chunk_refs, out_refs):
-        rows = chunk_ref[src]                                      # [page_size, ...]
-        mask = write.reshape(write.shape + (1,) * (rows.ndim - 1))
+
+    def kept(slots):
+        """(written, chunk row) of the page's `slots` (kept index c of each slot)."""
+        kept_index = page_index * page_size + slots - hist
+        return ((kept_index >= 0) & (kept_index < count) & (page_index < max_pages),
+                sources_ref[jnp.clip(kept_index, 0, chunk - 1)])
+
+    write, src = kept(jnp.arange(page_size))
+    even, odd = kept(2 * jnp.arange(page_size // 2)), kept(2 * jnp.arange(page_size // 2) + 1)
+    for chunk_ref, pool_ref, out_ref, pairs in zip(chunk_refs, pool_refs, out_refs, paired):
+        if pairs:   # each unit: the even slot's byte low, the odd slot's high (either kept)
+            old = plgpu.load(pool_ref.at[page])                    # [page_size / 2, w]
+            low = jnp.where(even[0][:, None], chunk_ref[even[1]].astype(jnp.uint16), old & 0xFF)
+            high = jnp.where(odd[0][:, None], chunk_ref[odd[1]].astype(jnp.uint16), old >> 8)
+            rows, written = low | (high << 8), even[0] | odd[0]
+        else:
+            rows, written = chunk_ref[src], write                  # [page_size, ...]
+        mask = written.reshape(written.shape + (1,) * (rows.ndim - 1))
         plgpu.store(out_ref.at[page], rows, mask=jnp.broadcast_to(mask, rows.shape))
 
 
@@ -81,8 +95,9 @@ def _pool_streams(chunk, pages):
     alone."""
     if isinstance(pages, kv_quant.QuantPages):
         codes, scale, zero = kv_quant.quantise(chunk, pages.bits, pages.groups, pages.unit)
-        return [(codes, pages.codes), (scale, pages.scale), (zero, pages.zero)]
-    return [(chunk.astype(pages.dtype), pages)]
+        return [(codes, pages.codes, pages.slot_pairs), (scale, pages.scale, False),
+                (zero, pages.zero, False)]
+    return [(chunk.astype(pages.dtype), pages, False)]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(5, 6))
@@ -92,10 +107,11 @@ def _compress(k_chunk, v_chunk, scores, keep_counts, chunk_len, k_pages, v_pages
     num_pages, group_size, page_size, _ = k_pages.shape
     num_groups, max_pages = block_table.shape
     sources, counts = kept_token_sources(scores, keep_counts, chunk_len, group_size)
-    kernel = functools.partial(_compress_kernel, page_size=page_size, group_size=group_size)
     streams = _pool_streams(k_chunk, k_pages) + _pool_streams(v_chunk, v_pages)
-    chunks = [c for c, _ in streams]
-    pools = [a for _, a in streams]
+    chunks = [c for c, _, _ in streams]
+    pools = [a for _, a, _ in streams]
+    kernel = functools.partial(_compress_kernel, page_size=page_size, group_size=group_size,
+                               paired=tuple(p for _, _, p in streams))
     pool_specs = [pl.BlockSpec((num_pages, None, *a.shape[2:]),
                                lambda h, k, nd=a.ndim: (0, h % group_size) + (0,) * (nd - 2))
                   for a in pools]

@@ -71,6 +71,16 @@ def _bits(pages) -> int | None:
     return pages.bits if isinstance(pages, kv_quant.QuantPages) else None
 
 
+def _slot_pairs(k_pages, v_pages) -> bool:
+    """Whether a pool's codes are slot pairs (`kv_quant.PageFormat.slot_pairs`): K and V
+    alike, as a page format has them."""
+    pairs = [isinstance(p, kv_quant.QuantPages) and p.slot_pairs for p in (k_pages, v_pages)]
+    if pairs[0] != pairs[1]:
+        raise ValueError(f"k_pages and v_pages must both or neither be slot pairs, got "
+                         f"{pairs[0]} and {pairs[1]}")
+    return pairs[0]
+
+
 # Codes become matrix-unit operands without a conversion instruction. A plane's code c of a byte
 # (bits ``b*p .. b*p + b - 1``), masked in place, is the integer N = c * 2^(b p) < 256; placed
 # in the low byte of a 16-bit float's pattern (the high byte 0) it is the float N * 2^E exactly,
@@ -116,7 +126,7 @@ def code_operand(bits: int, compute_dtype, *, values: bool = False,
     return dtype, _SUBNORMAL_EXPONENT[dtype], other
 
 
-_PREFETCH2 = False   # PROTOTYPE
+_VALUE_ZEROS_AHEAD = True   # A/B switch (session 21)
 
 
 def plane_masks(bits: int) -> list[int]:
@@ -180,7 +190,7 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   tier: int, num_tiers: int, compiled: bool):
+                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -264,11 +274,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # head_dim as the planes the keys / values are packed in (one plane when not quantised).
     # Planes a code unit (a byte, or a uint16) holds; plane p's codes come c 2^(bits (p mod
     # 8/bits)) from the unpack (`unpack_planes`).
-    pair = kv_quant.PAIR_PROTOTYPE and key_bits is not None and k_refs[0].dtype == jnp.uint16
-    k_planes = 1 if key_bits is None else 8 // key_bits if pair else \
-        kv_quant.codes_per_unit(key_bits, kv_quant.unit_of(k_refs[0].dtype))
-    v_planes = 1 if value_bits is None else 8 // value_bits if pair else \
-        kv_quant.codes_per_unit(value_bits, kv_quant.unit_of(v_refs[0].dtype))
+    # Planes a token's unit holds: slot-pair units hold a byte of each of two tokens.
+    k_planes, v_planes = (1 if bits is None else kv_quant.codes_per_unit(
+        bits, 8 if slot_pairs else kv_quant.unit_of(refs_[0].dtype))
+        for bits, refs_ in ((key_bits, k_refs), (value_bits, v_refs)))
     k_shift = [0 if key_bits is None else key_bits * (p % (8 // key_bits))
                for p in range(k_planes)]
     v_shift = [0 if value_bits is None else value_bits * (p % (8 // value_bits))
@@ -325,7 +334,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
           (x.astype(jnp.float32) * 2.0 ** (q_exp - k_shift[p])).astype(k_dtype)
           for p, x in enumerate(q_raw)]
     key_code_scale = 2.0 ** -(k_exp + q_exp)
-    offsets = jnp.arange(block_tokens)
     # Tokens are never negative, so page and slot are truncating `lax.div` / `lax.rem`: jnp's
     # floor `//` and `%` add sign fix-ups per token that hide from Triton's axis analysis that
     # a page id is constant (and a slot contiguous) over a page's tokens. Measured on an H100
@@ -333,137 +341,117 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # equal, outputs bit for bit the same.
     page_size_i32 = jnp.int32(page_size)
 
-    def page_ids(block):                                                     # [tokens]
-        token = (first_block + block) * block_tokens + (2 * jnp.arange(block_tokens // 2)
-                                                          if pair else offsets)
+    # Token sets: a unit row of a slot-pair pool (`kv_quant.PageFormat.slot_pairs`) holds two
+    # adjacent slots, so a block is gathered as block_tokens / 2 unit rows (its even tokens) and
+    # each row unpacks into an even-token plane and an odd-token plane of full width: the block
+    # is two token sets (even, odd), with products, scales and masks per set and one max and one
+    # sum over both. Other pools: one set, a row a token. Pairs keep 16-bit operand layouts
+    # for K4V2's full-width planes (benchmarks/NOTES_kv_precision.md, session 21).
+    sets = 2 if slot_pairs else 1
+    row_offsets = jnp.arange(block_tokens) if sets == 1 else 2 * jnp.arange(block_tokens // 2)
+
+    def set_tokens(block):
+        """Per token set: (token [unit rows], its slot in its page)."""
+        first = (first_block + block) * block_tokens + row_offsets
+        tokens = [first] + [first + s for s in range(1, sets)]
+        return [(token, lax.rem(token, page_size_i32)) for token in tokens]
+
+    def page_ids(block):                                                  # [unit rows]
+        first = (first_block + block) * block_tokens + row_offsets
         # Clamped: the prefetch reads one block past the share; those ids are never used.
-        return block_tables_ref[table_row, jnp.minimum(lax.div(token, page_size_i32),
+        return block_tables_ref[table_row, jnp.minimum(lax.div(first, page_size_i32),
                                                        max_pages - 1)]
 
-    def load_tile(refs, bits, operand, page, slot, token_valid):
-        """([tokens, H d/n] planes, scales, zeros); quantised planes are operands of the codes
-        (`operand`: their (dtype, exponent), `unpack_planes`); scales and zeros are lists of
-        [rows, tokens] tiles (`per_row`), one a scale group of the row (one, or one a plane
-        with value groups: `kv_quant.scale_shape`), None unquantised."""
-        mask = token_valid[:, None]
+    def per_slot(ref, page, tokens):
+        """A per-slot ref's (scale, zero) [unit rows] vectors: per token set, per scale group
+        (a trailing groups axis is read a group at a time), per head."""
+        groups = [()] if len(ref.shape) == 3 else \
+            [(jnp.int32(g),) for g in range(ref.shape[-1])]
+        return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=token < end_token, other=0)
+                  for j in head_ids] for g in groups] for token, slot in tokens]
+
+    def load_tile(refs, bits, operand, page, tokens, zeros=None):
+        """Per token set: ([unit rows, H d/n] planes, scales, zeros); quantised planes are
+        operands of the codes (`operand`: their (dtype, exponent), `unpack_planes`); scales and
+        zeros are per scale group of the row (one, or one a plane with value groups:
+        `kv_quant.scale_shape`) lists of per-head vectors (`per_row` makes the tiles), None
+        unquantised; `zeros` given (loaded a block ahead) are used as they are."""
+        first, slot = tokens[0]
+        unit_slot = slot if sets == 1 else lax.div(slot, jnp.int32(sets))
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         head, dims = columns(refs[0].shape[-1])
-        raw = plgpu.load(refs[0].at[page[:, None], head, slot[:, None], dims], mask=mask, other=0)
+        raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims],
+                         mask=(first < end_token)[:, None], other=0)
         if bits is None:
-            return [raw], None, None
+            return [([raw], None, None)]
         # The unpack is per element of every tile, the kernel's main work besides the
-        # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`).
+        # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`). With
+        # slot pairs the low bytes' planes are the even tokens', the high bytes' the odd's.
         planes = unpack_planes(raw, bits, *operand)
-        # A scale ref with a trailing groups axis is read a group at a time.
-        groups = [()] if len(refs[1].shape) == 3 else \
-            [(jnp.int32(g),) for g in range(refs[1].shape[-1])]
-        return (planes, *([[plgpu.load(ref.at[(page, j, slot, *g)], mask=token_valid, other=0)
-                            for j in head_ids] for g in groups] for ref in refs[1:]))
+        n = len(planes) // sets
+        scales = per_slot(refs[1], page, tokens)
+        zeros = per_slot(refs[2], page, tokens) if zeros is None else zeros
+        return [(planes[s * n:(s + 1) * n], scales[s], zeros[s]) for s in range(sets)]
 
-    def pair_rows(block):
-        even = (first_block + block) * block_tokens + 2 * jnp.arange(block_tokens // 2)
-        return (even, [even < end_token, even + 1 < end_token],
-                lax.div(lax.rem(even, page_size_i32), jnp.int32(2)))
-
-    def value_zeros(block, page):
-        """PROTOTYPE: the block's value zeros (even, odd tokens), loaded a block ahead."""
-        _, valid, pslot = pair_rows(block)
-        return tuple(plgpu.load(v_refs[2].at[page, head_ids[0], 2 * pslot + par],
-                                mask=valid[par], other=0) for par in (0, 1))
-
-    def attend_pairs(block, page, state, vz=None):
-        """PROTOTYPE: [T/2] pair rows; even tokens' planes and odd tokens' planes."""
-        even, valid, pslot = pair_rows(block)
-        head = head_ids[0]
-        def tiles(refs, bits, operand):
-            raw = plgpu.load(refs[0].at[page[:, None], head, pslot[:, None],
-                                        jnp.arange(refs[0].shape[-1])[None, :]],
-                             mask=valid[0][:, None], other=0)
-            planes = _unpack_planes16(raw, bits, *operand)
-            n = len(planes) // 2
-            sz = [[plgpu.load(ref.at[page, head, 2 * pslot + par], mask=valid[par], other=0)
-                   for par in (0, 1)] for ref in refs[1:]]
-            return (planes[:n], planes[n:]), sz[0], sz[1]
-        (k_e, k_o), k_sc, k_zr = tiles(k_refs, key_bits, (k_dtype, k_exp))
-        (v_e, v_o), v_sc, v_zr = tiles(v_refs, value_bits, (v_dtype, v_exp))
-        if vz is not None:
-            v_zr = vz
+    def attend(block, page, state, v_zeros=None):
+        tokens = set_tokens(block)
+        # The K/V tile is gathered as [unit rows, H head_dim] rows (one page id per row, each
+        # page a contiguous run of rows), so it lands in shared memory in the layout the
+        # matrix unit reads, with no reshape. Slots past the length are not loaded at all
+        # (masked: they may hold anything, NaN included) and read as 0.
+        k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens)
+        v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, tokens, v_zeros)
         o_prev, o_zero_prev, m_prev, l_prev = state
         logits = []
-        for par, kt in enumerate((k_e, k_o)):
-            lg = _dot(qs[0], kt[0], trans_b=True)
-            for qp, kp in zip(qs[1:], kt[1:]):
+        for (token, _), (k_tile, k_scales, k_zeros) in zip(tokens, k_sets):
+            lg = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
+            for qp, kp in zip(qs[1:], k_tile[1:]):
                 lg = lg + _dot(qp, kp, trans_b=True)
-            lg = (lg * (k_sc[par] * (log2_scale * key_code_scale))[None, :]
-                  + q_sums[:, None] * (k_zr[par] * log2_scale)[None, :])
-            logits.append(jnp.where(valid[par][None, :], lg, _MASK_VALUE))
-        m_next = jnp.maximum(m_prev, jnp.maximum(logits[0], logits[1]).max(axis=-1))
+            # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
+            # into the per-token key scale and zero, and the scale also takes the products'
+            # 2^-(E + S) (`key_code_scale`), per token not per code.
+            if key_bits is not None:
+                (k_scale,), (k_zero,) = k_scales, k_zeros              # keys: one group a row
+                lg = (lg * per_row([s * (log2_scale * key_code_scale) for s in k_scale])
+                      + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
+            else:
+                lg = lg * log2_scale
+            logits.append(jnp.where((token < end_token)[None, :], lg, _MASK_VALUE))
+        m_next = jnp.maximum(m_prev, functools.reduce(jnp.maximum, logits).max(axis=-1))
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
-        l_next = correction * l_prev + (p[0] + p[1]).sum(axis=-1)
-        w = [(p[par] * (v_sc[par] * 2.0 ** w_exp)[None, :]).astype(v_dtype) for par in (0, 1)]
-        o_zero_next = (correction * o_zero_prev[0]
-                       + (p[0] * v_zr[0][None, :] + p[1] * v_zr[1][None, :]).sum(axis=-1),)
-        o_next = tuple(correction[:, None] * o + _dot(w[0], ve) + _dot(w[1], vo)
-                       for o, ve, vo in zip(o_prev, v_e, v_o))
-        return o_next, o_zero_next, m_next, l_next
-
-    def attend(block, page, state):
-        if pair:
-            return attend_pairs(block, page, state)
-        token = (first_block + block) * block_tokens + offsets
-        token_valid = token < end_token
-        # The K/V tile is gathered as [tokens, H head_dim] rows (one page id per token, each
-        # page a contiguous run of page_size rows), so it lands in shared memory in the layout
-        # the matrix unit reads, with no reshape. Slots past the length are not loaded at all
-        # (masked: they may hold anything, NaN included) and read as 0.
-        slot = lax.rem(token, page_size_i32)
-        k_tile, k_scales, k_zeros = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, slot,
-                                              token_valid)
-        v_tile, v_scales, v_zeros = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, slot,
-                                              token_valid)
-        o_prev, o_zero_prev, m_prev, l_prev = state
-        logits = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
-        for qp, kp in zip(qs[1:], k_tile[1:]):
-            logits = logits + _dot(qp, kp, trans_b=True)
-        # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
-        # into the per-token key scale and zero, and the scale also takes the products'
-        # 2^-(E + S) (`key_code_scale`), per token not per code.
-        if key_bits is not None:
-            (k_scale,), (k_zero,) = k_scales, k_zeros              # keys: one group a row
-            logits = (logits * per_row([s * (log2_scale * key_code_scale) for s in k_scale])
-                      + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
-        else:
-            logits = logits * log2_scale
-        logits = jnp.where(token_valid[None, :], logits, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-        correction = backend.exp2(m_prev - m_next, fast=compiled)
-        p = backend.exp2(logits - m_next[:, None], fast=compiled)
-        l_next = correction * l_prev + p.sum(axis=-1)
-        if value_bits is None:
-            weights, o_zero_next = [p.astype(v_tile[0].dtype)], o_zero_prev
-        else:
-            # One scale and zero a row, or one a plane (value groups).
-            weights = [(p * per_row([s * 2.0 ** w_exp for s in sc])).astype(v_dtype)
-                       for sc in v_scales]
-            o_zero_next = tuple(correction * oz + (p * per_row(z)).sum(axis=-1)
-                                for oz, z in zip(o_zero_prev, v_zeros))
-        o_next = tuple(correction[:, None] * o + _dot(weights[i * len(weights) // v_planes], vp)
-                       for i, (o, vp) in enumerate(zip(o_prev, v_tile)))
-        return o_next, o_zero_next, m_next, l_next
+        l_next = correction * l_prev + functools.reduce(jnp.add, p).sum(axis=-1)
+        o_next = [correction[:, None] * o for o in o_prev]
+        for p_set, (v_tile, v_scales, _) in zip(p, v_sets):
+            # One scale a row, or one a plane (value groups).
+            weights = [p_set.astype(v_tile[0].dtype)] if value_bits is None else \
+                [(p_set * per_row([s * 2.0 ** w_exp for s in sc])).astype(v_dtype)
+                 for sc in v_scales]
+            o_next = [o + _dot(weights[i * len(weights) // v_planes], vp)
+                      for i, (o, vp) in enumerate(zip(o_next, v_tile))]
+        o_zero_next = o_zero_prev if value_bits is None else tuple(
+            correction * oz + functools.reduce(
+                jnp.add, [p_set * per_row(v_zeros_set[g])
+                          for p_set, (_, _, v_zeros_set) in zip(p, v_sets)]).sum(axis=-1)
+            for g, oz in enumerate(o_zero_prev))
+        return tuple(o_next), o_zero_next, m_next, l_next
 
     init = (tuple(jnp.zeros((rows, heads * v_width), jnp.float32) for _ in range(v_planes)),
             tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    if prefetch_page_ids and pair and _PREFETCH2:
-        def body2(block, carry):
-            page, vz, state = carry
+    if prefetch_page_ids and value_bits is not None and _VALUE_ZEROS_AHEAD:
+        # The value zeros feed no product (only p . z), so Triton's pipeliner leaves their load
+        # in its own iteration, its latency exposed; loaded a block ahead they travel in the
+        # carry with the page ids.
+        def body(block, carry):
+            page, zeros, state = carry
             page_next = page_ids(block + 1)
-            return page_next, value_zeros(block + 1, page_next), attend_pairs(block, page,
-                                                                               state, vz)
+            return (page_next, per_slot(v_refs[2], page_next, set_tokens(block + 1)),
+                    attend(block, page, state, zeros))
         page0 = page_ids(0)
-        _, _, final = lax.fori_loop(0, num_blocks, body2, (page0, value_zeros(0, page0), init))
+        _, _, final = lax.fori_loop(0, num_blocks, body,
+                                    (page0, per_slot(v_refs[2], page0, set_tokens(0)), init))
     elif prefetch_page_ids:
         # Page ids of the next block travel in the loop carry, so the K/V gathers do not
         # depend on a load of their own iteration and Triton's pipeliner can keep
@@ -648,7 +636,8 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
-                               key_bits=_bits(k_pages), value_bits=_bits(v_pages), tier=tier,
+                               key_bits=_bits(k_pages), value_bits=_bits(v_pages),
+                               slot_pairs=_slot_pairs(k_pages, v_pages), tier=tier,
                                num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
