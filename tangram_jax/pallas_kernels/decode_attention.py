@@ -25,7 +25,8 @@ kernel reads packed codes and per-slot scale / zero instead of pages of values, 
 moves fewer bytes (what the split map weighs: `split_map.build_split_map`'s `bytes_per_token`).
 Compiled kernels unpack the codes (bytes or 16-bit units, by page format: `kv_quant`) in
 inline PTX into subnormal operands (`unpack_planes`); interpreted ones (the CPU tests) cast the
-same codes, the same products up to powers of two.
+same codes, the same products up to powers of two. Slot-pair pools (K4V2) hold two slots' bytes
+in each 16-bit unit, so a block's tokens come as two sets (even, odd) of full-width planes.
 
 Precision tiers (`kv_quant.TieredPages`, ``k8v4-k4v2``: each group's tokens in a K8V4 pool and
 a K4V2 pool, block tables and lengths of tier groups): the same kernel once per tier's pool,
@@ -126,9 +127,6 @@ def code_operand(bits: int, compute_dtype, *, values: bool = False,
     return dtype, _SUBNORMAL_EXPONENT[dtype], other
 
 
-_VALUE_ZEROS_AHEAD = True   # A/B switch (session 21)
-
-
 def plane_masks(bits: int) -> list[int]:
     """Each plane's bits of a byte (plane p: bits ``p*bits .. (p+1)*bits - 1``)."""
     return [((1 << bits) - 1) << (p * bits) for p in range(8 // bits)]
@@ -201,7 +199,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     never read); then the K refs and the V refs, each either pages [num_pages, H, page_size,
     head_dim] (these KV heads' slab of the pool) or, quantised at `key_bits` / `value_bits`
     (`kv_quant`), codes [num_pages, H, page_size, head_dim * bits / unit] (uint8 or uint16
-    units: the page format's `code_unit`, each unit 8 or 16 / bits planes) and scale, zero
+    units: the page format's `code_unit`, each unit 8 or 16 / bits planes; with `slot_pairs`
+    uint16 [num_pages, H, page_size / 2, head_dim * bits / 8], a byte row of each of two
+    adjacent slots) and scale, zero
     float32 [num_pages, H, page_size] (values in groups, `kv_quant.scale_shape`: [...,
     groups], one a plane, so each plane's product is weighed by its own scale and zero);
     o_ref [H, rows, head_dim] float32 and lse_ref [H, rows] float32, both over q_per_kv real
@@ -440,10 +440,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    if prefetch_page_ids and value_bits is not None and _VALUE_ZEROS_AHEAD:
+    if prefetch_page_ids and slot_pairs:
         # The value zeros feed no product (only p . z), so Triton's pipeliner leaves their load
-        # in its own iteration, its latency exposed; loaded a block ahead they travel in the
-        # carry with the page ids.
+        # in its own iteration; in the slot-pair kernel's schedule its latency is exposed, so
+        # they are loaded a block ahead and travel in the carry with the page ids. Measured on
+        # an H100 (benchmarks/NOTES_kv_precision.md, session 21): K4V2 -26% at 32 x 32k, tiers
+        # -10%; K8V4 +1.5% and K8V8 +-3% with their zeros ahead, so other formats keep them.
         def body(block, carry):
             page, zeros, state = carry
             page_next = page_ids(block + 1)
