@@ -628,7 +628,11 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     heads = heads_per_program
     # The kernel's tiles: the H heads' query rows, a power of two >= 16 for the matrix unit.
     rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(heads * q_per_kv))
-    pages_per_block = max(1, block_tokens // page_size)
+    # A block is whole pages; with slot pairs at least 32 tokens, so each token set's products
+    # have the 16 rows along k the matrix unit needs.
+    slot_pairs = _slot_pairs(k_pages, v_pages)
+    min_tokens = 32 if slot_pairs else 1
+    pages_per_block = max(1, block_tokens // page_size, -(-min_tokens // page_size))
     block_tokens = pages_per_block * page_size
     max_pages = block_tables.shape[-1]
     num_items = work.shape[-2]
@@ -639,7 +643,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                key_bits=_bits(k_pages), value_bits=_bits(v_pages),
-                               slot_pairs=_slot_pairs(k_pages, v_pages), tier=tier,
+                               slot_pairs=slot_pairs, tier=tier,
                                num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
