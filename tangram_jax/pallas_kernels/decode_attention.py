@@ -271,10 +271,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     row_head = jnp.minimum(jnp.arange(rows) // q_per_kv, heads - 1)          # [rows]
     row_in_head = jnp.arange(rows) - row_head * q_per_kv
     row_real = jnp.arange(rows) < heads * q_per_kv
-    # head_dim as the planes the keys / values are packed in (one plane when not quantised).
-    # Planes a code unit (a byte, or a uint16) holds; plane p's codes come c 2^(bits (p mod
-    # 8/bits)) from the unpack (`unpack_planes`).
-    # Planes a token's unit holds: slot-pair units hold a byte of each of two tokens.
+    # head_dim as the planes the keys / values are packed in (one plane when not quantised):
+    # the planes a token's code unit holds (a byte, or a uint16; slot-pair uint16 hold a byte
+    # of each of two tokens); plane p's codes come c 2^(bits (p mod 8/bits)) from the unpack
+    # (`unpack_planes`).
     k_planes, v_planes = (1 if bits is None else kv_quant.codes_per_unit(
         bits, 8 if slot_pairs else kv_quant.unit_of(refs_[0].dtype))
         for bits, refs_ in ((key_bits, k_refs), (value_bits, v_refs)))
@@ -350,14 +350,18 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     sets = 2 if slot_pairs else 1
     row_offsets = jnp.arange(block_tokens) if sets == 1 else 2 * jnp.arange(block_tokens // 2)
 
+    def first_tokens(block):
+        """The first token of each of the block's unit rows [unit rows]."""
+        return (first_block + block) * block_tokens + row_offsets
+
     def set_tokens(block):
         """Per token set: (token [unit rows], its slot in its page)."""
-        first = (first_block + block) * block_tokens + row_offsets
+        first = first_tokens(block)
         tokens = [first] + [first + s for s in range(1, sets)]
         return [(token, lax.rem(token, page_size_i32)) for token in tokens]
 
     def page_ids(block):                                                  # [unit rows]
-        first = (first_block + block) * block_tokens + row_offsets
+        first = first_tokens(block)
         # Clamped: the prefetch reads one block past the share; those ids are never used.
         return block_tables_ref[table_row, jnp.minimum(lax.div(first, page_size_i32),
                                                        max_pages - 1)]
@@ -413,7 +417,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             if key_bits is not None:
                 (k_scale,), (k_zero,) = k_scales, k_zeros              # keys: one group a row
                 lg = (lg * per_row([s * (log2_scale * key_code_scale) for s in k_scale])
-                      + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
+                  + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
             else:
                 lg = lg * log2_scale
             logits.append(jnp.where((token < end_token)[None, :], lg, _MASK_VALUE))
