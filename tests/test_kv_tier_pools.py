@@ -390,6 +390,12 @@ def test_engine_splits_tier_pools_for_kv_tier_turn():
         EngineConfig(mode="tangram", kv_precision="k8v4", kv_tier_turn=(48, 200)).check()
     with pytest.raises(EngineConfigError, match="kv_tier_turn must be"):
         EngineConfig(kv_tier_turn=(48,))
+    # K4V2 pages (alone or as the low tier) pair adjacent slots: an odd page_size is refused.
+    for precision, mode in (("k4v2", "full"), ("k8v4-k4v2", "tangram")):
+        with pytest.raises(EngineConfigError, match=rf"page_size=15: kv_precision "
+                                                    rf"'{precision}' stores K4V2 pages as slot"):
+            EngineConfig(mode=mode, kv_precision=precision, page_size=15).check()
+    EngineConfig(kv_precision="k8v4", page_size=15).check()
 
 
 def test_server_metrics_report_the_fullest_tier(tiny_folder):

@@ -31,7 +31,7 @@ from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
 from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES, resolve_scoring_rule
 from tangram_jax.kv_layout import PRECISION_TIERS, TAIL_RULES, KVLayout, TieredLayout, pages_for
-from tangram_jax.kv_quant import KV_PRECISIONS
+from tangram_jax.kv_quant import KV_PRECISIONS, page_format
 
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
 SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
@@ -407,6 +407,12 @@ class EngineConfig:
             raise EngineConfigError(f"kv_tier_turn={self.kv_tier_turn} splits a tiered pool; "
                                     f"kv_precision {self.kv_precision!r} has no tiers (one of "
                                     f"{tuple(PRECISION_TIERS)})")
+        formats = PRECISION_TIERS.get(self.kv_precision, (self.kv_precision,))
+        if self.page_size % 2 and any(page_format(f).slot_pairs for f in formats):
+            raise EngineConfigError(
+                f"page_size={self.page_size}: kv_precision {self.kv_precision!r} stores K4V2 "
+                f"pages as slot pairs (two slots' codes in each 16-bit unit), which need an even "
+                f"page_size")
         check_tiered_num_pages(self)
         if self.kv_cache_memory_bytes is not None and (self.num_pages is not None
                                                        or self.kv_cache_tokens is not None):
