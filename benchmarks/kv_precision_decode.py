@@ -26,6 +26,7 @@ ideal is the bytes ratio of that mix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,21 +82,18 @@ def random_pool(key, num_pages: int, bits: int | None, groups: int = 1, unit: in
     if bits is None:
         return jax.random.normal(key, shape, DTYPE)
     k1, k2, k3 = jax.random.split(key, 3)
-    # The codes array's [..., rows, units] and unit (slot pairs: uint16 of two slots' bytes).
-    rows, pd = (PAGE_SIZE // 2, kv_quant.packed_dim(HEAD_DIM, bits, 8)) if slot_pairs else \
-        (PAGE_SIZE, kv_quant.packed_dim(HEAD_DIM, bits, unit))
-    code_unit = 16 if slot_pairs else unit
-    # Drawn as 32-bit words and viewed as units: uint8 draws go through a 4x-sized intermediate
-    # (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
-    per_word = 32 // code_unit
-    words = jax.random.bits(k1, (*shape[:-2], rows, pd // per_word), jnp.uint32)
-    codes = jax.lax.bitcast_convert_type(words, kv_quant.CODE_UNITS[code_unit]).reshape(
-        *shape[:-2], rows, pd)
-    scales = kv_quant.scale_shape(shape[:-1], groups)
-    scale = jax.random.uniform(k2, scales, jnp.float32, 0.5, 1.5) * (2.0 / ((1 << bits) - 1))
-    zero = jax.random.uniform(k3, scales, jnp.float32, -1.5, -0.5)
-    return kv_quant.QuantPages(codes=codes, scale=scale, zero=zero, bits=bits,
-                               dtype=jnp.dtype(DTYPE), groups=groups, slot_pairs=slot_pairs)
+    spec = kv_quant.pool_arrays(shape, DTYPE, bits, make=jax.ShapeDtypeStruct, groups=groups,
+                                unit=unit, slot_pairs=slot_pairs)
+    # Codes drawn as 32-bit words and viewed as units: uint8 draws go through a 4x-sized
+    # intermediate (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
+    *lead, width = spec.codes.shape
+    per_word = 4 // jnp.dtype(spec.codes.dtype).itemsize
+    words = jax.random.bits(k1, (*lead, width // per_word), jnp.uint32)
+    codes = jax.lax.bitcast_convert_type(words, spec.codes.dtype).reshape(spec.codes.shape)
+    scale = jax.random.uniform(k2, spec.scale.shape, jnp.float32, 0.5, 1.5) * (
+        2.0 / ((1 << bits) - 1))
+    zero = jax.random.uniform(k3, spec.zero.shape, jnp.float32, -1.5, -0.5)
+    return dataclasses.replace(spec, codes=codes, scale=scale, zero=zero)
 
 
 def random_pools(key, num_pages: int, fmt: kv_quant.PageFormat) -> tuple:

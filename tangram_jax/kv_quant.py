@@ -52,7 +52,8 @@ against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14
 
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8 or uint16
 [num_pages, G, page_size, head_dim * bits / unit]`` (slot pairs: ``uint16 [num_pages, G,
-page_size / 2, head_dim * bits / 8]``), ``scale, zero float32 [num_pages, G, page_size]`` (`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
+page_size / 2, head_dim * bits / 8]``), ``scale, zero float32 [num_pages, G, page_size]``
+(`scale_shape`: ``[..., groups]`` with value groups); its `shape` is the logical
 ``[num_pages, G, page_size, head_dim]`` and its `dtype` the dtype values come back in, so code
 that only reads shapes treats both kinds of pool alike.
 Within a precision every page has the same bytes (one pool serves every layer and group).
@@ -240,7 +241,8 @@ def error_bound(x: jax.Array, bits: int, groups: int = 1) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class QuantPages:
     """A quantised K (or V) pool: codes [num_pages, G, page_size, head_dim*bits/unit] in
-    `unit`-bit units (uint8 or uint16, the page format's `code_unit`),
+    `unit`-bit units (uint8 or uint16, the page format's `code_unit`; with `slot_pairs`
+    uint16 [num_pages, G, page_size / 2, head_dim*bits/8], `pair_slots`),
     scale and zero float32 [num_pages, G, page_size] (with `groups` > 1: [..., groups], a
     scale and zero per group of head_dim / groups dims, the plane of that index when groups
     equals the planes). A pytree (jit, donation and scan carry it like an array); `bits`,
@@ -401,9 +403,8 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int =
                    unit: int = 8, slot_pairs: bool = False) -> Pages:
     """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
     pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units (in
-    `slot_pairs` when set). Rows
-    holding a NaN get NaN scale and zero (codes cannot be NaN), so a poisoned slot stays
-    poisoned (what the kernel tests rely on)."""
+    `slot_pairs` when set). Rows holding a NaN get NaN scale and zero (codes cannot be NaN), so
+    a poisoned slot stays poisoned (what the kernel tests rely on)."""
     dtype = jnp.dtype(dtype or pages.dtype)
     if bits is None:
         return pages.astype(dtype)

@@ -74,7 +74,8 @@ def _compress_kernel(hist_ref, counts_ref, block_table_ref, sources_ref, *refs, 
                 sources_ref[jnp.clip(kept_index, 0, chunk - 1)])
 
     write, src = kept(jnp.arange(page_size))
-    even, odd = kept(2 * jnp.arange(page_size // 2)), kept(2 * jnp.arange(page_size // 2) + 1)
+    if any(paired):
+        even, odd = (kept(2 * jnp.arange(page_size // 2) + s) for s in (0, 1))
     for chunk_ref, pool_ref, out_ref, pairs in zip(chunk_refs, pool_refs, out_refs, paired):
         if pairs:   # each unit: the even slot's byte low, the odd slot's high (either kept)
             old = plgpu.load(pool_ref.at[page])                    # [page_size / 2, w]

@@ -12,8 +12,7 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 a block) and runs an online softmax over run `split` for `heads_per_program` KV heads side by
 side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
 no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
-writing a normalised
-partial output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group,
+writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group,
 query head x head_dim slice)``) merges the partials of each group by log-sum-exp into the
 output, so a call is two launches. The work list is the only thing that differs between the AOT
 split map, uniform splits and runtime planning (`split_map.py`): a static one becomes a
@@ -355,10 +354,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return (first_block + block) * block_tokens + row_offsets
 
     def set_tokens(block):
-        """Per token set: (token [unit rows], its slot in its page)."""
+        """Per token set: (slot of each unit row's token in its page, whether the token is in
+        the share) [unit rows]."""
         first = first_tokens(block)
         tokens = [first] + [first + s for s in range(1, sets)]
-        return [(token, lax.rem(token, page_size_i32)) for token in tokens]
+        return [(lax.rem(token, page_size_i32), token < end_token) for token in tokens]
 
     def page_ids(block):                                                  # [unit rows]
         first = first_tokens(block)
@@ -371,8 +371,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         (a trailing groups axis is read a group at a time), per head."""
         groups = [()] if len(ref.shape) == 3 else \
             [(jnp.int32(g),) for g in range(ref.shape[-1])]
-        return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=token < end_token, other=0)
-                  for j in head_ids] for g in groups] for token, slot in tokens]
+        return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid, other=0)
+                  for j in head_ids] for g in groups] for slot, valid in tokens]
 
     def load_tile(refs, bits, operand, page, tokens, zeros=None):
         """Per token set: ([unit rows, H d/n] planes, scales, zeros); quantised planes are
@@ -380,12 +380,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         zeros are per scale group of the row (one, or one a plane with value groups:
         `kv_quant.scale_shape`) lists of per-head vectors (`per_row` makes the tiles), None
         unquantised; `zeros` given (loaded a block ahead) are used as they are."""
-        first, slot = tokens[0]
+        slot, valid = tokens[0]
         unit_slot = slot if sets == 1 else lax.div(slot, jnp.int32(sets))
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         head, dims = columns(refs[0].shape[-1])
         raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims],
-                         mask=(first < end_token)[:, None], other=0)
+                         mask=valid[:, None], other=0)
         if bits is None:
             return [([raw], None, None)]
         # The unpack is per element of every tile, the kernel's main work besides the
@@ -407,7 +407,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, tokens, v_zeros)
         o_prev, o_zero_prev, m_prev, l_prev = state
         logits = []
-        for (token, _), (k_tile, k_scales, k_zeros) in zip(tokens, k_sets):
+        for (_, valid), (k_tile, k_scales, k_zeros) in zip(tokens, k_sets):
             lg = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
             for qp, kp in zip(qs[1:], k_tile[1:]):
                 lg = lg + _dot(qp, kp, trans_b=True)
@@ -417,10 +417,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             if key_bits is not None:
                 (k_scale,), (k_zero,) = k_scales, k_zeros              # keys: one group a row
                 lg = (lg * per_row([s * (log2_scale * key_code_scale) for s in k_scale])
-                  + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
+                      + q_sums[:, None] * per_row([z * log2_scale for z in k_zero]))
             else:
                 lg = lg * log2_scale
-            logits.append(jnp.where((token < end_token)[None, :], lg, _MASK_VALUE))
+            logits.append(jnp.where(valid[None, :], lg, _MASK_VALUE))
         m_next = jnp.maximum(m_prev, functools.reduce(jnp.maximum, logits).max(axis=-1))
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
@@ -636,7 +636,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     # have the 16 rows along k the matrix unit needs.
     slot_pairs = _slot_pairs(k_pages, v_pages)
     min_tokens = 32 if slot_pairs else 1
-    pages_per_block = max(1, block_tokens // page_size, -(-min_tokens // page_size))
+    pages_per_block = max(block_tokens // page_size, -(-min_tokens // page_size))
     block_tokens = pages_per_block * page_size
     max_pages = block_tables.shape[-1]
     num_items = work.shape[-2]
