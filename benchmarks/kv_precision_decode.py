@@ -7,10 +7,14 @@ One layer (32 query / 8 KV heads, head_dim 128, G = 2 -> 4 groups, page 16). Eve
 retains ``context * r_g`` tokens in group g, r = (0.2, 0.4, 0.6, 0.8) (mean 0.5), the AOT split
 map of those budgets drives the kernel. The pool is random (values N(0, 1) in bf16; codes
 uniform random bytes with random scales and zeros: the kernel's work does not depend on the
-values). Time: median wall clock of a jitted block of `CALLS` launches (each its own q), divided
-by the launches; the pool is far larger than L2, so every launch reads it from HBM.
-The ideal speed-up of a format is ``bytes(bf16) / bytes(format)`` per retained slot (codes plus
-the float32 scale and zero of K and V: 512 / 272 / 208 / 112 bytes a slot at head_dim 128).
+values). Time: GPU busy time (the profiler's kernel durations: the decode launches and the merge)
+of a jitted block of `CALLS` launches (each its own q), divided by the launches, as
+`decode_attention.py` times bf16; the pool is far larger than L2, so every launch reads it from
+HBM. The block's wall clock per launch is kept beside it (`wall_time_s`): it adds the host's
+dispatch and synchronisation of the block, ~20-40 us a launch whatever the format (H100,
+NOTES_kv_precision.md, session 22), which is not attention time. The ideal speed-up of a format
+is ``bytes(bf16) / bytes(format)`` per retained slot (codes plus the scales and zeros of K and V:
+512 / 272 / 216 / 112 bytes a slot at head_dim 128).
 
 Precision tiers (``k8v4-k4v2``, `kv_layout.TieredLayout`): the same retained tokens of every
 group split into a K8V4 tier of ``TIER_HIGH_SHARE`` of them and a K4V2 tier of the rest, each in
@@ -37,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax import kv_quant
-from tangram_jax.benchmarking.timing import wall_quantiles
+from tangram_jax.benchmarking.timing import gpu_busy_time, wall_quantiles
 from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
@@ -145,6 +149,8 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
         ideal = base["bytes_read"] / entry["bytes_read"]
         speedup = base["time_s"] / entry["time_s"]
         entry.update(ideal_speedup=ideal, speedup=speedup, fraction_of_ideal=speedup / ideal)
+        if "wall_time_s" in entry and "wall_time_s" in base:   # the block's wall clock, host in
+            entry["wall_fraction_of_ideal"] = base["wall_time_s"] / entry["wall_time_s"] / ideal
     return out
 
 
@@ -212,17 +218,25 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         def block(qs, k_pages, v_pages, kw=_tuning(tuning)):
             return [attend(qs[i], k_pages, v_pages, tbl, lens, **kw) for i in range(CALLS)]
         try:
-            t = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+            wall = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
+            kernels = {}
+            busy = gpu_busy_time(block, (qs, k_pages, v_pages), 7, kernels)
         except Exception as e:   # e.g. a tuning needing more shared memory than an SM has
             entry.setdefault("failed_tunings", {})[str(tuning)] = f"{type(e).__name__}: {e}"[:500]
             print(f"{precision} {tuning}: FAILED {e!r}"[:500], flush=True)
             continue
-        entry["by_block_tokens"][str(tuning)] = t
+        entry["by_block_tokens"][str(tuning)] = busy / CALLS if busy else wall
+        entry.setdefault("wall_by_block_tokens", {})[str(tuning)] = wall
+        entry.setdefault("kernels_s_by_block_tokens", {})[str(tuning)] = {
+            k: v / CALLS for k, v in sorted(kernels.items())}
+        entry["time_source"] = "gpu_busy" if busy else "wall"
     if not entry["by_block_tokens"]:
         raise RuntimeError(f"every tuning failed: {entry['failed_tunings']}")
     best = min(entry["by_block_tokens"], key=entry["by_block_tokens"].get)
     entry["block_tokens"] = best
     entry["time_s"] = entry["by_block_tokens"][best]
+    entry["wall_time_s"] = entry["wall_by_block_tokens"][best]
+    entry["kernels_s"] = entry["kernels_s_by_block_tokens"][best]
     entry["bandwidth_gb_s"] = entry["bytes_read"] / entry["time_s"] / 1e9
     if correctness_rows:
         r = correctness_rows
@@ -235,6 +249,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
         entry["finite"] = bool(np.isfinite(got).all())
     del k_pages, v_pages
     print(f"batch {qs.shape[1]} rows {precision}: {entry['time_s'] * 1e6:.1f} us "
+          f"({entry['time_source']}; wall {entry['wall_time_s'] * 1e6:.1f} us) "
           f"{entry['bandwidth_gb_s']:.0f} GB/s blocks {entry['by_block_tokens']} "
           f"err {entry.get('rel_err_vs_reference')}", flush=True)
     return entry
