@@ -129,6 +129,35 @@ def test_merge_kernel_matches_jnp_merge(items, d):
     assert not np.asarray(out)[:, groups - 1].any()
 
 
+def test_merge_kernel_of_two_launches_equals_merge_of_their_concatenation():
+    """Partials of two launches (precision tiers: a tier each, different item counts, one work
+    list shared by the rows and one planned per row) merged as a tuple give what merging their
+    concatenated items gives; an entry count that differs is refused by name."""
+    rng = np.random.default_rng()
+    batch, groups, g, qpk, d = 2, 3, 2, 3, 32
+    parts = []
+    for items, per_row in ((7, False), (20, True)):
+        rows = np.array([(rng.integers(0, groups), 0, 1) for _ in range(items)], np.int32)
+        rows[-1] = 0                                            # a no-op row
+        work = np.stack([rng.permutation(rows) for _ in range(batch)]) if per_row else rows
+        o = rng.standard_normal((batch, items, g, qpk, d)).astype(np.float32)
+        lse = (3 * rng.standard_normal((batch, items, g, qpk))).astype(np.float32)
+        parts.append((jnp.asarray(o), jnp.asarray(lse), jnp.asarray(work)))
+    together = merge_partials_pallas(*(tuple(p[i] for p in parts) for i in range(3)),
+                                     num_groups=groups, out_dtype=jnp.float32,
+                                     interpret=default_interpret())
+    works = [jnp.broadcast_to(p[2], (batch, *p[2].shape[-2:])) for p in parts]
+    ref = merge_partials_pallas(jnp.concatenate([p[0] for p in parts], axis=1),
+                                jnp.concatenate([p[1] for p in parts], axis=1),
+                                jnp.concatenate(works, axis=1), num_groups=groups,
+                                out_dtype=jnp.float32, interpret=default_interpret())
+    assert _rel_err(together, ref) < 1e-6
+    with pytest.raises(ValueError, match="one entry per launch"):
+        merge_partials_pallas((parts[0][0], parts[1][0]), (parts[0][1],), (parts[0][2],),
+                              num_groups=groups, out_dtype=jnp.float32,
+                              interpret=default_interpret())
+
+
 def test_decode_all_lengths_zero_gives_zeros():
     rng = np.random.default_rng()
     q, k, v, tables, lengths = _case(rng, jnp.float32)

@@ -494,18 +494,21 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         plgpu.store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
-def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int,
-                  chunk: int, dim_splits: int):
+def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
     """One (sequence, group, query head of the group x head_dim slice) program: log-sum-exp
-    merge of the work items that cover this group.
+    merge of the work items that cover this group, over the partials of every decode launch.
 
-    work_ref [items, 3]; o_part_ref [items, heads_per_group, head_dim] f32 (normalised);
-    lse_part_ref [items, heads_per_group] f32; out_ref [head_dim // dim_splits] in the output
-    dtype.
-    One pass over the row's items in `chunk`-item steps, unrolled (num_items is static), so all
-    loads can be in flight at once: only items of this group are read (masked loads), and the
-    running maximum rescales what earlier steps summed.
+    refs: per launch (n of them) its work_ref [items, 3], then per launch o_part_ref [items,
+    heads_per_group, head_dim] f32 (normalised), then per launch lse_part_ref [items,
+    heads_per_group] f32; then out_ref [head_dim // dim_splits] in the output dtype. Each launch's
+    partials are read where that launch wrote them (with precision tiers no concatenation of
+    the tiers' partials is written and read back first).
+    One pass over each launch's items in `chunks`-item steps, unrolled (num_items is static), so
+    all loads can be in flight at once: only items of this group are read (masked loads), and
+    the running maximum rescales what earlier steps summed.
     """
+    n = len(num_items)
+    work_refs, o_refs, lse_refs, out_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
     group = pl.program_id(1)
     head = pl.program_id(2) // dim_splits
     dim_block = out_ref.shape[-1]
@@ -514,21 +517,23 @@ def _merge_kernel(work_ref, o_part_ref, lse_part_ref, out_ref, *, num_items: int
     m = jnp.float32(-jnp.inf)
     num = jnp.zeros(out_ref.shape, jnp.float32)
     den = jnp.float32(0.0)
-    for start in range(0, num_items, chunk):
-        idx = start + jnp.arange(chunk)
-        in_row = idx < num_items
-        owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
-            (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
-        lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)   # [chunk]
-        o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
-                       other=0.0)                                               # [chunk, d]
-        m_next = jnp.maximum(m, lse.max())
-        m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
-        rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
-        w = jnp.where(owned, jnp.exp(lse - m_safe), 0.0)
-        num = num * rescale + (w[:, None] * o).sum(axis=0)
-        den = den * rescale + w.sum()
-        m = m_next
+    for work_ref, o_part_ref, lse_part_ref, items, chunk in zip(work_refs, o_refs, lse_refs,
+                                                                num_items, chunks):
+        for start in range(0, items, chunk):
+            idx = start + jnp.arange(chunk)
+            in_row = idx < items
+            owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
+                (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
+            lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)  # [chunk]
+            o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
+                           other=0.0)                                              # [chunk, d]
+            m_next = jnp.maximum(m, lse.max())
+            m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
+            rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
+            w = jnp.where(owned, jnp.exp(lse - m_safe), 0.0)
+            num = num * rescale + (w[:, None] * o).sum(axis=0)
+            den = den * rescale + w.sum()
+            m = m_next
     out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
@@ -684,16 +689,8 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     )(work, lengths, block_tables, q, *page_arrays), work
 
 
-def _concat_work(works) -> jax.Array:
-    """The launches' work lists as one list over all their items, in launch order (the merge
-    combines items of a group whichever launch made them): [items, 3], or [batch, items, 3]
-    when any is planned per row."""
-    if len(works) == 1:
-        return works[0]
-    if all(w.ndim == 2 for w in works):
-        return jnp.concatenate(works)
-    batch = next(w.shape[0] for w in works if w.ndim == 3)
-    return jnp.concatenate([jnp.broadcast_to(w, (batch, *w.shape[-2:])) for w in works], axis=1)
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "interpret"))
@@ -702,24 +699,33 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     """`merge_partials` as one Pallas launch, writing the final layout and dtype.
 
     o_part [batch, items, G, q_per_kv, d], lse_part [batch, items, G, q_per_kv],
-    work [items, 3] or [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`."""
-    batch, num_items, group_size, q_per_kv, head_dim = o_part.shape
+    work [items, 3] or [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`.
+    Several decode launches' partials (precision tiers: one launch a tier) are passed as tuples
+    of these, a launch an entry (each its own item count and work list), and merged together
+    as if their items were one list."""
+    o_parts, lse_parts, works = _as_tuple(o_part), _as_tuple(lse_part), _as_tuple(work)
+    if not len(o_parts) == len(lse_parts) == len(works):
+        raise ValueError(f"o_part, lse_part and work must have one entry per launch, got "
+                         f"{len(o_parts)}, {len(lse_parts)} and {len(works)}")
+    batch, _, group_size, q_per_kv, head_dim = o_parts[0].shape
     heads = group_size * q_per_kv
-    o_part = o_part.reshape(batch, num_items, heads, head_dim)
-    lse_part = lse_part.reshape(batch, num_items, heads)
-    chunk = min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(num_items))
+    num_items = tuple(o.shape[1] for o in o_parts)
+    o_parts = [o.reshape(batch, o.shape[1], heads, head_dim) for o in o_parts]
+    lse_parts = [x.reshape(batch, x.shape[1], heads) for x in lse_parts]
+    chunks = tuple(min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(i)) for i in num_items)
     # A chunk of partial outputs is at most 4096 f32 (32 registers a thread at 4 warps), so all
     # chunks of a program stay in flight: long rows (small batches) split head_dim instead.
-    dim_block = min(head_dim, max(16, 4096 // chunk))
+    dim_block = min(head_dim, max(16, 4096 // max(chunks)))
     dim_splits = head_dim // dim_block
     return pl.pallas_call(
-        functools.partial(_merge_kernel, num_items=num_items, chunk=chunk,
+        functools.partial(_merge_kernel, num_items=num_items, chunks=chunks,
                           dim_splits=dim_splits),
         grid=(batch, num_groups, heads * dim_splits),
         in_specs=[
-            _work_spec(work),
-            pl.BlockSpec((None, num_items, heads, head_dim), lambda b, n, h: (b, 0, 0, 0)),
-            pl.BlockSpec((None, num_items, heads), lambda b, n, h: (b, 0, 0)),
+            *(_work_spec(w) for w in works),
+            *(pl.BlockSpec((None, i, heads, head_dim), lambda b, n, h: (b, 0, 0, 0))
+              for i in num_items),
+            *(pl.BlockSpec((None, i, heads), lambda b, n, h: (b, 0, 0)) for i in num_items),
         ],
         out_specs=pl.BlockSpec((None, None, None, dim_block),
                                lambda b, n, h: (b, n, h // dim_splits, h % dim_splits)),
@@ -727,7 +733,7 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=4, num_stages=1),
         name="ragged_paged_decode_merge",
-    )(work, o_part, lse_part)
+    )(*works, *o_parts, *lse_parts)
 
 
 # (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
@@ -775,9 +781,9 @@ def _decode(q, tier_pools, block_tables, lengths, works, *, block_tokens, num_wa
                                      num_tiers=len(tier_pools),
                                      block_tokens=block_tokens or tuned[0],
                                      num_warps=num_warps or tuned[1], **kwargs))
-    o_part, lse_part = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
-    return merge_partials_pallas(o_part, lse_part, _concat_work(works), num_groups=q.shape[1],
-                                 out_dtype=q.dtype, interpret=kwargs["interpret"])
+    return merge_partials_pallas(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                                 tuple(works), num_groups=q.shape[1], out_dtype=q.dtype,
+                                 interpret=kwargs["interpret"])
 
 
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
