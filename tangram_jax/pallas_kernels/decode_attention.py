@@ -690,6 +690,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
 
 
 def _as_tuple(x) -> tuple:
+    """A launch's array as a one-entry tuple; tuples and lists of launches as tuples."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
