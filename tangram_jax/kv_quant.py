@@ -123,9 +123,10 @@ def codes_per_unit(bits: int, unit: int = 8) -> int:
     return _check_unit(unit) // _check_bits(bits)
 
 
-def unit_of(codes_dtype) -> int:
-    """Bits of the code unit an array of `codes_dtype` holds (8 or 16)."""
-    return _check_unit(jnp.dtype(codes_dtype).itemsize * 8)
+def unit_of(codes_dtype, slot_pairs: bool = False) -> int:
+    """Bits of the unit a row's codes are packed in (8 or 16) for codes of `codes_dtype`: the
+    dtype's bits, or 8 with `slot_pairs` (whose uint16 hold a byte of each of two rows)."""
+    return 8 if slot_pairs else _check_unit(jnp.dtype(codes_dtype).itemsize * 8)
 
 
 def packed_dim(head_dim: int, bits: int, unit: int = 8) -> int:
@@ -264,14 +265,12 @@ class QuantPages:
 
     @property
     def unit(self) -> int:
-        """Bits of the unit a row's codes are packed in (8 or 16: the codes' dtype; 8 with slot
-        pairs, whose uint16 hold a byte of each of two rows)."""
-        return 8 if self.slot_pairs else unit_of(self.codes.dtype)
+        """Bits of the unit a row's codes are packed in (`unit_of`)."""
+        return unit_of(self.codes.dtype, self.slot_pairs)
 
-    def row_codes(self, codes: jax.Array | None = None) -> jax.Array:
-        """`codes` (default the pool's, or a slice of whole pages of them) as one packed row a
-        slot: [..., page_size, head_dim * bits / unit] (slot pairs undone)."""
-        codes = self.codes if codes is None else codes
+    def row_codes(self, codes: jax.Array) -> jax.Array:
+        """`codes` (whole pages of this pool's) as one packed row a slot: [..., page_size,
+        head_dim * bits / unit] (slot pairs undone)."""
         return unpair_slots(codes) if self.slot_pairs else codes
 
     @property

@@ -12,8 +12,8 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 a block) and runs an online softmax over run `split` for `heads_per_program` KV heads side by
 side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
 no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
-writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel (grid ``(batch, group,
-query head x head_dim slice)``) merges the partials of each group by log-sum-exp into the
+writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel
+(grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by log-sum-exp into the
 output, so a call is two launches. The work list is the only thing that differs between the AOT
 split map, uniform splits and runtime planning (`split_map.py`): a static one becomes a
 constant of the jitted step, a planned one is a runtime int32 array of shape ``[batch, items,
@@ -275,7 +275,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # of each of two tokens); plane p's codes come c 2^(bits (p mod 8/bits)) from the unpack
     # (`unpack_planes`).
     k_planes, v_planes = (1 if bits is None else kv_quant.codes_per_unit(
-        bits, 8 if slot_pairs else kv_quant.unit_of(refs_[0].dtype))
+        bits, kv_quant.unit_of(refs_[0].dtype, slot_pairs))
         for bits, refs_ in ((key_bits, k_refs), (value_bits, v_refs)))
     k_shift = [0 if key_bits is None else key_bits * (p % (8 // key_bits))
                for p in range(k_planes)]
@@ -444,28 +444,23 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    if prefetch_page_ids and slot_pairs:
-        # The value zeros feed no product (only p . z), so Triton's pipeliner leaves their load
-        # in its own iteration; in the slot-pair kernel's schedule its latency is exposed, so
-        # they are loaded a block ahead and travel in the carry with the page ids. Measured on
-        # an H100 (benchmarks/NOTES_kv_precision.md, session 21): K4V2 -26% at 32 x 32k, tiers
-        # -10%; K8V4 +1.5% and K8V8 +-3% with their zeros ahead, so other formats keep them.
-        def body(block, carry):
-            page, zeros, state = carry
-            page_next = page_ids(block + 1)
-            return (page_next, per_slot(v_refs[2], page_next, set_tokens(block + 1)),
-                    attend(block, page, state, zeros))
-        page0 = page_ids(0)
-        _, _, final = lax.fori_loop(0, num_blocks, body,
-                                    (page0, per_slot(v_refs[2], page0, set_tokens(0)), init))
-    elif prefetch_page_ids:
+    if prefetch_page_ids:
         # Page ids of the next block travel in the loop carry, so the K/V gathers do not
         # depend on a load of their own iteration and Triton's pipeliner can keep
-        # num_stages - 1 blocks in flight (without this it single-buffers them).
+        # num_stages - 1 blocks in flight (without this it single-buffers them). With slot
+        # pairs the value zeros travel with them: they feed no product (only p . z), so the
+        # pipeliner leaves their load in its own iteration, where in the slot-pair kernel's
+        # schedule its latency is exposed. Measured on an H100 (benchmarks/NOTES_kv_precision.md,
+        # session 21): K4V2 -26% at 32 x 32k, tiers -10%; K8V4 +1.5% and K8V8 +-3% with their
+        # zeros ahead, so other formats load them in their iteration (None in the carry).
+        def ahead(block):
+            page = page_ids(block)
+            return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
+
         def body(block, carry):
-            page, state = carry
-            return page_ids(block + 1), attend(block, page, state)
-        _, final = lax.fori_loop(0, num_blocks, body, (page_ids(0), init))
+            page, zeros, state = carry
+            return (*ahead(block + 1), attend(block, page, state, zeros))
+        _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, state: attend(block, page_ids(block), state), init)
