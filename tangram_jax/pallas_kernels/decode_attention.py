@@ -13,11 +13,11 @@ a block) and runs an online softmax over run `split` for `heads_per_program` KV 
 side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
 no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
 writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel
-(grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by log-sum-exp into the
-output, so a call is two launches. The work list is the only thing that differs between the AOT
-split map, uniform splits and runtime planning (`split_map.py`): a static one becomes a
-constant of the jitted step, a planned one is a runtime int32 array of shape ``[batch, items,
-3]``.
+(grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by
+log-sum-exp into the output, so a call is two launches. The work list is the only thing that
+differs between the AOT split map, uniform splits and runtime planning (`split_map.py`): a
+static one becomes a constant of the jitted step, a planned one is a runtime int32 array of
+shape ``[batch, items, 3]``.
 
 Quantised pools (`tangram_jax.kv_quant`, K8V8 / K8V4 / K4V2): the same grid and work lists; the
 kernel reads packed codes and per-slot scale / zero instead of pages of values, so a work item
