@@ -2,8 +2,9 @@
 the tree first) against the item kernel, per format, in one process: each decode launch's
 device time alone and the whole call's (the prototype merges its pieces in jnp), and the
 relative error against the reference on 4 rows. A program count "d:NAME" runs the item kernel
-with the environment variable DIAG=NAME at trace time (session 24's diagnostic switches were a
-local edit of the kernel, described in NOTES_kv_precision.md). Run from the repository root:
+with the environment variable DIAG=NAME at trace time: session 24's diagnostic switches
+(`decode_diag_switches.patch`, applied as well: DIAG=same_page, every block reads page 1;
+DIAG=scales_page1, the per-slot scales and zeros of page 1). Run from the repository root:
 
     git apply benchmarks/prototypes/decode_stream_programs.patch
     PYTHONPATH=$PWD GIT_REV=$(git rev-parse --short HEAD) PRECS=bf16,k4v2 \
@@ -57,9 +58,8 @@ for ci, cfg in enumerate(configs):
                 kern = {}
                 jax.block_until_ready(block(qs, k, v))
                 busy = gpu_busy_time(block, (qs, k, v), 7, kern) or 0.0
-                got = np.asarray(rpda(qs[0, :4], k, v, t_[:4], l_[:4], work_list=work, **kw), np.float64) if not P else None
-                if P:   # the stream path on the 4-row case, its own stream table
-                    got = np.asarray(rpda(qs[0, :4], k, v, t_[:4], l_[:4], work_list=work, **kw), np.float64)
+                # (the stream path builds its own stream table for the 4-row case)
+                got = np.asarray(rpda(qs[0, :4], k, v, t_[:4], l_[:4], work_list=work, **kw), np.float64)
                 err = float(np.linalg.norm(got - r4) / np.linalg.norm(r4))
                 kern = {n: s / kpd.CALLS for n, s in kern.items()}
                 dec = sum(s for n, s in kern.items() if "decode_attention" in n and "merge" not in n)
