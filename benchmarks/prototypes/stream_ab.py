@@ -3,8 +3,10 @@ the tree first) against the item kernel, per format, in one process: each decode
 device time alone and the whole call's (the prototype merges its pieces in jnp), and the
 relative error against the reference on 4 rows. A program count "d:NAME" runs the item kernel
 with the environment variable DIAG=NAME at trace time: session 24's diagnostic switches
-(`decode_diag_switches.patch`, applied as well: DIAG=same_page, every block reads page 1;
-DIAG=scales_page1, the per-slot scales and zeros of page 1). Run from the repository root:
+(`decode_diag_switches.patch`: DIAG=same_page, every block reads page 1; DIAG=scales_page1,
+the per-slot scales and zeros of page 1). That patch applies to the tree, not on top of the
+stream patch (one hunk conflicts): session 24 put the same two switches into the patched
+kernel by hand to run both in one process. Run from the repository root:
 
     git apply benchmarks/prototypes/decode_stream_programs.patch
     PYTHONPATH=$PWD GIT_REV=$(git rev-parse --short HEAD) PRECS=bf16,k4v2 \
