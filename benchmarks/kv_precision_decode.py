@@ -186,13 +186,11 @@ def tiered_case(key, precision, lens, batch, num_programs):
 def _tuning(tuning) -> dict:
     """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
     "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs)."""
-    tuning, *flags = str(tuning).split("+")
-    extra = {"compact_rows": True} if "compact" in flags else {}
-    if tuning == "default":
-        return extra
-    parts = [int(x) for x in tuning.split("/")]
+    if str(tuning) == "default":
+        return {}
+    parts = [int(x) for x in str(tuning).split("/")]
     return dict(zip(("block_tokens", "num_warps", "num_stages", "heads_per_program"), parts), **(
-        {"num_warps": 2} if len(parts) == 1 else {}), **extra)
+        {"num_warps": 2} if len(parts) == 1 else {}))
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,

@@ -187,8 +187,7 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool,
-                   compact_rows: bool = False):
+                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool):
     """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -305,35 +304,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         own = (r >= first) & (r < first + q_per_kv)
         return jnp.where(own, r - first, q_per_kv + jnp.where(r < first, r, r - q_per_kv))
 
-    # Compact rows (`compact_rows`, one head a program, q_per_kv <= rows / 2): the tiles'
-    # padding rows carry no work, and in the products' layout (the matrix unit's [16 x 8]
-    # fragments) rows r and r + 8 are two registers of one thread. So the logits keep their top
-    # half of rows (`top_half`: a reshape and a split of a register axis, no data moved), the
-    # softmax, scales, masks and sums run on [rows / 2, tokens] tiles (half the float work),
-    # and the value weights come back as their two copies (`doubled`: the bottom copy's output
-    # rows are never stored) for the value products, which stay as they are.
-    half = rows // 2 if compact_rows else rows
-    if compact_rows and (heads != 1 or heads * q_per_kv > half):
-        raise ValueError(f"compact_rows needs one head a program and q_per_kv ({q_per_kv}) at "
-                         f"most half the tile's {rows} rows, got heads_per_program {heads}")
-
-    def top_half(x):                                   # [rows, ...] -> [rows / 2, ...]
-        if not compact_rows:
-            return x
-        pair = jnp.moveaxis(x.reshape(2, half, *x.shape[1:]), 0, -1)
-        return jnp.unstack(pair, axis=-1)[0]
-
-    def doubled(x):                                    # [rows / 2, ...] -> [rows, ...]
-        if not compact_rows:
-            return x
-        full = jnp.broadcast_to(x[None], (2, *x.shape)).reshape(rows, *x.shape[1:])
-        if x.ndim == 1:
-            return full
-        return jnp.where(jnp.arange(rows)[:, None] < half, full, jnp.zeros((), x.dtype))
-
     def per_row(vectors):
-        """[rows, tokens] tile of per-head [tokens] vectors: each row its own head's (compact
-        """
+        """[rows, tokens] tile of per-head [tokens] vectors: each row its own head's."""
         tile = vectors[-1][None, :]
         for h in range(heads - 2, -1, -1):
             tile = jnp.where((row_head == h)[:, None], vectors[h][None, :], tile)
@@ -353,7 +325,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         q_raw = [plgpu.load(q_ref.at[group, col_head, q_rows, p * k_width + col_dim],
                             mask=q_mask, other=0) for p in range(k_planes)]
     # sum(q) per query row, what a key's zero point adds to its logit.
-    q_sums = top_half(sum(x.astype(jnp.float32).sum(axis=-1) for x in q_raw)) \
+    q_sums = sum(x.astype(jnp.float32).sum(axis=-1) for x in q_raw) \
         if key_bits is not None else None
     # Key plane p's operands are c * 2^(key_bits p + E): its q plane is scaled by
     # 2^(S - key_bits p) (exact: powers of two), so every plane's product is 2^(E + S) q.c.
@@ -439,7 +411,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             lg = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
             for qp, kp in zip(qs[1:], k_tile[1:]):
                 lg = lg + _dot(qp, kp, trans_b=True)
-            lg = top_half(lg)
             # Logits in base 2 (the softmax's exp is then one ex2): scale * log2(e) is folded
             # into the per-token key scale and zero, and the scale also takes the products'
             # 2^-(E + S) (`key_code_scale`), per token not per code.
@@ -454,13 +425,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
         l_next = correction * l_prev + functools.reduce(jnp.add, p).sum(axis=-1)
-        o_next = [doubled(correction)[:, None] * o for o in o_prev]
+        o_next = [correction[:, None] * o for o in o_prev]
         for p_set, (v_tile, v_scales, _) in zip(p, v_sets):
             # One scale a row, or one a plane (value groups).
             weights = [p_set.astype(v_tile[0].dtype)] if value_bits is None else \
                 [(p_set * per_row([s * 2.0 ** w_exp for s in sc])).astype(v_dtype)
                  for sc in v_scales]
-            weights = [doubled(w) for w in weights]
             o_next = [o + _dot(weights[i * len(weights) // v_planes], vp)
                       for i, (o, vp) in enumerate(zip(o_next, v_tile))]
         o_zero_next = o_zero_prev if value_bits is None else tuple(
@@ -471,9 +441,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return tuple(o_next), o_zero_next, m_next, l_next
 
     init = (tuple(jnp.zeros((rows, heads * v_width), jnp.float32) for _ in range(v_planes)),
-            tuple(jnp.zeros((half,), jnp.float32) for _ in range(value_groups)),
-            jnp.full((half,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((half,), jnp.float32))
+            tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
+            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
     if prefetch_page_ids:
         # Page ids of the next block travel in the loop carry, so the K/V gathers do not
         # depend on a load of their own iteration and Triton's pipeliner can keep
@@ -495,7 +465,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         final = lax.fori_loop(0, num_blocks,
                               lambda block, state: attend(block, page_ids(block), state), init)
     o_planes, o_zero, m, l = final
-    m, l, o_zero = doubled(m), doubled(l), tuple(doubled(oz) for oz in o_zero)
     has_tokens = l > 0.0
     denominator = jnp.where(has_tokens, l, 1.0)[:, None]
     lse = jnp.where(has_tokens, m * backend.LN2 + jnp.log(jnp.where(has_tokens, l, 1.0)),
@@ -642,15 +611,13 @@ def _work_spec(work):
     return pl.BlockSpec((None, *work.shape[1:]), lambda b, *_: (b, 0, 0))
 
 
-_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program",
-           "compact_rows")
+_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens: int, num_warps: int, num_stages: int,
-                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1,
-                    compact_rows: bool = False):
+                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1):
     """The kernel alone (one launch over one pool): per work item normalised partial outputs
     and log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
     with precision tiers the pool of tier `tier` of `num_tiers`, whose block-table rows and
@@ -681,8 +648,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                key_bits=_bits(k_pages), value_bits=_bits(v_pages),
                                slot_pairs=slot_pairs, tier=tier,
-                               num_tiers=num_tiers, compiled=not interpret,
-                               compact_rows=compact_rows)
+                               num_tiers=num_tiers, compiled=not interpret)
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
     page_arrays = (*_page_inputs(k_pages), *_page_inputs(v_pages))
@@ -820,8 +786,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   interpret: bool | None = None,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
-                                  heads_per_program: int = 1,
-                                  compact_rows: bool = False) -> jax.Array:
+                                  heads_per_program: int = 1) -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers one per tier's pool), then the merge launch.
 
@@ -856,7 +821,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     return _decode(q, tier_pools, block_tables, lengths, works,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
-                   heads_per_program=heads_per_program, compact_rows=compact_rows)
+                   heads_per_program=heads_per_program)
 
 
 @jax.jit
