@@ -185,12 +185,19 @@ def tiered_case(key, precision, lens, batch, num_programs):
 
 def _tuning(tuning) -> dict:
     """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
-    "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs)."""
-    if str(tuning) == "default":
-        return {}
-    parts = [int(x) for x in str(tuning).split("/")]
-    return dict(zip(("block_tokens", "num_warps", "num_stages", "heads_per_program"), parts), **(
-        {"num_warps": 2} if len(parts) == 1 else {}))
+    "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs).
+    Precision tiers: block_tokens "high+low" gives each tier its own, and a suffix
+    ":per-tier" launches each tier on its own (`tier_launch`; default one launch)."""
+    tuning, _, launch = str(tuning).partition(":")
+    kw = {"tier_launch": launch} if launch else {}
+    if tuning == "default":
+        return kw
+    block, *rest = tuning.split("/")
+    parts = [int(x) for x in rest]
+    blocks = tuple(int(x) for x in block.split("+"))
+    kw.update(zip(("num_warps", "num_stages", "heads_per_program"), parts),
+              block_tokens=blocks if len(blocks) > 1 else blocks[0])
+    return {"num_warps": 2, **kw}
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,

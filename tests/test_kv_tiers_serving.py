@@ -163,7 +163,7 @@ def test_tiered_decode_kernel_matches_reference():
 
 
 def test_tiered_decode_merges_the_partials_of_both_launches():
-    """Each tier's launch reads only its tier groups' rows of the shared tables and lengths
+    """Each tier's launch (`tier_launch` "per-tier") reads only its tier groups' rows of the shared tables and lengths
     (``2 g + t``) in its pool's format: its partials are the untiered reference over that tier
     alone; the merge of both launches' partials is the reference over both tiers."""
     rng = np.random.default_rng(3)
@@ -189,11 +189,35 @@ def test_tiered_decode_merges_the_partials_of_both_launches():
     full = decode_attention.ragged_paged_decode_attention_reference(q, k, v, tables, lens)
     np.testing.assert_allclose(np.asarray(merged).reshape(full.shape), np.asarray(full),
                                rtol=2e-5, atol=2e-5)
-    # The decode and merge launches a layer makes: one per tier, then the merge.
-    jaxpr = str(jax.make_jaxpr(lambda q: decode_attention.ragged_paged_decode_attention(
-        q, k, v, tables, lens, work_list=(work, work), interpret=True))(q))
-    assert jaxpr.count("name=ragged_paged_decode_attention") == 2
-    assert jaxpr.count("name=ragged_paged_decode_merge") == 1
+    # One launch over both tiers: its items are the high list's then the low list's, each
+    # read in its tier's format, so its partials are the two launches' side by side.
+    o_one, lse_one, work_one = decode_attention.decode_partials(
+        q, k, v, tables, lens, (work, work), interpret=True, block_tokens=(PS, 2 * PS),
+        num_warps=2, num_stages=3)
+    np.testing.assert_array_equal(np.asarray(work_one), np.concatenate([work, work]))
+    for tier, (o_part, lse) in enumerate(parts):
+        items = slice(tier * len(work), (tier + 1) * len(work))
+        merged = decode_attention.merge_partials(o_part, lse, work, 1)
+        np.testing.assert_allclose(
+            np.asarray(decode_attention.merge_partials(o_one[:, items], lse_one[:, items],
+                                                       work, 1)),
+            np.asarray(merged), rtol=2e-5, atol=2e-5, err_msg=str(tier))
+    # The decode and merge launches a layer makes: one decode launch (a launch per tier with
+    # tier_launch "per-tier"), then the merge; both the reference's output.
+    for tier_launch, launches in (("one", 1), ("per-tier", 2)):
+        def attend(q, tier_launch=tier_launch):
+            return decode_attention.ragged_paged_decode_attention(
+                q, k, v, tables, lens, work_list=(work, work), interpret=True,
+                tier_launch=tier_launch)
+        jaxpr = str(jax.make_jaxpr(attend)(q))
+        assert jaxpr.count("name=ragged_paged_decode_attention") == launches, tier_launch
+        assert jaxpr.count("name=ragged_paged_decode_merge") == 1
+        np.testing.assert_allclose(np.asarray(attend(q)).reshape(full.shape), np.asarray(full),
+                                   rtol=2e-5, atol=2e-5, err_msg=tier_launch)
+    with pytest.raises(ValueError, match="tier_launch must be one of"):
+        decode_attention.ragged_paged_decode_attention(q, k, v, tables, lens,
+                                                       work_list=(work, work), interpret=True,
+                                                       tier_launch="both")
 
 
 def test_tiered_split_map_weighs_tier_groups_by_their_bytes():

@@ -187,8 +187,8 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool):
-    """One (sequence, work item, KV heads j0 .. j0 + H - 1 of the group) program.
+                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item):
+    """One (sequence, work item `item`, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
     block_tables_ref [num_tiers * groups, max_pages], of which this launch reads row
@@ -227,7 +227,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
     o_ref, lse_ref = refs[n_k + n_v:]
-    item = pl.program_id(1)
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
@@ -611,47 +610,97 @@ def _work_spec(work):
     return pl.BlockSpec((None, *work.shape[1:]), lambda b, *_: (b, 0, 0))
 
 
+# How precision tiers are launched: one launch over both tiers' items (each program reads its
+# item's tier), or a launch per tier.
+TIER_LAUNCHES = ("one", "per-tier")
+
 _STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
+
+
+def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: tuple):
+    """One program of a launch over several pools (`decode_partials` with precision tiers in
+    one launch): parts[p] = (first item, end item, page refs, kernel) in item order; the
+    program runs the part its item falls in (`_decode_kernel` over that part's page refs; the
+    work list is the parts' lists one after another, so the kernel reads its own row).
+    One part: its kernel, with no branch."""
+    o_ref, lse_ref = refs[-2:]
+    # Read here, not in a branch: the interpreter substitutes program ids at the top level only.
+    item = pl.program_id(1)
+    if len(parts) == 1:
+        _, _, n, kernel = parts[0]
+        kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs[:n], o_ref, lse_ref,
+               item=item)
+        return
+    offset = 0
+    for first, end, n, kernel in parts:
+        page_refs = refs[offset:offset + n]
+        offset += n
+
+        @pl.when((item >= first) & (item < end))
+        def _(kernel=kernel, page_refs=page_refs):
+            kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *page_refs, o_ref, lse_ref,
+                   item=item)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
-                    block_tokens: int, num_warps: int, num_stages: int,
+                    block_tokens, num_warps: int, num_stages: int,
                     heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1):
-    """The kernel alone (one launch over one pool): per work item normalised partial outputs
-    and log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
+    """The kernel alone (one launch): per work item normalised partial outputs and
+    log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
     with precision tiers the pool of tier `tier` of `num_tiers`, whose block-table rows and
     lengths are ``num_tiers * g + tier`` of `block_tables` [batch, num_tiers * groups,
     max_pages] and `lengths` [batch, num_tiers * groups].
 
+    One launch over both tiers: `kv_quant.TieredPages` pools, `work` the (high, low) pair of
+    work lists and `block_tokens` an int or a (high, low) pair: the grid's items are the high
+    list's then the low list's, each program reads its item's tier in that tier's format
+    (one body a tier, `_parts_kernel`), and the returned work is the two lists concatenated.
+
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
-    work as given). `ragged_paged_decode_attention` merges them."""
+    work). `ragged_paged_decode_attention` merges them."""
+    if kv_quant.is_tiered(k_pages, v_pages):
+        pools = _tier_pools(k_pages, v_pages)
+        works = tuple(work)
+        tiers, num_tiers = tuple(range(len(pools))), len(pools)
+    else:
+        pools, works, tiers = [(k_pages, v_pages)], (work,), (tier,)
+    block_tokens = block_tokens if isinstance(block_tokens, (tuple, list)) else \
+        (block_tokens,) * len(pools)
     batch, num_groups, q_rows, head_dim = q.shape
-    _, group_size, page_size, _ = k_pages.shape
+    _, group_size, page_size, _ = pools[0][0].shape
     q_per_kv = q_rows // group_size
     heads = heads_per_program
     # The kernel's tiles: the H heads' query rows, a power of two >= 16 for the matrix unit.
     rows = max(_MIN_DOT_ROWS, backend.next_power_of_2(heads * q_per_kv))
-    # A block is whole pages; with slot pairs at least 32 tokens, so each token set's products
-    # have the 16 rows along k the matrix unit needs.
-    slot_pairs = _slot_pairs(k_pages, v_pages)
-    min_tokens = 32 if slot_pairs else 1
-    pages_per_block = max(block_tokens // page_size, -(-min_tokens // page_size))
-    block_tokens = pages_per_block * page_size
     max_pages = block_tables.shape[-1]
-    num_items = work.shape[-2]
     if group_size % heads:
         raise ValueError(f"heads_per_program {heads} must divide G={group_size}")
+    if len({w.ndim for w in works}) > 1:   # a shared list beside a planned one: per row too
+        works = tuple(jnp.broadcast_to(w, (batch, *w.shape[-2:])) for w in works)
+    work = works[0] if len(works) == 1 else jnp.concatenate(works, axis=-2)
+    num_items = work.shape[-2]
 
-    kernel = functools.partial(_decode_kernel, page_size=page_size, block_tokens=block_tokens,
-                               q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
-                               max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
-                               key_bits=_bits(k_pages), value_bits=_bits(v_pages),
-                               slot_pairs=slot_pairs, tier=tier,
-                               num_tiers=num_tiers, compiled=not interpret)
+    parts, page_arrays, first = [], [], 0
+    for (k, v), w, t, tokens in zip(pools, works, tiers, block_tokens):
+        # A block is whole pages; with slot pairs at least 32 tokens, so each token set's
+        # products have the 16 rows along k the matrix unit needs.
+        slot_pairs = _slot_pairs(k, v)
+        min_tokens = 32 if slot_pairs else 1
+        pages_per_block = max(tokens // page_size, -(-min_tokens // page_size))
+        kernel = functools.partial(_decode_kernel, page_size=page_size,
+                                   block_tokens=pages_per_block * page_size,
+                                   q_per_kv=q_per_kv, scale=1.0 / math.sqrt(head_dim),
+                                   max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
+                                   key_bits=_bits(k), value_bits=_bits(v),
+                                   slot_pairs=slot_pairs, tier=t, num_tiers=num_tiers,
+                                   compiled=not interpret)
+        arrays = (*_page_inputs(k), *_page_inputs(v))
+        parts.append((first, first + w.shape[-2], len(arrays), kernel))
+        page_arrays += arrays
+        first += w.shape[-2]
     # Each pool array's slab of these KV heads: pages [num_pages, H, page_size, d'] or per-slot
     # scales [num_pages, H, page_size].
-    page_arrays = (*_page_inputs(k_pages), *_page_inputs(v_pages))
     page_specs = [pl.BlockSpec((a.shape[0], heads, *a.shape[2:]),
                                lambda b, i, j, nd=a.ndim: (0, j) + (0,) * (nd - 2))
                   for a in page_arrays]
@@ -659,7 +708,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
     return *pl.pallas_call(
-        kernel,
+        functools.partial(_parts_kernel, parts=tuple(parts)),
         grid=(batch, num_items, group_size // heads),
         in_specs=[
             _work_spec(work),
@@ -738,7 +787,8 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 # quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
 # since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
 # 12-13% with its program scale below.
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (256, 4)}
+DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (256, 4),
+                 "k8v4-k4v2": ((64, 128), 2)}
 
 # Programs a decode launch's split map is sized for, as a multiple of the engine's
 # `num_programs`, by page format: more, smaller items even out the SMs' last wave of programs.
@@ -757,36 +807,55 @@ def decode_programs(kv_precision: str, num_programs: int) -> int:
     return num_programs * DECODE_PROGRAM_SCALE.get(kv_precision, 1)
 
 
-def decode_tuning(k_pages, v_pages) -> tuple[int, int]:
-    """(block_tokens, num_warps) of `DECODE_TUNING` for a pool's page format (one pool: with
-    precision tiers each tier's launch takes its own format's)."""
+def _format_name(k_pages, v_pages) -> str:
+    """The page format of a pool ("bf16" unquantised), or "high-low" of precision tiers."""
+    if kv_quant.is_tiered(k_pages, v_pages):
+        return "-".join(_format_name(k, v) for k, v in _tier_pools(k_pages, v_pages))
     bits = (_bits(k_pages), _bits(v_pages))
-    name = next((f.name for f in kv_quant.PAGE_FORMATS.values()
+    return next((f.name for f in kv_quant.PAGE_FORMATS.values()
                  if (f.key_bits, f.value_bits) == bits), "bf16")
-    return DECODE_TUNING[name]
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(q, tier_pools, block_tables, lengths, works, *, block_tokens, num_warps, **kwargs):
-    """A decode launch per pool (one, or a tier's pool each; tuning not given: its format's
-    `decode_tuning`), then one merge launch of all their partials."""
-    parts = []
-    for t, ((k, v), work) in enumerate(zip(tier_pools, works)):
+def decode_tuning(k_pages, v_pages) -> tuple:
+    """(block_tokens, num_warps) of `DECODE_TUNING` for a pool's page format; of precision
+    tiers in one launch ((high, low) block tokens, num_warps)."""
+    return DECODE_TUNING[_format_name(k_pages, v_pages)]
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "tier_launch"))
+def _decode(q, tier_pools, block_tables, lengths, works, *, block_tokens, num_warps,
+            tier_launch: str, **kwargs):
+    """The decode launch (tuning not given: the pools' `decode_tuning`), or with precision
+    tiers and `tier_launch` "per-tier" a launch per tier's pool, then one merge launch of all
+    their partials."""
+    if len(tier_pools) == 1 or tier_launch == "one":
+        k, v = tier_pools[0] if len(tier_pools) == 1 else \
+            (kv_quant.TieredPages(*pools) for pools in zip(*tier_pools))
         tuned = decode_tuning(k, v)
-        parts.append(decode_partials(q, k, v, block_tables, lengths, work, tier=t,
-                                     num_tiers=len(tier_pools),
-                                     block_tokens=block_tokens or tuned[0],
-                                     num_warps=num_warps or tuned[1], **kwargs))
+        parts = [decode_partials(q, k, v, block_tables, lengths,
+                                 works[0] if len(works) == 1 else works,
+                                 block_tokens=block_tokens or tuned[0],
+                                 num_warps=num_warps or tuned[1], **kwargs)]
+    else:
+        parts = []
+        for t, ((k, v), work) in enumerate(zip(tier_pools, works)):
+            tuned = decode_tuning(k, v)
+            tokens = block_tokens[t] if isinstance(block_tokens, tuple) else block_tokens
+            parts.append(decode_partials(q, k, v, block_tables, lengths, work, tier=t,
+                                         num_tiers=len(tier_pools),
+                                         block_tokens=tokens or tuned[0],
+                                         num_warps=num_warps or tuned[1], **kwargs))
     return merge_partials_pallas(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
-                                 tuple(works), num_groups=q.shape[1], out_dtype=q.dtype,
-                                 interpret=kwargs["interpret"])
+                                 tuple(p[2] for p in parts), num_groups=q.shape[1],
+                                 out_dtype=q.dtype, interpret=kwargs["interpret"])
 
 
 def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, work_list,
                                   interpret: bool | None = None,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
-                                  heads_per_program: int = 1) -> jax.Array:
+                                  heads_per_program: int = 1,
+                                  tier_launch: str = "one") -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers one per tier's pool), then the merge launch.
 
@@ -815,13 +884,15 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """
+    if tier_launch not in TIER_LAUNCHES:
+        raise ValueError(f"tier_launch must be one of {TIER_LAUNCHES}, got {tier_launch!r}")
     tier_pools = _tier_pools(k_pages, v_pages)
     works = _work_lists(work_list, len(tier_pools))
     _check_inputs(q, tier_pools, block_tables, lengths, works)
     return _decode(q, tier_pools, block_tables, lengths, works,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
-                   heads_per_program=heads_per_program)
+                   heads_per_program=heads_per_program, tier_launch=tier_launch)
 
 
 @jax.jit
