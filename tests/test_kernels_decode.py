@@ -239,6 +239,45 @@ def test_quantised_decode_matches_reference(precision, dtype, pairs):
             tables, lens)) > 1e-4
 
 
+@pytest.mark.parametrize("tier_launch", ["one", "per-tier"])
+def test_tiered_decode_matches_reference(tier_launch):
+    """Precision tiers as served (K8V4 high tier, K4V2 slot-pair low tier, bf16 q, each tier
+    group's tokens in its own pool), in one launch over both tiers' items (the default) and a
+    launch per tier, with the tiered AOT map, runtime planning per tier, and each tier format's
+    default tuning: against the reference over both tiers. Unowned slots are NaN."""
+    from tangram_jax import kv_layout, kv_quant
+    rng = np.random.default_rng()
+    batch, groups, g, qpk, d, ps, max_pages, _, programs = SHAPE
+    # Tier groups 2 j (high) and 2 j + 1 (low) of group j: one poisoned pool of 2 x groups,
+    # quantised in both formats; each tier group's table entries index its tier's pool.
+    q, k, v, tables, lengths = _case(rng, jnp.bfloat16, (batch, 2 * groups, *SHAPE[2:]))
+    q = q[:, :groups]
+    pools = {}
+    for tier, precision in zip(("high", "low"), kv_layout.PRECISION_TIERS["k8v4-k4v2"]):
+        fmt = kv_quant.page_format(precision)
+        pools[tier] = [kv_quant.quantise_pages(x, bits, jnp.bfloat16, groups=groups_,
+                                               unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
+                       for x, bits, groups_ in ((k, fmt.key_bits, 1),
+                                                (v, fmt.value_bits, fmt.value_groups))]
+    kt, vt = (kv_quant.TieredPages(pools["high"][i], pools["low"][i]) for i in (0, 1))
+    lens = jnp.asarray(lengths)
+    ref = ragged_paged_decode_attention_reference(q, kt, vt, tables, lens)
+    budgets = np.array([[0.05, 0.1, 0.25, 0.85][-groups:]])
+    aot = sm.build_tier_split_map(budgets, np.full(budgets.shape, 0.5), (216, 112), programs,
+                                  batch, group_size=g)
+    work_lists = {
+        "aot": tuple(w[0] for w in aot.tier_work_lists()),
+        "runtime_planned": tuple(sm.plan_runtime_work(lengths[:, t::2], programs, ps,
+                                                      group_size=g) for t in (0, 1)),
+    }
+    for name, work in work_lists.items():
+        out = ragged_paged_decode_attention(q, kt, vt, tables, lens, work_list=work,
+                                            tier_launch=tier_launch)
+        err = _rel_err(out, ref)
+        assert err < RTOL[jnp.bfloat16], f"{name}: relative error {err:.2e}"
+        assert not np.asarray(out, np.float32)[(lengths[:, 0::2] + lengths[:, 1::2]) == 0].any()
+
+
 @pytest.mark.parametrize("bits, compute, values", [
     (8, jnp.bfloat16, False), (8, jnp.bfloat16, True), (4, jnp.bfloat16, False),
     (4, jnp.bfloat16, True), (2, jnp.bfloat16, True), (8, jnp.float32, False)])
@@ -332,13 +371,24 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     """Without an explicit tuning each launch takes its pool's page format's measured entry
     (`DECODE_TUNING`), and a quantised pool attended that way matches the reference."""
     import jax
-    from tangram_jax import kv_quant
+    from tangram_jax import kv_layout, kv_quant
     from tangram_jax.pallas_kernels.decode_attention import DECODE_TUNING, decode_tuning
     for name, fmt in kv_quant.PAGE_FORMATS.items():
         k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct,
                                      unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
                 for bits in (fmt.key_bits, fmt.value_bits))
         assert decode_tuning(k, v) == DECODE_TUNING[name]
+    # Precision tiers in one launch: their own entry (a block size a tier, one warp count).
+    tiers = kv_layout.PRECISION_TIERS["k8v4-k4v2"]
+    pools = []
+    for precision in tiers:
+        fmt = kv_quant.page_format(precision)
+        pools.append([kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits,
+                                           make=jax.ShapeDtypeStruct, unit=fmt.code_unit,
+                                           slot_pairs=fmt.slot_pairs)
+                      for bits in (fmt.key_bits, fmt.value_bits)])
+    k, v = (kv_quant.TieredPages(pools[0][i], pools[1][i]) for i in (0, 1))
+    assert decode_tuning(k, v) == DECODE_TUNING["k8v4-k4v2"]
     rng = np.random.default_rng()
     shape = (3, 4, 2, 2, 32, 8, 9, 16, 48)
     q, k, v, tables, lengths = _case(rng, jnp.float32, shape)

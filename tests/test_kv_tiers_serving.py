@@ -119,7 +119,8 @@ def _poisoned_tiered_pools(rng, tier_lens, width):
 
 
 def test_tiered_decode_kernel_matches_reference():
-    """A launch per tier's pool, then one merge: every kind of work list pair (the tiered AOT
+    """One launch over both tiers' items (a launch per tier's pool with the uniform lists),
+    then one merge: every kind of work list pair (the tiered AOT
     map cut by tier, uniform splits finer than the blocks, runtime planning per tier, and a
     static high list with a planned low one), both loop variants and both heads-per-program
     settings against the dense-history reference. Tier lengths are ragged: a group empty in
@@ -148,7 +149,7 @@ def test_tiered_decode_kernel_matches_reference():
         "runtime_planned": tuple(planned),
         "aot_high_planned_low": (aot.tier_work_lists()[0][0], planned[1]),
     }
-    paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
+    paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3, tier_launch="per-tier"),
              "runtime_planned": dict(heads_per_program=G), "aot_high_planned_low": {}}
     for name, work in work_lists.items():
         got = decode_attention.ragged_paged_decode_attention(

@@ -170,7 +170,7 @@ class ModelRunner:
       table_shape: the manager's block table, ``[rows, layers, groups, max_pages]``; the runner
         keeps a device copy, updated from the manager's write log (`update_block_tables`).
       split_maps: batch bucket -> SplitMap for the decode kernel (ignored by the references); of
-        the groups (with precision tiers a tiered map of the tier groups: a launch per tier).
+        the groups (with precision tiers a tiered map of the tier groups, a list per tier).
       runner_config: mode and scorer settings.
       kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
         values are dequantised to.
@@ -841,7 +841,7 @@ class ModelRunner:
         Returns (out [B, 1, Hq, d], k_pages, v_pages).
 
         tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups),
-        attended by the Pallas decode kernel (``"pallas"``: a launch per tier's pool, work the
+        attended by the Pallas decode kernel (``"pallas"``: one launch over both pools, work the
         high tier's `high_items` rows then the low tier's, `SplitMap.tier_work_lists`) or, on
         the CPU path, as one dense history. The token goes to the high tier."""
         batch = lens.shape[0]

@@ -28,12 +28,15 @@ same codes, the same products up to powers of two. Slot-pair pools (K4V2) hold t
 in each 16-bit unit, so a block's tokens come as two sets (even, odd) of full-width planes.
 
 Precision tiers (`kv_quant.TieredPages`, ``k8v4-k4v2``: each group's tokens in a K8V4 pool and
-a K4V2 pool, block tables and lengths of tier groups): the same kernel once per tier's pool,
-each launch with its tier's work list (`split_map.build_tier_split_map`: a map over the tier
-groups, cut by tier) and reading only its tier groups' table rows, then one merge of both
-launches' partials (a group's items of either tier are shares of its keys): three launches a
-layer. (One launch whose items read both tiers was 1.6x slower on an H100: two pipelined loops
-and mixed-plane value gathers in one body; benchmarks/NOTES_kv_precision.md, run B.)
+a K4V2 pool, block tables and lengths of tier groups): one launch whose items are the high
+tier's work list then the low tier's (`split_map.build_tier_split_map`: a map over the tier
+groups, cut by tier); each program runs the same kernel body over its item's tier, in that
+tier's format and tuning, reading only its tier groups' table rows; then the merge of the
+launch's partials (a group's items of either tier are shares of its keys): two launches a
+layer, as untiered. Measured on an H100 (benchmarks/NOTES_kv_precision.md, session 26): 3-7%
+faster than a launch per tier (`tier_launch` "per-tier", kept as the baseline), whose two
+half-size launches each paid a ramp and a last round. (Items that read both tiers, two loops
+in one body, were 1.6x slower: run B.)
 """
 
 from __future__ import annotations
@@ -796,8 +799,8 @@ DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (25
 # at 32 x 32k; K8V4 at 64/2 (two warps a program, about 4 programs an SM) 833 / 459 us at 4x
 # against 921 / 468 at 2x (64 / 32 x 32k; 8x equal to 4x, 3x and 6x between); bf16 fastest at
 # 1x; K4V2 7% faster at 4x but 17% slower at 2x at batch 32 (its 256-token blocks cut a group's
-# shares unevenly) and not faster at batch 64, so 1x. Precision tiers (two launches of
-# different formats over one map) keep 1x.
+# shares unevenly) and not faster at batch 64, so 1x. Precision tiers (one launch over both
+# tiers' items) keep 1x: 2x and 4x were 4% slower at 32 x 32k (session 26).
 DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 1}
 
 
@@ -857,16 +860,15 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   heads_per_program: int = 1,
                                   tier_launch: str = "one") -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
-    (with precision tiers one per tier's pool), then the merge launch.
+    (with precision tiers over both tiers' pools), then the merge launch.
 
     Args:
       q: [batch, groups, G * q_per_kv, head_dim] (query heads of group g contiguous).
       k_pages, v_pages: [num_pages, G, page_size, head_dim], the whole pool: arrays in q's
         dtype, or `kv_quant.QuantPages` of that logical shape (keys and values may have
         different bits), dequantised on the fly; or precision tiers, `kv_quant.TieredPages`
-        (a pool per tier, each read in its own format by its own launch: measured 1.6x faster
-        on an H100 than one launch whose items read both tiers, benchmarks/
-        NOTES_kv_precision.md run B).
+        (a pool per tier; each item reads one tier in its format: one launch over both tiers'
+        items, or with `tier_launch` "per-tier" a launch per tier).
       block_tables: int32 [batch, groups, max_pages], this layer's; with tiers [batch,
         2 * groups, max_pages] of tier groups (``2 g`` group g's high tier, ``2 g + 1`` its
         low tier, entries ids of that tier's pool).
@@ -880,7 +882,10 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
         combines a group's items of both launches.
       block_tokens, num_warps, num_stages, heads_per_program: Triton tuning (tokens per inner
         step = block_tokens // page_size pages; KV heads of the group one program streams);
-        block_tokens / num_warps None: the pool's page format's `DECODE_TUNING`.
+        block_tokens / num_warps None: the pool's page format's `DECODE_TUNING`; with tiers
+        block_tokens may be a (high, low) pair.
+      tier_launch: precision tiers in "one" launch (default) or "per-tier" (the baseline);
+        ignored without tiers.
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """

@@ -11,7 +11,7 @@ Three ways of making the work list feed that one kernel:
   largest expected tokens-per-split ``r_g / s_g`` is as small as possible, each ``s_g >= 1``).
   Static: hashed into the jitted decode step, never recomputed while serving.
   With precision tiers (`build_tier_split_map`) the map is over the tier groups, weighed by
-  their tiers' bytes, and cut into one work list per tier's launch (`SplitMap.tier_work_lists`).
+  their tiers' bytes, and cut into one work list per tier (`SplitMap.tier_work_lists`).
 - `uniform_split_map` (FlashDecoding-style baseline): the same number of splits for every group.
 - `plan_runtime_work` (FlashInfer-style baseline): recomputed on the host at every decode step for
   every layer from the actual lengths, then copied to the device as an int32 array.
@@ -58,7 +58,7 @@ class SplitMap:
       batch: the batch bucket the map was sized for (informational; any batch works).
       name: label for reports (``aot``, ``uniform``).
       tiered: the groups are the tier groups of precision tiers (``2 g`` group g's high tier,
-        ``2 g + 1`` its low tier), each tier read by its own launch: `tier_work_lists`.
+        ``2 g + 1`` its low tier), each tier's items a list of their own: `tier_work_lists`.
     """
 
     splits: tuple[tuple[int, ...], ...]
@@ -102,7 +102,7 @@ class SplitMap:
         return np.stack([self.work_list(layer) for layer in range(self.num_layers)])
 
     def tier_work_lists(self) -> tuple[np.ndarray, np.ndarray]:
-        """A tiered map cut into the work lists of its tiers' launches: (high, low), each int32
+        """A tiered map cut into the work lists of its tiers: (high, low), each int32
         [layers, items, 3] rows (group g of the base layout, split, num_splits), padded with
         (0, 0, 0) rows (no-ops) to the most items a layer has in that tier."""
         if not self.tiered:
@@ -196,9 +196,9 @@ def build_tier_split_map(group_budgets: np.ndarray, high_share: np.ndarray,
     expected to read: ``G r_g h_g b_high`` and ``G r_g (1 - h_g) b_low``, so the items of both
     launches are apportioned by bytes, not tokens, as one map (the rule the tiered decode
     benchmark measured); every tier group gets at least one item (a no-op where its tier is
-    empty). Both launches together are sized for about `num_programs` programs each (the
-    bucket rule over 2 x num_programs): the launches run one after the other, and each should
-    fill the device.
+    empty). Sized for about 2 x `num_programs` programs (the bucket rule over 2 x
+    num_programs): the size measured fastest for the tiers' one launch (H100, session 26 of
+    benchmarks/NOTES_kv_precision.md), as it was when each tier had a launch of its own.
 
     group_budgets: float [layers, groups] in (0, 1]; high_share: float [layers, groups] in
     [0, 1], the calibrated share of a group's retained tokens in the high tier;
