@@ -135,9 +135,13 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
     for precision, block_list in block_tokens_by_precision.items():
         programs = programs_of(precision, num_programs, program_scale)
         work = sm.build_split_map(BUDGETS, programs, batch, group_size=GROUP_SIZE).work_list(0)
+        def work_at(scale, programs=programs):
+            """The work list at program scale `scale` (None: the run's)."""
+            return work if scale is None else sm.build_split_map(
+                BUDGETS, num_programs * scale, batch, group_size=GROUP_SIZE).work_list(0)
         try:
             out["formats"][precision] = _measure(key, precision, block_list, num_pages, slots,
-                                                 qs, tbl, lens, work, correctness_rows,
+                                                 qs, tbl, lens, work_at, correctness_rows,
                                                  programs)
         except Exception as e:   # a format that fails to compile or run is reported, not fatal
             out["formats"][precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -187,8 +191,9 @@ def _tuning(tuning) -> dict:
     """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
     "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs).
     Precision tiers: block_tokens "high+low" gives each tier its own, and a suffix
-    ":per-tier" launches each tier on its own (`tier_launch`; default one launch)."""
-    tuning, _, launch = str(tuning).partition(":")
+    ":per-tier" launches each tier on its own (`tier_launch`; default one launch). A suffix
+    "@S" (`_program_scale`) is not a kernel keyword and is dropped here."""
+    tuning, _, launch = str(tuning).split("@")[0].partition(":")
     kw = {"tier_launch": launch} if launch else {}
     if tuning == "default":
         return kw
@@ -200,19 +205,31 @@ def _tuning(tuning) -> dict:
     return {"num_warps": 2, **kw}
 
 
-def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
+def _program_scale(tuning) -> int | None:
+    """A sweep entry's own program scale (a suffix "@S": the split map sized for num_programs
+    x S for this entry alone; untiered formats), else None (the run's)."""
+    _, at, scale = str(tuning).partition("@")
+    return int(scale) if at else None
+
+
+def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work_at,
              correctness_rows, num_programs):
-    """One format's entry: time per launch for each block size, the best, bandwidth, check."""
+    """One format's entry: time per launch for each block size, the best, bandwidth, check.
+    work_at(scale): the work list at a program scale (None: the run's)."""
     if precision in PRECISION_TIERS:
+        if any(_program_scale(t) for t in block_list):
+            raise ValueError(f"a sweep entry's own program scale (@S) is for untiered formats, "
+                             f"got {block_list} for {precision}")
         k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1],
                                                               num_programs)
+        work_at = lambda scale: work   # noqa: E731
     else:
         k_pages, v_pages = random_pools(jax.random.fold_in(
             key, 100 + kv_quant.KV_PRECISIONS.index(precision)), num_pages,
             kv_quant.page_format(precision))
         read = slots * slot_bytes(precision)
 
-    def attend(q, k, v, t, n, **kw):
+    def attend(q, k, v, t, n, work=work_at(None), **kw):
         return ragged_paged_decode_attention(q, k, v, t, n, work_list=work, **kw)
     reference = ragged_paged_decode_attention_reference
     # Kernel launches a layer's decode attention makes (pallas_calls in its program).
@@ -222,7 +239,8 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
              "by_block_tokens": {}}
     for tuning in block_list:            # "block_tokens[/num_warps[/num_stages]]"
         @jax.jit
-        def block(qs, k_pages, v_pages, kw=_tuning(tuning)):
+        def block(qs, k_pages, v_pages, kw=dict(_tuning(tuning),
+                                                work=work_at(_program_scale(tuning)))):
             return [attend(qs[i], k_pages, v_pages, tbl, lens, **kw) for i in range(CALLS)]
         try:
             wall = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
@@ -248,7 +266,8 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work,
     if correctness_rows:
         r = correctness_rows
         q = qs[0, :r]
-        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], **_tuning(best))
+        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], work=work_at(_program_scale(best)),
+                     **_tuning(best))
         ref = reference(q, k_pages, v_pages, tbl[:r], lens[:r])
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         entry["check_rows"] = r

@@ -790,7 +790,7 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 # quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
 # since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
 # 12-13% with its program scale below.
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (256, 4),
+DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (64, 1),
                  "k8v4-k4v2": ((128, 256), 4)}
 
 # Programs a decode launch's split map is sized for, as a multiple of the engine's
@@ -801,7 +801,7 @@ DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (25
 # 1x; K4V2 7% faster at 4x but 17% slower at 2x at batch 32 (its 256-token blocks cut a group's
 # shares unevenly) and not faster at batch 64, so 1x. Precision tiers (one launch over both
 # tiers' items) keep 1x: 2x and 4x were 4% slower at 32 x 32k (session 26).
-DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 1}
+DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 4}
 
 
 def decode_programs(kv_precision: str, num_programs: int) -> int:
