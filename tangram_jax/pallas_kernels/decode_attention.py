@@ -789,7 +789,11 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 # (benchmarks/results/kv_precision_decode.json, session 12; bf16: decode_attention.json). The
 # quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
 # since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
-# 12-13% with its program scale below.
+# 12-13% with its program scale below. K4V2 since session 26: one warp a program (no
+# cross-warp reductions or barriers in its issue-bound loop; 255 registers, 8 programs an SM),
+# against the 4-warp 256/4 at 1x: -3% at 32 x 32k, -1% at 64 x 32k and 32 x 128k, equal at 64 x
+# 128k, -24% at 16 x 32k. Precision tiers in one launch: a block size a tier, one warp count
+# (session 26: 128+256/4 fastest at 32 x 32k, within 2% of 64+128/2 at 64 x 32k).
 DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (64, 1),
                  "k8v4-k4v2": ((128, 256), 4)}
 
@@ -798,8 +802,8 @@ DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (64
 # Measured on an H100 (NOTES_kv_precision.md, sessions 13-15): K8V8 11% faster at 2x than 1x
 # at 32 x 32k; K8V4 at 64/2 (two warps a program, about 4 programs an SM) 833 / 459 us at 4x
 # against 921 / 468 at 2x (64 / 32 x 32k; 8x equal to 4x, 3x and 6x between); bf16 fastest at
-# 1x; K4V2 7% faster at 4x but 17% slower at 2x at batch 32 (its 256-token blocks cut a group's
-# shares unevenly) and not faster at batch 64, so 1x. Precision tiers (one launch over both
+# 1x; K4V2 at one warp a program 4x: 16 items a row at batch 64 (2x there is one round of long
+# items, 16% slower), 2% behind 2x at batch 32 (session 26). Precision tiers (one launch over both
 # tiers' items) keep 1x: 2x and 4x were 4% slower at 32 x 32k (session 26).
 DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 4}
 
