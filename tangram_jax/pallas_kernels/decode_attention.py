@@ -190,7 +190,8 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item):
+                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item,
+                   pipeline_logits: bool = False):
     """One (sequence, work item `item`, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -399,15 +400,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         zeros = per_slot(refs[2], page, tokens) if zeros is None else zeros
         return [(planes[s * n:(s + 1) * n], scales[s], zeros[s]) for s in range(sets)]
 
-    def attend(block, page, state, v_zeros=None):
+    def block_logits(block, page):
+        """Per token set the block's masked base-2 logits [rows, unit rows]."""
         tokens = set_tokens(block)
         # The K/V tile is gathered as [unit rows, H head_dim] rows (one page id per row, each
         # page a contiguous run of rows), so it lands in shared memory in the layout the
         # matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
         k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens)
-        v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, tokens, v_zeros)
-        o_prev, o_zero_prev, m_prev, l_prev = state
         logits = []
         for (_, valid), (k_tile, k_scales, k_zeros) in zip(tokens, k_sets):
             lg = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
@@ -423,6 +423,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             else:
                 lg = lg * log2_scale
             logits.append(jnp.where(valid[None, :], lg, _MASK_VALUE))
+        return logits
+
+    def attend(block, page, state, v_zeros=None, logits=None):
+        """The online softmax state after the block (its `logits` given: computed ahead)."""
+        logits = block_logits(block, page) if logits is None else logits
+        v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, set_tokens(block),
+                           v_zeros)
+        o_prev, o_zero_prev, m_prev, l_prev = state
         m_next = jnp.maximum(m_prev, functools.reduce(jnp.maximum, logits).max(axis=-1))
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
@@ -459,10 +467,26 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             page = page_ids(block)
             return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
 
-        def body(block, carry):
-            page, zeros, state = carry
-            return (*ahead(block + 1), attend(block, page, state, zeros))
-        _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
+        if pipeline_logits:
+            # The next block's key products in this iteration, beside this block's softmax
+            # and value products: two independent chains a loop body (the last iteration's
+            # are of a block past the share: masked loads, never used).
+            # Every gather's page ids come from the iteration before its own (the pipeliner's
+            # condition for keeping loads in flight), so the next block's ids are gathered
+            # twice: for its key tile (an iteration ahead) and its value tile.
+            def body(block, carry):
+                page, zeros, key_page, logits, state = carry
+                state = attend(block, page, state, zeros, logits)
+                return (*ahead(block + 1), page_ids(block + 2),
+                        block_logits(block + 1, key_page), state)
+            first = ahead(0)
+            *_, final = lax.fori_loop(0, num_blocks, body, (
+                *first, page_ids(1), block_logits(0, first[0]), init))
+        else:
+            def body(block, carry):
+                page, zeros, state = carry
+                return (*ahead(block + 1), attend(block, page, state, zeros))
+            _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, state: attend(block, page_ids(block), state), init)
@@ -617,7 +641,8 @@ def _work_spec(work):
 # item's tier), or a launch per tier.
 TIER_LAUNCHES = ("one", "per-tier")
 
-_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
+_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program",
+           "pipeline_logits")
 
 
 def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: tuple):
@@ -648,7 +673,8 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens, num_warps: int, num_stages: int,
-                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1):
+                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1,
+                    pipeline_logits: bool = False):
     """The kernel alone (one launch): per work item normalised partial outputs and
     log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
     with precision tiers the pool of tier `tier` of `num_tiers`, whose block-table rows and
@@ -697,7 +723,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                    max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                    key_bits=_bits(k), value_bits=_bits(v),
                                    slot_pairs=slot_pairs, tier=t, num_tiers=num_tiers,
-                                   compiled=not interpret)
+                                   compiled=not interpret, pipeline_logits=pipeline_logits)
         arrays = (*_page_inputs(k), *_page_inputs(v))
         parts.append((first, first + w.shape[-2], len(arrays), kernel))
         page_arrays += arrays
@@ -862,7 +888,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
                                   heads_per_program: int = 1,
-                                  tier_launch: str = "one") -> jax.Array:
+                                  tier_launch: str = "one",
+                                  pipeline_logits: bool = False) -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers over both tiers' pools), then the merge launch.
 
@@ -901,7 +928,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     return _decode(q, tier_pools, block_tables, lengths, works,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
-                   heads_per_program=heads_per_program, tier_launch=tier_launch)
+                   heads_per_program=heads_per_program, tier_launch=tier_launch,
+                   pipeline_logits=pipeline_logits)
 
 
 @jax.jit
