@@ -377,12 +377,13 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid, other=0)
                   for j in head_ids] for g in groups] for slot, valid in tokens]
 
-    def load_tile(refs, bits, operand, page, tokens, zeros=None):
+    def load_tile(refs, bits, operand, page, tokens, zeros=None, scales=None):
         """Per token set: ([unit rows, H d/n] planes, scales, zeros); quantised planes are
         operands of the codes (`operand`: their (dtype, exponent), `unpack_planes`); scales and
         zeros are per scale group of the row (one, or one a plane with value groups:
         `kv_quant.scale_shape`) lists of per-head vectors (`per_row` makes the tiles), None
-        unquantised; `zeros` given (loaded a block ahead) are used as they are."""
+        unquantised; `zeros` (and `scales`) given (loaded a block ahead) are used as they
+        are."""
         slot, valid = tokens[0]
         unit_slot = slot if sets == 1 else lax.div(slot, jnp.int32(sets))
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
@@ -396,18 +397,20 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # slot pairs the low bytes' planes are the even tokens', the high bytes' the odd's.
         planes = unpack_planes(raw, bits, *operand)
         n = len(planes) // sets
-        scales = per_slot(refs[1], page, tokens)
+        scales = per_slot(refs[1], page, tokens) if scales is None else scales
         zeros = per_slot(refs[2], page, tokens) if zeros is None else zeros
         return [(planes[s * n:(s + 1) * n], scales[s], zeros[s]) for s in range(sets)]
 
-    def block_logits(block, page):
-        """Per token set the block's masked base-2 logits [rows, unit rows]."""
+    def block_logits(block, page, key_scales=None):
+        """Per token set the block's masked base-2 logits [rows, unit rows]; `key_scales`
+        (scales, zeros) given: loaded ahead."""
         tokens = set_tokens(block)
         # The K/V tile is gathered as [unit rows, H head_dim] rows (one page id per row, each
         # page a contiguous run of rows), so it lands in shared memory in the layout the
         # matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
-        k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens)
+        k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens,
+                           *(key_scales[::-1] if key_scales else ()))
         logits = []
         for (_, valid), (k_tile, k_scales, k_zeros) in zip(tokens, k_sets):
             lg = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
@@ -474,14 +477,23 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             # Every gather's page ids come from the iteration before its own (the pipeliner's
             # condition for keeping loads in flight), so the next block's ids are gathered
             # twice: for its key tile (an iteration ahead) and its value tile.
+            # The key scales and zeros, which the pipeliner would load in their own
+            # iteration, come a block ahead too.
+            def key_ahead(block):
+                page = page_ids(block)
+                tokens = set_tokens(block)
+                return page, ((per_slot(k_refs[1], page, tokens),
+                               per_slot(k_refs[2], page, tokens)) if key_bits else None)
+
             def body(block, carry):
-                page, zeros, key_page, logits, state = carry
+                page, zeros, key_page, key_scales, logits, state = carry
                 state = attend(block, page, state, zeros, logits)
-                return (*ahead(block + 1), page_ids(block + 2),
-                        block_logits(block + 1, key_page), state)
+                return (*ahead(block + 1), *key_ahead(block + 2),
+                        block_logits(block + 1, key_page, key_scales), state)
             first = ahead(0)
+            page0, scales0 = key_ahead(0)
             *_, final = lax.fori_loop(0, num_blocks, body, (
-                *first, page_ids(1), block_logits(0, first[0]), init))
+                *first, *key_ahead(1), block_logits(0, page0, scales0), init))
         else:
             def body(block, carry):
                 page, zeros, state = carry
