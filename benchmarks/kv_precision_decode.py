@@ -192,16 +192,9 @@ def _tuning(tuning) -> dict:
     "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs).
     Precision tiers: block_tokens "high+low" gives each tier its own, and a suffix
     ":per-tier" launches each tier on its own (`tier_launch`; default one launch). A suffix
-    "@S" (`_program_scale`) is not a kernel keyword and is dropped here. A suffix "^pipe"
-    (before ":" and "@") computes the next block's logits in each iteration
-    (`pipeline_logits`)."""
+    "@S" (`_program_scale`) is not a kernel keyword and is dropped here."""
     tuning, _, launch = str(tuning).split("@")[0].partition(":")
-    tuning, _, flags = tuning.partition("^")
     kw = {"tier_launch": launch} if launch else {}
-    if flags:
-        if flags != "pipe":
-            raise ValueError(f"sweep flag must be 'pipe', got {flags!r}")
-        kw["pipeline_logits"] = True
     if tuning == "default":
         return kw
     block, *rest = tuning.split("/")

@@ -190,8 +190,7 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item,
-                   pipeline_logits: bool = False):
+                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item):
     """One (sequence, work item `item`, KV heads j0 .. j0 + H - 1 of the group) program.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
@@ -377,13 +376,12 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid, other=0)
                   for j in head_ids] for g in groups] for slot, valid in tokens]
 
-    def load_tile(refs, bits, operand, page, tokens, zeros=None, scales=None):
+    def load_tile(refs, bits, operand, page, tokens, zeros=None):
         """Per token set: ([unit rows, H d/n] planes, scales, zeros); quantised planes are
         operands of the codes (`operand`: their (dtype, exponent), `unpack_planes`); scales and
         zeros are per scale group of the row (one, or one a plane with value groups:
         `kv_quant.scale_shape`) lists of per-head vectors (`per_row` makes the tiles), None
-        unquantised; `zeros` (and `scales`) given (loaded a block ahead) are used as they
-        are."""
+        unquantised; `zeros` given (loaded a block ahead) are used as they are."""
         slot, valid = tokens[0]
         unit_slot = slot if sets == 1 else lax.div(slot, jnp.int32(sets))
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
@@ -397,20 +395,19 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # slot pairs the low bytes' planes are the even tokens', the high bytes' the odd's.
         planes = unpack_planes(raw, bits, *operand)
         n = len(planes) // sets
-        scales = per_slot(refs[1], page, tokens) if scales is None else scales
+        scales = per_slot(refs[1], page, tokens)
         zeros = per_slot(refs[2], page, tokens) if zeros is None else zeros
         return [(planes[s * n:(s + 1) * n], scales[s], zeros[s]) for s in range(sets)]
 
-    def block_logits(block, page, key_scales=None):
-        """Per token set the block's masked base-2 logits [rows, unit rows]; `key_scales`
-        (scales, zeros) given: loaded ahead."""
+    def attend(block, page, state, v_zeros=None):
         tokens = set_tokens(block)
         # The K/V tile is gathered as [unit rows, H head_dim] rows (one page id per row, each
         # page a contiguous run of rows), so it lands in shared memory in the layout the
         # matrix unit reads, with no reshape. Slots past the length are not loaded at all
         # (masked: they may hold anything, NaN included) and read as 0.
-        k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens,
-                           *(key_scales[::-1] if key_scales else ()))
+        k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens)
+        v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, tokens, v_zeros)
+        o_prev, o_zero_prev, m_prev, l_prev = state
         logits = []
         for (_, valid), (k_tile, k_scales, k_zeros) in zip(tokens, k_sets):
             lg = _dot(qs[0], k_tile[0].astype(qs[0].dtype), trans_b=True)
@@ -426,14 +423,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             else:
                 lg = lg * log2_scale
             logits.append(jnp.where(valid[None, :], lg, _MASK_VALUE))
-        return logits
-
-    def attend(block, page, state, v_zeros=None, logits=None):
-        """The online softmax state after the block (its `logits` given: computed ahead)."""
-        logits = block_logits(block, page) if logits is None else logits
-        v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, set_tokens(block),
-                           v_zeros)
-        o_prev, o_zero_prev, m_prev, l_prev = state
         m_next = jnp.maximum(m_prev, functools.reduce(jnp.maximum, logits).max(axis=-1))
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
@@ -470,35 +459,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             page = page_ids(block)
             return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
 
-        if pipeline_logits:
-            # The next block's key products in this iteration, beside this block's softmax
-            # and value products: two independent chains a loop body (the last iteration's
-            # are of a block past the share: masked loads, never used).
-            # Every gather's page ids come from the iteration before its own (the pipeliner's
-            # condition for keeping loads in flight), so the next block's ids are gathered
-            # twice: for its key tile (an iteration ahead) and its value tile.
-            # The key scales and zeros, which the pipeliner would load in their own
-            # iteration, come a block ahead too.
-            def key_ahead(block):
-                page = page_ids(block)
-                tokens = set_tokens(block)
-                return page, ((per_slot(k_refs[1], page, tokens),
-                               per_slot(k_refs[2], page, tokens)) if key_bits else None)
-
-            def body(block, carry):
-                page, zeros, key_page, key_scales, logits, state = carry
-                state = attend(block, page, state, zeros, logits)
-                return (*ahead(block + 1), *key_ahead(block + 2),
-                        block_logits(block + 1, key_page, key_scales), state)
-            first = ahead(0)
-            page0, scales0 = key_ahead(0)
-            *_, final = lax.fori_loop(0, num_blocks, body, (
-                *first, *key_ahead(1), block_logits(0, page0, scales0), init))
-        else:
-            def body(block, carry):
-                page, zeros, state = carry
-                return (*ahead(block + 1), attend(block, page, state, zeros))
-            _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
+        def body(block, carry):
+            page, zeros, state = carry
+            return (*ahead(block + 1), attend(block, page, state, zeros))
+        _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, state: attend(block, page_ids(block), state), init)
@@ -653,8 +617,7 @@ def _work_spec(work):
 # item's tier), or a launch per tier.
 TIER_LAUNCHES = ("one", "per-tier")
 
-_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program",
-           "pipeline_logits")
+_STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
 def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: tuple):
@@ -685,8 +648,7 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
 def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
                     block_tokens, num_warps: int, num_stages: int,
-                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1,
-                    pipeline_logits: bool = False):
+                    heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1):
     """The kernel alone (one launch): per work item normalised partial outputs and
     log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
     with precision tiers the pool of tier `tier` of `num_tiers`, whose block-table rows and
@@ -735,7 +697,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
                                    max_pages=max_pages, prefetch_page_ids=num_stages >= 3,
                                    key_bits=_bits(k), value_bits=_bits(v),
                                    slot_pairs=slot_pairs, tier=t, num_tiers=num_tiers,
-                                   compiled=not interpret, pipeline_logits=pipeline_logits)
+                                   compiled=not interpret)
         arrays = (*_page_inputs(k), *_page_inputs(v))
         parts.append((first, first + w.shape[-2], len(arrays), kernel))
         page_arrays += arrays
@@ -900,8 +862,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
                                   heads_per_program: int = 1,
-                                  tier_launch: str = "one",
-                                  pipeline_logits: bool = False) -> jax.Array:
+                                  tier_launch: str = "one") -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers over both tiers' pools), then the merge launch.
 
@@ -940,8 +901,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     return _decode(q, tier_pools, block_tables, lengths, works,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
-                   heads_per_program=heads_per_program, tier_launch=tier_launch,
-                   pipeline_logits=pipeline_logits)
+                   heads_per_program=heads_per_program, tier_launch=tier_launch)
 
 
 @jax.jit
