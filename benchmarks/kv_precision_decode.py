@@ -176,15 +176,25 @@ def tiered_case(key, precision, lens, batch, num_programs):
         pools.append(random_pools(jax.random.fold_in(key, 200 + i), pages,
                                   kv_quant.page_format(tier)))
     (k_hi, v_hi), (k_lo, v_lo) = pools
-    # As the engine builds them (`llm_engine.decode_split_map`).
-    smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
-                                   tuple(slot_bytes(t) for t in PRECISION_TIERS[precision]),
-                                   num_programs, batch, group_size=GROUP_SIZE)
     read = GROUP_SIZE * sum(int(tier_lens[:, t::2].sum()) * slot_bytes(tier)
                             for t, tier in enumerate(PRECISION_TIERS[precision]))
     return (kv_quant.TieredPages(k_hi, k_lo), kv_quant.TieredPages(v_hi, v_lo),
             jnp.asarray(tables), jnp.asarray(tier_lens),
-            tuple(w[0] for w in smap.tier_work_lists()), read)
+            tier_work_lists(precision, batch, num_programs), read)
+
+
+# Weights of the tier groups in the tiers' split map: None, each tier's slot bytes (as the
+# engine weighs them); (high, low) from --tier-weights.
+TIER_WEIGHTS = None
+
+
+def tier_work_lists(precision, batch, num_programs) -> tuple:
+    """The (high, low) work lists of the tiers' AOT map, as the engine builds them
+    (`llm_engine.decode_split_map`), weighed by `TIER_WEIGHTS` where set."""
+    weights = TIER_WEIGHTS or tuple(slot_bytes(t) for t in PRECISION_TIERS[precision])
+    smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE), weights,
+                                   num_programs, batch, group_size=GROUP_SIZE)
+    return tuple(w[0] for w in smap.tier_work_lists())
 
 
 def _tuning(tuning) -> dict:
@@ -207,7 +217,7 @@ def _tuning(tuning) -> dict:
 
 def _program_scale(tuning) -> int | None:
     """A sweep entry's own program scale (a suffix "@S": the split map sized for num_programs
-    x S for this entry alone; untiered formats), else None (the run's)."""
+    x S for this entry alone), else None (the run's)."""
     _, at, scale = str(tuning).partition("@")
     return int(scale) if at else None
 
@@ -217,12 +227,11 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work_a
     """One format's entry: time per launch for each block size, the best, bandwidth, check.
     work_at(scale): the work list at a program scale (None: the run's)."""
     if precision in PRECISION_TIERS:
-        if any(_program_scale(t) for t in block_list):
-            raise ValueError(f"a sweep entry's own program scale (@S) is for untiered formats, "
-                             f"got {block_list} for {precision}")
         k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1],
                                                               num_programs)
-        work_at = lambda scale: work   # noqa: E731
+        def work_at(scale, work=work):
+            return work if scale is None else tier_work_lists(precision, qs.shape[1],
+                                                              num_programs * scale)
     else:
         k_pages, v_pages = random_pools(jax.random.fold_in(
             key, 100 + kv_quant.KV_PRECISIONS.index(precision)), num_pages,
@@ -301,7 +310,13 @@ def main(argv=None):
     p.add_argument("--one-process", action="store_true",
                    help="measure every configuration in this process (default with a sweep; "
                    "with 'default' tunings each configuration runs in a fresh process)")
+    p.add_argument("--tier-weights", default=None,
+                   help="'high,low' weights of the tier groups in the tiers' split map "
+                   "(default: each tier's slot bytes, as the engine)")
     args = p.parse_args(argv)
+    global TIER_WEIGHTS
+    if args.tier_weights:
+        TIER_WEIGHTS = tuple(float(x) for x in args.tier_weights.split(","))
     if jax.default_backend() == "cpu":
         sys.exit("GPU only")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
@@ -345,6 +360,8 @@ def _isolated(args, configs):
                "--one-process"]
         if args.baseline_sweep:
             cmd += ["--baseline-sweep", args.baseline_sweep]
+        if args.tier_weights:
+            cmd += ["--tier-weights", args.tier_weights]
         subprocess.run(cmd, check=True)
         with open(part) as f:
             results += json.load(f)["results"]
