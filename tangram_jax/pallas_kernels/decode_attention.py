@@ -563,7 +563,7 @@ def _tier_pools(k_pages, v_pages) -> list[tuple]:
 
 
 def _work_lists(work_list, tiers: int) -> tuple:
-    """`work_list` as one int32 list per launch (a numpy list becomes a constant of the
+    """`work_list` as one int32 list per pool (a numpy list becomes a constant of the
     trace): the list itself, or with precision tiers the (high, low) pair."""
     lists = (work_list,) if tiers == 1 else work_list
     if tiers > 1 and (not isinstance(work_list, (tuple, list)) or len(work_list) != tiers):
@@ -748,7 +748,7 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 
     o_part [batch, items, G, q_per_kv, d], lse_part [batch, items, G, q_per_kv],
     work [items, 3] or [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`.
-    Several decode launches' partials (precision tiers: one launch a tier) are passed as tuples
+    Several decode launches' partials (precision tiers launched per tier) are passed as tuples
     of these, a launch an entry (each its own item count and work list), and merged together
     as if their items were one list."""
     o_parts, lse_parts, works = _as_tuple(o_part), _as_tuple(lse_part), _as_tuple(work)
@@ -883,7 +883,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
         row (runtime planned). Rows with num_splits 0 are no-ops. With tiers a (high, low)
         pair of such lists, rows of the base groups (`SplitMap.tier_work_lists`): item
         (g, s, n) of the high list covers share s of n of group g's high tier. The merge
-        combines a group's items of both launches.
+        combines a group's items of both tiers.
       block_tokens, num_warps, num_stages, heads_per_program: Triton tuning (tokens per inner
         step = block_tokens // page_size pages; KV heads of the group one program streams);
         block_tokens / num_warps None: the pool's page format's `DECODE_TUNING`; with tiers

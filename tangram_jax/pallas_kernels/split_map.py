@@ -194,7 +194,7 @@ def build_tier_split_map(group_budgets: np.ndarray, high_share: np.ndarray,
 
     Over the tier groups (``2 g`` high, ``2 g + 1`` low), each weighed by the bytes it is
     expected to read: ``G r_g h_g b_high`` and ``G r_g (1 - h_g) b_low``, so the items of both
-    launches are apportioned by bytes, not tokens, as one map (the rule the tiered decode
+    tiers are apportioned by bytes, not tokens, as one map (the rule the tiered decode
     benchmark measured); every tier group gets at least one item (a no-op where its tier is
     empty). Sized for about 2 x `num_programs` programs (the bucket rule over 2 x
     num_programs): the size measured fastest for the tiers' one launch (H100, session 26 of
