@@ -296,7 +296,9 @@ def main(argv=None):
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
     p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
                    "or 'default' (the library's per-format tuning), tried at the first config; "
-                   "the best is used for the others")
+                   "the best is used for the others. Tiers: block_tokens 'high+low', suffix "
+                   "':per-tier' (a launch per tier); any entry: suffix '@S' (its own program "
+                   "scale)")
     p.add_argument("--precisions",
                    default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--num-programs", type=int, default=NUM_PROGRAMS,
