@@ -500,11 +500,9 @@ def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
     heads_per_group] f32; then out_ref [head_dim // dim_splits] in the output dtype. Each launch's
     partials are read where that launch wrote them (with precision tiers no concatenation of
     the tiers' partials is written and read back first).
-    Per launch: the work list's group and split-count columns (int32, all items at once) give
-    the first and last item of this group; the partials are then read from that range only, in
-    `chunks`-item steps (a loop: one or two steps for the lists of `split_map`, whose items
-    are in group order), and the running maximum rescales what earlier steps summed. Any list
-    is merged right: items of other groups inside the range are masked.
+    One pass over each launch's items in `chunks`-item steps, unrolled (num_items is static), so
+    all loads can be in flight at once: only items of this group are read (masked loads), and
+    the running maximum rescales what earlier steps summed.
     """
     n = len(num_items)
     work_refs, o_refs, lse_refs, out_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
@@ -518,20 +516,11 @@ def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
     den = jnp.float32(0.0)
     for work_ref, o_part_ref, lse_part_ref, items, chunk in zip(work_refs, o_refs, lse_refs,
                                                                 num_items, chunks):
-        def owned_rows(idx, in_row, work_ref=work_ref):
-            return (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
+        for start in range(0, items, chunk):
+            idx = start + jnp.arange(chunk)
+            in_row = idx < items
+            owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
                 (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
-        every = jnp.arange(backend.next_power_of_2(items))
-        owned = owned_rows(every, every < items)
-        first = jnp.min(jnp.where(owned, every, items))
-        last = jnp.max(jnp.where(owned, every, -1))
-        steps = jnp.maximum(last - first + chunk, 0) // chunk
-
-        def step(i, carry, first=first, last=last, chunk=chunk, o_part_ref=o_part_ref,
-                 lse_part_ref=lse_part_ref, owned_rows=owned_rows):
-            m, num, den = carry
-            idx = first + i * chunk + jnp.arange(chunk)
-            owned = owned_rows(idx, idx <= last)
             lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)  # [chunk]
             o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
                            other=0.0)                                              # [chunk, d]
@@ -539,9 +528,9 @@ def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
             m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
             rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
             w = jnp.where(owned, jnp.exp(lse - m_safe), 0.0)
-            return (m_next, num * rescale + (w[:, None] * o).sum(axis=0),
-                    den * rescale + w.sum())
-        m, num, den = lax.fori_loop(0, steps, step, (m, num, den))
+            num = num * rescale + (w[:, None] * o).sum(axis=0)
+            den = den * rescale + w.sum()
+            m = m_next
     out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
@@ -771,13 +760,9 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     num_items = tuple(o.shape[1] for o in o_parts)
     o_parts = [o.reshape(batch, o.shape[1], heads, head_dim) for o in o_parts]
     lse_parts = [x.reshape(batch, x.shape[1], heads) for x in lse_parts]
-    # A step reads about one group's share of a launch's items (at least 16, at most
-    # `_MERGE_CHUNK_ITEMS`): a group's items are one range of the list (`_merge_kernel`).
-    chunks = tuple(min(_MERGE_CHUNK_ITEMS,
-                       backend.next_power_of_2(max(16, -(-i // num_groups))))
-                   for i in num_items)
-    # A step's partial outputs are at most 4096 f32 (32 registers a thread at 4 warps): long
-    # steps (small batches) split head_dim instead.
+    chunks = tuple(min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(i)) for i in num_items)
+    # A chunk of partial outputs is at most 4096 f32 (32 registers a thread at 4 warps), so all
+    # chunks of a program stay in flight: long rows (small batches) split head_dim instead.
     dim_block = min(head_dim, max(16, 4096 // max(chunks)))
     dim_splits = head_dim // dim_block
     return pl.pallas_call(
