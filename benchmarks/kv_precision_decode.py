@@ -135,7 +135,7 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
     for precision, block_list in block_tokens_by_precision.items():
         programs = programs_of(precision, num_programs, program_scale)
         work = sm.build_split_map(BUDGETS, programs, batch, group_size=GROUP_SIZE).work_list(0)
-        def work_at(scale, programs=programs):
+        def work_at(scale, work=work):
             """The work list at program scale `scale` (None: the run's)."""
             return work if scale is None else sm.build_split_map(
                 BUDGETS, num_programs * scale, batch, group_size=GROUP_SIZE).work_list(0)
@@ -183,16 +183,11 @@ def tiered_case(key, precision, lens, batch, num_programs):
             tier_work_lists(precision, batch, num_programs), read)
 
 
-# Weights of the tier groups in the tiers' split map: None, each tier's slot bytes (as the
-# engine weighs them); (high, low) from --tier-weights.
-TIER_WEIGHTS = None
-
-
 def tier_work_lists(precision, batch, num_programs) -> tuple:
     """The (high, low) work lists of the tiers' AOT map, as the engine builds them
-    (`llm_engine.decode_split_map`), weighed by `TIER_WEIGHTS` where set."""
-    weights = TIER_WEIGHTS or tuple(slot_bytes(t) for t in PRECISION_TIERS[precision])
-    smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE), weights,
+    (`llm_engine.decode_split_map`: tier groups weighed by their slot bytes)."""
+    smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
+                                   tuple(slot_bytes(t) for t in PRECISION_TIERS[precision]),
                                    num_programs, batch, group_size=GROUP_SIZE)
     return tuple(w[0] for w in smap.tier_work_lists())
 
@@ -312,13 +307,7 @@ def main(argv=None):
     p.add_argument("--one-process", action="store_true",
                    help="measure every configuration in this process (default with a sweep; "
                    "with 'default' tunings each configuration runs in a fresh process)")
-    p.add_argument("--tier-weights", default=None,
-                   help="'high,low' weights of the tier groups in the tiers' split map "
-                   "(default: each tier's slot bytes, as the engine)")
     args = p.parse_args(argv)
-    global TIER_WEIGHTS
-    if args.tier_weights:
-        TIER_WEIGHTS = tuple(float(x) for x in args.tier_weights.split(","))
     if jax.default_backend() == "cpu":
         sys.exit("GPU only")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
@@ -362,8 +351,6 @@ def _isolated(args, configs):
                "--one-process"]
         if args.baseline_sweep:
             cmd += ["--baseline-sweep", args.baseline_sweep]
-        if args.tier_weights:
-            cmd += ["--tier-weights", args.tier_weights]
         subprocess.run(cmd, check=True)
         with open(part) as f:
             results += json.load(f)["results"]
