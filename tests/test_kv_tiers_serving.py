@@ -120,10 +120,10 @@ def _poisoned_tiered_pools(rng, tier_lens, width):
 
 def test_tiered_decode_kernel_matches_reference():
     """One launch over both tiers' items (a launch per tier's pool with the uniform lists),
-    then one merge: every kind of work list pair (the tiered AOT
-    map cut by tier, uniform splits finer than the blocks, runtime planning per tier, and a
-    static high list with a planned low one), both loop variants and both heads-per-program
-    settings against the dense-history reference. Tier lengths are ragged: a group empty in
+    then one merge: every kind of work list pair (the tiered AOT map cut by tier, uniform
+    splits finer than the blocks, runtime planning per tier, and a static high list with a
+    planned low one), both loop variants and both heads-per-program settings against the
+    dense-history reference. Tier lengths are ragged: a group empty in
     both tiers, high only, low only, page boundaries (PS, 2 PS, one short and one past), both
     tiers at the table's end; unowned slots are NaN."""
     from tangram_jax.pallas_kernels import split_map as sm

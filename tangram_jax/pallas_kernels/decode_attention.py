@@ -830,26 +830,24 @@ def decode_tuning(k_pages, v_pages) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier_launch"))
-def _decode(q, tier_pools, block_tables, lengths, works, *, block_tokens, num_warps,
+def _decode(q, k_pages, v_pages, block_tables, lengths, works, *, block_tokens, num_warps,
             tier_launch: str, **kwargs):
     """The decode launch (tuning not given: the pools' `decode_tuning`), or with precision
     tiers and `tier_launch` "per-tier" a launch per tier's pool, then one merge launch of all
     their partials."""
-    if len(tier_pools) == 1 or tier_launch == "one":
-        k, v = tier_pools[0] if len(tier_pools) == 1 else \
-            (kv_quant.TieredPages(*pools) for pools in zip(*tier_pools))
-        tuned = decode_tuning(k, v)
-        parts = [decode_partials(q, k, v, block_tables, lengths,
+    if tier_launch == "one" or not kv_quant.is_tiered(k_pages, v_pages):
+        tuned = decode_tuning(k_pages, v_pages)
+        parts = [decode_partials(q, k_pages, v_pages, block_tables, lengths,
                                  works[0] if len(works) == 1 else works,
                                  block_tokens=block_tokens or tuned[0],
                                  num_warps=num_warps or tuned[1], **kwargs)]
     else:
         parts = []
-        for t, ((k, v), work) in enumerate(zip(tier_pools, works)):
+        for t, ((k, v), work) in enumerate(zip(_tier_pools(k_pages, v_pages), works)):
             tuned = decode_tuning(k, v)
             tokens = block_tokens[t] if isinstance(block_tokens, tuple) else block_tokens
             parts.append(decode_partials(q, k, v, block_tables, lengths, work, tier=t,
-                                         num_tiers=len(tier_pools),
+                                         num_tiers=len(works),
                                          block_tokens=tokens or tuned[0],
                                          num_warps=num_warps or tuned[1], **kwargs))
     return merge_partials_pallas(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
@@ -898,7 +896,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     tier_pools = _tier_pools(k_pages, v_pages)
     works = _work_lists(work_list, len(tier_pools))
     _check_inputs(q, tier_pools, block_tables, lengths, works)
-    return _decode(q, tier_pools, block_tables, lengths, works,
+    return _decode(q, k_pages, v_pages, block_tables, lengths, works,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
                    heads_per_program=heads_per_program, tier_launch=tier_launch)
