@@ -790,7 +790,7 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
 # quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
 # since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
 # 12-13% with its program scale below. K4V2 since session 26: one warp a program (no
-# cross-warp reductions or barriers in its issue-bound loop; 255 registers, 8 programs an SM),
+# cross-warp reductions or barriers in its issue-bound loop; 215 registers, 8 programs an SM),
 # against the 4-warp 256/4 at 1x: -3% at 32 x 32k, -1% at 64 x 32k and 32 x 128k, equal at 64 x
 # 128k, -24% at 16 x 32k. Precision tiers in one launch: a block size a tier, one warp count
 # (session 26: 128+256/4 fastest at 32 x 32k, within 2% of 64+128/2 at 64 x 32k).
