@@ -134,15 +134,10 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
     tbl = jnp.asarray(tables)
     for precision, block_list in block_tokens_by_precision.items():
         programs = programs_of(precision, num_programs, program_scale)
-        work = sm.build_split_map(BUDGETS, programs, batch, group_size=GROUP_SIZE).work_list(0)
-        def work_at(scale, work=work):
-            """The work list at program scale `scale` (None: the run's)."""
-            return work if scale is None else sm.build_split_map(
-                BUDGETS, num_programs * scale, batch, group_size=GROUP_SIZE).work_list(0)
         try:
             out["formats"][precision] = _measure(key, precision, block_list, num_pages, slots,
-                                                 qs, tbl, lens, work_at, correctness_rows,
-                                                 programs)
+                                                 qs, tbl, lens, correctness_rows, programs,
+                                                 num_programs)
         except Exception as e:   # a format that fails to compile or run is reported, not fatal
             out["formats"][precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"batch {batch} ctx {context} {precision}: FAILED {e!r}"[:2000], flush=True)
@@ -183,6 +178,14 @@ def tiered_case(key, precision, lens, batch, num_programs):
             tier_work_lists(precision, batch, num_programs), read)
 
 
+def work_list(precision, batch, num_programs):
+    """The work list the engine builds for `precision` at a program target (precision tiers:
+    the (high, low) pair, `tier_work_lists`)."""
+    if precision in PRECISION_TIERS:
+        return tier_work_lists(precision, batch, num_programs)
+    return sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE).work_list(0)
+
+
 def tier_work_lists(precision, batch, num_programs) -> tuple:
     """The (high, low) work lists of the tiers' AOT map, as the engine builds them
     (`llm_engine.decode_split_map`: tier groups weighed by their slot bytes)."""
@@ -217,21 +220,25 @@ def _program_scale(tuning) -> int | None:
     return int(scale) if at else None
 
 
-def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, work_at,
-             correctness_rows, num_programs):
+def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correctness_rows,
+             num_programs, base_programs):
     """One format's entry: time per launch for each block size, the best, bandwidth, check.
-    work_at(scale): the work list at a program scale (None: the run's)."""
+    num_programs: the run's program target of `precision`; an entry's own scale S ("@S")
+    targets base_programs x S (the engine's num_programs)."""
+    batch = qs.shape[1]
     if precision in PRECISION_TIERS:
-        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, qs.shape[1],
+        k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, batch,
                                                               num_programs)
-        def work_at(scale, work=work):
-            return work if scale is None else tier_work_lists(precision, qs.shape[1],
-                                                              num_programs * scale)
     else:
         k_pages, v_pages = random_pools(jax.random.fold_in(
             key, 100 + kv_quant.KV_PRECISIONS.index(precision)), num_pages,
             kv_quant.page_format(precision))
+        work = work_list(precision, batch, num_programs)
         read = slots * slot_bytes(precision)
+
+    def work_at(scale):
+        """The work list at program scale `scale` (None: the run's)."""
+        return work if scale is None else work_list(precision, batch, base_programs * scale)
 
     def attend(q, k, v, t, n, work=work_at(None), **kw):
         return ragged_paged_decode_attention(q, k, v, t, n, work_list=work, **kw)

@@ -18,7 +18,6 @@ import jax, jax.numpy as jnp, numpy as np
 import kv_precision_decode as kpd
 from tangram_jax import kv_quant
 from tangram_jax.benchmarking.timing import gpu_busy_time
-from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.decode_attention import (
     ragged_paged_decode_attention as rpda, ragged_paged_decode_attention_reference as ref_fn,
     decode_programs)
@@ -42,7 +41,7 @@ for ci, cfg in enumerate(configs):
         else:
             k, v = kpd.random_pools(jax.random.fold_in(k0, 100 + ci), num_pages, kv_quant.page_format(prec))
             t_, l_ = tbl, lens
-            work = sm.build_split_map(kpd.BUDGETS, programs, batch, group_size=kpd.GROUP_SIZE).work_list(0)
+            work = kpd.work_list(prec, batch, programs)
             read = slots * kpd.slot_bytes(prec)
         variants = [0] + ([] if prec == "bf16" else progs)
         r4 = np.asarray(ref_fn(qs[0, :4], k, v, t_[:4], l_[:4]), np.float64)
