@@ -187,6 +187,25 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
             for half in (raw, high) for mask in plane_masks(bits)]
 
 
+import os as _os
+_SHIFT = _os.environ.get("DA_SHIFT", "1") == "1"
+_UNMASK = _os.environ.get("DA_UNMASK", "1") == "1"
+_LAZY = _os.environ.get("DA_LAZY", "1") == "1"
+_LAZY_THRESHOLD = 8.0
+
+
+def _div(x, d: int):
+    if _SHIFT and d & (d - 1) == 0:
+        return lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
+    return lax.div(x, jnp.int32(d))
+
+
+def _rem(x, d: int):
+    if _SHIFT and d & (d - 1) == 0:
+        return x & jnp.int32(d - 1)
+    return lax.rem(x, jnp.int32(d))
+
+
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
@@ -360,20 +379,23 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         the share) [unit rows]."""
         first = first_tokens(block)
         tokens = [first] + [first + s for s in range(1, sets)]
-        return [(lax.rem(token, page_size_i32), token < end_token) for token in tokens]
+        return [(_rem(token, page_size), token < end_token) for token in tokens]
 
     def page_ids(block):                                                  # [unit rows]
         first = first_tokens(block)
         # Clamped: the prefetch reads one block past the share; those ids are never used.
-        return block_tables_ref[table_row, jnp.minimum(lax.div(first, page_size_i32),
-                                                       max_pages - 1)]
+        ids = block_tables_ref[table_row, jnp.minimum(_div(first, page_size), max_pages - 1)]
+        if _UNMASK and key_bits is not None:
+            ids = jnp.clip(ids, 0, k_refs[0].shape[0] - 1)
+        return ids
 
-    def per_slot(ref, page, tokens):
+    def per_slot(ref, page, tokens, masked=True):
         """A per-slot ref's (scale, zero) [unit rows] vectors: per token set, per scale group
         (a trailing groups axis is read a group at a time), per head."""
         groups = [()] if len(ref.shape) == 3 else \
             [(jnp.int32(g),) for g in range(ref.shape[-1])]
-        return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid, other=0)
+        return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid if masked else None,
+                             other=0 if masked else None)
                   for j in head_ids] for g in groups] for slot, valid in tokens]
 
     def load_tile(refs, bits, operand, page, tokens, zeros=None):
@@ -383,11 +405,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         `kv_quant.scale_shape`) lists of per-head vectors (`per_row` makes the tiles), None
         unquantised; `zeros` given (loaded a block ahead) are used as they are."""
         slot, valid = tokens[0]
-        unit_slot = slot if sets == 1 else lax.div(slot, jnp.int32(sets))
+        unit_slot = slot if sets == 1 else _div(slot, sets)
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         head, dims = columns(refs[0].shape[-1])
-        raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims],
-                         mask=valid[:, None], other=0)
+        if bits is None or not _UNMASK:
+            raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims],
+                             mask=valid[:, None], other=0)
+        else:
+            raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims])
         if bits is None:
             return [([raw], None, None)]
         # The unpack is per element of every tile, the kernel's main work besides the
@@ -395,8 +420,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # slot pairs the low bytes' planes are the even tokens', the high bytes' the odd's.
         planes = unpack_planes(raw, bits, *operand)
         n = len(planes) // sets
-        scales = per_slot(refs[1], page, tokens)
-        zeros = per_slot(refs[2], page, tokens) if zeros is None else zeros
+        keys = refs is k_refs
+        scales = per_slot(refs[1], page, tokens, masked=not (keys and _UNMASK))
+        zeros = per_slot(refs[2], page, tokens, masked=not (keys and _UNMASK)) \
+            if zeros is None else zeros
         return [(planes[s * n:(s + 1) * n], scales[s], zeros[s]) for s in range(sets)]
 
     def attend(block, page, state, v_zeros=None):
@@ -423,11 +450,20 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             else:
                 lg = lg * log2_scale
             logits.append(jnp.where(valid[None, :], lg, _MASK_VALUE))
-        m_next = jnp.maximum(m_prev, functools.reduce(jnp.maximum, logits).max(axis=-1))
+        m_block = functools.reduce(jnp.maximum, logits).max(axis=-1)
+        if lazy:
+            need = jnp.max(m_block - m_prev) > _LAZY_THRESHOLD
+            m_next = jnp.where(need, jnp.maximum(m_prev, m_block), m_prev)
+        else:
+            m_next = jnp.maximum(m_prev, m_block)
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
         l_next = correction * l_prev + functools.reduce(jnp.add, p).sum(axis=-1)
-        o_next = [correction[:, None] * o for o in o_prev]
+        if lazy:
+            o_next = list(lax.cond(need, lambda: tuple(correction[:, None] * o for o in o_prev),
+                                   lambda: tuple(o_prev)))
+        else:
+            o_next = [correction[:, None] * o for o in o_prev]
         for p_set, (v_tile, v_scales, _) in zip(p, v_sets):
             # One scale a row, or one a plane (value groups).
             weights = [p_set.astype(v_tile[0].dtype)] if value_bits is None else \
@@ -442,6 +478,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             for g, oz in enumerate(o_zero_prev))
         return tuple(o_next), o_zero_next, m_next, l_next
 
+    lazy = _LAZY and v_dtype != jnp.float16
     init = (tuple(jnp.zeros((rows, heads * v_width), jnp.float32) for _ in range(v_planes)),
             tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
