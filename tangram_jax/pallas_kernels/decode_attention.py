@@ -192,6 +192,7 @@ _SHIFT = _os.environ.get("DA_SHIFT", "1") == "1"
 _UNMASK = _os.environ.get("DA_UNMASK", "1") == "1"
 _LAZY = _os.environ.get("DA_LAZY", "1") == "1"
 _LAZY_THRESHOLD = 8.0
+_PREFETCH_PAGES = int(_os.environ.get("DA_PF", "32"))
 
 
 def _div(x, d: int):
@@ -248,7 +249,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
-    o_ref, lse_ref = refs[n_k + n_v:]
+    o_ref, lse_ref, sink_ref = refs[n_k + n_v:]
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
@@ -492,17 +493,34 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # schedule its latency is exposed. Measured on an H100 (benchmarks/NOTES_kv_precision.md,
         # session 21): K4V2 -26% at 32 x 32k, tiers -10%; K8V4 +1.5% and K8V8 +-3% with their
         # zeros ahead, so other formats load them in their iteration (None in the carry).
-        def ahead(block):
-            page = page_ids(block)
-            return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
+        prefetch = _PREFETCH_PAGES if compiled else 0
+
+        def far_id(block):
+            """A block-table entry `prefetch` pages past `block`'s first: loaded only so that
+            its cache line is in L1 when the pipelined page-id gather reaches it."""
+            return block_tables_ref[table_row, jnp.minimum(
+                (first_block + block) * pages_per_block + prefetch, max_pages - 1)]
+
+        def zeros_of(block, page):
+            return per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None
 
         def body(block, carry):
-            page, zeros, state = carry
-            return (*ahead(block + 1), attend(block, page, state, zeros))
-        _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
+            page, zeros, (far, far_acc), state = carry
+            nxt = page_ids(block + 1)
+            if prefetch:   # consumed an iteration after its load: never waited on
+                far, far_acc = far_id(block + 1), far_acc ^ far
+            return (nxt, zeros_of(block + 1, nxt), (far, far_acc),
+                    attend(block, page, state, zeros))
+        page0 = page_ids(jnp.int32(0))
+        far0 = far_id(jnp.int32(0)) if prefetch else jnp.int32(0)
+        _, _, (far, far_acc), final = lax.fori_loop(
+            0, num_blocks, body, (page0, zeros_of(0, page0), (far0, jnp.int32(0)), init))
+        # A store keeps the prefetch loads (an unused load is deleted by the compilers).
+        sink_ref[...] = far ^ far_acc
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, state: attend(block, page_ids(block), state), init)
+        sink_ref[...] = jnp.int32(0)
     o_planes, o_zero, m, l = final
     has_tokens = l > 0.0
     denominator = jnp.where(has_tokens, l, 1.0)[:, None]
@@ -663,13 +681,13 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
     program runs the part its item falls in (`_decode_kernel` over that part's page refs; the
     work list is the parts' lists one after another, so the kernel reads its own row).
     One part: its kernel, with no branch."""
-    o_ref, lse_ref = refs[-2:]
+    o_ref, lse_ref, sink_ref = refs[-3:]
     # Read here, not in a branch: the interpreter substitutes program ids at the top level only.
     item = pl.program_id(1)
     if len(parts) == 1:
         _, _, n, kernel = parts[0]
         kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs[:n], o_ref, lse_ref,
-               item=item)
+               sink_ref, item=item)
         return
     offset = 0
     for first, end, n, kernel in parts:
@@ -679,7 +697,7 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
         @pl.when((item >= first) & (item < end))
         def _(kernel=kernel, page_refs=page_refs):
             kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *page_refs, o_ref, lse_ref,
-                   item=item)
+                   sink_ref, item=item)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
@@ -747,7 +765,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
     # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
-    return *pl.pallas_call(
+    o_part, lse_part, _ = pl.pallas_call(
         functools.partial(_parts_kernel, parts=tuple(parts)),
         grid=(batch, num_items, group_size // heads),
         in_specs=[
@@ -761,16 +779,19 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
         out_specs=[
             pl.BlockSpec((None, None, heads, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
             pl.BlockSpec((None, None, heads, rows), lambda b, i, j: (b, i, j, 0)),
+            pl.BlockSpec((None, None, None), lambda b, i, j: (b, i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv, head_dim),
                                  jnp.float32),
             jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_items, group_size // heads), jnp.int32),
         ],
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
-    )(work, lengths, block_tables, q, *page_arrays), work
+    )(work, lengths, block_tables, q, *page_arrays)
+    return o_part, lse_part, work
 
 
 def _as_tuple(x) -> tuple:
