@@ -187,22 +187,16 @@ def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
             for half in (raw, high) for mask in plane_masks(bits)]
 
 
-import os as _os
-_SHIFT = _os.environ.get("DA_SHIFT", "1") == "1"
-_UNMASK = _os.environ.get("DA_UNMASK", "1") == "1"
-_LAZY = _os.environ.get("DA_LAZY", "1") == "1"
-_LAZY_THRESHOLD = 8.0
-_PREFETCH_PAGES = int(_os.environ.get("DA_PF", "32"))
-
-
 def _div(x, d: int):
-    if _SHIFT and d & (d - 1) == 0:
+    """x // d of non-negative int32 x (a logical shift for a power of two d)."""
+    if d & (d - 1) == 0:
         return lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
     return lax.div(x, jnp.int32(d))
 
 
 def _rem(x, d: int):
-    if _SHIFT and d & (d - 1) == 0:
+    """x % d of non-negative int32 x (a mask for a power of two d)."""
+    if d & (d - 1) == 0:
         return x & jnp.int32(d - 1)
     return lax.rem(x, jnp.int32(d))
 
@@ -249,7 +243,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
-    o_ref, lse_ref, sink_ref = refs[n_k + n_v:]
+    o_ref, lse_ref = refs[n_k + n_v:]
     group = work_ref[item, 0]
     split = work_ref[item, 1]
     num_splits = work_ref[item, 2]
@@ -355,12 +349,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
           (x.astype(jnp.float32) * 2.0 ** (q_exp - k_shift[p])).astype(k_dtype)
           for p, x in enumerate(q_raw)]
     key_code_scale = 2.0 ** -(k_exp + q_exp)
-    # Tokens are never negative, so page and slot are truncating `lax.div` / `lax.rem`: jnp's
-    # floor `//` and `%` add sign fix-ups per token that hide from Triton's axis analysis that
-    # a page id is constant (and a slot contiguous) over a page's tokens. Measured on an H100
-    # (NOTES_kv_precision.md, session 16): K4V2 -14 to -20%, tiers -5 to -9%, K8V4 -1 to -7%, K8V8
-    # equal, outputs bit for bit the same.
-    page_size_i32 = jnp.int32(page_size)
+    # Tokens are never negative, so page and slot are a truncating division and remainder
+    # (`_div` / `_rem`: a shift and a mask for a power of two): jnp's floor `//` and `%` add sign
+    # fix-ups per token that hide from Triton's axis analysis that a page id is constant (and a
+    # slot contiguous) over a page's tokens. Measured on an H100 (NOTES_kv_precision.md,
+    # session 16): K4V2 -14 to -20%, tiers -5 to -9%, K8V4 -1 to -7%, K8V8 equal, outputs bit for
+    # bit the same. (Signed `lax.div` by a power of two still costs a fix-up per index: the
+    # shift, with the unmasked code loads below, took 8-11% of K4V2's loop instructions and
+    # 1.5-2% of its time at 32 x 32k, session 27.)
 
     # Token sets: a unit row of a slot-pair pool (`kv_quant.PageFormat.slot_pairs`) holds two
     # adjacent slots, so a block is gathered as block_tokens / 2 unit rows (its even tokens) and
@@ -386,13 +382,14 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         first = first_tokens(block)
         # Clamped: the prefetch reads one block past the share; those ids are never used.
         ids = block_tables_ref[table_row, jnp.minimum(_div(first, page_size), max_pages - 1)]
-        if _UNMASK and key_bits is not None:
-            ids = jnp.clip(ids, 0, k_refs[0].shape[0] - 1)
-        return ids
+        # Quantised codes are read unmasked (`load_tile`): entries past a group's pages may hold
+        # anything, so the ids are clamped into the pool.
+        return ids if key_bits is None else jnp.clip(ids, 0, k_refs[0].shape[0] - 1)
 
     def per_slot(ref, page, tokens, masked=True):
         """A per-slot ref's (scale, zero) [unit rows] vectors: per token set, per scale group
-        (a trailing groups axis is read a group at a time), per head."""
+        (a trailing groups axis is read a group at a time), per head; unmasked (`masked`
+        False) slots past the share are read as they are."""
         groups = [()] if len(ref.shape) == 3 else \
             [(jnp.int32(g),) for g in range(ref.shape[-1])]
         return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid if masked else None,
@@ -409,30 +406,34 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         unit_slot = slot if sets == 1 else _div(slot, sets)
         # Every index of a gather is an array (the interpreter cannot mix arrays and slices).
         head, dims = columns(refs[0].shape[-1])
-        if bits is None or not _UNMASK:
+        if bits is None:
             raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims],
                              mask=valid[:, None], other=0)
-        else:
-            raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims])
-        if bits is None:
             return [([raw], None, None)]
+        # Codes, and the key scales and zeros, are read unmasked: codes are integers, so a slot
+        # past the share unpacks into finite operands, and its logit (whatever the key scale
+        # and zero, NaN included) is replaced by the mask value, so its weight is exactly 0
+        # (a slot pair's odd slot was always read so). Value scales and zeros stay masked: a
+        # NaN there times a weight of 0 would be NaN. No masks is fewer instructions a copy (the
+        # cp.async's zero-fill size, session 27).
+        raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims])
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`). With
         # slot pairs the low bytes' planes are the even tokens', the high bytes' the odd's.
         planes = unpack_planes(raw, bits, *operand)
         n = len(planes) // sets
         keys = refs is k_refs
-        scales = per_slot(refs[1], page, tokens, masked=not (keys and _UNMASK))
-        zeros = per_slot(refs[2], page, tokens, masked=not (keys and _UNMASK)) \
-            if zeros is None else zeros
+        scales = per_slot(refs[1], page, tokens, masked=not keys)
+        zeros = per_slot(refs[2], page, tokens, masked=not keys) if zeros is None else zeros
         return [(planes[s * n:(s + 1) * n], scales[s], zeros[s]) for s in range(sets)]
 
     def attend(block, page, state, v_zeros=None):
         tokens = set_tokens(block)
         # The K/V tile is gathered as [unit rows, H head_dim] rows (one page id per row, each
         # page a contiguous run of rows), so it lands in shared memory in the layout the
-        # matrix unit reads, with no reshape. Slots past the length are not loaded at all
-        # (masked: they may hold anything, NaN included) and read as 0.
+        # matrix unit reads, with no reshape. Slots past the length may hold anything, NaN
+        # included: unquantised ones are not loaded (masked, read as 0); quantised codes are
+        # loaded and their logits masked (`load_tile`).
         k_sets = load_tile(k_refs, key_bits, (k_dtype, k_exp), page, tokens)
         v_sets = load_tile(v_refs, value_bits, (v_dtype, v_exp), page, tokens, v_zeros)
         o_prev, o_zero_prev, m_prev, l_prev = state
@@ -451,20 +452,11 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             else:
                 lg = lg * log2_scale
             logits.append(jnp.where(valid[None, :], lg, _MASK_VALUE))
-        m_block = functools.reduce(jnp.maximum, logits).max(axis=-1)
-        if lazy:
-            need = jnp.max(m_block - m_prev) > _LAZY_THRESHOLD
-            m_next = jnp.where(need, jnp.maximum(m_prev, m_block), m_prev)
-        else:
-            m_next = jnp.maximum(m_prev, m_block)
+        m_next = jnp.maximum(m_prev, functools.reduce(jnp.maximum, logits).max(axis=-1))
         correction = backend.exp2(m_prev - m_next, fast=compiled)
         p = [backend.exp2(lg - m_next[:, None], fast=compiled) for lg in logits]
         l_next = correction * l_prev + functools.reduce(jnp.add, p).sum(axis=-1)
-        if lazy:
-            o_next = list(lax.cond(need, lambda: tuple(correction[:, None] * o for o in o_prev),
-                                   lambda: tuple(o_prev)))
-        else:
-            o_next = [correction[:, None] * o for o in o_prev]
+        o_next = [correction[:, None] * o for o in o_prev]
         for p_set, (v_tile, v_scales, _) in zip(p, v_sets):
             # One scale a row, or one a plane (value groups).
             weights = [p_set.astype(v_tile[0].dtype)] if value_bits is None else \
@@ -479,7 +471,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             for g, oz in enumerate(o_zero_prev))
         return tuple(o_next), o_zero_next, m_next, l_next
 
-    lazy = _LAZY and v_dtype != jnp.float16
     init = (tuple(jnp.zeros((rows, heads * v_width), jnp.float32) for _ in range(v_planes)),
             tuple(jnp.zeros((rows,), jnp.float32) for _ in range(value_groups)),
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
@@ -493,34 +484,17 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # schedule its latency is exposed. Measured on an H100 (benchmarks/NOTES_kv_precision.md,
         # session 21): K4V2 -26% at 32 x 32k, tiers -10%; K8V4 +1.5% and K8V8 +-3% with their
         # zeros ahead, so other formats load them in their iteration (None in the carry).
-        prefetch = _PREFETCH_PAGES if compiled else 0
-
-        def far_id(block):
-            """A block-table entry `prefetch` pages past `block`'s first: loaded only so that
-            its cache line is in L1 when the pipelined page-id gather reaches it."""
-            return block_tables_ref[table_row, jnp.minimum(
-                (first_block + block) * pages_per_block + prefetch, max_pages - 1)]
-
-        def zeros_of(block, page):
-            return per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None
+        def ahead(block):
+            page = page_ids(block)
+            return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
 
         def body(block, carry):
-            page, zeros, (far, far_acc), state = carry
-            nxt = page_ids(block + 1)
-            if prefetch:   # consumed an iteration after its load: never waited on
-                far, far_acc = far_id(block + 1), far_acc ^ far
-            return (nxt, zeros_of(block + 1, nxt), (far, far_acc),
-                    attend(block, page, state, zeros))
-        page0 = page_ids(jnp.int32(0))
-        far0 = far_id(jnp.int32(0)) if prefetch else jnp.int32(0)
-        _, _, (far, far_acc), final = lax.fori_loop(
-            0, num_blocks, body, (page0, zeros_of(0, page0), (far0, jnp.int32(0)), init))
-        # A store keeps the prefetch loads (an unused load is deleted by the compilers).
-        sink_ref[...] = far ^ far_acc
+            page, zeros, state = carry
+            return (*ahead(block + 1), attend(block, page, state, zeros))
+        _, _, final = lax.fori_loop(0, num_blocks, body, (*ahead(0), init))
     else:
         final = lax.fori_loop(0, num_blocks,
                               lambda block, state: attend(block, page_ids(block), state), init)
-        sink_ref[...] = jnp.int32(0)
     o_planes, o_zero, m, l = final
     has_tokens = l > 0.0
     denominator = jnp.where(has_tokens, l, 1.0)[:, None]
@@ -681,13 +655,13 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
     program runs the part its item falls in (`_decode_kernel` over that part's page refs; the
     work list is the parts' lists one after another, so the kernel reads its own row).
     One part: its kernel, with no branch."""
-    o_ref, lse_ref, sink_ref = refs[-3:]
+    o_ref, lse_ref = refs[-2:]
     # Read here, not in a branch: the interpreter substitutes program ids at the top level only.
     item = pl.program_id(1)
     if len(parts) == 1:
         _, _, n, kernel = parts[0]
         kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs[:n], o_ref, lse_ref,
-               sink_ref, item=item)
+               item=item)
         return
     offset = 0
     for first, end, n, kernel in parts:
@@ -697,7 +671,7 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
         @pl.when((item >= first) & (item < end))
         def _(kernel=kernel, page_refs=page_refs):
             kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *page_refs, o_ref, lse_ref,
-                   sink_ref, item=item)
+                   item=item)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
@@ -765,7 +739,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
     # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
-    o_part, lse_part, _ = pl.pallas_call(
+    return *pl.pallas_call(
         functools.partial(_parts_kernel, parts=tuple(parts)),
         grid=(batch, num_items, group_size // heads),
         in_specs=[
@@ -779,19 +753,16 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
         out_specs=[
             pl.BlockSpec((None, None, heads, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
             pl.BlockSpec((None, None, heads, rows), lambda b, i, j: (b, i, j, 0)),
-            pl.BlockSpec((None, None, None), lambda b, i, j: (b, i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv, head_dim),
                                  jnp.float32),
             jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_items, group_size // heads), jnp.int32),
         ],
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
-    )(work, lengths, block_tables, q, *page_arrays)
-    return o_part, lse_part, work
+    )(work, lengths, block_tables, q, *page_arrays), work
 
 
 def _as_tuple(x) -> tuple:
