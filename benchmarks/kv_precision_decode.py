@@ -123,9 +123,11 @@ def run_config(key, batch, context, block_tokens_by_precision, correctness_rows,
     lengths, tables, num_pages = make_case(key, batch, context)
     groups = lengths.shape[1]
     slots = int(lengths.sum()) * GROUP_SIZE
-    qs = jax.random.normal(jax.random.fold_in(key, 1),
-                           (CALLS, batch, groups, GROUP_SIZE * NUM_Q_HEADS // NUM_KV_HEADS,
-                            HEAD_DIM), DTYPE)
+    # A q array a launch (not slices of one array: a slice is a copy, 1.5 us a launch in every
+    # format's time until session 28, which the engine's q, the projection's output, never pays).
+    qs = [jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, 1), i),
+                            (batch, groups, GROUP_SIZE * NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM),
+                            DTYPE) for i in range(CALLS)]
     out = {"batch": batch, "context": context, "num_programs": num_programs,
            "program_scale": program_scale,
            "retained_slots": slots,
@@ -178,30 +180,37 @@ def tiered_case(key, precision, lens, batch, num_programs):
             tier_work_lists(precision, batch, num_programs), read)
 
 
-def work_list(precision, batch, num_programs):
+def work_list(precision, batch, num_programs, group_order=False):
     """The work list the engine builds for `precision` at a program target (precision tiers:
-    the (high, low) pair, `tier_work_lists`)."""
+    the (high, low) pair, `tier_work_lists`); `group_order`: its items in group order (the
+    order before session 28's longest first, `split_map.longest_first`)."""
     if precision in PRECISION_TIERS:
-        return tier_work_lists(precision, batch, num_programs)
-    return sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE).work_list(0)
+        return tier_work_lists(precision, batch, num_programs, group_order)
+    smap = sm.build_split_map(BUDGETS, num_programs, batch, group_size=GROUP_SIZE)
+    return _ordered(smap, group_order).work_list(0)
 
 
-def tier_work_lists(precision, batch, num_programs) -> tuple:
+def _ordered(smap, group_order):
+    return dataclasses.replace(smap, group_orders=None) if group_order else smap
+
+
+def tier_work_lists(precision, batch, num_programs, group_order=False) -> tuple:
     """The (high, low) work lists of the tiers' AOT map, as the engine builds them
     (`llm_engine.decode_split_map`: tier groups weighed by their slot bytes)."""
     smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
                                    tuple(slot_bytes(t) for t in PRECISION_TIERS[precision]),
                                    num_programs, batch, group_size=GROUP_SIZE)
-    return tuple(w[0] for w in smap.tier_work_lists())
+    return tuple(w[0] for w in _ordered(smap, group_order).tier_work_lists())
 
 
 def _tuning(tuning) -> dict:
     """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
     "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs).
     Precision tiers: block_tokens "high+low" gives each tier its own, and a suffix
-    ":per-tier" launches each tier on its own (`tier_launch`; default one launch). A suffix
-    "@S" (`_program_scale`) is not a kernel keyword and is dropped here."""
-    tuning, _, launch = str(tuning).split("@")[0].partition(":")
+    ":per-tier" launches each tier on its own (`tier_launch`; default one launch). Suffixes
+    "@S" (`_program_scale`) and "~group" (`_group_order`) are not kernel keywords and are
+    dropped here."""
+    tuning, _, launch = str(tuning).split("~")[0].split("@")[0].partition(":")
     kw = {"tier_launch": launch} if launch else {}
     if tuning == "default":
         return kw
@@ -216,8 +225,17 @@ def _tuning(tuning) -> dict:
 def _program_scale(tuning) -> int | None:
     """A sweep entry's own program scale (a suffix "@S": the split map sized for num_programs
     x S for this entry alone), else None (the run's)."""
-    _, at, scale = str(tuning).partition("@")
+    _, at, scale = str(tuning).split("~")[0].partition("@")
     return int(scale) if at else None
+
+
+def _group_order(tuning) -> bool:
+    """Whether a sweep entry lists its work items in group order (a suffix "~group"), not
+    the maps' longest first."""
+    _, tilde, order = str(tuning).partition("~")
+    if tilde and order != "group":
+        raise ValueError(f"a sweep entry's order suffix must be '~group', got {tuning!r}")
+    return bool(tilde)
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correctness_rows,
@@ -225,7 +243,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
     """One format's entry: time per launch for each block size, the best, bandwidth, check.
     num_programs: the run's program target of `precision`; an entry's own scale S ("@S")
     targets base_programs x S (the engine's num_programs)."""
-    batch = qs.shape[1]
+    batch = qs[0].shape[0]
     if precision in PRECISION_TIERS:
         k_pages, v_pages, tbl, lens, work, read = tiered_case(key, precision, lens, batch,
                                                               num_programs)
@@ -236,9 +254,13 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
         work = work_list(precision, batch, num_programs)
         read = slots * slot_bytes(precision)
 
-    def work_at(scale):
-        """The work list at program scale `scale` (None: the run's)."""
-        return work if scale is None else work_list(precision, batch, base_programs * scale)
+    def work_at(tuning):
+        """The work list of a sweep entry: its program scale (none: the run's), its order."""
+        scale, group_order = _program_scale(tuning), _group_order(tuning)
+        if scale is None and not group_order:
+            return work
+        return work_list(precision, batch,
+                         num_programs if scale is None else base_programs * scale, group_order)
 
     def attend(q, k, v, t, n, work=work_at(None), **kw):
         return ragged_paged_decode_attention(q, k, v, t, n, work_list=work, **kw)
@@ -250,8 +272,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
              "by_block_tokens": {}}
     for tuning in block_list:            # "block_tokens[/num_warps[/num_stages]]"
         @jax.jit
-        def block(qs, k_pages, v_pages, kw=dict(_tuning(tuning),
-                                                work=work_at(_program_scale(tuning)))):
+        def block(qs, k_pages, v_pages, kw=dict(_tuning(tuning), work=work_at(tuning))):
             return [attend(qs[i], k_pages, v_pages, tbl, lens, **kw) for i in range(CALLS)]
         try:
             wall = wall_quantiles(block, (qs, k_pages, v_pages), 7)[0] / CALLS
@@ -276,8 +297,8 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
     entry["bandwidth_gb_s"] = entry["bytes_read"] / entry["time_s"] / 1e9
     if correctness_rows:
         r = correctness_rows
-        q = qs[0, :r]
-        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], work=work_at(_program_scale(best)),
+        q = qs[0][:r]
+        got = attend(q, k_pages, v_pages, tbl[:r], lens[:r], work=work_at(best),
                      **_tuning(best))
         ref = reference(q, k_pages, v_pages, tbl[:r], lens[:r])
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
@@ -285,7 +306,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
         entry["rel_err_vs_reference"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         entry["finite"] = bool(np.isfinite(got).all())
     del k_pages, v_pages
-    print(f"batch {qs.shape[1]} rows {precision}: {entry['time_s'] * 1e6:.1f} us "
+    print(f"batch {batch} rows {precision}: {entry['time_s'] * 1e6:.1f} us "
           f"({entry['time_source']}; wall {entry['wall_time_s'] * 1e6:.1f} us) "
           f"{entry['bandwidth_gb_s']:.0f} GB/s blocks {entry['by_block_tokens']} "
           f"err {entry.get('rel_err_vs_reference')}", flush=True)
@@ -300,7 +321,7 @@ def main(argv=None):
                    "or 'default' (the library's per-format tuning), tried at the first config; "
                    "the best is used for the others. Tiers: block_tokens 'high+low', suffix "
                    "':per-tier' (a launch per tier); any entry: suffix '@S' (its own program "
-                   "scale)")
+                   "scale), then '~group' (its work items in group order, not longest first)")
     p.add_argument("--precisions",
                    default=",".join(kv_quant.KV_PRECISIONS + tuple(PRECISION_TIERS)))
     p.add_argument("--num-programs", type=int, default=NUM_PROGRAMS,

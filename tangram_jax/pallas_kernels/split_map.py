@@ -59,6 +59,9 @@ class SplitMap:
       name: label for reports (``aot``, ``uniform``).
       tiered: the groups are the tier groups of precision tiers (``2 g`` group g's high tier,
         ``2 g + 1`` its low tier), each tier's items a list of their own: `tier_work_lists`.
+      group_orders: per layer, the order of its groups' items in a work list (a
+        permutation of the groups): the AOT maps' is longest item first (`longest_first`);
+        None (uniform maps): group order.
     """
 
     splits: tuple[tuple[int, ...], ...]
@@ -66,6 +69,7 @@ class SplitMap:
     batch: int = 1
     name: str = "aot"
     tiered: bool = False
+    group_orders: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if not self.splits or len({len(s) for s in self.splits}) != 1:
@@ -79,6 +83,11 @@ class SplitMap:
         if self.tiered and len(self.splits[0]) % 2:
             raise ValueError(f"a tiered map has two tier groups per group, got "
                              f"{len(self.splits[0])} groups")
+        if self.group_orders is not None and (
+                len(self.group_orders) != len(self.splits) or
+                any(sorted(o) != list(range(len(s)))
+                    for o, s in zip(self.group_orders, self.splits))):
+            raise ValueError("group_orders must be a permutation of the groups per layer")
 
     @property
     def num_layers(self) -> int:
@@ -88,9 +97,20 @@ class SplitMap:
     def num_groups(self) -> int:
         return len(self.splits[0])
 
+    def group_order(self, layer: int) -> list[int]:
+        """The layer's groups in the order their items are listed (`group_orders`)."""
+        if self.group_orders is None:
+            return list(range(len(self.splits[layer])))
+        return list(self.group_orders[layer])
+
+    def _rows(self, layer: int, groups: list[int], group_id=lambda g: g) -> list[tuple]:
+        return [(group_id(g), k, self.splits[layer][g]) for g in groups
+                for k in range(self.splits[layer][g])]
+
     def work_list(self, layer: int) -> np.ndarray:
-        """int32 [num_items, 3] rows (group, split, num_splits); padding rows are (0, 0, 0)."""
-        rows = [(g, k, n) for g, n in enumerate(self.splits[layer]) for k in range(n)]
+        """int32 [num_items, 3] rows (group, split, num_splits), in `group_order`; padding
+        rows are (0, 0, 0)."""
+        rows = self._rows(layer, self.group_order(layer))
         out = np.zeros((self.num_items, 3), np.int32)
         out[:len(rows)] = rows
         return out
@@ -103,14 +123,15 @@ class SplitMap:
 
     def tier_work_lists(self) -> tuple[np.ndarray, np.ndarray]:
         """A tiered map cut into the work lists of its tiers: (high, low), each int32
-        [layers, items, 3] rows (group g of the base layout, split, num_splits), padded with
-        (0, 0, 0) rows (no-ops) to the most items a layer has in that tier."""
+        [layers, items, 3] rows (group g of the base layout, split, num_splits) in
+        `group_order`, padded with (0, 0, 0) rows (no-ops) to the most items a layer has in
+        that tier."""
         if not self.tiered:
             raise ValueError("tier_work_lists needs a tiered map (build_tier_split_map)")
         out = []
         for tier in (0, 1):
-            rows = [[(g // 2, k, n) for g, n in enumerate(layer) if g % 2 == tier
-                     for k in range(n)] for layer in self.splits]
+            rows = [self._rows(layer, [g for g in self.group_order(layer) if g % 2 == tier],
+                               lambda g: g // 2) for layer in range(self.num_layers)]
             lists = np.zeros((self.num_layers, max(len(r) for r in rows), 3), np.int32)
             for layer, r in enumerate(rows):
                 lists[layer, :len(r)] = r
@@ -177,7 +198,20 @@ def _apportion(work: np.ndarray, num_programs: int, batch: int, group_size: int,
     items = min(max(items, balance), num_groups * max_splits)
     splits = tuple(tuple(_min_max_apportion(group_size * row, items, max_splits))
                    for row in work)
-    return SplitMap(splits=splits, num_items=items, batch=int(batch), name=name, tiered=tiered)
+    return SplitMap(splits=splits, num_items=items, batch=int(batch), name=name, tiered=tiered,
+                    group_orders=tuple(longest_first(row, s) for row, s in zip(work, splits)))
+
+
+def longest_first(work: np.ndarray, splits) -> tuple[int, ...]:
+    """Groups by expected work a split (``work / splits``), the longest first (ties in group
+    order): the order of an AOT map's work items.
+
+    Why: the decode grid's programs start in list order (its axes are (batch, item, head of
+    the group), the batch fastest) and an SM that frees a slot takes the next program. In
+    group order the calibrated budgets can put the longest items last, so a launch of more
+    programs than slots ends on a round of its longest ones; longest first (LPT list
+    scheduling) ends it on the shortest."""
+    return tuple(sorted(range(len(splits)), key=lambda g: -float(work[g]) / splits[g]))
 
 
 # For the items raised for balance, sum(w) / min(w), a tier group expected to read less than
