@@ -13,9 +13,8 @@ a block) and runs an online softmax over run `split` for `heads_per_program` KV 
 side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
 no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
 writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel
-(grid ``(batch, query head of a group x head_dim slice)``, each program reading every item's
-partial of its head once) merges the partials of each group by log-sum-exp into the output, so
-a call is two launches. The work list is the only thing that
+(grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by
+log-sum-exp into the output, so a call is two launches. The work list is the only thing that
 differs between the AOT split map, uniform splits and runtime planning (`split_map.py`): a
 static one becomes a constant of the jitted step, a planned one is a runtime int32 array of
 shape ``[batch, items, 3]``.
@@ -521,60 +520,47 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         plgpu.store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
-def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int, num_groups: int):
-    """One (sequence, query head of a group x head_dim slice) program: log-sum-exp merge of
-    the work items of every group, over the partials of every decode launch.
+def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
+    """One (sequence, group, query head of the group x head_dim slice) program: log-sum-exp
+    merge of the work items that cover this group, over the partials of every decode launch.
 
     refs: per launch (n of them) its work_ref [items, 3], then per launch o_part_ref [items,
     heads_per_group, head_dim] f32 (normalised), then per launch lse_part_ref [items,
-    heads_per_group] f32; then out_ref [groups, heads_per_group, head_dim] in the output dtype
-    (this program writes its head's slice of every group). Each launch's partials are read
-    where that launch wrote them (with precision tiers no concatenation of the tiers' partials
-    is written and read back first).
+    heads_per_group] f32; then out_ref [head_dim // dim_splits] in the output dtype. Each launch's
+    partials are read where that launch wrote them (with precision tiers no concatenation of
+    the tiers' partials is written and read back first).
     One pass over each launch's items in `chunks`-item steps, unrolled (num_items is static), so
-    all loads can be in flight at once; every item's partial is read once, by the program of
-    its query head (an item's head h is its group's head h), and each group's sums take their
-    own items (a select a group, the groups unrolled). A running maximum per group rescales what
-    earlier steps summed. (Until session 28 a program merged one group, reading every item of
-    the row masked to its own: groups x the loads, at 33 items a row 5.7 us a merge.)
+    all loads can be in flight at once: only items of this group are read (masked loads), and
+    the running maximum rescales what earlier steps summed.
     """
     n = len(num_items)
     work_refs, o_refs, lse_refs, out_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
-    head = pl.program_id(1) // dim_splits
-    dim_block = out_ref.shape[-1] // dim_splits
-    dim_start = (pl.program_id(1) % dim_splits) * dim_block
-    dims = dim_start + jnp.arange(dim_block)[None, :]
+    group = pl.program_id(1)
+    head = pl.program_id(2) // dim_splits
+    dim_block = out_ref.shape[-1]
+    dims = (pl.program_id(2) % dim_splits) * dim_block + jnp.arange(dim_block)[None, :]
     group_col, num_splits_col = jnp.int32(0), jnp.int32(2)
-    m = [jnp.float32(-jnp.inf)] * num_groups
-    num = [jnp.zeros((dim_block,), jnp.float32)] * num_groups
-    den = [jnp.float32(0.0)] * num_groups
+    m = jnp.float32(-jnp.inf)
+    num = jnp.zeros(out_ref.shape, jnp.float32)
+    den = jnp.float32(0.0)
     for work_ref, o_part_ref, lse_part_ref, items, chunk in zip(work_refs, o_refs, lse_refs,
                                                                 num_items, chunks):
         for start in range(0, items, chunk):
             idx = start + jnp.arange(chunk)
             in_row = idx < items
-            item_group = plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1)
-            active = in_row & (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row,
-                                          other=0) > 0)
-            lse = plgpu.load(lse_part_ref.at[idx, head], mask=active, other=-jnp.inf)  # [chunk]
-            o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=active[:, None],
+            owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
+                (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
+            lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)  # [chunk]
+            o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
                            other=0.0)                                              # [chunk, d]
-            own = [active & (item_group == g) for g in range(num_groups)]
-            m_next = [jnp.maximum(m[g], jnp.where(own[g], lse, -jnp.inf).max())
-                      for g in range(num_groups)]
-            m_safe = [jnp.where(x > -jnp.inf, x, 0.0) for x in m_next]
-            item_max = functools.reduce(lambda acc, g: jnp.where(own[g], m_safe[g], acc),
-                                        range(num_groups), jnp.zeros_like(lse))
-            w = jnp.where(active, jnp.exp(lse - item_max), 0.0)                   # [chunk]
-            weighted = w[:, None] * o
-            for g in range(num_groups):
-                rescale = jnp.exp(m[g] - m_safe[g])          # 0 while nothing was summed yet
-                num[g] = num[g] * rescale + jnp.where(own[g][:, None], weighted, 0.0).sum(axis=0)
-                den[g] = den[g] * rescale + jnp.where(own[g], w, 0.0).sum()
+            m_next = jnp.maximum(m, lse.max())
+            m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
+            rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
+            w = jnp.where(owned, jnp.exp(lse - m_safe), 0.0)
+            num = num * rescale + (w[:, None] * o).sum(axis=0)
+            den = den * rescale + w.sum()
             m = m_next
-    for g in range(num_groups):
-        plgpu.store(out_ref.at[jnp.int32(g), head, pl.ds(dim_start, dim_block)],
-                    (num[g] / jnp.where(den[g] > 0, den[g], 1.0)).astype(out_ref.dtype))
+    out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
 def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
@@ -810,15 +796,16 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     dim_splits = head_dim // dim_block
     return pl.pallas_call(
         functools.partial(_merge_kernel, num_items=num_items, chunks=chunks,
-                          dim_splits=dim_splits, num_groups=num_groups),
-        grid=(batch, heads * dim_splits),
+                          dim_splits=dim_splits),
+        grid=(batch, num_groups, heads * dim_splits),
         in_specs=[
             *(_work_spec(w) for w in works),
-            *(pl.BlockSpec((None, i, heads, head_dim), lambda b, h: (b, 0, 0, 0))
+            *(pl.BlockSpec((None, i, heads, head_dim), lambda b, n, h: (b, 0, 0, 0))
               for i in num_items),
-            *(pl.BlockSpec((None, i, heads), lambda b, h: (b, 0, 0)) for i in num_items),
+            *(pl.BlockSpec((None, i, heads), lambda b, n, h: (b, 0, 0)) for i in num_items),
         ],
-        out_specs=pl.BlockSpec((None, num_groups, heads, head_dim), lambda b, h: (b, 0, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, None, dim_block),
+                               lambda b, n, h: (b, n, h // dim_splits, h % dim_splits)),
         out_shape=jax.ShapeDtypeStruct((batch, num_groups, heads, head_dim), out_dtype),
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=4, num_stages=1),
