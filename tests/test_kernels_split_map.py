@@ -3,6 +3,8 @@ planner: shapes, proportionality, and that the decode kernel's share rule (a gro
 into equal runs) covers every page of every group exactly once, with one pool or a launch per
 tier."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -95,6 +97,39 @@ def test_every_work_list_covers_every_page_once(pages_per_block):
         for tier, work in enumerate(smap.tier_work_lists()):
             _covered_once(np.broadcast_to(work[0], (5, *work.shape[1:])),
                           tier_lengths[:, tier::2], ps, pages_per_block)
+
+
+def _item_shares(work, budgets):
+    """Each active row's expected tokens (its group's budget over its splits), in list order."""
+    rows = work[work[:, 2] > 0]
+    return budgets[rows[:, 0]] / rows[:, 2]
+
+
+def test_aot_work_lists_put_the_longest_items_first():
+    """AOT maps list items longest first (untiered, and each tier's list by its tier groups'
+    expected work a split); a uniform map and a map without group_orders keep group order;
+    group_orders must be a permutation per layer."""
+    budgets = np.array([[0.8, 0.2, 0.6, 0.4], [0.1, 0.9, 0.3, 0.5]])
+    m = sm.build_split_map(budgets, 200, 4, group_size=2)
+    for layer in range(2):
+        shares = _item_shares(m.work_list(layer), budgets[layer])
+        assert (np.diff(shares) <= 1e-12).all(), shares
+    assert m.group_orders[1] == tuple(sm.longest_first(budgets[1], m.splits[1]))
+    # The same splits in group order: rows sorted by group.
+    plain = dataclasses.replace(m, group_orders=None).work_list(0)
+    active = plain[plain[:, 2] > 0]
+    assert (np.diff(active[:, 0]) >= 0).all()
+    assert sorted(map(tuple, active)) == sorted(map(tuple, m.work_list(0)[:len(active)]))
+    assert (sm.uniform_split_map(1, 4, 3).work_list(0)[:, 0] == np.repeat(np.arange(4), 3)).all()
+    share = np.array([[0.9, 0.1, 0.5, 0.5]])
+    tiered = sm.build_tier_split_map(budgets[:1], share, (208.0, 112.0), 200, 4, group_size=2)
+    tier_work = np.stack([budgets[0] * share[0] * 208, budgets[0] * (1 - share[0]) * 112],
+                         axis=-1)                                        # [groups, tier]
+    for tier, lists in enumerate(tiered.tier_work_lists()):
+        shares = _item_shares(lists[0], tier_work[:, tier])
+        assert (np.diff(shares) <= 1e-9).all(), (tier, shares)
+    with pytest.raises(ValueError, match="group_orders"):
+        dataclasses.replace(m, group_orders=((0, 1, 2, 2), (0, 1, 2, 3)))
 
 
 def test_runtime_plan_balances_by_actual_length():
