@@ -61,11 +61,15 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16
 # Work items one merge step reads at once.
 _MERGE_CHUNK_ITEMS = 128
-# PROTOTYPE switches (session 29 A/B, read at trace time): eviction policy of the partials'
-# stores and of the KV loads; dtype of the partial outputs.
-_PARTIAL_STORE_EVICTION = None
-_KV_LOAD_EVICTION = None
-_PARTIAL_DTYPE = jnp.float32
+# The partials' stores ask L2 to keep their lines (`evict_last`): the merge reads them right
+# after the launch, and the KV streaming through L2 would evict them first. Measured on an H100
+# (benchmarks/NOTES_kv_precision.md, session 29): the decode launch itself -1.3% (K4V2) and
+# -1.7% (tiers) at 32 x 32k, the merge -0.4 us; equal at 64 x 32k. (`evict_first` on the KV
+# loads, and partials in bf16, moved nothing.)
+_PARTIAL_EVICTION = "evict_last"
+# PROTOTYPE switches (session 29 merge sweep): the merge's register budget a chunk and warps.
+_MERGE_TILE_F32 = 4096
+_MERGE_WARPS = 4
 
 
 def _page_inputs(pages) -> tuple:
@@ -398,7 +402,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         groups = [()] if len(ref.shape) == 3 else \
             [(jnp.int32(g),) for g in range(ref.shape[-1])]
         return [[[plgpu.load(ref.at[(page, j, slot, *g)], mask=valid if masked else None,
-                             other=0 if masked else None, eviction_policy=_KV_LOAD_EVICTION)
+                             other=0 if masked else None)
                   for j in head_ids] for g in groups] for slot, valid in tokens]
 
     def load_tile(refs, bits, operand, page, tokens, zeros=None):
@@ -421,8 +425,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # (a slot pair's odd slot was always read so). Value scales and zeros stay masked: a
         # NaN there times a weight of 0 would be NaN. No masks is fewer instructions a copy (the
         # cp.async's zero-fill size, session 27).
-        raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims],
-                         eviction_policy=_KV_LOAD_EVICTION)
+        raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims])
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`). With
         # slot pairs the low bytes' planes are the even tokens', the high bytes' the odd's.
@@ -517,18 +520,18 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             o * plane_scale[i] + o_zero[i * len(o_zero) // v_planes][:, None]
         out = out / denominator
         if heads == 1 and value_bits is None:   # the whole head (a block store)
-            plgpu.store(o_ref.at[head_ids[0]], out.astype(o_ref.dtype), mask=row_real[:, None],
-                        eviction_policy=_PARTIAL_STORE_EVICTION)
+            plgpu.store(o_ref.at[head_ids[0]], out, mask=row_real[:, None],
+                        eviction_policy=_PARTIAL_EVICTION)
         else:
             plgpu.store(o_ref.at[col_head, out_rows, i * v_width + col_dim],
-                        out.astype(o_ref.dtype), mask=out_mask,
-                        eviction_policy=_PARTIAL_STORE_EVICTION)
+                        out, mask=out_mask,
+                        eviction_policy=_PARTIAL_EVICTION)
     if heads == 1:
         plgpu.store(lse_ref.at[head_ids[0]], lse, mask=row_real,
-                    eviction_policy=_PARTIAL_STORE_EVICTION)
+                    eviction_policy=_PARTIAL_EVICTION)
     else:
         plgpu.store(lse_ref.at[row_head, row_in_head], lse, mask=row_real,
-                    eviction_policy=_PARTIAL_STORE_EVICTION)
+                    eviction_policy=_PARTIAL_EVICTION)
 
 
 def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
@@ -563,7 +566,7 @@ def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
                 (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
             lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)  # [chunk]
             o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
-                           other=0.0).astype(jnp.float32)                                              # [chunk, d]
+                           other=0.0)                                              # [chunk, d]
             m_next = jnp.maximum(m, lse.max())
             m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
             rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
@@ -767,7 +770,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv, head_dim),
-                                 _PARTIAL_DTYPE),
+                                 jnp.float32),
             jax.ShapeDtypeStruct((batch, num_items, group_size, q_per_kv), jnp.float32),
         ],
         interpret=interpret,
@@ -803,7 +806,7 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     chunks = tuple(min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(i)) for i in num_items)
     # A chunk of partial outputs is at most 4096 f32 (32 registers a thread at 4 warps), so all
     # chunks of a program stay in flight: long rows (small batches) split head_dim instead.
-    dim_block = min(head_dim, max(16, 4096 // max(chunks)))
+    dim_block = min(head_dim, max(16, _MERGE_TILE_F32 // max(chunks)))
     dim_splits = head_dim // dim_block
     return pl.pallas_call(
         functools.partial(_merge_kernel, num_items=num_items, chunks=chunks,
@@ -819,7 +822,7 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
                                lambda b, n, h: (b, n, h // dim_splits, h % dim_splits)),
         out_shape=jax.ShapeDtypeStruct((batch, num_groups, heads, head_dim), out_dtype),
         interpret=interpret,
-        compiler_params=backend.compiler_params(num_warps=4, num_stages=1),
+        compiler_params=backend.compiler_params(num_warps=_MERGE_WARPS, num_stages=1),
         name="ragged_paged_decode_merge",
     )(*works, *o_parts, *lse_parts)
 
