@@ -59,17 +59,20 @@ from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
-# Work items one merge step reads at once.
-_MERGE_CHUNK_ITEMS = 128
+# The merge launch's tiles: work items one step reads at once (at most), the f32 elements of a
+# step's partial outputs (head_dim is split to fit), and warps a program. 32 / 4096 / 2 against
+# 128 / 4096 / 4 (session 28's), on an H100 (benchmarks/NOTES_kv_precision.md, session 29): the
+# merge -1.1 us at 33 items a row ([32 x 128] steps instead of one [64 x 64]), -0.6 us for the
+# tiers, -0.1 to -1 us for bf16, at batch 32 and 64 x 32k.
+_MERGE_CHUNK_ITEMS = 32
+_MERGE_TILE_F32 = 4096
+_MERGE_WARPS = 2
 # The partials' stores ask L2 to keep their lines (`evict_last`): the merge reads them right
 # after the launch, and the KV streaming through L2 would evict them first. Measured on an H100
 # (benchmarks/NOTES_kv_precision.md, session 29): the decode launch itself -1.3% (K4V2) and
 # -1.7% (tiers) at 32 x 32k, the merge -0.4 us; equal at 64 x 32k. (`evict_first` on the KV
 # loads, and partials in bf16, moved nothing.)
 _PARTIAL_EVICTION = "evict_last"
-# PROTOTYPE switches (session 29 merge sweep): the merge's register budget a chunk and warps.
-_MERGE_TILE_F32 = 4096
-_MERGE_WARPS = 4
 
 
 def _page_inputs(pages) -> tuple:
@@ -523,9 +526,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
             plgpu.store(o_ref.at[head_ids[0]], out, mask=row_real[:, None],
                         eviction_policy=_PARTIAL_EVICTION)
         else:
-            plgpu.store(o_ref.at[col_head, out_rows, i * v_width + col_dim],
-                        out, mask=out_mask,
-                        eviction_policy=_PARTIAL_EVICTION)
+            plgpu.store(o_ref.at[col_head, out_rows, i * v_width + col_dim], out,
+                        mask=out_mask, eviction_policy=_PARTIAL_EVICTION)
     if heads == 1:
         plgpu.store(lse_ref.at[head_ids[0]], lse, mask=row_real,
                     eviction_policy=_PARTIAL_EVICTION)
@@ -804,8 +806,8 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     o_parts = [o.reshape(batch, o.shape[1], heads, head_dim) for o in o_parts]
     lse_parts = [x.reshape(batch, x.shape[1], heads) for x in lse_parts]
     chunks = tuple(min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(i)) for i in num_items)
-    # A chunk of partial outputs is at most 4096 f32 (32 registers a thread at 4 warps), so all
-    # chunks of a program stay in flight: long rows (small batches) split head_dim instead.
+    # A chunk of partial outputs is at most _MERGE_TILE_F32 (64 registers a thread at 2 warps),
+    # so all chunks of a program stay in flight: long rows (small batches) split head_dim.
     dim_block = min(head_dim, max(16, _MERGE_TILE_F32 // max(chunks)))
     dim_splits = head_dim // dim_block
     return pl.pallas_call(
