@@ -207,10 +207,9 @@ def _tuning(tuning) -> dict:
     """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
     "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs).
     Precision tiers: block_tokens "high+low" gives each tier its own, and a suffix
-    ":per-tier" launches each tier on its own (`tier_launch`; default one launch). Suffixes
-    "@S" (`_program_scale`) and "~group" (`_group_order`) are not kernel keywords and are
-    dropped here."""
-    tuning, _, launch = str(tuning).split("~")[0].split("@")[0].partition(":")
+    ":per-tier" launches each tier on its own (`tier_launch`; default one launch). The
+    suffixes of `_entry_suffixes` are not kernel keywords and are dropped here."""
+    tuning, _, launch = _entry_suffixes(tuning)[0].partition(":")
     kw = {"tier_launch": launch} if launch else {}
     if tuning == "default":
         return kw
@@ -222,20 +221,15 @@ def _tuning(tuning) -> dict:
     return {"num_warps": 2, **kw}
 
 
-def _program_scale(tuning) -> int | None:
-    """A sweep entry's own program scale (a suffix "@S": the split map sized for num_programs
-    x S for this entry alone), else None (the run's)."""
-    _, at, scale = str(tuning).split("~")[0].partition("@")
-    return int(scale) if at else None
-
-
-def _group_order(tuning) -> bool:
-    """Whether a sweep entry lists its work items in group order (a suffix "~group"), not
-    the maps' longest first."""
-    _, tilde, order = str(tuning).partition("~")
+def _entry_suffixes(tuning) -> tuple[str, int | None, bool]:
+    """A sweep entry "tuning[@S][~group]" as (tuning, S or None, group order): "@S" sizes
+    its split map for num_programs x S for this entry alone (None: the run's); "~group"
+    lists its work items in group order, not the maps' longest first."""
+    rest, tilde, order = str(tuning).partition("~")
     if tilde and order != "group":
         raise ValueError(f"a sweep entry's order suffix must be '~group', got {tuning!r}")
-    return bool(tilde)
+    spec, at, scale = rest.partition("@")
+    return spec, (int(scale) if at else None), bool(tilde)
 
 
 def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correctness_rows,
@@ -256,7 +250,7 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
 
     def work_at(tuning):
         """The work list of a sweep entry: its program scale (none: the run's), its order."""
-        scale, group_order = _program_scale(tuning), _group_order(tuning)
+        _, scale, group_order = _entry_suffixes(tuning)
         if scale is None and not group_order:
             return work
         return work_list(precision, batch,

@@ -518,22 +518,19 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     col_head, col_dim = columns(v_width)
     out_rows, out_mask = (row_ids, row_real[:, None]) if heads == 1 else \
         (store_rows(col_head), row_real[:, None] & (row_head[:, None] == col_head))
+    store = functools.partial(plgpu.store, eviction_policy=_PARTIAL_EVICTION)
     for i, o in enumerate(o_planes):
         out = o if value_bits is None else \
             o * plane_scale[i] + o_zero[i * len(o_zero) // v_planes][:, None]
         out = out / denominator
         if heads == 1 and value_bits is None:   # the whole head (a block store)
-            plgpu.store(o_ref.at[head_ids[0]], out, mask=row_real[:, None],
-                        eviction_policy=_PARTIAL_EVICTION)
+            store(o_ref.at[head_ids[0]], out, mask=row_real[:, None])
         else:
-            plgpu.store(o_ref.at[col_head, out_rows, i * v_width + col_dim], out,
-                        mask=out_mask, eviction_policy=_PARTIAL_EVICTION)
+            store(o_ref.at[col_head, out_rows, i * v_width + col_dim], out, mask=out_mask)
     if heads == 1:
-        plgpu.store(lse_ref.at[head_ids[0]], lse, mask=row_real,
-                    eviction_policy=_PARTIAL_EVICTION)
+        store(lse_ref.at[head_ids[0]], lse, mask=row_real)
     else:
-        plgpu.store(lse_ref.at[row_head, row_in_head], lse, mask=row_real,
-                    eviction_policy=_PARTIAL_EVICTION)
+        store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
 def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):

@@ -87,7 +87,9 @@ class SplitMap:
                 len(self.group_orders) != len(self.splits) or
                 any(sorted(o) != list(range(len(s)))
                     for o, s in zip(self.group_orders, self.splits))):
-            raise ValueError("group_orders must be a permutation of the groups per layer")
+            raise ValueError(f"group_orders must be a permutation of the groups "
+                             f"0..{len(self.splits[0]) - 1} for each of the "
+                             f"{len(self.splits)} layers, got {self.group_orders!r}")
 
     @property
     def num_layers(self) -> int:
