@@ -17,6 +17,18 @@ time; the harness checks this on every run):
 - ``variable_tracking``: assignment lines ``X = 4821`` and ``Y = X`` hidden among filler lines,
   optionally with a second, distracting chain; asks the value of the chain's last variable.
 
+Long-session tasks (`LONG_TASKS`): the context spans many compression chunks (`TaskSizes.
+long_chars` of essay text, ~1.4k tokens by default: 11 chunks of the CPU's 128; on a GPU
+up to SmolLM2's 8k context), so which tokens survive is decided chunk by chunk before the question
+exists, as in the serving benchmarks' 32k-100k turns:
+
+- ``long_facts``: three door codes (5 digits, one person each) at random depths; turn 1 asks one,
+  turns 2 and 3 the other two in the same session (what the first question did not ask must
+  survive compression);
+- ``long_passkey``: a 5-digit pass key at a random depth;
+- ``long_kv``: `long_kv_pairs` key-value sentences (5-digit values) at random depths; turn 1
+  asks one key, turn 2 another.
+
 Every question comes with an answer prefix that opens the reply ("The pass key is", as RULER's
 templates do): what is generated after it is the value, so the 135M model answers in the judged
 shape (without it, full KV answered kv retrieval 35% and the multi-turn task 40% of the time).
@@ -40,7 +52,12 @@ from pathlib import Path
 
 from tangram_jax.compression.pilot_data import haystack_text
 
-TASKS = ("kv_retrieval", "passkey", "multi_turn", "variable_tracking")
+# The short tasks: every sample fits one compression chunk at the GPU's default chunk size.
+SHORT_TASKS = ("kv_retrieval", "passkey", "multi_turn", "variable_tracking")
+# The long-session tasks: contexts that span many compression chunks (the regime the serving
+# benchmarks measure speed in), 5-digit answers, facts asked one per later turn.
+LONG_TASKS = ("long_facts", "long_passkey", "long_kv")
+TASKS = SHORT_TASKS + LONG_TASKS
 
 # 64 adjectives and 64 nouns: a key uses each word at most once per sample, so no two keys of a
 # sample share a word (keys sharing words are what a 135M model confuses).
@@ -182,6 +199,38 @@ def multi_turn(rng: random.Random, essays: str, chars: int,
     return text, turns
 
 
+def door_codes(rng: random.Random, essays: str, chars: int,
+               facts: int = 3) -> tuple[str, list[Turn]]:
+    """`facts` 5-digit door codes of different people at random depths of `chars` characters of
+    essay text; one question per code, one per turn, in random order."""
+    people = rng.sample(_PEOPLE, facts)
+    codes = [str(rng.randrange(10000, 100000)) for _ in people]
+    text = _essay_slice(rng, essays, chars)
+    for person, code, depth in sorted(zip(people, codes, (rng.random() for _ in people)),
+                                      key=lambda t: -t[2]):
+        text = _insert_at_sentence(text, f"The door code of {person} is {code}.", depth)
+    order = rng.sample(range(facts), facts)
+    turns = [Turn(f"In the text above, what is the door code of {people[i]}? Answer with the "
+                  "number only.", codes[i], f"The door code of {people[i]} is") for i in order]
+    return text, turns
+
+
+def kv_in_essay(rng: random.Random, essays: str, chars: int, pairs: int,
+                asked: int) -> tuple[str, list[Turn]]:
+    """`pairs` "The value of the key K is V." sentences (5-digit values, no word in two keys) at
+    random depths of `chars` characters of essay text; `asked` of the keys asked, one a turn."""
+    keys = [f"{a}-{n}" for a, n in zip(rng.sample(_ADJECTIVES, pairs), rng.sample(_NOUNS, pairs))]
+    values = [str(rng.randrange(10000, 100000)) for _ in keys]
+    text = _essay_slice(rng, essays, chars)
+    for k, v, depth in sorted(zip(keys, values, (rng.random() for _ in keys)),
+                              key=lambda t: -t[2]):
+        text = _insert_at_sentence(text, f"The value of the key {k} is {v}.", depth)
+    turns = [Turn(f"In the text above, what is the value of the key {keys[i]}? Answer with the "
+                  "number only.", values[i], f"The value of the key {keys[i]} is")
+             for i in rng.sample(range(pairs), asked)]
+    return text, turns
+
+
 def variable_tracking(rng: random.Random, filler_lines: int, hops: int = 1,
                       distractor: bool = True) -> tuple[str, list[Turn]]:
     names = rng.sample(_VARIABLES, 2 * (hops + 1))
@@ -220,6 +269,9 @@ class TaskSizes:
     variable_filler_lines: int = 48
     variable_hops: int = 1
     variable_distractor: bool = False
+    # The long-session tasks: characters of essay text (~4.4 per SmolLM2 token).
+    long_chars: int = 6000
+    long_kv_pairs: int = 6
 
 
 # Per task, candidate sizes from hardest to easiest, all with >= ~750 tokens of context: a pilot
@@ -233,12 +285,15 @@ LADDERS: dict[str, tuple[dict, ...]] = {
                    {"multi_turn_chars": 3200}),
     "variable_tracking": ({"variable_filler_lines": 48, "variable_distractor": True},
                           {"variable_filler_lines": 48}, {"variable_filler_lines": 36}),
+    "long_facts": ({"long_chars": 9000}, {"long_chars": 6000}, {"long_chars": 4600}),
+    "long_passkey": ({"long_chars": 9000}, {"long_chars": 6000}, {"long_chars": 4600}),
+    "long_kv": ({"long_chars": 9000}, {"long_chars": 6000}, {"long_chars": 4600, "long_kv_pairs": 4}),
 }
 
 
 def _needs_essays(task: str, sizes: TaskSizes) -> bool:
-    return task in ("passkey", "multi_turn") or (task == "kv_retrieval"
-                                                  and sizes.kv_style == "essay")
+    return task in ("passkey", "multi_turn") + LONG_TASKS or (task == "kv_retrieval"
+                                                              and sizes.kv_style == "essay")
 
 
 def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(),
@@ -258,6 +313,12 @@ def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(
         context, turns = passkey(rng, essays, sizes.passkey_chars)
     elif task == "multi_turn":
         context, turns = multi_turn(rng, essays, sizes.multi_turn_chars)
+    elif task == "long_facts":
+        context, turns = door_codes(rng, essays, sizes.long_chars)
+    elif task == "long_passkey":
+        context, turns = passkey(rng, essays, sizes.long_chars)
+    elif task == "long_kv":
+        context, turns = kv_in_essay(rng, essays, sizes.long_chars, sizes.long_kv_pairs, 2)
     else:
         context, turns = variable_tracking(rng, sizes.variable_filler_lines, sizes.variable_hops,
                                            sizes.variable_distractor)
