@@ -81,6 +81,10 @@ import numpy as np
 _CEIL_EPS = 1e-6
 
 TAIL_RULES = ("window", "final_chunk", "none")
+# How a turn's retained count is spread over its chunks (module docstring, "Retention"):
+# "flow" fills the turn's reservation first and then lets every later chunk displace the
+# weakest tokens held; "chunk" keeps a fixed share of every chunk, locked in.
+RETENTIONS = ("flow", "chunk")
 
 
 def chunk_keep_count(group_budgets: np.ndarray, chunk_len: int | np.ndarray) -> np.ndarray:
@@ -153,6 +157,9 @@ class KVLayout:
       name: a label for reports (``tangram``, ``full``, ``adjacent`` ...).
       tail_rule, tail_window: which end of every turn is kept uncompressed (`TAIL_RULES`; the
         module docstring). The engine uses ``"window"`` with its observation window.
+      retention: how a turn's count is spread over its chunks (`RETENTIONS`, the module
+        docstring): ``"flow"`` (the reservation filled first, later chunks displace weaker
+        tokens) or ``"chunk"`` (a fixed share of each chunk).
     """
 
     num_layers: int
@@ -166,6 +173,7 @@ class KVLayout:
     name: str = "tangram"
     tail_rule: str = "none"
     tail_window: int = 0
+    retention: str = "chunk"
 
     def __post_init__(self):
         if self.group_size <= 0 or self.num_kv_heads % self.group_size:
@@ -176,6 +184,8 @@ class KVLayout:
                              "must be positive")
         if self.tail_rule not in TAIL_RULES:
             raise ValueError(f"tail_rule must be one of {TAIL_RULES}, got {self.tail_rule!r}")
+        if self.retention not in RETENTIONS:
+            raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}")
         if self.tail_rule == "window" and self.tail_window < 1:
             raise ValueError(f"tail_window must be >= 1 for the 'window' tail rule, got "
                              f"{self.tail_window}")
@@ -228,9 +238,20 @@ class KVLayout:
                              f"got {upto}")
         boundary = n - self.protected_tail(n)       # tokens [boundary, n) are kept whole
         compressed = min(upto, boundary)
+        if self.retention == "flow":
+            # Everything up to the turn's count of its unprotected part, then no more: later
+            # chunks displace held tokens instead of adding their own share.
+            held = np.minimum(compressed, self.turn_keep_counts(boundary))
+            return held + max(0, upto - boundary)
         full, rest = divmod(compressed, self.chunk_size)
         keep = self._keep_by_chunk_len
         return keep[-1] * full + keep[rest] + max(0, upto - boundary)
+
+    def turn_keep_counts(self, num_unprotected: int) -> np.ndarray:
+        """int64 [layers, groups]: under ``"flow"`` retention, tokens each group keeps of a
+        turn's `num_unprotected` tokens before its protected tail: ``min(u, ceil(r * u))``
+        (`chunk_keep_count` of the whole unprotected part, however it is chunked)."""
+        return chunk_keep_count(self.group_budgets, int(num_unprotected))
 
     def segments_retained_counts(self, segments) -> np.ndarray:
         """int64 [layers, groups] tokens kept from prefill segments ``(length, compressed)``:
@@ -255,7 +276,9 @@ class KVLayout:
 
     def chunk_keep_counts(self, chunk_len: int, num_protected: int = 0) -> np.ndarray:
         """int64 [layers, groups] tokens kept from one chunk of `chunk_len` tokens whose last
-        `num_protected` are protected, 0 <= num_protected <= chunk_len <= chunk_size."""
+        `num_protected` are protected, 0 <= num_protected <= chunk_len <= chunk_size, under
+        ``"chunk"`` retention (under ``"flow"`` a chunk's count depends on where it lies in its
+        turn: `piece_retained_counts`)."""
         if not 0 <= chunk_len <= self.chunk_size:
             raise ValueError(f"a chunk holds 0..{self.chunk_size} tokens, got {chunk_len}")
         if not 0 <= num_protected <= chunk_len:
@@ -267,17 +290,21 @@ class KVLayout:
     @classmethod
     def monolithic(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
                    chunk_size: int, name: str = "full", tail_rule: str = "none",
-                   tail_window: int = 0) -> "KVLayout":
+                   tail_window: int = 0, retention: str = "chunk") -> "KVLayout":
         """One group of all KV heads, nothing dropped: what vLLM's PagedAttention stores."""
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    group_size=num_kv_heads, page_size=page_size, chunk_size=chunk_size,
                    head_perm=np.tile(np.arange(num_kv_heads), (num_layers, 1)),
                    group_budgets=np.ones((num_layers, 1)), name=name, tail_rule=tail_rule,
-                   tail_window=tail_window)
+                   tail_window=tail_window, retention=retention)
 
     def with_tail(self, rule: str, window: int) -> "KVLayout":
         """This layout with another protected-tail rule."""
         return dataclasses.replace(self, tail_rule=rule, tail_window=window)
+
+    def with_retention(self, retention: str) -> "KVLayout":
+        """This layout with another retention rule (`RETENTIONS`)."""
+        return dataclasses.replace(self, retention=retention)
 
 
 # ----- precision tiers (hetero-precision KV, `tangram_jax.kv_quant`) -------------------------
@@ -326,6 +353,10 @@ class TieredLayout:
     def __post_init__(self):
         if not isinstance(self.base, KVLayout):
             raise TypeError(f"base must be a KVLayout, got {type(self.base).__name__}")
+        if self.base.retention != "chunk":
+            raise ValueError(f"precision tiers split each chunk's kept tokens by rank as the "
+                             f"chunk is written: they need retention 'chunk', got "
+                             f"{self.base.retention!r}")
         if self.precision not in PRECISION_TIERS:
             raise ValueError(f"precision must be one of {tuple(PRECISION_TIERS)}, got "
                              f"{self.precision!r}")
@@ -355,6 +386,7 @@ class TieredLayout:
     compresses = property(lambda self: self.base.compresses)
     tail_rule = property(lambda self: self.base.tail_rule)
     tail_window = property(lambda self: self.base.tail_window)
+    retention = property(lambda self: self.base.retention)
 
     def protected_tail(self, turn_len: int) -> int:
         return self.base.protected_tail(turn_len)

@@ -30,7 +30,8 @@ import numpy as np
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
 from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES, resolve_scoring_rule
-from tangram_jax.kv_layout import PRECISION_TIERS, TAIL_RULES, KVLayout, TieredLayout, pages_for
+from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, KVLayout,
+                                   TieredLayout, pages_for)
 from tangram_jax.kv_quant import KV_PRECISIONS, page_format
 
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
@@ -45,6 +46,7 @@ MODES = ("tangram", "full", "dynamic")
 # ahead-of-time map from the budgets (Tangram), or the same splits for every group (the ablation's
 # FlashDecoding-style baseline, with as many work items per row as the AOT map).
 SPLIT_MAPS = ("aot", "uniform")
+RETENTION_CHOICES = ("auto",) + RETENTIONS
 LAYER_LOOPS = ("scan", "unrolled", "switch")
 # Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
 # backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
@@ -353,6 +355,13 @@ class EngineConfig:
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
                             "turn's final chunk (final_chunk), or none")
+    retention: str = _field(
+        "auto", _choice(RETENTION_CHOICES),
+        "how a turn's retained count is spread over its compression chunks (kv_layout."
+        "RETENTIONS): flow (the reservation is filled first, then every later chunk's tokens "
+        "displace weaker held ones: the turn keeps its best tokens wherever they lie) or chunk "
+        "(a fixed share of every chunk, locked in); auto: flow, except chunk for precision "
+        "tiers and dynamic mode (the per-input baseline as published)")
     scoring_rule: str = _field(
         "auto", _choice(SCORING_RULE_CHOICES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
@@ -370,6 +379,13 @@ class EngineConfig:
             raise AttributeError(f"EngineConfig has no field {name!r}")
         super().__setattr__(name, f.metadata["check"](name, value))
 
+    def resolved_retention(self) -> str:
+        """`retention`, or for "auto" flow except with precision tiers and in dynamic mode."""
+        if self.retention != "auto":
+            return self.retention
+        return "chunk" if self.kv_precision in PRECISION_TIERS or self.mode == "dynamic" \
+            else "flow"
+
     def resolved_chunk_size(self) -> int:
         """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
         return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind(self.gpu_memory_utilization)]
@@ -377,6 +393,15 @@ class EngineConfig:
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
         was set); `Engine` calls this before loading the model, so such errors come at once."""
+        if self.retention == "flow" and self.kv_precision in PRECISION_TIERS:
+            raise EngineConfigError(f"retention 'flow' does not serve precision tiers "
+                                    f"(kv_precision {self.kv_precision!r}): each chunk's kept "
+                                    f"tokens are split between the tiers by rank as it is "
+                                    f"written; use retention 'chunk' or 'auto'")
+        if self.retention == "flow" and self.mode == "dynamic":
+            raise EngineConfigError("retention 'flow' is a static-budget rule; dynamic mode "
+                                    "counts per chunk (the per-input method as published): "
+                                    "use retention 'chunk' or 'auto'")
         if self.mode == "dynamic" and self.scoring_rule not in ("window", "auto"):
             raise EngineConfigError(f"scoring_rule {self.scoring_rule!r} needs tangram or full "
                                     f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
@@ -457,7 +482,7 @@ class EngineConfig:
         # The profile is read once: it gives the layout and the method the compression serves.
         profile = resolve_profile(self, mc, is_embedded) if self.mode == "tangram" else None
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
-            self.tail_rule, obs_window)
+            self.tail_rule, obs_window).with_retention(self.resolved_retention())
         if self.kv_precision in PRECISION_TIERS:   # mode is tangram (`check`)
             layout = tiered_layout(self, profile, layout, max_model_len)
         try:   # every KV head group is split over the tensor-parallel devices
@@ -545,6 +570,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
                        "tail_rule": TAIL_RULES, "scoring_rule": SCORING_RULE_CHOICES,
+                       "retention": RETENTION_CHOICES,
                        "kv_precision": SERVED_PRECISIONS,
                        "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,

@@ -204,6 +204,17 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                      layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
                                             end - start) if p.segment[2] else end - start
                      for p, start, end in zip(rows, starts, ends)]
+        # Each row's count, and under flow retention where its turn's held tokens start: the
+        # layout's rule for the row's place in its turn (a segment decode wrote keeps all).
+        if runner.prefill_whole_rows or dynamic:
+            counts = turn_hist = None
+        else:
+            counts = [_row_keep_counts(layout, p, start, end, protected_b)
+                      for p, start, end, protected_b in zip(rows, starts, ends, protected)]
+            turn_hist = ([hist[p.seq.request_id] - (
+                layout.retained_counts(p.segment[1] - p.segment[0], upto=start - p.segment[0])
+                if p.segment[2] else 0) for p, start in zip(rows, starts)]
+                if runner.flow else None)
         want = prompt_logprobs is not None and any(p.seq.request_id in prompt_logprobs
                                                    for p in rows)
         targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
@@ -212,7 +223,8 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
         logits, kept, *lp_rows = runner.prefill(
             [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
             starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected, targets, decode=with_decode)
+            protected, targets, decode=with_decode, turn_hist=turn_hist,
+            keep_counts=counts if runner.flow else None)
         if with_decode is not None:
             decoded = lp_rows.pop()
         for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):
@@ -227,12 +239,24 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
             elif runner.prefill_whole_rows:   # every token kept
                 hist[rid] = hist[rid] + (end - start)
             else:
-                hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
+                hist[rid] = hist[rid] + counts[b]
             if end == p.end and p.is_last:
                 finished.append((p, logits[b]))
     if decode is None:
         return finished, hist
     return finished, hist, decoded if calls else runner.decode(**decode)
+
+
+def _row_keep_counts(layout, piece, start: int, end: int, protected: int) -> np.ndarray:
+    """int64 [layers, groups]: the slots a compression-chunk row of tokens [start, end) of
+    `piece`'s segment adds: ``layout.piece_retained_counts`` of its place in the turn (under
+    flow retention it depends on what came before), every token of a segment decode wrote."""
+    seg_start, seg_end, compressed = piece.segment
+    if not compressed:
+        return np.full((layout.num_layers, layout.num_groups), end - start, np.int64)
+    if layout.retention == "chunk":
+        return layout.chunk_keep_counts(end - start, protected)
+    return layout.piece_retained_counts(seg_end - seg_start, start - seg_start, end - seg_start)
 
 
 def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:

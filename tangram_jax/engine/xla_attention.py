@@ -210,43 +210,21 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
 # XLA (CPU) cannot update the pool in place where one layer step both reads it (the history) and
 # writes it (the chunk): it copies the whole pool every layer, so a prefill call's time grew with
 # the pool (2.5x from a 2k- to a 24k-token pool). The CPU path therefore only plans each layer's
-# writes inside the loop (the slots and rows of `compress_chunk_into_pages_reference`: the pages
+# writes inside the loop (the slots and rows of `chunk_compress.plan_destination_writes`: the pages
 # of one layer are no other layer's, so nothing in the call reads them) and scatters them all
 # once after it, in place.
 
-def plan_chunk_writes(k_chunk, v_chunk, scores, keep_counts, chunk_len, num_pages: int,
-                      page_size: int, group_size: int, block_table, hist_len):
-    """Where `compress_chunk_into_pages` would write one chunk, without writing it.
-
-    k_chunk, v_chunk [T, heads, d]; scores [heads, T]; keep_counts [groups]; chunk_len scalar;
-    block_table [groups, W]; hist_len [groups]. Returns (pages, heads_in_page, offsets) int32
-    [heads, T] (a token not kept goes to page `num_pages`: out of range, dropped) and the rows
-    (k_rows, v_rows) [heads, T, d]: the kept tokens of every head in temporal order."""
-    from tangram_jax.pallas_kernels.chunk_compress import kept_token_sources
-    chunk, num_heads, _ = k_chunk.shape
-    width = block_table.shape[1]
-    sources, counts = kept_token_sources(scores, keep_counts, jnp.asarray(chunk_len, jnp.int32),
-                                         group_size)
-    heads = jnp.arange(num_heads)
-    group = heads // group_size
-    c = jnp.arange(chunk)
-    slot = hist_len[group][:, None] + c[None, :]                          # [heads, T]
-    page_index = jnp.clip(slot // page_size, 0, width - 1)
-    page = jnp.where(c[None, :] < counts[:, None], block_table[group[:, None], page_index],
-                     num_pages)
-    head_in_page = jnp.broadcast_to((heads % group_size)[:, None], slot.shape)
-    return ((page.astype(jnp.int32), head_in_page.astype(jnp.int32),
-             (slot % page_size).astype(jnp.int32)),
-            (k_chunk[sources, heads[:, None]], v_chunk[sources, heads[:, None]]))
-
-
-def apply_chunk_writes(k_pages, v_pages, where, rows):
-    """Scatter planned writes (`plan_chunk_writes` outputs stacked over any leading axes) into
-    the pool; returns the new (k_pages, v_pages)."""
+def apply_chunk_writes(k_pages, v_pages, s_pages, where, rows, score_rows=None):
+    """Scatter planned writes (`chunk_compress.plan_destination_writes` outputs stacked over
+    any leading axes) into the pool (and the flow score pool `s_pages` where given); returns
+    the new (k_pages, v_pages, s_pages)."""
     page, head_in_page, offset = (x.reshape(-1) for x in where)
     k_rows, v_rows = (x.reshape(-1, x.shape[-1]) for x in rows)
     k_pages = k_pages.at[page, head_in_page, offset].set(k_rows.astype(k_pages.dtype),
                                                          mode="drop")
     v_pages = v_pages.at[page, head_in_page, offset].set(v_rows.astype(v_pages.dtype),
                                                          mode="drop")
-    return k_pages, v_pages
+    if s_pages is not None:
+        s_pages = s_pages.at[page, head_in_page, offset].set(
+            score_rows.reshape(-1).astype(s_pages.dtype), mode="drop")
+    return k_pages, v_pages, s_pages
