@@ -48,15 +48,13 @@ MODES = ("tangram", "full", "dynamic")
 SPLIT_MAPS = ("aot", "uniform")
 RETENTION_CHOICES = ("auto",) + RETENTIONS
 LAYER_LOOPS = ("scan", "unrolled", "switch")
-# Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
-# backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
-# 2048-token compression chunks prefill tangram 1.2x / 1.7x faster than 256-token ones at
-# 32k / 100k (`benchmarks/NOTES_prefill.md`, run 5), and a chunk that holds the whole turn is
-# scored by the turn's own question: tangram@0.25 passkey 85% vs 28% with 128-token chunks
-# (`benchmarks/results/accuracy.json` vs `accuracy_chunk128.json`); 8192 tokens a step is
-# vLLM's budget on large GPUs. CPU: the reference path pads every compression chunk to
-# `chunk_size`, so it keeps small chunks (speed over accuracy; pass chunk_size to choose).
-DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
+# Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given.
+# The compression chunk is the same on every backend, so a CPU and a GPU make the same
+# retention decisions for the same input (the CPU pays in speed, not in accuracy): 2048
+# tokens, where tangram prefills 1.2x / 1.7x faster than with 256-token chunks at 32k / 100k
+# on an H100 (`benchmarks/results/prefill_8b.json`). The token budget of a step is by backend:
+# 8192 is vLLM's on large GPUs; on a CPU a step holds one chunk and the decode batch.
+DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 # A tiered pool's smallest num_pages: each tier's null page and one page.
 TIERED_MIN_PAGES = 4
@@ -388,7 +386,7 @@ class EngineConfig:
 
     def resolved_chunk_size(self) -> int:
         """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
-        return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind(self.gpu_memory_utilization)]
+        return self.chunk_size or DEFAULT_CHUNK_SIZE
 
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it

@@ -451,15 +451,15 @@ class ModelRunner:
 
     def chunk_token_buckets(self, rows: int) -> list[int]:
         """Flat-token sizes of a call of `rows` compression-chunk rows (not
-        `prefill_whole_rows`): every row's chunk, aligned; on the CPU path a single row also
-        takes the powers of two of the row alignment below that (a follow-up turn's few
+        `prefill_whole_rows`): every row's chunk, aligned; on the CPU path also the powers of
+        two of the row alignment below that from `rows` alignments up (a follow-up turn's few
         dozen tokens cost a 64-token GEMM, not a whole chunk's; each size is one more compiled
         prefill and mixed program)."""
         align = row_alignment(self.prefill_tuning)
         whole = rows * (-(-self.layout.chunk_size // align) * align)
-        if self.ops.name != "xla" or rows > 1:
+        if self.ops.name != "xla":
             return [whole]
-        return _doublings(align, whole)
+        return _doublings(rows * align, whole)
 
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
