@@ -111,7 +111,8 @@ def test_flow_destinations_match_numpy(seed):
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["reference", "kernel"])
 def test_scattered_writes_touch_only_their_slots(precision, use_kernel):
     """Rows written to scattered slots (what flow retention produces): exactly those slots of
-    K, V and the score pool change, on a NaN-poisoned pool, kernel (interpret) and reference."""
+    K, V and the score pool change, on a NaN-poisoned pool, kernel (interpreted on a CPU,
+    compiled on a GPU) and reference."""
     rng = np.random.default_rng(0)
     t, heads, d, g, ps, max_pages = 12, 4, 16, 2, 4, 8
     groups = heads // g
@@ -134,8 +135,7 @@ def test_scattered_writes_touch_only_their_slots(precision, use_kernel):
             jnp.asarray(table, jnp.int32))
     if use_kernel:
         out = write_chunk_into_pages(*args, max_dirty=scattered_dirty_pages(t, ps),
-                                     score_rows=jnp.asarray(s), score_pages=scores,
-                                     interpret=True)
+                                     score_rows=jnp.asarray(s), score_pages=scores)
     else:
         out = write_chunk_into_pages_reference(*args, jnp.asarray(s), scores)
     k_out, v_out = (np.asarray(kv_quant.dequantise_pages(x, jnp.float32)) for x in out[:2])
