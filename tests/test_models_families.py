@@ -266,3 +266,33 @@ def test_saved_config_round_trips(tiny):
     # The per-layer constants are state: one layer structure serves every layer kind.
     graphdefs = [nnx.split(layer)[0] for layer in load_hf_folder(folder)[1].layers]
     assert all(g == graphdefs[0] for g in graphdefs)
+
+
+def test_calibration_pins_local_layers_and_the_profile_serves(tiny):
+    """Calibration runs the local layers with their window (and sinks) but keeps them whole:
+    their budgets are 1, the global layers' follow the ratio; the engine serves the profile in
+    tangram mode, compressing the global layers only."""
+    from tangram_jax import LLM
+    from tangram_jax.compression.calibration import profile_from_run, run_calibration
+    from tangram_jax.compression.pilot_data import PilotSample
+    family, folder, _, config, model = tiny
+    if not config.local_layers:
+        pytest.skip("a model without local layers")
+    rng = np.random.default_rng(5)
+    samples = [PilotSample("random", 48, tuple(int(t) for t in rng.integers(3, 256, size=48)))
+               for _ in range(2)]
+    run = run_calibration(model, config, samples, rhos=(0.25,))
+    local, full = list(config.local_layers), [i for i in range(4) if i not in config.local_layers]
+    retention = run.retention[0.25]
+    assert (retention[:, local] == 1).all() and (retention[:, full] < 0.75).all()
+    profile = profile_from_run(run, 0.25, model=dict(config.fingerprint(), name=str(folder)),
+                               rescale=True)
+    assert (profile.budget[local] == 1).all()
+    np.testing.assert_allclose(profile.budget[full].mean(axis=1), 0.25)
+    llm = LLM(model=str(folder), mode="tangram", profile=profile, **ENGINE)
+    layout = llm.engine.layout
+    assert layout.compresses and (layout.group_budgets[local] == 1).all()
+    out = llm.generate([dict(prompt_token_ids=p) for p in prompts()],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
