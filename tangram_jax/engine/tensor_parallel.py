@@ -118,24 +118,27 @@ class Placement:
 
     def weights(self, state, stacked: bool = False):
         """`state` (an nnx State, or a list of them) placed: column / row parallel by name,
-        the rest replicated. stacked: the layer states carry a leading layer axis (scan)."""
+        experts by expert, the rest replicated. stacked: the layer states carry a leading layer
+        axis (scan)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: jax.device_put(x, self.weight_sharding(path, np.ndim(x), stacked)),
+            state)
+
+    def weight_sharding(self, path, ndim: int, stacked: bool = False):
+        """The sharding of the weight at tree `path` (nnx state keys) with `ndim` axes (see
+        `weights`): what a caller building weights in place (random benchmark models) uses."""
         lead = (None,) if stacked else ()
-
-        def place(path, x):
-            names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                     for k in path]
-            owner = next((n for n in reversed(names) if n in _COLUMN + _ROW), None)
-            ndim = np.ndim(x) - len(lead)
-            spec = (None,) * ndim
-            if "moe" in names and any(n in _EXPERTS for n in names[names.index("moe"):]):
-                spec = (AXIS,) + (None,) * (ndim - 1)        # [experts, ...]
-            elif owner in _COLUMN:
-                spec = (None,) * (ndim - 1) + (AXIS,)        # kernel [in, out] or bias [out]
-            elif owner in _ROW and ndim == 2:
-                spec = (AXIS, None)                           # kernel [in, out]; bias replicated
-            return jax.device_put(x, self._sharding(P(*lead, *spec)))
-
-        return jax.tree_util.tree_map_with_path(place, state)
+        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        owner = next((n for n in reversed(names) if n in _COLUMN + _ROW), None)
+        ndim = ndim - len(lead)
+        spec = (None,) * ndim
+        if "moe" in names and any(n in _EXPERTS for n in names[names.index("moe"):]):
+            spec = (AXIS,) + (None,) * (ndim - 1)        # [experts, ...]
+        elif owner in _COLUMN:
+            spec = (None,) * (ndim - 1) + (AXIS,)        # kernel [in, out] or bias [out]
+        elif owner in _ROW and ndim == 2:
+            spec = (AXIS, None)                           # kernel [in, out]; bias replicated
+        return self._sharding(P(*lead, *spec))
 
     def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
         """`fn` run on each device's slice (`shard_map` over the mesh), or `fn` itself on one
