@@ -17,11 +17,12 @@ from flax import nnx
 
 from tangram_jax.compression.profile import BudgetProfile
 from tangram_jax.models.config import ModelConfig
-from tangram_jax.models.decoder import Decoder, DenseKVCache, causal_mask, dense_attention
+from tangram_jax.models.decoder import causal_mask, dense_attention
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.models.hf_loader import CheckpointError, decoder_from_state_dict, load_hf_folder
 from tangram_jax.reference import generate_dense
 from tangram_jax.sampling import SamplingParams
+from test_models_decoder import hf_logits, run_dense
 from tiny_families import FAMILIES, WINDOW, build_family_model
 
 PROMPT_LENGTHS = (23, 40, 9)      # past the window of 6, several 16-token chunks, one short
@@ -34,19 +35,6 @@ def tiny(request, tmp_path_factory):
     hf_model = build_family_model(request.param, folder)
     config, model = load_hf_folder(folder, jnp.float32)
     return request.param, folder, hf_model, config, model
-
-
-def run_dense(model: Decoder, config: ModelConfig, tokens: np.ndarray) -> np.ndarray:
-    """Logits `[B, T, V]` of one prefill over unpadded tokens `[B, T]`."""
-    batch, t_len = tokens.shape
-    cache = DenseKVCache.create(config, batch, t_len, model.dtype)
-    positions = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (batch, t_len))
-    return np.asarray(model(jnp.asarray(tokens, jnp.int32), positions, cache)[0])
-
-
-def hf_logits(hf_model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
 
 
 def hf_greedy(hf_model, prompt, max_new_tokens):
