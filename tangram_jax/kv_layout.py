@@ -471,12 +471,15 @@ class TieredLayout:
         return total
 
 
-def check_local_layers(config, layout, mode: str, kv_precision: str) -> None:
+def check_local_layers(config, layout, mode: str, kv_precision: str,
+                       max_tokens: int | None = None) -> None:
     """One clear error when a model with local (sliding-window) layers meets a layout or mode
     that would drop tokens of those layers (the module docstring, "Local layers").
 
-    config: the `ModelConfig`; layout: a `KVLayout` or `TieredLayout`."""
-    local = list(getattr(config, "local_layers", ()))
+    config: the `ModelConfig`; layout: a `KVLayout` or `TieredLayout`; max_tokens: the longest
+    sequence served (a layer whose window is not shorter never masks anything: global)."""
+    local = [i for i in getattr(config, "local_layers", ())
+             if max_tokens is None or config.layer_windows[i] < max_tokens]
     if not local:
         return
     what = f"{config.architecture} has sliding-window layers {local}"

@@ -242,6 +242,11 @@ def test_engine_refuses_what_would_drop_a_window(tiny):
     with pytest.raises(EngineConfigError, match=r"budgets must be 1.*layers \[0\]"):
         EngineConfig(model=str(folder), mode="tangram", profile=low_profile,
                      **ENGINE).resolve(config)
+    # Sequences no longer than the window: the window never masks, every layer is global.
+    short = dict(ENGINE, max_model_len=WINDOW)
+    resolved = EngineConfig(model=str(folder), mode="tangram", profile=low_profile,
+                            **short).resolve(config)
+    assert resolved.layout.compresses
 
 
 # ----------------------------------------------------------------------------- the checkpoints

@@ -461,7 +461,7 @@ class EngineConfig:
                                   intermediate_size=mc.intermediate_size,
                                   num_experts=mc.moe.num_experts if mc.moe else None)
             # Local (sliding-window) layers keep every token (`kv_layout`, "Local layers").
-            check_local_layers(mc, layout, self.mode, self.kv_precision)
+            check_local_layers(mc, layout, self.mode, self.kv_precision, max_model_len)
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         return ResolvedConfig(

@@ -230,7 +230,8 @@ class ModelRunner:
                               group_size=base.group_size,
                               intermediate_size=config.intermediate_size,
                               num_experts=config.moe.num_experts if config.moe else None)
-        check_local_layers(config, layout, runner_config.mode, kv_precision)
+        check_local_layers(config, layout, runner_config.mode, kv_precision,
+                           int(table_shape[-1]) * base.page_size)
         head_perm = device_major_perm(base.head_perm, base.group_size, tp)
         if not np.array_equal(head_perm, np.tile(np.arange(base.num_kv_heads),
                                                  (base.num_layers, 1))):
