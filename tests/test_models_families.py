@@ -215,14 +215,36 @@ def test_unsupported_family_settings_are_named():
         ModelConfig.from_hf_dict(dict(moe, num_experts_per_tok=9))
 
 
-def test_mxfp4_experts_are_named(tiny):
+def test_mxfp4_experts_dequantize_as_transformers(tiny):
+    """The Hub's GPT-OSS experts are MXFP4 (`*_blocks` / `*_scales`): dequantized at load as
+    transformers' `convert_moe_packed_tensors` does, into the unquantized layout."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from tangram_jax.models.hf_loader import dequantize_mxfp4
     family, folder, _, config, _ = tiny
     if family != "gpt_oss":
         pytest.skip("GPT-OSS checkpoints only")
     _, state = load_state(tiny)
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    state[name + "_blocks"] = state.pop(name)
-    with pytest.raises(CheckpointError, match="MXFP4"):
+    rng = np.random.default_rng(6)
+    e, d, i = 8, 64, 32
+    packed = {}
+    for proj, (rows, cols) in (("gate_up_proj", (2 * i, d)), ("down_proj", (d, i))):
+        name = f"model.layers.0.mlp.experts.{proj}"
+        blocks = rng.integers(0, 256, size=(e, rows, cols // 32, 16), dtype=np.uint8)
+        scales = rng.integers(120, 130, size=(e, rows, cols // 32), dtype=np.uint8)
+        want = convert_moe_packed_tensors(torch.as_tensor(blocks), torch.as_tensor(scales),
+                                          dtype=torch.float32).numpy()
+        np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), want)
+        assert want.shape == state[name].shape
+        del state[name]
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+        packed[proj] = want
+    moe = decoder_from_state_dict(config, state).layers[0].moe
+    gate_up = packed["gate_up_proj"]   # interleaved gate / up columns, split at load
+    np.testing.assert_array_equal(np.asarray(moe.gate_up[...]),
+                                  np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], -1))
+    np.testing.assert_array_equal(np.asarray(moe.down[...]), packed["down_proj"])
+    del state["model.layers.0.mlp.experts.down_proj_scales"]
+    with pytest.raises(CheckpointError, match="down_proj_blocks has no"):
         decoder_from_state_dict(config, state)
 
 

@@ -195,13 +195,16 @@ def _assign_experts(moe, prefix: str, config: ModelConfig, remaining: dict, assi
     `mlp.experts.gate_up_proj` [E, 2I, D] / `down_proj` [E, D, I]. GPT-OSS: `mlp.router.weight`
     [E, D] and `.bias`, `mlp.experts.gate_up_proj` [E, D, 2I] with gate and up columns
     interleaved (split here into gate columns then up columns), `down_proj` [E, I, D], and
-    their biases."""
+    their biases; the Hub's GPT-OSS experts are MXFP4 (`dequantize_mxfp4`)."""
     e = config.moe.num_experts
     if config.architecture == "gpt_oss":
-        if f"{prefix}.experts.gate_up_proj_blocks" in remaining:
-            raise CheckpointError(f"{prefix}.experts holds MXFP4-quantized experts "
-                                  f"(gate_up_proj_blocks / _scales); dequantize the checkpoint "
-                                  f"to bfloat16 first (transformers: Mxfp4Config(dequantize=True))")
+        for proj in ("gate_up_proj", "down_proj"):   # the Hub's MXFP4 experts
+            name = f"{prefix}.experts.{proj}"
+            if name + "_blocks" in remaining:
+                if name + "_scales" not in remaining:
+                    raise CheckpointError(f"{name}_blocks has no {name}_scales beside it")
+                remaining[name] = dequantize_mxfp4(remaining.pop(name + "_blocks"),
+                                                   remaining.pop(name + "_scales"))
         assign(moe.router, f"{prefix}.router.weight", transpose=True)
         assign(moe.router_bias, f"{prefix}.router.bias")
 
@@ -237,3 +240,25 @@ def _assign_experts(moe, prefix: str, config: ModelConfig, remaining: dict, assi
             remaining[name] = np.swapaxes(np.asarray(remaining[name]), 1, 2)
     assign(moe.gate_up, fused)
     assign(moe.down, f"{prefix}.experts.down_proj")
+
+
+# MXFP4's 4-bit values (E2M1), by code.
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GPT-OSS's MXFP4 expert weights as float32 in the unquantized checkpoint's layout.
+
+    blocks uint8 [E, out, in / 32, 16] (two 4-bit codes a byte, low nibble first) and scales
+    uint8 [E, out, in / 32] (a power of two 2^(s - 127) per 32 values) -> [E, in, out], as
+    transformers' `convert_moe_packed_tensors`."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape:
+        raise CheckpointError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} disagree")
+    values = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)
+    values[..., 0::2] = _FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = _FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    e, out, groups, width = values.shape
+    return np.swapaxes(values.reshape(e, out, groups * width), 1, 2)
