@@ -68,6 +68,20 @@ window alone lost it, at 0.5 the window alone kept more (`NOTES_accuracy_harness
 compression kernel), and the protected tail stays above both.
 
 Decode appends one token to every group per step, uncompressed.
+
+Local (sliding-window) layers (Gemma-3, GPT-OSS, Mistral: `ModelConfig.layer_windows`): a local
+layer's query at slot t reads key slots > t - window only (`pallas_kernels.attention_terms`).
+The window is by slot, and a slot is the token's position only where the layer drops nothing,
+so a local layer keeps every token: its groups' budgets are 1 in every layout (a tangram profile
+with a local budget below 1 is refused, `check_local_layers`; calibration writes 1 for them and
+fits the ratio over the global layers), and it needs no compression budget anyway, since the
+window already bounds what it reads to `window` tokens however long the context. Dynamic mode
+(a per-input count per layer) and precision tiers (a group's tokens split over two pools by
+rank) would break slot = position and are refused for such models. What a local layer's pages
+hold before its window is never read again (attention skips those blocks); recycling them to
+the pool (the block-table entries behind the window pointed at the null page, the pages freed)
+is the scheduler's part and is not built: the reservation still counts a local layer's whole
+context.
 """
 
 from __future__ import annotations
@@ -487,3 +501,31 @@ class TieredLayout:
             total = total + (self.retained_counts(length) if compressed
                              else self.decode_tier_groups * int(length))
         return total
+
+
+def check_local_layers(config, layout, mode: str, kv_precision: str,
+                       max_tokens: int | None = None) -> None:
+    """One clear error when a model with local (sliding-window) layers meets a layout or mode
+    that would drop tokens of those layers (the module docstring, "Local layers").
+
+    config: the `ModelConfig`; layout: a `KVLayout` or `TieredLayout`; max_tokens: the longest
+    sequence served (a layer whose window is not shorter never masks anything: global)."""
+    local = [i for i in getattr(config, "local_layers", ())
+             if max_tokens is None or config.layer_windows[i] < max_tokens]
+    if not local:
+        return
+    what = f"{config.architecture} has sliding-window layers {local}"
+    if mode == "dynamic":
+        raise ValueError(f"{what}: dynamic mode (a per-input keep count per layer) would drop "
+                         f"tokens of their windows; use mode 'full' or 'tangram'")
+    if kv_precision in PRECISION_TIERS:
+        raise ValueError(f"{what}: kv_precision {kv_precision!r} splits a group's tokens over "
+                         f"two pools by rank, and a window needs every token in place; use an "
+                         f"untiered precision")
+    budgets = getattr(layout, "base", layout).group_budgets
+    low = [i for i in local if (budgets[i] < 1).any()]
+    if low:
+        raise ValueError(f"{what}: their budgets must be 1 (a local layer keeps its whole window "
+                         f"and needs no compression budget), but the layout gives layers {low} "
+                         f"budgets {[float(budgets[i].min()) for i in low]} (min); calibrate the "
+                         f"profile again (`tangram-jax calibrate` pins local layers to 1)")

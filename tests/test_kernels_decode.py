@@ -403,3 +403,55 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     out = ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work)
     ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
     assert _rel_err(out, ref) < RTOL[jnp.float32]
+
+
+@pytest.mark.parametrize("window, sinks", [(11, False), (3, True), (0, True)],
+                         ids=["window", "window_sinks", "sinks"])
+def test_decode_window_and_sinks(window, sinks):
+    """A local layer's window (the query at slot length - 1 sees slots > length - 1 - window)
+    and attention sinks: the kernel (interpreted, every work list), its reference and the CPU
+    serving path equal a numpy oracle; slots before the window are NaN, so a kernel that reads
+    them shows up."""
+    from tangram_jax.engine.xla_attention import ragged_paged_decode_attention_xla
+    rng = np.random.default_rng(11)
+    batch, groups, g, qpk, d, ps, max_pages, block_tokens, _ = SHAPE
+    q, k, v, tables, lengths = _case(rng, jnp.float32)
+    if window:   # poison every slot before each group's window
+        k, v = np.array(k), np.array(v)
+        for b in range(batch):
+            for grp in range(groups):
+                for t in range(max(0, lengths[b, grp] - window)):
+                    k[tables[b, grp, t // ps], :, t % ps] = np.nan
+                    v[tables[b, grp, t // ps], :, t % ps] = np.nan
+        k, v = jnp.asarray(k), jnp.asarray(v)
+    sink = rng.standard_normal(groups * g * qpk).astype(np.float32) * 2 if sinks else None
+    # The oracle: float64 numpy over each (row, query head).
+    kk, vv, qq = (np.asarray(x, np.float64) for x in (k, v, q))
+    want = np.zeros(qq.shape)
+    for b in range(batch):
+        for grp in range(groups):
+            n = lengths[b, grp]
+            first = max(0, n - window) if window else 0
+            t = np.arange(first, n)
+            for row in range(g * qpk):
+                j = row // qpk
+                keys = kk[tables[b, grp, t // ps], j, t % ps]
+                vals = vv[tables[b, grp, t // ps], j, t % ps]
+                logit = keys @ qq[b, grp, row] / np.sqrt(d)
+                if sink is not None:
+                    logit = np.append(logit, sink[grp * g * qpk + row])
+                    vals = np.concatenate([vals, np.zeros((1, d))])
+                if len(logit):
+                    p = np.exp(logit - logit.max())
+                    want[b, grp, row] = p @ vals / p.sum()
+    terms = dict(window=jnp.int32(window), sinks=None if sink is None else jnp.asarray(sink))
+    lens = jnp.asarray(lengths)
+    outs = {"reference": ragged_paged_decode_attention_reference(q, k, v, tables, lens, **terms),
+            # (the CPU path reads finite pools only: the engine's are)
+            "xla": ragged_paged_decode_attention_xla(q, jnp.nan_to_num(k), jnp.nan_to_num(v),
+                                                     tables, lens, **terms)}
+    for name, work in _work_lists(lengths, groups).items():
+        outs[name] = ragged_paged_decode_attention(q, k, v, tables, lens, work_list=work,
+                                                   block_tokens=block_tokens, **terms)
+    for name, out in outs.items():
+        assert _rel_err(out, want) < 2e-5, name

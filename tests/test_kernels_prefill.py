@@ -142,8 +142,10 @@ def _ragged_case(rng, row_lens, dtype, hq=12):
                                                        inside=inside)
 
 
-def _oracle(q, k, v, k_pages, v_pages, tables, hist, starts, lens):
-    """float64 numpy attention of each row, row by row (independent of both jnp paths)."""
+def _oracle(q, k, v, k_pages, v_pages, tables, hist, starts, lens, window=0, sinks=None):
+    """float64 numpy attention of each row, row by row (independent of both jnp paths); a
+    window > 0 limits query i (slot hist + i) to keys of slots > hist + i - window; sinks [Hq]
+    add a zero-valued key of that logit."""
     q, k, v, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k, v, k_pages, v_pages))
     n, hq, d = q.shape
     hkv, g, ps = k.shape[1], k_pages.shape[1], k_pages.shape[2]
@@ -159,7 +161,13 @@ def _oracle(q, k, v, k_pages, v_pages, tables, hist, starts, lens):
             for i in range(ln):
                 keys = np.concatenate([hk, k[s:s + i + 1, kv]])
                 vals = np.concatenate([hv, v[s:s + i + 1, kv]])
+                if window:
+                    first = max(0, len(keys) - window)
+                    keys, vals = keys[first:], vals[first:]
                 logit = keys @ q[s + i, h] / np.sqrt(d)
+                if sinks is not None:
+                    logit = np.append(logit, sinks[h])
+                    vals = np.concatenate([vals, np.zeros((1, d))])
                 m = logit.max()
                 p = np.exp(logit - m)
                 out[s + i, h] = p @ vals / p.sum()
@@ -342,3 +350,35 @@ def test_ragged_prefill_over_precision_tiers(dtype):
     with pytest.raises(ValueError, match="tier groups"):
         ragged_prefill_attention(*cast, k_tiers, v_tiers, jnp.asarray(tables, jnp.int32),
                                  *args[6:], tuning=RAGGED_TUNING)
+
+
+@pytest.mark.parametrize("window, sinks", [(5, False), (21, True), (0, True)],
+                         ids=["window_in_row", "window_into_history_sinks", "sinks"])
+def test_ragged_prefill_window_and_sinks(window, sinks):
+    """A local layer's window (`attention_terms`: slots > slot - window) and attention sinks:
+    the kernel (interpreted), its reference and the CPU serving path equal the oracle (NaN
+    history slots and padding: the kernel and the reference never read them); the
+    window is traced (one compiled kernel serves every layer's window, 0 for a global one)."""
+    import jax
+    from tangram_jax.engine.xla_attention import ragged_prefill_attention_xla
+    rng = np.random.default_rng(7)
+    row_lens = [37, 0, 16, 9]
+    args, meta = _ragged_case(rng, row_lens, jnp.float32)
+    sink = rng.standard_normal(args[0].shape[1]).astype(np.float32) * 2 if sinks else None
+    terms = dict(window=jnp.int32(window), sinks=None if sink is None else jnp.asarray(sink))
+    want, want_lse = _oracle(*args[:5], meta["tables"], meta["hist"], meta["starts"], row_lens,
+                             window, sink)
+    inside = meta["inside"]
+    kernel = jax.jit(lambda *a, window, sinks: ragged_prefill_attention(
+        *a, tuning=RAGGED_TUNING, window=window, sinks=sinks))
+    for name, fn in (("kernel", kernel),
+                     ("reference", lambda *a, **t: ragged_prefill_attention_reference(*a, **t)),
+                     # (the CPU path reads finite pools only: the engine's are)
+                     ("xla", lambda *a, **t: ragged_prefill_attention_xla(
+                         *(jnp.nan_to_num(x) for x in a), tuning=RAGGED_TUNING, **t))):
+        out, lse = fn(*args, **terms)
+        out = np.asarray(out, np.float64)
+        assert np.isfinite(out).all() and not out[~inside].any(), name
+        err = np.linalg.norm(out[inside] - want[inside]) / np.linalg.norm(want[inside])
+        assert err < 2e-5, (name, err)
+        assert np.abs(np.asarray(lse, np.float64)[:, inside] - want_lse[:, inside]).max() < 1e-3

@@ -188,8 +188,8 @@ def test_unknown_architecture_is_named():
 
 
 def test_unsupported_rope_type_rejected():
-    with pytest.raises(ValueError, match="unknown RoPE scaling type 'yarn'"):
-        ModelConfig.from_hf_dict(_llama_dict(rope_scaling=dict(type="yarn", factor=4.0)))
+    with pytest.raises(ValueError, match="unknown RoPE scaling type 'longrope'"):
+        ModelConfig.from_hf_dict(_llama_dict(rope_scaling=dict(type="longrope", factor=4.0)))
     # The transformers 4.x layout (top-level rope_theta, rope_scaling with "rope_type") is read too.
     config = ModelConfig.from_hf_dict(_llama_dict(rope_theta=5e5, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

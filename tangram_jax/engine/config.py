@@ -31,7 +31,7 @@ from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
 from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES, resolve_scoring_rule
 from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, KVLayout,
-                                   TieredLayout, pages_for)
+                                   TieredLayout, check_local_layers, pages_for)
 from tangram_jax.kv_quant import KV_PRECISIONS, page_format
 
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
@@ -452,12 +452,6 @@ class EngineConfig:
         if max_model_len > mc.max_position_embeddings:
             raise EngineConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                                     f"length {mc.max_position_embeddings}")
-        if mc.sliding_window is not None and mc.sliding_window < max_model_len:
-            # Paged attention here reads every retained token; a window would need a per-step
-            # lower bound on positions, which the kernels do not take.
-            raise EngineConfigError(f"{mc.architecture} with sliding_window {mc.sliding_window} is "
-                                    f"not supported by the paged engine; set max_model_len <= "
-                                    f"{mc.sliding_window}")
         self.check()
         chunk = self.resolved_chunk_size()
         minimum = self.max_num_seqs + chunk
@@ -486,7 +480,10 @@ class EngineConfig:
         try:   # every KV head group is split over the tensor-parallel devices
             check_tensor_parallel(self.tensor_parallel_size, num_heads=mc.num_heads,
                                   num_kv_heads=mc.num_kv_heads, group_size=layout.group_size,
-                                  intermediate_size=mc.intermediate_size)
+                                  intermediate_size=mc.intermediate_size,
+                                  num_experts=mc.moe.num_experts if mc.moe else None)
+            # Local (sliding-window) layers keep every token (`kv_layout`, "Local layers").
+            check_local_layers(mc, layout, self.mode, self.kv_precision, max_model_len)
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         return ResolvedConfig(

@@ -47,7 +47,7 @@ from tangram_jax.compression.flow import flow_destinations
 from tangram_jax.engine.config import MODES
 from tangram_jax import kv_quant
 from tangram_jax.engine.xla_attention import apply_chunk_writes
-from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
+from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout, check_local_layers
 from tangram_jax.pallas_kernels.chunk_compress import (chunk_destinations,
                                                        compress_chunk_into_tiers,
                                                        contiguous_dirty_pages,
@@ -57,6 +57,7 @@ from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.engine.tensor_parallel import (AXIS, Placement, check_tensor_parallel,
                                                 device_major_perm)
+from tangram_jax.models.moe import shard_experts
 from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, fit_tuning,
@@ -76,10 +77,11 @@ LOGPROB_MODES = (None, "top", "full")
 class AttentionOps(NamedTuple):
     """The attention pieces a step calls; Pallas kernels or their jnp references."""
 
-    prefill_attention: Callable   # ragged_prefill_attention signature
+    prefill_attention: Callable   # ragged_prefill_attention signature (window, sinks included)
     write_chunk: Callable         # write_chunk_into_pages signature (rows to destination slots)
     compress_chunk: Callable      # compress_chunk_into_pages signature (precision tiers)
-    decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
+    # (q, k_pages, v_pages, block_tables, lengths, work_list, *, window, sinks) -> out
+    decode_attention: Callable
     name: str                     # "pallas" (GPU kernels) or "xla" (the CPU path)
     # The CPU path plans a prefill's pool writes in the layer loop and applies them after it
     # (`chunk_compress.plan_destination_writes`: XLA would copy the pool every layer otherwise);
@@ -96,8 +98,9 @@ class AttentionOps(NamedTuple):
             return cls(prefill_attention.ragged_prefill_attention,
                        chunk_compress.write_chunk_into_pages,
                        chunk_compress.compress_chunk_into_pages,
-                       lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
-                           q, k, v, bt, ln, work_list=work),
+                       lambda q, k, v, bt, ln, work, **terms:
+                       decode_attention.ragged_paged_decode_attention(
+                           q, k, v, bt, ln, work_list=work, **terms),
                        "pallas")
         # The CPU serving path: XLA programs of the kernels' signatures (engine/xla_attention.py),
         # not the kernels' test references; the chunk compression's scatter is its reference.
@@ -235,7 +238,10 @@ class ModelRunner:
         tp = self.placement.tp
         check_tensor_parallel(tp, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                               group_size=base.group_size,
-                              intermediate_size=config.intermediate_size)
+                              intermediate_size=config.intermediate_size,
+                              num_experts=config.moe.num_experts if config.moe else None)
+        check_local_layers(config, layout, runner_config.mode, kv_precision,
+                           int(table_shape[-1]) * base.page_size)
         head_perm = device_major_perm(base.head_perm, base.group_size, tp)
         if not np.array_equal(head_perm, np.tile(np.arange(base.num_kv_heads),
                                                  (base.num_layers, 1))):
@@ -244,6 +250,8 @@ class ModelRunner:
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
         # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
         layers = list(model.layers)
+        if tp > 1:   # mixture-of-experts layers run expert-parallel over the mesh
+            shard_experts(layers, self.placement.mesh)
         # Switch on the CPU: unrolled saves the scan's per-layer weight copies (~425 MB a step
         # on the embedded model) but compiles 30 layer bodies per shape (the warm-up of `bench
         # serve`, ~50 shapes, went from ~4 minutes to over 15); the switch loop saves the
@@ -395,6 +403,27 @@ class ModelRunner:
             carry, y = layer_step(carry, (layer_state, *(x[i] for x in rest)))
             ys.append(y)
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+    def _attention_terms(self, layer) -> dict:
+        """What the layer's attention takes besides q, k, v (`pallas_kernels.attention_terms`):
+        its window where the model has local layers, its sinks where it has sinks (nothing
+        for other models: their attention compiles as before)."""
+        terms = {}
+        if self.config.local_layers:
+            terms["window"] = layer.attention_window()
+        if self.config.attention_sinks:
+            terms["sinks"] = layer.attention_sinks()
+        return terms
+
+    @property
+    def _terms_spec(self) -> dict:
+        """`shard_map` specs of `_attention_terms`: the window whole, the sinks by query head."""
+        spec = {}
+        if self.config.local_layers:
+            spec["window"] = P()
+        if self.config.attention_sinks:
+            spec["sinks"] = P(AXIS)
+        return spec
 
     def _layer(self, layer_state):
         """The layer a layer step runs: its state merged into a `DecoderLayer`, or (the
@@ -739,19 +768,20 @@ class ModelRunner:
                                         score_pages=s_pages)
 
         def attend(q, k, v, k_pages, v_pages, s_pages, tables, write_tables, hist, turn_hist,
-                   keep, items, row_starts, row_lens, num_protected, positions):
+                   keep, items, row_starts, row_lens, num_protected, positions, terms):
             """The layer's attention, compression scoring and KV write on one device's heads
             (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
             [num_pages, G, page_size, d] (this device's G), s_pages [num_pages, G, page_size]
-            or None. Returns (out [N, Hq, d], k_pages, v_pages, s_pages, kept [rows, groups],
-            the planned writes (a list; empty unless planned))."""
+            or None; terms: the layer's window and sinks (`_attention_terms`). Returns (out
+            [N, Hq, d], k_pages, v_pages, s_pages, kept [rows, groups], the planned writes (a
+            list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
             # Tiers: tables and lengths of tier groups; both prefill paths read a group's two
             # tiers as one dense history (`kv_quant.tiered_dense_history`).
             out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
                                                   row_starts, row_lens, items,
-                                                  tuning=self.prefill_tuning)
+                                                  tuning=self.prefill_tuning, **terms)
             if whole_rows:
                 # Every token kept: the fused compression kernel appends each row's K/V after its
                 # history in place (earliest-first scores keep the row's order).
@@ -788,7 +818,8 @@ class ModelRunner:
         heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
         pool = self._pool_spec
         attend = self.placement.per_device(
-            attend, in_specs=(heads, heads, heads, pool, pool, pool) + (P(),) * 10,
+            attend, in_specs=(heads, heads, heads, pool, pool, pool) + (P(),) * 10
+            + (self._terms_spec,),
             out_specs=(heads, pool, pool, pool, P(), []))
 
         return attend
@@ -815,7 +846,8 @@ class ModelRunner:
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
             out, k_pages, v_pages, s_pages, kept, plans = attend(
                 q[0], k[0], v[0], k_pages, v_pages, s_pages, tables, write_tables, hist,
-                turn_hist, keep, items, row_starts, row_lens, num_protected, positions)
+                turn_hist, keep, items, row_starts, row_lens, num_protected, positions,
+                self._attention_terms(layer))
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages, s_pages), (kept, plans or None)
 
@@ -936,13 +968,14 @@ class ModelRunner:
     _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
 
     @staticmethod
-    def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, *, decode_attention,
-                          use_work, tiered=None, high_items=0):
+    def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, terms, *,
+                          decode_attention, use_work, tiered=None, high_items=0):
         """One layer's decode attention on one device's heads (all of them without tensor
         parallelism): append the new token's K/V at slot `lens` of every group, attend.
         q [B, 1, Hq, d], k/v [B, 1, Hkv, d] (this device's heads, group-major); k/v_pages
         [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
-        Returns (out [B, 1, Hq, d], k_pages, v_pages).
+        terms: the layer's window and sinks (`_attention_terms`). Returns (out [B, 1, Hq, d],
+        k_pages, v_pages).
 
         tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups),
         attended by the Pallas decode kernel (``"pallas"``: one launch over both pools, work the
@@ -953,7 +986,7 @@ class ModelRunner:
             k_pages, v_pages = ModelRunner._append_token(k, v, k_pages, v_pages, tables, lens)
             qg = q[:, 0].reshape(batch, lens.shape[1], -1, q.shape[-1])
             out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
-                                   work if use_work else None)
+                                   work if use_work else None, **terms)
             return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
         k_high, v_high = ModelRunner._append_token(k, v, k_pages.high, v_pages.high,
                                                    tables[:, 0::2], lens[:, 0::2])
@@ -963,10 +996,10 @@ class ModelRunner:
         qg = q[:, 0].reshape(batch, lens.shape[1] // 2, -1, q.shape[-1])
         if tiered == "pallas":
             out = decode_attention(qg, k_pages, v_pages, tables, seen,
-                                   (work[:high_items], work[high_items:]))
+                                   (work[:high_items], work[high_items:]), **terms)
         else:
             out = decode_attention(qg, *kv_quant.tiered_dense_history(
-                k_pages, v_pages, tables, seen, jnp.float32), None)
+                k_pages, v_pages, tables, seen, jnp.float32), None, **terms)
         return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
 
     @staticmethod
@@ -1042,7 +1075,8 @@ class ModelRunner:
                               tiered=None if self.tiers is None else self.ops.name,
                               high_items=split_map.tier_work_lists()[0].shape[1]
                               if self.tiers is not None and split_map is not None else 0),
-            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
+            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P(),
+                      self._terms_spec),
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
@@ -1065,7 +1099,8 @@ class ModelRunner:
             layer_state, tables, lens, work = xs          # [B, Gn, P], [B, Gn], [items, 3]
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[:, None])
-            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work)
+            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work,
+                                           self._attention_terms(layer))
             h = layer.finish(h, out.astype(h.dtype))
             return (h, k_pages, v_pages), None
 
@@ -1137,12 +1172,14 @@ class ModelRunner:
              d_lens) = xs
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, all_positions[None])     # one GEMM over both parts' tokens
+            terms = self._attention_terms(layer)
             d_out, k_pages, v_pages = decode_attend(
                 q[0, n:, None], k[0, n:, None], v[0, n:, None], k_pages, v_pages, d_tables,
-                d_lens, no_work)
+                d_lens, no_work, terms)
             out, k_pages, v_pages, s_pages, kept, plans = prefill_attend(
                 q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, s_pages, tables, write_tables,
-                hist, turn_hist, keep, items, row_starts, row_lens, num_protected, positions)
+                hist, turn_hist, keep, items, row_starts, row_lens, num_protected, positions,
+                terms)
             out = jnp.concatenate([out, d_out[:, 0].astype(out.dtype)])
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages, s_pages), (kept, plans or None)
@@ -1351,6 +1388,12 @@ class _SwitchedLayer:
 
     def finish(self, h, attn):
         return self._switch("finish", h, attn)
+
+    def attention_window(self):
+        return self._switch("attention_window")
+
+    def attention_sinks(self):
+        return self._switch("attention_sinks")
 
 
 def _doublings(first: int, last: int) -> list[int]:

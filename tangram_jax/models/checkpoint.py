@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FORMAT_VERSION = 3  # 2: float32 metadata read back as shortest decimals; 3: HF folders, special tokens
+FORMAT_VERSION = 4  # 2: float32 metadata read back as shortest decimals; 3: HF folders, special tokens;
+# 4: per-layer constants (RoPE, window) in the parameters, MoE and Gemma-3 families
 
 # What a HF-folder load reads besides the weights (their changes invalidate an entry too).
 _FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
