@@ -236,8 +236,8 @@ class EngineConfig:
     page_size: int = _field(16, _int_at_least(1), "tokens per KV page")
     chunk_size: int | None = _field(
         None, _int_at_least(1, optional=True),
-        f"prefill compression chunk (and prefill piece size), tokens; default "
-        f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU, {DEFAULT_CHUNK_SIZE['cpu']} on a CPU")
+        f"prefill piece size (and the compression chunk of retention 'chunk'), tokens; default "
+        f"{DEFAULT_CHUNK_SIZE} on every backend")
     num_pages: int | None = _field(None, _int_at_least(2, optional=True),
                                    "KV pool pages (page 0 is the null page); with precision tiers "
                                    "the pages of both tiers' pools together, each with its null "
