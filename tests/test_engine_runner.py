@@ -355,7 +355,7 @@ def test_cpu_prefill_updates_the_pool_in_place(layer_loop):
     args, static = runner._null_prefill_call(1, runner.k_pages, runner.v_pages)
     writes = jax.eval_shape(functools.partial(runner._prefill, **static), *args)[0]
     texts = [runner._prefill.lower(*args, **static).compile().as_text(),
-             runner._apply_writes.lower(runner.k_pages, runner.v_pages, runner.s_pages,
+             runner._apply_writes.lower(runner.k_pages, runner.v_pages,
                                         writes).compile().as_text()]
     pool = "f32[" + ",".join(map(str, runner.k_pages.shape)) + "]"
     copies = [line for text in texts for line in text.splitlines()

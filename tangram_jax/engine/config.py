@@ -29,7 +29,8 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
-from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES, resolve_scoring_rule
+from tangram_jax.compression.chunk_scoring import (SCORING_RULE_CHOICES, TURN_METHODS,
+                                                   resolve_scoring_rule)
 from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, KVLayout,
                                    TieredLayout, check_local_layers, pages_for)
 from tangram_jax.kv_quant import KV_PRECISIONS, page_format
@@ -355,11 +356,13 @@ class EngineConfig:
                             "turn's final chunk (final_chunk), or none")
     retention: str = _field(
         "auto", _choice(RETENTION_CHOICES),
-        "how a turn's retained count is spread over its compression chunks (kv_layout."
-        "RETENTIONS): flow (the reservation is filled first, then every later chunk's tokens "
-        "displace weaker held ones: the turn keeps its best tokens wherever they lie) or chunk "
-        "(a fixed share of every chunk, locked in); auto: flow, except chunk for precision "
-        "tiers and dynamic mode (the per-input baseline as published)")
+        "how a turn is compressed (kv_layout.RETENTIONS): turn (its chunks are held whole "
+        "while it is prefilled and its last chunk compresses the whole turn, scored by its own "
+        "question: SnapKV as published; a long prefill borrows uncompressed pages while it "
+        "runs) or chunk (each chunk keeps a fixed share of its own, scored before the turn's "
+        "question exists); auto: turn, except chunk for precision tiers, dynamic mode (the "
+        "per-input method as published) and profiles calibrated with a method the whole-turn "
+        "compression does not serve (chunk_scoring.TURN_METHODS)")
     scoring_rule: str = _field(
         "auto", _choice(SCORING_RULE_CHOICES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
@@ -377,12 +380,15 @@ class EngineConfig:
             raise AttributeError(f"EngineConfig has no field {name!r}")
         super().__setattr__(name, f.metadata["check"](name, value))
 
-    def resolved_retention(self) -> str:
-        """`retention`, or for "auto" flow except with precision tiers and in dynamic mode."""
+    def resolved_retention(self, method: str = "snapkv") -> str:
+        """`retention`, or for "auto" turn, except chunk with precision tiers, in dynamic mode
+        and for a profile calibrated with a `method` the whole-turn compression does not serve
+        (`chunk_scoring.TURN_METHODS`)."""
         if self.retention != "auto":
             return self.retention
-        return "chunk" if self.kv_precision in PRECISION_TIERS or self.mode == "dynamic" \
-            else "flow"
+        chunk = (self.kv_precision in PRECISION_TIERS or self.mode == "dynamic"
+                 or method not in TURN_METHODS)
+        return "chunk" if chunk else "turn"
 
     def resolved_chunk_size(self) -> int:
         """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
@@ -391,13 +397,13 @@ class EngineConfig:
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
         was set); `Engine` calls this before loading the model, so such errors come at once."""
-        if self.retention == "flow" and self.kv_precision in PRECISION_TIERS:
-            raise EngineConfigError(f"retention 'flow' does not serve precision tiers "
+        if self.retention == "turn" and self.kv_precision in PRECISION_TIERS:
+            raise EngineConfigError(f"retention 'turn' does not serve precision tiers "
                                     f"(kv_precision {self.kv_precision!r}): each chunk's kept "
                                     f"tokens are split between the tiers by rank as it is "
                                     f"written; use retention 'chunk' or 'auto'")
-        if self.retention == "flow" and self.mode == "dynamic":
-            raise EngineConfigError("retention 'flow' is a static-budget rule; dynamic mode "
+        if self.retention == "turn" and self.mode == "dynamic":
+            raise EngineConfigError("retention 'turn' is a static-budget rule; dynamic mode "
                                     "counts per chunk (the per-input method as published): "
                                     "use retention 'chunk' or 'auto'")
         if self.mode == "dynamic" and self.scoring_rule not in ("window", "auto"):
@@ -473,8 +479,20 @@ class EngineConfig:
         # all read from the layout.
         # The profile is read once: it gives the layout and the method the compression serves.
         profile = resolve_profile(self, mc, is_embedded) if self.mode == "tangram" else None
+        method = profile.method if profile is not None else "snapkv"
+        retention = self.resolved_retention(method)
+        if retention == "turn" and self.mode == "tangram" and method not in TURN_METHODS:
+            raise EngineConfigError(f"retention 'turn' scores with one of {TURN_METHODS}; the "
+                                    f"profile was calibrated with {method!r} (use retention "
+                                    f"'chunk' or 'auto', or a profile of another method)")
+        try:
+            scoring_rule = resolve_scoring_rule(self.scoring_rule, self.mode,
+                                                profile.rho if profile is not None else None,
+                                                retention)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
-            self.tail_rule, obs_window).with_retention(self.resolved_retention())
+            self.tail_rule, obs_window).with_retention(retention)
         if self.kv_precision in PRECISION_TIERS:   # mode is tangram (`check`)
             layout = tiered_layout(self, profile, layout, max_model_len)
         try:   # every KV head group is split over the tensor-parallel devices
@@ -493,9 +511,7 @@ class EngineConfig:
             max_long_partial_prefills=self.max_long_partial_prefills,
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
-            compression_method=profile.method if profile is not None else "snapkv",
-            scoring_rule=resolve_scoring_rule(self.scoring_rule, self.mode,
-                                              profile.rho if profile is not None else None),
+            compression_method=method, scoring_rule=scoring_rule,
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 
 

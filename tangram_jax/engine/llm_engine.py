@@ -204,17 +204,23 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                      layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
                                             end - start) if p.segment[2] else end - start
                      for p, start, end in zip(rows, starts, ends)]
-        # Each row's count, and under flow retention where its turn's held tokens start: the
-        # layout's rule for the row's place in its turn (a segment decode wrote keeps all).
-        if runner.prefill_whole_rows or dynamic:
-            counts = turn_hist = None
-        else:
+        # Each row's count: the layout's rule for the row's place in its turn (a segment decode
+        # wrote keeps all); under retention "turn" also where the turn's held tokens start and
+        # how many of its protected tail they include (the turn's last row compresses them).
+        counts = turn_rows = None
+        if not (runner.prefill_whole_rows or dynamic):
             counts = [_row_keep_counts(layout, p, start, end, protected_b)
                       for p, start, end, protected_b in zip(rows, starts, ends, protected)]
-            turn_hist = ([hist[p.seq.request_id] - (
-                layout.retained_counts(p.segment[1] - p.segment[0], upto=start - p.segment[0])
-                if p.segment[2] else 0) for p, start in zip(rows, starts)]
-                if runner.flow else None)
+        if runner.compacts_turns:
+            turn_rows = dict(turn_hist=[], keep_counts=counts, held_protected=[])
+            for p, start in zip(rows, starts):
+                seg_start, seg_end, compressed = p.segment
+                offset, turn_len = start - seg_start, seg_end - seg_start
+                turn_rows["turn_hist"].append(hist[p.seq.request_id] - (
+                    layout.retained_counts(turn_len, upto=offset) if compressed else 0))
+                turn_rows["held_protected"].append(
+                    max(0, offset - turn_len + layout.protected_tail(turn_len))
+                    if compressed else 0)
         want = prompt_logprobs is not None and any(p.seq.request_id in prompt_logprobs
                                                    for p in rows)
         targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
@@ -223,8 +229,7 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
         logits, kept, *lp_rows = runner.prefill(
             [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
             starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected, targets, decode=with_decode, turn_hist=turn_hist,
-            keep_counts=counts if runner.flow else None)
+            protected, targets, decode=with_decode, **(turn_rows or {}))
         if with_decode is not None:
             decoded = lp_rows.pop()
         for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):

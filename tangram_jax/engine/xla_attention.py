@@ -237,17 +237,13 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
 # of one layer are no other layer's, so nothing in the call reads them) and scatters them all
 # once after it, in place.
 
-def apply_chunk_writes(k_pages, v_pages, s_pages, where, rows, score_rows=None):
+def apply_chunk_writes(k_pages, v_pages, where, rows):
     """Scatter planned writes (`chunk_compress.plan_destination_writes` outputs stacked over
-    any leading axes) into the pool (and the flow score pool `s_pages` where given); returns
-    the new (k_pages, v_pages, s_pages)."""
+    any leading axes) into the pool; returns the new (k_pages, v_pages)."""
     page, head_in_page, offset = (x.reshape(-1) for x in where)
     k_rows, v_rows = (x.reshape(-1, x.shape[-1]) for x in rows)
     k_pages = k_pages.at[page, head_in_page, offset].set(k_rows.astype(k_pages.dtype),
                                                          mode="drop")
     v_pages = v_pages.at[page, head_in_page, offset].set(v_rows.astype(v_pages.dtype),
                                                          mode="drop")
-    if s_pages is not None:
-        s_pages = s_pages.at[page, head_in_page, offset].set(
-            score_rows.reshape(-1).astype(s_pages.dtype), mode="drop")
-    return k_pages, v_pages, s_pages
+    return k_pages, v_pages

@@ -6,8 +6,8 @@ Where each token goes is decided first (jnp, before the kernel), as a destinatio
 - `chunk_destinations` (retention ``"chunk"``): head h of group g = h // G keeps its
   ``keep_counts[g]`` highest-scoring valid tokens (ties: the earlier token) in temporal order in
   slots ``hist_len[g] .. hist_len[g] + count - 1`` (`kept_token_sources` lists them);
-- `compression.flow.flow_destinations` (retention ``"flow"``): new slots, or the slots of held
-  tokens of the turn that the chunk's tokens displace.
+- a turn compaction (retention ``"turn"``, `ModelRunner._turn_compaction`): the whole turn's
+  kept tokens, held slots and the last chunk's, in temporal order from the turn's first slot.
 
 `page_writes` turns the destinations into a list of *dirty pages* per head (the pages a write
 lands in, at most `max_dirty` of them) and, per dirty page, the chunk row each of its slots
@@ -18,8 +18,7 @@ Grid: ``(num_kv_heads, max_dirty)``. Program (h, i) owns the i-th dirty page of 
 page ``dirty[h, i]`` of its group's block table; -1: nothing to do): it fills the slots of that
 page that receive a row and leaves every other slot untouched (masked store), so programs never
 write the same slot and no other slot of the pool changes. The pool is updated in place
-(`input_output_aliases`; donate it in the caller). Besides K and V a call may write a score
-pool ``[num_pages, G, page_size]`` float32 (flow retention's per-slot scores) the same way.
+(`input_output_aliases`; donate it in the caller).
 """
 
 from __future__ import annotations
@@ -71,14 +70,9 @@ def chunk_destinations(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax
 
 
 def contiguous_dirty_pages(chunk: int, page_size: int) -> int:
-    """Dirty pages a head can have when its writes are consecutive slots (``"chunk"``)."""
+    """Dirty pages a head can have when its writes (at most `chunk` rows) are consecutive
+    slots, as every writer's are."""
     return pl.cdiv(chunk, page_size) + 1
-
-
-def scattered_dirty_pages(chunk: int, page_size: int) -> int:
-    """Dirty pages a head can have under ``"flow"``: the new slots' pages plus one page per
-    displaced token (at most the chunk's tokens)."""
-    return contiguous_dirty_pages(chunk, page_size) + chunk
 
 
 def page_writes(dest: jax.Array, page_size: int, max_dirty: int) -> tuple[jax.Array, jax.Array]:
@@ -110,7 +104,7 @@ def _write_kernel(block_table_ref, dirty_ref, rows_ref, *refs, page_size: int, g
     """block_table_ref [groups, max_pages]; dirty_ref [max_dirty] (this head's); rows_ref
     [page_size] (this program's page: the chunk row of each slot, -1 none); then n chunk refs
     [T, ...] (this head's rows of each pool array: K and V values, or K codes, scales and zeros
-    and the same of V, and the scores), n pool refs (the same buffers as the outputs; read only
+    and the same of V), n pool refs (the same buffers as the outputs; read only
     by slot-pair streams) and n pool out refs [num_pages, page_size, ...] (this head's slab of
     each pool array, aliased; a slot-pair stream's, `paired[i]`, [num_pages, page_size / 2, w]
     uint16 of its uint8 chunk rows, `kv_quant.pair_slots`)."""
@@ -156,17 +150,14 @@ def _pool_streams(chunk, pages):
     return [(chunk.astype(pages.dtype), pages, False)]
 
 
-@functools.partial(jax.jit, static_argnames=("max_dirty", "interpret"), donate_argnums=(3, 4, 7))
-def _write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, score_rows, score_pages, *,
-           max_dirty: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("max_dirty", "interpret"), donate_argnums=(3, 4))
+def _write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, *, max_dirty: int,
+           interpret: bool):
     chunk, num_heads, head_dim = k_chunk.shape
     num_pages, group_size, page_size, _ = k_pages.shape
     num_groups, max_pages = block_table.shape
     dirty, rows = page_writes(dest, page_size, max_dirty)
     streams = _pool_streams(k_chunk, k_pages) + _pool_streams(v_chunk, v_pages)
-    if score_pages is not None:
-        streams.append((jnp.swapaxes(score_rows, 0, 1).astype(score_pages.dtype), score_pages,
-                        False))
     chunks = [c for c, _, _ in streams]
     pools = [a for _, a, _ in streams]
     kernel = functools.partial(_write_kernel, page_size=page_size, group_size=group_size,
@@ -195,9 +186,7 @@ def _write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, score_rows, sc
         name="compress_chunk_into_pages",
     )(block_table, dirty, rows, *chunks, *pools)
     n_k = len(jax.tree.leaves(k_pages))            # arrays of the K pool (1, or 3 quantised)
-    n_v = len(jax.tree.leaves(v_pages))
-    return (_rebuild(k_pages, written[:n_k]), _rebuild(v_pages, written[n_k:n_k + n_v]),
-            written[n_k + n_v] if score_pages is not None else None)
+    return _rebuild(k_pages, written[:n_k]), _rebuild(v_pages, written[n_k:])
 
 
 def _rebuild(pages, arrays):
@@ -232,48 +221,41 @@ def _check(k_chunk, v_chunk, dest, k_pages, v_pages, block_table):
 
 
 def write_chunk_into_pages(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, *,
-                           max_dirty: int, score_rows=None, score_pages=None,
-                           interpret: bool | None = None):
+                           max_dirty: int, interpret: bool | None = None):
     """Write chunk rows into the slots `dest` gives (the Pallas kernel).
 
     Args:
       k_chunk, v_chunk: [T, num_kv_heads, head_dim], RoPE applied, heads in permuted order
         (group g = heads g*G .. g*G + G - 1); T is the padded static chunk size.
       dest: int32 [num_kv_heads, T], each token's slot in its head's pages, -1: not written
-        (`chunk_destinations`, `flow.flow_destinations`); no two tokens of a head share a slot.
+        (`chunk_destinations`); no two tokens of a head share a slot.
       k_pages, v_pages: [num_pages, G, page_size, head_dim] (or `kv_quant.QuantPages`);
         donated and updated in place.
       block_table: int32 [groups, max_pages].
-      max_dirty: static, at least the distinct pages any head writes (`contiguous_dirty_pages`,
-        `scattered_dirty_pages`).
-      score_rows, score_pages: optionally float32 [num_kv_heads, T] written the same way into
-        a score pool [num_pages, G, page_size] (donated).
-    Returns (k_pages, v_pages, score_pages or None): only the destination slots changed.
+      max_dirty: static, at least the distinct pages any head writes
+        (`contiguous_dirty_pages`).
+    Returns (k_pages, v_pages): only the destination slots changed.
     """
     _check(k_chunk, v_chunk, dest, k_pages, v_pages, block_table)
-    return _write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, score_rows, score_pages,
-                  max_dirty=max_dirty, interpret=backend.resolve_interpret(interpret))
+    return _write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, max_dirty=max_dirty,
+                  interpret=backend.resolve_interpret(interpret))
 
 
 @jax.jit
-def write_chunk_into_pages_reference(k_chunk, v_chunk, dest, k_pages, v_pages, block_table,
-                                     score_rows=None, score_pages=None):
+def write_chunk_into_pages_reference(k_chunk, v_chunk, dest, k_pages, v_pages, block_table):
     """Pure-jnp scatter of the same writes (out-of-range slots are dropped)."""
-    where, (k_rows, v_rows), s_rows = plan_destination_writes(
+    where, (k_rows, v_rows) = plan_destination_writes(
         k_chunk, v_chunk, dest, k_pages.shape[0], k_pages.shape[2], k_pages.shape[1],
-        block_table, score_rows)
-    k_pages = kv_quant.write_slots(k_pages, where, k_rows, mode="drop")
-    v_pages = kv_quant.write_slots(v_pages, where, v_rows, mode="drop")
-    if score_pages is not None:
-        score_pages = score_pages.at[where].set(s_rows.astype(score_pages.dtype), mode="drop")
-    return k_pages, v_pages, score_pages
+        block_table)
+    return (kv_quant.write_slots(k_pages, where, k_rows, mode="drop"),
+            kv_quant.write_slots(v_pages, where, v_rows, mode="drop"))
 
 
 def plan_destination_writes(k_chunk, v_chunk, dest, num_pages: int, page_size: int,
-                            group_size: int, block_table, score_rows=None):
+                            group_size: int, block_table):
     """The scatter of `dest` without performing it: ((page, head_in_page, offset) int32
     [heads, T], the page `num_pages` (out of range: dropped) for a token not written;
-    (k_rows, v_rows) [heads, T, d]; score rows [heads, T] or None)."""
+    (k_rows, v_rows) [heads, T, d])."""
     chunk, num_heads, _ = k_chunk.shape
     width = block_table.shape[1]
     heads = jnp.arange(num_heads)
@@ -284,7 +266,7 @@ def plan_destination_writes(k_chunk, v_chunk, dest, num_pages: int, page_size: i
     head_in_page = jnp.broadcast_to((heads % group_size)[:, None], dest.shape)
     rows = (jnp.swapaxes(k_chunk, 0, 1), jnp.swapaxes(v_chunk, 0, 1))
     return ((page.astype(jnp.int32), head_in_page.astype(jnp.int32),
-             (slot % page_size).astype(jnp.int32)), rows, score_rows)
+             (slot % page_size).astype(jnp.int32)), rows)
 
 
 def compress_chunk_into_pages(k_chunk, v_chunk, scores, keep_counts, chunk_len, k_pages, v_pages,
@@ -304,10 +286,9 @@ def compress_chunk_into_pages(k_chunk, v_chunk, scores, keep_counts, chunk_len, 
     _check_counts(scores, keep_counts, hist_len, k_chunk, k_pages)
     dest = chunk_destinations(scores, keep_counts, jnp.asarray(chunk_len, jnp.int32), hist_len,
                               k_pages.shape[1])
-    k_pages, v_pages, _ = write_chunk_into_pages(
+    return write_chunk_into_pages(
         k_chunk, v_chunk, dest, k_pages, v_pages, block_table,
         max_dirty=contiguous_dirty_pages(k_chunk.shape[0], k_pages.shape[2]), interpret=interpret)
-    return k_pages, v_pages
 
 
 def compress_chunk_into_pages_reference(k_chunk, v_chunk, scores, keep_counts, chunk_len,
@@ -316,9 +297,8 @@ def compress_chunk_into_pages_reference(k_chunk, v_chunk, scores, keep_counts, c
     _check_counts(scores, keep_counts, hist_len, k_chunk, k_pages)
     dest = chunk_destinations(scores, keep_counts, jnp.asarray(chunk_len, jnp.int32), hist_len,
                               k_pages.shape[1])
-    k_pages, v_pages, _ = write_chunk_into_pages_reference(k_chunk, v_chunk, dest, k_pages,
-                                                           v_pages, block_table)
-    return k_pages, v_pages
+    return write_chunk_into_pages_reference(k_chunk, v_chunk, dest, k_pages, v_pages,
+                                            block_table)
 
 
 def _check_counts(scores, keep_counts, hist_len, k_chunk, k_pages):

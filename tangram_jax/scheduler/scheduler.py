@@ -429,6 +429,7 @@ class Scheduler:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
             if chunk.is_last:
+                self.manager.finish_prefill(seq.slot)
                 seq.token_ids.append(self._sampled(sampled_tokens, seq))
                 seq.status = SequenceStatus.DECODE
                 self._batch_stale = True
