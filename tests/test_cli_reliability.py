@@ -52,6 +52,9 @@ def _one_line_error(err: str, needle: str) -> None:
     (["calibrate", "--out", "p_{rho:.2f}_{x}.json", "--ratio", "0.25,0.5"], "placeholders"),
     (["generate", "--top-k", "-7", "hi"], "top_k"),
     (["generate", "a\udcffb"], "lone surrogate"),
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--port", "-1"], "--port"),
+    (["serve", "--port", "80.5"], "--port"),
     (["nosuchcommand"], "invalid choice"),
     (["bench", "nosuchbench"], "invalid choice"),
 ])

@@ -5,7 +5,7 @@
   starts (a typo in `--json` must not cost the whole job).
 - `atomic_path` / `write_text_atomic`: outputs are written to a temporary file in the same folder and renamed
   into place, so an interrupted command leaves the old file or the new one, never half of one.
-- `positive_int`: argparse type for counts that must be >= 1.
+- `positive_int`: argparse type for counts that must be >= 1; `port`: for TCP ports (0-65535).
 """
 
 from __future__ import annotations
@@ -28,6 +28,24 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+# TCP port numbers (0: the system picks a free port).
+PORT_RANGE = (0, 65535)
+
+
+def port(text: str) -> int:
+    """argparse type of a TCP port: an integer in `PORT_RANGE` (the OS would otherwise take
+    the number modulo 2**16 and listen somewhere else than the user asked)."""
+    lo, hi = PORT_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in {lo}-{hi}, got "
+                                         f"{text!r}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"expected a port number in {lo}-{hi}, got {value}")
     return value
 
 
