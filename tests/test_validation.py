@@ -120,6 +120,21 @@ def test_resolve_computes_every_derived_setting_once(tiny_folder):
         EngineConfig(mode="full", profile="p.json").resolve(mc)
 
 
+def test_a_token_budget_below_a_chunk_is_refused_when_the_config_is_made():
+    """max_num_batched_tokens must hold a full decode batch plus one compression chunk: refused
+    by the constructor (as vLLM's configs refuse theirs), not first by the Engine."""
+    with pytest.raises(EngineConfigError, match=r"max_num_batched_tokens 8 is below max_num_seqs"
+                                                r" \+ chunk_size = 16 \+ 16 = 32"):
+        EngineConfig(max_num_batched_tokens=8, chunk_size=16)
+    with pytest.raises(EngineConfigError, match=r"= 2 \+ 16 = 18"):
+        EngineConfig(max_num_batched_tokens=17, chunk_size=16, max_num_seqs=2)
+    # chunk_size left to the backend: bounded by the smallest default (CPU's), named as such.
+    with pytest.raises(EngineConfigError, match=r"16 \+ 128 = 144 \(chunk_size's default"):
+        EngineConfig(max_num_batched_tokens=8)
+    assert EngineConfig(max_num_batched_tokens=18, chunk_size=16, max_num_seqs=2)\
+        .max_num_batched_tokens == 18
+
+
 def test_cli_flags_are_generated_from_the_fields():
     parser = argparse.ArgumentParser()
     add_cli_args(parser, exclude=("seed",))
