@@ -59,14 +59,17 @@ def _assert_idle(engine: Engine) -> None:
 prompt_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 prompt_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1,
                       max_size=30)
+# Greedy (outputs comparable with the request alone), with the top_k and seed values vLLM
+# accepts: no limit at and past the vocabulary, seed -1 for none.
 valid_params = st.builds(SamplingParams, temperature=st.just(0), max_tokens=st.integers(1, 12),
-                         ignore_eos=st.booleans())
+                         ignore_eos=st.booleans(),
+                         top_k=st.sampled_from([-1, 0, 1, 7, VOCAB, VOCAB + 1, 2**31 - 1, 2**40]),
+                         seed=st.sampled_from([None, -1, 3]))
 bad_request = st.sampled_from([
     dict(prompt=b"bytes"), dict(prompt=""), dict(prompt="a\ud800"), dict(prompt_token_ids=5),
     dict(prompt_token_ids=[1.0, 2.0]), dict(prompt_token_ids=[True]), dict(prompt_token_ids="ab"),
     dict(prompt_token_ids=[VOCAB]), dict(prompt_token_ids=[-1]), dict(prompt_token_ids=[]),
     dict(prompt="x", session_id=["s"]), dict(prompt="x", request_id=7),
-    dict(prompt="x", sampling_params=SamplingParams(top_k=VOCAB + 1)),
     dict(prompt="x", sampling_params=SamplingParams(stop_token_ids=[VOCAB])),
     dict(prompt="x", sampling_params="greedy"), dict(prompt="x", prompt_token_ids=[1]),
     dict(messages=[{"role": "assistant", "content": "hi"}]),

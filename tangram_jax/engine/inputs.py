@@ -96,9 +96,6 @@ def check_sampling_params(params, vocab_size: int) -> SamplingParams:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    if params.top_k > vocab_size:
-        raise ValueError(f"sampling_params.top_k {params.top_k} exceeds the vocabulary size "
-                         f"{vocab_size}; use -1 or 0 to disable top-k")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"sampling_params.stop_token_ids {bad[:5]} are outside the vocabulary "
