@@ -62,9 +62,12 @@ def _hf_state_dict(seed=0):
     return {k: v.astype(np.float32) for k, v in sd.items()}
 
 
-def write_tiny_gguf(path, sd, quantize=("blk.1.ffn_up.weight",)):
+def write_tiny_gguf(path, sd, quantize=("blk.1.ffn_up.weight",), metadata=None):
+    """metadata: extra key -> float or int values (llama.cpp's general.sampling.*, say)."""
     c = HF_CONFIG
     w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (metadata or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])

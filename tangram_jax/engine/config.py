@@ -167,6 +167,15 @@ def _model(name, value):
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
 
+def _generation_config(name, value):
+    """'auto', 'vllm' or a folder path (its generation_config.json is read when the engine
+    loads its model)."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise EngineConfigError(f"{name} must be 'auto', 'vllm' or a folder holding a "
+                                f"generation_config.json, got {value!r}")
+    return value
+
+
 def _buckets(name, value):
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
@@ -291,6 +300,13 @@ class EngineConfig:
                              "observation window of the compression scorer (capped at chunk_size)")
     seed: int = _field(0, _int_at_least(0), "engine seed: seeds requests that bring no seed of "
                        "their own, per (seed, request id), as vLLM's seed")
+    generation_config: str = _field(
+        "auto", _generation_config,
+        "default sampling parameters of requests that bring none (vLLM's generation_config): "
+        "auto, the model's (a HF folder's generation_config.json, a GGUF's general.sampling.* "
+        "metadata; vLLM's defaults where it has none), vllm (vLLM's defaults: temperature 1, "
+        "16 tokens), or a folder whose generation_config.json to use "
+        "(models.generation_config)")
     async_scheduling: bool = _field(
         True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
         "while the device runs step N (vLLM's async_scheduling)")

@@ -45,6 +45,7 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
                                         RequestOutputKind)
 from tangram_jax import kv_quant
 from tangram_jax.kv_layout import TieredLayout, pages_for
+from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.decode_attention import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
@@ -320,6 +321,12 @@ class Engine:
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
+        # What a request without SamplingParams is served with (vLLM's generation_config).
+        try:
+            self.default_sampling_params, self.default_sampling_source = \
+                default_sampling_params(cfg.generation_config, loaded.source)
+        except GenerationConfigError as e:
+            raise EngineConfigError(f"generation_config: {e}") from None
         self.resolved = rc = cfg.resolve(mc, is_embedded=loaded.name == DEFAULT_MODEL)
         self.layout = rc.layout
         self.max_model_len = rc.max_model_len
@@ -495,6 +502,9 @@ class Engine:
 
         output_kind: what `step` reports for it (see `RequestOutputKind`).
 
+        sampling_params None: `default_sampling_params`, the model's generation config
+        (`EngineConfig.generation_config`), else vLLM's defaults.
+
         Raises TypeError / ValueError naming the argument before anything is queued."""
         return self.enqueue(self.check_request(
             request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
@@ -514,7 +524,8 @@ class Engine:
         if session_id is not None:
             inputs.check_id("session_id", session_id)
         vocab = self.model_config.vocab_size
-        sampling_params = inputs.check_sampling_params(sampling_params, vocab)
+        sampling_params = inputs.check_sampling_params(sampling_params, vocab,
+                                                       self.default_sampling_params)
         if request_id is not None and request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already live")
         if sampling_params.n > 1 and (session_id is not None or forced_token_ids is not None):
