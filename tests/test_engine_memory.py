@@ -281,3 +281,40 @@ def test_tiered_pool_sizing_splits_the_bytes_by_the_share():
                                          r"bytes, fewer than the \(10, 1000000000\) needed"):
         memory.plan_pool(mem, 0.9, GIB, memory.TieredPool(page_bytes, split, (10, 10 ** 9)),
                          headroom_bytes=0)
+
+
+def test_kv_savings_say_what_was_saved_and_why_nothing_was(tmp_path):
+    """`Engine.describe_kv_savings` (chat's /stats, run's memory line): the saving in words,
+    and when nothing was saved, why (the protected tails hold every prompt token; decode keeps
+    every generated token; full mode keeps everything)."""
+    from tangram_jax.engine.llm_engine import Engine
+    from tangram_jax.sampling import SamplingParams
+    from tiny_engine import build_tiny_model, tiny_engine_config
+
+    folder = build_tiny_model(tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def turn(engine, ids, session="s"):
+        engine.add_request(prompt_token_ids=ids, sampling_params=greedy, session_id=session)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    engine = Engine(tiny_engine_config(folder, "tangram", obs_window=16))
+    turn(engine, list(range(10, 22)))            # 12 prompt tokens, all in the 16-token tail
+    said = engine.describe_kv_savings()
+    assert said.startswith("KV held") and "the same as full KV's" in said, said
+    assert "nothing was compressed" in said and "a turn's last 16 tokens" in said, said
+    assert "every turn so far (1, at most 12 tokens) fits in its tail" in said, said
+    usage = engine.kv_usage()
+    assert usage["token_breakdown"] == dict(compressible=0, protected=12, generated=24, turns=1,
+                                            longest_turn=12)
+    turn(engine, list(range(30, 190)))           # 160 tokens: 144 outside the tail
+    said = engine.describe_kv_savings()
+    held, full = engine.kv_usage()["kv_bytes_held"], engine.kv_usage()["full_kv_bytes"]
+    assert held < full
+    assert re.match(rf"KV held [\d.]+ MiB, {100 * (1 - held / full):.1f}% less than full KV's "
+                    rf"[\d.]+ MiB for the same 220 tokens \(144 compressible prompt tokens, 28 "
+                    rf"in protected turn tails, 48 generated\)", said), said
+    full_mode = Engine(tiny_engine_config(folder, "full"))
+    turn(full_mode, list(range(30, 190)))
+    assert "full mode keeps every token" in full_mode.describe_kv_savings()

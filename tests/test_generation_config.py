@@ -116,3 +116,38 @@ def test_generation_config_field_is_checked(folders, tmp_path):
         EngineConfig(generation_config=None)
     with pytest.raises(EngineConfigError, match="no generation_config.json"):
         Engine(tiny_engine_config(greedy, "full", generation_config=str(tmp_path)))
+
+
+TINY_CHAT = ["--mode", "full", "--max-model-len", "256", "--chunk-size", "16",
+             "--kv-cache-tokens", "1024", "--max-num-seqs", "2", "--max-tokens", "4"]
+
+
+def test_chat_help_shows_every_default(capsys):
+    from tangram_jax.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "longest answer per turn (default: 256)" in text
+    for flag, vllm_default in (("--temperature", "1.0"), ("--top-p", "1.0"),
+                               ("--top-k", "0 (off)"), ("--min-p", "0.0"),
+                               ("--repetition-penalty", "1.0")):
+        assert (f"{flag} {flag[2:].upper().replace('-', '_')} default: the model's generation "
+                f"config (see --generation-config), else vLLM's {vllm_default}") in text, flag
+    assert "sampling seed (default: each answer's seed derives from the request id" in text
+    assert "--generation-config GENERATION_CONFIG default sampling parameters" in text
+
+
+def test_chat_samples_with_the_models_defaults_unless_a_flag_says_otherwise(folders, monkeypatch,
+                                                                             capsys):
+    import io
+
+    from tangram_jax.cli import main
+    _, greedy = folders
+    for flags, shown in (([], "temperature 0, top_p 1"), (["--temperature", "0.5"],
+                                                          "temperature 0.5, top_p 1")):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
+        assert main(["chat", "--model", str(greedy), *TINY_CHAT, *flags]) == 0
+        banner = capsys.readouterr().out.splitlines()[1]
+        assert banner.startswith(f"sampling: {shown}, top_k off"), banner
+        assert "answers up to 4 tokens" in banner and "generation_config.json" in banner, banner

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tangram_jax.engine import inputs, memory
+from tangram_jax.engine import inputs, kv_savings, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
@@ -1112,11 +1112,22 @@ class Engine:
         usage.update(
             kv_bytes_held=int(held @ np.asarray(self.runner.tier_page_bytes)),
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
+            # How the retention rule treats the cached tokens (`kv_savings.token_breakdown`).
+            token_breakdown=dataclasses.asdict(kv_savings.token_breakdown(cached_seqs,
+                                                                          self.layout)),
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,
             pool=self.kv_pool(),
         )
         return usage
+
+    def describe_kv_savings(self) -> str:
+        """One sentence: the KV the cached sequences hold against full KV for the same tokens,
+        and where those tokens came from; when nothing was saved, why (`kv_savings`)."""
+        usage = self.kv_usage()
+        return kv_savings.describe(usage["kv_bytes_held"], usage["full_kv_bytes"],
+                                   kv_savings.TokenBreakdown(**usage["token_breakdown"]),
+                                   self.layout, self.config.mode)
 
     def _cached_sequences(self) -> list[Sequence]:
         seqs = {id(r.seq): r.seq for r in self._requests.values()}
