@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -32,10 +33,18 @@ def test_run_reports_throughput_and_memory(tmp_path, capsys):
     assert main(["run", "--conversations", "2", "--turns", "2", "--max-tokens", "6",
                  "--max-user-chars", "300", "--json", str(report)]) == 0
     out = capsys.readouterr().out
-    assert "throughput" in out and "KV memory held" in out and "[assistant]" in out
+    assert "throughput" in out and "[assistant]" in out
     data = json.loads(report.read_text())
     assert data["generated_tokens"] > 0
     assert 0 < data["kv_memory_vs_full"] < 1   # compressed sessions hold less than full KV
+    # The memory line says what was saved, against what, for which tokens.
+    saved = 100 * data["kv_saved_vs_full"]
+    assert re.search(rf"memory: the sessions' KV held [\d.]+ MiB, {saved:.1f}% less than full "
+                     rf"KV's [\d.]+ MiB for the same [\d,]+ tokens \([\d,]+ compressible prompt "
+                     rf"tokens", out), out
+    # The workload's user turns are long enough that most tokens are compressible.
+    tokens = data["token_breakdown"]
+    assert tokens["compressible"] > tokens["protected"] + tokens["generated"], tokens
 
 
 def test_run_refuses_a_bad_ratio(capsys):
