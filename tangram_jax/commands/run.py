@@ -18,7 +18,7 @@ HELP = "Serve a batch of multi-turn ShareGPT conversations and report throughput
 
 
 def add_arguments(parser) -> None:
-    from tangram_jax.commands import positive_int
+    from tangram_jax.commands import add_overwrite_flag, positive_int
     from tangram_jax.engine.config import add_cli_args
 
     parser.add_argument("--conversations", type=positive_int, default=6,
@@ -36,7 +36,9 @@ def add_arguments(parser) -> None:
                              "keeps whole, so there would be little to compress; 0: any)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature (default: 0, greedy)")
-    parser.add_argument("--json", default=None, help="also write the report to this JSON file")
+    parser.add_argument("--json", default=None, help="also write the report to this JSON file "
+                        "(a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     add_cli_args(parser)
 
 
@@ -49,7 +51,7 @@ def run(args) -> int:
 
     try:
         if args.json:
-            check_output_path("--json", args.json)
+            check_output_path("--json", args.json, overwrite=args.overwrite)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
         config = from_cli_args(args)
         llm = LLM(config=config)
