@@ -19,8 +19,9 @@ Timed, after warm-up (compilation) calls:
 
 Each figure is the median wall time of `--reps` calls, each ended by `block_until_ready`, and the
 GPU busy time per call from a profiler trace (the sum of GPU stream activity, no host gaps) when
-the trace has GPU events, with the largest kernels/ops by GPU time. Writes `--out` (default a fresh file under benchmarks/results/runs/; the committed
-decode_step_gpu.json only with --overwrite).
+the trace has GPU events, with the largest kernels/ops by GPU time. Writes `--out` (default a
+fresh file under benchmarks/results/runs/; the committed decode_step_gpu.json only with
+--overwrite).
 
     GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_step_gpu.py
     python benchmarks/decode_step_gpu.py --tiny   # CPU smoke test of the same path, small shapes

@@ -4,9 +4,9 @@ Every mode serves the same ShareGPT conversations (user turns from the data set,
 generated greedily) with the same KV pool bytes, so a mode that keeps less per token fits more
 conversations at once. Writes `--out` (default a fresh benchmarks/results/runs/
 end_to_end-<time>.json; the committed benchmarks/results/end_to_end.json only with --overwrite)
-with the device, the git revision, the command and, per mode: throughput, KV bytes held vs full KV for the same tokens,
-peak pool use, preemptions/evictions, and (dynamic) time spent reclaiming pages. Ratios against
-full KV are reported alongside.
+with the device, the git revision, the command and, per mode: throughput, KV bytes held vs full
+KV for the same tokens, peak pool use, preemptions/evictions, and (dynamic) time spent
+reclaiming pages. Ratios against full KV are reported alongside.
 
     python benchmarks/end_to_end.py --conversations 16 --turns 2 --kv-cache-tokens 6000
 """

@@ -36,6 +36,7 @@ from tangram_jax.benchmarking.results import (RESULTS_DIR, finish,  # noqa: E402
                                                resolve_outputs, start)
 from tangram_jax.commands import add_overwrite_flag, write_text_atomic  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+
 # Requests that must be refused (the engine's boundary checks) mixed into the stream.
 BAD_REQUESTS = [
     dict(prompt=b"bytes"), dict(prompt=""), dict(prompt="a\ud800"), dict(prompt_token_ids=5),

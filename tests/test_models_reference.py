@@ -88,7 +88,8 @@ def test_seeded_sampling_is_per_row(tiny):
     # largest temperature (2) flattens: a copy whose final norm scales the logits by 1/50.
     model = nnx.clone(peaked)
     model.norm.weight[...] = model.norm.weight[...] / 50
-    sampled = [SamplingParams(temperature=2.0, top_k=50, top_p=0.95, max_tokens=8, seed=s) for s in (11, 12, 13)]
+    sampled = [SamplingParams(temperature=2.0, top_k=50, top_p=0.95, max_tokens=8, seed=s)
+               for s in (11, 12, 13)]
     together = generate_dense(model, config, PROMPTS, sampled, eos_token_ids=())
     alone = [generate_dense(model, config, [p], [s], eos_token_ids=())[0] for p, s in zip(PROMPTS, sampled)]
     assert together == alone  # a seeded row draws the same tokens whatever else is in its batch

@@ -3,9 +3,9 @@
 The conversation is one engine session: each turn prefills only the new message on top of the
 compressed history kept in the pool. Sampling defaults to the model's generation config (vLLM's
 generation_config="auto"; the banner says which values and where from); `/stats` says what the
-session's KV saved against full KV and, when nothing, why. Answers stream as they are generated. A line that is not
-valid UTF-8 is refused with a message (the conversation goes on); end of input leaves with
-status 0, Ctrl-C with 130.
+session's KV saved against full KV and, when nothing, why. Answers stream as they are
+generated. A line that is not valid UTF-8 is refused with a message (the conversation goes on);
+end of input leaves with status 0, Ctrl-C with 130.
 """
 
 from __future__ import annotations

@@ -443,9 +443,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
             raise EngineConfigError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
-                f"chunk_size = {self.max_num_seqs} + {chunk} = {minimum}{default} (a step must hold a "
-                f"full decode batch plus one prefill chunk); raise max_num_batched_tokens or "
-                f"lower chunk_size / max_num_seqs")
+                f"chunk_size = {self.max_num_seqs} + {chunk} = {minimum}{default} (a step must "
+                f"hold a full decode batch plus one prefill chunk); raise max_num_batched_tokens "
+                f"or lower chunk_size / max_num_seqs")
         threshold = self.long_prefill_token_threshold
         if threshold is not None and (threshold < chunk or (
                 self.max_num_batched_tokens is not None
@@ -453,8 +453,8 @@ class EngineConfig:
             top = self.max_num_batched_tokens or "max_num_batched_tokens"
             raise EngineConfigError(
                 f"long_prefill_token_threshold must lie in [chunk_size, max_num_batched_tokens]"
-                f" = [{chunk}, {top}]{default}, got {threshold} (a long prefill progresses by whole "
-                f"compression chunks)")
+                f" = [{chunk}, {top}]{default}, got {threshold} (a long prefill progresses by "
+                f"whole compression chunks)")
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
