@@ -43,6 +43,8 @@ import numpy as np
 from tangram_jax import kv_quant
 from tangram_jax.benchmarking.timing import gpu_busy_time, wall_quantiles
 from tangram_jax.provenance import device_description, git_revision
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.decode_attention import (decode_programs,
@@ -309,7 +311,9 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
     p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
                    "or 'default' (the library's per-format tuning), tried at the first config; "
@@ -329,7 +333,10 @@ def main(argv=None):
     p.add_argument("--one-process", action="store_true",
                    help="measure every configuration in this process (default with a sweep; "
                    "with 'default' tunings each configuration runs in a fresh process)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "kv_precision_decode"})
+    run = start("kv_precision_decode", outputs, argv)
     if jax.default_backend() == "cpu":
         sys.exit("GPU only")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
@@ -393,6 +400,7 @@ def _write(path, results, precisions):
            "calls_per_block": CALLS, "results": results}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+        finish(run)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import sys
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 sys.path.insert(0, ROOT)
 
 VARIANTS = ("tangram+k8v4", "tangram+k8v4-k4v2")
@@ -51,8 +53,13 @@ def main(argv=None) -> None:
     parser.add_argument("--followups", type=int, default=1)
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--out", default=os.path.join(BENCH, "results", "kv_tier_pools.json"))
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    outputs = resolve_outputs(parser, args, {"out": "kv_tier_pools"})
+    run = start("kv_tier_pools", outputs, argv)
 
     from tangram_jax.benchmarking import serve
     from tangram_jax.benchmarking.models import random_model, random_model_config
@@ -88,6 +95,7 @@ def main(argv=None) -> None:
         / k8v4["workloads"][0]["turns_per_s"],
     }
     write_result(args.out, "kv_tier_pools", report, ["python", *sys.argv])
+    finish(run)
     print({k: round(v, 3) for k, v in report["tiered_over_k8v4"].items()}, flush=True)
 
 

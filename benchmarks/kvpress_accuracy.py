@@ -6,7 +6,8 @@ Face folder of the embedded SmolLM2 from the same GGUF the engine serves):
     .cache/kvpress-venv/bin/python benchmarks/kvpress_accuracy.py --samples 25
 
 Reads the task JSONL that `tangram-jax bench accuracy` wrote (the same samples), and writes
-benchmarks/results/accuracy_kvpress.json in the harness's shape (library "kvpress"), so one
+`--out` (default a fresh file under benchmarks/results/runs/; the committed
+accuracy_kvpress.json only with --overwrite) in the harness's shape (library "kvpress"), so one
 table and one plot hold both libraries (`tangram_jax.evaluation.report`).
 
 How kvpress compresses, and how that differs from the engine:
@@ -50,6 +51,8 @@ from tangram_jax.evaluation.harness import (_Judged, answer_prefix_ids,  # noqa:
                                             followup_text, followup_token_ids, summarise)
 from tangram_jax.evaluation.scoring import (is_correct, kl_full_vocabulary,  # noqa: E402
                                             token_agreement)
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.evaluation.tasks import read_jsonl  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -179,8 +182,13 @@ def main(argv=None) -> int:
                         "yes (only those), both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--out", default=str(RESULTS / "accuracy_kvpress.json"))
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "kvpress_accuracy"})
+    run = start("kvpress_accuracy", outputs, argv)
 
     import kvpress
     import torch
@@ -245,6 +253,7 @@ def main(argv=None) -> int:
     from tangram_jax.evaluation.report import markdown_table
     print(markdown_table(report))
     print(f"wrote {args.out}")
+    finish(run)
     return 0
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ import pytest
 from tangram_jax.cli import main
 from tangram_jax.commands import atomic_path, check_output_path, UsageError
 from tiny_engine import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 TINY_ENGINE_FLAGS = ["--mode", "full", "--max-model-len", "256", "--chunk-size", "16",
@@ -52,6 +55,20 @@ def _one_line_error(err: str, needle: str) -> None:
     (["calibrate", "--out", "p_{rho:.2f}_{x}.json", "--ratio", "0.25,0.5"], "placeholders"),
     (["generate", "--top-k", "-7", "hi"], "top_k"),
     (["generate", "a\udcffb"], "lone surrogate"),
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--port", "-1"], "--port"),
+    (["serve", "--port", "80.5"], "--port"),
+    # A committed result (or any file git tracks) is replaced only with --overwrite.
+    (["run", "--json", str(ROOT / "README.md")], "git tracks"),
+    (["calibrate", "--out", str(ROOT / "tangram_jax/compression/profiles/"
+                                "smollm2-135m_snapkv_rho0.50_g1.json")], "git tracks"),
+    (["bench", "accuracy", "--", "--out", str(ROOT / "benchmarks/results/accuracy.json")],
+     "git tracks"),
+    (["bench", "accuracy", "--", "--out", "/tmp/a.json", "--tasks-out",
+      str(ROOT / "benchmarks/results/accuracy_tasks.jsonl")], "git tracks"),
+    (["bench", "serve", "--", "--json", str(ROOT / "benchmarks/results/serve_cpu.json")],
+     "git tracks"),
+    (["bench", "serve", "--", "--resume"], "--resume needs --json"),
     (["nosuchcommand"], "invalid choice"),
     (["bench", "nosuchbench"], "invalid choice"),
 ])

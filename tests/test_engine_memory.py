@@ -185,30 +185,38 @@ def test_compile_cache_stores_even_quick_compiles(tmp_path):
         sorted(p.name for p in tmp_path.iterdir())
 
 
-def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
-    """The sizing hook end to end on a tiny model, with a made-up device (the CPU reports no
-    allocator): budget, weights, compiled step peak and headroom decide the pool, the manager
-    gets the same pages, and a request is served from it."""
+def _made_up_device(monkeypatch, device: memory.DeviceMemory):
+    """Engines built next load a tiny random model and see `device` as what the allocator
+    reports (the CPU reports none). Returns the engine settings the tests share."""
     import tokenizers
     from tokenizers import models as tok_models
 
     from tangram_jax.engine import llm_engine
     from tangram_jax.models.registry import LoadedModel
     from tangram_jax.models.tokenizer import Tokenizer
-    from tangram_jax.sampling import SamplingParams
 
     backend = tokenizers.Tokenizer(tok_models.WordLevel(
         {f"t{i}": i for i in range(CONFIG.vocab_size)}, unk_token="t0"))
-    loaded = LoadedModel(CONFIG, Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)),
-                         Tokenizer(backend, eos_token_ids=(0,)), "tiny", None)
-    monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: loaded)
+    # A fresh model each time: an engine's runner takes its model's layers over.
+    monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: LoadedModel(
+        CONFIG, Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)),
+        Tokenizer(backend, eos_token_ids=(0,)), "tiny", None))
+    monkeypatch.setattr(memory.DeviceMemory, "read", classmethod(lambda cls, d, f: device))
+    return dict(mode="full", max_num_seqs=2, max_model_len=128, chunk_size=16, page_size=4,
+                max_num_batched_tokens=32, compile_cache_dir="off", warmup=False)
+
+
+def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
+    """The sizing hook end to end on a tiny model, with a made-up device (the CPU reports no
+    allocator): budget, weights, compiled step peak and headroom decide the pool, the manager
+    gets the same pages, and a request is served from it."""
+    from tangram_jax.engine import llm_engine
+    from tangram_jax.sampling import SamplingParams
+
     card, in_use = 1200 * 2**20, 50 * 2**20
     device = memory.DeviceMemory(int(0.9 * card), in_use, 0, 0.9)
-    monkeypatch.setattr(memory.DeviceMemory, "read", classmethod(lambda cls, d, f: device))
-    engine = llm_engine.Engine(EngineConfig(
-        mode="full", max_num_seqs=2, max_model_len=128, chunk_size=16, page_size=4,
-        max_num_batched_tokens=32, gpu_memory_utilization=0.5, compile_cache_dir="off",
-        warmup=False))
+    small = _made_up_device(monkeypatch, device)
+    engine = llm_engine.Engine(EngineConfig(**small, gpu_memory_utilization=0.5))
     plan = engine.memory_plan
     page_bytes = engine.runner.kv_bytes_per_page
     assert plan.budget_bytes == int(0.5 * card) and plan.capped_by == "utilization"
@@ -234,6 +242,69 @@ def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert len(outs[0].outputs[0].token_ids) == 3
+
+
+def test_a_fixed_pool_over_the_cap_is_refused_at_build_naming_what_fits(monkeypatch):
+    """kv_cache_tokens / num_pages / kv_cache_memory_bytes fix the pool; where the allocator
+    reports a cap (a GPU; a made-up device here) a pool that cannot fit beside the weights and
+    the largest step is refused when the engine is built, in one error naming the pool, the
+    weights, the step, the cap and what would fit; what it names does fit. On a GPU the same
+    check reads the real allocator (`Engine._check_fixed_pool`)."""
+    from tangram_jax.engine import llm_engine
+    from tangram_jax.engine.config import EngineConfigError
+
+    mib = 2**20
+    device = memory.DeviceMemory(256 * mib, 50 * mib, 0, 0.75)   # JAX's default cap in force
+    small = _made_up_device(monkeypatch, device)
+    for setting, value in (("kv_cache_tokens", 1_000_000),):   # the others: the next test
+        with pytest.raises(EngineConfigError) as e:
+            llm_engine.Engine(EngineConfig(**small, **{setting: value}))
+        message = str(e.value)
+        assert "\n" not in message
+        assert re.match(rf"{setting}={value} fixes a KV pool of [\d.]+ GiB, which with 0.05 GiB "
+                        rf"in use \(the weights\), the largest step's [\d.]+ GiB and 0.02 GiB of "
+                        rf"headroom needs [\d.]+ GiB, more than the allocator's cap in force, "
+                        rf"0.25 GiB \(0.75 of the 0.33 GiB card(: JAX's GPU backend started "
+                        rf"before the Engine.*?)?\); at most "
+                        rf"kv_cache_memory_bytes=(\d+) fits \(num_pages=(\d+), "
+                        rf"kv_cache_tokens=([\d,]+)\)", message), message
+    # What the message says fits, fits, and is the pool it names in each setting; a pool
+    # that fits is served as given.
+    fit = {name: int(value.replace(",", "")) for name, value in
+           re.findall(r"(kv_cache_memory_bytes|num_pages|kv_cache_tokens)=([\d,]+)",
+                      message.split("at most ")[1])}
+    engine = llm_engine.Engine(EngineConfig(**small,
+                                            kv_cache_memory_bytes=fit["kv_cache_memory_bytes"]))
+    pool = engine.kv_pool()
+    assert pool["bytes"] == fit["kv_cache_memory_bytes"] and engine.memory_plan is None
+    assert pool["num_pages"] == fit["num_pages"]
+    assert pool["full_kv_tokens"] == fit["kv_cache_tokens"]
+    assert pool["bytes"] + 50 * mib <= 256 * mib
+
+
+def test_fixed_pool_check_arithmetic():
+    """`memory.check_fixed_pool` with made-up numbers: pool + in use + step + headroom against
+    the cap; the error names each figure and the largest pool that fits, or says none does."""
+    pool = memory.TieredPool.single(PAGE, 10)
+    mem = fake(60, 15, 0.75)
+    tokens_of = lambda pages: (pages - 1) * 16   # noqa: E731
+    fits = (60 * GIB - 15 * GIB - 2 * GIB - GIB // 2) // PAGE
+    memory.check_fixed_pool(mem, pool, fits, 2 * GIB, setting="num_pages=1",
+                            tokens_of=tokens_of)   # exactly at the cap: accepted
+    with pytest.raises(ValueError) as e:
+        memory.check_fixed_pool(mem, pool, fits + 1, 2 * GIB, setting=f"num_pages={fits + 1}",
+                                tokens_of=tokens_of, note=": a note")
+    assert str(e.value) == (
+        f"num_pages={fits + 1} fixes a KV pool of 42.50 GiB, which with 15.00 GiB in use (the "
+        f"weights), the largest step's 2.00 GiB and 0.50 GiB of headroom needs 60.00 GiB, more "
+        f"than the allocator's cap in force, 60.00 GiB (0.75 of the 80.00 GiB card: a note); at "
+        f"most kv_cache_memory_bytes={fits * PAGE} fits (num_pages={fits}, kv_cache_tokens="
+        f"{(fits - 1) * 16:,}), or raise the cap (XLA_PYTHON_CLIENT_MEM_FRACTION, or "
+        f"gpu_memory_utilization before JAX starts)")
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1 fixes .* not even the 10 "
+                                         r"pages of 65536 bytes one max_model_len sequence needs"):
+        memory.check_fixed_pool(fake(16, 15.6, 0.2), pool, 10, 0, setting="kv_cache_memory_bytes=1",
+                                tokens_of=tokens_of)
 
 
 def test_checking_a_config_sets_the_allocator_cap_before_the_backend_starts():
@@ -281,3 +352,40 @@ def test_tiered_pool_sizing_splits_the_bytes_by_the_share():
                                          r"bytes, fewer than the \(10, 1000000000\) needed"):
         memory.plan_pool(mem, 0.9, GIB, memory.TieredPool(page_bytes, split, (10, 10 ** 9)),
                          headroom_bytes=0)
+
+
+def test_kv_savings_say_what_was_saved_and_why_nothing_was(tmp_path):
+    """`Engine.describe_kv_savings` (chat's /stats, run's memory line): the saving in words,
+    and when nothing was saved, why (the protected tails hold every prompt token; decode keeps
+    every generated token; full mode keeps everything)."""
+    from tangram_jax.engine.llm_engine import Engine
+    from tangram_jax.sampling import SamplingParams
+    from tiny_engine import build_tiny_model, tiny_engine_config
+
+    folder = build_tiny_model(tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def turn(engine, ids, session="s"):
+        engine.add_request(prompt_token_ids=ids, sampling_params=greedy, session_id=session)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    engine = Engine(tiny_engine_config(folder, "tangram", obs_window=16))
+    turn(engine, list(range(10, 22)))            # 12 prompt tokens, all in the 16-token tail
+    said = engine.describe_kv_savings()
+    assert said.startswith("KV held") and "the same as full KV's" in said, said
+    assert "nothing was compressed" in said and "a turn's last 16 tokens" in said, said
+    assert "every turn so far (1, at most 12 tokens) fits in its tail" in said, said
+    usage = engine.kv_usage()
+    assert usage["token_breakdown"] == dict(compressible=0, protected=12, generated=24, turns=1,
+                                            longest_turn=12)
+    turn(engine, list(range(30, 190)))           # 160 tokens: 144 outside the tail
+    said = engine.describe_kv_savings()
+    held, full = engine.kv_usage()["kv_bytes_held"], engine.kv_usage()["full_kv_bytes"]
+    assert held < full
+    assert re.match(rf"KV held [\d.]+ MiB, {100 * (1 - held / full):.1f}% less than full KV's "
+                    rf"[\d.]+ MiB for the same 220 tokens \(144 compressible prompt tokens, 28 "
+                    rf"in protected turn tails, 48 generated\)", said), said
+    full_mode = Engine(tiny_engine_config(folder, "full"))
+    turn(full_mode, list(range(30, 190)))
+    assert "full mode keeps every token" in full_mode.describe_kv_savings()

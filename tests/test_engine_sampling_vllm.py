@@ -79,13 +79,13 @@ def test_min_tokens_masks_stop_tokens_on_the_device(engines, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_n_completions_equal_single_requests_with_seed_plus_index(engines, mode):
     engine = engines[mode]
-    params = SamplingParams(temperature=3.0, max_tokens=10, ignore_eos=True, seed=11, n=3)
+    params = SamplingParams(temperature=2.0, max_tokens=10, ignore_eos=True, seed=11, n=3)
     outs = _final(engine, params)
     final = outs[-1]
     assert [c.index for c in final.outputs] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in final.outputs)
     for i, c in enumerate(final.outputs):
-        single = _final(engine, SamplingParams(temperature=3.0, max_tokens=10, ignore_eos=True,
+        single = _final(engine, SamplingParams(temperature=2.0, max_tokens=10, ignore_eos=True,
                                                seed=11 + i))
         assert c.token_ids == single[-1].outputs[0].token_ids and c.text == single[-1].outputs[0].text
     assert len({tuple(c.token_ids) for c in final.outputs}) > 1   # different streams
@@ -179,7 +179,7 @@ def test_prompt_logprobs_are_the_model_distribution_at_each_prompt_position(engi
 
 def test_llm_generate_and_chat_with_n(tiny_folder):
     llm = LLM(config=tiny_engine_config(tiny_folder, "tangram"))
-    params = SamplingParams(temperature=3.0, max_tokens=5, ignore_eos=True, seed=1, n=3)
+    params = SamplingParams(temperature=2.0, max_tokens=5, ignore_eos=True, seed=1, n=3)
     (out,) = llm.generate("hello there", params, use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
     assert all(len(c.token_ids) == 5 for c in out.outputs)

@@ -58,7 +58,10 @@ def test_num_pages_and_kv_cache_tokens_with_tiers():
     mc = types.SimpleNamespace(num_layers=2, num_kv_heads=4)
     cfg = EngineConfig(mode="tangram", kv_precision="k8v4-k4v2", num_pages=102)
     assert pool_pages(cfg, mc, tiered) == tiered.pool_pages(100)
-    too_few = EngineConfig(mode="tangram", kv_precision="k8v4-k4v2", num_pages=3)
+    with pytest.raises(EngineConfigError, match=r"num_pages=3 cannot hold a tiered pool.*>= 4"):
+        EngineConfig(mode="tangram", kv_precision="k8v4-k4v2", num_pages=3)   # when made
+    too_few = EngineConfig(mode="tangram", kv_precision="k8v4-k4v2", num_pages=4)
+    too_few.num_pages = 3   # an assignment checks the field alone; the rest catch the pair
     with pytest.raises(EngineConfigError, match=r"num_pages=3 cannot hold a tiered pool.*>= 4"):
         pool_pages(too_few, mc, tiered)
     with pytest.raises(EngineConfigError, match=r"num_pages=3 cannot hold a tiered pool"):

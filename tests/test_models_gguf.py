@@ -62,9 +62,12 @@ def _hf_state_dict(seed=0):
     return {k: v.astype(np.float32) for k, v in sd.items()}
 
 
-def write_tiny_gguf(path, sd, quantize=("blk.1.ffn_up.weight",)):
+def write_tiny_gguf(path, sd, quantize=("blk.1.ffn_up.weight",), metadata=None):
+    """metadata: extra key -> float or int values (llama.cpp's general.sampling.*, say)."""
     c = HF_CONFIG
     w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (metadata or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -230,6 +233,72 @@ def test_damaged_cache_is_rebuilt(tiny, tmp_path, caplog):
     (entry / "manifest.json").unlink()
     load_model(path, cache_dir=cache)
     assert (entry / "manifest.json").is_file()
+
+
+def _flip(path, offset: int, length: int) -> None:
+    """Invert `length` bytes of `path` from `offset` (clipped to the file)."""
+    data = bytearray(path.read_bytes())
+    offset = min(offset, max(len(data) - 1, 0))
+    for i in range(offset, min(len(data), offset + length)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _cache_file_kinds(entry) -> dict[str, list[str]]:
+    """An entry's files by kind: the path, with orbax's hashed data file names as <data>."""
+    kinds: dict[str, list[str]] = {}
+    for p in entry.rglob("*"):
+        if p.is_file():
+            name = p.relative_to(entry).as_posix()
+            kind = name.rsplit("/", 1)[0] + "/<data>" if "/d/" in name else name
+            kinds.setdefault(kind, []).append(name)
+    return kinds
+
+
+def test_every_damaged_cache_file_is_found_and_rebuilt_with_one_warning(tiny, tmp_path, caplog,
+                                                                          capfd):
+    """4 KiB flipped in the middle of any file of an entry (the manifest, the tokenizer, every
+    orbax file: data, metadata, OCDBT manifests): the load finds it by its checksum before orbax
+    reads anything, says so in one warning line naming the file, and converts again; the model
+    served is the undamaged one."""
+    path, _ = tiny
+    cache = tmp_path / "cache"
+    good = load_model(path, cache_dir=cache)
+    (entry,) = cache.iterdir()
+    kinds = sorted(_cache_file_kinds(entry))
+    assert {"manifest.json", "tokenizer.json", "params/_METADATA", "params/_CHECKPOINT_METADATA",
+            "params/manifest.ocdbt", "params/d/<data>", "params/ocdbt.process_0/d/<data>",
+            "params/ocdbt.process_0/manifest.ocdbt"} <= set(kinds), kinds
+    ids = [1, 2, 3]
+    expected = _logits(good.model, ids)
+    capfd.readouterr()
+    for kind in kinds:   # orbax names its data files anew on every write: pick them by kind
+        name = max(_cache_file_kinds(entry)[kind], key=lambda f: (entry / f).stat().st_size)
+        size = (entry / name).stat().st_size
+        _flip(entry / name, size // 2, 4096)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again = load_model(path, cache_dir=cache)
+        warnings = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+        assert len(warnings) == 1, (name, [r.getMessage() for r in warnings])
+        message = warnings[0].getMessage()
+        assert "discarding damaged model cache entry" in message and "\n" not in message
+        assert name in message or "manifest" in message, (name, message)
+        np.testing.assert_array_equal(_logits(again.model, ids), expected)
+        out, err = capfd.readouterr()
+        assert "Traceback" not in out + err, (name, err[-2000:])
+        checkpoint.verify_files(entry, checkpoint.read_manifest(
+            entry, checkpoint.source_fingerprint(path, jnp.float32)))   # rebuilt whole
+    # A file added to the entry, or one removed, is damage too.
+    (entry / "params" / "stray").write_bytes(b"x")
+    with caplog.at_level("WARNING"):
+        load_model(path, cache_dir=cache)
+    assert "params/stray was not part of the entry" in caplog.text
+    (entry / "tokenizer.json").unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_model(path, cache_dir=cache)
+    assert "tokenizer.json is missing" in caplog.text
 
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):

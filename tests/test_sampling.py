@@ -20,7 +20,7 @@ from tangram_jax.sampling import (SamplingParams, StopChecker, batch_sampling_ar
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -5}, "max_tokens"),
     ({"top_k": -2}, "top_k"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2}, "seed"),
     ({"stop": ""}, "stop"),
     ({"stop_token_ids": [-3]}, "stop_token_ids"),
 ])

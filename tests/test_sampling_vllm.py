@@ -4,6 +4,8 @@ reference of vLLM's definition; validation names the field."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,38 @@ from tangram_jax.sampling import (INPUT_TOKEN, SamplingParams, StopChecker, adju
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises((TypeError, ValueError), match=field):
         SamplingParams(**kwargs)
+
+
+def test_vllms_ranges_temperature_top_k_seed(caplog):
+    """What vLLM's SamplingParams accepts (vllm/sampling_params.py: `_MAX_TEMP`, `_verify_args`)
+    is accepted with its meaning; what it refuses is refused with the same kind of message."""
+    with caplog.at_level(logging.WARNING, logger="tangram_jax.sampling"):
+        tiny = SamplingParams(temperature=1e-40)
+    assert tiny.temperature == 0.01 and not tiny.greedy
+    assert "temperature 1e-40 is less than 0.01" in caplog.text and "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=2.0).temperature == 2.0
+    for t in (2.0000001, 3.0, 100.0):
+        with pytest.raises(ValueError, match=rf"temperature must be in \[0, 2\], got {t}"):
+            SamplingParams(temperature=t)
+    with pytest.raises(ValueError, match="temperature must be non-negative, got -0.5"):
+        SamplingParams(temperature=-0.5)
+    # top_k: any k >= 1 is a limit, one at least the vocabulary none (stored within int32).
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
+    assert SamplingParams(top_k=2**40).top_k == 2**31 - 1
+    with pytest.raises(ValueError, match=r"top_k must be 0 or -1 \(disable\), or at least 1, "
+                                         r"got -2"):
+        SamplingParams(top_k=-2)
+    assert SamplingParams(seed=-1).seed is None
+
+
+def test_top_k_beyond_the_vocabulary_is_no_limit():
+    """The device sampler draws from the whole vocabulary for k >= V, as for k = 0."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8)), jnp.float32)
+    keys = step_keys(jnp.asarray([5], jnp.uint32), jnp.asarray([0], jnp.int32))
+    draw = lambda k: int(sample_tokens(logits, jnp.asarray([2.0], jnp.float32),  # noqa: E731
+                                       jnp.asarray([k], jnp.int32),
+                                       jnp.asarray([1.0], jnp.float32), keys)[0])
+    assert draw(2**31 - 1) == draw(8) == draw(0)
 
 
 def test_defaults_change_nothing_and_numpy_scalars_normalise():

@@ -1,7 +1,10 @@
 """`tangram-jax bench`: run a benchmark of the harness (in `benchmarks/` of the checkout).
 
-Each benchmark measures Tangram and its baselines in the same run and writes JSON under
-`benchmarks/results/` with the device, the git revision and the command.
+Each benchmark measures Tangram and its baselines in the same run and writes JSON with the
+device, the git revision and the command: to a fresh `benchmarks/results/runs/NAME-<time>.json`
+unless its `--out` (`--json`) names a file, and over a committed result only with `--overwrite`.
+Each says up front where it writes and about how long it will take
+(`tangram_jax.benchmarking.results`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import sys
 from pathlib import Path
 
 HELP = ("Run a benchmark (serve, accuracy, end_to_end, control_plane, decode_attention, "
-        "decode_step_gpu, gpu_engine_check); writes benchmarks/results/*.json")
+        "decode_step_gpu, gpu_engine_check); writes a fresh benchmarks/results/runs/*.json "
+        "unless told where (committed results only with --overwrite)")
 
 BENCHMARKS = {
     "serve": "multi-turn SCBench-shaped sessions, closed and open loop, the ablation "

@@ -168,6 +168,15 @@ def _model(name, value):
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
 
+def _generation_config(name, value):
+    """'auto', 'vllm' or a folder path (its generation_config.json is read when the engine
+    loads its model)."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise EngineConfigError(f"{name} must be 'auto', 'vllm' or a folder holding a "
+                                f"generation_config.json, got {value!r}")
+    return value
+
+
 def _buckets(name, value):
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
@@ -292,6 +301,13 @@ class EngineConfig:
                              "observation window of the compression scorer (capped at chunk_size)")
     seed: int = _field(0, _int_at_least(0), "engine seed: seeds requests that bring no seed of "
                        "their own, per (seed, request id), as vLLM's seed")
+    generation_config: str = _field(
+        "auto", _generation_config,
+        "default sampling parameters of requests that bring none (vLLM's generation_config): "
+        "auto, the model's (a HF folder's generation_config.json, a GGUF's general.sampling.* "
+        "metadata; vLLM's defaults where it has none), vllm (vLLM's defaults: temperature 1, "
+        "16 tokens), or a folder whose generation_config.json to use "
+        "(models.generation_config)")
     async_scheduling: bool = _field(
         True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
         "while the device runs step N (vLLM's async_scheduling)")
@@ -394,9 +410,20 @@ class EngineConfig:
         """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
         return self.chunk_size or DEFAULT_CHUNK_SIZE
 
+    def __post_init__(self):
+        # The rules between fields, at construction as vLLM's configs do. Without chunk_size
+        # the backend's default is not asked for (that starts JAX's backend): the smallest
+        # default bounds it, and `check` applies the backend's own.
+        self._check_together(self.chunk_size or DEFAULT_CHUNK_SIZE)
+
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
-        was set); `Engine` calls this before loading the model, so such errors come at once."""
+        was set); `Engine` calls this before loading the model, so such errors come at once.
+        The constructor checks them too (with the smallest default where chunk_size is None)."""
+        self._check_together(self.resolved_chunk_size())
+
+    def _check_together(self, chunk: int) -> None:
+        """The rules between fields; `chunk`: the compression chunk (or a lower bound of it)."""
         if self.retention == "turn" and self.kv_precision in PRECISION_TIERS:
             raise EngineConfigError(f"retention 'turn' does not serve precision tiers "
                                     f"(kv_precision {self.kv_precision!r}): each chunk's kept "
@@ -411,23 +438,7 @@ class EngineConfig:
                                     f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
                                     f"scoring_rule must be 'window' (or 'auto', which serves "
                                     f"'window' there)")
-        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
-        # prefill always progresses.
-        chunk = self.resolved_chunk_size()
-        minimum = self.max_num_seqs + chunk
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
-            raise EngineConfigError(
-                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
-                f"chunk_size = {minimum} (a full decode batch plus one prefill chunk)")
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and (threshold < chunk or (
-                self.max_num_batched_tokens is not None
-                and threshold > self.max_num_batched_tokens)):
-            top = self.max_num_batched_tokens or "max_num_batched_tokens"
-            raise EngineConfigError(
-                f"long_prefill_token_threshold must lie in [chunk_size, max_num_batched_tokens]"
-                f" = [{chunk}, {top}], got {threshold} (a long prefill progresses by whole "
-                f"compression chunks)")
+        self._check_token_budget(chunk)
         if self.mode != "tangram" and self.profile is not None:
             raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
                                     f"with profile {self.profile!r}")
@@ -449,6 +460,30 @@ class EngineConfig:
                 f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} sizes the KV pool, and so "
                 f"do num_pages={self.num_pages} / kv_cache_tokens={self.kv_cache_tokens}: give "
                 f"one of the three")
+
+    def _check_token_budget(self, chunk: int) -> None:
+        """max_num_batched_tokens and long_prefill_token_threshold against the chunk size."""
+        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
+        # prefill always progresses.
+        minimum = self.max_num_seqs + chunk
+        default = "" if self.chunk_size else (
+            f" (chunk_size's default: {DEFAULT_CHUNK_SIZE['cpu']} on a CPU, "
+            f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
+            raise EngineConfigError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
+                f"chunk_size = {self.max_num_seqs} + {chunk} = {minimum}{default} (a step must "
+                f"hold a full decode batch plus one prefill chunk); raise max_num_batched_tokens "
+                f"or lower chunk_size / max_num_seqs")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (threshold < chunk or (
+                self.max_num_batched_tokens is not None
+                and threshold > self.max_num_batched_tokens)):
+            top = self.max_num_batched_tokens or "max_num_batched_tokens"
+            raise EngineConfigError(
+                f"long_prefill_token_threshold must lie in [chunk_size, max_num_batched_tokens]"
+                f" = [{chunk}, {top}]{default}, got {threshold} (a long prefill progresses by "
+                f"whole compression chunks)")
 
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the

@@ -287,6 +287,38 @@ def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int,
                         pool.as_counts(pages)), capped_by=capped_by)
 
 
+def check_fixed_pool(memory: DeviceMemory, pool: TieredPool, pages, step_peak_bytes: int, *,
+                     setting: str, tokens_of: Callable[[object], int],
+                     note: str = "", headroom_bytes: int | None = None) -> None:
+    """Raise ValueError unless a pool the user fixed (`setting`, e.g. "kv_cache_tokens=380000")
+    of `pages` fits under the allocator's cap in force beside what is in use (the weights), the
+    largest step's temporary bytes and the headroom; the message names those figures and the
+    largest pool that fits (as kv_cache_memory_bytes, num_pages and `tokens_of` full-KV
+    tokens). `note`: why the cap is what it is (`AllocatorSetup.note`)."""
+    limit = memory.bytes_limit
+    if headroom_bytes is None:
+        headroom_bytes = default_headroom(limit)
+    need = pool.bytes_of(pages) + memory.bytes_in_use + step_peak_bytes + headroom_bytes
+    if need <= limit:
+        return
+    fit = pool.pages_in(limit - memory.bytes_in_use - step_peak_bytes - headroom_bytes)
+    if pool.holds_min(fit):
+        fits = (f"at most kv_cache_memory_bytes={pool.bytes_of(fit)} fits "
+                f"(num_pages={pool.as_pages(pool.as_counts(fit))}, "
+                f"kv_cache_tokens={tokens_of(fit):,})")
+    else:
+        fits = (f"not even the {pool.describe(pool.min_pages)} one max_model_len sequence "
+                f"needs fits: lower max_model_len, max_num_seqs or max_num_batched_tokens")
+    raise ValueError(
+        f"{setting} fixes a KV pool of {pool.bytes_of(pages) / GIB:.2f} GiB, which with "
+        f"{memory.bytes_in_use / GIB:.2f} GiB in use (the weights), the largest step's "
+        f"{step_peak_bytes / GIB:.2f} GiB and {headroom_bytes / GIB:.2f} GiB of headroom needs "
+        f"{need / GIB:.2f} GiB, more than the allocator's cap in force, {limit / GIB:.2f} GiB "
+        f"({memory.fraction:.2f} of the {memory.card_bytes / GIB:.2f} GiB card{note}); "
+        f"{fits}, or raise the cap ({FRACTION_ENV}, or gpu_memory_utilization before JAX "
+        f"starts)")
+
+
 def step_peak_bytes(compiled) -> int:
     """Bytes a compiled step allocates beyond its (donated, aliased) arguments: XLA's temp
     buffer plus the outputs that do not reuse an argument's buffer."""

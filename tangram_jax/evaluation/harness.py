@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tangram_jax.benchmarking.results import duration_words
 from tangram_jax.evaluation.scoring import (TopKDistribution, is_correct, kl_from_reference,
                                             token_agreement, wilson_interval)
 from tangram_jax.evaluation.tasks import LADDERS, Sample, TaskSizes, generate
@@ -181,6 +182,36 @@ def session_lengths(tokenizer, samples: list[Sample], max_tokens: int) -> list[i
             n += len(_followup_token_ids(tokenizer, s, t, [])) + max_tokens
         out.append(n)
     return out
+
+
+# The cost model of `estimate_seconds`, measured on a 2-core CPU shared with other work (float32,
+# chunk 128, 8 sessions of ~1,250 tokens at once; full KV 190 s, tangram@0.5 148 s served and
+# 104 s teacher-forced, builds 7-15 s): seconds a session token costs a configuration's free
+# run (full KV's with log-probabilities), its teacher-forced KL pass, and an engine build.
+CPU_SERVE_SECONDS_PER_TOKEN = 0.017
+CPU_FORCED_SECONDS_PER_TOKEN = 0.010
+CPU_BUILD_SECONDS = 10.0
+# After full KV, the others' cost relative to its free run (the same measurement).
+OTHER_SERVE_OVER_FULL = 0.8
+FORCED_OVER_FULL = 0.55
+
+
+def estimate_seconds(session_tokens: int, num_specs: int, kl: bool) -> float:
+    """A CPU run's seconds by the cost model above: `num_specs` configurations (full KV
+    first), each serving sessions of `session_tokens` tokens in all (`session_lengths`), each
+    but full KV teacher-forced again for the KL when `kl`."""
+    per_spec = session_tokens * CPU_SERVE_SECONDS_PER_TOKEN + CPU_BUILD_SECONDS
+    forced = session_tokens * CPU_FORCED_SECONDS_PER_TOKEN if kl else 0.0
+    return num_specs * per_spec + (num_specs - 1) * forced
+
+
+def remaining_after_full(full_seconds: float, build_seconds: float, others: int,
+                         kl: bool) -> float:
+    """Seconds the `others` configurations after full KV will take, from full KV's measured
+    free run (`full_seconds`) and build."""
+    per_spec = build_seconds + full_seconds * (OTHER_SERVE_OVER_FULL + (FORCED_OVER_FULL if kl
+                                                                       else 0.0))
+    return others * per_spec
 
 
 def serve_sessions(engine, samples: list[Sample], *, max_tokens: int, max_active: int,
@@ -425,6 +456,10 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
         log(f"{spec.label}: built {build_s:.1f}s, served {serve_s:.1f}s"
             + (f", forced {forced_s:.1f}s" if forced_s is not None else "")
             + f", preemptions {sched['preemptions']}, evictions {sched['evictions']}")
+        if spec.mode == "full" and len(specs) > 1:
+            left = remaining_after_full(serve_s, build_s, len(specs) - 1, not kl_missing)
+            log(f"the other configurations ({len(specs) - 1}): about {duration_words(left)} "
+                f"more (full KV's measured time x the others' cost relative to it)")
         del engine
     table = summarise(samples, specs, judged)
     table["engines"] = engines_info
