@@ -1,6 +1,6 @@
-"""Why greedy output can depend on what else is in the batch (issue 12, item 5), on the CPU.
+"""Why greedy output can depend on what else is in the batch, on the CPU.
 
-A full-KV pilot once answered differently from the table on the GPU (`NOTES_accuracy_harness.md`).
+A full-KV pilot once answered differently from the table on the GPU (`NOTES_accuracy.md`).
 The engine's GPU kernels split long attention reductions into shares merged by log-sum-exp
 (flash-decoding), and how many shares a sequence gets depends on its batch mates:
 

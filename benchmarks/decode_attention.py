@@ -1,4 +1,4 @@
-"""Decode attention benchmark: AOT split map vs uniform splits vs runtime planning vs JAX's
+"""Decode attention at a Llama-3.1-8B layer shape (GPU only). AOT split map vs uniform splits vs runtime planning vs JAX's
 built-in paged attention on the full cache, at a Llama-3.1-8B layer shape (GPU only).
 
 One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 groups, bf16). The

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What one device call runs: kernel checks at real shapes on the GPU, then the decode benchmark.
+# Kernel checks at real shapes on the GPU, then the decode benchmark (one device call).
 #   GIT_REV=<sha> bash benchmarks/gpu_check.sh [tests|bench|all] [extra benchmark args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda PYTHONPATH=$PWD

@@ -1,5 +1,5 @@
-"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2) on the same retained
-tokens, at a Llama-3.1-8B layer shape (GPU only): time per launch, bytes read, and the speed-up
+"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2), 8B layer, GPU only. On
+the same retained tokens, at a Llama-3.1-8B layer shape: time per launch, bytes read, and the speed-up
 over bf16 as a fraction of the byte-ratio ideal; plus kernel-vs-reference correctness at real
 shapes on fresh random data.
 

@@ -1,5 +1,7 @@
-"""Precision tiers save memory (issue 17): one GPU budget sized for ``tangram+k8v4`` and for
-``tangram+k8v4-k4v2`` pages, then the same pool-bound multi-turn workload on both.
+"""Precision tiers save memory: K8V4 against K8V4-K4V2 pools in one GPU budget.
+
+One GPU budget sized for ``tangram+k8v4`` and for ``tangram+k8v4-k4v2`` pages, then the same
+pool-bound multi-turn workload on both.
 
 The model: the Llama-3.1-8B shape with random bf16 weights (`benchmarking.models`), tangram mode
 with `bench serve`'s skewed profile (seeded; synthetic tier budgets, high share 0.5), the pool
