@@ -13,7 +13,7 @@ This script shows both on the real kernels in interpret mode (small shapes): the
 the same row alone and batched, and the largest difference in the attention output of the same
 inputs computed with those different splits (float32: rounding-level, so a greedy answer flips
 only where two tokens' logits are that close). The CPU engine uses the jnp references, which do
-not split, so on a CPU greedy output is batch-independent (tests/test_engine.py checks alone ==
+not split, so on a CPU greedy output is batch-independent (tests/engine/test_engine.py checks alone ==
 batched); on a GPU it is not bit-for-bit. Writes benchmarks/results/accuracy_batch_invariance.json.
 
     PYTHONPATH=$PWD python3 benchmarks/accuracy_batch_invariance.py

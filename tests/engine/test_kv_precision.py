@@ -10,7 +10,7 @@ from tangram_jax.engine.config import EngineConfig, EngineConfigError
 from tangram_jax.engine.llm_engine import decode_split_map
 from tangram_jax.sampling import SamplingParams
 
-from tiny_engine import build_tiny_model, tiny_engine_config
+from tiny_engine import tiny_engine_config
 
 QUANTISED = ("k8v8", "k8v4", "k4v2")
 
@@ -23,11 +23,6 @@ def test_kv_precision_is_validated():
 
 def _greedy_ids(llm_or_engine_outputs):
     return [o.outputs[0].token_ids for o in llm_or_engine_outputs]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("mode, precisions", [("tangram", kv_quant.KV_PRECISIONS),

@@ -6,7 +6,7 @@ from pathlib import Path
 from tangram_jax.cli import main
 from tangram_jax.commands import bench
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_every_benchmark_script_is_reachable_by_name_with_a_description():

@@ -58,7 +58,7 @@ def test_rho_one_tangram_equals_full_and_dense_reference(full_llm):
 
     cfg = full_llm.engine.model_config
     # Waiting for every step's tokens (no asynchronous scheduling) must not change them either.
-    # (A profile calibrated with KeyDiff is served with KeyDiff: tests/test_engine_runner.py
+    # (A profile calibrated with KeyDiff is served with KeyDiff: tests/engine/test_runner.py
     # checks what that scorer keeps; budgets of 1 keep everything whatever the scorer.)
     tangram = LLM(mode="tangram", profile=_identity_budget_profile(cfg, group_size=1,
                                                                    method="keydiff"),

@@ -19,15 +19,10 @@ from hypothesis import strategies as st
 
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.sampling import SamplingParams
-from tiny_engine import build_tiny_model, tiny_engine_config
+from tiny_engine import tiny_engine_config
 
 MODES = ("full", "tangram", "dynamic")
 VOCAB = 259
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

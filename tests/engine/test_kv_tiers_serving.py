@@ -17,7 +17,7 @@ from tangram_jax.sampling import SamplingParams
 from tangram_jax.kv_layout import KVLayout, TieredLayout
 from tangram_jax.pallas_kernels import chunk_compress, decode_attention
 
-from tiny_engine import build_tiny_model, prefill_then_decode, tiny_engine_config, tiny_profile
+from tiny_engine import prefill_then_decode, tiny_engine_config, tiny_profile
 
 G, PS, D = 2, 4, 16
 
@@ -249,7 +249,7 @@ def test_engine_split_map_takes_each_page_format_s_measured_program_target():
     """An untiered layout's map is sized for `decode_programs(kv_precision, num_programs)`:
     twice the items per row for K8V8, four times for K8V4 and K4V2 (each measured fastest
     there); a tiered layout's map does not depend on the setting (the engine's maps:
-    test_engine_kv_precision)."""
+    test_kv_precision)."""
     from tangram_jax.engine.llm_engine import decode_split_map
     from tangram_jax.pallas_kernels.decode_attention import DECODE_PROGRAM_SCALE
     from tangram_jax.pallas_kernels.split_map import build_split_map
@@ -278,11 +278,6 @@ def _tiered_profile(folder, high_share):
     return dataclasses.replace(profile, tiers=TierBudgets(
         precision="k8v4-k4v2", mass=0.9, lambda_=0.0, mean=share, std=np.zeros_like(share),
         high_share=share))
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def _serve(folder, precision, profile, prompts, max_tokens=12):
@@ -347,7 +342,7 @@ def _runner_steps(use_kernels: bool, kv_precision: str = "k8v4-k4v2", max_pages:
     logits, decoded tokens, every pool dequantised, the runner; its `prefill_widths` lists
     the table width of each prefill call)."""
     from flax import nnx
-    from test_engine_runner import CONFIG, LAYOUT
+    from test_runner import CONFIG, LAYOUT
     from tangram_jax.engine.llm_engine import decode_split_map
     from tangram_jax.engine.model_runner import AttentionOps, ModelRunner, RunnerConfig
     from tangram_jax.models.decoder import Decoder
@@ -423,8 +418,8 @@ def test_embedded_model_tiers_answer_as_k8v4():
     (K4V2 alone drifts after "Paris."). The pools (kv_cache_tokens: the same slots): the
     tiered one's bytes per slot, its arrays' nbytes, are the share's mix of K8V4 and K4V2
     pages, below K8V4's (seen before per-plane value scales: 79.4 against 112 B)."""
-    from test_engine_kv_precision import EMBEDDED_PROMPTS as prompts
-    from test_engine_kv_precision import EMBEDDED_SMALL_ENGINE as small
+    from test_kv_precision import EMBEDDED_PROMPTS as prompts
+    from test_kv_precision import EMBEDDED_SMALL_ENGINE as small
     params = SamplingParams(temperature=0, max_tokens=12)
     outs, pools = {}, {}
     for precision in ("k8v4", "k8v4-k4v2"):

@@ -11,15 +11,10 @@ from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.llm import LLM
 from tangram_jax.engine.outputs import RequestOutputKind
 from tangram_jax.sampling import SamplingParams
-from tiny_engine import build_tiny_model, tiny_engine_config
+from tiny_engine import tiny_engine_config
 
 MODES = ("full", "tangram", "dynamic")
 PROMPT = "the cat sat on the mat and then the cat"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

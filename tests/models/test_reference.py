@@ -12,7 +12,7 @@ import torch
 from tangram_jax.models.hf_loader import load_hf_folder
 from tangram_jax.reference import generate_dense
 from tangram_jax.sampling import SamplingParams
-from test_models_decoder import FAMILIES, build_tiny_hf_model
+from test_decoder import FAMILIES, build_tiny_hf_model
 
 PROMPTS = [[5, 17, 99], [3, 64, 8, 21, 90, 11, 42], [7, 1, 120, 33, 54, 2, 76, 18, 9, 100, 61, 27]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -7,7 +7,7 @@ token below K8V4's for the shipped embedded profiles (the real arrays' nbytes); 
 pool (finish, fork, abort, preemption); admission waiting on either tier; one clear error for a
 request no tier pool could ever hold; the tiny engine serving the same tokens whatever the
 split, forks included. (The randomized scheduler check with tiers is in
-test_scheduler_state_machine.py.)"""
+scheduler/test_state_machine.py.)"""
 
 import types
 
@@ -27,7 +27,7 @@ from tangram_jax.scheduler.scheduler import RequestTooLargeError, Scheduler
 from tangram_jax.scheduler.sequence import SequenceStatus
 
 from test_kv_tiers_serving import _tiered_profile
-from tiny_engine import build_tiny_model, tiny_engine_config
+from tiny_engine import tiny_engine_config
 
 PS = 4
 
@@ -253,11 +253,6 @@ def test_a_tiered_manager_takes_a_pool_size_per_tier():
 
 
 # ----- the engine end to end (tiny model) ---------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
 
 def _tiny_llm(folder, **overrides):
     shares = np.random.default_rng(1).uniform(0.2, 0.8, (2, 2))

@@ -16,7 +16,7 @@ from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.page_pool import PagePool
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import SequenceStatus
-from tiny_engine import build_tiny_model, tiny_engine_config
+from tiny_engine import tiny_engine_config
 
 LAYERS, HEADS, HEAD_DIM, PAGE, CHUNK = 2, 4, 8, 4, 8
 
@@ -214,9 +214,8 @@ PROMPT = "the cat sat on the mat and then the cat ran off to see the dog, " * 2 
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return {mode: Engine(tiny_engine_config(folder, mode)) for mode in MODES}
+def engines(tiny_folder):
+    return {mode: Engine(tiny_engine_config(tiny_folder, mode)) for mode in MODES}
 
 
 def _run(engine, params, prompt=PROMPT):

@@ -14,7 +14,7 @@ from tangram_jax.engine.config import EngineConfig
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
-from test_engine_runner import CONFIG, LAYOUT
+from test_runner import CONFIG, LAYOUT
 
 GIB = memory.GIB
 PAGE = 64 * 1024       # an 8B full-KV page: 2 x 8 heads x 16 tokens x 128 x 2 bytes

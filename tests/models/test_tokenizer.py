@@ -165,7 +165,7 @@ def test_unsupported_gguf_tokenizers(smollm_spec):
         Tokenizer.from_gguf_spec(dataclasses.replace(smollm_spec, pre="mystery"))
 
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 TEMPLATE_CONVERSATIONS = CONVERSATIONS + [
     [{"role": "system", "content": "  You answer in French.  "}, {"role": "user", "content": " Bonjour \n"}],
     [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA1"},

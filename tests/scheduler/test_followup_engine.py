@@ -14,14 +14,9 @@ import pytest
 
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.sampling import SamplingParams
-from tiny_engine import SMALL, build_tiny_model, tiny_engine_config
+from tiny_engine import SMALL, tiny_engine_config
 
 LONG, FIRST, FOLLOW = 200, 20, 8   # tokens: long first turns, resident sessions' turns
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def serve(engine: Engine) -> tuple[dict[str, int], dict[str, int], dict[str, list[int]]]:

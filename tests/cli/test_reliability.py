@@ -16,16 +16,10 @@ import pytest
 
 from tangram_jax.cli import main
 from tangram_jax.commands import atomic_path, check_output_path, UsageError
-from tiny_engine import build_tiny_model
 
 
 TINY_ENGINE_FLAGS = ["--mode", "full", "--max-model-len", "256", "--chunk-size", "16",
                      "--kv-cache-tokens", "1024", "--max-num-seqs", "2"]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def _one_line_error(err: str, needle: str) -> None:

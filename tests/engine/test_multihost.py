@@ -20,7 +20,7 @@ import pytest
 
 from tiny_engine import build_tiny_model
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]   # where tiny_engine.py is
 TIMEOUT_S = 240
 
 CHILD = r"""

@@ -19,7 +19,7 @@ import pytest
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel, device_major_perm
 from tiny_engine import build_tiny_model
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]   # where tiny_engine.py is
 
 CHILD = r"""
 import json, sys

@@ -13,7 +13,7 @@ from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
-from test_engine_runner import CONFIG, LAYOUT
+from test_runner import CONFIG, LAYOUT
 
 FULL = KVLayout.monolithic(3, 2, 8, page_size=4, chunk_size=16)
 
@@ -101,12 +101,6 @@ def test_a_mixed_step_equals_the_prefill_then_the_decode(mode, precision):
     assert mixed[2] == apart[2] and mixed[3] == apart[3]                   # greedy tokens
     for got, want in zip(mixed[4], apart[4]):                              # the pool
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from tiny_engine import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def _serve(folder, mode, compiles):

@@ -16,7 +16,7 @@ from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.llm import LLM
 from tangram_jax.sampling import SamplingParams
 from tangram_jax.scheduler.metrics import SchedulerMetrics
-from tiny_engine import CONFIG, build_tiny_model, tiny_engine_config, tiny_profile
+from tiny_engine import CONFIG, tiny_engine_config, tiny_profile
 
 VOCAB = CONFIG["vocab_size"]
 
@@ -94,11 +94,6 @@ def test_engine_config_checks_assignments_too():
 def test_every_field_has_a_check_and_help():
     for f in dataclasses.fields(EngineConfig):
         assert callable(f.metadata.get("check")) and f.metadata.get("help"), f.name
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def test_resolve_computes_every_derived_setting_once(tiny_folder):
