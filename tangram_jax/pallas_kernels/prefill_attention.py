@@ -321,9 +321,9 @@ def dense_history(k_pages, v_pages, block_tables, dtype):
     reading the history (each history page is read once per chunk), so the history is
     dequantised once per layer in XLA (one fused gather + dequantise of the pages the rows'
     tables name) and the kernel runs unchanged on it. (Dequantising in the kernel's loop
-    instead, codes plane by plane as the decode kernel reads them, made first turns 37% slower
-    on an H100: an int -> float conversion per code in every query block's program;
-    benchmarks/NOTES_kv_precision.md, session 11.) Returns (k_pages, v_pages, block_tables):
+    instead, codes plane by plane as the decode kernel reads them, makes first turns 37% slower
+    on an H100: an int -> float conversion per code in every query block's program.) Returns
+    (k_pages, v_pages, block_tables):
     dense [rows * groups * max_pages, G, page_size, d] pools in `dtype` and tables renumbered
     onto them; dense pools come back as they are.
     """
@@ -341,8 +341,8 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
                     work_items, *, interpret: bool, tuning: PrefillTuning):
     if isinstance(k_pages, kv_quant.TieredPages):
         # Both tiers of a group as one dense history, one launch. (A launch per tier's pool,
-        # each over its own dense pages, merged by log-sum-exp, made first turns 9% slower on
-        # an H100: benchmarks/NOTES_kv_precision.md, session 11.)
+        # each over its own dense pages, merged by log-sum-exp, makes first turns 9% slower on
+        # an H100: every query block's program runs twice.)
         k_pages, v_pages, block_tables, hist_len = kv_quant.tiered_dense_history(
             k_pages, v_pages, block_tables, hist_len, k.dtype)
     k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, k.dtype)
