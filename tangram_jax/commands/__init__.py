@@ -3,18 +3,21 @@
 - `UsageError`: a user error; `cli.main` prints it as one line and exits 2.
 - `check_output_path`: an output file's folder must exist and be writable *before* the work
   starts (a typo in `--json` must not cost the whole job).
-- `atomic_path` / `write_text_atomic`: outputs are written to a temporary file in the same folder and renamed
-  into place, so an interrupted command leaves the old file or the new one, never half of one.
+- `atomic_path` / `write_text_atomic` (from `tangram_jax.atomic_files`): outputs are written to
+  a temporary file in the same folder and renamed into place, so an interrupted command leaves
+  the old file or the new one, never half of one.
 - `positive_int`: argparse type for counts that must be >= 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import tempfile
 from pathlib import Path
+
+from tangram_jax.atomic_files import atomic_path, write_text_atomic
+
+__all__ = ["UsageError", "atomic_path", "check_output_path", "positive_int", "write_text_atomic"]
 
 
 class UsageError(ValueError):
@@ -43,26 +46,3 @@ def check_output_path(flag: str, path: str | os.PathLike) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} is not writable")
     return p
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """A temporary path beside `path` (same suffix, so writers that infer the format from it
-    still work) to write the output to; on success it replaces `path`, on any error or
-    interrupt it is removed (the old `path`, if any, stays as it was)."""
-    p = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.stem}.", suffix=f".partial{p.suffix}",
-                               dir=p.parent if str(p.parent) else ".")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
