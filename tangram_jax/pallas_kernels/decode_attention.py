@@ -55,18 +55,17 @@ from jax.experimental.pallas import triton as plgpu
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
+from tangram_jax.pallas_kernels.tuning import DECODE_PROGRAM_SCALE, DECODE_TUNING, MERGE_TUNING
 
 # Masked logits: far below any real logit, but finite so that max/exp never see inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
-# The merge launch's tiles: work items one step reads at once (at most), the f32 elements of a
-# step's partial outputs (head_dim is split to fit), and warps a program: the fastest of a sweep
-# on an H100 at batch 32 and 64 x 32k (benchmarks/results/kv_precision_decode_partials_merge.json:
-# against one [64 x 64] step at 4 warps, -1.1 us at 33 items a row, -0.6 us for the tiers).
-_MERGE_CHUNK_ITEMS = 32
-_MERGE_TILE_F32 = 4096
-_MERGE_WARPS = 2
+# The merge launch's tiles (`tuning.MERGE_TUNING`): work items one step reads at once (at most),
+# the f32 elements of a step's partial outputs (head_dim is split to fit), and warps a program.
+_MERGE_CHUNK_ITEMS = MERGE_TUNING["chunk_items"]
+_MERGE_TILE_F32 = MERGE_TUNING["tile_f32"]
+_MERGE_WARPS = MERGE_TUNING["num_warps"]
 # The partials' stores ask L2 to keep their lines (`evict_last`): the merge reads them right
 # after the launch, and the KV streaming through L2 would evict them first. Measured on an H100
 # (benchmarks/results/kv_precision_decode_partials_merge.json): the decode launch itself -1.3%
@@ -823,29 +822,9 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     )(*works, *o_parts, *lse_parts)
 
 
-# (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
-# H100 at a Llama-3.1-8B layer (head_dim 128, G 2), batch 64 x 32k context
-# (benchmarks/results/kv_precision_decode.json; bf16: decode_attention.json). The quantised
-# formats are 10-20% slower at bf16's 32/2. K8V4 with its per-plane value scales: 64/2, 7%
-# faster than 128/4 at 64 x 32k and 12-13% with its program scale below. K4V2: one warp a
-# program (no cross-warp reductions or barriers in its issue-bound loop; 215 registers, 8
-# programs an SM), against the 4-warp 256/4 at 1x: -3% at 32 x 32k, -1% at 64 x 32k and 32 x
-# 128k, equal at 64 x 128k, -24% at 16 x 32k. Precision tiers in one launch: a block size a
-# tier, one warp count (128+256/4 fastest at 32 x 32k, within 2% of 64+128/2 at 64 x 32k;
-# benchmarks/results/kv_precision_decode_tiers_one_launch.json).
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (64, 1),
-                 "k8v4-k4v2": ((128, 256), 4)}
-
-# Programs a decode launch's split map is sized for, as a multiple of the engine's
-# `num_programs`, by page format: more, smaller items even out the SMs' last wave of programs.
-# Measured on an H100 (program counts at 32 x 32k:
-# benchmarks/results/kv_precision_decode_num_programs.json): K8V8 11% faster at 2x than 1x at
-# 32 x 32k; K8V4 at 64/2 (two warps a program, about 4 programs an SM) 833 / 459 us at 4x
-# against 921 / 468 at 2x (64 / 32 x 32k; 8x equal to 4x, 3x and 6x between); bf16 fastest at
-# 1x; K4V2 at one warp a program 4x: 16 items a row at batch 64 (2x there is one round of long
-# items, 16% slower), 2% behind 2x at batch 32. Precision tiers (one launch over both tiers'
-# items) keep 1x: 2x and 4x are 4% slower at 32 x 32k.
-DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 4}
+# The decode launch's (block_tokens, num_warps) by page format (`tuning.DECODE_TUNING`), and the
+# programs its split map is sized for as a multiple of the engine's `num_programs`
+# (`tuning.DECODE_PROGRAM_SCALE`): more, smaller items even out the SMs' last wave of programs.
 
 
 def decode_programs(kv_precision: str, num_programs: int) -> int:

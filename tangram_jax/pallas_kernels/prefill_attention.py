@@ -26,8 +26,8 @@ of the last `obs_window` valid queries of a row over the row's keys (normalised 
 chunk): with the log-sum-exp in hand those are ``exp(q . k * scale - lse)``, an
 [heads, obs_window, T] product computed beside the kernel (`observation_probs`).
 
-Tuning data (block sizes, warps, stages) lives in `PREFILL_TUNING`, measured by
-`benchmarks/prefill_8b.py`.
+Tuning data (block sizes, warps, stages) lives in `tuning.PREFILL`, measured by
+`benchmarks/prefill_8b.py`; `PREFILL_TUNING` is it as a `PrefillTuning`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.tuning import PREFILL
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -80,11 +81,7 @@ class PrefillTuning:
                              f"{self.num_warps}, {self.num_stages}")
 
 
-# Measured (benchmarks/results/prefill_8b_kernel.json, H100, one 8192-token row over 32k of
-# history, TFLOP/s): (32, 64, 4 warps, 2 stages) 366; (32, 64, 8, 2) 235; (32, 128, 8, 2) 280;
-# (32, 64, 8, 3) 239; (16, 64, 4, 2) 263; (64, 64, 8, 2) 294; (32, 128, 8, 3) 297;
-# (16, 128, 4, 3) 197. cuDNN on the same keys made contiguous: 284.
-PREFILL_TUNING = PrefillTuning(block_q=32, block_k=64, num_warps=4, num_stages=2)
+PREFILL_TUNING = PrefillTuning(**PREFILL)
 
 # Shared memory one program may use: Hopper's 227 KiB per block less a margin for what Triton
 # adds (layout conversions, barriers). Seen on the H100: float32 at block_q 64 / block_k 64 with
