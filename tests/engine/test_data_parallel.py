@@ -6,17 +6,9 @@ process compares each mode's greedy outputs with two replicas against one, and c
 arrays and the sessions live.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tiny_engine import build_tiny_model
-
-TESTS = Path(__file__).resolve().parents[1]   # where tiny_engine.py is
+from tiny_engine import build_tiny_model, report_of_child
 
 CHILD = r"""
 import json, sys
@@ -67,14 +59,7 @@ print("REPORT " + json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny_dp"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(TESTS)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    return report_of_child(CHILD, build_tiny_model(tmp_path_factory.mktemp("tiny_dp")))
 
 
 @pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])

@@ -7,19 +7,11 @@ single-device engine's, the pool is split along its head axis, and the weights a
 parallel. The plan's pure parts (head order, divisibility) are tested here directly.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel, device_major_perm
-from tiny_engine import build_tiny_model
-
-TESTS = Path(__file__).resolve().parents[1]   # where tiny_engine.py is
+from tiny_engine import build_tiny_model, report_of_child
 
 CHILD = r"""
 import json, sys
@@ -72,14 +64,7 @@ print("REPORT " + json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny_tp"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(TESTS)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    return report_of_child(CHILD, build_tiny_model(tmp_path_factory.mktemp("tiny_tp")))
 
 
 @pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])
