@@ -1,6 +1,6 @@
-"""Why greedy output can depend on what else is in the batch (issue 12, item 5), on the CPU.
+"""Why greedy output can depend on what else is in the batch, on the CPU.
 
-A full-KV pilot once answered differently from the table on the GPU (`NOTES_accuracy_harness.md`).
+A full-KV pilot once answered differently from the table on the GPU (`NOTES_accuracy.md`).
 The engine's GPU kernels split long attention reductions into shares merged by log-sum-exp
 (flash-decoding), and how many shares a sequence gets depends on its batch mates:
 
@@ -13,7 +13,7 @@ This script shows both on the real kernels in interpret mode (small shapes): the
 the same row alone and batched, and the largest difference in the attention output of the same
 inputs computed with those different splits (float32: rounding-level, so a greedy answer flips
 only where two tokens' logits are that close). The CPU engine uses the jnp references, which do
-not split, so on a CPU greedy output is batch-independent (tests/test_engine.py checks alone ==
+not split, so on a CPU greedy output is batch-independent (tests/engine/test_engine.py checks alone ==
 batched); on a GPU it is not bit-for-bit. Writes `--out` (default a fresh file under
 benchmarks/results/runs/; the committed accuracy_batch_invariance.json only with --overwrite).
 

@@ -1,5 +1,7 @@
-"""Host time of the control plane per engine step: Tangram (Budget Reservation) against the
-dynamic compress-and-reclaim baseline, in one run, on the CPU.
+"""Host time of the control plane per engine step, Tangram against dynamic reclaim (CPU).
+
+Tangram (Budget Reservation) against the dynamic compress-and-reclaim baseline, in one run, on
+the CPU.
 
 Shape: Llama-3.1-8B's KV cache (32 layers, 8 KV heads, head_dim 128), G = 2, page_size 16,
 a skewed per-head budget profile averaging rho = 0.25 (clustered by budget), prompts of a few

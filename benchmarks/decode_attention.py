@@ -1,4 +1,4 @@
-"""Decode attention benchmark: AOT split map vs uniform splits vs runtime planning vs JAX's
+"""Decode attention at a Llama-3.1-8B layer shape (GPU only). AOT split map vs uniform splits vs runtime planning vs JAX's
 built-in paged attention on the full cache, at a Llama-3.1-8B layer shape (GPU only).
 
 One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 groups, bf16). The
@@ -192,7 +192,7 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
 
 # Kernel configurations of the sweep (run 8): block_tokens / num_warps / num_stages; with 3+
 # stages the kernel carries the next block's page ids so Triton double-buffers the K/V tiles.
-# Registers and shared memory per program (Triton 3.6, sm_90a) are in benchmarks/NOTES.md.
+# Registers and shared memory per program (Triton 3.6, sm_90a) are in benchmarks/NOTES_decode.md.
 SWEEP = (
     dict(block_tokens=64, num_warps=4, num_stages=2),
     dict(block_tokens=32, num_warps=4, num_stages=2),

@@ -1,5 +1,6 @@
-"""GPU time of a whole decode step and of one prefill chunk for a Llama-3.1-8B-shaped model,
-through the engine's own `ModelRunner`: the denominator of the control-plane goal.
+"""GPU time of a whole 8B decode step and prefill chunk through the runner. For a
+Llama-3.1-8B-shaped model, through the engine's own `ModelRunner`: the denominator of the
+control-plane goal.
 
 The model is the project's `Decoder` with random bf16 weights built on the device (nothing is
 downloaded): 32 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128, intermediate 14336,

@@ -1,4 +1,6 @@
-"""End-to-end multi-turn serving: tangram vs full KV vs dynamic compress-and-reclaim, one run.
+"""End-to-end multi-turn serving: tangram vs full KV vs dynamic reclaim, equal pool bytes.
+
+Tangram vs full KV vs dynamic compress-and-reclaim, one run.
 
 Every mode serves the same ShareGPT conversations (user turns from the data set, answers
 generated greedily) with the same KV pool bytes, so a mode that keeps less per token fits more

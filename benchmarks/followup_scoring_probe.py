@@ -1,5 +1,6 @@
-"""Offline proxy for issue 12's follow-up turns: which scoring rule keeps the facts turn 1 does
-not ask? (CPU, the pure-JAX model, no engine.)
+"""Which scoring rule keeps the facts a follow-up turn asks (offline probe, CPU, no engine).
+
+The facts turn 1 does not ask, measured with the pure-JAX model.
 
 For multi-turn samples of a task file, turn 1 (context + question, tokenised as the harness does:
 chat template, then the answer prefix) runs through the embedded model; per (layer, KV head) the

@@ -1,4 +1,6 @@
-"""The engine on a GPU with the Pallas kernels: correctness, then all modes timed in one run.
+"""The engine on a GPU with the Pallas kernels: dense-reference equality, then every mode.
+
+Correctness, then all modes timed in one run.
 
 No weights travel to the GPU machine: a Llama-architecture model with random weights is built
 there with `transformers` and saved as a Hugging Face folder (the tokenizer is the embedded

@@ -1,5 +1,7 @@
-"""The whole GPU for KV (issue 13): the Llama-3.1-8B shape served with the pool that the default
-`gpu_memory_utilization` (0.9) leaves, and the pool updated in place by every step.
+"""The whole GPU for KV at the 8B shape, the pool updated in place by every step.
+
+The Llama-3.1-8B shape served with the pool that the default `gpu_memory_utilization` (0.9)
+leaves.
 
 The model: Llama-3.1-8B shape (32 layers, 32 q / 8 KV heads, head_dim 128, vocab 128256) with
 random bf16 weights built on the device (`startup.random_llama_8b`), mode `full` (bf16 KV, no

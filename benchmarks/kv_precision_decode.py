@@ -1,5 +1,5 @@
-"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2) on the same retained
-tokens, at a Llama-3.1-8B layer shape (GPU only): time per launch, bytes read, and the speed-up
+"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2), 8B layer, GPU only. On
+the same retained tokens, at a Llama-3.1-8B layer shape: time per launch, bytes read, and the speed-up
 over bf16 as a fraction of the byte-ratio ideal; plus kernel-vs-reference correctness at real
 shapes on fresh random data.
 
@@ -12,7 +12,7 @@ of a jitted block of `CALLS` launches (each its own q), divided by the launches,
 `decode_attention.py` times bf16; the pool is far larger than L2, so every launch reads it from
 HBM. The block's wall clock per launch is kept beside it (`wall_time_s`): it adds the host's
 dispatch and synchronisation of the block, 50-120 us a launch at these sizes whatever the
-format (H100, NOTES_kv_precision.md, session 22), which is not attention time. The ideal
+format (H100, benchmarks/NOTES_decode.md), which is not attention time. The ideal
 speed-up of a format is ``bytes(bf16) / bytes(format)`` per retained slot (codes plus the scales
 and zeros of K and V: 512 / 272 / 216 / 112 bytes a slot at head_dim 128).
 

@@ -1,4 +1,4 @@
-"""kvpress as the outside reference: the same task samples through NVIDIA's kvpress presses.
+"""kvpress as the outside reference: the harness's task samples through NVIDIA's kvpress presses.
 
 Runs in kvpress's own environment (`bash benchmarks/kvpress_setup.sh` makes it and the Hugging
 Face folder of the embedded SmolLM2 from the same GGUF the engine serves):

@@ -1,4 +1,6 @@
-"""Why did the 8B decode step allocate a pool-sized buffer on an 80 GB H100 (issue 13)?
+"""Whether the compiled 8B steps copy the KV pool, at pool sizes over JAX's allocator cap.
+
+Temp and aliased bytes of each compiled step.
 
 Compiles (never runs, never allocates the pool) the engine's decode and prefill steps with the
 pool given as abstract arrays, at a pool size whose arguments exceed JAX's default allocator cap

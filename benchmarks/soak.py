@@ -1,4 +1,4 @@
-"""Soak: a long-running engine under a churning, partly hostile workload keeps its memory flat.
+"""A long-running engine under a churning, partly hostile workload keeps its memory flat (soak).
 
 One engine serves a one-hour-equivalent stream of requests, step after step: new requests and
 next turns of sessions keep arriving (random prompt lengths, greedy and sampled, random output

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from tangram_jax.atomic_files import write_text_atomic
 from tangram_jax.provenance import device_description, git_revision
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -162,7 +163,6 @@ def write_result(path: str | os.PathLike, benchmark: str, body: dict,
                  argv: list[str] | None = None) -> Path:
     """Write ``{"benchmark": ..., provenance..., **body}`` as JSON to `path` (atomically: a
     run cut off mid-write leaves the previous file). Returns the path."""
-    from tangram_jax.commands import write_text_atomic
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": benchmark, **provenance(argv), **body}

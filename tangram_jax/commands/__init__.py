@@ -4,19 +4,22 @@
 - `check_output_path`: an output file's folder must exist and be writable *before* the work
   starts (a typo in `--json` must not cost the whole job), and a file git tracks is replaced
   only with `--overwrite` (`add_overwrite_flag`).
-- `atomic_path` / `write_text_atomic`: outputs are written to a temporary file in the same folder and renamed
-  into place, so an interrupted command leaves the old file or the new one, never half of one.
+- `atomic_path` / `write_text_atomic` (from `tangram_jax.atomic_files`): outputs are written to
+  a temporary file in the same folder and renamed into place, so an interrupted command leaves
+  the old file or the new one, never half of one.
 - `positive_int`: argparse type for counts that must be >= 1; `port`: for TCP ports (0-65535).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
-import tempfile
 from pathlib import Path
+
+from tangram_jax.atomic_files import atomic_path, write_text_atomic
+
+__all__ = ["UsageError", "atomic_path", "check_output_path", "positive_int", "write_text_atomic"]
 
 
 class UsageError(ValueError):
@@ -83,31 +86,8 @@ def is_git_tracked(path: str | os.PathLike) -> bool:
     return found.returncode == 0
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """A temporary path beside `path` (same suffix, so writers that infer the format from it
-    still work) to write the output to; on success it replaces `path`, on any error or
-    interrupt it is removed (the old `path`, if any, stays as it was)."""
-    p = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.stem}.", suffix=f".partial{p.suffix}",
-                               dir=p.parent if str(p.parent) else ".")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def add_overwrite_flag(parser) -> None:
     """The --overwrite flag `check_output_path` reads."""
     parser.add_argument("--overwrite", action="store_true",
                         help="allow an output path that is a file git tracks (a committed "
                              "result or profile) to be replaced")
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")

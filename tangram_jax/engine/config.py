@@ -40,7 +40,7 @@ SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.sampling import is_int
 from tangram_jax.models.registry import DTYPES
-from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
+from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
 # How the decode kernel's work is cut across head groups (`pallas_kernels/split_map.py`): the

@@ -17,8 +17,9 @@ page counts split the usable pages by the high tier's share of the retained toke
 (`TieredPool`): the bytes buy as many usable pages as that mix of page sizes allows.
 
 The step peak is measured at a provisional pool size; where a step's temp grows with the pool
-(the CPU's jnp reference prefill copies V, see benchmarks/NOTES_memory.md) the measured peak
-includes that copy, so the pool that follows is smaller than needed, never larger.
+(the CPU's jnp reference prefill copies V once a layer: its value gather and its compress
+scatter are unordered, so XLA's copy insertion separates them) the measured peak includes that
+copy, so the pool that follows is smaller than needed, never larger.
 
 The arithmetic is plain integers (unit-tested on the CPU with made-up numbers); the engine feeds
 it what the device reports.

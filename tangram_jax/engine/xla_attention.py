@@ -204,7 +204,7 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
     One row at a time (`lax.map`): a row's gathered keys and values (2 x groups x W pages) stay
     in the CPU's cache for its two dots, where gathering the whole batch first wrote them all
     out to memory and read them back (SmolLM2, 8 rows of 1,100 tokens: 3.7 against 6.7 ms a
-    layer, `benchmarks/NOTES_bench_serve.md`)."""
+    layer on a 2-core CPU)."""
     del work_list
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape

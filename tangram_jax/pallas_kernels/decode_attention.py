@@ -10,8 +10,8 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 ``(group, split, num_splits)``: the program reads that group's length, cuts its compute blocks
 (``block_tokens`` of page-aligned tokens) into `num_splits` contiguous runs of equal length (to
 a block) and runs an online softmax over run `split` for `heads_per_program` KV heads side by
-side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
-no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
+side in one tile (default 1: two heads a tile gain a few percent for K4V2 alone on an H100, not
+enough to be the default) and their query heads,
 writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel
 (grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by
 log-sum-exp into the output, so a call is two launches. The work list is the only thing that
@@ -33,10 +33,11 @@ tier's work list then the low tier's (`split_map.build_tier_split_map`: a map ov
 groups, cut by tier); each program runs the same kernel body over its item's tier, in that
 tier's format and tuning, reading only its tier groups' table rows; then the merge of the
 launch's partials (a group's items of either tier are shares of its keys): two launches a
-layer, as untiered. Measured on an H100 (benchmarks/NOTES_kv_precision.md, session 26): 3-7%
-faster than a launch per tier (`tier_launch` "per-tier", kept as the baseline), whose two
-half-size launches each paid a ramp and a last round. (Items that read both tiers, two loops
-in one body, were 1.6x slower: run B.)
+layer, as untiered. On an H100 one launch is 3-7% faster than a launch per tier
+(`tier_launch` "per-tier", kept as the baseline;
+benchmarks/results/kv_precision_decode_tiers_one_launch.json), whose two half-size launches
+each pay a ramp and a last round. (Items that read both tiers in two loops of one body are
+slower still: their registers.)
 """
 
 from __future__ import annotations
@@ -55,24 +56,22 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.attention_terms import first_visible_slot
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
+from tangram_jax.pallas_kernels.tuning import DECODE_PROGRAM_SCALE, DECODE_TUNING, MERGE_TUNING
 
 # Masked logits: far below any real logit, but finite so that max/exp never see inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
-# The merge launch's tiles: work items one step reads at once (at most), the f32 elements of a
-# step's partial outputs (head_dim is split to fit), and warps a program. 32 / 4096 / 2 against
-# 128 / 4096 / 4 (session 28's), on an H100 (benchmarks/NOTES_kv_precision.md, session 29): the
-# merge -1.1 us at 33 items a row ([32 x 128] steps instead of one [64 x 64]), -0.6 us for the
-# tiers, -0.1 to -1 us for bf16, at batch 32 and 64 x 32k.
-_MERGE_CHUNK_ITEMS = 32
-_MERGE_TILE_F32 = 4096
-_MERGE_WARPS = 2
+# The merge launch's tiles (`tuning.MERGE_TUNING`): work items one step reads at once (at most),
+# the f32 elements of a step's partial outputs (head_dim is split to fit), and warps a program.
+_MERGE_CHUNK_ITEMS = MERGE_TUNING["chunk_items"]
+_MERGE_TILE_F32 = MERGE_TUNING["tile_f32"]
+_MERGE_WARPS = MERGE_TUNING["num_warps"]
 # The partials' stores ask L2 to keep their lines (`evict_last`): the merge reads them right
 # after the launch, and the KV streaming through L2 would evict them first. Measured on an H100
-# (benchmarks/NOTES_kv_precision.md, session 29): the decode launch itself -1.3% (K4V2) and
-# -1.7% (tiers) at 32 x 32k, the merge -0.4 us; equal at 64 x 32k. (`evict_first` on the KV
-# loads, and partials in bf16, moved nothing.)
+# (benchmarks/results/kv_precision_decode_partials_merge.json): the decode launch itself -1.3%
+# (K4V2) and -1.7% (tiers) at 32 x 32k, the merge -0.4 us; equal at 64 x 32k. (`evict_first` on
+# the KV loads, and partials in bf16, move nothing.)
 _PARTIAL_EVICTION = "evict_last"
 
 
@@ -108,11 +107,11 @@ def _slot_pairs(k_pages, v_pages) -> bool:
 # operand by 2^S (q and bfloat16 value weights by 2^100, float16 value weights by 2^12) so the
 # float32 products are normal numbers: exact powers of two, so the products are those of the codes
 # themselves, scaled. Interpreted kernels (the CPU tests: XLA on the CPU flushes subnormal
-# operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Until
-# session 17 the codes were magic-number operands (OR a code into the mantissa of M = 128 or 1024,
-# then subtract M: a shift and a packed subtract a code pair per plane, and the two prmt repeated
-# per plane); against those, on an H100 (benchmarks/NOTES_kv_precision.md, session 17): K4V2
-# -4% / -12% at 64 / 32 x 32k, precision tiers -1 to -7%, K8V4 equal, K8V8 +2-4%.
+# operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Against
+# magic-number operands (OR a code into the mantissa of M = 128 or 1024, then subtract M: a shift
+# and a packed subtract a code pair per plane, the two prmt repeated per plane) this is fewer
+# instructions a code, faster for K4V2 on an H100 and equal for the others, with no M in the
+# 8-bit keys' products.
 # Operand dtypes: keys in the compute dtype (any width: N < 256 is exact in bfloat16); 8-bit value
 # codes in float16, whose weights (p * s, cast to the operand dtype) keep 11 significant bits,
 # narrower ones in the compute dtype.
@@ -254,9 +253,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     powers of two the per-token key scale and the output's final scale take back (exactly: the
     products are the codes', scaled; `code_operand`). The softmax runs in base 2:
     scale * log2(e) is folded into the per-token key scale and zero (bf16 pools: into the
-    logits), and each exp2 is one ``ex2.approx`` (`backend.exp2`). Measured on an H100
-    (benchmarks/NOTES_kv_precision.md, session 12): -10 to -18% and -5 to -15% of the
-    quantised formats' time.
+    logits), and each exp2 is one ``ex2.approx`` (`backend.exp2`): each of the two cuts the
+    quantised formats' time on an H100 (libdevice's exp wraps the MUFU in range reduction).
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
@@ -373,18 +371,16 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # Tokens are never negative, so page and slot are a truncating division and remainder
     # (`_div` / `_rem`: a shift and a mask for a power of two): jnp's floor `//` and `%` add sign
     # fix-ups per token that hide from Triton's axis analysis that a page id is constant (and a
-    # slot contiguous) over a page's tokens. Measured on an H100 (NOTES_kv_precision.md,
-    # session 16): K4V2 -14 to -20%, tiers -5 to -9%, K8V4 -1 to -7%, K8V8 equal, outputs bit for
-    # bit the same. (Signed `lax.div` by a power of two still costs a fix-up per index: the
-    # shift, with the unmasked code loads below, took 8-11% of K4V2's loop instructions and
-    # 1.5-2% of its time at 32 x 32k, session 27.)
+    # slot contiguous) over a page's tokens: on an H100 the fix-ups cost K4V2 14-20% of its time
+    # and the other formats up to 7% (outputs bit for bit the same either way). (Signed
+    # `lax.div` by a power of two still costs a fix-up per index, hence the shift.)
 
     # Token sets: a unit row of a slot-pair pool (`kv_quant.PageFormat.slot_pairs`) holds two
     # adjacent slots, so a block is gathered as block_tokens / 2 unit rows (its even tokens) and
     # each row unpacks into an even-token plane and an odd-token plane of full width: the block
     # is two token sets (even, odd), with products, scales and masks per set and one max and one
     # sum over both. Other pools: one set, a row a token. Pairs keep 16-bit operand layouts
-    # for K4V2's full-width planes (benchmarks/NOTES_kv_precision.md, session 21).
+    # for K4V2's full-width planes (see `kv_quant`: operands from 8-bit loads cost copies).
     sets = 2 if slot_pairs else 1
     row_offsets = jnp.arange(block_tokens) if sets == 1 else 2 * jnp.arange(block_tokens // 2)
 
@@ -439,7 +435,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # and zero, NaN included) is replaced by the mask value, so its weight is exactly 0
         # (a slot pair's odd slot was always read so). Value scales and zeros stay masked: a
         # NaN there times a weight of 0 would be NaN. No masks is fewer instructions a copy (the
-        # cp.async's zero-fill size, session 27).
+        # cp.async's zero-fill size).
         raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims])
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`). With
@@ -505,9 +501,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # num_stages - 1 blocks in flight (without this it single-buffers them). With slot
         # pairs the value zeros travel with them: they feed no product (only p . z), so the
         # pipeliner leaves their load in its own iteration, where in the slot-pair kernel's
-        # schedule its latency is exposed. Measured on an H100 (benchmarks/NOTES_kv_precision.md,
-        # session 21): K4V2 -26% at 32 x 32k, tiers -10%; K8V4 +1.5% and K8V8 +-3% with their
-        # zeros ahead, so other formats load them in their iteration (None in the carry).
+        # schedule its latency is exposed: on an H100 a quarter of K4V2's time at 32 x 32k
+        # (tiers -10%), while K8V4 and K8V8 are a little slower with their zeros ahead, so other
+        # formats load them in their iteration (None in the carry).
         def ahead(block):
             page = page_ids(block)
             return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
@@ -856,28 +852,9 @@ def merge_partials_pallas(o_part, lse_part, work, sinks=None, *, num_groups: int
     )(*works, *o_parts, *lse_parts, *extra)
 
 
-# (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
-# H100 at a Llama-3.1-8B layer (head_dim 128, G 2), batch 64 x 32k context
-# (benchmarks/results/kv_precision_decode.json, session 12; bf16: decode_attention.json). The
-# quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
-# since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
-# 12-13% with its program scale below. K4V2 since session 26: one warp a program (no
-# cross-warp reductions or barriers in its issue-bound loop; 215 registers, 8 programs an SM),
-# against the 4-warp 256/4 at 1x: -3% at 32 x 32k, -1% at 64 x 32k and 32 x 128k, equal at 64 x
-# 128k, -24% at 16 x 32k. Precision tiers in one launch: a block size a tier, one warp count
-# (session 26: 128+256/4 fastest at 32 x 32k, within 2% of 64+128/2 at 64 x 32k).
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (64, 1),
-                 "k8v4-k4v2": ((128, 256), 4)}
-
-# Programs a decode launch's split map is sized for, as a multiple of the engine's
-# `num_programs`, by page format: more, smaller items even out the SMs' last wave of programs.
-# Measured on an H100 (NOTES_kv_precision.md, sessions 13-15): K8V8 11% faster at 2x than 1x
-# at 32 x 32k; K8V4 at 64/2 (two warps a program, about 4 programs an SM) 833 / 459 us at 4x
-# against 921 / 468 at 2x (64 / 32 x 32k; 8x equal to 4x, 3x and 6x between); bf16 fastest at
-# 1x; K4V2 at one warp a program 4x: 16 items a row at batch 64 (2x there is one round of long
-# items, 16% slower), 2% behind 2x at batch 32 (session 26). Precision tiers (one launch over both
-# tiers' items) keep 1x: 2x and 4x were 4% slower at 32 x 32k (session 26).
-DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 4}
+# The decode launch's (block_tokens, num_warps) by page format (`tuning.DECODE_TUNING`), and the
+# programs its split map is sized for as a multiple of the engine's `num_programs`
+# (`tuning.DECODE_PROGRAM_SCALE`): more, smaller items even out the SMs' last wave of programs.
 
 
 def decode_programs(kv_precision: str, num_programs: int) -> int:

@@ -26,8 +26,8 @@ of the last `obs_window` valid queries of a row over the row's keys (normalised 
 chunk): with the log-sum-exp in hand those are ``exp(q . k * scale - lse)``, an
 [heads, obs_window, T] product computed beside the kernel (`observation_probs`).
 
-Tuning data (block sizes, warps, stages) lives in `PREFILL_TUNING`, measured by
-`benchmarks/prefill_8b.py`.
+Tuning data (block sizes, warps, stages) lives in `tuning.PREFILL`, measured by
+`benchmarks/prefill_8b.py`; `PREFILL_TUNING` is it as a `PrefillTuning`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.attention_terms import (NO_WINDOW, apply_sinks,
                                                         first_visible_slot)
+from tangram_jax.pallas_kernels.tuning import PREFILL
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -82,11 +83,7 @@ class PrefillTuning:
                              f"{self.num_warps}, {self.num_stages}")
 
 
-# Measured (benchmarks/results/prefill_8b_kernel.json, H100, one 8192-token row over 32k of
-# history, TFLOP/s): (32, 64, 4 warps, 2 stages) 366; (32, 64, 8, 2) 235; (32, 128, 8, 2) 280;
-# (32, 64, 8, 3) 239; (16, 64, 4, 2) 263; (64, 64, 8, 2) 294; (32, 128, 8, 3) 297;
-# (16, 128, 4, 3) 197. cuDNN on the same keys made contiguous: 284.
-PREFILL_TUNING = PrefillTuning(block_q=32, block_k=64, num_warps=4, num_stages=2)
+PREFILL_TUNING = PrefillTuning(**PREFILL)
 
 # Shared memory one program may use: Hopper's 227 KiB per block less a margin for what Triton
 # adds (layout conversions, barriers). Seen on the H100: float32 at block_q 64 / block_k 64 with
@@ -345,9 +342,9 @@ def dense_history(k_pages, v_pages, block_tables, dtype):
     reading the history (each history page is read once per chunk), so the history is
     dequantised once per layer in XLA (one fused gather + dequantise of the pages the rows'
     tables name) and the kernel runs unchanged on it. (Dequantising in the kernel's loop
-    instead, codes plane by plane as the decode kernel reads them, made first turns 37% slower
-    on an H100: an int -> float conversion per code in every query block's program;
-    benchmarks/NOTES_kv_precision.md, session 11.) Returns (k_pages, v_pages, block_tables):
+    instead, codes plane by plane as the decode kernel reads them, makes first turns 37% slower
+    on an H100: an int -> float conversion per code in every query block's program.) Returns
+    (k_pages, v_pages, block_tables):
     dense [rows * groups * max_pages, G, page_size, d] pools in `dtype` and tables renumbered
     onto them; dense pools come back as they are.
     """
@@ -365,8 +362,8 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
                     work_items, window, sinks, *, interpret: bool, tuning: PrefillTuning):
     if isinstance(k_pages, kv_quant.TieredPages):
         # Both tiers of a group as one dense history, one launch. (A launch per tier's pool,
-        # each over its own dense pages, merged by log-sum-exp, made first turns 9% slower on
-        # an H100: benchmarks/NOTES_kv_precision.md, session 11.)
+        # each over its own dense pages, merged by log-sum-exp, makes first turns 9% slower on
+        # an H100: every query block's program runs twice.)
         k_pages, v_pages, block_tables, hist_len = kv_quant.tiered_dense_history(
             k_pages, v_pages, block_tables, hist_len, k.dtype)
     k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, k.dtype)
