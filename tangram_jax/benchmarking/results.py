@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from tangram_jax.atomic_files import write_text_atomic
+from tangram_jax.output_paths import UsageError, check_output_path
 from tangram_jax.provenance import device_description, git_revision
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -42,8 +43,7 @@ def output_path(flag: str, given: str | os.PathLike | None, name: str, *, overwr
                 suffix: str = ".json") -> Path:
     """Where a benchmark writes the output of `flag`: `given`, checked before the work starts
     (its folder writable; a file git tracks only with `overwrite`: `commands.
-    check_output_path`), or a fresh path (`fresh_path`). Raises `commands.UsageError`."""
-    from tangram_jax.commands import check_output_path
+    check_output_path`), or a fresh path (`fresh_path`). Raises `output_paths.UsageError`."""
     if given is None:
         return fresh_path(name, suffix)
     return check_output_path(flag, given, overwrite=overwrite)
@@ -53,7 +53,6 @@ def resolve_outputs(parser, args, names: dict[str, str], *, suffix: str = ".json
     """For each output argument `dest` -> benchmark name in `names`: its path (`output_path`,
     the flag being ``--dest-with-dashes``; None: a fresh one), set on `args` as a string. A
     refused path is one error line, exit 2. Needs `add_overwrite_flag`."""
-    from tangram_jax.commands import UsageError
     paths = []
     for dest, name in names.items():
         flag = "--" + dest.replace("_", "-")

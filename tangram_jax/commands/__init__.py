@@ -1,6 +1,7 @@
 """Subcommands of the `tangram-jax` CLI (see tangram_jax/cli.py), and what they share:
 
-- `UsageError`: a user error; `cli.main` prints it as one line and exits 2.
+- `UsageError`, `check_output_path`, `is_git_tracked` (from `tangram_jax.output_paths`): a user
+  error, which `cli.main` prints as one line and exits 2; the output-path check below.
 - `check_output_path`: an output file's folder must exist and be writable *before* the work
   starts (a typo in `--json` must not cost the whole job), and a file git tracks is replaced
   only with `--overwrite` (`add_overwrite_flag`).
@@ -13,17 +14,12 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-from pathlib import Path
 
 from tangram_jax.atomic_files import atomic_path, write_text_atomic
+from tangram_jax.output_paths import UsageError, check_output_path, is_git_tracked
 
-__all__ = ["UsageError", "atomic_path", "check_output_path", "positive_int", "write_text_atomic"]
-
-
-class UsageError(ValueError):
-    """A user error of a command (bad flag value, unusable file); exits 2 with one line."""
+__all__ = ["UsageError", "atomic_path", "check_output_path", "is_git_tracked", "port", "positive_int",
+           "write_text_atomic"]
 
 
 def positive_int(text: str) -> int:
@@ -52,38 +48,6 @@ def port(text: str) -> int:
     if not lo <= value <= hi:
         raise argparse.ArgumentTypeError(f"expected a port number in {lo}-{hi}, got {value}")
     return value
-
-
-def check_output_path(flag: str, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Raise UsageError unless `path` can be written: its folder exists and is writable, the
-    path is not a folder, and it is not a file git tracks (a committed result, a shipped
-    profile) unless `overwrite` (the command's --overwrite) says to replace it."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise UsageError(f"{flag} {str(path)!r} is a folder; give a file name")
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} is not writable")
-    if not overwrite and is_git_tracked(p):
-        raise UsageError(f"{flag} {str(path)!r} is a file git tracks (committed to the "
-                         f"repository): give another path, or pass --overwrite to replace it")
-    return p
-
-
-def is_git_tracked(path: str | os.PathLike) -> bool:
-    """Whether `path` is a file in the index of the git checkout holding it (False where git
-    or a checkout is missing)."""
-    p = Path(path).expanduser().resolve()
-    if not p.is_file():
-        return False
-    try:
-        found = subprocess.run(["git", "-C", str(p.parent), "ls-files", "--error-unmatch", "--",
-                                p.name], capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return found.returncode == 0
 
 
 def add_overwrite_flag(parser) -> None:

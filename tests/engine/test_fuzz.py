@@ -374,7 +374,7 @@ def test_fixed_pool_check_refuses_exactly_what_cannot_fit(limit_mib, in_use_frac
 
 
 def test_a_fixed_pool_over_the_devices_cap_is_refused_on_the_device(tiny_folder):
-    """GPU only (the CPU reports no allocator cap; tests/test_engine_memory.py checks the same
+    """GPU only (the CPU reports no allocator cap; tests/engine/test_engine_memory.py checks the same
     path with a made-up device): a pool of more tokens than the card holds is refused when the
     engine is built, and the pool the error names as fitting builds."""
     import re

@@ -18,7 +18,7 @@ from tangram_jax.models.generation_config import (GenerationConfigError, default
 from tangram_jax.models.registry import default_model_path
 from tangram_jax.sampling import SamplingParams
 from tangram_jax.server.protocol import ChatCompletionRequest
-from test_models_gguf import _hf_state_dict, write_tiny_gguf
+from test_gguf import _hf_state_dict, write_tiny_gguf
 from tiny_engine import build_tiny_model, tiny_engine_config
 
 # Llama-3.1-Instruct's generation_config.json plus a length: top_k 50 is transformers' own

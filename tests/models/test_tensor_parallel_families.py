@@ -24,7 +24,7 @@ import numpy as np
 import torch
 sys.path.insert(0, sys.argv[3])
 from tiny_families import build_family_model
-from test_models_families import ENGINE, hf_greedy, identity_profile, prompts
+from test_families import ENGINE, hf_greedy, identity_profile, prompts
 from tangram_jax import LLM, SamplingParams
 from tangram_jax.compression.profile import BudgetProfile
 from tangram_jax.models.hf_loader import load_hf_folder

@@ -22,7 +22,7 @@ from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.models.hf_loader import CheckpointError, decoder_from_state_dict, load_hf_folder
 from tangram_jax.reference import generate_dense
 from tangram_jax.sampling import SamplingParams
-from test_models_decoder import hf_logits, run_dense
+from test_decoder import hf_logits, run_dense
 from tiny_families import FAMILIES, WINDOW, build_family_model
 
 PROMPT_LENGTHS = (23, 40, 9)      # past the window of 6, several 16-token chunks, one short
