@@ -74,6 +74,9 @@ def main(argv=None) -> int:
                    help="EngineConfig.scoring_rule of the tangram and uniform engines "
                         "(chunk_scoring.SCORING_RULES; default the engine's); full and dynamic "
                         "keep 'window'")
+    p.add_argument("--retention", default=None, choices=("auto", "turn", "chunk"),
+                   help="EngineConfig.retention of the tangram and uniform engines (kv_layout."
+                        "RETENTIONS; default the engine's); dynamic compresses per chunk")
     p.add_argument("--profile", action="append", default=[],
                    help="a budget profile file the tangram mode serves at its ratio (its rho) "
                         "instead of the shipped SnapKV one, e.g. one from `tangram-jax calibrate "
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
         model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
         max_model_len=args.max_model_len,
         kl=not args.no_kl, kl_top_k=args.kl_top_k, scoring_rule=args.scoring_rule,
+        retention=args.retention,
         profiles=tuple(args.profile),
         engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens,

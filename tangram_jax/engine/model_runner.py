@@ -708,31 +708,28 @@ class ModelRunner:
         reach = int(hist.max()) + (0 if self.plans_prefill_writes else int(lens.max()))
         if region_pages is None:
             region_pages = 0
-            if self.compacts_turns:
+            if self.compacts_turns:   # the pages each compaction's held tokens span
                 compacts = (keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
-                if compacts.any():   # the pages each compaction's held tokens span
-                    ps = layout.page_size
-                    span = (turn_hist % ps + hist - turn_hist + ps - 1) // ps
-                    region_pages = self._region_width(max(1, int(span[:n_rows][compacts].max())))
+                ps = layout.page_size
+                span = (turn_hist % ps + hist - turn_hist + ps - 1) // ps
+                region_pages = self._region_width(
+                    int(span[:n_rows][compacts].max()) if compacts.any() else 0)
         return args, dict(table_width=self._table_width(reach, prefill=True),
                           region_pages=region_pages)
 
     def _region_widths(self) -> list[int]:
         """The static region widths (pages) of turn compactions a prefill call compiles for
-        (`_region_width`): 0 (no compaction), then 4, 16, 64, ... pages up to the whole block
-        table: a compaction reads at most 4x the pages its turn spans, and few shapes compile."""
+        (`_region_width`): `SHORT_REGION_PAGES` (what a follow-up turn holds) and the whole
+        block table (a long turn), so a prefill shape compiles twice, not once per length; a
+        call whose rows only append takes the short one (its compaction branch is skipped).
+        [0] where the runner does not compact turns."""
         if not self.compacts_turns:
             return [0]
         full = int(self.block_tables.shape[-1])
-        widths, w = [0], 4
-        while w < full:
-            widths.append(w)
-            w *= 4
-        return widths + [full]
+        return sorted({min(SHORT_REGION_PAGES, full), full})
 
     def _region_width(self, pages: int) -> int:
-        """The smallest of `_region_widths` that holds `pages` >= 1 pages (0 means no row of
-        the call compacts: a compaction of nothing held still scores its row)."""
+        """The smallest of `_region_widths` that holds `pages` pages."""
         return next(w for w in self._region_widths() if w >= pages)
 
     @property
@@ -1334,10 +1331,11 @@ class ModelRunner:
 
     # ----- compile ahead -------------------------------------------------------------------
     def _null_prefill_call(self, rows: int, k_pages, v_pages, num_tokens: int | None = None,
-                           region_pages: int = 0) -> tuple[tuple, dict]:
+                           region_pages: int | None = None) -> tuple[tuple, dict]:
         """`_prefill` inputs and static arguments of `rows` one-token rows on the null slot,
         whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
-        it holds nothing), over a flat axis of `num_tokens` (default the largest bucket)."""
+        it holds nothing), over a flat axis of `num_tokens` (default the largest bucket) and
+        turn compactions of `region_pages` (default: what such a call serves with)."""
         zeros = np.zeros(self.counts_shape, np.int32)
         if num_tokens is None:
             num_tokens = (self.prefill_token_buckets(rows) if self.prefill_whole_rows
@@ -1376,7 +1374,7 @@ class ModelRunner:
         return steps
 
     def _compile_mixed(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
-                       region_pages: int = 0) -> None:
+                       region_pages: int | None = None) -> None:
         """Compile `_mixed` for a prefill call of `rows` rows (over `num_tokens` flat tokens,
         whole rows; turn compactions over `region_pages`) beside a decode step of `bucket`
         rows."""
@@ -1466,6 +1464,9 @@ class ModelRunner:
 # The narrowest block-table width of the CPU path over precision tiers (pages): shorter rows are
 # padded to it, so short contexts share one compiled shape.
 _MIN_TABLE_WIDTH = 16
+# The held pages a short turn's compaction reads (retention "turn", `_region_widths`): a
+# follow-up question and its protected tail fit; a longer turn reads the whole table.
+SHORT_REGION_PAGES = 64
 
 
 class _SwitchedLayer:

@@ -308,6 +308,8 @@ class HarnessConfig:
     # EngineConfig.scoring_rule of the engines that compress with a static profile (tangram,
     # uniform); None: the engine's default ("auto"). dynamic counts with the window's scores.
     scoring_rule: str | None = None
+    # EngineConfig.retention of the same engines (None: "auto"); dynamic compresses per chunk.
+    retention: str | None = None
     # Budget profile files the tangram mode serves instead of the shipped ones, each at its own
     # ratio (its rho), e.g. one calibrated with KeyDiff: the engine then scores with KeyDiff.
     profiles: tuple[str, ...] = ()
@@ -348,6 +350,8 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     kwargs.setdefault("warmup", False)
     if cfg.scoring_rule is not None and spec.mode in ("tangram", "uniform"):
         kwargs["scoring_rule"] = cfg.scoring_rule
+    if cfg.retention is not None and spec.mode in ("tangram", "uniform"):
+        kwargs["retention"] = cfg.retention
     return EngineConfig(model=cfg.model, mode=mode, ratio=spec.ratio, profile=profile,
                         kv_precision=spec.kv_precision,
                         max_model_len=-(-max_model_len // page) * page, **kwargs)
@@ -446,7 +450,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
             forced_seconds=None if forced_s is None else round(forced_s, 2),
             preemptions=int(sched["preemptions"]), evictions=int(sched["evictions"]),
             layout=engine.layout.name, max_model_len=engine.max_model_len,
-            scoring_rule=engine.resolved.scoring_rule, method=engine.compression_method)
+            scoring_rule=engine.resolved.scoring_rule, method=engine.compression_method,
+            retention=engine.layout.retention, chunk_size=engine.layout.chunk_size)
         judged[spec.label] = rows
         if on_partial is not None:
             done = specs[:specs.index(spec) + 1]
