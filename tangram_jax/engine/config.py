@@ -467,8 +467,7 @@ class EngineConfig:
         # prefill always progresses.
         minimum = self.max_num_seqs + chunk
         default = "" if self.chunk_size else (
-            f" (chunk_size's default: {DEFAULT_CHUNK_SIZE['cpu']} on a CPU, "
-            f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU)")
+            f" (chunk_size's default: {DEFAULT_CHUNK_SIZE})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
             raise EngineConfigError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
