@@ -190,10 +190,12 @@ def union_by_rank(first: jax.Array, second: jax.Array, num_ranked: jax.Array | N
     among the k best."""
     valid = (jnp.arange(first.shape[-1])[None, :] < num_ranked) if ranked is None else ranked
 
-    def rank(scores):
+    def rank(scores):   # one sort; the inverse permutation by a scatter
         masked = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
         order = jnp.argsort(-masked, axis=-1, stable=True)
-        return jnp.argsort(order, axis=-1, stable=True).astype(jnp.float32)
+        heads = jnp.arange(order.shape[0])[:, None]
+        positions = jnp.broadcast_to(jnp.arange(order.shape[-1], dtype=jnp.float32), order.shape)
+        return jnp.zeros(order.shape, jnp.float32).at[heads, order].set(positions)
 
     scaled = jnp.minimum(rank(first) / first_share, rank(second) / (1.0 - first_share))
     return jnp.where(valid, -scaled, -jnp.inf)

@@ -901,11 +901,12 @@ class ModelRunner:
         # The question's attention on the held tokens: exp(q k / sqrt(d) - lse), summed over
         # the window, averaged over each head's query heads (what `obs_row` holds for the row).
         local = row_len - window + jnp.arange(window)
-        q_win = q_row[jnp.clip(local, 0, chunk - 1)].astype(jnp.float32)     # [W, Hq, d]
+        # (In the pool's dtype with float32 sums, as the attention kernels compute them.)
+        q_win = q_row[jnp.clip(local, 0, chunk - 1)].astype(k_held.dtype)    # [W, Hq, d]
         lse_win = lse[:, jnp.clip(row_start + local, 0, lse.shape[1] - 1)]   # [Hq, W]
-        logits = jnp.einsum("whd,hsd->hws", q_win,
-                            jnp.repeat(k_held.astype(jnp.float32), q_per_kv, axis=0),
-                            precision=jax.lax.Precision.HIGHEST) / math.sqrt(dim)
+        logits = jnp.einsum("wgjd,gsd->gjws", q_win.reshape(window, heads, q_per_kv, dim),
+                            k_held, preferred_element_type=jnp.float32).reshape(
+            heads * q_per_kv, window, -1) / math.sqrt(dim)
         live = (local >= 0)[None, :, None] & per_head(held)[:, None].repeat(q_per_kv, 0)
         probs = jnp.where(live, jnp.exp(logits - lse_win[..., None]), 0.0)
         mass_held = probs.sum(axis=1).reshape(heads, q_per_kv, -1).mean(axis=1)

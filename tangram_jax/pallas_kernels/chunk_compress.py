@@ -35,24 +35,39 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 
 
-def kept_token_sources(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax.Array,
-                       group_size: int) -> tuple[jax.Array, jax.Array]:
-    """Per head, the chunk indices of its kept tokens in temporal order.
-
-    scores: float32 [num_kv_heads, T]; keep_counts: int32 [num_groups]; chunk_len: int32 scalar.
-    Returns (sources int32 [num_kv_heads, T] whose first counts[h] entries are the kept tokens in
-    increasing order, counts int32 [num_kv_heads] = min(keep_counts[h // G], chunk_len)).
-    """
+def _kept(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax.Array,
+          group_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(kept bool [heads, T]: each head's top min(keep_counts[h // G], chunk_len) valid tokens by
+    score, ties to the earlier token; place int32 [heads, T]: a kept token's index among the kept
+    ones in temporal order; counts int32 [heads])."""
     num_heads, chunk = scores.shape
     t = jnp.arange(chunk, dtype=jnp.int32)
     valid = t < chunk_len
     counts = jnp.minimum(jnp.repeat(keep_counts.astype(jnp.int32), group_size), chunk_len)
     masked = jnp.where(valid[None, :], scores.astype(jnp.float32), -jnp.inf)
     order = jnp.argsort(-masked, axis=1, stable=True)                   # best first
-    rank = jnp.argsort(order, axis=1, stable=True)                      # rank of each token
+    # The rank of each token: the inverse permutation of `order`, by a scatter (not a sort).
+    rank = jnp.zeros((num_heads, chunk), jnp.int32).at[jnp.arange(num_heads)[:, None], order].set(
+        jnp.broadcast_to(t, (num_heads, chunk)))
     kept = (rank < counts[:, None]) & valid[None, :]
-    sources = jnp.argsort(jnp.where(kept, t[None, :], chunk + t[None, :]), axis=1, stable=True)
-    return sources.astype(jnp.int32), counts.astype(jnp.int32)
+    return kept, jnp.cumsum(kept, axis=1, dtype=jnp.int32) - 1, counts.astype(jnp.int32)
+
+
+def kept_token_sources(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax.Array,
+                       group_size: int) -> tuple[jax.Array, jax.Array]:
+    """Per head, the chunk indices of its kept tokens in temporal order.
+
+    scores: float32 [num_kv_heads, T]; keep_counts: int32 [num_groups]; chunk_len: int32 scalar.
+    Returns (sources int32 [num_kv_heads, T] whose first counts[h] entries are the kept tokens in
+    increasing order (the rest: 0), counts int32 [num_kv_heads] = min(keep_counts[h // G],
+    chunk_len)).
+    """
+    num_heads, chunk = scores.shape
+    kept, place, counts = _kept(scores, keep_counts, chunk_len, group_size)
+    sources = jnp.zeros((num_heads, chunk), jnp.int32).at[
+        jnp.arange(num_heads)[:, None], jnp.where(kept, place, chunk)].set(
+        jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (num_heads, chunk)), mode="drop")
+    return sources, counts
 
 
 def chunk_destinations(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax.Array,
@@ -60,13 +75,9 @@ def chunk_destinations(scores: jax.Array, keep_counts: jax.Array, chunk_len: jax
     """Retention ``"chunk"``: int32 [num_kv_heads, T], the slot of each chunk token (each head's
     top ``keep_counts[g]`` in temporal order from slot ``hist_len[g]``), -1 where not kept.
     scores float32 [heads, T]; keep_counts, hist_len int32 [groups]; chunk_len int32 scalar."""
-    num_heads, chunk = scores.shape
-    sources, counts = kept_token_sources(scores, keep_counts, chunk_len, group_size)
-    c = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-    slots = jnp.where(c < counts[:, None],
-                      jnp.repeat(hist_len.astype(jnp.int32), group_size)[:, None] + c, -1)
-    return jnp.zeros((num_heads, chunk), jnp.int32).at[
-        jnp.arange(num_heads)[:, None], sources].set(slots)
+    kept, place, _ = _kept(scores, keep_counts, chunk_len, group_size)
+    first = jnp.repeat(hist_len.astype(jnp.int32), group_size)[:, None]
+    return jnp.where(kept, first + place, -1)
 
 
 def contiguous_dirty_pages(chunk: int, page_size: int) -> int:

@@ -378,7 +378,7 @@ def test_a_short_chunk_row_prefills_over_a_smaller_flat_axis_with_the_same_resul
         runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, layout,
                              num_pages, manager.block_tables.shape)
         assert runner.chunk_token_buckets(1) == [align, 2 * align, 4 * align]
-        assert runner.chunk_token_buckets(2) == [8 * align]
+        assert runner.chunk_token_buckets(2) == [2 * align, 4 * align, 8 * align]
         if not small:
             runner.chunk_token_buckets = lambda rows: [rows * 4 * align]
         tokens = np.random.default_rng(2).integers(1, 97, 4 * align + 9)
