@@ -407,13 +407,11 @@ class EngineConfig:
         return "chunk" if chunk else "turn"
 
     def resolved_chunk_size(self) -> int:
-        """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
+        """`chunk_size`, or `DEFAULT_CHUNK_SIZE` (the same on every backend)."""
         return self.chunk_size or DEFAULT_CHUNK_SIZE
 
     def __post_init__(self):
-        # The rules between fields, at construction as vLLM's configs do. Without chunk_size
-        # the backend's default is not asked for (that starts JAX's backend): the smallest
-        # default bounds it, and `check` applies the backend's own.
+        # The rules between fields, at construction as vLLM's configs do.
         self._check_together(self.chunk_size or DEFAULT_CHUNK_SIZE)
 
     def check(self) -> None:

@@ -168,3 +168,28 @@ def test_a_turn_keeps_the_same_tokens_however_it_is_chunked_and_returns_its_stag
             for a, b in zip(rows, other[key]):                # one head's kept K rows each
                 same = (np.abs(a[:, None, :] - b[None, :, :]).max(-1) < 1e-4).any(1)
                 assert len(a) == len(b) and same.sum() >= len(a) - 1, (key, same.sum(), len(a))
+
+
+@pytest.mark.parametrize("mode,ratio", [("tangram", 0.5), ("tangram", 0.25), ("full", 1.0)])
+def test_cpu_and_gpu_defaults_decide_retention_alike(monkeypatch, tiny_folder, mode, ratio):
+    """Everything that decides which tokens a turn keeps resolves the same whichever backend
+    JAX runs on (the CPU may be slower, not less accurate): the chunk, the retention, the tail
+    and window, the scoring rule and the budgets. Only the step's token budget differs."""
+    from tangram_jax.engine import config as config_module
+    from tangram_jax.engine.config import EngineConfig
+    from tangram_jax.models.registry import load_model
+    from tiny_engine import tiny_profile
+
+    model_config = load_model(str(tiny_folder)).config
+    fields = dict(model=str(tiny_folder), mode=mode)
+    if mode == "tangram":
+        fields["profile"] = tiny_profile(str(tiny_folder))
+    decided = []
+    for kind in ("cpu", "gpu"):
+        monkeypatch.setattr(config_module, "_backend_kind", lambda _u, kind=kind: kind)
+        resolved = EngineConfig(**fields).resolve(model_config)
+        layout = resolved.layout
+        decided.append((layout.chunk_size, layout.retention, layout.tail_rule,
+                        layout.tail_window, resolved.obs_window, resolved.scoring_rule,
+                        resolved.compression_method, layout.group_budgets.tobytes()))
+    assert decided[0] == decided[1]
