@@ -294,12 +294,14 @@ def test_fixed_pool_check_arithmetic():
     with pytest.raises(ValueError) as e:
         memory.check_fixed_pool(mem, pool, fits + 1, 2 * GIB, setting=f"num_pages={fits + 1}",
                                 tokens_of=tokens_of, note=": a note")
+    # What the error names as fitting leaves FIT_SLACK_BYTES spare (in-use memory moves).
+    named = fits - memory.FIT_SLACK_BYTES // PAGE
     assert str(e.value) == (
         f"num_pages={fits + 1} fixes a KV pool of 42.50 GiB, which with 15.00 GiB in use (the "
         f"weights), the largest step's 2.00 GiB and 0.50 GiB of headroom needs 60.00 GiB, more "
         f"than the allocator's cap in force, 60.00 GiB (0.75 of the 80.00 GiB card: a note); at "
-        f"most kv_cache_memory_bytes={fits * PAGE} fits (num_pages={fits}, kv_cache_tokens="
-        f"{(fits - 1) * 16:,}), or raise the cap (XLA_PYTHON_CLIENT_MEM_FRACTION, or "
+        f"most kv_cache_memory_bytes={named * PAGE} fits (num_pages={named}, kv_cache_tokens="
+        f"{(named - 1) * 16:,}), or raise the cap (XLA_PYTHON_CLIENT_MEM_FRACTION, or "
         f"gpu_memory_utilization before JAX starts)")
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1 fixes .* not even the 10 "
                                          r"pages of 65536 bytes one max_model_len sequence needs"):
