@@ -43,6 +43,14 @@ def _csv(kind):
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
+def _sizes_json(sizes):
+    """The task sizes a run generated its samples with, for its JSON (one per task after a
+    pilot)."""
+    if isinstance(sizes, dict):
+        return {task: dataclasses.asdict(s) for task, s in sizes.items()}
+    return sizes and dataclasses.asdict(sizes)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None,
@@ -175,7 +183,7 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(
             {"benchmark": "accuracy", "device": device_description(),
              "git_revision": git_revision() or "unknown", "command": command,
-             "config": vars(args), "task_sizes": sizes and dataclasses.asdict(sizes),
+             "config": vars(args), "task_sizes": _sizes_json(sizes),
              "pilot": pilot,
              "seconds": round(time.perf_counter() - t0, 1), **partial},
             indent=1))
@@ -199,7 +207,7 @@ def main(argv=None) -> int:
         "command": command,
         "config": vars(args),
         "tasks_file": str(Path(args.tasks_in or args.tasks_out).name),
-        "task_sizes": sizes and dataclasses.asdict(sizes),
+        "task_sizes": _sizes_json(sizes),
         "pilot": pilot,
         "seconds": round(time.perf_counter() - t0, 1),
         **table,

@@ -526,10 +526,11 @@ def summarise(samples: list[Sample], specs: list,
 
 def choose_sizes(tasks: tuple[str, ...], samples_per_size: int, seed: int, cfg: HarnessConfig,
                  base: TaskSizes = TaskSizes(), log: Callable[[str], None] = print
-                 ) -> tuple[TaskSizes, dict]:
+                 ) -> tuple[dict[str, TaskSizes], dict]:
     """Per task, the hardest size of `LADDERS` that full KV answers at least `PILOT_ACCURACY` of
     the time on `samples_per_size` pilot samples (another seed than the table's), else the
-    easiest. Returns the sizes and the pilot's accuracies."""
+    easiest. Returns each task's sizes (`base` with its rung's settings: tasks that share a
+    field keep their own value) and the pilot's accuracies."""
     pilot_seed = seed + PILOT_SEED_OFFSET
     samples, where = [], {}
     for task in tasks:
@@ -547,10 +548,9 @@ def choose_sizes(tasks: tuple[str, ...], samples_per_size: int, seed: int, cfg: 
     for task in tasks:
         rungs = [f"{task}#{i}" for i in range(len(LADDERS[task]))]
         pick = next((r for r in rungs if accuracy[r] >= PILOT_ACCURACY), rungs[-1])
-        chosen.update(where[pick][1])
+        chosen[task] = dataclasses.replace(base, **where[pick][1])
         report[task] = dict(chosen=where[pick][1], threshold=PILOT_ACCURACY,
                             full_kv_accuracy={str(where[r][1]): accuracy[r] for r in rungs})
         log(f"pilot {task}: " + ", ".join(f"{where[r][1]} {100 * accuracy[r]:.0f}%"
                                           for r in rungs) + f" -> {where[pick][1]}")
-    return dataclasses.replace(base, **chosen), dict(samples_per_size=samples_per_size,
-                                                     seed=pilot_seed, tasks=report)
+    return chosen, dict(samples_per_size=samples_per_size, seed=pilot_seed, tasks=report)

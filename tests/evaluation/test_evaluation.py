@@ -372,3 +372,14 @@ def test_harness_pool_defaults_to_full_length_sessions_unless_sized_otherwise():
         max_active=4, engine_kwargs=dict(kv_cache_memory_bytes=2**24)), 512, fingerprint)
     assert sized.kv_cache_tokens is None and sized.kv_cache_memory_bytes == 2**24
     sized.check()
+
+
+def test_per_task_sizes_keep_each_tasks_own_value_of_a_shared_field():
+    """A pilot chooses sizes per task; the long tasks share `long_chars`, and each must be
+    generated at its own (one merged TaskSizes gave every task the last task's value)."""
+    sizes = {"long_facts": T.TaskSizes(long_chars=9000), "long_kv": T.TaskSizes(long_chars=4600)}
+    samples = T.generate_all(("long_facts", "long_kv"), 1, 0, sizes)
+    facts, kv = samples
+    assert facts.context == T.generate("long_facts", 0, 0, sizes["long_facts"]).context
+    assert kv.context == T.generate("long_kv", 0, 0, sizes["long_kv"]).context
+    assert len(facts.context) > 8000 > 6000 > len(kv.context)
