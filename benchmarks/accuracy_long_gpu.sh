@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The long-session accuracy table on a GPU: the long-session tasks (evaluation.tasks.LONG_TASKS:
+# The long-session accuracy table on a GPU, full KV against tangram's two retention rules.
+#
+# The long-session tasks (evaluation.tasks.LONG_TASKS:
 # door codes asked over three turns, a pass key, key-value pairs asked over two turns, in essay
 # text spanning many prefill chunks) served by full KV and tangram (retention "turn", the
 # default) with task sizes chosen by a 20-sample full-KV pilot (part A), then the same samples

@@ -1,6 +1,7 @@
-"""Prefill and decode step times of a Qwen3-30B-A3B-shaped (mixture of experts, tensor parallel)
-or Gemma-3-12B-shaped (local + global layers) model through the engine's `ModelRunner`, against
-the device's physical limits.
+"""Prefill and decode step times of the new model families' shapes against the device's limits.
+
+A Qwen3-30B-A3B-shaped (mixture of experts, tensor parallel) or Gemma-3-12B-shaped (local +
+global layers) model through the engine's `ModelRunner`.
 
 Random bf16 weights (nothing is downloaded), each built where it lives: a weight of a
 tensor-parallel runner is generated directly in its shards (`Placement.weight_sharding`), so a
@@ -26,8 +27,8 @@ figure's `fraction_of_limit` is limit / measured (1 = at the limit).
     python benchmarks/families_gpu.py --shape gemma3-tiny --context 256 --prefill 128 --batches 2 --reps 2
     python benchmarks/families_gpu.py --shape qwen3-moe-tiny --tp 2 --context 128 --prefill 64 --batches 2 --reps 2
 
-Writes benchmarks/results/families_<shape>_tp<N>.json (refuses to overwrite without
---overwrite).
+Writes a fresh file under benchmarks/results/runs/ unless --out names one (a file git tracks only
+with --overwrite).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from flax import nnx  # noqa: E402
 
 from decode_step_gpu import decode_call, fill_manager, measure  # noqa: E402
 from tangram_jax.benchmarking.models import FAMILY_SHAPES, family_config  # noqa: E402
-from tangram_jax.benchmarking.results import write_result  # noqa: E402
+from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
 from tangram_jax.engine.llm_engine import decode_split_map  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
@@ -129,12 +131,12 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill row")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    out = args.out or os.path.join(BENCH, "results", f"families_{args.shape}_tp{args.tp}.json")
-    if os.path.exists(out) and not args.overwrite:
-        raise SystemExit(f"{out} exists: pass --overwrite or --out")
+    out = resolve_outputs(parser, args, {"out": f"families_{args.shape}_tp{args.tp}"})[0]
     config = family_config(args.shape)
     devices = jax.devices()[:args.tp]
     if len(devices) < args.tp:

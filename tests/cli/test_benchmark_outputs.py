@@ -17,7 +17,7 @@ import pytest
 from tangram_jax.benchmarking import results
 from tangram_jax.commands import UsageError, is_git_tracked
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACKED = ROOT / "benchmarks" / "results" / "end_to_end.json"
 # Every benchmark script that writes a result, with the arguments it needs besides its output.
 SCRIPTS = {
@@ -26,7 +26,7 @@ SCRIPTS = {
     "kv_precision_decode": [], "kv_tier_pools": [], "kvpress_accuracy": [], "pool_copy_probe": [],
     "prefill_8b": [], "serve_openai": [], "soak": [], "startup": [],
     "accuracy_merge": ["part.json"], "gpu_engine_check": ["--tokenizer-dir", "x"],
-    "retention_rule": ["--configs", "full:1:window"],
+    "retention_rule": ["--configs", "full:1:window"], "families_gpu": ["--shape", "gemma3-tiny"],
 }
 
 

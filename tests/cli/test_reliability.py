@@ -18,7 +18,7 @@ import pytest
 from tangram_jax.cli import main
 from tangram_jax.commands import atomic_path, check_output_path, UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 TINY_ENGINE_FLAGS = ["--mode", "full", "--max-model-len", "256", "--chunk-size", "16",
