@@ -8,13 +8,17 @@
 
 One step, top to bottom (tokens arrive one step late, so the device never waits on Python):
 1. the scheduler decides (decode batch, prefill pieces, admissions by reservation);
-2. prefill pieces run chunk by chunk (each compresses and writes its kept K/V into the pool);
-3. the decode batch runs (one token for every decoding sequence, padded to its bucket; input
-   tokens come from the device, so the previous step's tokens need not be on the host yet);
-4. first tokens of finished prefills are sampled;
-5. the scheduler commits this step's lengths with placeholder tokens;
-6. only now the host waits, for the *previous* step's tokens (the device is busy with this
-   step meanwhile): placeholders are filled in, stop conditions end requests, outputs return.
+2. the engine turns its output into a `step_plan.StepPlan` (prefill rows, decode rows, the
+   first-token rows of prompts that end, block-table writes: data only);
+3. the runner executes the plan (`ModelRunner.execute`): prefill rows chunk by chunk (each
+   compresses and writes its kept K/V into the pool), the decode batch (one token for every
+   decoding sequence, padded to its bucket; input tokens come from the device, so the previous
+   step's tokens need not be on the host yet), then the first tokens;
+4. the scheduler commits this step's lengths with placeholder tokens (forks' page copies are
+   queued: `ModelRunner.copy_pages`);
+5. only now the host waits, for the *previous* step's tokens (the device is busy with this
+   step meanwhile): placeholders are filled in, stop conditions end requests, outputs return
+   (`requests.LiveRequest.output`).
 
 Bad input raises from `add_request` (ValueError/TypeError naming the problem) before anything is
 queued, so the other requests keep being served.
@@ -27,7 +31,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence as SequenceABC
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,127 +42,22 @@ from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, En
                                        pool_is_fixed)
 from tangram_jax.engine.decode_step import LOGPROB_MODES
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
-from tangram_jax.engine.step_plan import (DecodeRows, FirstTokenRows, SamplingRows, StepPlan,
-                                          prefill_rows)
+from tangram_jax.engine.requests import (PLACEHOLDER, InFlightToken, LiveRequest, ParentRequest,
+                                         PreparedRequest, RequestFailed, sampling_rows)
+from tangram_jax.engine.step_plan import DecodeRows, FirstTokenRows, StepPlan, prefill_rows
 from tangram_jax.engine import distributed
 from tangram_jax.engine.tensor_parallel import devices_for
-from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+from tangram_jax.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
 from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
-from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
-                                  TokenLogprobs, logits_adjust_arrays, resolve_seed)
+from tangram_jax.sampling import SamplingParams, StopChecker, resolve_seed
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
-
-
-# Token value of a sampled token the host has not fetched yet (token ids are never negative).
-_PLACEHOLDER = -1
-
-
-@dataclasses.dataclass
-class _Request:
-    """Engine-side state of one live request (the scheduler holds its `Sequence`)."""
-
-    seq: Sequence
-    params: SamplingParams
-    seed: int
-    stop: StopChecker
-    prompt: str | None
-    prompt_token_ids: list[int]
-    metrics: RequestMetrics
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    num_cached_tokens: int = 0   # session history this request continues
-    sent_chars: int = 0    # text already handed out (DELTA)
-    sent_tokens: int = 0   # token ids (and logprobs) already handed out (DELTA)
-    forced: list[int] | None = None     # teacher forcing: the output tokens (`add_request`)
-    # With params.logprobs set: one dict per accepted token, their sum, and (logprobs -1) the
-    # whole log-softmax row of every accepted token.
-    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    full_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
-    # With params.prompt_logprobs: position -> the prompt token's entry
-    # (`StepResult.prompt_logprobs`),
-    # and whether a DELTA output carried them already.
-    prompt_lp: dict[int, TokenLogprobs] = dataclasses.field(default_factory=dict)
-    prompt_lp_entries: list | None = None   # decoded, once the prompt is prefilled
-    prompt_lp_sent: bool = False
-    # Set when something failed for this request alone while a step was dispatched; the
-    # request ends with finish_reason "error" when that step's tokens are resolved.
-    error: str | None = None
-
-    def forced_token(self) -> int:
-        """The token the next generated position must take (-1: sample it)."""
-        step = self.seq.num_output_tokens
-        return self.forced[step] if self.forced is not None and step < len(self.forced) else -1
-
-
-@dataclasses.dataclass
-class _ParentRequest:
-    """A request of ``SamplingParams.n > 1`` (vLLM's parent request): one child request per
-    completion, reported under the parent's id with the child's index.
-
-    What each output holds, by kind: CUMULATIVE every completion's latest state (those not
-    started: empty); DELTA only what the child that moved produced; FINAL_ONLY everything, once
-    every child has finished. The output is `finished` when the last child is.
-    """
-
-    request_id: str
-    child_ids: list[str]
-    output_kind: RequestOutputKind
-    latest: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
-    finished: set[int] = dataclasses.field(default_factory=set)
-    error: str | None = None
-
-    def report(self, index: int, out: RequestOutput) -> RequestOutput | None:
-        """The parent's output after child `index` reported `out` (None: nothing to say yet)."""
-        completion = out.outputs[0]
-        completion.index = index
-        self.latest[index] = completion
-        if out.finished:
-            self.finished.add(index)
-        self.error = self.error or out.error
-        done = len(self.finished) == len(self.child_ids)
-        if self.output_kind is RequestOutputKind.DELTA:
-            completions = [completion]
-        elif self.output_kind is RequestOutputKind.FINAL_ONLY and not done:
-            return None
-        else:
-            completions = [self.latest.get(i) or CompletionOutput(i, "", [])
-                           for i in range(len(self.child_ids))]
-        return dataclasses.replace(out, request_id=self.request_id, outputs=completions,
-                                   finished=done, error=self.error)
-
-
-class PreparedRequest(NamedTuple):
-    """A request `Engine.check_request` validated, ready for `Engine.enqueue`."""
-
-    request_id: str | None       # None: the engine assigns one when it is queued
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    session_id: str | None
-    forced_token_ids: list[int] | None = None   # teacher forcing (`add_request`)
-
-
-class _InFlightToken(NamedTuple):
-    """A token sampled by a dispatched step: row `row` of device array `tokens`, which goes to
-    ``request.seq.token_ids[index]`` (a placeholder until then); `logprobs` the step's
-    log-probabilities when a request of it asked for them."""
-
-    request: _Request
-    tokens: jax.Array
-    row: int
-    index: int
-    logprobs: TokenLogprobs | None = None
-
-
-class _RequestFailed(Exception):
-    """A failure recorded for one request while its step was dispatched (`_Request.error`)."""
 
 
 class Engine:
@@ -264,12 +162,12 @@ class Engine:
         # The one session table (id -> sequence, eviction ranking, prefix lookup).
         self.sessions = self.scheduler.sessions
         log.info("%s", self._pool_line())
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, LiveRequest] = {}
         # Requests of n > 1: parent id -> parent, and each live child's id -> (parent, index).
-        self._parents: dict[str, _ParentRequest] = {}
-        self._child_of: dict[str, tuple[_ParentRequest, int]] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_of: dict[str, tuple[ParentRequest, int]] = {}
         self._next_id = 0
-        self._in_flight: list[_InFlightToken] = []
+        self._in_flight: list[InFlightToken] = []
         self.tokens_processed = 0
         self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
@@ -418,7 +316,7 @@ class Engine:
                       messages: SequenceABC[dict] | None = None,
                       sampling_params: SamplingParams | None = None,
                       session_id: str | None = None,
-                      forced_token_ids: SequenceABC[int] | None = None) -> "PreparedRequest":
+                      forced_token_ids: SequenceABC[int] | None = None) -> PreparedRequest:
         """Validate a request against the model and the engine's state without queuing it
         (`enqueue` queues it); a batch checks every item first, so nothing is half-queued."""
         if request_id is not None:
@@ -467,7 +365,7 @@ class Engine:
                                      forks=self._family_size(sampling_params.n) - 1)
         return PreparedRequest(request_id, prompt, ids, sampling_params, session_id, forced)
 
-    def enqueue(self, prepared: "PreparedRequest",
+    def enqueue(self, prepared: PreparedRequest,
                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Queue a request `check_request` accepted; returns its id. `output_kind`: what `step`
         reports for it (see `RequestOutputKind`)."""
@@ -489,24 +387,24 @@ class Engine:
         self._track(request_id, seq, prepared, params, output_kind, now, history)
         return request_id
 
-    def _track(self, request_id: str, seq: Sequence, prepared: "PreparedRequest",
+    def _track(self, request_id: str, seq: Sequence, prepared: PreparedRequest,
                params: SamplingParams, output_kind: RequestOutputKind, now: float,
                history: int = 0) -> None:
-        """The engine's `_Request` for a sequence the scheduler queued."""
+        """The engine's `LiveRequest` for a sequence the scheduler queued."""
         stop_params = params
         if prepared.forced_token_ids is not None:   # the forced tokens decide where it ends
             stop_params = dataclasses.replace(params, max_tokens=len(prepared.forced_token_ids),
                                               ignore_eos=True, stop=None, stop_token_ids=(),
                                               min_tokens=0)
         ids = prepared.prompt_token_ids
-        self._requests[request_id] = _Request(
+        self._requests[request_id] = LiveRequest(
             seq=seq, params=params, seed=self._request_seed(request_id, params),
             stop=StopChecker(self.tokenizer.decode, stop_params, self.tokenizer.eos_token_ids, ids),
             prompt=prepared.prompt, prompt_token_ids=ids, metrics=RequestMetrics(arrival_time=now),
             forced=prepared.forced_token_ids, output_kind=output_kind,
             num_cached_tokens=history)
 
-    def _enqueue_parent(self, request_id: str, prepared: "PreparedRequest",
+    def _enqueue_parent(self, request_id: str, prepared: PreparedRequest,
                         output_kind: RequestOutputKind) -> str:
         """Queue the n completions of `prepared` as child requests ``"{i}_{request_id}"``
         (vLLM's naming); child i's seed is ``seed + i`` when the request has one.
@@ -522,7 +420,7 @@ class Engine:
         if taken:
             raise ValueError(f"request id {request_id!r}: its completions' ids {taken[:3]} "
                              f"are already live")
-        parent = _ParentRequest(request_id, child_ids, output_kind)
+        parent = ParentRequest(request_id, child_ids, output_kind)
         child_params = [dataclasses.replace(params, n=1, seed=None if params.seed is None
                                             else params.seed + i) for i in range(params.n)]
         now = time.perf_counter()
@@ -545,7 +443,7 @@ class Engine:
         return min(n, self.config.max_num_seqs)
 
     def _report(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Outputs as the caller sees them: a child's become its parent's (`_ParentRequest`)."""
+        """Outputs as the caller sees them: a child's become its parent's (`ParentRequest`)."""
         reported = []
         for out in outputs:
             link = self._child_of.get(out.request_id)
@@ -606,7 +504,7 @@ class Engine:
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.abort(request_id)
-        self._drop_placeholders(req.seq)
+        req.drop_placeholders()
         return self._output(req, "abort")
 
     def end_session(self, session_id: str) -> None:
@@ -676,11 +574,11 @@ class Engine:
         for seq in out.capped:   # ended by the scheduler: no KV room left to decode
             req = self._requests.pop(seq.request_id, None)
             if req is not None:
-                self._drop_placeholders(seq)
+                req.drop_placeholders()
                 outputs[seq.request_id] = self._output(req, "length")
         return self._report(list(outputs.values()))
 
-    def _dispatch(self, out) -> list[_InFlightToken]:
+    def _dispatch(self, out) -> list[InFlightToken]:
         """Queue `out`'s device work (`_plan`, `ModelRunner.execute`) and commit its lengths;
         returns its tokens to resolve."""
         plan, decode_reqs, first_reqs = self._plan(out)
@@ -696,16 +594,16 @@ class Engine:
                    for i, r in enumerate(decode_reqs)]
         pending += [(r, result.first_tokens, i, result.first_logprobs)
                     for i, r in enumerate(first_reqs)]
-        self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, *_ in pending},
+        self.scheduler.commit(out, {r.seq.request_id: PLACEHOLDER for r, *_ in pending},
                               result.retained)
         # Forks the commit made (parallel samples): copy their partly filled pages before any
         # forked sequence decodes (the copy is queued after this step's prefill wrote them).
         self.runner.copy_pages(*self.manager.take_page_copies())
         # commit appended one placeholder per sampled token: remember where it sits.
-        return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
+        return [InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
                 for r, tokens, row, lp in pending]
 
-    def _plan(self, out) -> tuple[StepPlan, list[_Request], list[_Request]]:
+    def _plan(self, out) -> tuple[StepPlan, list[LiveRequest], list[LiveRequest]]:
         """The step plan of scheduler output `out` (`step_plan`), with the requests of its
         decode rows and of its first-token rows (in row order)."""
         decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
@@ -718,7 +616,7 @@ class Engine:
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
             decode = DecodeRows(positions=positions, slots=out.decode_slots,
                                 lengths=self.manager.decode_write_lengths(out.decode_slots),
-                                sampling=self._sampling_rows(decode_reqs, bucket, steps))
+                                sampling=sampling_rows(decode_reqs, bucket, steps))
         pieces = out.prefill_chunks
         wanted = {p.seq.request_id for p in pieces
                   if self._requests[p.seq.request_id].params.prompt_logprobs is not None
@@ -738,48 +636,12 @@ class Engine:
         if first_reqs:
             first = FirstTokenRows(
                 sources=tuple(sources), slots=tuple(r.seq.slot for r in first_reqs),
-                sampling=self._sampling_rows(first_reqs, len(first_reqs), np.asarray(
+                sampling=sampling_rows(first_reqs, len(first_reqs), np.asarray(
                     [r.seq.num_output_tokens for r in first_reqs], np.int32)))
         plan = StepPlan(table_updates=self.manager.take_table_updates(), prefill=rows,
                         decode=decode, first_tokens=first,
                         max_prefill_rows=self.config.max_prefill_rows)
         return plan, decode_reqs, first_reqs
-
-    def _sampling_rows(self, reqs: list[_Request], rows: int, steps: np.ndarray) -> SamplingRows:
-        """The sampling rows of `reqs`, padded to `rows` (padding rows greedy)."""
-        return SamplingRows(*self._sampling_arrays(reqs, rows), steps,
-                            forced_tokens=self._forced_tokens(reqs, rows),
-                            logprobs=self._logprob_mode(reqs),
-                            adjust=self._logits_adjust(reqs, rows))
-
-    @staticmethod
-    def _logprob_mode(reqs: list[_Request]) -> str | None:
-        """What the step must compute besides tokens for these requests (`LOGPROB_MODES`)."""
-        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        return None if not asked else "full" if -1 in asked else "top"
-
-    @staticmethod
-    def _logits_adjust(reqs: list[_Request], rows: int) -> LogitsAdjust | None:
-        """The rows' penalties, min_tokens and min_p (None when no request uses them). A
-        completion's last token may still be on the device (a placeholder): `INPUT_TOKEN`."""
-        if not any(r.params.adjusts_logits for r in reqs):
-            return None
-        prompts, outputs = [], []
-        for r in reqs:
-            ids, end = r.seq.token_ids, r.seq.prompt_start + r.seq.num_prompt_tokens
-            prompts.append(ids[:end])   # the whole history: what a stateless client would send
-            outputs.append([INPUT_TOKEN if t == _PLACEHOLDER else t for t in ids[end:]])
-        return logits_adjust_arrays([r.params for r in reqs], prompts, outputs,
-                                    [sorted(r.stop.stop_token_ids) for r in reqs], rows)
-
-    @staticmethod
-    def _forced_tokens(reqs: list[_Request], rows: int) -> np.ndarray | None:
-        """int32 [rows]: each request's forced next token, -1 to sample (None: nobody forced)."""
-        if all(r.forced is None for r in reqs):
-            return None
-        forced = np.full(rows, -1, np.int32)
-        forced[:len(reqs)] = [r.forced_token() for r in reqs]
-        return forced
 
     def warmup(self, *, logprobs: bool = False) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling,
@@ -813,7 +675,7 @@ class Engine:
         """Whether `warmup` has compiled the step shapes (see `EngineConfig.warmup`)."""
         return None in self._warm_variants
 
-    def _resolve(self, in_flight: list[_InFlightToken]) -> dict[str, RequestOutput]:
+    def _resolve(self, in_flight: list[InFlightToken]) -> dict[str, RequestOutput]:
         """Fetch a dispatched step's tokens (blocking on it), run the stop checks, end requests.
 
         Whatever fails for one request (detokenisation, stop checks, a sampling row that could
@@ -828,11 +690,11 @@ class Engine:
                 continue   # aborted meanwhile
             try:
                 if req.error is not None:
-                    raise _RequestFailed(req.error)
+                    raise RequestFailed(req.error)
                 reason = self._accept_token(req, t, int(host[id(t.tokens)][t.row]), now,
                                             host_logprobs)
                 if reason is not None:
-                    self._drop_placeholders(seq)
+                    req.drop_placeholders()
                     if seq.status.is_running or seq.status is SequenceStatus.WAITING:
                         self.scheduler.finish(seq.request_id)
                     del self._requests[seq.request_id]
@@ -843,12 +705,12 @@ class Engine:
                 outputs[seq.request_id] = self._end_with_error(req, e)
         return outputs
 
-    def _accept_token(self, req: _Request, t: _InFlightToken, token: int, now: float,
+    def _accept_token(self, req: LiveRequest, t: InFlightToken, token: int, now: float,
                       host_logprobs: dict[tuple[int, str], np.ndarray]) -> str | None:
         """Record one resolved token of `req`; returns its finish reason (None: goes on)."""
         req.seq.token_ids[t.index] = token
         if req.params.logprobs is not None:
-            self._record_logprobs(req, t, token, host_logprobs)
+            req.record_logprobs(t, token, host_logprobs, self._token_text)
         req.metrics.token_times.append(now)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -858,11 +720,11 @@ class Engine:
             reason = "length"
         return reason
 
-    def _end_with_error(self, req: _Request, error: Exception) -> RequestOutput:
+    def _end_with_error(self, req: LiveRequest, error: Exception) -> RequestOutput:
         """End `req` now because something failed for it alone: its pages (and its session's
         cache, whose state is unknown) are freed; the output carries the error text."""
         rid = req.seq.request_id
-        text = str(error) if isinstance(error, _RequestFailed) else \
+        text = str(error) if isinstance(error, RequestFailed) else \
             f"{type(error).__name__}: {error}"
         if self._requests.get(rid) is req:
             del self._requests[rid]
@@ -871,118 +733,17 @@ class Engine:
                 self.scheduler.abort(rid)
             elif status is SequenceStatus.IDLE:   # failed after its turn was finished
                 self.scheduler.close_session(req.seq.session_id)
-        self._drop_placeholders(req.seq)
+        req.drop_placeholders()
         out = self._output(req, "error")
         out.error = text
         return out
 
-    def _record_logprobs(self, req: _Request, t: _InFlightToken, token: int,
-                         host: dict[tuple[int, str], np.ndarray]) -> None:
-        """Append the accepted token's log-probs (fetching only the arrays it asked for)."""
-        def fetch(name):
-            key = (id(t.logprobs), name)
-            if key not in host:
-                host[key] = np.asarray(getattr(t.logprobs, name))
-            return host[key][t.row]
-        want = req.params.logprobs
-        entry: dict[int, Logprob] = {}
-        if want > 0:
-            ids, values = fetch("top_ids"), fetch("top_logprobs")
-            for rank, (i, v) in enumerate(zip(ids[:want].tolist(), values[:want].tolist()), 1):
-                entry[i] = Logprob(v, rank, self._token_text(i))
-        chosen = float(fetch("token_logprob"))
-        entry[token] = Logprob(chosen, int(fetch("token_rank")), self._token_text(token))
-        req.logprobs.append(entry)
-        req.cumulative_logprob += chosen
-        if want == -1:
-            req.full_logprobs.append(fetch("full"))
+    def _output(self, req: LiveRequest, finish_reason: str | None) -> RequestOutput | None:
+        return req.output(finish_reason, self._token_text, self.model_config.vocab_size)
 
     def _token_text(self, token: int) -> str:
         """A token's text in log-prob entries: special tokens spelled out (as vLLM does)."""
         return self.tokenizer.decode([token], skip_special_tokens=False)
-
-    @staticmethod
-    def _drop_placeholders(seq: Sequence) -> None:
-        """Forget the tokens of steps dispatched after the request ended."""
-        while seq.token_ids and seq.token_ids[-1] == _PLACEHOLDER:
-            seq.token_ids.pop()
-
-    @staticmethod
-    def _sampling_arrays(reqs: list[_Request], rows: int):
-        """Per-row sampling arrays for `rows` rows (padding rows greedy). A request whose row
-        cannot be built samples greedily and is marked failed (it ends at resolution)."""
-        t = np.zeros(rows, np.float32)
-        k = np.full(rows, -1, np.int32)
-        p = np.ones(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        for i, r in enumerate(reqs):
-            try:
-                t[i], k[i], p[i], seeds[i] = (r.params.temperature, r.params.top_k,
-                                              r.params.top_p, r.seed)
-            except Exception as e:   # noqa: BLE001 - isolate any failure to its own request
-                t[i], k[i], p[i], seeds[i] = 0.0, -1, 1.0, 0
-                r.error = f"sampling parameters could not be used ({type(e).__name__}: {e})"
-        return t, k, p, seeds
-
-    def _output(self, req: _Request, finish_reason: str | None) -> RequestOutput | None:
-        """The request's output after this step: only text that can no longer be taken back
-        (`StopChecker.final_text`), in the request's `output_kind`; None for a running
-        FINAL_ONLY request."""
-        finished = finish_reason is not None
-        if finished:
-            req.metrics.finished_time = time.perf_counter()
-        elif req.output_kind is RequestOutputKind.FINAL_ONLY:
-            return None
-        # Once finished nothing can be taken back: a tail held back for a stop string that never
-        # came (the engine ended it: context length, abort) is final too.
-        text = req.stop.text if finished else req.stop.final_text
-        token_ids, logprobs = req.stop.token_ids, req.logprobs
-        if req.output_kind is RequestOutputKind.DELTA:
-            text, token_ids = text[req.sent_chars:], token_ids[req.sent_tokens:]
-            logprobs = logprobs[req.sent_tokens:]
-            req.sent_chars += len(text)
-            req.sent_tokens += len(token_ids)
-        completion = CompletionOutput(0, text, list(token_ids), finish_reason,
-                                      req.stop.stop_reason if finished else None)
-        if req.params.logprobs is not None:
-            completion.logprobs = list(logprobs)
-            completion.cumulative_logprob = req.cumulative_logprob
-            # Stacked once, at the end ([tokens, vocab] per step would copy quadratically).
-            if req.params.logprobs == -1 and finished:
-                completion.full_logprobs = (
-                    np.stack(req.full_logprobs).astype(np.float32) if req.full_logprobs
-                    else np.zeros((0, self.model_config.vocab_size), np.float32))
-        prompt_logprobs = None
-        if req.params.prompt_logprobs is not None and not req.prompt_lp_sent:
-            prompt_logprobs = self._prompt_logprobs(req)
-            req.prompt_lp_sent = req.output_kind is RequestOutputKind.DELTA
-        return RequestOutput(
-            request_id=req.seq.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
-            metrics=req.metrics, session_id=req.seq.session_id,
-            num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
-
-    def _prompt_logprobs(self, req: _Request) -> list[dict[int, Logprob] | None]:
-        """`RequestOutput.prompt_logprobs` of the request's prompt tokens (decoded once)."""
-        if req.prompt_lp_entries is not None:
-            return req.prompt_lp_entries
-        start = req.seq.prompt_start
-        want, entries = req.params.prompt_logprobs, []
-        for position, token in enumerate(req.prompt_token_ids, start):
-            lp = req.prompt_lp.get(position)
-            if lp is None:
-                entries.append(None)
-                continue
-            entry = {}
-            for rank, (i, v) in enumerate(zip(lp.top_ids[:want].tolist(),
-                                              lp.top_logprobs[:want].tolist()), 1):
-                entry[i] = Logprob(v, rank, self._token_text(i))
-            entry[token] = Logprob(float(lp.token_logprob), int(lp.token_rank),
-                                   self._token_text(token))
-            entries.append(entry)
-        # Outputs come only after the prompt is prefilled: the list is complete.
-        req.prompt_lp_entries, req.prompt_lp = entries, {}
-        return entries
 
     # ----- reports -----------------------------------------------------------------------
     def kv_usage(self) -> dict:
