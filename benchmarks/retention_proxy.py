@@ -1,0 +1,765 @@
+"""Offline retention-rule proxy on the long-session tasks (CPU, the pure-JAX model, no engine).
+
+Ranks KV retention rules by accuracy, cheaply: per sample, turn 1 runs through the embedded
+SmolLM2-135M once, densely; every rule then scores turn 1's tokens from that one pass and keeps,
+per (layer, KV head), its count of them; and all rules' sessions are decoded together, one batch
+row per (rule, budget, ratio), with attention masked to each row's kept tokens.
+
+Per sample (``tangram_jax.evaluation.tasks.generate``; turn tokens as the harness builds them):
+
+- turn 1 (n tokens) runs densely: K/V of every layer, the observation windows' attention (each
+  128-token chunk's last 32 queries over everything before them, the turn's last 32 queries),
+  the window's queries. The last ``TAIL`` = 32 tokens (question + template) are protected;
+  the u = n - 32 tokens before them are what the rules choose from;
+- a rule's keep mask [layers, kv_heads, u]: per-chunk rules keep ``ceil(r * c)`` of each
+  chunk's c unprotected tokens (`kv_layout.chunk_keep_count`), whole-turn rules ``ceil(r * u)``
+  of the turn's; r is the head's budget (a shipped G = 1 profile, or every head r: "uniform");
+- decoding: the protected tail is prefilled again attending to the kept context + itself (as
+  kvpress prefills the question after compressing), then the answer is decoded greedily
+  (16 tokens at most, the engine's stop rule, `sampling.StopChecker`); each follow-up turn
+  (the previous answer's last token + the follow-up's tokens, all kept) is prefilled on top and
+  its answer decoded. Judged by `scoring.is_correct`.
+
+Approximation: turn 1's context K/V (and the windows' attention) come from the full,
+uncompressed forward, as in kvpress; the engine's later chunks attend to compressed history.
+
+Rules (r = the head's budget; every rule keeps the protected tail):
+  A     full KV
+  B     per chunk (128): the chunk's SnapKV window scores (`chunk_scoring.chunk_scores`,
+        rule "window", the engine's path) - today's default at r >= 0.5
+  C     per chunk: window + KeyDiff of the chunk, union by rank (rule "window+keydiff")
+  D     whole turn: SnapKV of the question's 32 queries (published SnapKV, deferred)
+  E     whole turn: D union KeyDiff against the turn's mean key (window share 0.5)
+  F     whole turn: KeyDiff alone
+  G     whole turn: Expected Attention from the question window's query statistics
+  H.25  E with window share 0.25;  H.75: window share 0.75
+  I1-I6 "flow, fill-first": per-token scores fixed when each chunk is seen, the held set the
+        top ceil(r * u) so far (with fixed scores: the turn's top ceil(r * u)):
+        I1 KeyDiff vs the chunk's mean key; I2 vs the running mean of the turn's keys up to the
+        chunk's end; I3 vs the mean of the turn's first 128 keys; I4 B's scores as 1 - rank/len
+        within the chunk's unprotected tokens; I5 I4 union I2 by rank; I6 I2's survivors before
+        the last chunk plus the last chunk re-ranked by I2 union the question window (D)
+  J     KVzip-style: context + "Repeat the previous context:" + context again, each context
+        token scored by the max attention (over the repeat's queries and the KV head's query
+        heads) it gets; JD: J union D by rank
+
+    PYTHONPATH=$PWD python3 benchmarks/retention_proxy.py --samples 40 \
+        --out benchmarks/results/retention_proxy.json
+
+Writes JSON (after every sample; --resume continues a file): device, git revision, command,
+per rule x budget x ratio x task the turn-1 and follow-up accuracy with Wilson 95% intervals and
+the share of heads keeping every digit token of the asked value, per-sample answers, and time
+per sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from tangram_jax.compression.chunk_scoring import chunk_scores, union_by_rank  # noqa: E402
+from tangram_jax.compression.profile import PROFILES_DIR, BudgetProfile  # noqa: E402
+from tangram_jax.compression.scorers import (expected_attention, keydiff,  # noqa: E402
+                                             snapkv_from_probs)
+from tangram_jax.evaluation.harness import _followup_token_ids, first_turn_token_ids  # noqa: E402
+from tangram_jax.evaluation.scoring import is_correct, wilson_interval  # noqa: E402
+from tangram_jax.evaluation.tasks import LONG_TASKS, TaskSizes, generate  # noqa: E402
+from tangram_jax.kv_layout import chunk_keep_count  # noqa: E402
+from tangram_jax.models.registry import load_model  # noqa: E402
+from tangram_jax.models.rope import inverse_frequencies  # noqa: E402
+from tangram_jax.provenance import device_description, git_revision  # noqa: E402
+from tangram_jax.sampling import SamplingParams, StopChecker  # noqa: E402
+
+CHUNK = 128          # the CPU engine's compression chunk
+TAIL = 32            # protected tail = SnapKV observation window
+MAX_TOKENS = 16
+BUCKET = 256         # turn-1 and context lengths are padded to multiples of this (few compiles)
+FOLLOWUP_BUCKET = 8
+NEW_SLOTS = 256      # per-row cache for the tail, answers and follow-up turns
+REPEAT_PROMPT = "\n\nRepeat the previous context:\n"
+
+RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
+         "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD")
+CHUNK_RULES = {"B": "window", "C": "window+keydiff"}
+BUDGETS = ("profile", "uniform")
+_NEG = -1e30
+
+
+def _pad_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+# ----- the model, split for scans over layers ----------------------------------------------
+
+class ProxyModel:
+    """The decoder as (graphdef, state) plus its layers stacked for `lax.scan`, and the three
+    jitted programs of the proxy: the dense scoring pass, the KVzip pass and the masked extend."""
+
+    def __init__(self, loaded):
+        model = loaded.model
+        self.config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.q_per_kv = cfg.num_heads // cfg.num_kv_heads
+        layers = list(model.layers)
+        self.layer_graphdef = nnx.split(layers[0])[0]
+        self.layer_states = jax.tree.map(lambda *xs: jnp.stack(xs),
+                                         *[nnx.split(layer)[1] for layer in layers])
+        model.layers = nnx.List([])
+        self.graphdef, self.state = nnx.split(model)
+        self.dtype = model.dtype
+        self.inv_freq = jnp.asarray(inverse_frequencies(cfg), jnp.float32)
+        self.dense_pass = jax.jit(self._dense_pass)
+        self.kvzip_pass = jax.jit(self._kvzip_pass)
+        self.extend = jax.jit(self._extend, donate_argnums=(5, 6))
+
+    def _layer(self, layer_state):
+        return nnx.merge(self.layer_graphdef, layer_state)
+
+    def _causal_layer(self, layer_state, h, n):
+        """One layer of a dense causal pass over keys < n. h [1, N, hidden] ->
+        (h, q [N, Hq, D], k, v [N, Hkv, D], probs float32 [Hq, N, N])."""
+        layer = self._layer(layer_state)
+        t = h.shape[1]
+        q, k, v = layer.qkv(h, jnp.arange(t, dtype=jnp.int32)[None])
+        q, k, v = q[0], k[0], v[0]
+        key = jnp.arange(t)
+        mask = (key[None, :] <= key[:, None]) & (key[None, :] < n)
+        logits = jnp.einsum("tgqd,sgd->gqts",
+                            q.astype(jnp.float32).reshape(t, -1, self.q_per_kv, q.shape[-1]),
+                            k.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
+        probs = jax.nn.softmax(jnp.where(mask, logits, _NEG), axis=-1)
+        out = jnp.einsum("gqts,sgd->tgqd", probs, v.astype(jnp.float32))
+        h = layer.finish(h, out.reshape(1, t, -1, q.shape[-1]).astype(h.dtype))
+        return h, q, k, v, probs.reshape(-1, t, t)
+
+    def _dense_pass(self, state, layer_states, tokens, n):
+        """tokens [N] (turn 1, padded), n: its length. Returns per layer: k, v [L, N, Hkv, D];
+        chunk_obs [L, C, Hq, TAIL, CHUNK] (chunk c's last TAIL queries over the chunk's keys,
+        normalised over everything before them, zero for queries before the chunk, as the
+        engine's `observation_probs`); turn_obs [L, Hq, TAIL, N] (the turn's last TAIL
+        queries); q_window [L, TAIL, Hq, D]."""
+        model = nnx.merge(self.graphdef, state)
+        t = tokens.shape[0]
+        chunks = t // CHUNK
+        start = jnp.arange(chunks) * CHUNK
+        end = jnp.minimum(start + CHUNK, n)
+        rows = end[:, None] - TAIL + jnp.arange(TAIL)[None]                     # [C, TAIL]
+        row_ok = rows >= start[:, None]
+
+        def step(h, layer_state):
+            h, q, k, v, probs = self._causal_layer(layer_state, h, n)
+            picked = probs[:, jnp.clip(rows, 0, t - 1)]                      # [Hq, C, W, N]
+            picked = picked.reshape(*picked.shape[:3], chunks, CHUNK)
+            own = jnp.moveaxis(jnp.diagonal(picked, axis1=1, axis2=3), -1, 0)  # [C, Hq, W, 128]
+            own = jnp.where(row_ok[:, None, :, None], own, 0.0)
+            turn = jax.lax.dynamic_slice_in_dim(probs, n - TAIL, TAIL, axis=1)
+            q_win = jax.lax.dynamic_slice_in_dim(q, n - TAIL, TAIL, axis=0)
+            return h, (k, v, own, turn, q_win)
+
+        h = model.embed(tokens[None])
+        _, (k, v, own, turn, q_win) = jax.lax.scan(step, h, layer_states)
+        return k, v, own, turn, q_win
+
+    def _kvzip_pass(self, state, layer_states, tokens, n, repeat_start):
+        """tokens [N2] (context, repeat prompt, context again; padded), n: the real length,
+        repeat_start: the first token after the context. Returns [L, Hkv, N2]: per key the max
+        attention probability over the queries at repeat_start .. n-1 and the KV head's query
+        heads."""
+        model = nnx.merge(self.graphdef, state)
+        t = tokens.shape[0]
+        query = jnp.arange(t)
+        repeat = (query >= repeat_start) & (query < n)
+
+        def step(h, layer_state):
+            h, _, _, _, probs = self._causal_layer(layer_state, h, n)
+            best = jnp.max(jnp.where(repeat[None, :, None], probs, 0.0), axis=1)   # [Hq, N2]
+            return h, best.reshape(-1, self.q_per_kv, t).max(axis=1)
+
+        _, scores = jax.lax.scan(step, model.embed(tokens[None]), layer_states)
+        return scores
+
+    def _extend(self, state, layer_states, ctx_k, ctx_v, keep, new_k, new_v, lengths, tokens,
+                num_real, base):
+        """Prefill/decode `tokens` [B, T] of B sessions that share turn 1's context.
+
+        ctx_k, ctx_v [L, U, Hkv, D]: the context's K/V (positions 0 .. U-1, from the dense
+        pass); keep [L, B, Hkv, U] bool: what each row's heads may attend to of it;
+        new_k, new_v [L, B, S, Hkv, D]: each row's own tokens after the context (slot s is
+        position base + s), `lengths` [B] of them filled. Row b's first num_real[b] tokens are
+        real; they go to slots lengths[b] ... (the rest are padding, overwritten later).
+        Returns (logits [B, V] float32 after each row's last real token, new_k, new_v)."""
+        model = nnx.merge(self.graphdef, state)
+        batch, t = tokens.shape
+        slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]         # [B, T]
+        causal = jnp.arange(new_k.shape[2])[None, None, :] <= slots[:, :, None]  # [B, T, S]
+        rows = jnp.arange(batch)[:, None]
+        scale = self.config.head_dim ** -0.5
+
+        def step(h, xs):
+            layer_state, ck, cv, kp, nk, nv = xs
+            layer = self._layer(layer_state)
+            q, k, v = layer.qkv(h, base + slots)
+            nk = nk.at[rows, slots].set(k.astype(nk.dtype), mode="drop")
+            nv = nv.at[rows, slots].set(v.astype(nv.dtype), mode="drop")
+            qg = q.astype(jnp.float32).reshape(batch, t, -1, self.q_per_kv, q.shape[-1])
+            lc = jnp.einsum("btgqd,sgd->bgqts", qg, ck.astype(jnp.float32)) * scale
+            lc = jnp.where(kp[:, :, None, None, :], lc, _NEG)
+            ln = jnp.einsum("btgqd,bsgd->bgqts", qg, nk.astype(jnp.float32)) * scale
+            ln = jnp.where(causal[:, None, None], ln, _NEG)
+            p = jax.nn.softmax(jnp.concatenate([lc, ln], axis=-1), axis=-1)
+            pc, pn = p[..., :ck.shape[0]], p[..., ck.shape[0]:]
+            out = (jnp.einsum("bgqts,sgd->btgqd", pc, cv.astype(jnp.float32))
+                   + jnp.einsum("bgqts,bsgd->btgqd", pn, nv.astype(jnp.float32)))
+            h = layer.finish(h, out.reshape(batch, t, -1, q.shape[-1]).astype(h.dtype))
+            return h, (nk, nv)
+
+        h = model.embed(tokens)
+        h, (new_k, new_v) = jax.lax.scan(step, h, (layer_states, ctx_k, ctx_v, keep, new_k,
+                                                   new_v))
+        last = h[jnp.arange(batch), jnp.maximum(num_real - 1, 0)]
+        return model.logits(last[:, None])[:, 0], new_k, new_v
+
+
+# ----- scores ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Turn1:
+    """What the rules see of one sample's turn 1 (arrays over the padded length N)."""
+
+    n: int          # turn-1 tokens
+    u: int          # unprotected tokens (n - TAIL)
+    k: np.ndarray   # [L, N, Hkv, D]
+    v: np.ndarray
+    chunk_obs: np.ndarray   # [L, C, Hq, TAIL, CHUNK]
+    turn_obs: np.ndarray    # [L, Hq, TAIL, N]
+    q_window: np.ndarray    # [L, TAIL, Hq, D]
+
+    @property
+    def chunk_lens(self) -> np.ndarray:
+        """[C] tokens of each chunk (0 past the turn's end)."""
+        c = self.k.shape[1] // CHUNK
+        return np.clip(self.n - CHUNK * np.arange(c), 0, CHUNK)
+
+    @property
+    def chunk_protected(self) -> np.ndarray:
+        """[C] protected tokens at the end of each chunk (`KVLayout.chunk_protected`)."""
+        start = CHUNK * np.arange(len(self.chunk_lens))
+        return np.clip(start + self.chunk_lens - self.u, 0, self.chunk_lens)
+
+
+@jax.jit
+def _engine_chunk_scores(obs, k, chunk_lens, protected):
+    """The engine's chunk scores (SnapKV window; window+keydiff) of every chunk of every layer.
+    obs [L, C, Hq, W, 128], k [L, C, 128, Hkv, D] -> two [L, C, Hkv, 128]."""
+    q_per_kv = obs.shape[2] // k.shape[3]
+
+    def one(o, kc, length, prot, first, rule):
+        q = jnp.zeros((kc.shape[0], o.shape[0], kc.shape[-1]), jnp.float32)  # unread by these
+        return chunk_scores("snapkv", o, q, kc, kc, length, prot, first, q_per_kv=q_per_kv,
+                            rule=rule)
+
+    first = jnp.arange(obs.shape[1]) * CHUNK
+    out = []
+    for rule in ("window", "window+keydiff"):
+        per_chunk = jax.vmap(lambda o, kc, ln, pr, fs: one(o, kc, ln, pr, fs, rule))
+        out.append(jax.vmap(per_chunk, in_axes=(0, 0, None, None, None))(
+            obs, k, chunk_lens, protected, first))
+    return tuple(out)
+
+
+def _keydiff_rows(keys, num_valid):
+    """keydiff of keys [Hkv, T, D] with the anchor over the first num_valid -> [Hkv, T]
+    (query-free: the queries it is handed are a placeholder)."""
+    q = jnp.zeros((keys.shape[0], 1, keys.shape[-1]), jnp.float32)
+    return keydiff(q, keys, keys, q_per_kv=1, num_valid=num_valid)
+
+
+@jax.jit
+def _keydiff_scores(k, anchors):
+    """k [L, N, Hkv, D]; anchors [A] anchor lengths -> [A, L, Hkv, N]: KeyDiff of every key
+    against the mean unit key of the first anchors[a] keys."""
+    heads = jnp.moveaxis(k, 1, 2)                                   # [L, Hkv, N, D]
+    per_layer = jax.vmap(_keydiff_rows, in_axes=(0, None))
+    return jax.vmap(lambda a: per_layer(heads, a))(anchors)
+
+
+@jax.jit
+def _chunk_keydiff(k, chunk_lens):
+    """k [L, C, 128, Hkv, D] -> [L, C, Hkv, 128]: KeyDiff against each chunk's own mean key."""
+    per_chunk = jax.vmap(lambda kc, ln: _keydiff_rows(jnp.moveaxis(kc, 0, 1), ln))
+    return jax.vmap(per_chunk, in_axes=(0, None))(k, chunk_lens)
+
+
+@functools.partial(jax.jit, static_argnames=("q_per_kv",))
+def _turn_window_scores(turn_obs, n, *, q_per_kv: int):
+    """Published SnapKV of the turn's last TAIL queries: turn_obs [L, Hq, W, N] -> [L, Hkv, N].
+    Valid keys are rotated to the end (as `snapkv_chunk_scores` does) so that the window is
+    the last W keys of the array."""
+    shift = turn_obs.shape[-1] - n
+    rolled = jnp.roll(turn_obs, shift, axis=-1)
+    per_layer = jax.vmap(lambda o: snapkv_from_probs(o, q_per_kv, protect_window=True))
+    return jnp.roll(per_layer(rolled), -shift, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("q_per_kv",))
+def _expected_attention_scores(q_window, k, v, n, inv_freq, *, q_per_kv: int):
+    """Expected Attention of turn 1's keys from the window queries' statistics -> [L, Hkv, N].
+
+    The scorer wants its queries to be the last ones of the keys and no padding among them:
+    the keys are rotated so the n real ones come last, with first_position = n - N so that
+    every real key keeps its position (the padding then sits at negative positions, which the
+    scorer treats as sinks: out of the softmax; its scores are dropped)."""
+    t = k.shape[1]
+    shift = t - n
+    heads = lambda x: jnp.moveaxis(jnp.roll(x, shift, axis=1), 1, 2)   # noqa: E731
+    scores = jax.vmap(lambda q, kk, vv: expected_attention(
+        jnp.moveaxis(q, 0, 1), kk, vv, q_per_kv=q_per_kv, inv_freq=inv_freq,
+        first_position=n - t))(q_window, heads(k), heads(v))
+    return jnp.roll(scores, -shift, axis=-1)
+
+
+def _union(first: np.ndarray, second: np.ndarray, u: int, share: float) -> np.ndarray:
+    """`chunk_scoring.union_by_rank` over [L, Hkv, N] arrays, tokens < u ranked."""
+    shape = first.shape
+    out = union_by_rank(jnp.asarray(first).reshape(-1, shape[-1]),
+                        jnp.asarray(second).reshape(-1, shape[-1]), u, share)
+    return np.asarray(out).reshape(shape)
+
+
+def _rank_within(scores: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Rank (0 = best) of each position along the last axis among `valid` ones (stable: earlier
+    first on ties); invalid positions get ranks after every valid one."""
+    masked = np.where(valid, scores, -np.inf)
+    order = np.argsort(-masked, axis=-1, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(scores.shape[-1]), axis=-1)
+    return ranks
+
+
+def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
+                q_per_kv: int) -> dict:
+    """rule -> ("turn", scores [L, Hkv, N]) | ("chunk", scores [L, C, Hkv, 128]) |
+    ("flow", (survivor scores, final scores) [L, Hkv, N] each). Higher is kept first."""
+    n, u = t1.n, t1.u
+    num_layers, big_n = t1.k.shape[:2]
+    c = big_n // CHUNK
+    lens, prot = t1.chunk_lens, t1.chunk_protected
+    k_chunks = t1.k.reshape(num_layers, c, CHUNK, *t1.k.shape[2:])
+    want = set(rules)
+    out: dict = {}
+    cache: dict = {}
+
+    def get(name, make):
+        if name not in cache:
+            cache[name] = make()
+        return cache[name]
+
+    window_chunk = lambda: _engine_chunk_scores(t1.chunk_obs, k_chunks, lens, prot)  # noqa: E731
+    per_token = lambda x: np.moveaxis(np.asarray(x), 2, 1).reshape(  # noqa: E731
+        num_layers, -1, big_n)                        # [L, C, Hkv, 128] -> [L, Hkv, N]
+    turn_window = lambda: np.asarray(_turn_window_scores(  # noqa: E731
+        t1.turn_obs, n, q_per_kv=q_per_kv))
+    chunk_ends = np.minimum(CHUNK * np.arange(1, c + 1), n)
+    keydiffs = lambda: np.asarray(_keydiff_scores(  # noqa: E731
+        t1.k, jnp.asarray(np.concatenate([[n, min(CHUNK, n)], chunk_ends]))))
+    turn_kd = lambda: get("kd", keydiffs)[0]          # noqa: E731
+    first_kd = lambda: get("kd", keydiffs)[1]         # noqa: E731
+
+    def running_kd():   # each key against the mean unit key up to its chunk's end
+        per_anchor = get("kd", keydiffs)[2:]            # [C, L, Hkv, N]
+        chunk_of = np.minimum(np.arange(big_n) // CHUNK, c - 1)
+        return np.take_along_axis(np.moveaxis(per_anchor, 0, -1),
+                                  chunk_of[None, None, :, None], axis=-1)[..., 0]
+
+    def rank_per_chunk():   # B's scores as 1 - rank / unprotected length, per chunk
+        b = np.asarray(get("wc", window_chunk)[0])      # [L, C, Hkv, 128]
+        free = (lens - prot)[None, :, None, None]
+        valid = np.arange(CHUNK)[None, None, None, :] < free
+        ranks = _rank_within(b, valid)
+        return per_token(np.where(valid, 1.0 - ranks / np.maximum(free, 1), -np.inf))
+
+    if "B" in want:
+        out["B"] = ("chunk", np.asarray(get("wc", window_chunk)[0]))
+    if "C" in want:
+        out["C"] = ("chunk", np.asarray(get("wc", window_chunk)[1]))
+    if "D" in want:
+        out["D"] = ("turn", get("tw", turn_window))
+    for name, share in (("E", 0.5), ("H.25", 0.25), ("H.75", 0.75)):
+        if name in want:
+            out[name] = ("turn", _union(get("tw", turn_window), turn_kd(), u, share))
+    if "F" in want:
+        out["F"] = ("turn", turn_kd())
+    if "G" in want:
+        out["G"] = ("turn", np.asarray(_expected_attention_scores(
+            t1.q_window, t1.k, t1.v, n, inv_freq, q_per_kv=q_per_kv)))
+    if "I1" in want:
+        out["I1"] = ("turn", per_token(_chunk_keydiff(k_chunks, lens)))
+    if "I2" in want:
+        out["I2"] = ("turn", get("rk", running_kd))
+    if "I3" in want:
+        out["I3"] = ("turn", first_kd())
+    if "I4" in want:
+        out["I4"] = ("turn", get("rpc", rank_per_chunk))
+    if "I5" in want:
+        out["I5"] = ("turn", _union(get("rpc", rank_per_chunk), get("rk", running_kd), u, 0.5))
+    if "I6" in want:
+        out["I6"] = ("flow", (get("rk", running_kd),
+                              _union(get("tw", turn_window), get("rk", running_kd), u, 0.5)))
+    if "J" in want or "JD" in want:
+        j = np.full((num_layers, t1.k.shape[2], big_n), -np.inf, np.float32)
+        j[..., :u] = kvzip[..., :u]
+        if "J" in want:
+            out["J"] = ("turn", j)
+        if "JD" in want:
+            out["JD"] = ("turn", _union(get("tw", turn_window), j, u, 0.5))
+    return out
+
+
+def keep_mask(kind: str, scores, t1: Turn1, budget: np.ndarray) -> np.ndarray:
+    """bool [L, Hkv, u]: the unprotected tokens each head keeps (budget [L, Hkv] in (0, 1])."""
+    u = t1.u
+    if kind == "chunk":
+        keep = np.zeros((*budget.shape, u), bool)
+        for c, (length, prot) in enumerate(zip(t1.chunk_lens, t1.chunk_protected)):
+            free = int(length - prot)
+            if free <= 0:
+                continue
+            # The engine keeps count + protected of the chunk by scores where the protected
+            # tokens are on top; the unprotected part is the top `count` of the rest.
+            count = chunk_keep_count(budget, free)
+            ranks = _rank_within(scores[:, c, :, :free], np.ones(free, bool))
+            keep[..., c * CHUNK:c * CHUNK + free] = ranks < count[..., None]
+        return keep
+    count = chunk_keep_count(budget, u)[..., None]
+    valid = np.arange(u) < u
+    if kind == "turn":
+        return _rank_within(scores[..., :u], valid) < count
+    # "flow": survivors of the chunks before the last (top count by the running score), then
+    # the last chunk's tokens join them and the final score re-ranks the candidates.
+    survivor, final = (s[..., :u] for s in scores)
+    last_start = CHUNK * ((u - 1) // CHUNK)   # the last chunk with unprotected tokens
+    before = np.arange(u) < last_start
+    candidate = (_rank_within(survivor, before) < count) & before | ~before
+    return _rank_within(final, candidate) < count
+
+
+# ----- sessions ----------------------------------------------------------------------------
+
+def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.ndarray):
+    """Greedy answers of every turn for B rows of keep masks keep [B, L, Hkv, u].
+    Returns per row a list of (text, token_ids) per turn."""
+    tok = pm.tokenizer
+    batch = keep.shape[0]
+    u, n = t1.u, t1.n
+    ctx_len = _pad_to(u, BUCKET)
+    ctx_k = jnp.asarray(t1.k[:, :ctx_len])
+    ctx_v = jnp.asarray(t1.v[:, :ctx_len])
+    if ctx_k.shape[1] < ctx_len:
+        pad = ((0, 0), (0, ctx_len - ctx_k.shape[1]), (0, 0), (0, 0))
+        ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
+    kp = np.zeros((keep.shape[1], batch, keep.shape[2], ctx_len), bool)
+    kp[..., :u] = np.moveaxis(keep, 0, 1)
+    kp = jnp.asarray(kp)
+    shape = (pm.config.num_layers, batch, NEW_SLOTS, pm.config.num_kv_heads, pm.config.head_dim)
+    new_k, new_v = jnp.zeros(shape, pm.dtype), jnp.zeros(shape, pm.dtype)
+    lengths = np.zeros(batch, np.int32)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    answers = [[] for _ in range(batch)]
+
+    def extend(tokens: list[list[int]], active: np.ndarray):
+        nonlocal new_k, new_v, lengths
+        width = max(len(x) for x in tokens)
+        width = 1 if width == 1 else _pad_to(width, FOLLOWUP_BUCKET)
+        arr = np.zeros((batch, width), np.int32)
+        real = np.zeros(batch, np.int32)
+        for b, x in enumerate(tokens):
+            arr[b, :len(x)] = x
+            real[b] = len(x) if active[b] else 0
+        logits, new_k, new_v = pm.extend(pm.state, pm.layer_states, ctx_k, ctx_v, kp, new_k,
+                                         new_v, jnp.asarray(lengths), jnp.asarray(arr),
+                                         jnp.asarray(real), jnp.int32(u))
+        lengths = lengths + real
+        if lengths.max() > NEW_SLOTS:
+            raise RuntimeError(f"a session outgrew its {NEW_SLOTS} new slots")
+        return np.asarray(jnp.argmax(logits, axis=-1))   # greedy
+
+    for turn in range(len(sample.turns)):
+        if turn == 0:
+            tokens = [list(ids[u:])] * batch
+        else:   # the previous answer's last token is not in the cache yet
+            tokens = [[answers[b][-1][1][-1]]
+                      + _followup_token_ids(tok, sample, turn, answers[b][-1][1])
+                      for b in range(batch)]
+        active = np.ones(batch, bool)
+        checkers = [StopChecker(tok.decode, params, tok.eos_token_ids, p) for p in tokens]
+        nxt = extend(tokens, active)
+        while True:
+            for b in np.nonzero(active)[0]:
+                checkers[b].append(int(nxt[b]))
+                if checkers[b].finished:
+                    active[b] = False
+            if not active.any():
+                break
+            nxt = extend([[int(x)] for x in nxt], active)
+        for b in range(batch):
+            answers[b].append((checkers[b].text, list(checkers[b].token_ids)))
+    return answers
+
+
+def digit_positions(tok, ids: list[int], u: int, answer: str) -> list[np.ndarray]:
+    """Positions (< u) of every occurrence of the answer's digit tokens in turn 1."""
+    want = tok.encode(answer, add_special_tokens=False)
+    m = len(want)
+    return [np.arange(i, i + m) for i in range(u - m + 1) if ids[i:i + m] == want]
+
+
+# ----- the run -----------------------------------------------------------------------------
+
+def row_specs(rules: list[str], ratios: list[float], budgets: list[str],
+              uniform_rules: list[str]) -> list[tuple[str, str, float]]:
+    """(rule, budget, ratio) of every batch row: full KV once, then each rule at each ratio
+    with the profile, and the uniform control for `uniform_rules`."""
+    rows = [("A", "full", 1.0)] if "A" in rules else []
+    for ratio in ratios:
+        for budget in budgets:
+            for rule in rules:
+                if rule == "A" or (budget == "uniform" and rule not in uniform_rules):
+                    continue
+                rows.append((rule, budget, ratio))
+    return rows
+
+
+def row_label(rule: str, budget: str, ratio: float) -> str:
+    return "A" if rule == "A" else f"{rule}@{budget}{ratio:g}"
+
+
+def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> dict:
+    tok = pm.tokenizer
+    ids = first_turn_token_ids(tok, sample)
+    n = len(ids)
+    u = n - TAIL
+    padded = _pad_to(n, BUCKET)
+    times = {}
+    t0 = time.perf_counter()
+    arr = np.zeros(padded, np.int32)
+    arr[:n] = ids
+    k, v, own, turn, q_win = jax.block_until_ready(
+        pm.dense_pass(pm.state, pm.layer_states, jnp.asarray(arr), jnp.int32(n)))
+    t1 = Turn1(n, u, np.asarray(k), np.asarray(v), np.asarray(own), np.asarray(turn),
+               np.asarray(q_win))
+    times["dense"] = time.perf_counter() - t0
+    rules = sorted({r for r, _, _ in rows if r != "A"})
+    kvzip = None
+    if "J" in rules or "JD" in rules:
+        t0 = time.perf_counter()
+        prompt = tok.encode(REPEAT_PROMPT, add_special_tokens=False)
+        seq = list(ids[:u]) + prompt + list(ids[:u])
+        arr = np.zeros(_pad_to(len(seq), BUCKET), np.int32)
+        arr[:len(seq)] = seq
+        kvzip = np.asarray(pm.kvzip_pass(pm.state, pm.layer_states, jnp.asarray(arr),
+                                         jnp.int32(len(seq)), jnp.int32(u + len(prompt))))
+        times["kvzip"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scored = rule_scores(t1, rules, kvzip, inv_freq, pm.q_per_kv)
+    masks = []
+    for rule, budget, ratio in rows:
+        if rule == "A":
+            masks.append(np.ones((pm.config.num_layers, pm.config.num_kv_heads, u), bool))
+        else:
+            kind, scores = scored[rule]
+            masks.append(keep_mask(kind, scores, t1, budgets[(budget, ratio)]))
+    masks = np.stack(masks)
+    times["score"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    answers = run_sessions(pm, sample, ids, t1, masks)
+    times["decode"] = time.perf_counter() - t0
+    digits = [digit_positions(tok, ids, u, t.answer) for t in sample.turns]
+    record = dict(id=sample.id, task=sample.task, n_tokens=n, seconds=times, rows={})
+    for (rule, budget, ratio), mask, ans in zip(rows, masks, answers):
+        kept = []
+        for spans in digits:   # share of heads keeping every digit of some occurrence
+            if not spans:
+                kept.append(None)
+                continue
+            whole = np.zeros(mask.shape[:2], bool)
+            for pos in spans:
+                whole |= mask[..., pos].all(axis=-1)
+            kept.append(float(whole.mean()))
+        record["rows"][row_label(rule, budget, ratio)] = dict(
+            correct=[bool(is_correct(t.answer, a[0])) for t, a in zip(sample.turns, ans)],
+            answers=[a[0] for a in ans], digits_kept=kept)
+    return record
+
+
+def _part(records: list[dict], label: str, turns: slice) -> dict:
+    correct = [c for r in records for c in r["rows"][label]["correct"][turns]]
+    digits = [d for r in records for d in r["rows"][label]["digits_kept"][turns] if d is not None]
+    lo, hi = wilson_interval(sum(correct), len(correct))
+    return dict(n=len(correct), correct=int(sum(correct)),
+                accuracy=sum(correct) / len(correct) if correct else None, ci95=[lo, hi],
+                digits_kept=float(np.mean(digits)) if digits else None)
+
+
+def summarise(records: list[dict], rows) -> list[dict]:
+    out = []
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    for task in tasks:
+        recs = [r for r in records if r["task"] == task]
+        multi = any(len(row["correct"]) > 1 for r in recs for row in r["rows"].values())
+        for rule, budget, ratio in rows:
+            label = row_label(rule, budget, ratio)
+            entry = dict(rule=rule, budget=budget, ratio=ratio, task=task, samples=len(recs),
+                         turn1=_part(recs, label, slice(0, 1)))
+            if multi:
+                entry["followup"] = _part(recs, label, slice(1, None))
+            out.append(entry)
+    return out
+
+
+def markdown_table(results: list[dict], ratios: list[float]) -> str:
+    """One line per rule x budget, columns task (turn 1 / follow-ups) at each ratio:
+    accuracy % [Wilson 95%]."""
+    cols = []
+    for task in dict.fromkeys(r["task"] for r in results):
+        cols.append((task, "turn1"))
+        if any("followup" in r for r in results if r["task"] == task):
+            cols.append((task, "followup"))
+    short = {"long_facts": "facts", "long_passkey": "passkey", "long_kv": "kv"}
+    head = "| rule | " + " | ".join(f"{short.get(t, t)} {'t1' if p == 'turn1' else 'f/u'}"
+                                     for t, p in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 1)]
+    keys = list(dict.fromkeys((r["rule"], r["budget"], r["ratio"]) for r in results))
+    for rule, budget, ratio in keys:
+        cells = []
+        for task, part in cols:
+            e = next((r for r in results if (r["rule"], r["budget"], r["ratio"], r["task"])
+                      == (rule, budget, ratio, task)), None)
+            if e is None or part not in e:
+                cells.append("")
+                continue
+            p = e[part]
+            cells.append(f"{100 * p['accuracy']:.0f} [{100 * p['ci95'][0]:.0f}-"
+                         f"{100 * p['ci95'][1]:.0f}]")
+        name = "A full" if rule == "A" else f"{rule} {'' if budget == 'profile' else 'unif '}{ratio:g}"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=40, help="samples per task (indices 0..)")
+    ap.add_argument("--first", type=int, default=0, help="first sample index")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tasks", default=",".join(LONG_TASKS))
+    ap.add_argument("--ratios", default="0.5,0.25")
+    ap.add_argument("--rules", default=",".join(r for r in RULES if not r.startswith("J")),
+                    help=f"comma-separated, of {', '.join(RULES)}")
+    ap.add_argument("--budgets", default="profile,uniform",
+                    help="profile (the shipped G=1 profile at the ratio) and/or uniform")
+    ap.add_argument("--uniform-rules", default="B,C,D,E",
+                    help="rules also run with uniform budgets (the control)")
+    ap.add_argument("--out", required=True, help="JSON file (written after every sample)")
+    ap.add_argument("--resume", action="store_true", help="keep the samples already in --out")
+    args = ap.parse_args(argv)
+
+    tasks = [t for t in args.tasks.split(",") if t]
+    for t in tasks:
+        if t not in LONG_TASKS:
+            raise SystemExit(f"--tasks: unknown task {t!r}; the long-session tasks are "
+                             f"{', '.join(LONG_TASKS)}")
+    rules = [r for r in args.rules.split(",") if r]
+    for r in rules:
+        if r not in RULES:
+            raise SystemExit(f"--rules: unknown rule {r!r}; rules: {', '.join(RULES)}")
+    budgets_used = [b for b in args.budgets.split(",") if b]
+    for b in budgets_used:
+        if b not in BUDGETS:
+            raise SystemExit(f"--budgets: unknown budget {b!r}; budgets: {', '.join(BUDGETS)}")
+    try:
+        ratios = [float(r) for r in args.ratios.split(",") if r]
+    except ValueError:
+        raise SystemExit(f"--ratios: expected comma-separated numbers, got {args.ratios!r}")
+    for r in ratios:
+        if f"{r:.2f}" not in ("0.25", "0.50"):
+            raise SystemExit(f"--ratios: {r} has no shipped G=1 profile (0.25 or 0.5)")
+    if args.samples < 1:
+        raise SystemExit(f"--samples must be >= 1, got {args.samples}")
+    uniform_rules = [r for r in args.uniform_rules.split(",") if r]
+
+    loaded = load_model()
+    pm = ProxyModel(loaded)
+    budgets = {}
+    for r in ratios:
+        budgets[("profile", r)] = BudgetProfile.load(
+            PROFILES_DIR / f"smollm2-135m_snapkv_rho{r:.2f}_g1.json").budget
+        budgets[("uniform", r)] = np.full_like(budgets[("profile", r)], r)
+    rows = row_specs(rules, ratios, budgets_used, uniform_rules)
+    out_path = Path(args.out)
+    records = []
+    if args.resume and out_path.exists():
+        records = json.loads(out_path.read_text())["samples"]
+        have = {row_label(*s) for s in rows}
+        records = [r for r in records if have <= set(r["rows"])]
+    done = {r["id"] for r in records}
+    from tangram_jax.compression.pilot_data import haystack_text
+    essays = haystack_text()
+    # Index-major: a run cut short has the same samples of every task.
+    samples = [generate(t, i, args.seed, TaskSizes(), essays)
+               for i in range(args.first, args.first + args.samples) for t in tasks]
+    print(f"{len(rows)} rows: {', '.join(row_label(*s) for s in rows)}", flush=True)
+
+    def write():
+        results = summarise(records, rows)
+        seconds = {}
+        for task in tasks:
+            recs = [r for r in records if r["task"] == task]
+            if recs:
+                parts = {k for r in recs for k in r["seconds"]}
+                seconds[task] = {k: float(np.mean([r["seconds"].get(k, 0.0) for r in recs]))
+                                 for k in sorted(parts)}
+                seconds[task]["total"] = float(np.mean([sum(r["seconds"].values())
+                                                        for r in recs]))
+        doc = dict(device=device_description(), git_revision=git_revision(),
+                   command=" ".join([sys.executable] + sys.argv),
+                   config=dict(chunk=CHUNK, tail=TAIL, max_tokens=MAX_TOKENS, seed=args.seed,
+                               tasks=tasks, ratios=ratios, rules=rules,
+                               budgets=budgets_used, uniform_rules=uniform_rules,
+                               rows=[row_label(*s) for s in rows], batch_rows=len(rows)),
+                   seconds_per_sample=seconds, results=results, samples=records)
+        tmp = out_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(out_path)
+        return results
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for i, sample in enumerate(samples):
+        if sample.id in done:
+            continue
+        rec = evaluate_sample(pm, sample, rows, budgets, pm.inv_freq)
+        records.append(rec)
+        write()
+        full = rec["rows"].get("A")
+        print(f"[{i + 1}/{len(samples)}] {sample.id} n={rec['n_tokens']} "
+              + " ".join(f"{k} {v:.1f}s" for k, v in rec["seconds"].items())
+              + (f" full={full['correct']}" if full else "")
+              + f" ({time.perf_counter() - start:.0f}s)", flush=True)
+    results = write()
+    print(markdown_table(results, ratios))
+
+
+if __name__ == "__main__":
+    main()
