@@ -707,6 +707,7 @@ def main(argv=None):
             PROFILES_DIR / f"smollm2-135m_snapkv_rho{r:.2f}_g1.json").budget
         budgets[("uniform", r)] = np.full_like(budgets[("profile", r)], r)
     rows = row_specs(rules, ratios, budgets_used, uniform_rules)
+    revision = git_revision()   # of the code that runs, whatever is committed meanwhile
     out_path = Path(args.out)
     records = []
     if args.resume and out_path.exists():
@@ -732,7 +733,7 @@ def main(argv=None):
                                  for k in sorted(parts)}
                 seconds[task]["total"] = float(np.mean([sum(r["seconds"].values())
                                                         for r in recs]))
-        doc = dict(device=device_description(), git_revision=git_revision(),
+        doc = dict(device=device_description(), git_revision=revision,
                    command=" ".join([sys.executable] + sys.argv),
                    config=dict(chunk=CHUNK, tail=TAIL, max_tokens=MAX_TOKENS, seed=args.seed,
                                tasks=tasks, ratios=ratios, rules=rules,
