@@ -629,9 +629,10 @@ def summarise(records: list[dict], rows) -> list[dict]:
     return out
 
 
-def markdown_table(results: list[dict], ratios: list[float]) -> str:
-    """One line per rule x budget, columns task (turn 1 / follow-ups) at each ratio:
-    accuracy % [Wilson 95%]."""
+def markdown_table(results: list[dict], metric: str = "accuracy") -> str:
+    """One line per rule x budget x ratio, a column per task (turn 1 / follow-ups): accuracy %
+    [Wilson 95%], or (metric "digits_kept") the % of heads keeping every digit of the value
+    asked."""
     cols = []
     for task in dict.fromkeys(r["task"] for r in results):
         cols.append((task, "turn1"))
@@ -651,8 +652,11 @@ def markdown_table(results: list[dict], ratios: list[float]) -> str:
                 cells.append("")
                 continue
             p = e[part]
-            cells.append(f"{100 * p['accuracy']:.0f} [{100 * p['ci95'][0]:.0f}-"
-                         f"{100 * p['ci95'][1]:.0f}]")
+            if metric == "accuracy":
+                cells.append(f"{100 * p['accuracy']:.0f} [{100 * p['ci95'][0]:.0f}-"
+                             f"{100 * p['ci95'][1]:.0f}]")
+            else:
+                cells.append("" if p[metric] is None else f"{100 * p[metric]:.0f}")
         name = "A full" if rule == "A" else f"{rule} {'' if budget == 'profile' else 'unif '}{ratio:g}"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -673,7 +677,16 @@ def main(argv=None):
                     help="rules also run with uniform budgets (the control)")
     ap.add_argument("--out", required=True, help="JSON file (written after every sample)")
     ap.add_argument("--resume", action="store_true", help="keep the samples already in --out")
+    ap.add_argument("--print-tables", action="store_true",
+                    help="print the tables of the results in --out and exit (runs nothing)")
     args = ap.parse_args(argv)
+    if args.print_tables:
+        doc = json.loads(Path(args.out).read_text())
+        n = {t: len([r for r in doc["samples"] if r["task"] == t]) for t in doc["config"]["tasks"]}
+        print(f"samples per task: {n}; seconds per sample: {doc['seconds_per_sample']}\n")
+        print(markdown_table(doc["results"]) + "\n")
+        print(markdown_table(doc["results"], "digits_kept"))
+        return
 
     tasks = [t for t in args.tasks.split(",") if t]
     for t in tasks:
@@ -758,8 +771,7 @@ def main(argv=None):
               + " ".join(f"{k} {v:.1f}s" for k, v in rec["seconds"].items())
               + (f" full={full['correct']}" if full else "")
               + f" ({time.perf_counter() - start:.0f}s)", flush=True)
-    results = write()
-    print(markdown_table(results, ratios))
+    print(markdown_table(write()))
 
 
 if __name__ == "__main__":
