@@ -662,6 +662,58 @@ def markdown_table(results: list[dict], metric: str = "accuracy") -> str:
     return "\n".join(lines)
 
 
+def paired_table(doc: dict) -> str:
+    """Per row and task part: accuracy minus full KV's, in points, and (turns full KV answered
+    that the row did not / turns the row answered that full KV did not), on the same turns."""
+    records = doc["samples"]
+    tasks = doc["config"]["tasks"]
+    parts = [(t, p) for t in tasks for p in ("turn1", "followup")
+             if p == "turn1" or any(len(r["rows"]["A"]["correct"]) > 1
+                                    for r in records if r["task"] == t)]
+
+    def bits(label, task, part):
+        turns = slice(0, 1) if part == "turn1" else slice(1, None)
+        return np.array([c for r in records if r["task"] == task
+                         for c in r["rows"][label]["correct"][turns]], bool)
+
+    head = "| rule | " + " | ".join(f"{t} {'t1' if p == 'turn1' else 'f/u'}"
+                                     for t, p in parts) + " |"
+    lines = [head, "|" + "---|" * (len(parts) + 1)]
+    for label in doc["config"]["rows"]:
+        if label == "A":
+            continue
+        cells = []
+        for task, part in parts:
+            full, row = bits("A", task, part), bits(label, task, part)
+            cells.append(f"{100 * (row.mean() - full.mean()):+.0f} "
+                         f"({int((full & ~row).sum())}/{int((row & ~full).sum())})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_sizes(text: str) -> TaskSizes:
+    """``field=value,...`` over the default `TaskSizes` (e.g. long_chars=4600,long_kv_pairs=4)."""
+    fields = {f.name: f for f in dataclasses.fields(TaskSizes)}
+    changes = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise SystemExit(f"--sizes: {item!r} is not field=value with a TaskSizes field "
+                             f"({', '.join(fields)})")
+        kind = type(getattr(TaskSizes(), name))
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                changes[name] = value.lower() == "true"
+            else:
+                changes[name] = kind(value)
+        except ValueError:
+            raise SystemExit(f"--sizes: {name} takes a value of type {kind.__name__}, "
+                             f"got {value!r}") from None
+    return dataclasses.replace(TaskSizes(), **changes)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=40, help="samples per task (indices 0..)")
@@ -675,6 +727,8 @@ def main(argv=None):
                     help="profile (the shipped G=1 profile at the ratio) and/or uniform")
     ap.add_argument("--uniform-rules", default="B,C,D,E",
                     help="rules also run with uniform budgets (the control)")
+    ap.add_argument("--sizes", default="",
+                    help="TaskSizes fields to change, e.g. long_chars=4600,long_kv_pairs=4")
     ap.add_argument("--out", required=True, help="JSON file (written after every sample)")
     ap.add_argument("--resume", action="store_true", help="keep the samples already in --out")
     ap.add_argument("--print-tables", action="store_true",
@@ -685,7 +739,9 @@ def main(argv=None):
         n = {t: len([r for r in doc["samples"] if r["task"] == t]) for t in doc["config"]["tasks"]}
         print(f"samples per task: {n}; seconds per sample: {doc['seconds_per_sample']}\n")
         print(markdown_table(doc["results"]) + "\n")
-        print(markdown_table(doc["results"], "digits_kept"))
+        print(markdown_table(doc["results"], "digits_kept") + "\n")
+        if "A" in doc["config"]["rows"]:
+            print(paired_table(doc))
         return
 
     tasks = [t for t in args.tasks.split(",") if t]
@@ -711,6 +767,7 @@ def main(argv=None):
     if args.samples < 1:
         raise SystemExit(f"--samples must be >= 1, got {args.samples}")
     uniform_rules = [r for r in args.uniform_rules.split(",") if r]
+    sizes = parse_sizes(args.sizes)
 
     loaded = load_model()
     pm = ProxyModel(loaded)
@@ -731,7 +788,7 @@ def main(argv=None):
     from tangram_jax.compression.pilot_data import haystack_text
     essays = haystack_text()
     # Index-major: a run cut short has the same samples of every task.
-    samples = [generate(t, i, args.seed, TaskSizes(), essays)
+    samples = [generate(t, i, args.seed, sizes, essays)
                for i in range(args.first, args.first + args.samples) for t in tasks]
     print(f"{len(rows)} rows: {', '.join(row_label(*s) for s in rows)}", flush=True)
 
@@ -749,6 +806,7 @@ def main(argv=None):
         doc = dict(device=device_description(), git_revision=revision,
                    command=" ".join([sys.executable] + sys.argv),
                    config=dict(chunk=CHUNK, tail=TAIL, max_tokens=MAX_TOKENS, seed=args.seed,
+                               sizes=dataclasses.asdict(sizes),
                                tasks=tasks, ratios=ratios, rules=rules,
                                budgets=budgets_used, uniform_rules=uniform_rules,
                                rows=[row_label(*s) for s in rows], batch_rows=len(rows)),
