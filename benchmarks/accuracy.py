@@ -5,11 +5,17 @@ three facts asked over three turns of one session, variable tracking) on the emb
 SmolLM2-135M-Instruct in `full`, `tangram` (shipped calibrated profiles), `dynamic` (per-input
 Ada-SnapKV) and `uniform` (every head keeps the ratio) at each keep ratio, greedy. Writes:
 
-- the task samples as JSONL (`--tasks-out`; benchmarks/kvpress_accuracy.py reads the same file);
-- benchmarks/results/accuracy.json: device, git revision, command, and per task x mode x ratio
-  n, correct, accuracy, Wilson 95% CI, greedy agreement and KL with full KV (follow-up turns of
-  the multi-turn task separately), plus a check that full KV solves every task >= 50%;
+- the task samples as JSONL (`--tasks-out`, default beside `--out`; benchmarks/
+  kvpress_accuracy.py reads the same file);
+- `--out` (default a fresh benchmarks/results/runs/accuracy-<time>.json; a committed result
+  only with --overwrite): device, git revision, command, and per task x mode x ratio n, correct,
+  accuracy, Wilson 95% CI, greedy agreement and KL with full KV (follow-up turns of the
+  multi-turn task separately), plus a check that full KV solves every task >= 50%;
 - a PNG of accuracy vs ratio per task (with kvpress's lines when its JSON exists).
+
+Before the work it prints about how long the run will take (`estimate_seconds`: sessions x
+configurations x a measured cost per session, plus the engines' start-up), and after full KV,
+the measured cost of the rest.
 
     tangram-jax bench accuracy -- --samples 100                 # the table in the README
     tangram-jax bench accuracy -- --samples 2 --modes full,tangram --ratios 0.25   # a smoke run
@@ -25,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.benchmarking.results import finish, output_path, start  # noqa: E402
+from tangram_jax.commands import UsageError, add_overwrite_flag  # noqa: E402
 from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
@@ -33,6 +41,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def _csv(kind):
     return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def _sizes_json(sizes):
+    """The task sizes a run generated its samples with, for its JSON (one per task after a
+    pilot)."""
+    if isinstance(sizes, dict):
+        return {task: dataclasses.asdict(s) for task, s in sizes.items()}
+    return sizes and dataclasses.asdict(sizes)
 
 
 def main(argv=None) -> int:
@@ -66,6 +82,9 @@ def main(argv=None) -> int:
                    help="EngineConfig.scoring_rule of the tangram and uniform engines "
                         "(chunk_scoring.SCORING_RULES; default the engine's); full and dynamic "
                         "keep 'window'")
+    p.add_argument("--retention", default=None, choices=("auto", "turn", "chunk"),
+                   help="EngineConfig.retention of the tangram and uniform engines (kv_layout."
+                        "RETENTIONS; default the engine's); dynamic compresses per chunk")
     p.add_argument("--profile", action="append", default=[],
                    help="a budget profile file the tangram mode serves at its ratio (its rho) "
                         "instead of the shipped SnapKV one, e.g. one from `tangram-jax calibrate "
@@ -88,17 +107,35 @@ def main(argv=None) -> int:
     p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL pass")
     p.add_argument("--kl-top-k", type=int, default=256,
                    help="full KV's distribution is kept as its top k tokens plus the rest")
-    p.add_argument("--tasks-out", default=str(RESULTS / "accuracy_tasks.jsonl"))
+    p.add_argument("--tasks-out", default=None,
+                   help="JSONL of the generated samples (default: beside --out, "
+                        "<out>_tasks.jsonl)")
     p.add_argument("--tasks-in", default=None,
                    help="serve the samples of this JSONL (e.g. a previous run's) instead of "
                         "generating them (no pilot; --samples first samples of each task)")
-    p.add_argument("--out", default=str(RESULTS / "accuracy.json"))
+    p.add_argument("--out", default=None,
+                   help="result JSON (default: a fresh benchmarks/results/runs/"
+                        "accuracy-<time>.json; a file git tracks only with --overwrite)")
     p.add_argument("--answers-out", default=None,
                    help="JSONL of every free-run answer (mode, sample id, turn, text, token ids)")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--kvpress", default=str(RESULTS / "accuracy_kvpress.json"),
                    help="kvpress results to draw beside ours, if the file exists")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    try:   # every output checked before the work (a committed result only with --overwrite)
+        args.out = str(output_path("--out", args.out, "accuracy", overwrite=args.overwrite))
+        stem = Path(args.out).with_suffix("")
+        args.plot = str(output_path("--plot", args.plot or f"{stem}.png", "accuracy",
+                                    overwrite=args.overwrite))
+        if not args.tasks_in:
+            args.tasks_out = str(output_path("--tasks-out", args.tasks_out or
+                                             f"{stem}_tasks.jsonl", "accuracy_tasks",
+                                             overwrite=args.overwrite))
+        if args.answers_out:
+            output_path("--answers-out", args.answers_out, "", overwrite=args.overwrite)
+    except UsageError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
 
     from tangram_jax.evaluation import tasks as task_mod
     from tangram_jax.evaluation.harness import HarnessConfig, choose_sizes, mode_specs, run_table
@@ -111,6 +148,7 @@ def main(argv=None) -> int:
         model=args.model, max_tokens=args.max_tokens, max_active=args.max_active,
         max_model_len=args.max_model_len,
         kl=not args.no_kl, kl_top_k=args.kl_top_k, scoring_rule=args.scoring_rule,
+        retention=args.retention,
         profiles=tuple(args.profile),
         engine_kwargs=dict(chunk_size=args.chunk_size, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens,
@@ -136,6 +174,8 @@ def main(argv=None) -> int:
         task_mod.write_jsonl(samples, args.tasks_out)
         print(f"{len(samples)} samples of {len(tasks)} tasks ({sizes}) -> {args.tasks_out}")
     command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
+    outputs = [Path(args.out), Path(args.plot)] + ([] if args.tasks_in else [Path(args.tasks_out)])
+    run = start("bench accuracy", outputs, argv, estimate=_estimate(samples, specs, cfg))
 
     def write_partial(partial: dict) -> None:
         # After every (mode, ratio): a run stopped by a time limit keeps its finished columns.
@@ -143,7 +183,7 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(
             {"benchmark": "accuracy", "device": device_description(),
              "git_revision": git_revision() or "unknown", "command": command,
-             "config": vars(args), "task_sizes": sizes and dataclasses.asdict(sizes),
+             "config": vars(args), "task_sizes": _sizes_json(sizes),
              "pilot": pilot,
              "seconds": round(time.perf_counter() - t0, 1), **partial},
             indent=1))
@@ -167,7 +207,7 @@ def main(argv=None) -> int:
         "command": command,
         "config": vars(args),
         "tasks_file": str(Path(args.tasks_in or args.tasks_out).name),
-        "task_sizes": sizes and dataclasses.asdict(sizes),
+        "task_sizes": _sizes_json(sizes),
         "pilot": pilot,
         "seconds": round(time.perf_counter() - t0, 1),
         **table,
@@ -177,7 +217,7 @@ def main(argv=None) -> int:
     reports = [report]
     if args.kvpress and Path(args.kvpress).is_file():
         reports.append(json.loads(Path(args.kvpress).read_text()))
-    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    plot = args.plot
     plot_accuracy(plot, *reports)
     print(markdown_table(*reports))
     for c in report["checks"]:
@@ -186,8 +226,28 @@ def main(argv=None) -> int:
                   f"of the time (< {100 * c['threshold']:.0f}%): the task does not test "
                   "compression on this model")
     print(f"KL: {report['kl_status']}")
+    finish(run)
     print(f"wrote {args.out} and {plot}")
     return 0
+
+
+def _estimate(samples, specs, cfg) -> tuple[float, str] | None:
+    """The up-front estimate on a CPU (`harness.estimate_seconds`: the sessions' tokens x a
+    cost per token measured on a 2-core CPU); None on a GPU (`start` then falls back to an
+    earlier run's time)."""
+    from tangram_jax.benchmarking.results import machine_kind
+    from tangram_jax.evaluation.harness import estimate_seconds, missing_logprob_api, \
+        session_lengths
+    from tangram_jax.models.registry import load_model
+
+    if machine_kind() == "gpu":
+        return None
+    tokens = sum(session_lengths(load_model(cfg.model).tokenizer, samples, cfg.max_tokens))
+    kl = cfg.kl and not missing_logprob_api()
+    seconds = estimate_seconds(tokens, len(specs), kl)
+    return seconds, (f"{len(samples)} sessions of {tokens:,} tokens in all, x {len(specs)} "
+                     f"configurations{' + the KL passes' if kl else ''}, at a cost per token "
+                     f"measured on a 2-core CPU; a busy machine is slower")
 
 
 if __name__ == "__main__":

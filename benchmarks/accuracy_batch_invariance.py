@@ -1,6 +1,6 @@
-"""Why greedy output can depend on what else is in the batch (issue 12, item 5), on the CPU.
+"""Why greedy output can depend on what else is in the batch, on the CPU.
 
-A full-KV pilot once answered differently from the table on the GPU (`NOTES_accuracy_harness.md`).
+A full-KV pilot once answered differently from the table on the GPU (`NOTES_accuracy.md`).
 The engine's GPU kernels split long attention reductions into shares merged by log-sum-exp
 (flash-decoding), and how many shares a sequence gets depends on its batch mates:
 
@@ -13,14 +13,16 @@ This script shows both on the real kernels in interpret mode (small shapes): the
 the same row alone and batched, and the largest difference in the attention output of the same
 inputs computed with those different splits (float32: rounding-level, so a greedy answer flips
 only where two tokens' logits are that close). The CPU engine uses the jnp references, which do
-not split, so on a CPU greedy output is batch-independent (tests/test_engine.py checks alone ==
-batched); on a GPU it is not bit-for-bit. Writes benchmarks/results/accuracy_batch_invariance.json.
+not split, so on a CPU greedy output is batch-independent (tests/engine/test_engine.py checks alone ==
+batched); on a GPU it is not bit-for-bit. Writes `--out` (default a fresh file under
+benchmarks/results/runs/; the committed accuracy_batch_invariance.json only with --overwrite).
 
     PYTHONPATH=$PWD python3 benchmarks/accuracy_batch_invariance.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -29,9 +31,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.benchmarking.results import (RESULTS_DIR, finish,  # noqa: E402
+                                               resolve_outputs, start)
+from tangram_jax.commands import add_overwrite_flag, write_text_atomic  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "accuracy_batch_invariance.json"
+COMMITTED = RESULTS_DIR / "accuracy_batch_invariance.json"
 
 
 def prefill_splits() -> dict:
@@ -81,15 +86,27 @@ def decode_difference() -> dict:
             "smollm2_h100_items_per_row_by_decode_bucket": buckets}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
+                   "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(p)
+    args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "accuracy_batch_invariance"})
+    try:   # a fixed workload: the committed run's time
+        committed = json.loads(COMMITTED.read_text(encoding="utf-8"))
+        estimate = (committed["seconds"], f"the committed run, {committed['device']}")
+    except (OSError, ValueError, KeyError):
+        estimate = None
+    run = start("accuracy_batch_invariance", outputs, argv, estimate=estimate)
     t0 = time.perf_counter()
     report = {"benchmark": "accuracy_batch_invariance", "device": device_description(),
               "git_revision": git_revision() or "unknown",
               "command": "benchmarks/accuracy_batch_invariance.py",
               "prefill": prefill_splits(), "decode": decode_difference()}
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(report, indent=1))
+    write_text_atomic(args.out, json.dumps(report, indent=1))
+    finish(run)
     print(json.dumps(report, indent=1))
     return 0
 

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tangram_jax.benchmarking.results import resolve_outputs  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 
 
 def load(path: str, mode: str) -> dict[tuple[str, int], dict]:
@@ -50,10 +52,14 @@ def main(argv=None) -> int:
     p.add_argument("b")
     p.add_argument("--mode", default="full", help="the mode label to compare (e.g. full)")
     p.add_argument("--mode-b", default=None, help="run b's mode label (default: --mode)")
-    p.add_argument("--json", default=None, help="write the paired comparison here")
+    p.add_argument("--json", default=None, help="write the paired comparison here (a file git "
+                   "tracks only with --overwrite)")
     p.add_argument("--tasks", default=None,
                    help="task JSONL (accuracy_tasks.jsonl) to judge both runs' answers")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    if args.json:   # checked before the work
+        resolve_outputs(p, args, {"json": "accuracy_compare"})
     for path in (args.a, args.b):
         if not Path(path).is_file():
             print(f"error: answers file {path} does not exist", file=sys.stderr)

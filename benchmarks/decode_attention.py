@@ -1,4 +1,4 @@
-"""Decode attention benchmark: AOT split map vs uniform splits vs runtime planning vs JAX's
+"""Decode attention at a Llama-3.1-8B layer shape (GPU only). AOT split map vs uniform splits vs runtime planning vs JAX's
 built-in paged attention on the full cache, at a Llama-3.1-8B layer shape (GPU only).
 
 One layer's launch is timed (32 query / 8 KV heads, head_dim 128, G=2 -> 4 groups, bf16). The
@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax.benchmarking.timing import gpu_busy_time, wall_quantiles
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.kv_layout import pages_for, retained_counts
 from tangram_jax.pallas_kernels import split_map as sm
@@ -190,7 +192,7 @@ def run_builtin(rng, batch, context, page_size, calls, reps, q_grouped):
 
 # Kernel configurations of the sweep (run 8): block_tokens / num_warps / num_stages; with 3+
 # stages the kernel carries the next block's page ids so Triton double-buffers the K/V tiles.
-# Registers and shared memory per program (Triton 3.6, sm_90a) are in benchmarks/NOTES.md.
+# Registers and shared memory per program (Triton 3.6, sm_90a) are in benchmarks/NOTES_decode.md.
 SWEEP = (
     dict(block_tokens=64, num_warps=4, num_stages=2),
     dict(block_tokens=32, num_warps=4, num_stages=2),
@@ -254,7 +256,9 @@ def sweep_config(rng, page_size, num_programs, calls, reps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--page-size", type=int, default=16)
@@ -268,7 +272,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-builtin", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048)
+    add_overwrite_flag(ap)
     args = ap.parse_args(argv)
+    outputs = resolve_outputs(ap, args, {"out": "decode_attention"})
+    run = start("decode_attention", outputs, argv)
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
     num_programs = args.num_programs or 4 * sms
@@ -318,6 +325,7 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", args.out)
+    finish(run)
 
 
 if __name__ == "__main__":

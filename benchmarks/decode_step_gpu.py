@@ -1,5 +1,6 @@
-"""GPU time of a whole decode step and of one prefill chunk for a Llama-3.1-8B-shaped model,
-through the engine's own `ModelRunner`: the denominator of the control-plane goal.
+"""GPU time of a whole 8B decode step and prefill chunk through the runner. For a
+Llama-3.1-8B-shaped model, through the engine's own `ModelRunner`: the denominator of the
+control-plane goal.
 
 The model is the project's `Decoder` with random bf16 weights built on the device (nothing is
 downloaded): 32 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128, intermediate 14336,
@@ -19,7 +20,9 @@ Timed, after warm-up (compilation) calls:
 
 Each figure is the median wall time of `--reps` calls, each ended by `block_until_ready`, and the
 GPU busy time per call from a profiler trace (the sum of GPU stream activity, no host gaps) when
-the trace has GPU events, with the largest kernels/ops by GPU time. Writes benchmarks/results/decode_step_gpu.json.
+the trace has GPU events, with the largest kernels/ops by GPU time. Writes `--out` (default a
+fresh file under benchmarks/results/runs/; the committed decode_step_gpu.json only with
+--overwrite).
 
     GIT_REV=$(git rev-parse HEAD) python benchmarks/decode_step_gpu.py
     python benchmarks/decode_step_gpu.py --tiny   # CPU smoke test of the same path, small shapes
@@ -51,6 +54,8 @@ from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E
 from tangram_jax.kv_layout import pages_for  # noqa: E402
 from tangram_jax.models.decoder import Decoder  # noqa: E402
 from tangram_jax.pallas_kernels.split_map import build_split_map  # noqa: E402
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
 
@@ -133,8 +138,13 @@ def main(argv=None) -> None:
                         help="RunnerConfig.layer_loop ('scan' or 'unrolled'); default: the "
                              "runner's default for the backend")
     parser.add_argument("--tiny", action="store_true", help="small CPU smoke test")
-    parser.add_argument("--out", default=os.path.join(BENCH, "results", "decode_step_gpu.json"))
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    outputs = resolve_outputs(parser, args, {"out": "decode_step_gpu"})
+    run = start("decode_step_gpu", outputs, argv)
     shape = TINY if args.tiny else LLAMA_8B
     config = model_config(shape)
     tangram, _, head_budgets = layouts(np.random.default_rng(args.seed), config.num_layers)
@@ -220,6 +230,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}", flush=True)
+    finish(run)
 
 
 if __name__ == "__main__":

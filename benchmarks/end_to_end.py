@@ -1,11 +1,14 @@
-"""End-to-end multi-turn serving: tangram vs full KV vs dynamic compress-and-reclaim, one run.
+"""End-to-end multi-turn serving: tangram vs full KV vs dynamic reclaim, equal pool bytes.
+
+Tangram vs full KV vs dynamic compress-and-reclaim, one run.
 
 Every mode serves the same ShareGPT conversations (user turns from the data set, answers
 generated greedily) with the same KV pool bytes, so a mode that keeps less per token fits more
-conversations at once. Writes benchmarks/results/end_to_end.json with the device, the git
-revision, the command and, per mode: throughput, KV bytes held vs full KV for the same tokens,
-peak pool use, preemptions/evictions, and (dynamic) time spent reclaiming pages. Ratios against
-full KV are reported alongside.
+conversations at once. Writes `--out` (default a fresh benchmarks/results/runs/
+end_to_end-<time>.json; the committed benchmarks/results/end_to_end.json only with --overwrite)
+with the device, the git revision, the command and, per mode: throughput, KV bytes held vs full
+KV for the same tokens, peak pool use, preemptions/evictions, and (dynamic) time spent
+reclaiming pages. Ratios against full KV are reported alongside.
 
     python benchmarks/end_to_end.py --conversations 16 --turns 2 --kv-cache-tokens 6000
 """
@@ -20,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag, write_text_atomic
 from tangram_jax.provenance import device_description, git_revision
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def serve(mode: str, conversations: list[list[str]], args) -> dict:
@@ -109,8 +112,11 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default=str(RESULTS / "end_to_end.json"))
+    p.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
+                   "benchmarks/results/runs/)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    run = start("end_to_end", resolve_outputs(p, args, {"out": "end_to_end"}), argv)
 
     from tangram_jax.compression.pilot_data import sharegpt_conversations
     sources = sharegpt_conversations(min_chars=600, limit=args.conversations)
@@ -131,8 +137,8 @@ def main(argv=None) -> int:
         "conversations": len(conversations),
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_text_atomic(args.out, json.dumps(report, indent=2))
+    finish(run)
     print(f"{'mode':9} {'out tok/s':>10} {'vs full':>8} {'KV vs full':>11} {'peak pool':>10} "
           f"{'preempt':>8} {'reclaim s':>10}")
     for r in results:

@@ -1,5 +1,6 @@
-"""Offline proxy for issue 12's follow-up turns: which scoring rule keeps the facts turn 1 does
-not ask? (CPU, the pure-JAX model, no engine.)
+"""Which scoring rule keeps the facts a follow-up turn asks (offline probe, CPU, no engine).
+
+The facts turn 1 does not ask, measured with the pure-JAX model.
 
 For multi-turn samples of a task file, turn 1 (context + question, tokenised as the harness does:
 chat template, then the answer prefix) runs through the embedded model; per (layer, KV head) the
@@ -33,6 +34,8 @@ from tangram_jax.evaluation.harness import first_turn_token_ids
 from tangram_jax.evaluation.tasks import read_jsonl
 from tangram_jax.models.registry import load_model
 from tangram_jax.models.decoder import dense_attention
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.models.rope import inverse_frequencies
 
 PROFILES = "tangram_jax/compression/profiles/smollm2-135m_snapkv_rho{:.2f}_g1.json"
@@ -151,8 +154,13 @@ def main():
                     help="whose attention weighs a fact's tokens: its own question's window "
                          "(as turn 1's question), or the queries that produce its answer")
     ap.add_argument("--rules", default=None, help="comma-separated subset of the rules")
-    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(ap)
     args = ap.parse_args()
+    outputs = resolve_outputs(ap, args, {"out": "followup_scoring_probe"})
+    run = start("followup_scoring_probe", outputs)
 
     loaded = load_model()
     model, tok = loaded.model, loaded.tokenizer
@@ -230,10 +238,10 @@ def main():
             cells = [f"{per[str(rho)][w][metric]:.3f}" for rho in (0.25, 0.5)
                      for w in ("asked", "later")]
             print(f"{rule:42s} " + " ".join(f"{c:>12s}" for c in cells))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"samples": len(samples), "tail": args.tail, "oracle": args.oracle, "tasks_in": args.tasks_in,
-                       "summary": summary}, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump({"samples": len(samples), "tail": args.tail, "oracle": args.oracle,
+                   "tasks_in": args.tasks_in, "summary": summary}, f, indent=1)
+    finish(run)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The engine on a GPU with the Pallas kernels: correctness, then all modes timed in one run.
+"""The engine on a GPU with the Pallas kernels: dense-reference equality, then every mode.
+
+Correctness, then all modes timed in one run.
 
 No weights travel to the GPU machine: a Llama-architecture model with random weights is built
 there with `transformers` and saved as a Hugging Face folder (the tokenizer is the embedded
@@ -11,7 +13,8 @@ SmolLM2's, saved from this machine into --tokenizer-dir). Then:
    `tangram-sync` is tangram without asynchronous scheduling (what the overlap buys), `tangram-scan`
    tangram with the layers under lax.scan over stacked weights (what unrolling buys).
 
-Writes benchmarks/results/gpu_engine.json (device, git revision, command, every mode in the same
+Writes `--out` (default a fresh file under benchmarks/results/runs/; the committed
+gpu_engine.json only with --overwrite) (device, git revision, command, every mode in the same
 run, ratios against full KV).
 """
 
@@ -27,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from tangram_jax.benchmarking.workload import skewed_profile
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.provenance import device_description, git_revision
 
 
@@ -175,8 +180,13 @@ def main(argv=None) -> int:
                    help="modes to serve; suffix -sync: without asynchronous scheduling; -scan: layers "
                         "under lax.scan; -rows4: 4 prefill chunks per call")
     p.add_argument("--skip-correctness", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_engine.json"))
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "gpu_engine_check"})
+    run = start("gpu_engine_check", outputs, argv)
     folder = Path("/tmp/tangram_random_llama")
     build_model(folder, Path(args.tokenizer_dir), args)
     report = {"benchmark": "gpu_engine", "device": device_description(), "git_revision": git_revision() or "unknown",
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
                 r["throughput_vs_full"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
         report["results"] = results
         Path(args.out).write_text(json.dumps(report, indent=2))   # after every mode
+    finish(run)
     print(f"{'mode':9} {'out tok/s':>10} {'vs full':>8} {'peak pool':>10} {'preempt':>8} {'evict':>6} {'reclaim s':>10}")
     for r in results:
         print(f"{r['mode']:9} {r['output_tokens_per_s']:10.1f} {r.get('throughput_vs_full', 1):8.2f} "

@@ -1,5 +1,7 @@
-"""The whole GPU for KV (issue 13): the Llama-3.1-8B shape served with the pool that the default
-`gpu_memory_utilization` (0.9) leaves, and the pool updated in place by every step.
+"""The whole GPU for KV at the 8B shape, the pool updated in place by every step.
+
+The Llama-3.1-8B shape served with the pool that the default `gpu_memory_utilization` (0.9)
+leaves.
 
 The model: Llama-3.1-8B shape (32 layers, 32 q / 8 KV heads, head_dim 128, vocab 128256) with
 random bf16 weights built on the device (`startup.random_llama_8b`), mode `full` (bf16 KV, no
@@ -34,6 +36,8 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from startup import RANDOM_8B, build_engine, engine_kwargs_for  # noqa: E402
 
 GIB = 2 ** 30
@@ -57,8 +61,13 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--cache-dir", default=None, help="compile cache (default: engine's)")
-    parser.add_argument("--out", default=os.path.join(BENCH, "results", "gpu_memory.json"))
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    outputs = resolve_outputs(parser, args, {"out": "gpu_memory"})
+    run = start("gpu_memory", outputs, argv)
 
     import jax
     from tangram_jax.provenance import device_description, git_revision
@@ -165,6 +174,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}", flush=True)
+    finish(run)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2) on the same retained
-tokens, at a Llama-3.1-8B layer shape (GPU only): time per launch, bytes read, and the speed-up
+"""Decode attention over quantised KV pages (bf16 / K8V8 / K8V4 / K4V2), 8B layer, GPU only. On
+the same retained tokens, at a Llama-3.1-8B layer shape: time per launch, bytes read, and the speed-up
 over bf16 as a fraction of the byte-ratio ideal; plus kernel-vs-reference correctness at real
 shapes on fresh random data.
 
@@ -12,7 +12,7 @@ of a jitted block of `CALLS` launches (each its own q), divided by the launches,
 `decode_attention.py` times bf16; the pool is far larger than L2, so every launch reads it from
 HBM. The block's wall clock per launch is kept beside it (`wall_time_s`): it adds the host's
 dispatch and synchronisation of the block, 50-120 us a launch at these sizes whatever the
-format (H100, NOTES_kv_precision.md, session 22), which is not attention time. The ideal
+format (H100, benchmarks/NOTES_decode.md), which is not attention time. The ideal
 speed-up of a format is ``bytes(bf16) / bytes(format)`` per retained slot (codes plus the scales
 and zeros of K and V: 512 / 272 / 216 / 112 bytes a slot at head_dim 128).
 
@@ -43,6 +43,8 @@ import numpy as np
 from tangram_jax import kv_quant
 from tangram_jax.benchmarking.timing import gpu_busy_time, wall_quantiles
 from tangram_jax.provenance import device_description, git_revision
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.decode_attention import (decode_programs,
@@ -309,7 +311,9 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     p.add_argument("--configs", default="32x32768,64x32768,32x131072,64x131072")
     p.add_argument("--sweep", default="32,64", help="block_tokens[/num_warps[/num_stages[/heads_per_program]]] "
                    "or 'default' (the library's per-format tuning), tried at the first config; "
@@ -329,7 +333,10 @@ def main(argv=None):
     p.add_argument("--one-process", action="store_true",
                    help="measure every configuration in this process (default with a sweep; "
                    "with 'default' tunings each configuration runs in a fresh process)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "kv_precision_decode"})
+    run = start("kv_precision_decode", outputs, argv)
     if jax.default_backend() == "cpu":
         sys.exit("GPU only")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
@@ -393,6 +400,7 @@ def _write(path, results, precisions):
            "calls_per_block": CALLS, "results": results}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+        finish(run)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""kvpress as the outside reference: the same task samples through NVIDIA's kvpress presses.
+"""kvpress as the outside reference: the harness's task samples through NVIDIA's kvpress presses.
 
 Runs in kvpress's own environment (`bash benchmarks/kvpress_setup.sh` makes it and the Hugging
 Face folder of the embedded SmolLM2 from the same GGUF the engine serves):
 
     .cache/kvpress-venv/bin/python benchmarks/kvpress_accuracy.py --samples 25
+    .cache/kvpress-venv/bin/python benchmarks/kvpress_accuracy.py \
+        --tasks-file benchmarks/results/accuracy_tasks_long.jsonl --samples 40 \
+        --presses snapkv,snapkv+question,adakv_snapkv,expected_attention,kvzip
 
 Reads the task JSONL that `tangram-jax bench accuracy` wrote (the same samples), and writes
-benchmarks/results/accuracy_kvpress.json in the harness's shape (library "kvpress"), so one
+`--out` (default a fresh file under benchmarks/results/runs/; the committed
+accuracy_kvpress.json only with --overwrite) in the harness's shape (library "kvpress"), so one
 table and one plot hold both libraries (`tangram_jax.evaluation.report`).
 
 How kvpress compresses, and how that differs from the engine:
@@ -16,14 +20,19 @@ How kvpress compresses, and how that differs from the engine:
   question-agnostic mode, as in its own pipeline). SnapKV's observation window is therefore the
   last 64 tokens of the context, not the question.
 - `--question-aware` adds each press with the first question inside the compressed prefill
-  (mode `<press>+question`): the context and the first turn's question, up to its last token, are
-  compressed together, so SnapKV's window holds the question, as the engine's whole-turn chunks
-  (2048 tokens >= every first turn here) score it; later turns are appended uncompressed as in
-  the question-agnostic mode.
+  (mode `<press>+question`; for one press alone, name it `<press>+question` in `--presses`): the
+  context and the first turn's question, up to its last token, are compressed together, so
+  SnapKV's window holds the question, as the engine's whole-turn chunks (2048 tokens >= every
+  first turn here) score it; later turns are appended uncompressed as in the question-agnostic
+  mode.
 - The engine compresses each turn chunk by chunk (`chunk_size` tokens) as it prefills, scoring
   each chunk with that chunk's last queries; how the current question is kept uncompressed until
   it is answered is the engine's retention rule (see `kv_layout.py`).
-- kvpress's AdaKVPress masks the pruned entries (fake keys) instead of shrinking the cache.
+- kvpress's AdaKVPress masks the pruned entries (fake keys) instead of shrinking the cache;
+  so does KVzipPress, which scores each context entry by the attention it gets while the model
+  repeats the context after the prefill (query-agnostic; its budget is spread over layers and
+  heads). FastKVzipPress is not offered: it loads gates trained per model from the Hub, and none
+  is released for SmolLM2.
 - Sessions: this script continues each session turn after turn on one cache (the previous answers
   stay in it, uncompressed) like the engine's sessions; kvpress's pipeline would instead answer
   each question separately after the context.
@@ -36,6 +45,7 @@ the whole vocabulary (both distributions are in memory here).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -50,22 +60,27 @@ from tangram_jax.evaluation.harness import (_Judged, answer_prefix_ids,  # noqa:
                                             followup_text, followup_token_ids, summarise)
 from tangram_jax.evaluation.scoring import (is_correct, kl_full_vocabulary,  # noqa: E402
                                             token_agreement)
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.evaluation.tasks import read_jsonl  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-PRESSES = ("snapkv", "adakv_snapkv", "expected_attention", "streaming_llm")
+PRESSES = ("snapkv", "adakv_snapkv", "expected_attention", "streaming_llm", "kvzip")
+# A press name with this suffix in --presses: that press with the first question compressed too.
+QUESTION_SUFFIX = "+question"
 
 
 class PressSpec:
     def __init__(self, mode: str, ratio: float, question_aware: bool = False):
         self.mode, self.ratio, self.question_aware = mode, ratio, question_aware
-        self.mode_name = mode + ("+question" if question_aware else "")
+        self.mode_name = mode + (QUESTION_SUFFIX if question_aware else "")
         self.label = "full" if mode == "full" else f"{self.mode_name}@{ratio:g}"
 
 
 def make_press(name: str, keep_ratio: float):
     """kvpress's compression_ratio is the share *removed*."""
-    from kvpress import (AdaKVPress, ExpectedAttentionPress, SnapKVPress, StreamingLLMPress)
+    from kvpress import (AdaKVPress, ExpectedAttentionPress, KVzipPress, SnapKVPress,
+                         StreamingLLMPress)
     removed = 1.0 - keep_ratio
     if name == "snapkv":
         return SnapKVPress(compression_ratio=removed)
@@ -75,16 +90,38 @@ def make_press(name: str, keep_ratio: float):
         return ExpectedAttentionPress(compression_ratio=removed)
     if name == "streaming_llm":
         return StreamingLLMPress(compression_ratio=removed)
+    if name == "kvzip":
+        return KVzipPress(compression_ratio=removed)
     raise ValueError(f"unknown press {name!r}; presses: {', '.join(PRESSES)}")
+
+
+def press_modes(presses: str, question_aware: str) -> list[tuple[str, bool]]:
+    """(press, question-aware) pairs from `--presses` (names, each optionally ending in
+    `QUESTION_SUFFIX`) and `--question-aware` (the modes of names without the suffix)."""
+    aware = {"no": (False,), "yes": (True,), "both": (False, True)}[question_aware]
+    plain, suffixed = [], []
+    for entry in filter(None, (e.strip() for e in presses.split(","))):
+        name = entry.removesuffix(QUESTION_SUFFIX)
+        if name not in PRESSES:
+            raise ValueError(f"--presses: unknown press {entry!r}; allowed: "
+                             f"{', '.join(PRESSES)}, each optionally ending in {QUESTION_SUFFIX}")
+        if name == entry:
+            plain.append(name)
+        else:
+            suffixed.append((name, True))
+    modes = [(name, qa) for qa in aware for name in plain] + suffixed
+    return list(dict.fromkeys(modes))
 
 
 class Session:
     """One sample's chat on one (possibly compressed) cache; `pos` counts every token fed (the
-    position of the next one), whatever the press removed."""
+    position of the next one), whatever the press removed. `context_ids` is what the prefill
+    feeds (`open_sessions` runs it); `masks` the entries a head-wise press masks instead of
+    removing (kvpress's `masked_key_indices` of each layer, set on the model around every forward
+    of this session: they are per session, the model's attribute is shared)."""
 
-    def __init__(self, model, tokenizer, sample, press, question_aware: bool = False):
+    def __init__(self, model, tokenizer, sample, question_aware: bool = False):
         import torch
-        from transformers import DynamicCache
 
         self.model, self.tok, self.sample = model, tokenizer, sample
         self.torch = torch
@@ -100,18 +137,17 @@ class Session:
             self.first_turn_held = []
             first = self.turn_ids(0)
             ids, self.first_turn_held = ids + first[:-1], first[-1:]
-        context_ids = torch.tensor([ids], device=model.device)
-        self.cache = DynamicCache()
-        with torch.no_grad(), (press(model) if press is not None else _nullcontext()):
-            model.model(input_ids=context_ids, past_key_values=self.cache)
-        self.pos = context_ids.shape[1]
-        self.context_tokens = self.pos
+        self.context_ids = torch.tensor([ids], device=model.device)
+        self.cache, self.masks = None, None
+        self.pos = self.context_tokens = len(ids)
+
+    def with_cache(self, cache, masks=None) -> "Session":
+        other = copy.copy(self)
+        other.cache, other.masks, other.pending = cache, masks, list(self.pending)
+        return other
 
     def clone(self) -> "Session":
-        other = copy.copy(self)
-        other.cache = copy.deepcopy(self.cache)
-        other.pending = list(self.pending)
-        return other
+        return self.with_cache(copy.deepcopy(self.cache), self.masks)
 
     def turn_ids(self, turn: int) -> list[int]:
         q = self.sample.turns[turn].question
@@ -131,6 +167,7 @@ class Session:
         torch = self.torch
         x = torch.tensor([ids], device=self.model.device)
         positions = torch.arange(self.pos, self.pos + len(ids), device=self.model.device)[None]
+        set_masks(self.model, self.masks)
         with torch.no_grad():
             out = self.model(input_ids=x, past_key_values=self.cache, position_ids=positions)
         self.pos += len(ids)
@@ -157,12 +194,120 @@ class Session:
         return tokens, self.torch.stack(rows).cpu().numpy()
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
+def set_masks(model, masks: list | None) -> None:
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.masked_key_indices = None if masks is None else masks[i]
 
-    def __exit__(self, *exc):
-        return False
+
+def take_masks(model) -> list | None:
+    """The masks a press left on the model after a prefill (cleared there)."""
+    masks = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
+    set_masks(model, None)
+    return masks if any(m is not None for m in masks) else None
+
+
+def open_sessions(model, tokenizer, sample, specs: list[PressSpec]) -> dict[str, Session]:
+    """Every spec's session on `sample`, its context prefilled and compressed.
+
+    kvpress compresses in a forward hook that runs after each attention layer has computed its
+    output, so the prefill's activations do not depend on the press: one prefill (per
+    question-aware mode) serves full KV and every press that uses kvpress's standard hook, each
+    press's own `forward_hook` compressing its own copy of each layer's keys and values. KVzip
+    scores by reconstructing the context after its prefill, whatever the ratio: one run scores,
+    and kvpress's eviction is applied at each ratio. Any other press gets its own prefill."""
+    import torch
+    from kvpress import BasePress
+    from transformers import DynamicCache
+
+    sessions = {}
+    for aware in dict.fromkeys(spec.question_aware for spec in specs):
+        group = [spec for spec in specs if spec.question_aware == aware]
+        bare = Session(model, tokenizer, sample, aware)
+        hooked, kvzip, own = [], [], []
+        for spec in group:
+            if spec.mode == "kvzip":
+                kvzip.append(spec)
+            elif spec.mode != "full":
+                press = make_press(spec.mode, spec.ratio)
+                (hooked if type(press).__call__ is BasePress.__call__ else own).append(
+                    (spec, press))
+        with torch.no_grad():
+            shared = DynamicCache()
+            copies = [(spec, press, DynamicCache(), [None] * len(model.model.layers))
+                      for spec, press in hooked]
+            with _fan_out(model, [(press, cache, masks) for _, press, cache, masks in copies]):
+                model.model(input_ids=bare.context_ids, past_key_values=shared)
+            for spec, _, cache, masks in copies:
+                sessions[spec.label] = bare.with_cache(
+                    cache, masks if any(m is not None for m in masks) else None)
+            if any(spec.mode == "full" for spec in group):
+                sessions["full"] = bare.with_cache(shared)
+            if kvzip:
+                press = _kvzip_at_ratios([1.0 - spec.ratio for spec in kvzip])
+                cache = DynamicCache()
+                with press(model):
+                    model.model(input_ids=bare.context_ids, past_key_values=cache)
+                for spec in kvzip:
+                    sessions[spec.label] = bare.with_cache(copy.deepcopy(cache),
+                                                           press.masks[1.0 - spec.ratio])
+            for spec, press in own:
+                cache = DynamicCache()
+                with press(model):
+                    model.model(input_ids=bare.context_ids, past_key_values=cache)
+                sessions[spec.label] = bare.with_cache(cache, take_masks(model))
+    return sessions
+
+
+@contextlib.contextmanager
+def _fan_out(model, targets: list):
+    """During one prefill, each (press, cache, masks) of `targets` gets a copy of every layer's
+    keys and values in its `cache` and compresses it with its own `forward_hook`, as inside
+    `with press(model)` (whose setup, `post_init_from_model` and the layers' `rotary_emb`, is
+    repeated here); a head-wise press's masks land in `masks[layer]`."""
+    layers = model.model.layers
+    for press, _, _ in targets:
+        press.post_init_from_model(model)
+    for layer in layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb
+
+    def hook(module, args, kwargs, output):
+        i = module.layer_idx
+        full = kwargs["past_key_values"].layers[i]
+        for press, cache, masks in targets:
+            cache.update(full.keys.clone(), full.values.clone(), i)
+            module.masked_key_indices = None
+            press.forward_hook(module, args, {**kwargs, "past_key_values": cache}, output)
+            masks[i] = getattr(module, "masked_key_indices", None)
+        module.masked_key_indices = None
+        return output
+
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _kvzip_at_ratios(removed: list[float]):
+    """kvpress's KVzipPress, scoring once and evicting at each share `removed`; `press.masks`
+    maps each share to its masks after the run."""
+    import dataclasses
+
+    from kvpress import KVzipPress
+
+    @dataclasses.dataclass
+    class KVzipAtRatios(KVzipPress):
+        removed_shares: tuple = ()
+
+        def compress_post(self, model):
+            self.masks = {}
+            for share in self.removed_shares:
+                self.compression_ratio = share
+                super().compress_post(model)
+                self.masks[share] = take_masks(model)
+
+    return KVzipAtRatios(compression_ratio=max(removed), removed_shares=tuple(removed))
 
 
 def main(argv=None) -> int:
@@ -170,7 +315,9 @@ def main(argv=None) -> int:
     p.add_argument("--tasks-file", default=str(RESULTS / "accuracy_tasks.jsonl"))
     p.add_argument("--model-dir", default=str(ROOT / ".cache" / "smollm2-135m-hf"))
     p.add_argument("--samples", type=int, default=100, help="samples per task (first N)")
-    p.add_argument("--presses", default=",".join(PRESSES))
+    p.add_argument("--presses", default=",".join(PRESSES),
+                   help=f"comma-separated, of {', '.join(PRESSES)}; a name ending in "
+                        f"{QUESTION_SUFFIX} is that press question-aware")
     p.add_argument("--ratios", default="0.5,0.25", help="keep ratios")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-kl", action="store_true")
@@ -179,8 +326,17 @@ def main(argv=None) -> int:
                         "yes (only those), both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--out", default=str(RESULTS / "accuracy_kvpress.json"))
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    try:
+        modes = press_modes(args.presses, args.question_aware)
+    except ValueError as e:
+        p.error(str(e))
+    outputs = resolve_outputs(p, args, {"out": "kvpress_accuracy"})
+    run = start("kvpress_accuracy", outputs, argv)
 
     import kvpress
     import torch
@@ -205,14 +361,13 @@ def main(argv=None) -> int:
     samples = [group[i] for i in range(max(map(len, per_task))) for group in per_task
                if i < len(group)]
     ratios = [float(r) for r in args.ratios.split(",") if r]
-    aware = {"no": (False,), "yes": (True,), "both": (False, True)}[args.question_aware]
-    specs = [PressSpec("full", 1.0)] + [PressSpec(name, r, qa) for qa in aware
-                                        for name in args.presses.split(",") if name
+    specs = [PressSpec("full", 1.0)] + [PressSpec(name, r, qa) for name, qa in modes
                                         for r in ratios]
     judged = {s.label: {} for s in specs}
     t0 = time.perf_counter()
     for i, sample in enumerate(samples):
-        ref = Session(model, tok, sample, None)
+        sessions = open_sessions(model, tok, sample, specs)
+        ref = sessions["full"]
         ref_tokens, ref_lp = [], []
         for turn in range(len(sample.turns)):
             tokens, lp = ref.answer(turn, args.max_tokens, eos)
@@ -221,8 +376,7 @@ def main(argv=None) -> int:
             judged["full"][(sample.id, turn)] = _Judged(
                 is_correct(sample.turns[turn].answer, tok.decode(tokens, skip_special_tokens=True)))
         for spec in specs[1:]:
-            session = Session(model, tok, sample, make_press(spec.mode, spec.ratio),
-                              question_aware=spec.question_aware)
+            session = sessions[spec.label]
             forced_session = None if args.no_kl else session.clone()
             for turn in range(len(sample.turns)):
                 tokens, _ = session.answer(turn, args.max_tokens, eos)
@@ -245,6 +399,7 @@ def main(argv=None) -> int:
     from tangram_jax.evaluation.report import markdown_table
     print(markdown_table(report))
     print(f"wrote {args.out}")
+    finish(run)
     return 0
 
 
@@ -266,6 +421,7 @@ def write(table: dict, args, t0: float, complete: bool) -> dict:
         "config": vars(args),
         "kvpress_version": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
         "transformers_version": _dist_version("transformers"),
+        "torch_version": torch.__version__,
         "seconds": round(time.perf_counter() - t0, 1),
         "kl_status": "measured (full vocabulary)" if not args.no_kl else "not requested",
         "complete": complete,

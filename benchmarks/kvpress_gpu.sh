@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvpress on the device machine (its image has torch and transformers 5.17, no internet): kvpress
+# kvpress_accuracy.py on the device machine. Its image has torch and transformers 5.17, no internet; kvpress
 # 0.5.5 and the versions it pins (transformers 5.2, tokenizers 0.22, datasets and the small
 # packages it imports) travel as one tarball of the CPU venv's site-packages (pure Python but
 # tokenizers' abi3 library, x86-64); the Hugging Face folder is made there from the joined GGUF

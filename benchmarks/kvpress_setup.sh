@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up the kvpress reference for benchmarks/kvpress_accuracy.py, outside this package's
+# Sets up kvpress's own environment for benchmarks/kvpress_accuracy.py. Outside this package's
 # environment (kvpress pins transformers/torch versions that clash with ours):
 #   1. a virtual environment with kvpress and the CPU torch (PEERS.md: torch==2.13.0);
 #   2. a Hugging Face folder of the embedded SmolLM2-135M-Instruct made from the same GGUF the

@@ -1,4 +1,6 @@
-"""Why did the 8B decode step allocate a pool-sized buffer on an 80 GB H100 (issue 13)?
+"""Whether the compiled 8B steps copy the KV pool, at pool sizes over JAX's allocator cap.
+
+Temp and aliased bytes of each compiled step.
 
 Compiles (never runs, never allocates the pool) the engine's decode and prefill steps with the
 pool given as abstract arrays, at a pool size whose arguments exceed JAX's default allocator cap
@@ -29,6 +31,8 @@ from flax import nnx  # noqa: E402
 
 from tangram_jax.benchmarking.models import LLAMA_8B, model_config  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.kv_layout import KVLayout  # noqa: E402
 from tangram_jax.models.decoder import Decoder  # noqa: E402
 from tangram_jax.pallas_kernels.split_map import build_split_map  # noqa: E402
@@ -47,9 +51,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--pool-gib", type=float, default=30.0, help="bytes of ONE pool array (K or V)")
     p.add_argument("--bucket", type=int, default=256)
-    p.add_argument("--out", default=None)
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     p.add_argument("--budget-s", type=float, default=1e9)
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "pool_copy_probe"})
+    run = start("pool_copy_probe", outputs, argv)
     from jax._src import xla_bridge
     print("jax", jax.__version__, "backends_are_initialized" in dir(xla_bridge), flush=True)
     dev = jax.devices()[0]
@@ -105,9 +114,9 @@ def main(argv=None):
                            pool_copies=pool_copies(hlo, shape_str)[:6])
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    finish(run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Long-context prefill of a Llama-3.1-8B-shaped model against the measured bf16 matmul roofline.
 
-Two parts, one JSON (benchmarks/results/prefill_8b.json):
+Two parts, one JSON (`--out`: default a fresh file under benchmarks/results/runs/; the
+committed prefill_8b.json only with --overwrite):
 
 ``--part kernel`` (one layer's attention shape: 32 query / 8 KV heads, head_dim 128, bf16, page 16)
 1. the roofline: a large bf16 matrix product (8192^3) on random data, TFLOP/s from GPU busy time;
@@ -50,6 +51,8 @@ from tangram_jax.pallas_kernels.prefill_attention import (  # noqa: E402
     PREFILL_TUNING, PrefillTuning, item_capacity, pack_rows, prefill_work_items,
     ragged_prefill_attention,
     ragged_prefill_attention_reference, row_alignment)
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -411,8 +414,13 @@ def main(argv=None) -> None:
                         help="runner part on a 2-layer model (CPU smoke test of the path)")
     parser.add_argument("--roofline-tflops", type=float, default=None,
                         help="skip measuring the matmul rate (runner part alone)")
-    parser.add_argument("--out", default=os.path.join(BENCH, "results", "prefill_8b.json"))
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    outputs = resolve_outputs(parser, args, {"out": "prefill_8b"})
+    run = start("prefill_8b", outputs, argv)
     result = {"benchmark": "prefill_8b", "device": device_description(),
               "git_revision": git_revision() or "unknown",
               "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
@@ -435,6 +443,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}", flush=True)
+    finish(run)
     k = result.get("kernel")
     if k:
         print(f"roofline {k['roofline_tflops']:.0f} TFLOP/s; correctness "

@@ -23,6 +23,9 @@ import random
 import sys
 import time
 
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "silver",
@@ -107,8 +110,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(ap)
     args = ap.parse_args(argv)
+    outputs = resolve_outputs(ap, args, {"out": "retention_rule"})
+    run = start("retention_rule", outputs, argv)
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     from tangram_jax.provenance import git_revision
@@ -126,6 +134,7 @@ def main(argv=None) -> int:
                results=results)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+        finish(run)
     return 0
 
 

@@ -36,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start
+from tangram_jax.commands import add_overwrite_flag
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -260,8 +263,13 @@ def main(argv=None) -> int:
     p.add_argument("--kv-gib", type=int, default=1, help="KV memory, GiB (vLLM takes whole GiB)")
     p.add_argument("--mode", default="tangram", choices=("tangram", "full", "dynamic"))
     p.add_argument("--ready-timeout", type=float, default=900)
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--out", default=None, help="result JSON (default: a fresh file under "
+        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(p)
     args = p.parse_args(argv)
+    outputs = resolve_outputs(p, args, {"out": "serve_openai"})
+    run = start("serve_openai", outputs, argv)
 
     from tangram_jax.compression.pilot_data import sharegpt_conversations
     from tangram_jax.models.registry import load_model
@@ -344,6 +352,7 @@ def main(argv=None) -> int:
             for phase in ours["phases"]}
         result["comparison"]["answers"] = compare(ours["answers"], theirs["answers"])
     Path(args.out).write_text(json.dumps(result, indent=2))
+    finish(run)
     print(json.dumps(result.get("comparison", {}), indent=2))
     return 0
 

@@ -1,4 +1,4 @@
-"""Soak: a long-running engine under a churning, partly hostile workload keeps its memory flat.
+"""A long-running engine under a churning, partly hostile workload keeps its memory flat (soak).
 
 One engine serves a one-hour-equivalent stream of requests, step after step: new requests and
 next turns of sessions keep arriving (random prompt lengths, greedy and sampled, random output
@@ -32,9 +32,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # the tiny model builder shared with the test suite
+from tangram_jax.benchmarking.results import (RESULTS_DIR, finish,  # noqa: E402
+                                               resolve_outputs, start)
+from tangram_jax.commands import add_overwrite_flag, write_text_atomic  # noqa: E402
 from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # Requests that must be refused (the engine's boundary checks) mixed into the stream.
 BAD_REQUESTS = [
     dict(prompt=b"bytes"), dict(prompt=""), dict(prompt="a\ud800"), dict(prompt_token_ids=5),
@@ -169,22 +171,43 @@ def main() -> None:
     parser.add_argument("--warm-fraction", type=float, default=0.1,
                         help="first part of the run not measured (compiles, pools filling)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS / "soak.json"))
+    parser.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
+                        "benchmarks/results/runs/; the committed soak.json only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args()
+    plan = [(mode, int(n) if n else args.steps)
+            for mode, _, n in (item.partition(":") for item in args.modes.split(","))]
+    run = start("soak", resolve_outputs(parser, args, {"out": "soak"}),
+                estimate=_estimate(plan, args.model))
     folder = None
     if args.model == "tiny":
         from tiny_engine import build_tiny_model
         folder = build_tiny_model(tempfile.mkdtemp(prefix="soak-tiny-"))
     results = []
-    for item in args.modes.split(","):
-        mode, _, n = item.partition(":")
-        r = soak(mode, int(n) if n else args.steps, args, folder)
+    for mode, steps in plan:
+        r = soak(mode, steps, args, folder)
         print(json.dumps({k: v for k, v in r.items() if not k.startswith("samples")}), flush=True)
         results.append(r)
     report = dict(benchmark="soak", device=device_description(), git_revision=git_revision(),
                   command="python " + " ".join(sys.argv), config=vars(args), results=results)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
+    finish(run)
     print(f"wrote {args.out}")
+
+
+def _estimate(plan: list[tuple[str, int]], model: str) -> tuple[float, str] | None:
+    """Seconds for `plan` ((mode, steps) pairs) at the step rates of the committed run on the
+    same model (soak.json: measured on a 2-core CPU), or None."""
+    try:
+        committed = json.loads((RESULTS_DIR / "soak.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rates = {r["mode"]: r["steps_per_s"] for r in committed.get("results", [])}
+    if committed.get("config", {}).get("model") != model or any(m not in rates for m, _ in plan):
+        return None
+    seconds = sum(steps / rates[mode] for mode, steps in plan)
+    return seconds, (f"steps / the step rate of each mode in the committed soak.json, "
+                     f"{committed.get('device', 'its device')}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ the Engine's construction with warm-up (`EngineConfig(warmup=True)`: every step 
     python benchmarks/startup.py --model random-llama-8b      # GPU: Llama-3.1-8B shape, random
                                                                # bf16 weights built on the device
 
-Writes benchmarks/results/startup_<cpu|gpu>.json (device, revision, command, each start's
-seconds, the ratio first / second).
+Writes `--out` (default a fresh file under benchmarks/results/runs/; the committed
+startup_<cpu|gpu>.json only with --overwrite): device, revision, command, each start's seconds,
+the ratio first / second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
+from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 
 RANDOM_8B = "random-llama-8b"
 
@@ -110,17 +113,19 @@ def main(argv=None) -> None:
     parser.add_argument("--starts", type=int, default=2)
     parser.add_argument("--cache-dir", default=None, help="default: a fresh temporary folder")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
+                        "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    run = start("startup", resolve_outputs(parser, args, {"out": "startup"}), argv)
     import jax
 
     from tangram_jax.provenance import device_description, git_revision
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="tangram_jax_startup_")
     starts = run_starts(args.model, args.starts, cache_dir)
-    on_gpu = jax.default_backend() == "gpu"
-    out = args.out or os.path.join(BENCH, "results", f"startup_{'gpu' if on_gpu else 'cpu'}.json")
+    out = args.out
     result = {
         "benchmark": "startup",
         "device": device_description(),
@@ -143,9 +148,9 @@ def main(argv=None) -> None:
         "warmup_first_over_second": (starts[0]["engine"]["warmup"] / starts[1]["engine"]["warmup"]
                                      if len(starts) > 1 else None),
     }
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
+    finish(run)
     print(f"first / second start: {result['first_over_second']:.2f}x (without loading the "
           f"weights {result['first_over_second_without_weight_loading']:.2f}x, warm-up "
           f"{result['warmup_first_over_second']:.2f}x); wrote {out}", flush=True)

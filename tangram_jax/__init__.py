@@ -3,7 +3,7 @@
     from tangram_jax import LLM, SamplingParams
 """
 
-__version__ = "0.1.0"
+from tangram_jax.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "RequestOutput"]
 

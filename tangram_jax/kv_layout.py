@@ -26,48 +26,69 @@ A page holds `page_size` token slots of the G heads of ONE group of ONE layer. B
 Within a group, head ``j`` of the page is the layer's KV head ``head_perm[layer, group*G + j]``
 (weights are permuted at load time so that this is a contiguous slice of heads).
 
-Chunked-compression rule (the single source of truth for how many tokens a group keeps; the
-scheduler reserves exactly this, the prefill writes exactly this and the engine's history
-bookkeeping counts exactly this): a turn's new tokens are cut into chunks of `chunk_size` from the
-turn's start (the last one may be shorter). The turn's *protected tail* (`KVLayout.protected_tail`)
-is kept whole: the model has not answered the turn yet, and its last tokens are the question and
-the chat template's generation prompt, which compression must not cut before they are used
-(compressing them cost SmolLM2 every follow-up answer at ratio 0.25: `benchmarks/
-NOTES_accuracy.md`, "retention rule"). From a chunk of n tokens of which the last p are protected,
-a group of budget r keeps ``min(u, ceil(r * u)) + p`` tokens, u = n - p (the top of the
-unprotected part by score, plus every protected token). Tail rules (`TAIL_RULES`):
+Retention rule (the single source of truth for how many tokens a group keeps; the scheduler
+reserves exactly this, the prefill writes exactly this and the engine's history bookkeeping counts
+exactly this). A turn's new tokens are prefilled in chunks of `chunk_size` from the turn's start
+(the last one may be shorter). The turn's *protected tail* (`KVLayout.protected_tail`) is kept
+whole: the model has not answered the turn yet, and its last tokens are the question and the chat
+template's generation prompt, which compression must not cut before they are used. Tail rules
+(`TAIL_RULES`):
 
 - ``"window"``       the last ``tail_window`` tokens of the turn (the observation window);
 - ``"final_chunk"``  the whole last chunk of the turn;
-- ``"none"``         nothing (every chunk compressed as it is written).
+- ``"none"``         nothing.
 
-Which queries score a chunk: its own last ``obs_window`` queries (one pass, chunk-local). A turn
-that fits in one chunk (every turn up to 2048 tokens at the GPU default `chunk_size`) is thus
-scored by its own question, as SnapKV scores with the question's queries; a longer turn's earlier
-chunks are scored before its question exists. Measured on an H100 (`benchmarks/
-NOTES_accuracy.md`, "question-aware scoring"): the same samples at tangram 0.25 answered the
-passkey 85% with whole-turn chunks against 28% with 128-token chunks, and 2048-token chunks also
-prefill faster (`NOTES_prefill.md`), so whole-turn chunks win on accuracy and on prefill time. A
-two-pass scoring of long turns (the turn prefilled once for its final window's queries, then again
-with every chunk scored by them) costs a second prefill of the turn and is not built: whether it
-wins back its cost on turns longer than a chunk (chunk 512 against 2048 on the same samples) is
-not measured.
+How the count of a turn is spread over its chunks is the retention (`RETENTIONS`,
+`EngineConfig.retention`):
 
-Which tokens of a chunk a head keeps (never how many: the counts above are the scheduler's) is
-the scoring rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks
-by the method's scores alone (SnapKV: the window above); ``"window+context"`` and
-``"window+keydiff"`` fill half of each head's count by that ranking and half by a
+- ``"turn"``   every chunk is held whole while the turn is prefilled; its last chunk compresses the
+               whole turn at once, scored by the turn's own question (its last ``obs_window``
+               queries attend over every token of the turn) and a question-agnostic ranking:
+               SnapKV as published, whatever the turn's length. A group of budget r keeps
+               ``min(u, ceil(r * u)) + p`` tokens of a turn whose unprotected part is u tokens
+               and protected tail p. While the turn is prefilled it holds all its tokens: the
+               scheduler reserves that peak (`peak_retained_counts`) and returns the pages above
+               the final count when the prefill ends, so a long prefill borrows uncompressed
+               pages for as long as it runs;
+- ``"chunk"``  each chunk of n tokens keeps ``min(u, ceil(r * u)) + p`` of its own (u = n - p,
+               p its protected tokens), scored by its own last ``obs_window`` queries, locked in:
+               no staging, but a chunk is scored before the turn's question exists.
+
+Why "turn" is the default: on turns that span many chunks (the serving benchmarks' 32k-100k
+turns; the accuracy harness's long-session tasks) a fixed share per chunk, scored before the
+question exists, keeps a chunk of filler as much as the chunk that holds the only fact, and
+answered long-session follow-ups at 0.5 half as often as full KV; rankings that let the budget
+flow across chunks by question-free scores did no better; only the whole turn scored by its
+question came within a few points of full KV at 0.5 (`benchmarks/results/retention_proxy_gpu.json`,
+`benchmarks/NOTES_accuracy.md`). It costs the attention saving inside a turn while it is
+prefilled (its chunks attend to the uncompressed turn) and the staging pages; later turns still
+attend to the compressed history. Precision tiers split each chunk's kept tokens by rank as it
+is written and dynamic mode is the per-chunk method as published: both use ``"chunk"``.
+
+Which tokens a head keeps (never how many: the counts above are the scheduler's) is the scoring
+rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks by the
+method's scores alone (SnapKV: the observation window); ``"window+context"`` and
+``"window+keydiff"`` fill a share of each head's count by that ranking and the rest by a
 question-agnostic one (the attention of queries spread over the chunk, or KeyDiff's key
-distinctiveness), so that what a later turn asks about, and the current question does not, has
-a share of the budget (issue 12's follow-up turns: `benchmarks/NOTES_accuracy_harness.md`,
-"Follow-up turns: scoring rule"). The default, ``"auto"``, serves ``"window+keydiff"`` for a
-profile that keeps less than half (`chunk_scoring.AUTO_KEYDIFF_BELOW_RATIO`) and ``"window"``
-otherwise: measured on the embedded model at 0.25, the union kept variable tracking where the
-window alone lost it, at 0.5 the window alone kept more (`NOTES_accuracy_harness.md`, session
-10). The same jnp scores feed the XLA path and the Pallas path (selection happens before the
-compression kernel), and the protected tail stays above both.
+distinctiveness), so that what a later turn asks about, and the current question does not, has a
+share of the budget. The same jnp scores feed the XLA path and the Pallas path (selection
+happens before the write kernel), and the protected tail stays above both.
 
 Decode appends one token to every group per step, uncompressed.
+
+Local (sliding-window) layers (Gemma-3, GPT-OSS, Mistral: `ModelConfig.layer_windows`): a local
+layer's query at slot t reads key slots > t - window only (`pallas_kernels.attention_terms`).
+The window is by slot, and a slot is the token's position only where the layer drops nothing,
+so a local layer keeps every token: its groups' budgets are 1 in every layout (a tangram profile
+with a local budget below 1 is refused, `check_local_layers`; calibration writes 1 for them and
+fits the ratio over the global layers), and it needs no compression budget anyway, since the
+window already bounds what it reads to `window` tokens however long the context. Dynamic mode
+(a per-input count per layer) and precision tiers (a group's tokens split over two pools by
+rank) would break slot = position and are refused for such models. What a local layer's pages
+hold before its window is never read again (attention skips those blocks); recycling them to
+the pool (the block-table entries behind the window pointed at the null page, the pages freed)
+is the scheduler's part and is not built: the reservation still counts a local layer's whole
+context.
 """
 
 from __future__ import annotations
@@ -81,6 +102,10 @@ import numpy as np
 _CEIL_EPS = 1e-6
 
 TAIL_RULES = ("window", "final_chunk", "none")
+# How a turn's retained count is spread over its chunks (module docstring, "Retention rule"):
+# "turn" holds the turn whole and compresses it at its last chunk; "chunk" keeps a fixed share
+# of every chunk, locked in.
+RETENTIONS = ("turn", "chunk")
 
 
 def chunk_keep_count(group_budgets: np.ndarray, chunk_len: int | np.ndarray) -> np.ndarray:
@@ -153,6 +178,9 @@ class KVLayout:
       name: a label for reports (``tangram``, ``full``, ``adjacent`` ...).
       tail_rule, tail_window: which end of every turn is kept uncompressed (`TAIL_RULES`; the
         module docstring). The engine uses ``"window"`` with its observation window.
+      retention: how a turn's count is spread over its chunks (`RETENTIONS`, the module
+        docstring): ``"turn"`` (held whole, compressed at its last chunk) or ``"chunk"`` (a
+        fixed share of each chunk).
     """
 
     num_layers: int
@@ -166,6 +194,7 @@ class KVLayout:
     name: str = "tangram"
     tail_rule: str = "none"
     tail_window: int = 0
+    retention: str = "chunk"
 
     def __post_init__(self):
         if self.group_size <= 0 or self.num_kv_heads % self.group_size:
@@ -176,6 +205,8 @@ class KVLayout:
                              "must be positive")
         if self.tail_rule not in TAIL_RULES:
             raise ValueError(f"tail_rule must be one of {TAIL_RULES}, got {self.tail_rule!r}")
+        if self.retention not in RETENTIONS:
+            raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}")
         if self.tail_rule == "window" and self.tail_window < 1:
             raise ValueError(f"tail_window must be >= 1 for the 'window' tail rule, got "
                              f"{self.tail_window}")
@@ -228,9 +259,41 @@ class KVLayout:
                              f"got {upto}")
         boundary = n - self.protected_tail(n)       # tokens [boundary, n) are kept whole
         compressed = min(upto, boundary)
+        if self.retention == "turn":
+            if upto < n:        # the turn is held whole until its last chunk
+                return np.full(self.group_budgets.shape, upto, np.int64)
+            return self.turn_keep_counts(boundary) + (n - boundary)
         full, rest = divmod(compressed, self.chunk_size)
         keep = self._keep_by_chunk_len
         return keep[-1] * full + keep[rest] + max(0, upto - boundary)
+
+    def turn_keep_counts(self, num_unprotected: int) -> np.ndarray:
+        """int64 [layers, groups]: under ``"turn"`` retention, tokens each group keeps of a
+        turn's `num_unprotected` tokens before its protected tail: ``min(u, ceil(r * u))``
+        (`chunk_keep_count` of the whole unprotected part, however it is chunked)."""
+        return chunk_keep_count(self.group_budgets, int(num_unprotected))
+
+    def peak_retained_counts(self, num_tokens: int) -> np.ndarray:
+        """int64 [layers, groups]: the most tokens a group holds while a turn of `num_tokens`
+        new tokens is prefilled (what admission reserves): the whole turn under ``"turn"``
+        retention, its retained count under ``"chunk"`` (which never holds more)."""
+        final = self.retained_counts(num_tokens)
+        if self.retention == "turn":
+            return np.maximum(final, int(num_tokens))
+        return final
+
+    def segments_peak_counts(self, segments) -> np.ndarray:
+        """int64 [layers, groups]: the most tokens a group holds while prefill segments
+        ``(length, compressed)`` are replayed one after another (`segments_retained_counts`):
+        each compressed segment peaks at `peak_retained_counts` on top of what the ones before
+        it keep."""
+        held = np.zeros(self.group_budgets.shape, np.int64)
+        peak = held
+        for length, compressed in segments:
+            top = held + (self.peak_retained_counts(length) if compressed else int(length))
+            peak = np.maximum(peak, top)
+            held = held + (self.retained_counts(length) if compressed else int(length))
+        return peak
 
     def segments_retained_counts(self, segments) -> np.ndarray:
         """int64 [layers, groups] tokens kept from prefill segments ``(length, compressed)``:
@@ -243,7 +306,9 @@ class KVLayout:
 
     def piece_retained_counts(self, turn_len: int, start: int, end: int) -> np.ndarray:
         """int64 [layers, groups] tokens kept from tokens [start, end) of a turn of `turn_len`
-        new tokens (start and end on chunk boundaries of the turn, or end == turn_len)."""
+        new tokens (start and end on chunk boundaries of the turn, or end == turn_len): the
+        change in what the group holds, negative for the last piece of a turn under ``"turn"``
+        retention (it compresses everything held before it)."""
         return (self.retained_counts(turn_len, upto=end)
                 - self.retained_counts(turn_len, upto=start))
 
@@ -255,7 +320,9 @@ class KVLayout:
 
     def chunk_keep_counts(self, chunk_len: int, num_protected: int = 0) -> np.ndarray:
         """int64 [layers, groups] tokens kept from one chunk of `chunk_len` tokens whose last
-        `num_protected` are protected, 0 <= num_protected <= chunk_len <= chunk_size."""
+        `num_protected` are protected, 0 <= num_protected <= chunk_len <= chunk_size, under
+        ``"chunk"`` retention (under ``"turn"`` a chunk's count depends on where it lies in its
+        turn: `piece_retained_counts`)."""
         if not 0 <= chunk_len <= self.chunk_size:
             raise ValueError(f"a chunk holds 0..{self.chunk_size} tokens, got {chunk_len}")
         if not 0 <= num_protected <= chunk_len:
@@ -267,17 +334,21 @@ class KVLayout:
     @classmethod
     def monolithic(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
                    chunk_size: int, name: str = "full", tail_rule: str = "none",
-                   tail_window: int = 0) -> "KVLayout":
+                   tail_window: int = 0, retention: str = "chunk") -> "KVLayout":
         """One group of all KV heads, nothing dropped: what vLLM's PagedAttention stores."""
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    group_size=num_kv_heads, page_size=page_size, chunk_size=chunk_size,
                    head_perm=np.tile(np.arange(num_kv_heads), (num_layers, 1)),
                    group_budgets=np.ones((num_layers, 1)), name=name, tail_rule=tail_rule,
-                   tail_window=tail_window)
+                   tail_window=tail_window, retention=retention)
 
     def with_tail(self, rule: str, window: int) -> "KVLayout":
         """This layout with another protected-tail rule."""
         return dataclasses.replace(self, tail_rule=rule, tail_window=window)
+
+    def with_retention(self, retention: str) -> "KVLayout":
+        """This layout with another retention rule (`RETENTIONS`)."""
+        return dataclasses.replace(self, retention=retention)
 
 
 # ----- precision tiers (hetero-precision KV, `tangram_jax.kv_quant`) -------------------------
@@ -326,6 +397,10 @@ class TieredLayout:
     def __post_init__(self):
         if not isinstance(self.base, KVLayout):
             raise TypeError(f"base must be a KVLayout, got {type(self.base).__name__}")
+        if self.base.retention != "chunk":
+            raise ValueError(f"precision tiers split each chunk's kept tokens by rank as the "
+                             f"chunk is written: they need retention 'chunk', got "
+                             f"{self.base.retention!r}")
         if self.precision not in PRECISION_TIERS:
             raise ValueError(f"precision must be one of {tuple(PRECISION_TIERS)}, got "
                              f"{self.precision!r}")
@@ -355,6 +430,7 @@ class TieredLayout:
     compresses = property(lambda self: self.base.compresses)
     tail_rule = property(lambda self: self.base.tail_rule)
     tail_window = property(lambda self: self.base.tail_window)
+    retention = property(lambda self: self.base.retention)
 
     def protected_tail(self, turn_len: int) -> int:
         return self.base.protected_tail(turn_len)
@@ -455,3 +531,41 @@ class TieredLayout:
             total = total + (self.retained_counts(length) if compressed
                              else self.decode_tier_groups * int(length))
         return total
+
+    # Tiers keep a share of each chunk as it is written (retention "chunk"): a turn never
+    # holds more than it keeps.
+    def peak_retained_counts(self, num_tokens: int) -> np.ndarray:
+        """`KVLayout.peak_retained_counts` per tier group: the retained counts."""
+        return self.retained_counts(num_tokens)
+
+    def segments_peak_counts(self, segments) -> np.ndarray:
+        """`KVLayout.segments_peak_counts` per tier group: the retained counts."""
+        return self.segments_retained_counts(segments)
+
+
+def check_local_layers(config, layout, mode: str, kv_precision: str,
+                       max_tokens: int | None = None) -> None:
+    """One clear error when a model with local (sliding-window) layers meets a layout or mode
+    that would drop tokens of those layers (the module docstring, "Local layers").
+
+    config: the `ModelConfig`; layout: a `KVLayout` or `TieredLayout`; max_tokens: the longest
+    sequence served (a layer whose window is not shorter never masks anything: global)."""
+    local = [i for i in getattr(config, "local_layers", ())
+             if max_tokens is None or config.layer_windows[i] < max_tokens]
+    if not local:
+        return
+    what = f"{config.architecture} has sliding-window layers {local}"
+    if mode == "dynamic":
+        raise ValueError(f"{what}: dynamic mode (a per-input keep count per layer) would drop "
+                         f"tokens of their windows; use mode 'full' or 'tangram'")
+    if kv_precision in PRECISION_TIERS:
+        raise ValueError(f"{what}: kv_precision {kv_precision!r} splits a group's tokens over "
+                         f"two pools by rank, and a window needs every token in place; use an "
+                         f"untiered precision")
+    budgets = getattr(layout, "base", layout).group_budgets
+    low = [i for i in local if (budgets[i] < 1).any()]
+    if low:
+        raise ValueError(f"{what}: their budgets must be 1 (a local layer keeps its whole window "
+                         f"and needs no compression budget), but the layout gives layers {low} "
+                         f"budgets {[float(budgets[i].min()) for i in low]} (min); calibrate the "
+                         f"profile again (`tangram-jax calibrate` pins local layers to 1)")

@@ -28,9 +28,9 @@ dimensions ``i, i + d/n, ..., i + (n-1) d/n`` at bit offsets ``0, bits, ..., (n-
 p (``(unit >> p*bits) & L``) is then the contiguous slice ``[p d/n, (p+1) d/n)`` of the head,
 so a kernel unpacks with shifts and masks and multiplies plane by plane against the matching
 slice of q (or writes the matching slice of the output): no interleaving shuffles. The unit is a
-speed choice of the decode kernel, measured per format (benchmarks/NOTES_kv_precision.md,
-session 20): Triton lays out a product whose operand comes from 8-bit loads with 4 consecutive
-k a thread for both operands, which costs the 16-bit operand (q, the softmax weights) register
+speed choice of the decode kernel, measured per format on an H100: Triton lays out a product
+whose operand comes from 8-bit loads with 4 consecutive k a thread for both operands, which
+costs the 16-bit operand (q, the softmax weights) register
 copies and a shared-memory round trip; from 16-bit units the products keep their native layout
 (K8V8 -7 to -10%, K8V4 -5% on an H100), but twice the planes, each half as wide: K4V2's values
 in 16-bit units are 8 planes of 16 dims, far slower.
@@ -40,15 +40,16 @@ of two adjacent slots of a page share a uint16: unit (i, j) holds byte j of slot
 half and byte j of slot 2i + 1 in its high half (`pair_slots`). A kernel's 16-bit loads then
 unpack into an even-slot and an odd-slot plane of full width (K4 2 planes of d/2, V2 4 of d/4),
 so the products keep 16-bit operand layouts without K4V2's planes narrowing: on an H100 with the
-value zeros loaded a block ahead, -18% of K4V2's decode time at 64 x 32k
-(benchmarks/NOTES_kv_precision.md, session 21). Pages need an even page_size.
+value zeros loaded a block ahead, -18% of K4V2's decode time at 64 x 32k. Pages need an even
+page_size.
 
 Value groups (K8V4's values): a row may be quantised as ``groups`` equal slices of head_dim,
 each with its own scale and zero (KIVI-style group quantisation); with the plane layout below
 at ``groups = 8 // bits`` a group is exactly a plane, so kernels weigh each plane's product by
 its own scale. Scale and zero then carry a trailing ``[groups]`` axis. K8V4 stores its 4-bit
 values in 2 groups: one scale over the whole head lost 2-3 points of variable tracking
-against bf16 on the embedded model (benchmarks/NOTES_kv_precision.md, session 14), K8V8 none.
+against bf16 on the embedded model (400 samples a task, variable tracking:
+benchmarks/results/accuracy_kv_precision_vt_formats.json), K8V8 none.
 
 Pages (`kv_layout`): a quantised pool is a `QuantPages` (a pytree) with ``codes uint8 or uint16
 [num_pages, G, page_size, head_dim * bits / unit]`` (slot pairs: ``uint16 [num_pages, G,

@@ -84,9 +84,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` sample with when given no SamplingParams (vLLM's name): the
+        model's generation config (`EngineConfig.generation_config`, see
+        `models.generation_config`), else vLLM's defaults."""
+        return self.engine.default_sampling_params
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete each prompt. Outputs in prompt order.
+        """Complete each prompt. Outputs in prompt order. No `sampling_params`: the model's
+        generation defaults (`get_default_sampling_params`).
 
         prompts: one prompt or a list of them; a prompt is text (str), token ids (a list of ints
         or a 1-D integer array), or a dict with "prompt" or "prompt_token_ids" (vLLM's).
@@ -123,7 +130,8 @@ class LLM:
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Answer the last user message of each conversation (a list of {"role", "content"}).
+        """Answer the last user message of each conversation (a list of {"role", "content"});
+        no `sampling_params`: the model's generation defaults (`get_default_sampling_params`).
 
         Each conversation continues the engine session whose history it extends, if any (two
         copies of one conversation in a batch: the second starts its own session). Every

@@ -13,6 +13,7 @@ Three pieces, used by the dense reference generation and by the engine alike:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+log = logging.getLogger(__name__)
 
 # Most top log-probs a request may ask for per position (vLLM's default limit).
 MAX_TOP_LOGPROBS = 20
@@ -28,8 +30,11 @@ MAX_TOP_LOGPROBS = 20
 _INT32_MAX = 2**31 - 1
 # float32's largest finite value: temperature and top_p travel to the device as float32.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-# Below this a temperature overflows the scaled logits (vLLM clamps to the same floor).
+# Below this a temperature overflows the scaled logits: a smaller positive one is raised to it
+# with a warning (vLLM's _MAX_TEMP rule).
 MIN_TEMPERATURE = 1e-2
+# The largest temperature (vLLM's and OpenAI's range is [0, 2]).
+MAX_TEMPERATURE = 2.0
 
 
 def is_int(value) -> bool:
@@ -59,10 +64,17 @@ def _integer(name: str, value) -> int:
 
 
 def _check_temperature(value) -> float:
+    """vLLM's rule: in [0, 2]; 0 is greedy; a positive one below `MIN_TEMPERATURE` is raised to
+    it with a warning (dividing the logits by it would overflow)."""
     t = _number("temperature", value)
-    if t != 0 and not MIN_TEMPERATURE <= t <= _FLOAT32_MAX:
-        raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
-                         f"{_FLOAT32_MAX:.3g}], got {t}")
+    if t < 0:
+        raise ValueError(f"temperature must be non-negative, got {t}")
+    if t > MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}")
+    if 0 < t < MIN_TEMPERATURE:
+        log.warning("temperature %s is less than %s, which may cause numerical errors nan or "
+                    "inf in tensors; raised to %s", t, MIN_TEMPERATURE, MIN_TEMPERATURE)
+        t = MIN_TEMPERATURE
     return t
 
 
@@ -74,11 +86,13 @@ def _check_top_p(value) -> float:
 
 
 def _check_top_k(value) -> int:
+    """vLLM's rule: 0 or -1 disable it, any k >= 1 keeps the k likeliest tokens (k at least the
+    vocabulary: no limit). A k beyond int32 is stored as 2**31 - 1 (the device's row value;
+    no limit either way)."""
     k = _integer("top_k", value)
-    if not -1 <= k <= _INT32_MAX:
-        raise ValueError(f"top_k must be -1 or 0 (disabled) or a number of tokens in [1, "
-                         f"{_INT32_MAX}] (at most the vocabulary, checked by the engine), got {k}")
-    return k
+    if k < -1:
+        raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {k}")
+    return min(k, _INT32_MAX)
 
 
 def _check_max_tokens(value) -> int:
@@ -89,11 +103,14 @@ def _check_max_tokens(value) -> int:
 
 
 def _check_seed(value) -> int | None:
+    """None or an int >= 0; -1 means None (vLLM's meaning)."""
     if value is None:
         return None
     s = _integer("seed", value)
+    if s == -1:
+        return None
     if s < 0:
-        raise ValueError(f"seed must be an int >= 0 or None, got {s}")
+        raise ValueError(f"seed must be an int >= 0, or -1 or None (a fresh seed), got {s}")
     return s
 
 
@@ -149,11 +166,13 @@ def _check_unicode(what: str, text: str) -> None:
 class SamplingParams:
     """One request's sampling parameters (same names and meanings as vLLM's).
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it (>= 0.01).
+    temperature: in [0, 2]; 0 means greedy (argmax); otherwise logits are divided by it (a
+      positive one below 0.01 is raised to 0.01 with a warning, as vLLM does).
     top_p: nucleus mass in (0, 1]; 1 disables.
-    top_k: keep the k most likely tokens; -1 or 0 disables (the engine refuses k > vocabulary).
+    top_k: keep the k most likely tokens; -1 or 0 disables, as does k >= the vocabulary.
     max_tokens: most tokens to generate (>= 1).
-    seed: PRNG seed for this request; None draws a fresh one (see `resolve_seed`).
+    seed: PRNG seed for this request; None (or -1, vLLM's spelling) draws a fresh one (see
+      `resolve_seed`).
     stop: string(s) that end generation; the text is cut before the stop string.
     stop_token_ids: token ids that end generation (in addition to EOS unless `ignore_eos`); the
       engine refuses ids outside the model's vocabulary.

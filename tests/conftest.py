@@ -7,3 +7,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A Hugging Face folder of the tiny random-weight Llama (`tiny_engine.build_tiny_model`),
+    built once per test module that asks for it."""
+    from tiny_engine import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))

@@ -145,3 +145,19 @@ def prefill_then_decode(runner, manager, layout, tokens, *, as_one_turn: bool = 
                             manager.decode_write_lengths(np.array([slot])), *greedy)
         decoded.append(int(out[0]))
     return np.stack(logits), decoded, slot
+
+
+def report_of_child(code: str, folder: str | Path, devices: int = 2, timeout: int = 900) -> dict:
+    """Run `code` in a fresh Python process on `devices` CPU devices (JAX fixes its device count
+    when it starts; the suite runs with one) with argv ``[folder, tests folder]``, and return the
+    JSON it prints on its ``REPORT `` line. The process must exit 0."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(Path(__file__).parent)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])

@@ -51,3 +51,40 @@ def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = Tokenizer(backend, eos_token_ids=config.eos_token_ids)
     return LoadedModel(config, model, tokenizer, name, None)
+
+
+# Hugging Face config.json facts of the paper's other model shapes (random weights only), and
+# tiny CPU smoke-test versions of each (same families, small sizes).
+FAMILY_SHAPES = {
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=151645),
+    "gemma3-12b": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        intermediate_size=15360, vocab_size=262208, max_position_embeddings=131072,
+        query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rope_scaling=dict(rope_type="linear", factor=8.0), rms_norm_eps=1e-6,
+        eos_token_id=[1, 106]),
+}
+FAMILY_SHAPES["qwen3-moe-tiny"] = dict(
+    FAMILY_SHAPES["qwen3-30b-a3b"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=8,
+    num_experts_per_tok=2, vocab_size=512)
+FAMILY_SHAPES["gemma3-tiny"] = dict(
+    FAMILY_SHAPES["gemma3-12b"], hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=512,
+    sliding_window=64, sliding_window_pattern=3)
+
+
+def family_config(name: str):
+    """The `ModelConfig` of a `FAMILY_SHAPES` entry."""
+    from tangram_jax.models.config import ModelConfig
+    if name not in FAMILY_SHAPES:
+        raise ValueError(f"model shape must be one of {tuple(FAMILY_SHAPES)}, got {name!r}")
+    return ModelConfig.from_hf_dict(FAMILY_SHAPES[name])

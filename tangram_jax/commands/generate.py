@@ -62,9 +62,6 @@ def run(args) -> int:
             prompt_ids = tokenizer.encode(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if params.top_k > loaded.config.vocab_size:
-            raise ValueError(f"--top-k {params.top_k} exceeds the vocabulary size "
-                             f"{loaded.config.vocab_size}")
         text = _generate(loaded, prompt_ids, params)
     except (ValueError, TypeError, OSError) as e:
         return _fail(e)

@@ -11,13 +11,14 @@ HELP = "Serve a model over an OpenAI-compatible HTTP API (completions, chat, str
 
 
 def add_arguments(parser) -> None:
-    from tangram_jax.commands import positive_int
+    from tangram_jax.commands import port, positive_int
     from tangram_jax.engine.config import add_cli_args
 
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send (default: what --model resolves to)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000,
+                        help="TCP port to listen on, 0-65535 (0: any free port; default 8000)")
     parser.add_argument("--max-live-requests", type=positive_int, default=None,
                         help="requests admitted at once (running + queued); more get HTTP 429 "
                              "(default 4 x max-num-seqs)")

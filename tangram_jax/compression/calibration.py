@@ -10,6 +10,11 @@ from them. Over the samples this gives per (layer, head) a mean m and std s, and
 
 optionally rescaled per layer so the layer's budgets average rho (`rescale_to_ratio`).
 
+Local (sliding-window) layers (Gemma-3, GPT-OSS) run with their window (and GPT-OSS's sinks)
+as the model does, but are not scored: their retention is 1 (a local layer keeps its window
+whole, `kv_layout`, "Local layers"), so their budgets are 1, the per-layer rescale leaves them
+there, and the target ratio is what the global layers keep.
+
 Precision tiers (hetero-precision KV, `kv_layout.TieredLayout`): with `tier_mass` set, the same
 pass also measures, per head, the share of its retained tokens that must stay in the high tier
 (`high_tier_share`: importance ranks within the retained set decide), and `profile_from_run`
@@ -29,7 +34,7 @@ from flax import nnx
 from tangram_jax.compression.pilot_data import PilotSample
 from tangram_jax.compression.scorers import get_scorer
 from tangram_jax.compression.selection import dynamic_select
-from tangram_jax.models.decoder import dense_attention
+from tangram_jax.models.decoder import causal_mask, dense_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +145,13 @@ def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], saf
         t = h.shape[1]
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         q, k, v = layer.qkv(h, positions)
-        mask = jnp.tril(jnp.ones((t, t), bool))[None]
-        h_out = layer.finish(h, dense_attention(q, k, v, mask))
+        window = layer.attention_window()
+        mask = causal_mask(positions, positions[0], window)
+        h_out = layer.finish(h, dense_attention(q, k, v, mask, layer.attention_sinks()))
         scores = scorer(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
                         q_per_kv=q_per_kv)
         counts = jnp.stack([dynamic_select(scores, rho, safeguard=safeguard).counts for rho in rhos])
+        counts = jnp.where(window > 0, t, counts)       # a local layer keeps its window whole
         shares = (jnp.stack([high_tier_share(scores, c, tier_mass) for c in counts])
                   if tier_mass is not None else jnp.zeros(counts.shape, jnp.float32))
         return h_out, counts, shares

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tangram_jax.compression.scorers import (expected_attention, keydiff, snapkv_from_probs,
-                                             streaming_llm)
+from tangram_jax.compression.scorers import (DEFAULT_KERNEL, expected_attention, keydiff,
+                                             pool1d, snapkv_from_probs, streaming_llm)
 from tangram_jax.compression.selection import dynamic_select
 
 # Methods a profile may be calibrated with and served by. H2O needs every query's attention over
@@ -79,12 +79,20 @@ def check_scoring_rule(rule: str) -> str:
     return rule
 
 
-def resolve_scoring_rule(rule: str, mode: str, ratio: float | None) -> str:
+def resolve_scoring_rule(rule: str, mode: str, ratio: float | None,
+                         retention: str = "chunk") -> str:
     """The rule a runner serves: `rule` itself, or for "auto" window+keydiff when a tangram
     profile keeps less than `AUTO_KEYDIFF_BELOW_RATIO` of each turn (its keep ratio `ratio`), and
-    the window otherwise (full KV compresses nothing; dynamic counts with the window's scores)."""
+    the window otherwise (full KV compresses nothing; dynamic counts with the window's scores).
+    The same holds for whole turns (retention "turn"): on the long-session tasks the union
+    ranked as well as the window alone at 0.5 and 11 points better at 0.25
+    (`benchmarks/results/retention_proxy_gpu.json`). Retention "turn" serves `TURN_RULES`."""
     if rule != "auto":
-        return check_scoring_rule(rule)
+        rule = check_scoring_rule(rule)
+        if retention == "turn" and mode == "tangram" and rule not in TURN_RULES:
+            raise ValueError(f"scoring_rule {rule!r} ranks within one chunk; retention 'turn' "
+                             f"ranks whole turns by one of {TURN_RULES}")
+        return rule
     if mode == "tangram" and ratio is not None and ratio < AUTO_KEYDIFF_BELOW_RATIO:
         return "window+keydiff"
     return "window"
@@ -169,22 +177,25 @@ def context_query_probs(q: jax.Array, k: jax.Array, chunk_len: jax.Array,
     return jnp.where(visible[None], probs * weight, 0.0)
 
 
-def union_by_rank(first: jax.Array, second: jax.Array, num_ranked: jax.Array,
-                  first_share: float) -> jax.Array:
+def union_by_rank(first: jax.Array, second: jax.Array, num_ranked: jax.Array | None,
+                  first_share: float, *, ranked: jax.Array | None = None) -> jax.Array:
     """Scores [heads, T] whose top k is the union of `first`'s and `second`'s top tokens, in the
     proportion first_share : 1 - first_share (a token already in one list is not counted twice,
     so the other list reaches further down).
 
-    first, second: [heads, T] (higher = better); only tokens t < num_ranked are ranked (the
-    others get -inf: the protected tail and padding, placed by the caller). A token's score is
-    -min(rank_first / share, rank_second / (1 - share)): the top k then holds the tokens whose
-    better scaled rank is among the k best."""
-    valid = jnp.arange(first.shape[-1])[None, :] < num_ranked
+    first, second: [heads, T] (higher = better); only tokens t < num_ranked are ranked, or
+    with `ranked` (bool [heads, T]) the tokens it marks (the others get -inf: the protected
+    tail and padding, placed by the caller). A token's score is -min(rank_first / share,
+    rank_second / (1 - share)): the top k then holds the tokens whose better scaled rank is
+    among the k best."""
+    valid = (jnp.arange(first.shape[-1])[None, :] < num_ranked) if ranked is None else ranked
 
-    def rank(scores):
+    def rank(scores):   # one sort; the inverse permutation by a scatter
         masked = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
         order = jnp.argsort(-masked, axis=-1, stable=True)
-        return jnp.argsort(order, axis=-1, stable=True).astype(jnp.float32)
+        heads = jnp.arange(order.shape[0])[:, None]
+        positions = jnp.broadcast_to(jnp.arange(order.shape[-1], dtype=jnp.float32), order.shape)
+        return jnp.zeros(order.shape, jnp.float32).at[heads, order].set(positions)
 
     scaled = jnp.minimum(rank(first) / first_share, rank(second) / (1.0 - first_share))
     return jnp.where(valid, -scaled, -jnp.inf)
@@ -209,6 +220,48 @@ def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, 
                                      q_per_kv=q_per_kv)
         scores = union_by_rank(scores, agnostic, chunk_len - num_protected, WINDOW_SHARE)
     return protect_tail(scores, chunk_len, num_protected)
+
+
+# Methods and rules the whole-turn compression (`kv_layout` retention "turn") serves: it has
+# the turn's question window (its last obs_window queries over every token of the turn) and
+# every key, so SnapKV and KeyDiff, and their union; the spread queries of "window+context"
+# exist only within one chunk.
+TURN_METHODS = ("snapkv", "keydiff")
+TURN_RULES = ("window", "window+keydiff")
+
+
+def turn_scores(window_mass: jax.Array, keys: jax.Array, candidate: jax.Array,
+                protected: jax.Array, *, method: str, rule: str) -> jax.Array:
+    """Scores [heads, S] of a whole turn's tokens on one temporal axis S (the turn's held
+    slots, then its last chunk; higher = kept first), for retention "turn".
+
+    window_mass: float32 [heads, S], the attention the turn's observation window (its last
+    obs_window queries, the question) pays each token, summed over the window and averaged
+    over the head's query heads (SnapKV's score before pooling); keys: float32 [heads, S, d]
+    (RoPE applied); candidate: bool [heads, S], the turn's tokens (the rest of the axis is
+    history of earlier turns or padding: -inf); protected: bool [heads, S], its protected tail
+    (above everything). `method` ranks by SnapKV (the window mass max-pooled over neighbouring
+    tokens, kernel 7, so a kept token brings its context) or KeyDiff (keys least like the
+    turn's mean key); rule "window+keydiff" fills `WINDOW_SHARE` of each head's count by that
+    ranking and the rest by KeyDiff (`union_by_rank`)."""
+    if method not in TURN_METHODS:
+        raise ValueError(f"retention 'turn' scores with one of {TURN_METHODS}, got {method!r}")
+    if rule not in TURN_RULES:
+        raise ValueError(f"retention 'turn' ranks by one of {TURN_RULES}, got {rule!r}")
+    mass = jnp.where(candidate, window_mass.astype(jnp.float32), 0.0)
+    k = keys.astype(jnp.float32)
+    unit = k / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
+    anchor = (unit * candidate[..., None]).sum(axis=1, keepdims=True)
+    anchor = anchor / jnp.maximum(jnp.linalg.norm(anchor, axis=-1, keepdims=True), 1e-12)
+    key_diff = -(unit * anchor).sum(axis=-1)
+    ranked = candidate & ~protected
+    first = pool1d(mass, DEFAULT_KERNEL, "max") if method == "snapkv" else key_diff
+    if rule == "window+keydiff" and method != "keydiff":
+        scores = union_by_rank(first, key_diff, None, WINDOW_SHARE, ranked=ranked)
+    else:
+        scores = jnp.where(ranked, first, -jnp.inf)
+    scores = jnp.where(protected & candidate, jnp.float32(PROTECTED_SCORE), scores)
+    return jnp.where(candidate, scores, -jnp.inf)
 
 
 def dynamic_keep_count(scores: jax.Array, chunk_len: jax.Array, num_protected: jax.Array,

@@ -76,9 +76,12 @@ def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 16) -> Itera
             buf = buf[end:]
 
 
-def sharegpt_conversations(min_chars: int, limit: int) -> list[Messages]:
+def sharegpt_conversations(min_chars: int, limit: int, *, min_user_chars: int = 0,
+                           user_turns: int = 1) -> list[Messages]:
     """Up to `limit` conversations (human/gpt alternating, starting with a human turn) with at
-    least `min_chars` characters, as chat messages."""
+    least `min_chars` characters, as chat messages; with `min_user_chars`, only those whose
+    first `user_turns` user messages each have at least that many characters (ShareGPT's user
+    turns are mostly short)."""
     roles = {"human": "user", "gpt": "assistant"}
     found = []
     for record in iter_sharegpt():
@@ -88,6 +91,9 @@ def sharegpt_conversations(min_chars: int, limit: int) -> list[Messages]:
         if not messages or messages[0]["role"] != "user":
             continue
         if any(a["role"] == b["role"] for a, b in zip(messages, messages[1:])):
+            continue
+        users = [len(m["content"]) for m in messages if m["role"] == "user"][:user_turns]
+        if min_user_chars and (len(users) < user_turns or min(users) < min_user_chars):
             continue
         if sum(len(m["content"]) for m in messages) >= min_chars:
             found.append(messages)

@@ -39,6 +39,7 @@ import numpy as np
 from tangram_jax.compression.clustering import GROUPINGS, group_heads
 from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
 from tangram_jax.provenance import git_revision
+from tangram_jax.version import __version__
 
 FORMAT_VERSION = 2            # written when the profile has tiers, else 1
 READ_VERSIONS = (1, 2)
@@ -54,7 +55,6 @@ class ProfileError(ValueError):
 
 def creation_metadata(samples: int, **extra) -> dict:
     """Date, sample count, package version and git revision (when the package is in a checkout)."""
-    from tangram_jax import __version__
     meta = dict(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 samples=int(samples), tangram_jax_version=__version__, git_revision=git_revision())
     meta.update(extra)

@@ -250,7 +250,7 @@ class AsyncEngine:
             if total is None:
                 total = len(request["prompt_token_ids"]) if request["prompt"] is None \
                     else len(engine.tokenizer.encode(request["prompt"]))
-            params = request["sampling_params"] or SamplingParams()
+            params = request["sampling_params"] or engine.default_sampling_params
             # Room left; add_request refuses a prompt that leaves none.
             request["sampling_params"] = dataclasses.replace(
                 params, max_tokens=max(1, engine.max_model_len - total))

@@ -29,8 +29,10 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
-from tangram_jax.compression.chunk_scoring import SCORING_RULE_CHOICES, resolve_scoring_rule
-from tangram_jax.kv_layout import PRECISION_TIERS, TAIL_RULES, KVLayout, TieredLayout, pages_for
+from tangram_jax.compression.chunk_scoring import (SCORING_RULE_CHOICES, TURN_METHODS,
+                                                   resolve_scoring_rule)
+from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, KVLayout,
+                                   TieredLayout, check_local_layers, pages_for)
 from tangram_jax.kv_quant import KV_PRECISIONS, page_format
 
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
@@ -38,23 +40,22 @@ SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.sampling import is_int
 from tangram_jax.models.registry import DTYPES
-from tangram_jax.scheduler.scheduler import DEFAULT_DECODE_BUCKETS
+from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS
 
 MODES = ("tangram", "full", "dynamic")
 # How the decode kernel's work is cut across head groups (`pallas_kernels/split_map.py`): the
 # ahead-of-time map from the budgets (Tangram), or the same splits for every group (the ablation's
 # FlashDecoding-style baseline, with as many work items per row as the AOT map).
 SPLIT_MAPS = ("aot", "uniform")
+RETENTION_CHOICES = ("auto",) + RETENTIONS
 LAYER_LOOPS = ("scan", "unrolled", "switch")
-# Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given, by
-# backend. GPU, measured on an H100 (Llama-3.1-8B shape for speed, SmolLM2 for accuracy):
-# 2048-token compression chunks prefill tangram 1.2x / 1.7x faster than 256-token ones at
-# 32k / 100k (`benchmarks/NOTES_prefill.md`, run 5), and a chunk that holds the whole turn is
-# scored by the turn's own question: tangram@0.25 passkey 85% vs 28% with 128-token chunks
-# (`benchmarks/results/accuracy.json` vs `accuracy_chunk128.json`); 8192 tokens a step is
-# vLLM's budget on large GPUs. CPU: the reference path pads every compression chunk to
-# `chunk_size`, so it keeps small chunks (speed over accuracy; pass chunk_size to choose).
-DEFAULT_CHUNK_SIZE = {"gpu": 2048, "cpu": 128}
+# Defaults of the prefill knobs when `chunk_size` / `max_num_batched_tokens` are not given.
+# The compression chunk is the same on every backend, so a CPU and a GPU make the same
+# retention decisions for the same input (the CPU pays in speed, not in accuracy): 2048
+# tokens, where tangram prefills 1.2x / 1.7x faster than with 256-token chunks at 32k / 100k
+# on an H100 (`benchmarks/results/prefill_8b.json`). The token budget of a step is by backend:
+# 8192 is vLLM's on large GPUs; on a CPU a step holds one chunk and the decode batch.
+DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 512}
 # A tiered pool's smallest num_pages: each tier's null page and one page.
 TIERED_MIN_PAGES = 4
@@ -167,6 +168,15 @@ def _model(name, value):
 _profile = _path_or("a BudgetProfile, a profile file path or None", BudgetProfile)
 
 
+def _generation_config(name, value):
+    """'auto', 'vllm' or a folder path (its generation_config.json is read when the engine
+    loads its model)."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise EngineConfigError(f"{name} must be 'auto', 'vllm' or a folder holding a "
+                                f"generation_config.json, got {value!r}")
+    return value
+
+
 def _buckets(name, value):
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "
@@ -236,8 +246,8 @@ class EngineConfig:
     page_size: int = _field(16, _int_at_least(1), "tokens per KV page")
     chunk_size: int | None = _field(
         None, _int_at_least(1, optional=True),
-        f"prefill compression chunk (and prefill piece size), tokens; default "
-        f"{DEFAULT_CHUNK_SIZE['gpu']} on a GPU, {DEFAULT_CHUNK_SIZE['cpu']} on a CPU")
+        f"prefill piece size (and the compression chunk of retention 'chunk'), tokens; default "
+        f"{DEFAULT_CHUNK_SIZE} on every backend")
     num_pages: int | None = _field(None, _int_at_least(2, optional=True),
                                    "KV pool pages (page 0 is the null page); with precision tiers "
                                    "the pages of both tiers' pools together, each with its null "
@@ -291,6 +301,13 @@ class EngineConfig:
                              "observation window of the compression scorer (capped at chunk_size)")
     seed: int = _field(0, _int_at_least(0), "engine seed: seeds requests that bring no seed of "
                        "their own, per (seed, request id), as vLLM's seed")
+    generation_config: str = _field(
+        "auto", _generation_config,
+        "default sampling parameters of requests that bring none (vLLM's generation_config): "
+        "auto, the model's (a HF folder's generation_config.json, a GGUF's general.sampling.* "
+        "metadata; vLLM's defaults where it has none), vllm (vLLM's defaults: temperature 1, "
+        "16 tokens), or a folder whose generation_config.json to use "
+        "(models.generation_config)")
     async_scheduling: bool = _field(
         True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
         "while the device runs step N (vLLM's async_scheduling)")
@@ -353,6 +370,15 @@ class EngineConfig:
                             "which end of every turn stays uncompressed until it is answered "
                             "(kv_layout.TAIL_RULES): the last obs_window tokens (window), the "
                             "turn's final chunk (final_chunk), or none")
+    retention: str = _field(
+        "auto", _choice(RETENTION_CHOICES),
+        "how a turn is compressed (kv_layout.RETENTIONS): turn (its chunks are held whole "
+        "while it is prefilled and its last chunk compresses the whole turn, scored by its own "
+        "question: SnapKV as published; a long prefill borrows uncompressed pages while it "
+        "runs) or chunk (each chunk keeps a fixed share of its own, scored before the turn's "
+        "question exists); auto: turn, except chunk for precision tiers, dynamic mode (the "
+        "per-input method as published) and profiles calibrated with a method the whole-turn "
+        "compression does not serve (chunk_scoring.TURN_METHODS)")
     scoring_rule: str = _field(
         "auto", _choice(SCORING_RULE_CHOICES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
@@ -370,35 +396,47 @@ class EngineConfig:
             raise AttributeError(f"EngineConfig has no field {name!r}")
         super().__setattr__(name, f.metadata["check"](name, value))
 
+    def resolved_retention(self, method: str = "snapkv") -> str:
+        """`retention`, or for "auto" turn, except chunk with precision tiers, in dynamic mode
+        and for a profile calibrated with a `method` the whole-turn compression does not serve
+        (`chunk_scoring.TURN_METHODS`)."""
+        if self.retention != "auto":
+            return self.retention
+        chunk = (self.kv_precision in PRECISION_TIERS or self.mode == "dynamic"
+                 or method not in TURN_METHODS)
+        return "chunk" if chunk else "turn"
+
     def resolved_chunk_size(self) -> int:
-        """`chunk_size`, or the default of the backend JAX runs on (`DEFAULT_CHUNK_SIZE`)."""
-        return self.chunk_size or DEFAULT_CHUNK_SIZE[_backend_kind(self.gpu_memory_utilization)]
+        """`chunk_size`, or `DEFAULT_CHUNK_SIZE` (the same on every backend)."""
+        return self.chunk_size or DEFAULT_CHUNK_SIZE
+
+    def __post_init__(self):
+        # The rules between fields, at construction as vLLM's configs do.
+        self._check_together(self.chunk_size or DEFAULT_CHUNK_SIZE)
 
     def check(self) -> None:
         """The rules between fields that need no model (each field alone was checked when it
-        was set); `Engine` calls this before loading the model, so such errors come at once."""
+        was set); `Engine` calls this before loading the model, so such errors come at once.
+        The constructor checks them too (with the smallest default where chunk_size is None)."""
+        self._check_together(self.resolved_chunk_size())
+
+    def _check_together(self, chunk: int) -> None:
+        """The rules between fields; `chunk`: the compression chunk (or a lower bound of it)."""
+        if self.retention == "turn" and self.kv_precision in PRECISION_TIERS:
+            raise EngineConfigError(f"retention 'turn' does not serve precision tiers "
+                                    f"(kv_precision {self.kv_precision!r}): each chunk's kept "
+                                    f"tokens are split between the tiers by rank as it is "
+                                    f"written; use retention 'chunk' or 'auto'")
+        if self.retention == "turn" and self.mode == "dynamic":
+            raise EngineConfigError("retention 'turn' is a static-budget rule; dynamic mode "
+                                    "counts per chunk (the per-input method as published): "
+                                    "use retention 'chunk' or 'auto'")
         if self.mode == "dynamic" and self.scoring_rule not in ("window", "auto"):
             raise EngineConfigError(f"scoring_rule {self.scoring_rule!r} needs tangram or full "
                                     f"mode: dynamic mode counts with Ada-SnapKV's scores, its "
                                     f"scoring_rule must be 'window' (or 'auto', which serves "
                                     f"'window' there)")
-        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
-        # prefill always progresses.
-        chunk = self.resolved_chunk_size()
-        minimum = self.max_num_seqs + chunk
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
-            raise EngineConfigError(
-                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
-                f"chunk_size = {minimum} (a full decode batch plus one prefill chunk)")
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and (threshold < chunk or (
-                self.max_num_batched_tokens is not None
-                and threshold > self.max_num_batched_tokens)):
-            top = self.max_num_batched_tokens or "max_num_batched_tokens"
-            raise EngineConfigError(
-                f"long_prefill_token_threshold must lie in [chunk_size, max_num_batched_tokens]"
-                f" = [{chunk}, {top}], got {threshold} (a long prefill progresses by whole "
-                f"compression chunks)")
+        self._check_token_budget(chunk)
         if self.mode != "tangram" and self.profile is not None:
             raise EngineConfigError(f"profile is only used in tangram mode, got mode {self.mode!r} "
                                     f"with profile {self.profile!r}")
@@ -421,6 +459,29 @@ class EngineConfig:
                 f"do num_pages={self.num_pages} / kv_cache_tokens={self.kv_cache_tokens}: give "
                 f"one of the three")
 
+    def _check_token_budget(self, chunk: int) -> None:
+        """max_num_batched_tokens and long_prefill_token_threshold against the chunk size."""
+        # The scheduler's budget must fit a whole decode batch plus one prefill chunk, so that
+        # prefill always progresses.
+        minimum = self.max_num_seqs + chunk
+        default = "" if self.chunk_size else (
+            f" (chunk_size's default: {DEFAULT_CHUNK_SIZE})")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < minimum:
+            raise EngineConfigError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs + "
+                f"chunk_size = {self.max_num_seqs} + {chunk} = {minimum}{default} (a step must "
+                f"hold a full decode batch plus one prefill chunk); raise max_num_batched_tokens "
+                f"or lower chunk_size / max_num_seqs")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (threshold < chunk or (
+                self.max_num_batched_tokens is not None
+                and threshold > self.max_num_batched_tokens)):
+            top = self.max_num_batched_tokens or "max_num_batched_tokens"
+            raise EngineConfigError(
+                f"long_prefill_token_threshold must lie in [chunk_size, max_num_batched_tokens]"
+                f" = [{chunk}, {top}]{default}, got {threshold} (a long prefill progresses by "
+                f"whole compression chunks)")
+
     def resolve(self, model_config: ModelConfig, *, is_embedded: bool = False) -> "ResolvedConfig":
         """Every setting derived from the fields and the model, computed once (the engine, the
         scheduler and the CLI read these, never their own copies of the rules)."""
@@ -429,12 +490,6 @@ class EngineConfig:
         if max_model_len > mc.max_position_embeddings:
             raise EngineConfigError(f"max_model_len {max_model_len} exceeds the model's context "
                                     f"length {mc.max_position_embeddings}")
-        if mc.sliding_window is not None and mc.sliding_window < max_model_len:
-            # Paged attention here reads every retained token; a window would need a per-step
-            # lower bound on positions, which the kernels do not take.
-            raise EngineConfigError(f"{mc.architecture} with sliding_window {mc.sliding_window} is "
-                                    f"not supported by the paged engine; set max_model_len <= "
-                                    f"{mc.sliding_window}")
         self.check()
         chunk = self.resolved_chunk_size()
         minimum = self.max_num_seqs + chunk
@@ -456,14 +511,29 @@ class EngineConfig:
         # all read from the layout.
         # The profile is read once: it gives the layout and the method the compression serves.
         profile = resolve_profile(self, mc, is_embedded) if self.mode == "tangram" else None
+        method = profile.method if profile is not None else "snapkv"
+        retention = self.resolved_retention(method)
+        if retention == "turn" and self.mode == "tangram" and method not in TURN_METHODS:
+            raise EngineConfigError(f"retention 'turn' scores with one of {TURN_METHODS}; the "
+                                    f"profile was calibrated with {method!r} (use retention "
+                                    f"'chunk' or 'auto', or a profile of another method)")
+        try:
+            scoring_rule = resolve_scoring_rule(self.scoring_rule, self.mode,
+                                                profile.rho if profile is not None else None,
+                                                retention)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
-            self.tail_rule, obs_window)
+            self.tail_rule, obs_window).with_retention(retention)
         if self.kv_precision in PRECISION_TIERS:   # mode is tangram (`check`)
             layout = tiered_layout(self, profile, layout, max_model_len)
         try:   # every KV head group is split over the tensor-parallel devices
             check_tensor_parallel(self.tensor_parallel_size, num_heads=mc.num_heads,
                                   num_kv_heads=mc.num_kv_heads, group_size=layout.group_size,
-                                  intermediate_size=mc.intermediate_size)
+                                  intermediate_size=mc.intermediate_size,
+                                  num_experts=mc.moe.num_experts if mc.moe else None)
+            # Local (sliding-window) layers keep every token (`kv_layout`, "Local layers").
+            check_local_layers(mc, layout, self.mode, self.kv_precision, max_model_len)
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         return ResolvedConfig(
@@ -473,9 +543,7 @@ class EngineConfig:
             max_long_partial_prefills=self.max_long_partial_prefills,
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
-            compression_method=profile.method if profile is not None else "snapkv",
-            scoring_rule=resolve_scoring_rule(self.scoring_rule, self.mode,
-                                              profile.rho if profile is not None else None),
+            compression_method=method, scoring_rule=scoring_rule,
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 
 
@@ -545,6 +613,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
                        "tail_rule": TAIL_RULES, "scoring_rule": SCORING_RULE_CHOICES,
+                       "retention": RETENTION_CHOICES,
                        "kv_precision": SERVED_PRECISIONS,
                        "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,

@@ -89,16 +89,15 @@ def check_messages(messages) -> list[dict]:
     return list(messages)
 
 
-def check_sampling_params(params, vocab_size: int) -> SamplingParams:
-    """SamplingParams (None: the defaults), with the fields that depend on the model checked
-    against its vocabulary (SamplingParams itself does not know the model)."""
+def check_sampling_params(params, vocab_size: int,
+                          default: SamplingParams | None = None) -> SamplingParams:
+    """SamplingParams (None: `default`, the model's generation defaults, else vLLM's), with the
+    fields that depend on the model checked against its vocabulary (SamplingParams itself does
+    not know the model)."""
     if params is None:
-        return SamplingParams()
+        return default if default is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    if params.top_k > vocab_size:
-        raise ValueError(f"sampling_params.top_k {params.top_k} exceeds the vocabulary size "
-                         f"{vocab_size}; use -1 or 0 to disable top-k")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"sampling_params.stop_token_ids {bad[:5]} are outside the vocabulary "

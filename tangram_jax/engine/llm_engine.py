@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tangram_jax.engine import inputs, memory
+from tangram_jax.engine import inputs, kv_savings, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
@@ -45,6 +45,7 @@ from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetric
                                         RequestOutputKind)
 from tangram_jax import kv_quant
 from tangram_jax.kv_layout import TieredLayout, pages_for
+from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.pallas_kernels.decode_attention import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
@@ -204,6 +205,23 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
                      layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
                                             end - start) if p.segment[2] else end - start
                      for p, start, end in zip(rows, starts, ends)]
+        # Each row's count: the layout's rule for the row's place in its turn (a segment decode
+        # wrote keeps all); under retention "turn" also where the turn's held tokens start and
+        # how many of its protected tail they include (the turn's last row compresses them).
+        counts = turn_rows = None
+        if not (runner.prefill_whole_rows or dynamic):
+            counts = [_row_keep_counts(layout, p, start, end, protected_b)
+                      for p, start, end, protected_b in zip(rows, starts, ends, protected)]
+        if runner.compacts_turns:
+            turn_rows = dict(turn_hist=[], keep_counts=counts, held_protected=[])
+            for p, start in zip(rows, starts):
+                seg_start, seg_end, compressed = p.segment
+                offset, turn_len = start - seg_start, seg_end - seg_start
+                turn_rows["turn_hist"].append(hist[p.seq.request_id] - (
+                    layout.retained_counts(turn_len, upto=offset) if compressed else 0))
+                turn_rows["held_protected"].append(
+                    max(0, offset - turn_len + layout.protected_tail(turn_len))
+                    if compressed else 0)
         want = prompt_logprobs is not None and any(p.seq.request_id in prompt_logprobs
                                                    for p in rows)
         targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
@@ -212,7 +230,7 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
         logits, kept, *lp_rows = runner.prefill(
             [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
             starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected, targets, decode=with_decode)
+            protected, targets, decode=with_decode, **(turn_rows or {}))
         if with_decode is not None:
             decoded = lp_rows.pop()
         for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):
@@ -227,12 +245,24 @@ def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
             elif runner.prefill_whole_rows:   # every token kept
                 hist[rid] = hist[rid] + (end - start)
             else:
-                hist[rid] = hist[rid] + layout.chunk_keep_counts(end - start, protected[b])
+                hist[rid] = hist[rid] + counts[b]
             if end == p.end and p.is_last:
                 finished.append((p, logits[b]))
     if decode is None:
         return finished, hist
     return finished, hist, decoded if calls else runner.decode(**decode)
+
+
+def _row_keep_counts(layout, piece, start: int, end: int, protected: int) -> np.ndarray:
+    """int64 [layers, groups]: the slots a compression-chunk row of tokens [start, end) of
+    `piece`'s segment adds: ``layout.piece_retained_counts`` of its place in the turn (under
+    flow retention it depends on what came before), every token of a segment decode wrote."""
+    seg_start, seg_end, compressed = piece.segment
+    if not compressed:
+        return np.full((layout.num_layers, layout.num_groups), end - start, np.int64)
+    if layout.retention == "chunk":
+        return layout.chunk_keep_counts(end - start, protected)
+    return layout.piece_retained_counts(seg_end - seg_start, start - seg_start, end - seg_start)
 
 
 def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -320,6 +350,12 @@ class Engine:
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
+        # What a request without SamplingParams is served with (vLLM's generation_config).
+        try:
+            self.default_sampling_params, self.default_sampling_source = \
+                default_sampling_params(cfg.generation_config, loaded.source)
+        except GenerationConfigError as e:
+            raise EngineConfigError(f"generation_config: {e}") from None
         self.resolved = rc = cfg.resolve(mc, is_embedded=loaded.name == DEFAULT_MODEL)
         self.layout = rc.layout
         self.max_model_len = rc.max_model_len
@@ -340,16 +376,17 @@ class Engine:
         # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)
-        device_memory = None if pool_is_fixed(cfg) else memory.DeviceMemory.read(
-            self.device, allocator.fraction)
-        if device_memory is None and not pool_is_fixed(cfg) and jax.default_backend() != "cpu":
+        # What the allocator reports (None on a CPU): sizes the pool, or checks a fixed one.
+        device_memory = memory.DeviceMemory.read(self.device, allocator.fraction)
+        fixed = pool_is_fixed(cfg)
+        if device_memory is None and not fixed and jax.default_backend() != "cpu":
             log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
                         "platform?): gpu_memory_utilization cannot size the KV pool, which gets "
                         "the default %d tokens; set kv_cache_tokens or num_pages",
                         jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
             loaded.model, mc, self.layout,
-            rc.num_pages if device_memory is None and cfg.kv_cache_memory_bytes is None else None,
+            rc.num_pages if device_memory is None and not fixed else None,   # else below
             table_shape, split_maps=split_maps, devices=self.devices,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
@@ -360,13 +397,17 @@ class Engine:
             kv_precision=cfg.kv_precision)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
-        if device_memory is not None:
+        if fixed:
+            pages = (self._pages_in_bytes(cfg.kv_cache_memory_bytes)
+                     if cfg.kv_cache_memory_bytes is not None else rc.num_pages)
+            if device_memory is not None:   # before the pool exists: refused, not OOM later
+                self._check_fixed_pool(pages, max(buckets), allocator)
+            self.runner.allocate_pool(pages)
+        elif device_memory is not None:
             if allocator.note:
                 log.warning(allocator.note)
             self.memory_plan = self._size_pool(max(buckets), allocator.fraction)
             self.runner.allocate_pool(self.memory_plan.num_pages)
-        elif cfg.kv_cache_memory_bytes is not None:
-            self.runner.allocate_pool(self._pages_in_bytes(cfg.kv_cache_memory_bytes))
         self.manager = KVCacheManager(
             self.layout, self.runner.num_pages, cfg.max_num_seqs,
             rc.max_pages_per_seq,
@@ -413,6 +454,31 @@ class Engine:
         peak = max(memory.step_peak_bytes(c) for c in compiled.values())
         return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
                                 prefer_pages=provisional if pool.holds_min(provisional) else None)
+
+    def _check_fixed_pool(self, pages, max_bucket: int, allocator: memory.AllocatorSetup):
+        """Refuse a pool the user fixed that cannot fit under the allocator's cap in force
+        beside the weights and the largest step (compiled here for that pool, as warm-up would:
+        the executables are reused), naming the figures and what would fit."""
+        cfg = self.config
+        now = memory.DeviceMemory.read(self.device, allocator.fraction)   # the weights are in
+        compiled = self.runner.compile_steps(pages, max_bucket, cfg.max_prefill_rows)
+        peak = max(memory.step_peak_bytes(c) for c in compiled.values())
+        setting = next(f"{name}={getattr(cfg, name)}" for name in
+                       ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
+                       if getattr(cfg, name) is not None)
+        try:
+            memory.check_fixed_pool(now, self._pool_by_bytes(), pages, peak, setting=setting,
+                                    tokens_of=self._full_kv_tokens,
+                                    note=f": {allocator.note}" if allocator.note else "")
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
+
+    def _full_kv_tokens(self, pages) -> int:
+        """Full-KV tokens a pool of `pages` holds (its head-token slots, null pages excluded,
+        over every layer's KV heads), as `kv_pool` counts them."""
+        slots = sum(n - 1 for n in self.runner.tier_pages(pages)) * \
+            self.layout.page_size * self.layout.group_size
+        return slots // (self.model_config.num_layers * self.model_config.num_kv_heads)
 
     def _pool_by_bytes(self) -> memory.TieredPool:
         """The pool's page bytes per tier (one tier untiered) and the pages one max_model_len
@@ -495,6 +561,9 @@ class Engine:
 
         output_kind: what `step` reports for it (see `RequestOutputKind`).
 
+        sampling_params None: `default_sampling_params`, the model's generation config
+        (`EngineConfig.generation_config`), else vLLM's defaults.
+
         Raises TypeError / ValueError naming the argument before anything is queued."""
         return self.enqueue(self.check_request(
             request_id, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
@@ -514,7 +583,8 @@ class Engine:
         if session_id is not None:
             inputs.check_id("session_id", session_id)
         vocab = self.model_config.vocab_size
-        sampling_params = inputs.check_sampling_params(sampling_params, vocab)
+        sampling_params = inputs.check_sampling_params(sampling_params, vocab,
+                                                       self.default_sampling_params)
         if request_id is not None and request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already live")
         if sampling_params.n > 1 and (session_id is not None or forced_token_ids is not None):
@@ -1101,11 +1171,22 @@ class Engine:
         usage.update(
             kv_bytes_held=int(held @ np.asarray(self.runner.tier_page_bytes)),
             full_kv_bytes=full_slots * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * itemsize,
+            # How the retention rule treats the cached tokens (`kv_savings.token_breakdown`).
+            token_breakdown=dataclasses.asdict(kv_savings.token_breakdown(cached_seqs,
+                                                                          self.layout)),
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,
             pool=self.kv_pool(),
         )
         return usage
+
+    def describe_kv_savings(self) -> str:
+        """One sentence: the KV the cached sequences hold against full KV for the same tokens,
+        and where those tokens came from; when nothing was saved, why (`kv_savings`)."""
+        usage = self.kv_usage()
+        return kv_savings.describe(usage["kv_bytes_held"], usage["full_kv_bytes"],
+                                   kv_savings.TokenBreakdown(**usage["token_breakdown"]),
+                                   self.layout, self.config.mode)
 
     def _cached_sequences(self) -> list[Sequence]:
         seqs = {id(r.seq): r.seq for r in self._requests.values()}

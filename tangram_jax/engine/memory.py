@@ -17,8 +17,9 @@ page counts split the usable pages by the high tier's share of the retained toke
 (`TieredPool`): the bytes buy as many usable pages as that mix of page sizes allows.
 
 The step peak is measured at a provisional pool size; where a step's temp grows with the pool
-(the CPU's jnp reference prefill copies V, see benchmarks/NOTES_memory.md) the measured peak
-includes that copy, so the pool that follows is smaller than needed, never larger.
+(the CPU's jnp reference prefill copies V once a layer: its value gather and its compress
+scatter are unordered, so XLA's copy insertion separates them) the measured peak includes that
+copy, so the pool that follows is smaller than needed, never larger.
 
 The arithmetic is plain integers (unit-tested on the CPU with made-up numbers); the engine feeds
 it what the device reports.
@@ -285,6 +286,45 @@ def plan_pool(memory: DeviceMemory, utilization: float, step_peak_bytes: int,
                     step_peak_bytes=int(step_peak_bytes), headroom_bytes=int(headroom_bytes),
                     page_bytes=pool.as_pages(pool.page_bytes), num_pages=pool.as_pages(
                         pool.as_counts(pages)), capped_by=capped_by)
+
+
+FIT_SLACK_BYTES = 16 << 20
+
+
+def check_fixed_pool(memory: DeviceMemory, pool: TieredPool, pages, step_peak_bytes: int, *,
+                     setting: str, tokens_of: Callable[[object], int],
+                     note: str = "", headroom_bytes: int | None = None) -> None:
+    """Raise ValueError unless a pool the user fixed (`setting`, e.g. "kv_cache_tokens=380000")
+    of `pages` fits under the allocator's cap in force beside what is in use (the weights), the
+    largest step's temporary bytes and the headroom; the message names those figures and the
+    largest pool that fits (as kv_cache_memory_bytes, num_pages and `tokens_of` full-KV
+    tokens). `note`: why the cap is what it is (`AllocatorSetup.note`)."""
+    limit = memory.bytes_limit
+    if headroom_bytes is None:
+        headroom_bytes = default_headroom(limit)
+    need = pool.bytes_of(pages) + memory.bytes_in_use + step_peak_bytes + headroom_bytes
+    if need <= limit:
+        return
+    # The pool named as fitting leaves `FIT_SLACK_BYTES` spare: what is in use moves by the
+    # time the user builds again (a GPU run built an engine of exactly the named size and found
+    # ~0.1 MB more in use than when it was named).
+    fit = pool.pages_in(limit - memory.bytes_in_use - step_peak_bytes - headroom_bytes
+                        - FIT_SLACK_BYTES)
+    if pool.holds_min(fit):
+        fits = (f"at most kv_cache_memory_bytes={pool.bytes_of(fit)} fits "
+                f"(num_pages={pool.as_pages(pool.as_counts(fit))}, "
+                f"kv_cache_tokens={tokens_of(fit):,})")
+    else:
+        fits = (f"not even the {pool.describe(pool.min_pages)} one max_model_len sequence "
+                f"needs fits: lower max_model_len, max_num_seqs or max_num_batched_tokens")
+    raise ValueError(
+        f"{setting} fixes a KV pool of {pool.bytes_of(pages) / GIB:.2f} GiB, which with "
+        f"{memory.bytes_in_use / GIB:.2f} GiB in use (the weights), the largest step's "
+        f"{step_peak_bytes / GIB:.2f} GiB and {headroom_bytes / GIB:.2f} GiB of headroom needs "
+        f"{need / GIB:.2f} GiB, more than the allocator's cap in force, {limit / GIB:.2f} GiB "
+        f"({memory.fraction:.2f} of the {memory.card_bytes / GIB:.2f} GiB card{note}); "
+        f"{fits}, or raise the cap ({FRACTION_ENV}, or gpu_memory_utilization before JAX "
+        f"starts)")
 
 
 def step_peak_bytes(compiled) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
@@ -42,17 +43,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from tangram_jax.compression.chunk_scoring import (check_scoring_rule, check_served_method,
-                                                   chunk_scores, dynamic_keep_count)
+                                                   chunk_scores, dynamic_keep_count,
+                                                   turn_scores)
 from tangram_jax.engine.config import MODES
 from tangram_jax import kv_quant
 from tangram_jax.engine.xla_attention import apply_chunk_writes
-from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
-from tangram_jax.pallas_kernels.chunk_compress import compress_chunk_into_tiers
+from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout, check_local_layers
+from tangram_jax.pallas_kernels.chunk_compress import (chunk_destinations,
+                                                       compress_chunk_into_tiers,
+                                                       contiguous_dirty_pages)
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
 from tangram_jax.engine.tensor_parallel import (AXIS, Placement, check_tensor_parallel,
                                                 device_major_perm)
+from tangram_jax.models.moe import shard_experts
 from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import (PREFILL_TUNING, fit_tuning,
@@ -70,15 +75,17 @@ LOGPROB_MODES = (None, "top", "full")
 
 
 class AttentionOps(NamedTuple):
-    """The three attention pieces a step calls; Pallas kernels or their jnp references."""
+    """The attention pieces a step calls; Pallas kernels or their jnp references."""
 
-    prefill_attention: Callable   # ragged_prefill_attention signature
-    compress_chunk: Callable      # compress_chunk_into_pages signature
-    decode_attention: Callable    # (q, k_pages, v_pages, block_tables, lengths, work_list) -> out
+    prefill_attention: Callable   # ragged_prefill_attention signature (window, sinks included)
+    write_chunk: Callable         # write_chunk_into_pages signature (rows to destination slots)
+    compress_chunk: Callable      # compress_chunk_into_pages signature (precision tiers)
+    # (q, k_pages, v_pages, block_tables, lengths, work_list, *, window, sinks) -> out
+    decode_attention: Callable
     name: str                     # "pallas" (GPU kernels) or "xla" (the CPU path)
     # The CPU path plans a prefill's pool writes in the layer loop and applies them after it
-    # (`xla_attention.plan_chunk_writes`: XLA would copy the pool every layer otherwise); None:
-    # `compress_chunk` writes in place inside the loop (the Pallas kernel aliases the pool).
+    # (`chunk_compress.plan_destination_writes`: XLA would copy the pool every layer otherwise);
+    # None: `write_chunk` writes in place inside the loop (the Pallas kernel aliases the pool).
     plan_writes: Callable | None = None
 
     @classmethod
@@ -89,17 +96,19 @@ class AttentionOps(NamedTuple):
             use_kernels = not backend.default_interpret()
         if use_kernels:
             return cls(prefill_attention.ragged_prefill_attention,
+                       chunk_compress.write_chunk_into_pages,
                        chunk_compress.compress_chunk_into_pages,
-                       lambda q, k, v, bt, ln, work: decode_attention.ragged_paged_decode_attention(
-                           q, k, v, bt, ln, work_list=work),
+                       lambda q, k, v, bt, ln, work, **terms:
+                       decode_attention.ragged_paged_decode_attention(
+                           q, k, v, bt, ln, work_list=work, **terms),
                        "pallas")
         # The CPU serving path: XLA programs of the kernels' signatures (engine/xla_attention.py),
         # not the kernels' test references; the chunk compression's scatter is its reference.
         from tangram_jax.engine import xla_attention
         return cls(xla_attention.ragged_prefill_attention_xla,
-                   chunk_compress.compress_chunk_into_pages_reference,
+                   _reference_write, chunk_compress.compress_chunk_into_pages_reference,
                    xla_attention.ragged_paged_decode_attention_xla,
-                   "xla", xla_attention.plan_chunk_writes)
+                   "xla", chunk_compress.plan_destination_writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +224,10 @@ class ModelRunner:
         self.layout = layout
         base = self.base_layout = layout.base if self.tiers is not None else layout
         self.runner_config = runner_config
+        # Retention "turn" (`kv_layout`): a turn's chunks are held whole and its last chunk
+        # compresses the whole turn (`_turn_compaction`).
+        self.compacts_turns = (base.retention == "turn" and base.compresses
+                               and runner_config.mode != "dynamic" and self.tiers is None)
         self.ops = ops or AttentionOps.for_backend()
         self.split_maps = dict(split_maps or {})
         for bucket, split_map in self.split_maps.items():
@@ -225,7 +238,10 @@ class ModelRunner:
         tp = self.placement.tp
         check_tensor_parallel(tp, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                               group_size=base.group_size,
-                              intermediate_size=config.intermediate_size)
+                              intermediate_size=config.intermediate_size,
+                              num_experts=config.moe.num_experts if config.moe else None)
+        check_local_layers(config, layout, runner_config.mode, kv_precision,
+                           int(table_shape[-1]) * base.page_size)
         head_perm = device_major_perm(base.head_perm, base.group_size, tp)
         if not np.array_equal(head_perm, np.tile(np.arange(base.num_kv_heads),
                                                  (base.num_layers, 1))):
@@ -234,6 +250,8 @@ class ModelRunner:
         # not num_layers copies: compile time dominates on small models and CPUs), or kept as
         # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
         layers = list(model.layers)
+        if tp > 1:   # mixture-of-experts layers run expert-parallel over the mesh
+            shard_experts(layers, self.placement.mesh)
         # Switch on the CPU: unrolled saves the scan's per-layer weight copies (~425 MB a step
         # on the embedded model) but compiles 30 layer bodies per shape (the warm-up of `bench
         # serve`, ~50 shapes, went from ~4 minutes to over 15); the switch loop saves the
@@ -287,13 +305,15 @@ class ModelRunner:
             donate_argnums=0)
         # The CPU path's prefill only reads the pool (its writes come back as a plan that
         # `_apply_writes` scatters in place, a second program): nothing of it is donated.
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("table_width",),
+        self._prefill = jax.jit(self._prefill_impl,
+                                static_argnames=("table_width", "region_pages"),
                                 donate_argnums=() if self.plans_prefill_writes else (2, 3))
         self._apply_writes = jax.jit(_apply_planned_writes, donate_argnums=(0, 1))
         self._decode = jax.jit(self._decode_impl,
                                static_argnames=("split_map", "logprobs", "table_width"),
                                donate_argnums=(2, 3, 4))
-        self._mixed = jax.jit(self._mixed_impl, static_argnames=("table_width", "logprobs"),
+        self._mixed = jax.jit(self._mixed_impl,
+                              static_argnames=("table_width", "region_pages", "logprobs"),
                               donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
@@ -374,6 +394,27 @@ class ModelRunner:
             ys.append(y)
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
+    def _attention_terms(self, layer) -> dict:
+        """What the layer's attention takes besides q, k, v (`pallas_kernels.attention_terms`):
+        its window where the model has local layers, its sinks where it has sinks (nothing
+        for other models: their attention compiles as before)."""
+        terms = {}
+        if self.config.local_layers:
+            terms["window"] = layer.attention_window()
+        if self.config.attention_sinks:
+            terms["sinks"] = layer.attention_sinks()
+        return terms
+
+    @property
+    def _terms_spec(self) -> dict:
+        """`shard_map` specs of `_attention_terms`: the window whole, the sinks by query head."""
+        spec = {}
+        if self.config.local_layers:
+            spec["window"] = P()
+        if self.config.attention_sinks:
+            spec["sinks"] = P(AXIS)
+        return spec
+
     def _layer(self, layer_state):
         """The layer a layer step runs: its state merged into a `DecoderLayer`, or (the
         ``switch`` loop) the `_SwitchedLayer` that picks it by index."""
@@ -429,21 +470,24 @@ class ModelRunner:
 
     def chunk_token_buckets(self, rows: int) -> list[int]:
         """Flat-token sizes of a call of `rows` compression-chunk rows (not
-        `prefill_whole_rows`): every row's chunk, aligned; on the CPU path a single row also
-        takes the powers of two of the row alignment below that (a follow-up turn's few
+        `prefill_whole_rows`): every row's chunk, aligned; on the CPU path also the powers of
+        two of the row alignment below that from `rows` alignments up (a follow-up turn's few
         dozen tokens cost a 64-token GEMM, not a whole chunk's; each size is one more compiled
         prefill and mixed program)."""
         align = row_alignment(self.prefill_tuning)
         whole = rows * (-(-self.layout.chunk_size // align) * align)
-        if self.ops.name != "xla" or rows > 1:
+        if self.ops.name != "xla":
             return [whole]
-        return _doublings(align, whole)
+        return _doublings(rows * align, whole)
 
     def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
                 hist_lengths: list[np.ndarray],
                 num_protected: list[int] | None = None,
                 prompt_targets: list[np.ndarray] | None = None,
-                decode: dict | None = None) -> tuple:
+                decode: dict | None = None, *,
+                turn_hist: list[np.ndarray] | None = None,
+                keep_counts: list[np.ndarray] | None = None,
+                held_protected: list[int] | None = None) -> tuple:
         """Run one prefill row for each of several sequences in one call (a ragged batch: the
         GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
 
@@ -467,6 +511,15 @@ class ModelRunner:
         prompt_targets are asked, both run as one program (`_mixed_impl`: one pass over the
         weights and the layers); otherwise the prefill, then the decode. Its result (`decode`'s
         return value) is then the last item of the returned tuple.
+
+        Retention "turn" (`compacts_turns`) needs, per row, turn_hist[b] int [layers, groups]
+        (the retained tokens before the row's turn: its held tokens are slots turn_hist ..
+        hist - 1) and keep_counts[b] int [layers, groups] (what the row changes the group's
+        count by, ``layout.piece_retained_counts`` of the row within its turn: the row's length
+        while the turn is held, and for its last row the turn's count less what it holds, so
+        that row compresses the whole turn); held_protected[b]: of the turn's protected tail,
+        the tokens already held before the row. Without them every row is a whole turn of its
+        own, compressed as it is written.
         """
         n_rows = len(tokens)
         if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
@@ -486,15 +539,53 @@ class ModelRunner:
         if prompt_targets is not None and [len(t) for t in prompt_targets] != \
                 [len(t) for t in tokens]:
             raise ValueError("prompt_targets needs one target per token of every row")
+        turn_rows = self._turn_rows(tokens, hist_lengths, num_protected, turn_hist, keep_counts,
+                                    held_protected)
         if decode is not None and self.mixes_steps and prompt_targets is None:
             return self._run_mixed(tokens, start_positions, slots, hist_lengths, num_protected,
-                                   decode)
+                                   decode, turn_rows)
         out = self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected,
-                                prompt_targets)
+                                prompt_targets, turn_rows)
         return out if decode is None else (*out, self.decode(**decode))
 
+    def _turn_rows(self, tokens, hist_lengths, num_protected, turn_hist, keep_counts,
+                   held_protected):
+        """(turn_hist, keep_counts, held_protected) of every row for retention "turn"
+        (checked; `prefill`), None where the runner does not compact turns."""
+        if not self.compacts_turns:
+            return None
+        n = len(tokens)
+        if turn_hist is None and keep_counts is None and held_protected is None:
+            # Every row a whole turn of its own: compressed as it is written.
+            layout = self.layout
+            bad = [len(t) for t, p in zip(tokens, num_protected)
+                   if p != layout.protected_tail(len(t))]
+            if bad:
+                raise ValueError(f"retention 'turn': rows of {bad} tokens are not whole turns "
+                                 f"(their protected tails differ); pass turn_hist, keep_counts "
+                                 f"and held_protected")
+            turn_hist = [np.asarray(h) for h in hist_lengths]
+            keep_counts = [layout.retained_counts(len(t)) for t in tokens]
+            held_protected = [0] * n
+        if turn_hist is None or keep_counts is None or held_protected is None or \
+                not len(turn_hist) == len(keep_counts) == len(held_protected) == n:
+            raise ValueError("retention 'turn' needs turn_hist, keep_counts and held_protected "
+                             "for every row")
+        turn_hist = [np.asarray(x, np.int64) for x in turn_hist]
+        keep_counts = [np.asarray(x, np.int64) for x in keep_counts]
+        for t, h0, h, k, p in zip(tokens, turn_hist, hist_lengths, keep_counts, held_protected):
+            h = np.asarray(h)
+            if h0.shape != self.counts_shape or k.shape != self.counts_shape or \
+                    (h0 > h).any() or (k > len(t)).any() or (h + k < h0).any() or \
+                    not 0 <= p <= (h - h0).min():
+                raise ValueError(f"turn_hist and keep_counts must be {self.counts_shape} with "
+                                 f"turn_hist <= hist, keep_counts <= the row's tokens and "
+                                 f"hist + keep_counts >= turn_hist; held_protected in "
+                                 f"[0, hist - turn_hist]")
+        return turn_hist, keep_counts, [int(p) for p in held_protected]
+
     def _run_mixed(self, tokens, start_positions, slots, hist_lengths, num_protected,
-                   decode: dict) -> tuple:
+                   decode: dict, turn_rows=None) -> tuple:
         """`prefill` of these rows and `decode(**decode)` as one program (`_mixed_impl`)."""
         decode = dict(decode)
         positions, d_slots, lengths = (decode.pop(k) for k in ("positions", "slots", "lengths"))
@@ -507,7 +598,7 @@ class ModelRunner:
             raise ValueError("a mixed step's prefill and decode rows must be distinct sequences")
         prefill_args, prefill_static = self._prefill_args(
             tokens, start_positions, slots, hist_lengths, num_protected, None, self.k_pages,
-            self.v_pages)
+            self.v_pages, turn_rows)
         decode_args, decode_static = self._decode_call(
             self.k_pages, self.v_pages, positions, d_slots, lengths, *sampling, forced,
             logprobs, adjust)
@@ -519,13 +610,14 @@ class ModelRunner:
         return logits, kept, (next_tokens if logprobs is None else (next_tokens, lp))
 
     def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected,
-                     prompt_targets=None):
+                     prompt_targets=None, turn_rows=None):
         """`prefill` without the checks. With `prompt_targets` (int [n_b] per row: the token
         each position's logits predict, -1 for none) it also returns each row's
         `TokenLogprobs` of those targets (numpy, [n_b] / [n_b, MAX_TOP_LOGPROBS]; the
         prompt_logprobs of vLLM), computed on the device over every position of the call."""
         args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
-                                          num_protected, None, self.k_pages, self.v_pages)
+                                          num_protected, None, self.k_pages, self.v_pages,
+                                          turn_rows)
         if prompt_targets is None:
             logits, kept = self._call_prefill(args, static)
             return logits, kept
@@ -550,9 +642,12 @@ class ModelRunner:
         return tuple(rest)
 
     def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
-                      num_tokens, k_pages, v_pages) -> tuple[tuple, dict]:
+                      num_tokens, k_pages, v_pages, turn_rows=None,
+                      region_pages: int | None = None) -> tuple[tuple, dict]:
         """`_prefill`'s inputs and static arguments for these rows; `num_tokens` forces the
-        flat-token bucket of whole rows (warm-up)."""
+        flat-token bucket of whole rows (warm-up); turn_rows: `_turn_rows`'s (turn_hist,
+        keep_counts, held_protected), or None (every row keeps all: a warm-up call);
+        region_pages forces the static region width of turn compactions (warm-up)."""
         n_rows = len(tokens)
         rows = backend.next_power_of_2(n_rows)
         layout = self.layout
@@ -584,8 +679,16 @@ class ModelRunner:
         row_slots[:n_rows] = slots
         hist = np.zeros((rows, *self.counts_shape), np.int32)
         hist[:n_rows] = np.stack([np.asarray(h, np.int32) for h in hist_lengths])
+        turn_hist = hist.copy()
+        held_protected = np.zeros(rows, np.int32)
         if self.prefill_whole_rows or self.runner_config.mode == "dynamic":
             keep = np.zeros_like(hist)     # whole rows keep all; dynamic decides on device
+        elif self.compacts_turns:
+            keep = np.broadcast_to(lens[:, None, None], hist.shape).astype(np.int32)
+            if turn_rows is not None:
+                turn_hist[:n_rows] = np.stack(turn_rows[0])
+                keep[:n_rows] = np.stack(turn_rows[1])
+                held_protected[:n_rows] = turn_rows[2]
         else:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
@@ -598,11 +701,36 @@ class ModelRunner:
                                     self.base_layout.group_size // self.placement.tp,
                                     self.prefill_tuning), tuning=self.prefill_tuning)
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
-                lens, protected, self.block_tables, row_slots, hist, keep, items)
+                lens, protected, self.block_tables, row_slots, hist, keep, items, held_protected,
+                turn_hist)
         # The columns attention reads: the history's (the CPU path plans its writes from the
         # whole table after the loop), or the history's and the row's (kernels write in place).
         reach = int(hist.max()) + (0 if self.plans_prefill_writes else int(lens.max()))
-        return args, dict(table_width=self._table_width(reach, prefill=True))
+        if region_pages is None:
+            region_pages = 0
+            if self.compacts_turns:   # the pages each compaction's held tokens span
+                compacts = (keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
+                ps = layout.page_size
+                span = (turn_hist % ps + hist - turn_hist + ps - 1) // ps
+                region_pages = self._region_width(
+                    int(span[:n_rows][compacts].max()) if compacts.any() else 0)
+        return args, dict(table_width=self._table_width(reach, prefill=True),
+                          region_pages=region_pages)
+
+    def _region_widths(self) -> list[int]:
+        """The static region widths (pages) of turn compactions a prefill call compiles for
+        (`_region_width`): `SHORT_REGION_PAGES` (what a follow-up turn holds) and the whole
+        block table (a long turn), so a prefill shape compiles twice, not once per length; a
+        call whose rows only append takes the short one (its compaction branch is skipped).
+        [0] where the runner does not compact turns."""
+        if not self.compacts_turns:
+            return [0]
+        full = int(self.block_tables.shape[-1])
+        return sorted({min(SHORT_REGION_PAGES, full), full})
+
+    def _region_width(self, pages: int) -> int:
+        """The smallest of `_region_widths` that holds `pages` pages."""
+        return next(w for w in self._region_widths() if w >= pages)
 
     @property
     def dense_pool(self) -> bool:
@@ -624,110 +752,212 @@ class ModelRunner:
                                     [num_protected])
         return logits[0], kept[0]
 
-    def _prefill_layer_attention(self, rows: int, n: int, k_pages) -> Callable:
+    def _prefill_layer_attention(self, rows: int, n: int, k_pages,
+                                 region_pages: int = 0) -> Callable:
         """One layer's prefill attention, compression scoring and KV write for `rows` rows over
         a flat axis of `n` tokens (run per device): ``attend(q, k, v, k_pages, v_pages, tables,
-        write_tables, hist, keep, items, row_starts, row_lens, num_protected, positions) ->
-        (out [n, Hq, d], k_pages, v_pages, kept [rows, groups], planned writes)``."""
+        write_tables, hist, turn_hist, keep, items, row_starts, row_lens, num_protected,
+        held_protected, positions, terms) -> (out [n, Hq, d], k_pages, v_pages, kept [rows,
+        groups], planned writes)``. region_pages: static, the held pages a turn compaction of
+        this call reads (`_turn_compaction`; 0: no row compacts its turn)."""
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
+        group_size = self.base_layout.group_size // self.placement.tp   # heads of a group here
+        page_size = self.layout.page_size
 
         planned = self.plans_prefill_writes
         num_pages = k_pages.shape[0] if planned else None
         tiered = self.tiers is not None
 
-        def write(k_chunk, v_chunk, scores, keep_b, chunk_len, k_pages, v_pages, table, hist_b,
-                  plans):
-            """One row's kept K/V into its pages: now (kernel), or planned for after the loop
-            (then `table` is the row's whole table of this layer, `plans` collects the plan)."""
+        def write(k_src, v_src, dest, k_pages, v_pages, table, plans):
+            """Rows of k_src, v_src [S, heads, d] into the slots `dest` [heads, S] gives (-1:
+            none): now (kernel), or planned for after the loop (then `table` is the row's
+            whole table of this layer, `plans` collects the plan)."""
             if planned:
-                plans.append(self.ops.plan_writes(
-                    k_chunk, v_chunk, scores, keep_b, chunk_len, num_pages,
-                    self.layout.page_size, self.layout.group_size, table, hist_b))
+                plans.append(self.ops.plan_writes(k_src, v_src, dest, num_pages, page_size,
+                                                  group_size, table))
                 return k_pages, v_pages
-            if tiered:
-                return compress_chunk_into_tiers(self.ops.compress_chunk, k_chunk, v_chunk,
-                                                 scores, keep_b, chunk_len, k_pages, v_pages,
-                                                 table, hist_b)
-            return self.ops.compress_chunk(k_chunk, v_chunk, scores, keep_b, chunk_len,
-                                           k_pages, v_pages, table, hist_b)
+            return self.ops.write_chunk(
+                k_src, v_src, dest, k_pages, v_pages, table,
+                max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
 
-        def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, keep, items,
-                   row_starts, row_lens, num_protected, positions):
+        def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, turn_hist, keep, items,
+                   row_starts, row_lens, num_protected, held_protected, positions, terms):
             """The layer's attention, compression scoring and KV write on one device's heads
             (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
-            [num_pages, G, page_size, d] (this device's G). Returns (out [N, Hq, d], k_pages,
-            v_pages, kept [rows, groups], the planned writes (a list; empty unless planned))."""
+            [num_pages, G, page_size, d] (this device's G); terms: the layer's window and sinks
+            (`_attention_terms`). Returns (out [N, Hq, d], k_pages, v_pages, kept [rows,
+            groups], the planned writes (a list; empty unless planned))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
             # Tiers: tables and lengths of tier groups; both prefill paths read a group's two
             # tiers as one dense history (`kv_quant.tiered_dense_history`).
             out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
                                                   row_starts, row_lens, items,
-                                                  tuning=self.prefill_tuning)
+                                                  tuning=self.prefill_tuning, **terms)
             if whole_rows:
-                # Every token kept: the fused compression kernel appends each row's K/V after its
-                # history in place (earliest-first scores keep the row's order).
+                # Every token kept: each row's K/V appended after its history, in order.
                 pad = ((0, n), (0, 0), (0, 0))
                 k_flat, v_flat = jnp.pad(k, pad), jnp.pad(v, pad)
-                earliest = jnp.broadcast_to(-jnp.arange(n, dtype=jnp.float32), (k.shape[1], n))
+                t = jnp.arange(n, dtype=jnp.int32)[None, :]
                 for b in range(rows):
-                    keep_b = jnp.broadcast_to(row_lens[b], hist.shape[1:])
+                    dest = jnp.where(t < row_lens[b], jnp.repeat(hist[b], group_size)[:, None]
+                                     + t, -1)
                     k_pages, v_pages = write(
                         jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
-                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n),
-                        earliest, keep_b, row_lens[b], k_pages, v_pages, write_tables[b],
-                        hist[b], plans)
+                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n), dest,
+                        k_pages, v_pages, write_tables[b], plans)
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
-            else:            # one compression chunk per row: score, select, write
-                obs = observation_probs(q, k, lse, row_starts, row_lens,
-                                        obs_window=self.runner_config.obs_window, chunk=chunk)
-                pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
-                q_flat, k_flat, v_flat = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-                kept = []
-                for b in range(rows):
-                    q_row, k_row, v_row = (jax.lax.dynamic_slice_in_dim(x, row_starts[b], chunk)
-                                           for x in (q_flat, k_flat, v_flat))
+                return out, k_pages, v_pages, kept, plans
+            # One compression chunk per row: score, select, write.
+            obs = observation_probs(q, k, lse, row_starts, row_lens,
+                                    obs_window=self.runner_config.obs_window, chunk=chunk)
+            pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
+            q_flat, k_flat, v_flat = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+            kept = []
+            for b in range(rows):
+                q_row, k_row, v_row = (jax.lax.dynamic_slice_in_dim(x, row_starts[b], chunk)
+                                       for x in (q_flat, k_flat, v_flat))
+                if tiered:
                     scores, keep_b = self._row_scores(
                         obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
                         positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
-                    k_pages, v_pages = write(k_row, v_row, scores, keep_b, row_lens[b],
-                                             k_pages, v_pages, write_tables[b], hist[b], plans)
+                    k_pages, v_pages = compress_chunk_into_tiers(
+                        self.ops.compress_chunk, k_row, v_row, scores, keep_b, row_lens[b],
+                        k_pages, v_pages, write_tables[b], hist[b])
                     kept.append(keep_b)
-                kept = jnp.stack(kept)
-            return out, k_pages, v_pages, kept, plans
+                    continue
+                if self.compacts_turns:
+                    # Held whole (the row's length), or the turn's last row: the whole turn.
+                    keep_b = keep[b]
+                    chunk_dest = chunk_destinations(
+                        -jnp.arange(chunk, dtype=jnp.float32)[None].repeat(k.shape[1], 0),
+                        jnp.minimum(keep_b, row_lens[b]), row_lens[b], hist[b], group_size)
+                    if region_pages:
+                        dest, k_src, v_src = jax.lax.cond(
+                            jnp.any(keep_b < row_lens[b]),
+                            lambda: self._turn_compaction(
+                                q_row, k_row, v_row, obs[b], lse, row_starts[b], row_lens[b],
+                                k_pages, v_pages, write_tables[b], hist[b], turn_hist[b],
+                                keep_b, num_protected[b], held_protected[b], region_pages),
+                            lambda: _append_only(chunk_dest, k_row, v_row, region_pages,
+                                                 page_size))
+                    else:
+                        dest, k_src, v_src = chunk_dest, k_row, v_row
+                else:
+                    scores, keep_b = self._row_scores(
+                        obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
+                        positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
+                    dest = chunk_destinations(scores, keep_b, row_lens[b], hist[b], group_size)
+                    k_src, v_src = k_row, v_row
+                k_pages, v_pages = write(k_src, v_src, dest, k_pages, v_pages, write_tables[b],
+                                         plans)
+                kept.append(keep_b)
+            return out, k_pages, v_pages, jnp.stack(kept), plans
 
         heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
         attend = self.placement.per_device(
             attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
-            + (P(),) * 9,
+            + (P(),) * 11 + (self._terms_spec,),
             out_specs=(heads, self._pool_spec, self._pool_spec, P(), []))
 
         return attend
 
+    def _turn_compaction(self, q_row, k_row, v_row, obs_row, lse, row_start, row_len, k_pages,
+                         v_pages, table, hist, turn_hist, keep, num_protected, held_protected,
+                         region_pages: int):
+        """The last row of a turn under retention "turn": the whole turn (its held slots
+        ``turn_hist .. hist - 1`` of each group, then the row's tokens) scored by the turn's
+        question (the row's last obs_window queries, `obs_row`) and the question-agnostic rule
+        (`chunk_scoring.turn_scores`), the top ``hist + keep - turn_hist`` of each head written
+        back in temporal order from slot ``turn_hist``.
+
+        q_row, k_row, v_row [T, heads, d] (the row, padded); obs_row [Hq, W, T] (the window's
+        probabilities over the row's keys); lse [Hq, N] (the call's); row_start, row_len,
+        num_protected (the row's protected tokens), held_protected (the turn's protected tokens
+        held before the row): int32 scalars; table int [groups, P]; hist, turn_hist, keep int
+        [groups]. Returns (dest [heads, R + T], k_src, v_src [R + T, heads, d]) for `write`:
+        R = region_pages * page_size held slots, read from the pages (dequantised) and written
+        back compacted, then the row's tokens."""
+        chunk, heads, dim = k_row.shape
+        group_size = heads // hist.shape[0]
+        ps = self.layout.page_size
+        window = obs_row.shape[1]
+        q_per_kv = self.config.q_per_kv
+        # The held slots: per group the table columns from its turn's first page on.
+        first = turn_hist // ps                                              # [groups]
+        cols = jnp.clip(first[:, None] + jnp.arange(region_pages)[None], 0, table.shape[1] - 1)
+        page_ids = jnp.clip(jnp.take_along_axis(table, cols, axis=1), 0, None)
+        slot = (first[:, None] * ps + jnp.arange(region_pages * ps)[None])   # [groups, R]
+        held = (slot >= turn_hist[:, None]) & (slot < hist[:, None])
+        per_head = lambda x: jnp.repeat(x, group_size, axis=0)              # noqa: E731
+
+        def gather(pages):   # [groups, R_pages] -> [heads, R, d] in the pool's value dtype
+            x = kv_quant.take_pages(pages, page_ids)       # [groups, Rp, G, ps, d]
+            x = jnp.moveaxis(x, 2, 1)                      # [groups, G, Rp, ps, d]
+            return x.reshape(heads, region_pages * ps, dim)
+
+        k_held, v_held = gather(k_pages), gather(v_pages)
+        # The question's attention on the held tokens: exp(q k / sqrt(d) - lse), summed over
+        # the window, averaged over each head's query heads (what `obs_row` holds for the row).
+        local = row_len - window + jnp.arange(window)
+        # (In the pool's dtype with float32 sums, as the attention kernels compute them.)
+        q_win = q_row[jnp.clip(local, 0, chunk - 1)].astype(k_held.dtype)    # [W, Hq, d]
+        lse_win = lse[:, jnp.clip(row_start + local, 0, lse.shape[1] - 1)]   # [Hq, W]
+        logits = jnp.einsum("wgjd,gsd->gjws", q_win.reshape(window, heads, q_per_kv, dim),
+                            k_held, preferred_element_type=jnp.float32).reshape(
+            heads * q_per_kv, window, -1) / math.sqrt(dim)
+        live = (local >= 0)[None, :, None] & per_head(held)[:, None].repeat(q_per_kv, 0)
+        probs = jnp.where(live, jnp.exp(logits - lse_win[..., None]), 0.0)
+        mass_held = probs.sum(axis=1).reshape(heads, q_per_kv, -1).mean(axis=1)
+        mass_row = obs_row.sum(axis=1).reshape(heads, q_per_kv, chunk).mean(axis=1)
+        # One temporal axis: held slots, then the row.
+        mass = jnp.concatenate([mass_held, mass_row], axis=1)
+        keys = jnp.concatenate([k_held.astype(jnp.float32),
+                                jnp.swapaxes(k_row, 0, 1).astype(jnp.float32)], axis=1)
+        t = jnp.arange(chunk)
+        candidate = jnp.concatenate([per_head(held), jnp.broadcast_to(
+            t[None] < row_len, (heads, chunk))], axis=1)
+        protected = jnp.concatenate([
+            per_head((slot >= hist[:, None] - held_protected) & held),
+            jnp.broadcast_to((t[None] >= row_len - num_protected) & (t[None] < row_len),
+                             (heads, chunk))], axis=1)
+        scores = turn_scores(mass, keys, candidate, protected,
+                             method=self.runner_config.method,
+                             rule=self.runner_config.scoring_rule)
+        total = scores.shape[1]
+        dest = chunk_destinations(scores, hist + keep - turn_hist, jnp.int32(total), turn_hist,
+                                  group_size)
+        k_src = jnp.concatenate([jnp.swapaxes(k_held, 0, 1).astype(k_row.dtype), k_row])
+        v_src = jnp.concatenate([jnp.swapaxes(v_held, 0, 1).astype(v_row.dtype), v_row])
+        return dest, k_src, v_src
+
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
                       row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
-                      work_items, targets=None, *, table_width):
+                      work_items, held_protected, turn_hist, targets=None, *, table_width,
+                      region_pages):
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
-        slots [rows]; hist_lengths, keep_counts [rows, layers, groups]; work_items [layers,
-        items, 5]; table_width: static, the block-table columns attention reads (see
+        held_protected, slots [rows]; hist_lengths, keep_counts, turn_hist [rows, layers,
+        groups]; work_items [layers, items, 5]; table_width, region_pages: static, the
+        block-table columns attention reads and the held pages a turn compaction reads (see
         `_table_width`, `_prefill_args`). Returns (k_pages, v_pages, logits, kept[, lp]), or
         with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
         writes for `_apply_writes`."""
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         planned = self.plans_prefill_writes
-        attend = self._prefill_layer_attention(rows, n, k_pages)
+        attend = self._prefill_layer_attention(rows, n, k_pages, region_pages)
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
-            # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 2, [I, 5]
-            layer_state, tables, write_tables, hist, keep, items = xs
+            # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 3, [I, 5]
+            layer_state, tables, write_tables, hist, turn_hist, keep, items = xs
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
             out, k_pages, v_pages, kept, plans = attend(
-                q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, keep, items,
-                row_starts, row_lens, num_protected, positions)
+                q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, turn_hist, keep,
+                items, row_starts, row_lens, num_protected, held_protected, positions,
+                self._attention_terms(layer))
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages), (kept, plans or None)
 
@@ -735,7 +965,8 @@ class ModelRunner:
         (h, k_pages, v_pages), (kept, plans) = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
-                                                        keep_counts, work_items, table_width)))
+                                                        turn_hist, keep_counts, work_items,
+                                                        table_width)))
         # The CPU path returns its writes of every layer and row (`_apply_writes` scatters them
         # in place, in a second program): scattered here, after the loop, they could still be
         # ordered before a layer's history read (unrolled, nothing makes the scatter wait for
@@ -750,16 +981,17 @@ class ModelRunner:
         lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
         return *pool, logits, per_layer(kept), lp
 
-    def _prefill_layer_inputs(self, all_tables, slots, hist_lengths, keep_counts, work_items,
-                              table_width) -> tuple:
+    def _prefill_layer_inputs(self, all_tables, slots, hist_lengths, turn_hist, keep_counts,
+                              work_items, table_width) -> tuple:
         """The prefill's per-layer inputs (leading axis layers): the rows' tables of the
         columns attention reads, the tables writes use (the whole table where writes are
-        planned), histories, keep counts, work items."""
+        planned), histories, turn starts, keep counts, work items."""
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         tables = all_tables[slots]
         return (per_layer(tables[..., :table_width]),
                 per_layer(tables if self.plans_prefill_writes else tables[..., :table_width]),
-                per_layer(hist_lengths), per_layer(keep_counts), work_items)
+                per_layer(hist_lengths), per_layer(turn_hist), per_layer(keep_counts),
+                work_items)
 
     def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
@@ -832,13 +1064,14 @@ class ModelRunner:
     _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
 
     @staticmethod
-    def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, *, decode_attention,
-                          use_work, tiered=None, high_items=0):
+    def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, terms, *,
+                          decode_attention, use_work, tiered=None, high_items=0):
         """One layer's decode attention on one device's heads (all of them without tensor
         parallelism): append the new token's K/V at slot `lens` of every group, attend.
         q [B, 1, Hq, d], k/v [B, 1, Hkv, d] (this device's heads, group-major); k/v_pages
         [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
-        Returns (out [B, 1, Hq, d], k_pages, v_pages).
+        terms: the layer's window and sinks (`_attention_terms`). Returns (out [B, 1, Hq, d],
+        k_pages, v_pages).
 
         tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups),
         attended by the Pallas decode kernel (``"pallas"``: one launch over both pools, work the
@@ -849,7 +1082,7 @@ class ModelRunner:
             k_pages, v_pages = ModelRunner._append_token(k, v, k_pages, v_pages, tables, lens)
             qg = q[:, 0].reshape(batch, lens.shape[1], -1, q.shape[-1])
             out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
-                                   work if use_work else None)
+                                   work if use_work else None, **terms)
             return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
         k_high, v_high = ModelRunner._append_token(k, v, k_pages.high, v_pages.high,
                                                    tables[:, 0::2], lens[:, 0::2])
@@ -859,10 +1092,10 @@ class ModelRunner:
         qg = q[:, 0].reshape(batch, lens.shape[1] // 2, -1, q.shape[-1])
         if tiered == "pallas":
             out = decode_attention(qg, k_pages, v_pages, tables, seen,
-                                   (work[:high_items], work[high_items:]))
+                                   (work[:high_items], work[high_items:]), **terms)
         else:
             out = decode_attention(qg, *kv_quant.tiered_dense_history(
-                k_pages, v_pages, tables, seen, jnp.float32), None)
+                k_pages, v_pages, tables, seen, jnp.float32), None, **terms)
         return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
 
     @staticmethod
@@ -938,7 +1171,8 @@ class ModelRunner:
                               tiered=None if self.tiers is None else self.ops.name,
                               high_items=split_map.tier_work_lists()[0].shape[1]
                               if self.tiers is not None and split_map is not None else 0),
-            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P()),
+            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P(),
+                      self._terms_spec),
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
@@ -961,7 +1195,8 @@ class ModelRunner:
             layer_state, tables, lens, work = xs          # [B, Gn, P], [B, Gn], [items, 3]
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[:, None])
-            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work)
+            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work,
+                                           self._attention_terms(layer))
             h = layer.finish(h, out.astype(h.dtype))
             return (h, k_pages, v_pages), None
 
@@ -991,18 +1226,20 @@ class ModelRunner:
         """`_mixed`'s inputs and static arguments from a prefill call's and a decode call's
         (`_prefill_args`, `_decode_call`) over the same pool."""
         (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
-         tables, row_slots, hist, keep, items) = prefill_args
+         tables, row_slots, hist, keep, items, held_protected, turn_hist) = prefill_args
         (_, _, _, _, slot_tokens, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
         return ((state, layer_states, k_pages, v_pages, slot_tokens, tables, flat, positions,
-                 row_starts, lens, protected, row_slots, hist, keep, items, d_positions, d_slots,
-                 d_lengths, *sampling),
+                 row_starts, lens, protected, row_slots, hist, keep, items, held_protected,
+                 turn_hist, d_positions, d_slots, d_lengths, *sampling),
                 dict(table_width=prefill_static["table_width"],
+                     region_pages=prefill_static["region_pages"],
                      logprobs=decode_static["logprobs"]))
 
     def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, all_tables,
                     tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
-                    keep_counts, work_items, d_positions, d_slots, d_lengths, temperature, top_k,
-                    top_p, seeds, steps, forced, adjust, *, table_width, logprobs):
+                    keep_counts, work_items, held_protected, turn_hist, d_positions, d_slots,
+                    d_lengths, temperature, top_k, top_p, seeds, steps, forced, adjust, *,
+                    table_width, region_pages, logprobs):
         """A prefill call (`_prefill_impl`'s inputs, N flat tokens) and a decode step
         (`_decode_impl`'s, B rows) in one forward: per layer the projections of all N + B
         tokens in one matmul, the decode rows' attention (their token appended to the pool
@@ -1019,7 +1256,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         planned = self.plans_prefill_writes
-        prefill_attend = self._prefill_layer_attention(rows, n, k_pages)
+        prefill_attend = self._prefill_layer_attention(rows, n, k_pages, region_pages)
         decode_attend = self._decode_layer_attention(None)
         no_work = jnp.zeros((1, 3), jnp.int32)           # the CPU path's decode takes none
         d_tokens = slot_tokens[d_slots]
@@ -1027,15 +1264,18 @@ class ModelRunner:
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry                     # h [1, N + B, hidden]
-            layer_state, tables, write_tables, hist, keep, items, d_tables, d_lens = xs
+            (layer_state, tables, write_tables, hist, turn_hist, keep, items, d_tables,
+             d_lens) = xs
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, all_positions[None])     # one GEMM over both parts' tokens
+            terms = self._attention_terms(layer)
             d_out, k_pages, v_pages = decode_attend(
                 q[0, n:, None], k[0, n:, None], v[0, n:, None], k_pages, v_pages, d_tables,
-                d_lens, no_work)
+                d_lens, no_work, terms)
             out, k_pages, v_pages, kept, plans = prefill_attend(
-                q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, tables, write_tables, hist, keep,
-                items, row_starts, row_lens, num_protected, positions)
+                q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, tables, write_tables, hist,
+                turn_hist, keep, items, row_starts, row_lens, num_protected, held_protected,
+                positions, terms)
             out = jnp.concatenate([out, d_out[:, 0].astype(out.dtype)])
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages), (kept, plans or None)
@@ -1045,7 +1285,8 @@ class ModelRunner:
         (h, k_pages, v_pages), (kept, plans) = self._over_layers(
             layer_step, (h, k_pages, v_pages),
             (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
-                                                        keep_counts, work_items, table_width),
+                                                        turn_hist, keep_counts, work_items,
+                                                        table_width),
              per_layer(all_tables[d_slots][..., :table_width]), per_layer(d_lengths)))
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, n - 1)]        # [rows, hidden]
         logits = model.logits(jnp.concatenate([last, h[0, n:]])[:, None])[:, 0]
@@ -1090,18 +1331,19 @@ class ModelRunner:
         return tokens if logprobs is None else (tokens, lp)
 
     # ----- compile ahead -------------------------------------------------------------------
-    def _null_prefill_call(self, rows: int, k_pages, v_pages,
-                           num_tokens: int | None = None) -> tuple[tuple, dict]:
+    def _null_prefill_call(self, rows: int, k_pages, v_pages, num_tokens: int | None = None,
+                           region_pages: int | None = None) -> tuple[tuple, dict]:
         """`_prefill` inputs and static arguments of `rows` one-token rows on the null slot,
         whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
-        it holds nothing), over a flat axis of `num_tokens` (default the largest bucket)."""
+        it holds nothing), over a flat axis of `num_tokens` (default the largest bucket) and
+        turn compactions of `region_pages` (default: what such a call serves with)."""
         zeros = np.zeros(self.counts_shape, np.int32)
         if num_tokens is None:
             num_tokens = (self.prefill_token_buckets(rows) if self.prefill_whole_rows
                           else self.chunk_token_buckets(rows))[-1]
         return self._prefill_args([np.zeros(1, np.int32)] * rows, [0] * rows,
                                   [self.null_slot] * rows, [zeros] * rows, [0] * rows,
-                                  num_tokens, k_pages, v_pages)
+                                  num_tokens, k_pages, v_pages, None, region_pages)
 
     def _null_decode_call(self, bucket: int, k_pages, v_pages) -> tuple[tuple, dict]:
         """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
@@ -1132,11 +1374,13 @@ class ModelRunner:
                 **prefill_static | dict(logprobs=None)).compile()
         return steps
 
-    def _compile_mixed(self, rows: int, num_tokens: int | None, bucket: int, logprobs) -> None:
+    def _compile_mixed(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
+                       region_pages: int | None = None) -> None:
         """Compile `_mixed` for a prefill call of `rows` rows (over `num_tokens` flat tokens,
-        whole rows) beside a decode step of `bucket` rows."""
+        whole rows; turn compactions over `region_pages`) beside a decode step of `bucket`
+        rows."""
         prefill_args, prefill_static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
-                                                               num_tokens)
+                                                               num_tokens, region_pages)
         decode_args, decode_static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
         args, static = self._mixed_args(prefill_args, prefill_static, decode_args,
                                         dict(decode_static, logprobs=logprobs))
@@ -1173,11 +1417,13 @@ class ModelRunner:
             buckets = [b for b in self.prefill_token_buckets(rows)
                        if b >= rows * row_alignment(self.prefill_tuning)] \
                 if self.prefill_whole_rows else self.chunk_token_buckets(rows)
-            for num_tokens in buckets:
+            # Retention "turn": every region width a turn compaction of the call can read.
+            regions = [0] if self.prefill_whole_rows else self._region_widths()
+            for num_tokens, region in itertools.product(buckets, regions):
                 for width, targets in itertools.product(self._table_widths(prefill=True),
                                                         prompt_logprobs):
                     args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
-                                                           num_tokens)
+                                                           num_tokens, region)
                     extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
                     self._prefill.lower(*args, *extra,
                                         **dict(static, table_width=width)).compile()
@@ -1186,7 +1432,7 @@ class ModelRunner:
                 # This prefill call beside each decode bucket (a mixed step's one program).
                 for bucket, mode in itertools.product(
                         decode_buckets if self.mixes_steps else (), logprob_modes):
-                    self._compile_mixed(rows, num_tokens, bucket, mode)
+                    self._compile_mixed(rows, num_tokens, bucket, mode, region)
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
             self._sample_rows.lower(
                 self.slot_tokens, jax.ShapeDtypeStruct(
@@ -1219,6 +1465,9 @@ class ModelRunner:
 # The narrowest block-table width of the CPU path over precision tiers (pages): shorter rows are
 # padded to it, so short contexts share one compiled shape.
 _MIN_TABLE_WIDTH = 16
+# The held pages a short turn's compaction reads (retention "turn", `_region_widths`): a
+# follow-up question and its protected tail fit; a longer turn reads the whole table.
+SHORT_REGION_PAGES = 64
 
 
 class _SwitchedLayer:
@@ -1242,6 +1491,12 @@ class _SwitchedLayer:
 
     def finish(self, h, attn):
         return self._switch("finish", h, attn)
+
+    def attention_window(self):
+        return self._switch("attention_window")
+
+    def attention_sinks(self):
+        return self._switch("attention_sinks")
 
 
 def _doublings(first: int, last: int) -> list[int]:
@@ -1291,6 +1546,24 @@ def _apply_planned_writes(k_pages, v_pages, writes):
     for where, rows_kv in writes:
         k_pages, v_pages = apply_chunk_writes(k_pages, v_pages, where, rows_kv)
     return k_pages, v_pages
+
+
+def _reference_write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, *, max_dirty):
+    """`write_chunk_into_pages`'s signature over its pure-jnp scatter (`max_dirty` unused)."""
+    from tangram_jax.pallas_kernels.chunk_compress import write_chunk_into_pages_reference
+    del max_dirty
+    return write_chunk_into_pages_reference(k_chunk, v_chunk, dest, k_pages, v_pages,
+                                            block_table)
+
+
+def _append_only(chunk_dest, k_row, v_row, region_pages: int, page_size: int):
+    """`_turn_compaction`'s outputs for a row that only appends (its turn is still held):
+    the row's destinations after an unwritten region of `region_pages` pages."""
+    rows = region_pages * page_size
+    none = jnp.full((chunk_dest.shape[0], rows), -1, chunk_dest.dtype)
+    zeros = jnp.zeros((rows, *k_row.shape[1:]), k_row.dtype)
+    return (jnp.concatenate([none, chunk_dest], axis=1), jnp.concatenate([zeros, k_row]),
+            jnp.concatenate([zeros.astype(v_row.dtype), v_row]))
 
 
 def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,

@@ -8,7 +8,9 @@ projections and the MLP, attention per device):
     block table  [slots, layers, groups, pages] replicated: the same page ids on every device
     q/k/v_proj, gate/up_proj   column-parallel (output features sharded)
     o_proj, down_proj          row-parallel (input features sharded; XLA adds the all-reduce)
-    embeddings, norms, head    replicated
+    experts (MoE)              sharded by expert: device i holds experts i*E/N .. whole
+                               (`models.moe`: each device runs its experts' tokens, a psum)
+    embeddings, norms, head, router   replicated
 
 Splitting inside groups (not whole groups per device) keeps the host side single and exact:
 one page manager, one block table, one reservation, and every device holds 1/N of every
@@ -35,17 +37,21 @@ AXIS = "tp"
 # Weights sharded by name (the last two path entries, e.g. "q_proj", "kernel"):
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # output features sharded
 _ROW = ("o_proj", "down_proj")                                     # input features sharded
+_EXPERTS = ("gate_up", "down", "gate_up_bias", "down_bias")        # of "moe": the expert axis
 
 
 def check_tensor_parallel(tp: int, *, num_heads: int, num_kv_heads: int, group_size: int,
-                          intermediate_size: int, what: str = "tensor_parallel_size") -> None:
-    """One clear error when `tp` devices cannot split this model and layout."""
+                          intermediate_size: int, num_experts: int | None = None,
+                          what: str = "tensor_parallel_size") -> None:
+    """One clear error when `tp` devices cannot split this model and layout (a mixture of
+    experts: its experts, not its dense intermediate size)."""
     if tp == 1:
         return
-    problems = [f"{name} {value}" for name, value in
-                (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                 ("the layout's group size", group_size), ("intermediate_size", intermediate_size))
-                if value % tp]
+    sizes = [("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+             ("the layout's group size", group_size)]
+    sizes.append(("num_experts", num_experts) if num_experts
+                 else ("intermediate_size", intermediate_size))
+    problems = [f"{name} {value}" for name, value in sizes if value % tp]
     if problems:
         raise ValueError(f"{what} {tp} must divide the model's and the layout's head counts; "
                          f"it does not divide {', '.join(problems)} (tangram profiles: "
@@ -112,22 +118,27 @@ class Placement:
 
     def weights(self, state, stacked: bool = False):
         """`state` (an nnx State, or a list of them) placed: column / row parallel by name,
-        the rest replicated. stacked: the layer states carry a leading layer axis (scan)."""
+        experts by expert, the rest replicated. stacked: the layer states carry a leading layer
+        axis (scan)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: jax.device_put(x, self.weight_sharding(path, np.ndim(x), stacked)),
+            state)
+
+    def weight_sharding(self, path, ndim: int, stacked: bool = False):
+        """The sharding of the weight at tree `path` (nnx state keys) with `ndim` axes (see
+        `weights`): what a caller building weights in place (random benchmark models) uses."""
         lead = (None,) if stacked else ()
-
-        def place(path, x):
-            names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                     for k in path]
-            owner = next((n for n in reversed(names) if n in _COLUMN + _ROW), None)
-            ndim = np.ndim(x) - len(lead)
-            spec = (None,) * ndim
-            if owner in _COLUMN:
-                spec = (None,) * (ndim - 1) + (AXIS,)        # kernel [in, out] or bias [out]
-            elif owner in _ROW and ndim == 2:
-                spec = (AXIS, None)                           # kernel [in, out]; bias replicated
-            return jax.device_put(x, self._sharding(P(*lead, *spec)))
-
-        return jax.tree_util.tree_map_with_path(place, state)
+        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        owner = next((n for n in reversed(names) if n in _COLUMN + _ROW), None)
+        ndim = ndim - len(lead)
+        spec = (None,) * ndim
+        if "moe" in names and any(n in _EXPERTS for n in names[names.index("moe"):]):
+            spec = (AXIS,) + (None,) * (ndim - 1)        # [experts, ...]
+        elif owner in _COLUMN:
+            spec = (None,) * (ndim - 1) + (AXIS,)        # kernel [in, out] or bias [out]
+        elif owner in _ROW and ndim == 2:
+            spec = (AXIS, None)                           # kernel [in, out]; bias replicated
+        return self._sharding(P(*lead, *spec))
 
     def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
         """`fn` run on each device's slice (`shard_map` over the mesh), or `fn` itself on one

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kv_quant
+from ..pallas_kernels.attention_terms import apply_sinks, first_visible_slot
 
 
 def _gather_history(pages: kv_quant.Pages, tables: jax.Array) -> jax.Array:
@@ -47,21 +48,24 @@ OWN_BLOCK = 128
 HISTORY_BLOCK_PAGES = 32
 
 
-def _history_attention(q, k_pages, v_pages, table, seen, query_valid=None):
+def _history_attention(q, k_pages, v_pages, table, seen, query_valid=None, lower=None):
     """Unnormalised softmax attention of one row's queries over its history.
 
     q [heads, M, d] float32 (scaled; heads = groups * G, head-major); k_pages, v_pages
     [num_pages, G, ps, d]; table int [groups, W] (clipped); seen int [heads]: each head attends
-    to its first `seen` history tokens; query_valid bool [M] (default all). Returns (m [heads,
-    M] the running maximum, -inf where nothing was seen; denom [heads, M]; acc [heads, M, d]).
-    The table is read in blocks of `HISTORY_BLOCK_PAGES` pages merged by their maxima
-    (online softmax); a block past every head's `seen` is skipped (`lax.cond`: no gather, no
-    dot), so a padded row (seen 0) costs nothing and the width given is only an upper bound."""
+    to its first `seen` history tokens; query_valid bool [M] (default all); lower int [heads,
+    M] (a local layer's window, `attention_terms`): the first slot each query sees (default 0).
+    Returns (m [heads, M] the running maximum, -inf where nothing was seen; denom [heads, M];
+    acc [heads, M, d]). The table is read in blocks of `HISTORY_BLOCK_PAGES` pages merged by
+    their maxima (online softmax); a block past every head's `seen`, or before every query's
+    `lower`, is skipped (`lax.cond`: no gather, no dot), so a padded row (seen 0) costs nothing,
+    a local layer reads its window's blocks only, and the width given is only an upper bound."""
     heads, rows, head_dim = q.shape
     width, page_size = table.shape[-1], k_pages.shape[2]
     carry = (jnp.full((heads, rows), -jnp.inf, jnp.float32),
              jnp.zeros((heads, rows), jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
     most = seen.max()
+    least = 0 if lower is None else lower.min()
     for first in range(0, width, HISTORY_BLOCK_PAGES):
         last = min(width, first + HISTORY_BLOCK_PAGES)
 
@@ -73,6 +77,8 @@ def _history_attention(q, k_pages, v_pages, table, seen, query_valid=None):
             mask = (slot[None, None, :] < seen[:, None, None])          # [heads, 1, S]
             if query_valid is not None:
                 mask = mask & query_valid[None, :, None]
+            if lower is not None:
+                mask = mask & (slot[None, None, :] >= lower[:, :, None])
             logits = jnp.einsum("hmd,hsd->hms", q, keys) + jnp.where(mask, 0.0, -jnp.inf)
             new_m = jnp.maximum(m, logits.max(axis=-1))
             safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
@@ -81,13 +87,16 @@ def _history_attention(q, k_pages, v_pages, table, seen, query_valid=None):
             return (new_m, denom * scale + p.sum(axis=-1),
                     acc * scale[..., None] + jnp.einsum("hms,hsd->hmd", p, vals))
 
-        carry = jax.lax.cond(most > first * page_size, block, lambda c: c, carry)
+        carry = jax.lax.cond((most > first * page_size) & (least < last * page_size), block,
+                             lambda c: c, carry)
     return carry
 
 
 def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
-                                 row_lens, work_items=None, tuning=None):
-    """Ragged prefill attention (signature and result of `ragged_prefill_attention`).
+                                 row_lens, work_items=None, tuning=None, *, window=None,
+                                 sinks=None):
+    """Ragged prefill attention (signature and result of `ragged_prefill_attention`, window
+    and sinks included: `attention_terms`).
 
     q [N, Hq, d]; k, v [N, Hkv, d] (flat rows at `row_starts`, lengths `row_lens` [rows]);
     k_pages, v_pages [num_pages, G, ps, d]; block_tables [rows, groups, W]; hist_len [rows,
@@ -131,6 +140,8 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     # above the diagonal are never anyone's: a token sees no later token).
     own = ((row_of[:, None] == row_of[None, :]) & (row_of[None, :] >= 0)
            & (token[None, :] <= token[:, None]))                            # [N(q), N(k)]
+    if window is not None:   # a row's tokens are consecutive slots: the window is by token
+        own = own & (token[None, :] >= first_visible_slot(token, window)[:, None])
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
     parts = []
     for first in range(0, n, OWN_BLOCK):
@@ -149,18 +160,22 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     tile_row = row_of[::tile]                                              # [tiles]
 
     def history(xs):
-        q_tile, row, valid = xs                       # [tile, Hkv, qpk, d], scalar, [tile]
+        q_tile, row, valid, first_token = xs    # [tile, Hkv, qpk, d], scalar, [tile], scalar
         r = jnp.maximum(row, 0)
         seen = jnp.where(row >= 0, jnp.repeat(hist_len[r], group_size), 0)    # [Hkv]
         heads_major = jnp.moveaxis(q_tile, 0, 1).reshape(num_kv_heads, tile * q_per_kv, head_dim)
+        lower = None
+        if window is not None:   # query i of the row sits at slot hist + i of its group
+            slots = seen[:, None] + (first_token - row_starts[r] + jnp.arange(tile))[None, :]
+            lower = jnp.repeat(first_visible_slot(slots, window), q_per_kv, axis=1)
         m, denom, acc = _history_attention(heads_major, k_pages, v_pages, tables[r], seen,
-                                           jnp.repeat(valid, q_per_kv))
+                                           jnp.repeat(valid, q_per_kv), lower)
         back = lambda x: jnp.moveaxis(x.reshape(num_kv_heads, tile, q_per_kv, *x.shape[2:]), 1, 0)
         return back(m), back(denom), back(acc)
 
     hist_m, hist_denom, hist_acc = jax.lax.map(history, (
         qg.reshape(tiles, tile, num_kv_heads, q_per_kv, head_dim), tile_row,
-        (row_of >= 0).reshape(tiles, tile)))
+        (row_of >= 0).reshape(tiles, tile), jnp.arange(tiles) * tile))
     hist_m, hist_denom = hist_m.reshape(own_m.shape), hist_denom.reshape(own_m.shape)
     hist_acc = hist_acc.reshape(own_acc.shape)
 
@@ -174,21 +189,22 @@ def ragged_prefill_attention_xla(q, k, v, k_pages, v_pages, block_tables, hist_l
     found = denom > 0
     out = acc / jnp.where(found, denom, 1.0)[..., None]
     lse = jnp.where(found, safe_m + jnp.log(jnp.where(found, denom, 1.0)), neg)
-    return (out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
-            jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1))
+    return apply_sinks(out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
+                       jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1), sinks)
 
 
 def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths,
-                                      work_list=None):
+                                      work_list=None, *, window=None, sinks=None):
     """Decode attention of one query token per row (signature and result of
     `ragged_paged_decode_attention`): q [B, groups, G * q_per_kv, d]; block_tables [B, groups,
-    W]; lengths [B, groups] retained tokens (the new one included). Returns [B, groups,
-    G * q_per_kv, d] in q's dtype (rows of length 0: 0). `work_list` is ignored.
+    W]; lengths [B, groups] retained tokens (the new one included); window, sinks:
+    `attention_terms` (the query sits at slot length - 1). Returns [B, groups, G * q_per_kv,
+    d] in q's dtype (rows of length 0: 0). `work_list` is ignored.
 
     One row at a time (`lax.map`): a row's gathered keys and values (2 x groups x W pages) stay
     in the CPU's cache for its two dots, where gathering the whole batch first wrote them all
     out to memory and read them back (SmolLM2, 8 rows of 1,100 tokens: 3.7 against 6.7 ms a
-    layer, `benchmarks/NOTES_bench_serve.md`)."""
+    layer on a 2-core CPU)."""
     del work_list
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape
@@ -196,10 +212,17 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
     tables = jnp.clip(block_tables, 0, num_pages - 1)
     qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
         batch, num_groups * group_size, q_rows // group_size, head_dim)
+    sink = None if sinks is None else \
+        sinks.astype(jnp.float32).reshape(num_groups * group_size, q_rows // group_size)
+
     def one_row(row):
         q_row, table, length = row                  # [heads, j, d], [groups, W], [groups]
-        _, denom, acc = _history_attention(q_row, k_pages, v_pages, table,
-                                           jnp.repeat(length, group_size))
+        seen = jnp.repeat(length, group_size)
+        lower = None if window is None else jnp.broadcast_to(
+            first_visible_slot(seen - 1, window)[:, None], q_row.shape[:2])
+        m, denom, acc = _history_attention(q_row, k_pages, v_pages, table, seen, lower=lower)
+        if sink is not None:   # the sink's term of the denominator (`attention_terms`)
+            denom = denom + jnp.exp(sink - jnp.where(jnp.isfinite(m), m, sink))
         return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
     out = jax.lax.map(one_row, (qg, tables, lengths))
@@ -210,39 +233,13 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
 # XLA (CPU) cannot update the pool in place where one layer step both reads it (the history) and
 # writes it (the chunk): it copies the whole pool every layer, so a prefill call's time grew with
 # the pool (2.5x from a 2k- to a 24k-token pool). The CPU path therefore only plans each layer's
-# writes inside the loop (the slots and rows of `compress_chunk_into_pages_reference`: the pages
+# writes inside the loop (the slots and rows of `chunk_compress.plan_destination_writes`: the pages
 # of one layer are no other layer's, so nothing in the call reads them) and scatters them all
 # once after it, in place.
 
-def plan_chunk_writes(k_chunk, v_chunk, scores, keep_counts, chunk_len, num_pages: int,
-                      page_size: int, group_size: int, block_table, hist_len):
-    """Where `compress_chunk_into_pages` would write one chunk, without writing it.
-
-    k_chunk, v_chunk [T, heads, d]; scores [heads, T]; keep_counts [groups]; chunk_len scalar;
-    block_table [groups, W]; hist_len [groups]. Returns (pages, heads_in_page, offsets) int32
-    [heads, T] (a token not kept goes to page `num_pages`: out of range, dropped) and the rows
-    (k_rows, v_rows) [heads, T, d]: the kept tokens of every head in temporal order."""
-    from tangram_jax.pallas_kernels.chunk_compress import kept_token_sources
-    chunk, num_heads, _ = k_chunk.shape
-    width = block_table.shape[1]
-    sources, counts = kept_token_sources(scores, keep_counts, jnp.asarray(chunk_len, jnp.int32),
-                                         group_size)
-    heads = jnp.arange(num_heads)
-    group = heads // group_size
-    c = jnp.arange(chunk)
-    slot = hist_len[group][:, None] + c[None, :]                          # [heads, T]
-    page_index = jnp.clip(slot // page_size, 0, width - 1)
-    page = jnp.where(c[None, :] < counts[:, None], block_table[group[:, None], page_index],
-                     num_pages)
-    head_in_page = jnp.broadcast_to((heads % group_size)[:, None], slot.shape)
-    return ((page.astype(jnp.int32), head_in_page.astype(jnp.int32),
-             (slot % page_size).astype(jnp.int32)),
-            (k_chunk[sources, heads[:, None]], v_chunk[sources, heads[:, None]]))
-
-
 def apply_chunk_writes(k_pages, v_pages, where, rows):
-    """Scatter planned writes (`plan_chunk_writes` outputs stacked over any leading axes) into
-    the pool; returns the new (k_pages, v_pages)."""
+    """Scatter planned writes (`chunk_compress.plan_destination_writes` outputs stacked over
+    any leading axes) into the pool; returns the new (k_pages, v_pages)."""
     page, head_in_page, offset = (x.reshape(-1) for x in where)
     k_rows, v_rows = (x.reshape(-1, x.shape[-1]) for x in rows)
     k_pages = k_pages.at[page, head_in_page, offset].set(k_rows.astype(k_pages.dtype),

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tangram_jax.benchmarking.results import duration_words
 from tangram_jax.evaluation.scoring import (TopKDistribution, is_correct, kl_from_reference,
                                             token_agreement, wilson_interval)
 from tangram_jax.evaluation.tasks import LADDERS, Sample, TaskSizes, generate
@@ -183,6 +184,36 @@ def session_lengths(tokenizer, samples: list[Sample], max_tokens: int) -> list[i
     return out
 
 
+# The cost model of `estimate_seconds`, measured on a 2-core CPU shared with other work (float32,
+# chunk 128, 8 sessions of ~1,250 tokens at once; full KV 190 s, tangram@0.5 148 s served and
+# 104 s teacher-forced, builds 7-15 s): seconds a session token costs a configuration's free
+# run (full KV's with log-probabilities), its teacher-forced KL pass, and an engine build.
+CPU_SERVE_SECONDS_PER_TOKEN = 0.017
+CPU_FORCED_SECONDS_PER_TOKEN = 0.010
+CPU_BUILD_SECONDS = 10.0
+# After full KV, the others' cost relative to its free run (the same measurement).
+OTHER_SERVE_OVER_FULL = 0.8
+FORCED_OVER_FULL = 0.55
+
+
+def estimate_seconds(session_tokens: int, num_specs: int, kl: bool) -> float:
+    """A CPU run's seconds by the cost model above: `num_specs` configurations (full KV
+    first), each serving sessions of `session_tokens` tokens in all (`session_lengths`), each
+    but full KV teacher-forced again for the KL when `kl`."""
+    per_spec = session_tokens * CPU_SERVE_SECONDS_PER_TOKEN + CPU_BUILD_SECONDS
+    forced = session_tokens * CPU_FORCED_SECONDS_PER_TOKEN if kl else 0.0
+    return num_specs * per_spec + (num_specs - 1) * forced
+
+
+def remaining_after_full(full_seconds: float, build_seconds: float, others: int,
+                         kl: bool) -> float:
+    """Seconds the `others` configurations after full KV will take, from full KV's measured
+    free run (`full_seconds`) and build."""
+    per_spec = build_seconds + full_seconds * (OTHER_SERVE_OVER_FULL + (FORCED_OVER_FULL if kl
+                                                                       else 0.0))
+    return others * per_spec
+
+
 def serve_sessions(engine, samples: list[Sample], *, max_tokens: int, max_active: int,
                    forced: dict[tuple[str, int], list[int]] | None = None,
                    logprobs: bool = False,
@@ -277,6 +308,8 @@ class HarnessConfig:
     # EngineConfig.scoring_rule of the engines that compress with a static profile (tangram,
     # uniform); None: the engine's default ("auto"). dynamic counts with the window's scores.
     scoring_rule: str | None = None
+    # EngineConfig.retention of the same engines (None: "auto"); dynamic compresses per chunk.
+    retention: str | None = None
     # Budget profile files the tangram mode serves instead of the shipped ones, each at its own
     # ratio (its rho), e.g. one calibrated with KeyDiff: the engine then scores with KeyDiff.
     profiles: tuple[str, ...] = ()
@@ -317,6 +350,8 @@ def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, finge
     kwargs.setdefault("warmup", False)
     if cfg.scoring_rule is not None and spec.mode in ("tangram", "uniform"):
         kwargs["scoring_rule"] = cfg.scoring_rule
+    if cfg.retention is not None and spec.mode in ("tangram", "uniform"):
+        kwargs["retention"] = cfg.retention
     return EngineConfig(model=cfg.model, mode=mode, ratio=spec.ratio, profile=profile,
                         kv_precision=spec.kv_precision,
                         max_model_len=-(-max_model_len // page) * page, **kwargs)
@@ -415,7 +450,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
             forced_seconds=None if forced_s is None else round(forced_s, 2),
             preemptions=int(sched["preemptions"]), evictions=int(sched["evictions"]),
             layout=engine.layout.name, max_model_len=engine.max_model_len,
-            scoring_rule=engine.resolved.scoring_rule, method=engine.compression_method)
+            scoring_rule=engine.resolved.scoring_rule, method=engine.compression_method,
+            retention=engine.layout.retention, chunk_size=engine.layout.chunk_size)
         judged[spec.label] = rows
         if on_partial is not None:
             done = specs[:specs.index(spec) + 1]
@@ -425,6 +461,10 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
         log(f"{spec.label}: built {build_s:.1f}s, served {serve_s:.1f}s"
             + (f", forced {forced_s:.1f}s" if forced_s is not None else "")
             + f", preemptions {sched['preemptions']}, evictions {sched['evictions']}")
+        if spec.mode == "full" and len(specs) > 1:
+            left = remaining_after_full(serve_s, build_s, len(specs) - 1, not kl_missing)
+            log(f"the other configurations ({len(specs) - 1}): about {duration_words(left)} "
+                f"more (full KV's measured time x the others' cost relative to it)")
         del engine
     table = summarise(samples, specs, judged)
     table["engines"] = engines_info
@@ -486,10 +526,11 @@ def summarise(samples: list[Sample], specs: list,
 
 def choose_sizes(tasks: tuple[str, ...], samples_per_size: int, seed: int, cfg: HarnessConfig,
                  base: TaskSizes = TaskSizes(), log: Callable[[str], None] = print
-                 ) -> tuple[TaskSizes, dict]:
+                 ) -> tuple[dict[str, TaskSizes], dict]:
     """Per task, the hardest size of `LADDERS` that full KV answers at least `PILOT_ACCURACY` of
     the time on `samples_per_size` pilot samples (another seed than the table's), else the
-    easiest. Returns the sizes and the pilot's accuracies."""
+    easiest. Returns each task's sizes (`base` with its rung's settings: tasks that share a
+    field keep their own value) and the pilot's accuracies."""
     pilot_seed = seed + PILOT_SEED_OFFSET
     samples, where = [], {}
     for task in tasks:
@@ -507,10 +548,9 @@ def choose_sizes(tasks: tuple[str, ...], samples_per_size: int, seed: int, cfg: 
     for task in tasks:
         rungs = [f"{task}#{i}" for i in range(len(LADDERS[task]))]
         pick = next((r for r in rungs if accuracy[r] >= PILOT_ACCURACY), rungs[-1])
-        chosen.update(where[pick][1])
+        chosen[task] = dataclasses.replace(base, **where[pick][1])
         report[task] = dict(chosen=where[pick][1], threshold=PILOT_ACCURACY,
                             full_kv_accuracy={str(where[r][1]): accuracy[r] for r in rungs})
         log(f"pilot {task}: " + ", ".join(f"{where[r][1]} {100 * accuracy[r]:.0f}%"
                                           for r in rungs) + f" -> {where[pick][1]}")
-    return dataclasses.replace(base, **chosen), dict(samples_per_size=samples_per_size,
-                                                     seed=pilot_seed, tasks=report)
+    return chosen, dict(samples_per_size=samples_per_size, seed=pilot_seed, tasks=report)

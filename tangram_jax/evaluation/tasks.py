@@ -134,6 +134,15 @@ def _insert_at_sentence(text: str, sentence: str, depth: float) -> str:
     return text[:cut] + sentence + " " + text[cut:]
 
 
+def _insert_at_random_depths(rng: random.Random, text: str, sentences: list[str]) -> str:
+    """`sentences`, each at its own random depth of `text` (deepest first, so earlier insertions
+    do not shift later depths)."""
+    depths = [rng.random() for _ in sentences]
+    for sentence, depth in sorted(zip(sentences, depths), key=lambda t: -t[1]):
+        text = _insert_at_sentence(text, sentence, depth)
+    return text
+
+
 def _essay_slice(rng: random.Random, essays: str, chars: int) -> str:
     start = rng.randrange(0, max(1, len(essays) - chars - 1))
     # Start at a sentence so the context does not open mid-word.
@@ -188,11 +197,8 @@ def multi_turn(rng: random.Random, essays: str, chars: int,
                facts: int = 3) -> tuple[str, list[Turn]]:
     people = rng.sample(_PEOPLE, facts)
     rooms = [str(rng.randrange(100, 1000)) for _ in people]
-    text = _essay_slice(rng, essays, chars)
-    # Insert deepest first so earlier insertions do not shift later depths.
-    for person, room, depth in sorted(zip(people, rooms, (rng.random() for _ in people)),
-                                      key=lambda t: -t[2]):
-        text = _insert_at_sentence(text, f"{person} lives in room {room}.", depth)
+    text = _insert_at_random_depths(rng, _essay_slice(rng, essays, chars),
+                                    [f"{p} lives in room {r}." for p, r in zip(people, rooms)])
     order = rng.sample(range(facts), facts)
     turns = [Turn(f"In the text above, which room does {people[i]} live in? Answer with the "
                   "number only.", rooms[i], f"{people[i]} lives in room") for i in order]
@@ -205,10 +211,8 @@ def door_codes(rng: random.Random, essays: str, chars: int,
     essay text; one question per code, one per turn, in random order."""
     people = rng.sample(_PEOPLE, facts)
     codes = [str(rng.randrange(10000, 100000)) for _ in people]
-    text = _essay_slice(rng, essays, chars)
-    for person, code, depth in sorted(zip(people, codes, (rng.random() for _ in people)),
-                                      key=lambda t: -t[2]):
-        text = _insert_at_sentence(text, f"The door code of {person} is {code}.", depth)
+    text = _insert_at_random_depths(rng, _essay_slice(rng, essays, chars),
+                                    [f"The door code of {p} is {c}." for p, c in zip(people, codes)])
     order = rng.sample(range(facts), facts)
     turns = [Turn(f"In the text above, what is the door code of {people[i]}? Answer with the "
                   "number only.", codes[i], f"The door code of {people[i]} is") for i in order]
@@ -221,10 +225,8 @@ def kv_in_essay(rng: random.Random, essays: str, chars: int, pairs: int,
     random depths of `chars` characters of essay text; `asked` of the keys asked, one a turn."""
     keys = [f"{a}-{n}" for a, n in zip(rng.sample(_ADJECTIVES, pairs), rng.sample(_NOUNS, pairs))]
     values = [str(rng.randrange(10000, 100000)) for _ in keys]
-    text = _essay_slice(rng, essays, chars)
-    for k, v, depth in sorted(zip(keys, values, (rng.random() for _ in keys)),
-                              key=lambda t: -t[2]):
-        text = _insert_at_sentence(text, f"The value of the key {k} is {v}.", depth)
+    text = _insert_at_random_depths(rng, _essay_slice(rng, essays, chars),
+                                    [f"The value of the key {k} is {v}." for k, v in zip(keys, values)])
     turns = [Turn(f"In the text above, what is the value of the key {keys[i]}? Answer with the "
                   "number only.", values[i], f"The value of the key {keys[i]} is")
              for i in rng.sample(range(pairs), asked)]
@@ -327,15 +329,18 @@ def generate(task: str, index: int, seed: int = 0, sizes: TaskSizes = TaskSizes(
 
 
 def generate_all(tasks: tuple[str, ...] = TASKS, samples: int = 100, seed: int = 0,
-                 sizes: TaskSizes = TaskSizes()) -> list[Sample]:
-    """`samples` samples of each task, task by task, indices 0 .. samples-1."""
+                 sizes: TaskSizes | dict[str, TaskSizes] = TaskSizes()) -> list[Sample]:
+    """`samples` samples of each task, task by task, indices 0 .. samples-1. sizes: one
+    `TaskSizes` for every task, or one per task (a pilot's choice: tasks that share a field,
+    such as the long tasks' `long_chars`, each keep their own)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; tasks: {', '.join(TASKS)}")
-    essays = haystack_text() if any(_needs_essays(t, sizes) for t in tasks) else None
-    return [generate(t, i, seed, sizes, essays) for t in tasks for i in range(samples)]
+    of = (lambda t: sizes[t]) if isinstance(sizes, dict) else (lambda t: sizes)  # noqa: E731
+    essays = haystack_text() if any(_needs_essays(t, of(t)) for t in tasks) else None
+    return [generate(t, i, seed, of(t), essays) for t in tasks for i in range(samples)]
 
 
 def write_jsonl(samples: list[Sample], path: str | Path) -> None:

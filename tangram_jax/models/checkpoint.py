@@ -10,9 +10,12 @@ the folder the load reads, dtype) lives under `cache_root()/<key>/`:
     params/         orbax checkpoint: {"path/of/param": array} of the Decoder's parameters
 
 An entry is written in a temporary folder and renamed into place, so one without a manifest
-was damaged by hand or by an older version. A restore that fails
-(missing or damaged files, shapes that do not match the config) is reported as
-`CacheCorrupt`; the caller then deletes the entry and converts again.
+was damaged by hand or by an older version. The manifest records the SHA-256 of every other file
+of the entry and of its own content, checked before anything is restored: orbax reads a damaged
+data file without complaint more often than not (flipped bytes become NaN weights) and, when it
+does notice, logs thousands of lines. A restore that fails (a file missing, damaged or added to
+the checksummed set, shapes that do not match the config) is reported as `CacheCorrupt`; the
+caller then deletes the entry and converts again.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FORMAT_VERSION = 3  # 2: float32 metadata read back as shortest decimals; 3: HF folders, special tokens
+# 2: float32 metadata read back as shortest decimals; 3: HF folders, special tokens; 4: per-layer
+# constants (RoPE, window) in the parameters, MoE and Gemma-3 families, and file checksums
+FORMAT_VERSION = 5
 
 # What a HF-folder load reads besides the weights (their changes invalidate an entry too).
 _FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "chat_template.jinja", "model.safetensors.index.json")
 _MANIFEST = "manifest.json"
+_SELF_DIGEST = "manifest_sha256"   # the manifest's checksum of its own content
 
 
 class CacheCorrupt(RuntimeError):
@@ -92,7 +98,9 @@ def save_entry(entry: Path, fingerprint: dict, model: nnx.Module, hf_config: dic
             ckpt.save((tmp / "params").absolute(), _flat_params(model))
             ckpt.wait_until_finished()
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        manifest = {"fingerprint": fingerprint, "hf_config": hf_config, "tokenizer": tokenizer_meta}
+        manifest = {"fingerprint": fingerprint, "hf_config": hf_config, "tokenizer": tokenizer_meta,
+                    "files": file_digests(tmp)}
+        manifest[_SELF_DIGEST] = _manifest_digest(manifest)
         (tmp / _MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
         if entry.exists() and not (entry / _MANIFEST).is_file():
             shutil.rmtree(entry, ignore_errors=True)  # an interrupted or damaged entry
@@ -124,17 +132,55 @@ def prune_stale(root: Path, fingerprint: dict) -> list[Path]:
 
 
 def read_manifest(entry: Path, fingerprint: dict) -> dict | None:
-    """The entry's manifest, or None when there is no complete entry for `fingerprint`."""
+    """The entry's manifest, or None when there is no complete entry for `fingerprint`.
+    Raises CacheCorrupt when it is unreadable, its content differs from its recorded checksum,
+    or it was made for another source or dtype."""
     path = entry / _MANIFEST
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CacheCorrupt(f"{path}: unreadable manifest ({e})") from e
+    except (OSError, ValueError) as e:   # UnicodeDecodeError is a ValueError
+        raise CacheCorrupt(f"{path}: unreadable manifest ({type(e).__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get(_SELF_DIGEST) != _manifest_digest(manifest):
+        raise CacheCorrupt(f"{path}: damaged (its content differs from its recorded checksum)")
     if manifest.get("fingerprint") != fingerprint:
         raise CacheCorrupt(f"{path}: made from a different source or dtype")
     return manifest
+
+
+def verify_files(entry: Path, manifest: dict) -> None:
+    """Raise CacheCorrupt unless the entry's files are exactly those the manifest lists, each
+    with its recorded SHA-256 (the first difference is named)."""
+    recorded = manifest.get("files")
+    if not isinstance(recorded, dict) or not recorded:
+        raise CacheCorrupt(f"{entry}: the manifest lists no file checksums")
+    found = file_digests(entry)
+    for name in sorted(set(recorded) | set(found)):
+        if name not in found:
+            raise CacheCorrupt(f"{entry}: {name} is missing")
+        if name not in recorded:
+            raise CacheCorrupt(f"{entry}: {name} was not part of the entry when it was written")
+        if found[name] != recorded[name]:
+            raise CacheCorrupt(f"{entry}: {name} is damaged (its SHA-256 differs from the one "
+                               f"recorded when the entry was written)")
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under `folder` but the manifest, by path relative to it."""
+    digests = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name != _MANIFEST:
+            with open(path, "rb") as f:
+                digests[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's content without its own checksum (canonical JSON)."""
+    body = {k: v for k, v in manifest.items() if k != _SELF_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def restore_params(entry: Path, abstract_model: nnx.Module) -> nnx.Module:

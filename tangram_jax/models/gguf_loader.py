@@ -12,6 +12,14 @@ rotate-half layout (first half of the head dims, then second half) is interleave
 (x0, x_{d/2}, x1, x_{d/2+1}, ...) because ggml's RoPE rotates adjacent pairs. `_unpermute_rows`
 inverts exactly that reshape, so the weights match the HF checkpoint the file was made from.
 Qwen2/Qwen3 GGUFs are written without this permutation (llama.cpp uses NEOX RoPE for them).
+
+Gemma-3 (text): no permutation either; llama.cpp stores every RMSNorm weight as 1 + w (its norm
+scales by the weight, Gemma's by 1 + w), so 1 is subtracted back, as transformers' GGUF loader
+does; `ffn_norm` is Gemma's pre-feedforward norm and `post_attention_norm` / `post_ffw_norm` its
+output norms. What the file does not say (the local layers' RoPE base, the local/global pattern,
+query_pre_attn_scalar) takes transformers' Gemma-3 defaults, as its GGUF loader does.
+Quantised tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... any type the `gguf` package dequantises) become
+float32.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ _ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes for interleaved RoPE.
 _PERMUTED_QK = ("llama", "mistral")
@@ -60,6 +69,14 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma-3's names where they differ (its ffn_norm is the pre-feedforward norm).
+_GEMMA_BLOCK_NAMES = dict(_BLOCK_NAMES, **{
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+})
+# Architectures whose norms llama.cpp stores as 1 + w.
+_UNIT_OFFSET_NORMS = ("gemma3",)
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -78,6 +95,7 @@ class GGUFTokenizerSpec:
     pad_token_id: int | None
     add_bos_token: bool
     chat_template: str | None
+    architecture: str | None = None   # general.architecture (sentencepiece rules differ by family)
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray], GGUFTokenizerSpec]:
@@ -160,7 +178,7 @@ def hf_config_from_metadata(reader) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
         "head_dim": head_dim,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
         "max_position_embeddings": int(need("context_length")),
         "rms_norm_eps": _shortest_float(need("attention.layer_norm_rms_epsilon")),
         "rope_theta": _shortest_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -188,12 +206,13 @@ def _tensor(reader, name):
     raise GGUFError(f"GGUF has no tensor {name!r}")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -210,10 +229,10 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _state_dict(reader, config: dict) -> dict[str, np.ndarray]:
     import gguf
 
-    arch = config["model_type"]
+    arch = _field(reader, "general.architecture")
     state = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             raise GGUFError(f"unexpected tensor {t.name!r} in a {arch} GGUF")
         try:
@@ -227,6 +246,8 @@ def _state_dict(reader, config: dict) -> dict[str, np.ndarray]:
                                                    "k_proj.bias")):
             heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
             w = _unpermute_rows(w, heads)
+        if arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
+            w = w - 1.0
         state[name] = w
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in state]
     for i in range(config["num_hidden_layers"]):
@@ -260,6 +281,8 @@ def tokenizer_spec_from_metadata(reader) -> GGUFTokenizerSpec:
         eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
         eot_token_id=opt_int("tokenizer.ggml.eot_token_id"),
         pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        architecture=_field(reader, "general.architecture"),
     )

@@ -9,7 +9,8 @@ head j = old head perm[j], per layer:
     moving together (query head i reads KV head i // q_per_kv before and after);
   * W_o: the input rows (HF: input columns) reordered to match the new query-head order.
 
-Qwen3's q/k norms share one weight across heads and need no change. The model's outputs are
+Qwen3's q/k norms share one weight across heads and need no change; GPT-OSS's attention sinks
+(one per query head) move with their query heads. The model's outputs are
 unchanged; only the head index order inside every layer moves.
 """
 
@@ -57,6 +58,9 @@ def permute_kv_heads(model: Decoder, head_perm: np.ndarray) -> None:
         reorder_columns(layer.q_proj.kernel, (hkv, qpk))
         if layer.q_proj.bias is not None:
             reorder_columns(layer.q_proj.bias, (hkv, qpk))
+        if layer.sinks is not None:   # [Hq]: one per query head, moved with it
+            sinks = layer.sinks[...].reshape(hkv, qpk)
+            layer.sinks.set_value(jnp.take(sinks, perm_l, axis=0).reshape(-1))
         w_o = layer.o_proj.kernel[...]  # [Hq * dh, D]
         w_o = jnp.take(w_o.reshape(hkv, qpk * dh, w_o.shape[-1]), perm_l, axis=0).reshape(w_o.shape)
         layer.o_proj.kernel.set_value(w_o)

@@ -146,6 +146,7 @@ def decoder_from_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarra
             assign(linear.bias, prefix + ".bias")
 
     assign(model.embed_tokens, "model.embed_tokens.weight")
+    gemma = config.sandwich_norms
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
         assign(layer.input_norm.weight, f"{p}.input_layernorm.weight")
@@ -154,14 +155,25 @@ def decoder_from_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarra
         if layer.q_norm is not None:
             assign(layer.q_norm.weight, f"{p}.self_attn.q_norm.weight")
             assign(layer.k_norm.weight, f"{p}.self_attn.k_norm.weight")
-        assign(layer.post_attention_norm.weight, f"{p}.post_attention_layernorm.weight")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            assign_linear(getattr(layer, proj), f"{p}.mlp.{proj}")
+        if layer.sinks is not None:
+            assign(layer.sinks, f"{p}.self_attn.sinks")
+        if gemma:   # HF's post_attention_layernorm norms Gemma's attention output
+            assign(layer.attn_output_norm.weight, f"{p}.post_attention_layernorm.weight")
+            assign(layer.post_attention_norm.weight, f"{p}.pre_feedforward_layernorm.weight")
+            assign(layer.mlp_output_norm.weight, f"{p}.post_feedforward_layernorm.weight")
+        else:
+            assign(layer.post_attention_norm.weight, f"{p}.post_attention_layernorm.weight")
+        if layer.moe is not None:
+            _assign_experts(layer.moe, f"{p}.mlp", config, remaining, assign)
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assign_linear(getattr(layer, proj), f"{p}.mlp.{proj}")
     assign(model.norm.weight, "model.norm.weight")
     if model.lm_head is not None:
         assign_linear(model.lm_head, "lm_head")
     else:
         remaining.pop("lm_head.weight", None)
+    model.set_constants()
 
     leftover = sorted(n for n in remaining if not n.endswith(_IGNORED_SUFFIXES))
     if leftover:
@@ -173,3 +185,80 @@ def decoder_from_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarra
     unfilled = [p for p, var in nnx.to_flat_state(nnx.state(model)) if isinstance(var.get_value(), jax.ShapeDtypeStruct)]
     assert not unfilled, f"parameters left unassigned by the HF mapping: {unfilled}"
     return model
+
+
+def _assign_experts(moe, prefix: str, config: ModelConfig, remaining: dict, assign) -> None:
+    """The router and experts of one MoE layer from either checkpoint layout.
+
+    Qwen3-MoE (as saved on the Hub and by transformers): `mlp.gate.weight` [E, D] and per expert
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` (HF [out, in]), or transformers' fused
+    `mlp.experts.gate_up_proj` [E, 2I, D] / `down_proj` [E, D, I]. GPT-OSS: `mlp.router.weight`
+    [E, D] and `.bias`, `mlp.experts.gate_up_proj` [E, D, 2I] with gate and up columns
+    interleaved (split here into gate columns then up columns), `down_proj` [E, I, D], and
+    their biases; the Hub's GPT-OSS experts are MXFP4 (`dequantize_mxfp4`)."""
+    e = config.moe.num_experts
+    if config.architecture == "gpt_oss":
+        for proj in ("gate_up_proj", "down_proj"):   # the Hub's MXFP4 experts
+            name = f"{prefix}.experts.{proj}"
+            if name + "_blocks" in remaining:
+                if name + "_scales" not in remaining:
+                    raise CheckpointError(f"{name}_blocks has no {name}_scales beside it")
+                remaining[name] = dequantize_mxfp4(remaining.pop(name + "_blocks"),
+                                                   remaining.pop(name + "_scales"))
+        assign(moe.router, f"{prefix}.router.weight", transpose=True)
+        assign(moe.router_bias, f"{prefix}.router.bias")
+
+        def deinterleave(name):
+            w = np.asarray(remaining.get(name, np.empty(0)))
+            if w.ndim:
+                remaining[name] = np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+        deinterleave(f"{prefix}.experts.gate_up_proj")
+        deinterleave(f"{prefix}.experts.gate_up_proj_bias")
+        assign(moe.gate_up, f"{prefix}.experts.gate_up_proj")
+        assign(moe.gate_up_bias, f"{prefix}.experts.gate_up_proj_bias")
+        assign(moe.down, f"{prefix}.experts.down_proj")
+        assign(moe.down_bias, f"{prefix}.experts.down_proj_bias")
+        return
+    assign(moe.router, f"{prefix}.gate.weight", transpose=True)
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused not in remaining:
+        # Per-expert HF tensors [out, in] -> [E, in, out] (gate columns, then up columns).
+        try:
+            gate = [remaining.pop(f"{prefix}.experts.{j}.gate_proj.weight") for j in range(e)]
+            up = [remaining.pop(f"{prefix}.experts.{j}.up_proj.weight") for j in range(e)]
+            down = [remaining.pop(f"{prefix}.experts.{j}.down_proj.weight") for j in range(e)]
+        except KeyError as missing:
+            raise CheckpointError(f"missing tensor {missing.args[0]!r} (a {config.architecture} "
+                                  f"model with {e} experts needs it)") from None
+        remaining[fused] = np.stack([np.concatenate([g, u], axis=0).T for g, u in zip(gate, up)])
+        remaining[f"{prefix}.experts.down_proj"] = np.stack([np.asarray(d).T for d in down])
+    else:   # transformers' fused layout: [E, 2I, D] and [E, D, I], HF [out, in] per expert
+        remaining[fused] = np.swapaxes(np.asarray(remaining[fused]), 1, 2)
+        name = f"{prefix}.experts.down_proj"
+        if name in remaining:
+            remaining[name] = np.swapaxes(np.asarray(remaining[name]), 1, 2)
+    assign(moe.gate_up, fused)
+    assign(moe.down, f"{prefix}.experts.down_proj")
+
+
+# MXFP4's 4-bit values (E2M1), by code.
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GPT-OSS's MXFP4 expert weights as float32 in the unquantized checkpoint's layout.
+
+    blocks uint8 [E, out, in / 32, 16] (two 4-bit codes a byte, low nibble first) and scales
+    uint8 [E, out, in / 32] (a power of two 2^(s - 127) per 32 values) -> [E, in, out], as
+    transformers' `convert_moe_packed_tensors`."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape:
+        raise CheckpointError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} disagree")
+    values = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)
+    values[..., 0::2] = _FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = _FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    e, out, groups, width = values.shape
+    return np.swapaxes(values.reshape(e, out, groups * width), 1, 2)

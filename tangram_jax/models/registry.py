@@ -140,7 +140,8 @@ def _load(path: Path, name: str, dtype, cache_dir, use_cache: bool) -> LoadedMod
         try:
             cached = _restore(entry, fingerprint)
         except checkpoint.CacheCorrupt as e:
-            log.warning("discarding damaged model cache entry: %s", e)
+            log.warning("discarding damaged model cache entry and converting the model "
+                        "again: %s", str(e).splitlines()[0][:500])
             shutil.rmtree(entry, ignore_errors=True)
             cached = None
         if cached is not None:
@@ -182,6 +183,7 @@ def _restore(entry: Path, fingerprint: dict):
     manifest = checkpoint.read_manifest(entry, fingerprint)
     if manifest is None:
         return None
+    checkpoint.verify_files(entry, manifest)   # before orbax reads anything
     try:
         config = ModelConfig.from_hf_dict(manifest["hf_config"])
         meta = manifest["tokenizer"]

@@ -1,7 +1,10 @@
 """Tokenizer (a `tokenizers.Tokenizer` plus special ids) and the model's own chat template.
 
 Built from either a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`) or a GGUF's
-byte-level BPE vocabulary and merges. For a GGUF the pre-tokenizer follows llama.cpp's
+byte-level BPE vocabulary and merges, or a Gemma GGUF's sentencepiece vocabulary (a BPE with byte
+fallback over "▁"-spelled pieces, as Gemma's own tokenizer.json; the file lists no merges, so they
+are rebuilt from the vocabulary ranked by the pieces' order in the file, as transformers' GGUF
+loader does: Gemma's scores do not follow its merge order). For a GGUF the pre-tokenizer follows llama.cpp's
 `tokenizer.ggml.pre` name, because that is how the vocabulary was trained: e.g. "smollm" isolates
 every digit before the GPT-2 split (llama.cpp: `"\\p{N}"` then the GPT-2 regex, as SmolLM2's own
 tokenizer.json does with `Digits(individual_digits=True)`). transformers' GGUF loader ignores
@@ -27,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 ROLES = ("system", "user", "assistant")
 
@@ -100,10 +103,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_spec(cls, spec) -> "Tokenizer":
-        """From a `gguf_loader.GGUFTokenizerSpec` (byte-level BPE vocabularies only)."""
+        """From a `gguf_loader.GGUFTokenizerSpec` (byte-level BPE vocabularies, and Gemma's
+        sentencepiece vocabulary)."""
+        if spec.model == "llama" and str(spec.architecture).startswith("gemma"):
+            return cls._with_gguf_specials(_gemma_sentencepiece(spec.tokens), spec)
         if spec.model != "gpt2":
             raise ValueError(f"GGUF tokenizer model {spec.model!r} is not supported (byte-level BPE "
-                             f"'gpt2' only)")
+                             f"'gpt2', or a Gemma sentencepiece vocabulary)")
         if spec.pre not in _GGUF_PRE:
             raise ValueError(f"GGUF pre-tokenizer {spec.pre!r} is not supported; known: "
                              f"{', '.join(str(k) for k in _GGUF_PRE if k)}")
@@ -124,11 +130,20 @@ class Tokenizer:
                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
         backend.decoder = decoders.ByteLevel()
+        return cls._with_gguf_specials(backend, spec)
+
+    @classmethod
+    def _with_gguf_specials(cls, backend: tokenizers.Tokenizer, spec) -> "Tokenizer":
+        """`backend` with the GGUF's control tokens (special) and user-defined tokens added,
+        and the file's special ids and chat template."""
         types = spec.token_types
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, ty in zip(spec.tokens, types) if ty == _CONTROL])
+        # (Only those the vocabulary holds as spelled: one it respelled would get a new id.)
+        vocab = backend.get_vocab()
         backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                            for t, ty in zip(spec.tokens, types) if ty == _USER_DEFINED])
+                            for t, ty in zip(spec.tokens, types)
+                            if ty == _USER_DEFINED and t in vocab])
         eos = [t for t in (spec.eos_token_id, spec.eot_token_id) if t is not None]
         # What transformers' GGUF loader puts in the template's scope.
         special = {name: spec.tokens[i] if i is not None and 0 <= i < len(spec.tokens) else None
@@ -323,3 +338,31 @@ def _read_json(path: Path) -> dict:
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _gemma_sentencepiece(tokens: Sequence[str]) -> tokenizers.Tokenizer:
+    """Gemma's tokenizer from a GGUF's sentencepiece pieces: a BPE with byte fallback over
+    "▁"-spelled text (spaces become "▁"; words split after each space), as Gemma's tokenizer.json.
+
+    Pieces of two or more spaces are stored as real spaces in the file and respelled "▁..."; the
+    merges are every split of a piece into two pieces, ranked by the merged piece's position in
+    the file, then longer left halves first (transformers' `generate_merges` with Gemma's
+    position scores).
+    """
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}   # a respelled duplicate: the later id
+    merges = []
+    for piece, rank in vocab.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges += [(rank, -len(left), -len(right), left, right) for left, right in splits]
+    merges.sort(key=lambda m: m[:3])
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab, [(m[3], m[4]) for m in merges], fuse_unk=True, unk_token="<unk>",
+        byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    return backend

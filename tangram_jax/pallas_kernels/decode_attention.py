@@ -10,8 +10,8 @@ Grid: ``(batch, item, G // heads_per_program)``. Item i of the work list is
 ``(group, split, num_splits)``: the program reads that group's length, cuts its compute blocks
 (``block_tokens`` of page-aligned tokens) into `num_splits` contiguous runs of equal length (to
 a block) and runs an online softmax over run `split` for `heads_per_program` KV heads side by
-side in one tile (default 1: two heads a tile were at best 1-8% faster for K4V2 on an H100 and
-no faster for the others, benchmarks/NOTES_kv_precision.md session 20) and their query heads,
+side in one tile (default 1: two heads a tile gain a few percent for K4V2 alone on an H100, not
+enough to be the default) and their query heads,
 writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel
 (grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by
 log-sum-exp into the output, so a call is two launches. The work list is the only thing that
@@ -33,10 +33,11 @@ tier's work list then the low tier's (`split_map.build_tier_split_map`: a map ov
 groups, cut by tier); each program runs the same kernel body over its item's tier, in that
 tier's format and tuning, reading only its tier groups' table rows; then the merge of the
 launch's partials (a group's items of either tier are shares of its keys): two launches a
-layer, as untiered. Measured on an H100 (benchmarks/NOTES_kv_precision.md, session 26): 3-7%
-faster than a launch per tier (`tier_launch` "per-tier", kept as the baseline), whose two
-half-size launches each paid a ramp and a last round. (Items that read both tiers, two loops
-in one body, were 1.6x slower: run B.)
+layer, as untiered. On an H100 one launch is 3-7% faster than a launch per tier
+(`tier_launch` "per-tier", kept as the baseline;
+benchmarks/results/kv_precision_decode_tiers_one_launch.json), whose two half-size launches
+each pay a ramp and a last round. (Items that read both tiers in two loops of one body are
+slower still: their registers.)
 """
 
 from __future__ import annotations
@@ -53,25 +54,24 @@ from jax.experimental.pallas import triton as plgpu
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.attention_terms import first_visible_slot
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
+from tangram_jax.pallas_kernels.tuning import DECODE_PROGRAM_SCALE, DECODE_TUNING, MERGE_TUNING
 
 # Masked logits: far below any real logit, but finite so that max/exp never see inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
-# The merge launch's tiles: work items one step reads at once (at most), the f32 elements of a
-# step's partial outputs (head_dim is split to fit), and warps a program. 32 / 4096 / 2 against
-# 128 / 4096 / 4 (session 28's), on an H100 (benchmarks/NOTES_kv_precision.md, session 29): the
-# merge -1.1 us at 33 items a row ([32 x 128] steps instead of one [64 x 64]), -0.6 us for the
-# tiers, -0.1 to -1 us for bf16, at batch 32 and 64 x 32k.
-_MERGE_CHUNK_ITEMS = 32
-_MERGE_TILE_F32 = 4096
-_MERGE_WARPS = 2
+# The merge launch's tiles (`tuning.MERGE_TUNING`): work items one step reads at once (at most),
+# the f32 elements of a step's partial outputs (head_dim is split to fit), and warps a program.
+_MERGE_CHUNK_ITEMS = MERGE_TUNING["chunk_items"]
+_MERGE_TILE_F32 = MERGE_TUNING["tile_f32"]
+_MERGE_WARPS = MERGE_TUNING["num_warps"]
 # The partials' stores ask L2 to keep their lines (`evict_last`): the merge reads them right
 # after the launch, and the KV streaming through L2 would evict them first. Measured on an H100
-# (benchmarks/NOTES_kv_precision.md, session 29): the decode launch itself -1.3% (K4V2) and
-# -1.7% (tiers) at 32 x 32k, the merge -0.4 us; equal at 64 x 32k. (`evict_first` on the KV
-# loads, and partials in bf16, moved nothing.)
+# (benchmarks/results/kv_precision_decode_partials_merge.json): the decode launch itself -1.3%
+# (K4V2) and -1.7% (tiers) at 32 x 32k, the merge -0.4 us; equal at 64 x 32k. (`evict_first` on
+# the KV loads, and partials in bf16, move nothing.)
 _PARTIAL_EVICTION = "evict_last"
 
 
@@ -107,11 +107,11 @@ def _slot_pairs(k_pages, v_pages) -> bool:
 # operand by 2^S (q and bfloat16 value weights by 2^100, float16 value weights by 2^12) so the
 # float32 products are normal numbers: exact powers of two, so the products are those of the codes
 # themselves, scaled. Interpreted kernels (the CPU tests: XLA on the CPU flushes subnormal
-# operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Until
-# session 17 the codes were magic-number operands (OR a code into the mantissa of M = 128 or 1024,
-# then subtract M: a shift and a packed subtract a code pair per plane, and the two prmt repeated
-# per plane); against those, on an H100 (benchmarks/NOTES_kv_precision.md, session 17): K4V2
-# -4% / -12% at 64 / 32 x 32k, precision tiers -1 to -7%, K8V4 equal, K8V8 +2-4%.
+# operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Against
+# magic-number operands (OR a code into the mantissa of M = 128 or 1024, then subtract M: a shift
+# and a packed subtract a code pair per plane, the two prmt repeated per plane) this is fewer
+# instructions a code, faster for K4V2 on an H100 and equal for the others, with no M in the
+# 8-bit keys' products.
 # Operand dtypes: keys in the compute dtype (any width: N < 256 is exact in bfloat16); 8-bit value
 # codes in float16, whose weights (p * s, cast to the operand dtype) keep 11 significant bits,
 # narrower ones in the compute dtype.
@@ -216,8 +216,12 @@ def _rem(x, d: int):
 def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_size: int,
                    block_tokens: int, q_per_kv: int, scale: float, max_pages: int,
                    prefetch_page_ids: bool, key_bits: int | None, value_bits: int | None,
-                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item):
+                   slot_pairs: bool, tier: int, num_tiers: int, compiled: bool, item,
+                   starts_ref=None):
     """One (sequence, work item `item`, KV heads j0 .. j0 + H - 1 of the group) program.
+
+    starts_ref (a local layer's window, `attention_terms`): [num_tiers * groups] the first slot
+    each group's query sees; the item's blocks wholly before it are skipped and the rest masked.
 
     work_ref [items, 3] rows (group, split, num_splits); lengths_ref [num_tiers * groups] and
     block_tables_ref [num_tiers * groups, max_pages], of which this launch reads row
@@ -249,9 +253,8 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     powers of two the per-token key scale and the output's final scale take back (exactly: the
     products are the codes', scaled; `code_operand`). The softmax runs in base 2:
     scale * log2(e) is folded into the per-token key scale and zero (bf16 pools: into the
-    logits), and each exp2 is one ``ex2.approx`` (`backend.exp2`). Measured on an H100
-    (benchmarks/NOTES_kv_precision.md, session 12): -10 to -18% and -5 to -15% of the
-    quantised formats' time.
+    logits), and each exp2 is one ``ex2.approx`` (`backend.exp2`): each of the two cuts the
+    quantised formats' time on an H100 (libdevice's exp wraps the MUFU in range reduction).
     """
     n_k, n_v = (1 if key_bits is None else 3), (1 if value_bits is None else 3)
     k_refs, v_refs = refs[:n_k], refs[n_k:n_k + n_v]
@@ -282,6 +285,10 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     last_block = jnp.where(num_splits > 0,
                            jnp.minimum((split + 1) * total_blocks // n, total_blocks),
                            first_block)
+    start_token = 0
+    if starts_ref is not None:
+        start_token = starts_ref[table_row]
+        first_block = jnp.maximum(first_block, _div(start_token, block_tokens))
     num_blocks = jnp.maximum(last_block - first_block, 0)
     # Tokens of this share that exist: the last page may be partly filled.
     end_token = jnp.minimum(length, jnp.minimum(last_block * pages_per_block, max_pages)
@@ -364,18 +371,16 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
     # Tokens are never negative, so page and slot are a truncating division and remainder
     # (`_div` / `_rem`: a shift and a mask for a power of two): jnp's floor `//` and `%` add sign
     # fix-ups per token that hide from Triton's axis analysis that a page id is constant (and a
-    # slot contiguous) over a page's tokens. Measured on an H100 (NOTES_kv_precision.md,
-    # session 16): K4V2 -14 to -20%, tiers -5 to -9%, K8V4 -1 to -7%, K8V8 equal, outputs bit for
-    # bit the same. (Signed `lax.div` by a power of two still costs a fix-up per index: the
-    # shift, with the unmasked code loads below, took 8-11% of K4V2's loop instructions and
-    # 1.5-2% of its time at 32 x 32k, session 27.)
+    # slot contiguous) over a page's tokens: on an H100 the fix-ups cost K4V2 14-20% of its time
+    # and the other formats up to 7% (outputs bit for bit the same either way). (Signed
+    # `lax.div` by a power of two still costs a fix-up per index, hence the shift.)
 
     # Token sets: a unit row of a slot-pair pool (`kv_quant.PageFormat.slot_pairs`) holds two
     # adjacent slots, so a block is gathered as block_tokens / 2 unit rows (its even tokens) and
     # each row unpacks into an even-token plane and an odd-token plane of full width: the block
     # is two token sets (even, odd), with products, scales and masks per set and one max and one
     # sum over both. Other pools: one set, a row a token. Pairs keep 16-bit operand layouts
-    # for K4V2's full-width planes (benchmarks/NOTES_kv_precision.md, session 21).
+    # for K4V2's full-width planes (see `kv_quant`: operands from 8-bit loads cost copies).
     sets = 2 if slot_pairs else 1
     row_offsets = jnp.arange(block_tokens) if sets == 1 else 2 * jnp.arange(block_tokens // 2)
 
@@ -388,6 +393,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         the share) [unit rows]."""
         first = first_tokens(block)
         tokens = [first] + [first + s for s in range(1, sets)]
+        if starts_ref is not None:
+            return [(_rem(token, page_size), (token < end_token) & (token >= start_token))
+                    for token in tokens]
         return [(_rem(token, page_size), token < end_token) for token in tokens]
 
     def page_ids(block):                                                  # [unit rows]
@@ -427,7 +435,7 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # and zero, NaN included) is replaced by the mask value, so its weight is exactly 0
         # (a slot pair's odd slot was always read so). Value scales and zeros stay masked: a
         # NaN there times a weight of 0 would be NaN. No masks is fewer instructions a copy (the
-        # cp.async's zero-fill size, session 27).
+        # cp.async's zero-fill size).
         raw = plgpu.load(refs[0].at[page[:, None], head, unit_slot[:, None], dims])
         # The unpack is per element of every tile, the kernel's main work besides the
         # products: compiled, a few 32-bit instructions per 4 bytes (`unpack_planes`). With
@@ -493,9 +501,9 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         # num_stages - 1 blocks in flight (without this it single-buffers them). With slot
         # pairs the value zeros travel with them: they feed no product (only p . z), so the
         # pipeliner leaves their load in its own iteration, where in the slot-pair kernel's
-        # schedule its latency is exposed. Measured on an H100 (benchmarks/NOTES_kv_precision.md,
-        # session 21): K4V2 -26% at 32 x 32k, tiers -10%; K8V4 +1.5% and K8V8 +-3% with their
-        # zeros ahead, so other formats load them in their iteration (None in the carry).
+        # schedule its latency is exposed: on an H100 a quarter of K4V2's time at 32 x 32k
+        # (tiers -10%), while K8V4 and K8V8 are a little slower with their zeros ahead, so other
+        # formats load them in their iteration (None in the carry).
         def ahead(block):
             page = page_ids(block)
             return page, (per_slot(v_refs[2], page, set_tokens(block)) if slot_pairs else None)
@@ -533,13 +541,15 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
-def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
+def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int, sinks: bool):
     """One (sequence, group, query head of the group x head_dim slice) program: log-sum-exp
     merge of the work items that cover this group, over the partials of every decode launch.
 
     refs: per launch (n of them) its work_ref [items, 3], then per launch o_part_ref [items,
     heads_per_group, head_dim] f32 (normalised), then per launch lse_part_ref [items,
-    heads_per_group] f32; then out_ref [head_dim // dim_splits] in the output dtype. Each launch's
+    heads_per_group] f32; then with `sinks` sinks_ref [heads_per_group] f32 (this group's sink
+    logits, `attention_terms`: a term of the denominator); then out_ref [head_dim // dim_splits]
+    in the output dtype. Each launch's
     partials are read where that launch wrote them (with precision tiers no concatenation of
     the tiers' partials is written and read back first).
     One pass over each launch's items in `chunks`-item steps, unrolled (num_items is static), so
@@ -548,6 +558,7 @@ def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
     """
     n = len(num_items)
     work_refs, o_refs, lse_refs, out_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
+    sinks_ref = refs[3 * n] if sinks else None
     group = pl.program_id(1)
     head = pl.program_id(2) // dim_splits
     dim_block = out_ref.shape[-1]
@@ -573,17 +584,20 @@ def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int):
             num = num * rescale + (w[:, None] * o).sum(axis=0)
             den = den * rescale + w.sum()
             m = m_next
+    if sinks_ref is not None:
+        sink = sinks_ref[head]
+        den = den + jnp.exp(sink - jnp.where(m > -jnp.inf, m, sink))
     out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
 def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
-                   num_groups: int) -> jax.Array:
+                   num_groups: int, sinks: jax.Array | None = None) -> jax.Array:
     """Log-sum-exp merge of the work items' partial results into one output per group (jnp).
 
     o_part [batch, items, G, q_per_kv, d] f32 (normalised), lse_part [batch, items, G, q_per_kv],
     work [items, 3] or [batch, items, 3]. Returns [batch, groups, G, q_per_kv, d] f32; groups
-    with no tokens 0. The Pallas merge (`_merge_kernel`) computes the same; this one documents
-    it and tests it.
+    with no tokens 0; sinks [groups * G * q_per_kv] or None (`attention_terms`). The Pallas
+    merge (`_merge_kernel`) computes the same; this one documents it and tests it.
     """
     work = jnp.broadcast_to(work, (o_part.shape[0], *work.shape[-2:]))
     owner = (work[..., 0:1] == jnp.arange(num_groups)) & (work[..., 2:3] > 0)  # [b, i, groups]
@@ -592,6 +606,9 @@ def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m[:, None])
     den = w.sum(axis=1)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(den.shape[1:])
+        den = den + jnp.exp(sink - m)
     num = jnp.einsum("bingq,bigqd->bngqd", w, o_part, precision=lax.Precision.HIGHEST)
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
@@ -662,19 +679,22 @@ TIER_LAUNCHES = ("one", "per-tier")
 _STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
-def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: tuple):
+def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: tuple,
+                  windowed: bool):
     """One program of a launch over several pools (`decode_partials` with precision tiers in
     one launch): parts[p] = (first item, end item, page refs, kernel) in item order; the
     program runs the part its item falls in (`_decode_kernel` over that part's page refs; the
     work list is the parts' lists one after another, so the kernel reads its own row).
-    One part: its kernel, with no branch."""
+    One part: its kernel, with no branch. `windowed`: the last input is the starts ref
+    (`_decode_kernel`)."""
     o_ref, lse_ref = refs[-2:]
+    starts = dict(starts_ref=refs[-3]) if windowed else {}
     # Read here, not in a branch: the interpreter substitutes program ids at the top level only.
     item = pl.program_id(1)
     if len(parts) == 1:
         _, _, n, kernel = parts[0]
         kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs[:n], o_ref, lse_ref,
-               item=item)
+               item=item, **starts)
         return
     offset = 0
     for first, end, n, kernel in parts:
@@ -684,12 +704,12 @@ def _parts_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, parts: 
         @pl.when((item >= first) & (item < end))
         def _(kernel=kernel, page_refs=page_refs):
             kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *page_refs, o_ref, lse_ref,
-                   item=item)
+                   item=item, **starts)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier", "num_tiers"))
-def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpret: bool,
-                    block_tokens, num_warps: int, num_stages: int,
+def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, starts=None, *,
+                    interpret: bool, block_tokens, num_warps: int, num_stages: int,
                     heads_per_program: int = 1, tier: int = 0, num_tiers: int = 1):
     """The kernel alone (one launch): per work item normalised partial outputs and
     log-sum-exps. Inputs as for `ragged_paged_decode_attention` with one pool, unchecked;
@@ -703,7 +723,8 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     (one body a tier, `_parts_kernel`), and the returned work is the two lists concatenated.
 
     Returns (o_part f32 [batch, items, G, q_per_kv, d], lse f32 [batch, items, G, q_per_kv],
-    work). `ragged_paged_decode_attention` merges them."""
+    work). `ragged_paged_decode_attention` merges them. starts: None, or int32 [batch, groups]
+    the first slot each (row, group) attends (a local layer's window)."""
     if kv_quant.is_tiered(k_pages, v_pages):
         pools = _tier_pools(k_pages, v_pages)
         works = tuple(work)
@@ -752,8 +773,9 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
     # q and the partials keep their q_per_kv real rows; the kernel's blocks have `rows` (a
     # power of two, >= 16 for the matrix unit) and mask the rest on load and store.
     q = q.reshape(batch, num_groups, group_size, q_per_kv, head_dim)
+    extra = () if starts is None else (starts,)
     return *pl.pallas_call(
-        functools.partial(_parts_kernel, parts=tuple(parts)),
+        functools.partial(_parts_kernel, parts=tuple(parts), windowed=starts is not None),
         grid=(batch, num_items, group_size // heads),
         in_specs=[
             _work_spec(work),
@@ -762,6 +784,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
             pl.BlockSpec((None, num_groups, heads, rows, head_dim),
                          lambda b, i, j: (b, 0, j, 0, 0)),
             *page_specs,
+            *(pl.BlockSpec((None, lengths.shape[1]), lambda b, i, j: (b, 0)) for _ in extra),
         ],
         out_specs=[
             pl.BlockSpec((None, None, heads, rows, head_dim), lambda b, i, j: (b, i, j, 0, 0)),
@@ -775,7 +798,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, *, interpr
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
-    )(work, lengths, block_tables, q, *page_arrays), work
+    )(work, lengths, block_tables, q, *page_arrays, *extra), work
 
 
 def _as_tuple(x) -> tuple:
@@ -784,7 +807,7 @@ def _as_tuple(x) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "interpret"))
-def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
+def merge_partials_pallas(o_part, lse_part, work, sinks=None, *, num_groups: int, out_dtype,
                           interpret: bool):
     """`merge_partials` as one Pallas launch, writing the final layout and dtype.
 
@@ -792,7 +815,8 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     work [items, 3] or [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`.
     Several decode launches' partials (precision tiers launched per tier) are passed as tuples
     of these, a launch an entry (each its own item count and work list), and merged together
-    as if their items were one list."""
+    as if their items were one list. sinks: None or [groups * G * q_per_kv] sink logits
+    (`attention_terms`)."""
     o_parts, lse_parts, works = _as_tuple(o_part), _as_tuple(lse_part), _as_tuple(work)
     if not len(o_parts) == len(lse_parts) == len(works):
         raise ValueError(f"o_part, lse_part and work must have one entry per launch, got "
@@ -807,15 +831,17 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
     # so all chunks of a program stay in flight: long rows (small batches) split head_dim.
     dim_block = min(head_dim, max(16, _MERGE_TILE_F32 // max(chunks)))
     dim_splits = head_dim // dim_block
+    extra = () if sinks is None else (sinks.astype(jnp.float32).reshape(num_groups, heads),)
     return pl.pallas_call(
         functools.partial(_merge_kernel, num_items=num_items, chunks=chunks,
-                          dim_splits=dim_splits),
+                          dim_splits=dim_splits, sinks=sinks is not None),
         grid=(batch, num_groups, heads * dim_splits),
         in_specs=[
             *(_work_spec(w) for w in works),
             *(pl.BlockSpec((None, i, heads, head_dim), lambda b, n, h: (b, 0, 0, 0))
               for i in num_items),
             *(pl.BlockSpec((None, i, heads), lambda b, n, h: (b, 0, 0)) for i in num_items),
+            *(pl.BlockSpec((None, heads), lambda b, n, h: (n, 0)) for _ in extra),
         ],
         out_specs=pl.BlockSpec((None, None, None, dim_block),
                                lambda b, n, h: (b, n, h // dim_splits, h % dim_splits)),
@@ -823,31 +849,12 @@ def merge_partials_pallas(o_part, lse_part, work, *, num_groups: int, out_dtype,
         interpret=interpret,
         compiler_params=backend.compiler_params(num_warps=_MERGE_WARPS, num_stages=1),
         name="ragged_paged_decode_merge",
-    )(*works, *o_parts, *lse_parts)
+    )(*works, *o_parts, *lse_parts, *extra)
 
 
-# (block_tokens, num_warps) of the decode launch by page format: the fastest of the sweep on an
-# H100 at a Llama-3.1-8B layer (head_dim 128, G 2), batch 64 x 32k context
-# (benchmarks/results/kv_precision_decode.json, session 12; bf16: decode_attention.json). The
-# quantised formats were 10-20% slower at bf16's 32/2 (NOTES_kv_precision.md, run B). K8V4
-# since its per-plane value scales (session 15): 64/2, 7% faster than 128/4 at 64 x 32k and
-# 12-13% with its program scale below. K4V2 since session 26: one warp a program (no
-# cross-warp reductions or barriers in its issue-bound loop; 215 registers, 8 programs an SM),
-# against the 4-warp 256/4 at 1x: -3% at 32 x 32k, -1% at 64 x 32k and 32 x 128k, equal at 64 x
-# 128k, -24% at 16 x 32k. Precision tiers in one launch: a block size a tier, one warp count
-# (session 26: 128+256/4 fastest at 32 x 32k, within 2% of 64+128/2 at 64 x 32k).
-DECODE_TUNING = {"bf16": (32, 2), "k8v8": (128, 4), "k8v4": (64, 2), "k4v2": (64, 1),
-                 "k8v4-k4v2": ((128, 256), 4)}
-
-# Programs a decode launch's split map is sized for, as a multiple of the engine's
-# `num_programs`, by page format: more, smaller items even out the SMs' last wave of programs.
-# Measured on an H100 (NOTES_kv_precision.md, sessions 13-15): K8V8 11% faster at 2x than 1x
-# at 32 x 32k; K8V4 at 64/2 (two warps a program, about 4 programs an SM) 833 / 459 us at 4x
-# against 921 / 468 at 2x (64 / 32 x 32k; 8x equal to 4x, 3x and 6x between); bf16 fastest at
-# 1x; K4V2 at one warp a program 4x: 16 items a row at batch 64 (2x there is one round of long
-# items, 16% slower), 2% behind 2x at batch 32 (session 26). Precision tiers (one launch over both
-# tiers' items) keep 1x: 2x and 4x were 4% slower at 32 x 32k (session 26).
-DECODE_PROGRAM_SCALE = {"bf16": 1, "k8v8": 2, "k8v4": 4, "k4v2": 4}
+# The decode launch's (block_tokens, num_warps) by page format (`tuning.DECODE_TUNING`), and the
+# programs its split map is sized for as a multiple of the engine's `num_programs`
+# (`tuning.DECODE_PROGRAM_SCALE`): more, smaller items even out the SMs' last wave of programs.
 
 
 def decode_programs(kv_precision: str, num_programs: int) -> int:
@@ -872,15 +879,15 @@ def decode_tuning(k_pages, v_pages) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "tier_launch"))
-def _decode(q, k_pages, v_pages, block_tables, lengths, works, *, block_tokens, num_warps,
-            tier_launch: str, **kwargs):
+def _decode(q, k_pages, v_pages, block_tables, lengths, works, starts, sinks, *, block_tokens,
+            num_warps, tier_launch: str, **kwargs):
     """The decode launch (tuning not given: the pools' `decode_tuning`), or with precision
     tiers and `tier_launch` "per-tier" a launch per tier's pool, then one merge launch of all
     their partials."""
     if tier_launch == "one" or not kv_quant.is_tiered(k_pages, v_pages):
         tuned = decode_tuning(k_pages, v_pages)
         parts = [decode_partials(q, k_pages, v_pages, block_tables, lengths,
-                                 works[0] if len(works) == 1 else works,
+                                 works[0] if len(works) == 1 else works, starts,
                                  block_tokens=block_tokens or tuned[0],
                                  num_warps=num_warps or tuned[1], **kwargs)]
     else:
@@ -893,7 +900,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, works, *, block_tokens, 
                                          block_tokens=tokens or tuned[0],
                                          num_warps=num_warps or tuned[1], **kwargs))
     return merge_partials_pallas(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
-                                 tuple(p[2] for p in parts), num_groups=q.shape[1],
+                                 tuple(p[2] for p in parts), sinks, num_groups=q.shape[1],
                                  out_dtype=q.dtype, interpret=kwargs["interpret"])
 
 
@@ -902,7 +909,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
                                   heads_per_program: int = 1,
-                                  tier_launch: str = "one") -> jax.Array:
+                                  tier_launch: str = "one", window=None,
+                                  sinks=None) -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers over both tiers' pools), then the merge launch.
 
@@ -930,6 +938,9 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
         block_tokens may be a (high, low) pair.
       tier_launch: precision tiers in "one" launch (default) or "per-tier" (the baseline);
         ignored without tiers.
+      window: None, or an int32 scalar (traced): a local layer's window (the query at slot
+        length - 1 sees slots > length - 1 - window; 0: a global layer); not with tiers.
+      sinks: None or [groups * G * q_per_kv] sink logits (`attention_terms`).
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """
@@ -938,17 +949,26 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     tier_pools = _tier_pools(k_pages, v_pages)
     works = _work_lists(work_list, len(tier_pools))
     _check_inputs(q, tier_pools, block_tables, lengths, works)
-    return _decode(q, k_pages, v_pages, block_tables, lengths, works,
+    starts = None
+    if window is not None:
+        if len(tier_pools) > 1:
+            raise ValueError("a sliding window needs slots that are positions; precision tiers "
+                             "split a group's tokens over two pools")
+        starts = first_visible_slot(lengths - 1, window).astype(jnp.int32)
+    return _decode(q, k_pages, v_pages, block_tables, lengths, works, starts, sinks,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
                    heads_per_program=heads_per_program, tier_launch=tier_launch)
 
 
 @jax.jit
-def ragged_paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths):
+def ragged_paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, *,
+                                            window=None, sinks=None):
     """Gather every group's pages (dequantised: `kv_quant`) and run a masked softmax in jnp
-    (float32). Precision tiers (`kv_quant.TieredPages`, tables and lengths of tier groups): both
-    tiers of a group as one dense history (`kv_quant.tiered_dense_history`)."""
+    (float32); a local layer's `window` masks slots before length - window, `sinks` [Hq] join
+    the denominator (`attention_terms`). Precision tiers (`kv_quant.TieredPages`, tables and
+    lengths of tier groups): both tiers of a group as one dense history
+    (`kv_quant.tiered_dense_history`)."""
     if isinstance(k_pages, kv_quant.TieredPages):
         k_pages, v_pages, block_tables, lengths = kv_quant.tiered_dense_history(
             k_pages, v_pages, block_tables, lengths, jnp.float32)
@@ -967,11 +987,19 @@ def ragged_paged_decode_attention_reference(q, k_pages, v_pages, block_tables, l
     qg = q.reshape(batch, num_groups, group_size, q_rows // group_size, head_dim)
     logits = jnp.einsum("bngqd,bngtd->bngqt", qg.astype(jnp.float32), k,
                         precision=lax.Precision.HIGHEST) / math.sqrt(head_dim)
-    valid = jnp.arange(max_pages * page_size) < lengths[:, :, None, None, None]
+    slot = jnp.arange(max_pages * page_size)
+    valid = slot < lengths[:, :, None, None, None]
+    if window is not None:
+        valid = valid & (slot >= first_visible_slot(lengths - 1, window)[:, :, None, None, None])
     logits = jnp.where(valid, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:   # a zero-valued key of logit s per query head
+        sink = sinks.astype(jnp.float32).reshape(qg.shape[1:4])[None, ..., None]
+        m = jnp.maximum(m, sink)
     p = jnp.where(valid, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     den = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + jnp.exp(sink - m)
     v = jnp.where(valid[..., 0, :, None], v, 0.0)
     out = jnp.einsum("bngqt,bngtd->bngqd", p / jnp.where(den > 0, den, 1.0), v,
                      precision=lax.Precision.HIGHEST)

@@ -26,8 +26,8 @@ of the last `obs_window` valid queries of a row over the row's keys (normalised 
 chunk): with the log-sum-exp in hand those are ``exp(q . k * scale - lse)``, an
 [heads, obs_window, T] product computed beside the kernel (`observation_probs`).
 
-Tuning data (block sizes, warps, stages) lives in `PREFILL_TUNING`, measured by
-`benchmarks/prefill_8b.py`.
+Tuning data (block sizes, warps, stages) lives in `tuning.PREFILL`, measured by
+`benchmarks/prefill_8b.py`; `PREFILL_TUNING` is it as a `PrefillTuning`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from jax.experimental import pallas as pl
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.attention_terms import (NO_WINDOW, apply_sinks,
+                                                        first_visible_slot)
+from tangram_jax.pallas_kernels.tuning import PREFILL
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -80,11 +83,7 @@ class PrefillTuning:
                              f"{self.num_warps}, {self.num_stages}")
 
 
-# Measured (benchmarks/results/prefill_8b_kernel.json, H100, one 8192-token row over 32k of
-# history, TFLOP/s): (32, 64, 4 warps, 2 stages) 366; (32, 64, 8, 2) 235; (32, 128, 8, 2) 280;
-# (32, 64, 8, 3) 239; (16, 64, 4, 2) 263; (64, 64, 8, 2) 294; (32, 128, 8, 3) 297;
-# (16, 128, 4, 3) 197. cuDNN on the same keys made contiguous: 284.
-PREFILL_TUNING = PrefillTuning(block_q=32, block_k=64, num_warps=4, num_stages=2)
+PREFILL_TUNING = PrefillTuning(**PREFILL)
 
 # Shared memory one program may use: Hopper's 227 KiB per block less a margin for what Triton
 # adds (layout conversions, barriers). Seen on the H100: float32 at block_q 64 / block_k 64 with
@@ -217,16 +216,22 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
 
 
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
-                    v_ref, k_pages_ref, v_pages_ref, lse_in_ref, o_ref, lse_ref, *, block_q: int,
+                    v_ref, k_pages_ref, v_pages_ref, lse_in_ref, *refs, block_q: int,
                     block_k: int, q_per_kv: int, group_size: int, page_size: int, scale: float,
-                    compiled: bool):
+                    compiled: bool, windowed: bool):
     """items_ref [items, 5]; row_start/row_len_ref [rows]; hist_ref [rows, groups];
     tables_ref [rows, groups, max_pages]; q_ref [Hkv, N * q_per_kv, d]; k/v_ref [Hkv, N, d];
-    k/v_pages_ref [num_pages, page_size, d] (head j of every page); o_ref [splits, Hkv,
+    k/v_pages_ref [num_pages, page_size, d] (head j of every page); with `windowed`
+    window_ref [1] int32 (`attention_terms`: the layer's window, 0 global); o_ref [splits, Hkv,
     N * q_per_kv, d] float32 (each split's normalised partial output); lse_ref [splits, Hkv,
     N * q_per_kv] (base-e log-sum-exp of each partial; the same buffer as lse_in_ref, which
-    arrives -inf, so splits nobody writes stay -inf)."""
+    arrives -inf, so splits nobody writes stay -inf).
+
+    A local layer (window w > 0): query i of a row (slot hist + i) sees history slots and row
+    keys within w of it; the blocks wholly before the item's first query's window are skipped
+    and every block it reads is masked."""
     del lse_in_ref
+    window_ref, o_ref, lse_ref = refs if windowed else (None, *refs)
     j = pl.program_id(0)
     item = pl.program_id(1)
     row = items_ref[item, 0]
@@ -273,8 +278,11 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
             v = v_pages_ref[page_ids].reshape(block_k, -1)
             if not masked:
                 return step(k, v, None, None, carry)
-            key_valid = first_page * page_size + jnp.arange(block_k) < hist
+            slot = first_page * page_size + jnp.arange(block_k)
+            key_valid = slot < hist
             valid = jnp.broadcast_to(key_valid[None, :], (m_rows, block_k))
+            if windowed:
+                valid = valid & (slot[None, :] >= (hist + local - window + 1)[:, None])
             return step(k, v, valid, key_valid, carry)
 
         def chunk_body(masked, block, carry):
@@ -285,26 +293,39 @@ def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref,
                 return step(k, v, None, None, carry)
             key_valid = keys < row_len
             valid = (keys[None, :] <= local[:, None]) & key_valid[None, :]
+            if windowed:
+                valid = valid & (keys[None, :] >= (local - window + 1)[:, None])
             return step(k, v, valid, key_valid, carry)
 
         carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((m_rows,), _MASK_VALUE, jnp.float32),
                  jnp.zeros((m_rows,), jnp.float32))
         # This split's share of the history blocks; all but a partial last block are interior.
+        first_local = first_token - start
         hist_blocks = pl.cdiv(hist, block_k)
         per_split = pl.cdiv(hist_blocks, num_splits)
         lo = jnp.minimum(split * per_split, hist_blocks)
         hi = jnp.minimum(lo + per_split, hist_blocks)
         interior = jnp.clip(hist // block_k, lo, hi)
+        chunk_lo = 0
+        if windowed:   # a local layer: from the first query's window on, every block masked
+            limited = window_ref[0] > 0
+            window = jnp.where(limited, window_ref[0], NO_WINDOW)
+            lo = jnp.where(limited, jnp.clip(
+                jnp.maximum(hist + first_local - window + 1, 0) // block_k, lo, hi), lo)
+            interior = jnp.where(limited, lo, interior)
+            chunk_lo = jnp.where(limited, jnp.maximum(first_local - window + 1, 0) // block_k, 0)
         carry = lax.fori_loop(lo, interior, functools.partial(history_body, False), carry)
         carry = lax.fori_loop(interior, hi, functools.partial(history_body, True), carry)
         # The causal keys (last split only): blocks below every query of this item and inside
         # the row are interior; the diagonal and the row's partial end are masked.
-        first_local = first_token - start
         last_key = jnp.minimum(first_local + block_q, row_len)
         chunk_blocks = jnp.where(split == num_splits - 1, pl.cdiv(last_key, block_k), 0)
         visible = jnp.clip(jnp.minimum((first_local + 1) // block_k, row_len // block_k), 0,
                            chunk_blocks)
-        carry = lax.fori_loop(0, visible, functools.partial(chunk_body, False), carry)
+        if windowed:
+            chunk_lo = jnp.minimum(chunk_lo, chunk_blocks)
+            visible = jnp.where(limited, chunk_lo, visible)
+        carry = lax.fori_loop(chunk_lo, visible, functools.partial(chunk_body, False), carry)
         carry = lax.fori_loop(visible, chunk_blocks, functools.partial(chunk_body, True), carry)
         o, m, l = carry
         has_keys = l > 0.0
@@ -321,9 +342,9 @@ def dense_history(k_pages, v_pages, block_tables, dtype):
     reading the history (each history page is read once per chunk), so the history is
     dequantised once per layer in XLA (one fused gather + dequantise of the pages the rows'
     tables name) and the kernel runs unchanged on it. (Dequantising in the kernel's loop
-    instead, codes plane by plane as the decode kernel reads them, made first turns 37% slower
-    on an H100: an int -> float conversion per code in every query block's program;
-    benchmarks/NOTES_kv_precision.md, session 11.) Returns (k_pages, v_pages, block_tables):
+    instead, codes plane by plane as the decode kernel reads them, makes first turns 37% slower
+    on an H100: an int -> float conversion per code in every query block's program.) Returns
+    (k_pages, v_pages, block_tables):
     dense [rows * groups * max_pages, G, page_size, d] pools in `dtype` and tables renumbered
     onto them; dense pools come back as they are.
     """
@@ -338,11 +359,11 @@ def dense_history(k_pages, v_pages, block_tables, dtype):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens,
-                    work_items, *, interpret: bool, tuning: PrefillTuning):
+                    work_items, window, sinks, *, interpret: bool, tuning: PrefillTuning):
     if isinstance(k_pages, kv_quant.TieredPages):
         # Both tiers of a group as one dense history, one launch. (A launch per tier's pool,
-        # each over its own dense pages, merged by log-sum-exp, made first turns 9% slower on
-        # an H100: benchmarks/NOTES_kv_precision.md, session 11.)
+        # each over its own dense pages, merged by log-sum-exp, makes first turns 9% slower on
+        # an H100: every query block's program runs twice.)
         k_pages, v_pages, block_tables, hist_len = kv_quant.tiered_dense_history(
             k_pages, v_pages, block_tables, hist_len, k.dtype)
     k_pages, v_pages, block_tables = dense_history(k_pages, v_pages, block_tables, k.dtype)
@@ -362,7 +383,8 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     kernel = functools.partial(
         _prefill_kernel, block_q=tuning.block_q, block_k=tuning.block_k, q_per_kv=stack,
         group_size=group_size, page_size=page_size, scale=backend.LOG2E / math.sqrt(head_dim),
-        compiled=not interpret)
+        compiled=not interpret, windowed=window is not None)
+    windows = () if window is None else (jnp.reshape(jnp.asarray(window, jnp.int32), (1,)),)
     splits = split_slots(work_items.shape[0], n, num_kv_heads // group_size, tuning)
     lse_init = jnp.full((splits, num_kv_heads, n * stack), -jnp.inf, jnp.float32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)  # noqa: E731
@@ -373,7 +395,7 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
         grid=(group_size, work_items.shape[0]),
         in_specs=[whole(work_items), whole(row_starts), whole(row_lens), whole(hist_len),
                   whole(block_tables), whole(qg), whole(kt), whole(vt), pool_spec, pool_spec,
-                  whole(lse_init)],
+                  whole(lse_init), *(whole(w) for w in windows)],
         out_specs=[pl.BlockSpec(o_shape, lambda j, i: (0, 0, 0, 0)), whole(lse_init)],
         out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
                    jax.ShapeDtypeStruct(lse_init.shape, jnp.float32)],
@@ -383,7 +405,7 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
                                                 num_stages=tuning.num_stages),
         name="ragged_prefill_attention",
     )(work_items, row_starts, row_lens, hist_len, block_tables, qg, kt, vt, k_pages, v_pages,
-      lse_init)
+      lse_init, *windows)
     if splits == 1:
         out, lse = parts[0], lse_parts[0]
     else:   # merge the splits' partials by their log-sum-exps
@@ -403,7 +425,7 @@ def _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_start
     in_row = ((token[None, :] >= row_starts[:, None]) &
               (token[None, :] < row_starts[:, None] + row_lens[:, None])).any(axis=0)
     out = jnp.where(in_row[:, None, None], out.reshape(n, num_q_heads, head_dim), 0)
-    return out.astype(q.dtype), jnp.where(in_row[None, :], lse, -jnp.inf)
+    return apply_sinks(out.astype(q.dtype), jnp.where(in_row[None, :], lse, -jnp.inf), sinks)
 
 
 def _check_ragged(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts, row_lens):
@@ -436,7 +458,7 @@ def _check_ragged(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
 
 def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
                              row_lens, work_items, *, interpret: bool | None = None,
-                             tuning: PrefillTuning = PREFILL_TUNING):
+                             tuning: PrefillTuning = PREFILL_TUNING, window=None, sinks=None):
     """Attention of a ragged batch of prefill rows over their retained histories and themselves.
 
     Args:
@@ -451,6 +473,8 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
         (`pack_rows` makes such starts).
       work_items: int32 [items, 5] from `prefill_work_items(..., tuning=tuning)`; more items than
         one per (query block, group) (see `item_capacity`) lets items split their history.
+      window: None, or an int32 scalar (traced): a local layer's window, 0 for a global layer;
+        sinks: None or [num_q_heads] sink logits (`attention_terms`).
     Returns (out [N, num_q_heads, head_dim] in q's dtype, 0 outside every row;
       lse float32 [num_q_heads, N], natural log-sum-exp of each query, -inf where a query has no
       key or lies outside every row).
@@ -466,8 +490,8 @@ def ragged_prefill_attention(q, k, v, k_pages, v_pages, block_tables, hist_len, 
         raise ValueError(f"work_items must be int32 [items, 5], got {work_items.shape} "
                          f"{work_items.dtype}")
     return _ragged_prefill(q, k, v, k_pages, v_pages, block_tables, hist_len, row_starts,
-                           row_lens, work_items, interpret=backend.resolve_interpret(interpret),
-                           tuning=tuning)
+                           row_lens, work_items, window, sinks,
+                           interpret=backend.resolve_interpret(interpret), tuning=tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
@@ -506,11 +530,13 @@ def observation_probs(q, k, lse, row_starts, row_lens, *, obs_window: int, chunk
 
 @functools.partial(jax.jit, static_argnames=("tuning",))
 def ragged_prefill_attention_reference(q, k, v, k_pages, v_pages, block_tables, hist_len,
-                                       row_starts, row_lens, work_items=None, tuning=None):
+                                       row_starts, row_lens, work_items=None, tuning=None, *,
+                                       window=None, sinks=None):
     """Float32 jnp reference of `ragged_prefill_attention`: per row, one full softmax of every
     token over [the row's gathered history ; all N keys], masked to the row's own queries and
-    causal keys (builds an N x keys matrix per row). `work_items` and `tuning` are accepted for a
-    uniform signature and ignored."""
+    causal keys (and a local layer's window), then the sinks (`attention_terms`); builds an
+    N x keys matrix per row. `work_items` and `tuning` are accepted for a uniform signature and
+    ignored."""
     del work_items, tuning
     if isinstance(k_pages, kv_quant.TieredPages):   # both tiers of a group as one history
         k_pages, v_pages, block_tables, hist_len = kv_quant.tiered_dense_history(
@@ -538,9 +564,15 @@ def ragged_prefill_attention_reference(q, k, v, k_pages, v_pages, block_tables, 
         vals = jnp.concatenate([history(v_pages), new_v], axis=1)
         local = token - row_starts[r]
         member = (local >= 0) & (local < row_lens[r])                         # [N]
-        hist_ok = s[None, :] < jnp.repeat(hist_len[r], group_size)[:, None]  # [Hkv, H]
+        head_hist = jnp.repeat(hist_len[r], group_size)                      # [Hkv]
+        hist_ok = s[None, :] < head_hist[:, None]                             # [Hkv, H]
         chunk_ok = member[None, :] & (local[None, :] <= local[:, None])       # [N(q), N(k)]
-        valid = jnp.concatenate([jnp.broadcast_to(hist_ok[None], (n, num_kv_heads, num_hist)),
+        hist_ok = jnp.broadcast_to(hist_ok[None], (n, num_kv_heads, num_hist))
+        if window is not None:   # query i of the row sits at slot hist + i
+            lower = first_visible_slot(head_hist[None, :] + local[:, None], window)  # [N, Hkv]
+            hist_ok = hist_ok & (s[None, None, :] >= lower[..., None])
+            chunk_ok = chunk_ok & (local[None, :] >= first_visible_slot(local, window)[:, None])
+        valid = jnp.concatenate([hist_ok,
                                  jnp.broadcast_to(chunk_ok[:, None], (n, num_kv_heads, n))],
                                 axis=2) & member[:, None, None]               # [N, Hkv, S]
         logits = jnp.einsum("nkjd,ksd->nkjs", qg, keys,
@@ -558,8 +590,8 @@ def ragged_prefill_attention_reference(q, k, v, k_pages, v_pages, block_tables, 
                                                                                 1e-30)), -jnp.inf)
         out = jnp.where(member[:, None, None, None], o, out)
         lse = jnp.where(member[:, None, None], row_lse, lse)
-    return (out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
-            jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1))
+    return apply_sinks(out.reshape(n, num_q_heads, head_dim).astype(q.dtype),
+                       jnp.moveaxis(lse.reshape(n, num_q_heads), 0, 1), sinks)
 
 
 # ----- one chunk of one sequence (the runner's per-chunk contract) -----------------------------

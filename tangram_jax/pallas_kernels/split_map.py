@@ -233,8 +233,8 @@ def build_tier_split_map(group_budgets: np.ndarray, high_share: np.ndarray,
     tiers are apportioned by bytes, not tokens, as one map (the rule the tiered decode
     benchmark measured); every tier group gets at least one item (a no-op where its tier is
     empty). Sized for about 2 x `num_programs` programs (the bucket rule over 2 x
-    num_programs): the size measured fastest for the tiers' one launch (H100, session 26 of
-    benchmarks/NOTES_kv_precision.md), as it was when each tier had a launch of its own.
+    num_programs): the size measured fastest for the tiers' one launch on an H100 (2x and 4x
+    the programs are 4% slower at 32 x 32k), as it was when each tier had a launch of its own.
 
     group_budgets: float [layers, groups] in (0, 1]; high_share: float [layers, groups] in
     [0, 1], the calibrated share of a group's retained tokens in the high tier;

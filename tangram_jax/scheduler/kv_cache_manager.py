@@ -3,10 +3,12 @@
 One manager, configured by a `KVLayout` and a policy, serves every mode of the engine:
 
 - ``policy="reserve"`` with a Tangram layout: Budget Reservation. `reserve` takes, for every
-  (layer, group), exactly ``pages_for(lengths + layout.retained_counts(n))`` pages, all or
-  nothing. `layout.retained_counts` is the same rule (chunked compression, the turn's protected
-  tail kept whole) the prefill uses to decide how many tokens to keep, so what is reserved is
-  what the prefill writes, by construction.
+  (layer, group), exactly ``pages_for(lengths + layout.peak_retained_counts(n))`` pages, all or
+  nothing: what the turn holds at most while it is prefilled (under the layout's ``"turn"``
+  retention the whole turn, which its last chunk compresses; `finish_prefill` then returns the
+  pages above ``lengths + layout.retained_counts(n)``, the count the prefill keeps).
+  `layout.retained_counts` is the same rule the prefill uses to decide how many tokens to keep,
+  so what is reserved is what the prefill writes, by construction.
 - ``policy="reserve"`` with ``KVLayout.monolithic(...)``: full KV (what vLLM's PagedAttention
   does): one group of all heads, budget 1, so the reservation is the uncompressed length.
 - ``policy="reclaim"`` with a monolithic layout: the published dynamic method. Reserve for the
@@ -71,7 +73,8 @@ POLICIES = ("reserve", "reclaim")
 SCHEDULER_INTERFACE = frozenset({
     "layout", "max_seqs", "null_slot", "capacity", "num_free_pages", "num_free_slots",
     "pages_held", "allocate_slot", "free", "pages_to_reserve", "fits_ever", "reserve",
-    "commit_prefill", "reclaim", "grow_for_decode", "decode_demand", "at_table_limit",
+    "commit_prefill", "finish_prefill", "reclaim", "grow_for_decode", "decode_demand",
+    "at_table_limit",
     "max_pages_per_group", "fork", "describe_pages",
 })
 
@@ -324,14 +327,21 @@ class KVCacheManager:
         return int(released.size)
 
     # ----- reservation -------------------------------------------------------------------
-    def reservation_target(self, base_lengths: np.ndarray, num_new_tokens) -> np.ndarray:
-        """int64 [layers, groups]: tokens to hold after a turn of `num_new_tokens` new tokens
-        on top of `base_lengths` (the session's retained lengths, 0 for a fresh sequence).
-        `num_new_tokens` may also be a prefill plan, a list of ``(length, compressed)``
-        segments (`KVLayout.segments_retained_counts`: a history replayed after preemption)."""
+    def reservation_target(self, base_lengths: np.ndarray, num_new_tokens, *,
+                           peak: bool = True) -> np.ndarray:
+        """int64 [layers, groups]: tokens to hold at most while a turn of `num_new_tokens` new
+        tokens is prefilled on top of `base_lengths` (the session's retained lengths, 0 for a
+        fresh sequence); with ``peak=False`` what it holds after it. `num_new_tokens` may also
+        be a prefill plan, a list of ``(length, compressed)`` segments
+        (`KVLayout.segments_retained_counts`: a history replayed after preemption)."""
+        layout = self.layout
         if isinstance(num_new_tokens, (list, tuple)):
-            return self.layout.segments_retained_counts(num_new_tokens) + base_lengths
-        return self.layout.retained_counts(num_new_tokens) + base_lengths
+            counts = (layout.segments_peak_counts if peak else
+                      layout.segments_retained_counts)(num_new_tokens)
+        else:
+            counts = (layout.peak_retained_counts if peak else
+                      layout.retained_counts)(num_new_tokens)
+        return counts + base_lengths
 
     def _base_lengths(self, slot: int | None) -> np.ndarray:
         """int [layers, groups]: what `slot` holds (zeros for None: a fresh slot)."""
@@ -351,7 +361,9 @@ class KVCacheManager:
         target = self.reservation_target(self._base_lengths(slot), num_new_tokens)
         new_held = np.maximum(pages_for(target, self.page_size), held)
         need = new_held - held
-        stash = self._fork_pages(target, forks)
+        # Forks copy the partly filled last pages of what the prefill keeps, not of its peak.
+        stash = self._fork_pages(self.reservation_target(
+            self._base_lengths(slot), num_new_tokens, peak=False), forks)
         by_tier = self._by_tier(need)
         by_tier[0] += stash                             # fork copies come from the decode tier
         return target, new_held, need, stash, by_tier
@@ -467,6 +479,20 @@ class KVCacheManager:
         if (new > self.reserved_lengths[slot]).any():
             raise ValueError(f"slot {slot}: prefill of {num_tokens} tokens exceeds its reservation")
         self.lengths[slot] = new
+
+    def finish_prefill(self, slot: int) -> int:
+        """`slot`'s prefill is written: return the pages reserved above what it keeps (the
+        staging of a turn its last chunk compressed, `KVLayout.peak_retained_counts`). Returns
+        the number of pages released."""
+        self._check_slot(slot)
+        if self.policy == "reclaim" or (self.reserved_lengths[slot] == self.lengths[slot]).all():
+            return 0
+        held = self.table.num_pages[slot].astype(np.int64)
+        keep = np.minimum(pages_for(self.lengths[slot], self.page_size), held)
+        released = self.table.truncate(np.array([slot]), keep[None])
+        self._release(released, self._page_tiers(held - keep) if len(self.pools) > 1 else None)
+        self.reserved_lengths[slot] = self.lengths[slot]
+        return int(released.size)
 
     def reclaim(self, slot: int, actual_lengths: np.ndarray) -> int:
         """Dynamic compress-and-reclaim: after compression every (layer, group) of `slot` keeps

@@ -68,12 +68,11 @@ from typing import Any
 
 import numpy as np
 
+from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS, bucket_for
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.metrics import SchedulerMetrics
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
 from tangram_jax.scheduler.sessions import SessionTable
-
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class RequestTooLargeError(ValueError):
@@ -399,7 +398,7 @@ class Scheduler:
                 budget = self._add_piece(seq, budget, chunks)
 
         n = len(decode)
-        bucket = next(b for b in self.decode_buckets if b >= n) if n else 0
+        bucket = bucket_for(n, self.decode_buckets)
         slots = np.full(bucket, self.manager.null_slot, dtype=np.int32)
         slots[:n] = decode_slots
         out = SchedulerOutput(step=self._step, prefill_chunks=chunks, decode_seqs=decode,
@@ -429,6 +428,7 @@ class Scheduler:
                 self.manager.reclaim(seq.slot, reclaim_lengths[seq.request_id])
             seq.num_computed_tokens = chunk.end
             if chunk.is_last:
+                self.manager.finish_prefill(seq.slot)
                 seq.token_ids.append(self._sampled(sampled_tokens, seq))
                 seq.status = SequenceStatus.DECODE
                 self._batch_stale = True

@@ -52,6 +52,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
     """The FastAPI app serving `async_engine` under `served_model_name` (default: the model's
     name as the engine loaded it)."""
     model_name = served_model_name or async_engine.engine.model_name
+    defaults = async_engine.engine.default_sampling_params   # the model's generation config
     metrics = ServerMetrics(async_engine)
     app = FastAPI(title="tangram-jax", description=__doc__)
     app.state.async_engine = async_engine
@@ -89,7 +90,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts, params = _accept(body, model_name, body.prompts, body.max_tokens)
+        prompts, params = _accept(body, model_name, body.prompts, body.max_tokens, defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [_generate(async_engine, metrics, f"{request_id}-{i}", sampling_params=params, **p)
                    for i, p in enumerate(prompts)]
@@ -114,7 +115,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None) -
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages, params = _accept(body, model_name, body.engine_messages,
-                                   body.requested_max_tokens)
+                                   body.requested_max_tokens, defaults)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = _generate(async_engine, metrics, request_id, sampling_params=params,
                            messages=messages, fill_context=body.requested_max_tokens is None)
@@ -429,9 +430,10 @@ def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _accept(body, served: str, engine_input, max_tokens: int | None):
+def _accept(body, served: str, engine_input, max_tokens: int | None, defaults):
     """(engine input, SamplingParams) of a request body, or the APIError that refuses it: 404
-    for another model, 400 for an unsupported field or a bad value."""
+    for another model, 400 for an unsupported field or a bad value. `defaults`: the model's
+    generation defaults, for the sampler fields the body leaves out."""
     if body.model is not None and body.model != served:
         raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                             f"`{served}`", "NotFoundError", param="model")
@@ -439,6 +441,6 @@ def _accept(body, served: str, engine_input, max_tokens: int | None):
     if unsupported:
         raise APIError(400, f"not supported by this server yet: {', '.join(unsupported)}")
     try:
-        return engine_input(), body.sampling_params(max_tokens)
+        return engine_input(), body.sampling_params(max_tokens, defaults)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None

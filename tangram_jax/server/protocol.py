@@ -51,20 +51,26 @@ class _Sampling(BaseModel):
         """SamplingParams.logprobs: how many top alternatives per generated token (None: off)."""
         return None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Raises ValueError / TypeError (from SamplingParams) for out-of-range values."""
+    def sampling_params(self, max_tokens: int | None,
+                        defaults: SamplingParams | None = None) -> SamplingParams:
+        """The request's SamplingParams; a sampler field it leaves out takes `defaults`' (the
+        model's generation config, as vLLM's server does), else vLLM's default. Raises
+        ValueError / TypeError (from SamplingParams) for out-of-range values."""
+        defaults = defaults if defaults is not None else SamplingParams()
+
+        def given(name):
+            value = getattr(self, name)
+            return getattr(defaults, name) if value is None else value
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
+            temperature=given("temperature"), top_p=given("top_p"), top_k=given("top_k"),
             max_tokens=16 if max_tokens is None else max_tokens,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos, n=self.n,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None
-            else self.repetition_penalty,
-            min_p=self.min_p or 0.0, min_tokens=self.min_tokens,
+            repetition_penalty=given("repetition_penalty"), min_p=given("min_p"),
+            min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs_asked(), prompt_logprobs=getattr(self, "prompt_logprobs", None))
 

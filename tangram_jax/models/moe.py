@@ -1,0 +1,139 @@
+"""A sparse mixture-of-experts MLP: top-k routing and the experts as grouped GEMMs.
+
+Every token goes to `top_k` of `num_experts` expert MLPs and takes their outputs weighted by its
+routing weights (`MoEConfig.routing`: Qwen3-MoE's softmax-then-top-k, GPT-OSS's top-k-then-
+softmax). The experts run as two grouped GEMMs (`jax.lax.ragged_dot`) over the token copies
+sorted by expert: copy (token t, choice j) goes to expert e = choice, the copies of expert e are
+one contiguous run of rows, and `ragged_dot` multiplies run e by expert e's weights::
+
+    x_sorted   [N * k, D]         rows sorted by expert (stable: token order within a run)
+    gate_up    [E, D, 2 I]        gate columns then up columns (GPT-OSS's interleaved
+                                  checkpoint layout is split at load time)
+    down       [E, I, D]
+    h = ragged_dot(x_sorted, gate_up, sizes) -> act -> ragged_dot(., down, sizes) [N * k, D]
+
+then each row is weighted and added back to its token (a scatter-add).
+
+Tensor parallelism shards the experts, not their matrices: device i of N holds experts
+i E/N .. (i+1) E/N - 1 whole (`gate_up`, `down` and their biases sharded on the expert axis,
+`engine.tensor_parallel.Placement`). Every device sees every token (the router is replicated),
+runs the copies routed to its own experts (the others sort past its last group, where
+`ragged_dot` writes zeros) and the partial outputs are summed over the devices (one psum of
+[N, D], as the row-parallel down projection of a dense MLP). The mesh is a static attribute set
+by `shard_experts`; without one the same function runs every expert on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from tangram_jax.models.config import MoEConfig
+
+# The mesh axis experts are sharded on (`engine.tensor_parallel.AXIS`).
+EXPERT_AXIS = "tp"
+
+
+class SparseMoE(nnx.Module):
+    """Router and experts of one layer; `__call__` maps x `[B, T, D]` to `[B, T, D]`."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, dtype, rngs: nnx.Rngs):
+        e, d, i = config.num_experts, hidden_size, config.intermediate_size
+        self.config = config
+        self.mesh = None   # set by `shard_experts` under tensor parallelism
+
+        def normal(shape, fan_in):
+            return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32)
+                              * fan_in ** -0.5).astype(dtype))
+
+        self.router = normal((d, e), d)
+        self.router_bias = nnx.Param(jnp.zeros((e,), dtype)) if config.router_bias else None
+        self.gate_up = normal((e, d, 2 * i), d)
+        self.down = normal((e, i, d), i)
+        if config.expert_bias:
+            self.gate_up_bias = nnx.Param(jnp.zeros((e, 2 * i), dtype))
+            self.down_bias = nnx.Param(jnp.zeros((e, d), dtype))
+        else:
+            self.gate_up_bias = self.down_bias = None
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x `[N, D]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int32)."""
+        logits = jnp.dot(x, self.router[...])
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...]
+        k = self.config.top_k
+        if self.config.routing == "topk_softmax":
+            top, experts = jax.lax.top_k(logits, k)
+            return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top, experts = jax.lax.top_k(probs, k)
+        if self.config.norm_topk_prob:
+            top = top / top.sum(axis=-1, keepdims=True)
+        return top.astype(x.dtype), experts.astype(jnp.int32)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.route(flat)
+        biases = (self.gate_up_bias[...], self.down_bias[...]) \
+            if self.gate_up_bias is not None else ()
+        run = functools.partial(expert_outputs, config=self.config, sharded=self.mesh is not None)
+        if self.mesh is not None:
+            expert = P(EXPERT_AXIS)
+            run = jax.shard_map(run, mesh=self.mesh,
+                                in_specs=(P(), P(), P(), expert, expert,
+                                          (expert,) * len(biases)),
+                                out_specs=P(), check_vma=False)
+        return run(flat, weights, experts, self.gate_up[...], self.down[...], biases
+                   ).reshape(shape)
+
+
+def expert_outputs(x, weights, experts, gate_up, down, biases, *, config: MoEConfig,
+                   sharded: bool):
+    """Sum over each token's chosen experts of weight * expert(x), for the experts held here.
+
+    x `[N, D]`; weights `[N, k]`; experts `[N, k]` int32 (global expert ids); gate_up
+    `[E_here, D, 2 I]`, down `[E_here, I, D]`, biases () or (`[E_here, 2 I]`, `[E_here, D]`):
+    this device's experts, the `E_here` from index `axis_index * E_here` (all of them when not
+    `sharded`; sharded, the result is summed over the devices). Returns `[N, D]` in x's dtype.
+    """
+    n, k = experts.shape
+    here = gate_up.shape[0]
+    first = jax.lax.axis_index(EXPERT_AXIS) * here if sharded else 0
+    local = (experts - first).reshape(-1)                        # [N k]
+    mine = (local >= 0) & (local < here)
+    key = jnp.where(mine, local, here)                           # others sort past the last run
+    order = jnp.argsort(key, stable=True)
+    token = order // k
+    sorted_expert = jnp.minimum(key[order], here - 1)
+    sizes = jnp.zeros((here + 1,), jnp.int32).at[key].add(1)[:here]
+    h = jax.lax.ragged_dot(x[token], gate_up, sizes)             # [N k, 2 I]
+    if biases:
+        h = h + biases[0][sorted_expert]
+    gate, up = jnp.split(h, 2, axis=-1)
+    if config.activation == "clamped_swiglu":
+        gate = jnp.minimum(gate, config.swiglu_limit)
+        up = jnp.clip(up, -config.swiglu_limit, config.swiglu_limit)
+        act = (up + 1) * (gate * jax.nn.sigmoid(gate * config.swiglu_alpha))
+    else:
+        act = jax.nn.silu(gate) * up
+    y = jax.lax.ragged_dot(act, down, sizes)                     # [N k, D]
+    if biases:
+        y = y + biases[1][sorted_expert]
+    y = y * jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(y.dtype)[:, None]
+    out = jnp.zeros(x.shape, y.dtype).at[token].add(y)
+    if sharded:
+        out = jax.lax.psum(out, EXPERT_AXIS)
+    return out.astype(x.dtype)
+
+
+def shard_experts(layers, mesh) -> None:
+    """Run the MoE layers among `layers` expert-parallel over `mesh` (its `EXPERT_AXIS`); their
+    expert weights must be placed sharded on the expert axis (`Placement.weights`)."""
+    for layer in layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.mesh = mesh

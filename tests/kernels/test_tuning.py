@@ -1,0 +1,26 @@
+"""The kernels' tuning data (`pallas_kernels/tuning.py`): every device entry tunes every page
+format, and the kernels launch with the tuned device's entries."""
+
+from tangram_jax import kv_layout, kv_quant
+from tangram_jax.pallas_kernels import decode_attention, prefill_attention, tuning
+
+
+def test_every_device_entry_tunes_every_page_format():
+    single = set(kv_quant.KV_PRECISIONS)
+    for device, entry in tuning.DECODE_TUNINGS.items():
+        assert set(entry) == single | set(kv_layout.PRECISION_TIERS), device
+        assert set(tuning.DECODE_PROGRAM_SCALES[device]) == single, device
+        assert set(tuning.MERGE_TUNINGS[device]) == {"chunk_items", "tile_f32", "num_warps"}
+        prefill_attention.PrefillTuning(**tuning.PREFILL_TUNINGS[device])   # validates itself
+    assert set(tuning.DECODE_TUNINGS) == set(tuning.DECODE_PROGRAM_SCALES) \
+        == set(tuning.MERGE_TUNINGS) == set(tuning.PREFILL_TUNINGS)
+
+
+def test_the_kernels_read_the_tuned_device_entries():
+    device = tuning.TUNED_DEVICE
+    assert decode_attention.DECODE_TUNING == tuning.DECODE_TUNINGS[device]
+    assert decode_attention.decode_programs("k8v4", 528) \
+        == 528 * tuning.DECODE_PROGRAM_SCALES[device]["k8v4"]
+    assert decode_attention.decode_programs("k8v4-k4v2", 528) == 528
+    assert prefill_attention.PREFILL_TUNING == \
+        prefill_attention.PrefillTuning(**tuning.PREFILL_TUNINGS[device])
