@@ -1,4 +1,4 @@
-"""Offline retention-rule proxy on the long-session tasks (CPU, the pure-JAX model, no engine).
+"""Offline proxy ranking KV retention rules on the long-session tasks (pure-JAX model, no engine).
 
 Ranks KV retention rules by accuracy, cheaply: per sample, turn 1 runs through the embedded
 SmolLM2-135M once, densely; every rule then scores turn 1's tokens from that one pass and keeps,
@@ -10,10 +10,12 @@ Per sample (``tangram_jax.evaluation.tasks.generate``; turn tokens as the harnes
 - turn 1 (n tokens) runs densely: K/V of every layer, the observation windows' attention (each
   128-token chunk's last 32 queries over everything before them, the turn's last 32 queries),
   the window's queries. The last ``TAIL`` = 32 tokens (question + template) are protected;
-  the u = n - 32 tokens before them are what the rules choose from;
-- a rule's keep mask [layers, kv_heads, u]: per-chunk rules keep ``ceil(r * c)`` of each
-  chunk's c unprotected tokens (`kv_layout.chunk_keep_count`), whole-turn rules ``ceil(r * u)``
-  of the turn's; r is the head's budget (a shipped G = 1 profile, or every head r: "uniform");
+  the u = n - 32 tokens before them are what the rules choose from. Rules J/JD add a KVzip
+  pass (the context repeated), the Qo rules a question-only pass (the last 32 tokens alone);
+- a rule's keep mask [layers, kv_heads, u] (the rules: `_retention_rules.py`): per-chunk rules
+  keep ``ceil(r * c)`` of each chunk's c unprotected tokens (`kv_layout.chunk_keep_count`),
+  whole-turn rules ``ceil(r * u)`` of the turn's; r is the head's budget (a shipped G = 1
+  profile, or every head r: "uniform");
 - decoding: the protected tail is prefilled again attending to the kept context + itself (as
   kvpress prefills the question after compressing), then the answer is decoded greedily
   (16 tokens at most, the engine's stop rule, `sampling.StopChecker`); each follow-up turn
@@ -23,40 +25,23 @@ Per sample (``tangram_jax.evaluation.tasks.generate``; turn tokens as the harnes
 Approximation: turn 1's context K/V (and the windows' attention) come from the full,
 uncompressed forward, as in kvpress; the engine's later chunks attend to compressed history.
 
-Rules (r = the head's budget; every rule keeps the protected tail):
-  A     full KV
-  B     per chunk (128): the chunk's SnapKV window scores (`chunk_scoring.chunk_scores`,
-        rule "window", the engine's path) - today's default at r >= 0.5
-  C     per chunk: window + KeyDiff of the chunk, union by rank (rule "window+keydiff")
-  D     whole turn: SnapKV of the question's 32 queries (published SnapKV, deferred)
-  E     whole turn: D union KeyDiff against the turn's mean key (window share 0.5)
-  F     whole turn: KeyDiff alone
-  G     whole turn: Expected Attention from the question window's query statistics
-  H.25  E with window share 0.25;  H.75: window share 0.75
-  I1-I6 "flow, fill-first": per-token scores fixed when each chunk is seen, the held set the
-        top ceil(r * u) so far (with fixed scores: the turn's top ceil(r * u)):
-        I1 KeyDiff vs the chunk's mean key; I2 vs the running mean of the turn's keys up to the
-        chunk's end; I3 vs the mean of the turn's first 128 keys; I4 B's scores as 1 - rank/len
-        within the chunk's unprotected tokens; I5 I4 union I2 by rank; I6 I2's survivors before
-        the last chunk plus the last chunk re-ranked by I2 union the question window (D)
-  J     KVzip-style: context + "Repeat the previous context:" + context again, each context
-        token scored by the max attention (over the repeat's queries and the KV head's query
-        heads) it gets; JD: J union D by rank
+    python3 benchmarks/retention_proxy.py --samples 40 \
+        --out benchmarks/results/retention_proxy.json --overwrite
+    JAX_PLATFORMS=cuda python3 benchmarks/retention_proxy.py --samples 100 --budgets profile \
+        --rules A,B,C,D,E,H.25,Qo,QoH1,QoE1,QoHt,QoHq,DHg          # on a GPU
+    python3 benchmarks/retention_proxy.py --print-tables benchmarks/results/retention_proxy.json
 
-    PYTHONPATH=$PWD python3 benchmarks/retention_proxy.py --samples 40 \
-        --out benchmarks/results/retention_proxy.json
-
-Writes JSON (after every sample; --resume continues a file): device, git revision, command,
-per rule x budget x ratio x task the turn-1 and follow-up accuracy with Wilson 95% intervals and
-the share of heads keeping every digit token of the asked value, per-sample answers, and time
-per sample.
+Runs on the CPU unless JAX_PLATFORMS says otherwise. Writes JSON (`--out`, default a fresh file
+under benchmarks/results/runs/; after every sample; --resume continues a file): device, git
+revision, command, per rule x budget x ratio x task the turn-1 and follow-up accuracy with
+Wilson 95% intervals and the share of heads keeping every digit token of the asked value,
+per-sample answers, and time per sample.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -64,37 +49,37 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's tangram_jax
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # _retention_rules
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tangram_jax.compression.chunk_scoring import chunk_scores, union_by_rank  # noqa: E402
+from _retention_rules import (CHUNK, KVZIP_RULES, QUESTION_RULES, RULES, TAIL,  # noqa: E402
+                              QuestionPass, Turn1, keep_mask, rule_scores)
+from tangram_jax.atomic_files import write_text_atomic  # noqa: E402
+from tangram_jax.benchmarking.results import (finish, provenance,  # noqa: E402
+                                              resolve_outputs, start)
+from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.compression.profile import PROFILES_DIR, BudgetProfile  # noqa: E402
-from tangram_jax.compression.scorers import (expected_attention, keydiff,  # noqa: E402
-                                             snapkv_from_probs)
 from tangram_jax.evaluation.harness import _followup_token_ids, first_turn_token_ids  # noqa: E402
 from tangram_jax.evaluation.scoring import is_correct, wilson_interval  # noqa: E402
 from tangram_jax.evaluation.tasks import LONG_TASKS, TaskSizes, generate  # noqa: E402
-from tangram_jax.kv_layout import chunk_keep_count  # noqa: E402
 from tangram_jax.models.registry import load_model  # noqa: E402
 from tangram_jax.models.rope import inverse_frequencies  # noqa: E402
-from tangram_jax.provenance import device_description, git_revision  # noqa: E402
 from tangram_jax.sampling import SamplingParams, StopChecker  # noqa: E402
 
-CHUNK = 128          # the CPU engine's compression chunk
-TAIL = 32            # protected tail = SnapKV observation window
 MAX_TOKENS = 16
 BUCKET = 256         # turn-1 and context lengths are padded to multiples of this (few compiles)
 FOLLOWUP_BUCKET = 8
 NEW_SLOTS = 256      # per-row cache for the tail, answers and follow-up turns
 REPEAT_PROMPT = "\n\nRepeat the previous context:\n"
-
-RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
-         "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD")
-CHUNK_RULES = {"B": "window", "C": "window+keydiff"}
 BUDGETS = ("profile", "uniform")
+# The default rule set: the first CPU run's (results/retention_proxy.json); the KVzip (J, JD)
+# and question-only (Qo...) rules and DHg on request.
+DEFAULT_RULES = RULES[:RULES.index("J")]
 _NEG = -1e30
 
 
@@ -105,8 +90,9 @@ def _pad_to(x: int, multiple: int) -> int:
 # ----- the model, split for scans over layers ----------------------------------------------
 
 class ProxyModel:
-    """The decoder as (graphdef, state) plus its layers stacked for `lax.scan`, and the three
-    jitted programs of the proxy: the dense scoring pass, the KVzip pass and the masked extend."""
+    """The decoder as (graphdef, state) plus its layers stacked for `lax.scan`, and the four
+    jitted programs of the proxy: the dense scoring pass, the KVzip pass, the question-only
+    pass and the masked extend."""
 
     def __init__(self, loaded):
         model = loaded.model
@@ -123,27 +109,31 @@ class ProxyModel:
         self.inv_freq = jnp.asarray(inverse_frequencies(cfg), jnp.float32)
         self.dense_pass = jax.jit(self._dense_pass)
         self.kvzip_pass = jax.jit(self._kvzip_pass)
+        self.question_pass = jax.jit(self._question_pass)
         self.extend = jax.jit(self._extend, donate_argnums=(5, 6))
 
     def _layer(self, layer_state):
         return nnx.merge(self.layer_graphdef, layer_state)
 
-    def _causal_layer(self, layer_state, h, n):
-        """One layer of a dense causal pass over keys < n. h [1, N, hidden] ->
-        (h, q [N, Hq, D], k, v [N, Hkv, D], probs float32 [Hq, N, N])."""
+    def _causal_layer(self, layer_state, h, n, first_position=0):
+        """One layer of a dense causal pass over keys < n, the tokens at positions
+        first_position + 0 .. N-1. h [1, N, hidden] -> (h, q [N, Hq, D], k, v [N, Hkv, D],
+        probs float32 [Hq, N, N], their log-sum-exp [Hq, N])."""
         layer = self._layer(layer_state)
         t = h.shape[1]
-        q, k, v = layer.qkv(h, jnp.arange(t, dtype=jnp.int32)[None])
+        q, k, v = layer.qkv(h, first_position + jnp.arange(t, dtype=jnp.int32)[None])
         q, k, v = q[0], k[0], v[0]
         key = jnp.arange(t)
         mask = (key[None, :] <= key[:, None]) & (key[None, :] < n)
         logits = jnp.einsum("tgqd,sgd->gqts",
                             q.astype(jnp.float32).reshape(t, -1, self.q_per_kv, q.shape[-1]),
                             k.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
-        probs = jax.nn.softmax(jnp.where(mask, logits, _NEG), axis=-1)
+        logits = jnp.where(mask, logits, _NEG)
+        probs = jax.nn.softmax(logits, axis=-1)
         out = jnp.einsum("gqts,sgd->tgqd", probs, v.astype(jnp.float32))
         h = layer.finish(h, out.reshape(1, t, -1, q.shape[-1]).astype(h.dtype))
-        return h, q, k, v, probs.reshape(-1, t, t)
+        return (h, q, k, v, probs.reshape(-1, t, t),
+                jax.nn.logsumexp(logits, axis=-1).reshape(-1, t))
 
     def _dense_pass(self, state, layer_states, tokens, n):
         """tokens [N] (turn 1, padded), n: its length. Returns per layer: k, v [L, N, Hkv, D];
@@ -160,7 +150,7 @@ class ProxyModel:
         row_ok = rows >= start[:, None]
 
         def step(h, layer_state):
-            h, q, k, v, probs = self._causal_layer(layer_state, h, n)
+            h, q, k, v, probs, _ = self._causal_layer(layer_state, h, n)
             picked = probs[:, jnp.clip(rows, 0, t - 1)]                      # [Hq, C, W, N]
             picked = picked.reshape(*picked.shape[:3], chunks, CHUNK)
             own = jnp.moveaxis(jnp.diagonal(picked, axis1=1, axis2=3), -1, 0)  # [C, Hq, W, 128]
@@ -184,12 +174,26 @@ class ProxyModel:
         repeat = (query >= repeat_start) & (query < n)
 
         def step(h, layer_state):
-            h, _, _, _, probs = self._causal_layer(layer_state, h, n)
+            h, _, _, _, probs, _ = self._causal_layer(layer_state, h, n)
             best = jnp.max(jnp.where(repeat[None, :, None], probs, 0.0), axis=1)   # [Hq, N2]
             return h, best.reshape(-1, self.q_per_kv, t).max(axis=1)
 
         _, scores = jax.lax.scan(step, model.embed(tokens[None]), layer_states)
         return scores
+
+    def _question_pass(self, state, layer_states, tokens, first_position):
+        """The question alone: tokens [W] (turn 1's last W) at positions first_position ..,
+        attending only to each other. Returns q [L, W, Hq, D], the log-sum-exp of each query's
+        logits over the question's keys [L, Hq, W], and k [L, W, Hkv, D]."""
+        model = nnx.merge(self.graphdef, state)
+        w = tokens.shape[0]
+
+        def step(h, layer_state):
+            h, q, k, _, _, lse = self._causal_layer(layer_state, h, w, first_position)
+            return h, (q, lse, k)
+
+        _, (q, lse, k) = jax.lax.scan(step, model.embed(tokens[None]), layer_states)
+        return q, lse, k
 
     def _extend(self, state, layer_states, ctx_k, ctx_v, keep, new_k, new_v, lengths, tokens,
                 num_real, base):
@@ -233,229 +237,6 @@ class ProxyModel:
         return model.logits(last[:, None])[:, 0], new_k, new_v
 
 
-# ----- scores ------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Turn1:
-    """What the rules see of one sample's turn 1 (arrays over the padded length N)."""
-
-    n: int          # turn-1 tokens
-    u: int          # unprotected tokens (n - TAIL)
-    k: np.ndarray   # [L, N, Hkv, D]
-    v: np.ndarray
-    chunk_obs: np.ndarray   # [L, C, Hq, TAIL, CHUNK]
-    turn_obs: np.ndarray    # [L, Hq, TAIL, N]
-    q_window: np.ndarray    # [L, TAIL, Hq, D]
-
-    @property
-    def chunk_lens(self) -> np.ndarray:
-        """[C] tokens of each chunk (0 past the turn's end)."""
-        c = self.k.shape[1] // CHUNK
-        return np.clip(self.n - CHUNK * np.arange(c), 0, CHUNK)
-
-    @property
-    def chunk_protected(self) -> np.ndarray:
-        """[C] protected tokens at the end of each chunk (`KVLayout.chunk_protected`)."""
-        start = CHUNK * np.arange(len(self.chunk_lens))
-        return np.clip(start + self.chunk_lens - self.u, 0, self.chunk_lens)
-
-
-@jax.jit
-def _engine_chunk_scores(obs, k, chunk_lens, protected):
-    """The engine's chunk scores (SnapKV window; window+keydiff) of every chunk of every layer.
-    obs [L, C, Hq, W, 128], k [L, C, 128, Hkv, D] -> two [L, C, Hkv, 128]."""
-    q_per_kv = obs.shape[2] // k.shape[3]
-
-    def one(o, kc, length, prot, first, rule):
-        q = jnp.zeros((kc.shape[0], o.shape[0], kc.shape[-1]), jnp.float32)  # unread by these
-        return chunk_scores("snapkv", o, q, kc, kc, length, prot, first, q_per_kv=q_per_kv,
-                            rule=rule)
-
-    first = jnp.arange(obs.shape[1]) * CHUNK
-    out = []
-    for rule in ("window", "window+keydiff"):
-        per_chunk = jax.vmap(lambda o, kc, ln, pr, fs: one(o, kc, ln, pr, fs, rule))
-        out.append(jax.vmap(per_chunk, in_axes=(0, 0, None, None, None))(
-            obs, k, chunk_lens, protected, first))
-    return tuple(out)
-
-
-def _keydiff_rows(keys, num_valid):
-    """keydiff of keys [Hkv, T, D] with the anchor over the first num_valid -> [Hkv, T]
-    (query-free: the queries it is handed are a placeholder)."""
-    q = jnp.zeros((keys.shape[0], 1, keys.shape[-1]), jnp.float32)
-    return keydiff(q, keys, keys, q_per_kv=1, num_valid=num_valid)
-
-
-@jax.jit
-def _keydiff_scores(k, anchors):
-    """k [L, N, Hkv, D]; anchors [A] anchor lengths -> [A, L, Hkv, N]: KeyDiff of every key
-    against the mean unit key of the first anchors[a] keys."""
-    heads = jnp.moveaxis(k, 1, 2)                                   # [L, Hkv, N, D]
-    per_layer = jax.vmap(_keydiff_rows, in_axes=(0, None))
-    return jax.vmap(lambda a: per_layer(heads, a))(anchors)
-
-
-@jax.jit
-def _chunk_keydiff(k, chunk_lens):
-    """k [L, C, 128, Hkv, D] -> [L, C, Hkv, 128]: KeyDiff against each chunk's own mean key."""
-    per_chunk = jax.vmap(lambda kc, ln: _keydiff_rows(jnp.moveaxis(kc, 0, 1), ln))
-    return jax.vmap(per_chunk, in_axes=(0, None))(k, chunk_lens)
-
-
-@functools.partial(jax.jit, static_argnames=("q_per_kv",))
-def _turn_window_scores(turn_obs, n, *, q_per_kv: int):
-    """Published SnapKV of the turn's last TAIL queries: turn_obs [L, Hq, W, N] -> [L, Hkv, N].
-    Valid keys are rotated to the end (as `snapkv_chunk_scores` does) so that the window is
-    the last W keys of the array."""
-    shift = turn_obs.shape[-1] - n
-    rolled = jnp.roll(turn_obs, shift, axis=-1)
-    per_layer = jax.vmap(lambda o: snapkv_from_probs(o, q_per_kv, protect_window=True))
-    return jnp.roll(per_layer(rolled), -shift, axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("q_per_kv",))
-def _expected_attention_scores(q_window, k, v, n, inv_freq, *, q_per_kv: int):
-    """Expected Attention of turn 1's keys from the window queries' statistics -> [L, Hkv, N].
-
-    The scorer wants its queries to be the last ones of the keys and no padding among them:
-    the keys are rotated so the n real ones come last, with first_position = n - N so that
-    every real key keeps its position (the padding then sits at negative positions, which the
-    scorer treats as sinks: out of the softmax; its scores are dropped)."""
-    t = k.shape[1]
-    shift = t - n
-    heads = lambda x: jnp.moveaxis(jnp.roll(x, shift, axis=1), 1, 2)   # noqa: E731
-    scores = jax.vmap(lambda q, kk, vv: expected_attention(
-        jnp.moveaxis(q, 0, 1), kk, vv, q_per_kv=q_per_kv, inv_freq=inv_freq,
-        first_position=n - t))(q_window, heads(k), heads(v))
-    return jnp.roll(scores, -shift, axis=-1)
-
-
-def _union(first: np.ndarray, second: np.ndarray, u: int, share: float) -> np.ndarray:
-    """`chunk_scoring.union_by_rank` over [L, Hkv, N] arrays, tokens < u ranked."""
-    shape = first.shape
-    out = union_by_rank(jnp.asarray(first).reshape(-1, shape[-1]),
-                        jnp.asarray(second).reshape(-1, shape[-1]), u, share)
-    return np.asarray(out).reshape(shape)
-
-
-def _rank_within(scores: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Rank (0 = best) of each position along the last axis among `valid` ones (stable: earlier
-    first on ties); invalid positions get ranks after every valid one."""
-    masked = np.where(valid, scores, -np.inf)
-    order = np.argsort(-masked, axis=-1, kind="stable")
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.arange(scores.shape[-1]), axis=-1)
-    return ranks
-
-
-def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
-                q_per_kv: int) -> dict:
-    """rule -> ("turn", scores [L, Hkv, N]) | ("chunk", scores [L, C, Hkv, 128]) |
-    ("flow", (survivor scores, final scores) [L, Hkv, N] each). Higher is kept first."""
-    n, u = t1.n, t1.u
-    num_layers, big_n = t1.k.shape[:2]
-    c = big_n // CHUNK
-    lens, prot = t1.chunk_lens, t1.chunk_protected
-    k_chunks = t1.k.reshape(num_layers, c, CHUNK, *t1.k.shape[2:])
-    want = set(rules)
-    out: dict = {}
-    cache: dict = {}
-
-    def get(name, make):
-        if name not in cache:
-            cache[name] = make()
-        return cache[name]
-
-    window_chunk = lambda: _engine_chunk_scores(t1.chunk_obs, k_chunks, lens, prot)  # noqa: E731
-    per_token = lambda x: np.moveaxis(np.asarray(x), 2, 1).reshape(  # noqa: E731
-        num_layers, -1, big_n)                        # [L, C, Hkv, 128] -> [L, Hkv, N]
-    turn_window = lambda: np.asarray(_turn_window_scores(  # noqa: E731
-        t1.turn_obs, n, q_per_kv=q_per_kv))
-    chunk_ends = np.minimum(CHUNK * np.arange(1, c + 1), n)
-    keydiffs = lambda: np.asarray(_keydiff_scores(  # noqa: E731
-        t1.k, jnp.asarray(np.concatenate([[n, min(CHUNK, n)], chunk_ends]))))
-    turn_kd = lambda: get("kd", keydiffs)[0]          # noqa: E731
-    first_kd = lambda: get("kd", keydiffs)[1]         # noqa: E731
-
-    def running_kd():   # each key against the mean unit key up to its chunk's end
-        per_anchor = get("kd", keydiffs)[2:]            # [C, L, Hkv, N]
-        chunk_of = np.minimum(np.arange(big_n) // CHUNK, c - 1)
-        return np.take_along_axis(np.moveaxis(per_anchor, 0, -1),
-                                  chunk_of[None, None, :, None], axis=-1)[..., 0]
-
-    def rank_per_chunk():   # B's scores as 1 - rank / unprotected length, per chunk
-        b = np.asarray(get("wc", window_chunk)[0])      # [L, C, Hkv, 128]
-        free = (lens - prot)[None, :, None, None]
-        valid = np.arange(CHUNK)[None, None, None, :] < free
-        ranks = _rank_within(b, valid)
-        return per_token(np.where(valid, 1.0 - ranks / np.maximum(free, 1), -np.inf))
-
-    if "B" in want:
-        out["B"] = ("chunk", np.asarray(get("wc", window_chunk)[0]))
-    if "C" in want:
-        out["C"] = ("chunk", np.asarray(get("wc", window_chunk)[1]))
-    if "D" in want:
-        out["D"] = ("turn", get("tw", turn_window))
-    for name, share in (("E", 0.5), ("H.25", 0.25), ("H.75", 0.75)):
-        if name in want:
-            out[name] = ("turn", _union(get("tw", turn_window), turn_kd(), u, share))
-    if "F" in want:
-        out["F"] = ("turn", turn_kd())
-    if "G" in want:
-        out["G"] = ("turn", np.asarray(_expected_attention_scores(
-            t1.q_window, t1.k, t1.v, n, inv_freq, q_per_kv=q_per_kv)))
-    if "I1" in want:
-        out["I1"] = ("turn", per_token(_chunk_keydiff(k_chunks, lens)))
-    if "I2" in want:
-        out["I2"] = ("turn", get("rk", running_kd))
-    if "I3" in want:
-        out["I3"] = ("turn", first_kd())
-    if "I4" in want:
-        out["I4"] = ("turn", get("rpc", rank_per_chunk))
-    if "I5" in want:
-        out["I5"] = ("turn", _union(get("rpc", rank_per_chunk), get("rk", running_kd), u, 0.5))
-    if "I6" in want:
-        out["I6"] = ("flow", (get("rk", running_kd),
-                              _union(get("tw", turn_window), get("rk", running_kd), u, 0.5)))
-    if "J" in want or "JD" in want:
-        j = np.full((num_layers, t1.k.shape[2], big_n), -np.inf, np.float32)
-        j[..., :u] = kvzip[..., :u]
-        if "J" in want:
-            out["J"] = ("turn", j)
-        if "JD" in want:
-            out["JD"] = ("turn", _union(get("tw", turn_window), j, u, 0.5))
-    return out
-
-
-def keep_mask(kind: str, scores, t1: Turn1, budget: np.ndarray) -> np.ndarray:
-    """bool [L, Hkv, u]: the unprotected tokens each head keeps (budget [L, Hkv] in (0, 1])."""
-    u = t1.u
-    if kind == "chunk":
-        keep = np.zeros((*budget.shape, u), bool)
-        for c, (length, prot) in enumerate(zip(t1.chunk_lens, t1.chunk_protected)):
-            free = int(length - prot)
-            if free <= 0:
-                continue
-            # The engine keeps count + protected of the chunk by scores where the protected
-            # tokens are on top; the unprotected part is the top `count` of the rest.
-            count = chunk_keep_count(budget, free)
-            ranks = _rank_within(scores[:, c, :, :free], np.ones(free, bool))
-            keep[..., c * CHUNK:c * CHUNK + free] = ranks < count[..., None]
-        return keep
-    count = chunk_keep_count(budget, u)[..., None]
-    valid = np.arange(u) < u
-    if kind == "turn":
-        return _rank_within(scores[..., :u], valid) < count
-    # "flow": survivors of the chunks before the last (top count by the running score), then
-    # the last chunk's tokens join them and the final score re-ranks the candidates.
-    survivor, final = (s[..., :u] for s in scores)
-    last_start = CHUNK * ((u - 1) // CHUNK)   # the last chunk with unprotected tokens
-    before = np.arange(u) < last_start
-    candidate = (_rank_within(survivor, before) < count) & before | ~before
-    return _rank_within(final, candidate) < count
-
-
 # ----- sessions ----------------------------------------------------------------------------
 
 def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.ndarray):
@@ -463,7 +244,7 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
     Returns per row a list of (text, token_ids) per turn."""
     tok = pm.tokenizer
     batch = keep.shape[0]
-    u, n = t1.u, t1.n
+    u = t1.u
     ctx_len = _pad_to(u, BUCKET)
     ctx_k = jnp.asarray(t1.k[:, :ctx_len])
     ctx_v = jnp.asarray(t1.v[:, :ctx_len])
@@ -546,24 +327,32 @@ def row_label(rule: str, budget: str, ratio: float) -> str:
     return "A" if rule == "A" else f"{rule}@{budget}{ratio:g}"
 
 
+def turn1_pass(pm: ProxyModel, ids: list[int], question: bool = False) -> Turn1:
+    """Turn 1 (`ids`, n tokens) through the dense pass, and with `question` the question-only
+    pass of its last TAIL tokens: what the rules score."""
+    n = len(ids)
+    arr = np.zeros(_pad_to(n, BUCKET), np.int32)
+    arr[:n] = ids
+    dense = pm.dense_pass(pm.state, pm.layer_states, jnp.asarray(arr), jnp.int32(n))
+    qp = None
+    if question:
+        qp = QuestionPass(*(np.asarray(x) for x in pm.question_pass(
+            pm.state, pm.layer_states, jnp.asarray(ids[n - TAIL:], jnp.int32),
+            jnp.int32(n - TAIL))))
+    return Turn1(n, n - TAIL, *(np.asarray(x) for x in dense), question=qp)
+
+
 def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> dict:
     tok = pm.tokenizer
     ids = first_turn_token_ids(tok, sample)
-    n = len(ids)
-    u = n - TAIL
-    padded = _pad_to(n, BUCKET)
+    rules = sorted({r for r, _, _ in rows if r != "A"})
     times = {}
     t0 = time.perf_counter()
-    arr = np.zeros(padded, np.int32)
-    arr[:n] = ids
-    k, v, own, turn, q_win = jax.block_until_ready(
-        pm.dense_pass(pm.state, pm.layer_states, jnp.asarray(arr), jnp.int32(n)))
-    t1 = Turn1(n, u, np.asarray(k), np.asarray(v), np.asarray(own), np.asarray(turn),
-               np.asarray(q_win))
+    t1 = turn1_pass(pm, ids, question=bool(set(rules) & set(QUESTION_RULES)))
+    n, u = t1.n, t1.u
     times["dense"] = time.perf_counter() - t0
-    rules = sorted({r for r, _, _ in rows if r != "A"})
     kvzip = None
-    if "J" in rules or "JD" in rules:
+    if set(rules) & set(KVZIP_RULES):
         t0 = time.perf_counter()
         prompt = tok.encode(REPEAT_PROMPT, add_special_tokens=False)
         seq = list(ids[:u]) + prompt + list(ids[:u])
@@ -714,49 +503,59 @@ def parse_sizes(text: str) -> TaskSizes:
     return dataclasses.replace(TaskSizes(), **changes)
 
 
+def _choices(flag: str, text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """The comma-separated items of `text`, each one of `allowed` (else one error naming it)."""
+    items = [x for x in text.split(",") if x]
+    for x in items:
+        if x not in allowed:
+            raise SystemExit(f"{flag}: unknown {what} {x!r}; {what}s: {', '.join(allowed)}")
+    return items
+
+
+def print_tables(path: str) -> None:
+    """The accuracy, digits-kept and (with full KV) paired tables of a results file."""
+    doc = json.loads(Path(path).read_text())
+    n = {t: len([r for r in doc["samples"] if r["task"] == t]) for t in doc["config"]["tasks"]}
+    print(f"samples per task: {n}; seconds per sample: {doc['seconds_per_sample']}\n")
+    print(markdown_table(doc["results"]) + "\n")
+    print(markdown_table(doc["results"], "digits_kept") + "\n")
+    if "A" in doc["config"]["rows"]:
+        print(paired_table(doc))
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=40, help="samples per task (indices 0..)")
     ap.add_argument("--first", type=int, default=0, help="first sample index")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default=",".join(LONG_TASKS))
     ap.add_argument("--ratios", default="0.5,0.25")
-    ap.add_argument("--rules", default=",".join(r for r in RULES if not r.startswith("J")),
-                    help=f"comma-separated, of {', '.join(RULES)}")
+    ap.add_argument("--rules", default=",".join(DEFAULT_RULES),
+                    help=f"comma-separated, of {', '.join(RULES)} (`_retention_rules.py` says "
+                         "what each keeps)")
     ap.add_argument("--budgets", default="profile,uniform",
                     help="profile (the shipped G=1 profile at the ratio) and/or uniform")
     ap.add_argument("--uniform-rules", default="B,C,D,E",
                     help="rules also run with uniform budgets (the control)")
     ap.add_argument("--sizes", default="",
                     help="TaskSizes fields to change, e.g. long_chars=4600,long_kv_pairs=4")
-    ap.add_argument("--out", required=True, help="JSON file (written after every sample)")
+    ap.add_argument("--out", default=None,
+                    help="result JSON, written after every sample (default: a fresh file under "
+                         "benchmarks/results/runs/; a file git tracks only with --overwrite)")
+    add_overwrite_flag(ap)
     ap.add_argument("--resume", action="store_true", help="keep the samples already in --out")
-    ap.add_argument("--print-tables", action="store_true",
-                    help="print the tables of the results in --out and exit (runs nothing)")
+    ap.add_argument("--print-tables", metavar="RESULTS",
+                    help="print the tables of a results file and exit (runs nothing)")
     args = ap.parse_args(argv)
     if args.print_tables:
-        doc = json.loads(Path(args.out).read_text())
-        n = {t: len([r for r in doc["samples"] if r["task"] == t]) for t in doc["config"]["tasks"]}
-        print(f"samples per task: {n}; seconds per sample: {doc['seconds_per_sample']}\n")
-        print(markdown_table(doc["results"]) + "\n")
-        print(markdown_table(doc["results"], "digits_kept") + "\n")
-        if "A" in doc["config"]["rows"]:
-            print(paired_table(doc))
+        print_tables(args.print_tables)
         return
 
-    tasks = [t for t in args.tasks.split(",") if t]
-    for t in tasks:
-        if t not in LONG_TASKS:
-            raise SystemExit(f"--tasks: unknown task {t!r}; the long-session tasks are "
-                             f"{', '.join(LONG_TASKS)}")
-    rules = [r for r in args.rules.split(",") if r]
-    for r in rules:
-        if r not in RULES:
-            raise SystemExit(f"--rules: unknown rule {r!r}; rules: {', '.join(RULES)}")
-    budgets_used = [b for b in args.budgets.split(",") if b]
-    for b in budgets_used:
-        if b not in BUDGETS:
-            raise SystemExit(f"--budgets: unknown budget {b!r}; budgets: {', '.join(BUDGETS)}")
+    tasks = _choices("--tasks", args.tasks, LONG_TASKS, "long-session task")
+    rules = _choices("--rules", args.rules, RULES, "rule")
+    budgets_used = _choices("--budgets", args.budgets, BUDGETS, "budget")
+    uniform_rules = _choices("--uniform-rules", args.uniform_rules, RULES, "rule")
     try:
         ratios = [float(r) for r in args.ratios.split(",") if r]
     except ValueError:
@@ -766,8 +565,12 @@ def main(argv=None):
             raise SystemExit(f"--ratios: {r} has no shipped G=1 profile (0.25 or 0.5)")
     if args.samples < 1:
         raise SystemExit(f"--samples must be >= 1, got {args.samples}")
-    uniform_rules = [r for r in args.uniform_rules.split(",") if r]
+    if args.resume and args.out is None:
+        ap.error("--resume continues the file --out names; none was given")
     sizes = parse_sizes(args.sizes)
+    outputs = resolve_outputs(ap, args, {"out": "retention_proxy"})
+    run = start("retention_proxy", outputs, argv)
+    origin = provenance([__file__, *argv])   # once: the revision that runs, not a later one
 
     loaded = load_model()
     pm = ProxyModel(loaded)
@@ -777,7 +580,6 @@ def main(argv=None):
             PROFILES_DIR / f"smollm2-135m_snapkv_rho{r:.2f}_g1.json").budget
         budgets[("uniform", r)] = np.full_like(budgets[("profile", r)], r)
     rows = row_specs(rules, ratios, budgets_used, uniform_rules)
-    revision = git_revision()   # of the code that runs, whatever is committed meanwhile
     out_path = Path(args.out)
     records = []
     if args.resume and out_path.exists():
@@ -803,21 +605,17 @@ def main(argv=None):
                                  for k in sorted(parts)}
                 seconds[task]["total"] = float(np.mean([sum(r["seconds"].values())
                                                         for r in recs]))
-        doc = dict(device=device_description(), git_revision=revision,
-                   command=" ".join([sys.executable] + sys.argv),
+        doc = dict(benchmark="retention_proxy", **origin,
                    config=dict(chunk=CHUNK, tail=TAIL, max_tokens=MAX_TOKENS, seed=args.seed,
                                sizes=dataclasses.asdict(sizes),
                                tasks=tasks, ratios=ratios, rules=rules,
                                budgets=budgets_used, uniform_rules=uniform_rules,
                                rows=[row_label(*s) for s in rows], batch_rows=len(rows)),
                    seconds_per_sample=seconds, results=results, samples=records)
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out_path)
+        write_text_atomic(out_path, json.dumps(doc, indent=1))
         return results
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    began = time.perf_counter()
     for i, sample in enumerate(samples):
         if sample.id in done:
             continue
@@ -828,8 +626,9 @@ def main(argv=None):
         print(f"[{i + 1}/{len(samples)}] {sample.id} n={rec['n_tokens']} "
               + " ".join(f"{k} {v:.1f}s" for k, v in rec["seconds"].items())
               + (f" full={full['correct']}" if full else "")
-              + f" ({time.perf_counter() - start:.0f}s)", flush=True)
+              + f" ({time.perf_counter() - began:.0f}s)", flush=True)
     print(markdown_table(write()))
+    finish(run)
 
 
 if __name__ == "__main__":
