@@ -54,7 +54,7 @@ from tangram_jax.benchmarking.models import FAMILY_SHAPES, family_config  # noqa
 from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
-from tangram_jax.engine.llm_engine import decode_split_map  # noqa: E402
+from tangram_jax.engine.decode_step import decode_split_map  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.engine.tensor_parallel import Placement  # noqa: E402
 from tangram_jax.kv_layout import KVLayout  # noqa: E402

@@ -198,7 +198,7 @@ def _ordered(smap, group_order):
 
 def tier_work_lists(precision, batch, num_programs, group_order=False) -> tuple:
     """The (high, low) work lists of the tiers' AOT map, as the engine builds them
-    (`llm_engine.decode_split_map`: tier groups weighed by their slot bytes)."""
+    (`decode_step.decode_split_map`: tier groups weighed by their slot bytes)."""
     smap = sm.build_tier_split_map(BUDGETS, np.full(BUDGETS.shape, TIER_HIGH_SHARE),
                                    tuple(slot_bytes(t) for t in PRECISION_TIERS[precision]),
                                    num_programs, batch, group_size=GROUP_SIZE)

@@ -271,9 +271,11 @@ def _categories(per_kernel: dict) -> dict:
 
 
 def prefill_turn(runner, scheduler, manager, tokens, request_id, max_prefill_rows, record=None):
-    """Prefill one first turn through the scheduler and `run_prefill_pieces` (the engine's own
-    prefill loop); returns the turn's last logits (device)."""
-    from tangram_jax.engine.llm_engine import run_prefill_pieces
+    """Prefill one first turn through the scheduler and the runner's step plan (the engine's own
+    prefill path: `step_plan.prefill_rows`, `ModelRunner.execute`); returns the turn's last
+    logits (device)."""
+    from tangram_jax.engine.prefill_calls import run_prefill_rows
+    from tangram_jax.engine.step_plan import prefill_rows
     from tangram_jax.sampling import SamplingParams
     scheduler.add_request(request_id, [int(t) for t in tokens],
                           SamplingParams(temperature=0, max_tokens=1), arrival_time=0.0)
@@ -281,14 +283,14 @@ def prefill_turn(runner, scheduler, manager, tokens, request_id, max_prefill_row
     while last is None:
         out = scheduler.schedule()
         runner.update_block_tables(*manager.take_table_updates())
-        finished, hist = run_prefill_pieces(runner, manager, out.prefill_chunks,
-                                            max_prefill_rows)
+        rows = prefill_rows(out.prefill_chunks, manager)
+        last_logits, retained, _, _ = run_prefill_rows(runner, rows, max_prefill_rows)
         if record is not None:
-            record.append(len(out.prefill_chunks))
-        reclaim = hist if runner.runner_config.mode == "dynamic" else None
-        scheduler.commit(out, {p.seq.request_id: 0 for p, _ in finished}, reclaim)
-        if finished:
-            last = finished[0][1]
+            record.append(len(rows))
+        reclaim = retained if runner.runner_config.mode == "dynamic" else None
+        scheduler.commit(out, {rows[i].request_id: 0 for i in last_logits}, reclaim)
+        if last_logits:
+            last = next(iter(last_logits.values()))
     jax.block_until_ready(last)
     scheduler.abort(request_id)
     return last

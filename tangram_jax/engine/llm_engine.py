@@ -23,7 +23,6 @@ queued, so the other requests keep being served.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import time
@@ -38,18 +37,17 @@ from tangram_jax.engine import inputs, kv_savings, memory
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
-from tangram_jax.engine.model_runner import LOGPROB_MODES, ModelRunner, RunnerConfig
+from tangram_jax.engine.decode_step import LOGPROB_MODES
+from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
+from tangram_jax.engine.step_plan import (DecodeRows, FirstTokenRows, SamplingRows, StepPlan,
+                                          prefill_rows)
 from tangram_jax.engine import distributed
 from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
-from tangram_jax import kv_quant
 from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
-from tangram_jax.pallas_kernels.decode_attention import decode_programs
-from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
-                                                   uniform_split_map)
 from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
                                   TokenLogprobs, logits_adjust_arrays, resolve_seed)
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
@@ -84,7 +82,8 @@ class _Request:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     full_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
-    # With params.prompt_logprobs: position -> the prompt token's entry (`run_prefill_pieces`),
+    # With params.prompt_logprobs: position -> the prompt token's entry
+    # (`StepResult.prompt_logprobs`),
     # and whether a DELTA output carried them already.
     prompt_lp: dict[int, TokenLogprobs] = dataclasses.field(default_factory=dict)
     prompt_lp_entries: list | None = None   # decoded, once the prompt is prefilled
@@ -159,155 +158,6 @@ class _InFlightToken(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
-def run_prefill_pieces(runner: ModelRunner, manager: KVCacheManager, pieces,
-                       max_prefill_rows: int,
-                       prompt_logprobs: dict[str, dict[int, TokenLogprobs]] | None = None,
-                       decode: dict | None = None) -> tuple:
-    """Run a step's prefill pieces (scheduler `PrefillChunk`s) as runner calls of up to
-    `max_prefill_rows` rows.
-
-    Where the layout keeps every token (`runner.prefill_whole_rows`: ``full``) a row is a whole
-    piece, so a call's GEMMs and attention see up to the step's token budget. Otherwise a row is
-    one compression chunk, and a call takes the next chunk of up to `max_prefill_rows` pieces
-    (chunks of one piece depend on each other, those of different pieces do not).
-    Returns ([(piece, last logits [V])] of pieces that end their prompt, {request id: retained
-    lengths [layers, groups] after the pieces}); in ``dynamic`` mode the lengths come back from
-    the device (a host round trip per call), otherwise from the layout's keep rule.
-    prompt_logprobs: {request id: {}} of the requests that asked for them: a call holding one
-    of their pieces also computes, on the device, every position's log-probabilities of the
-    prompt token that follows it, and ``[request id][position]`` receives that token's entry
-    (a `TokenLogprobs` of numpy scalars / [MAX_TOP_LOGPROBS] rows; a replayed piece overwrites).
-    decode: the step's decode rows (`ModelRunner.decode`'s keyword arguments), run with the
-    last call (one program where the runner `mixes_steps`); its result is then a third item.
-    """
-    layout = runner.layout
-    dynamic = runner.runner_config.mode == "dynamic"
-    hist = {p.seq.request_id: manager.retained_lengths(p.seq.slot) for p in pieces}
-    finished = []
-    calls = []   # (offset into each piece, its pieces), in dependency order
-    if runner.prefill_whole_rows:
-        calls = [(0, pieces[i:i + max_prefill_rows])
-                 for i in range(0, len(pieces), max_prefill_rows)]
-        span = max((p.num_tokens for p in pieces), default=0)
-    else:
-        span = layout.chunk_size
-        for offset in range(0, max((p.num_tokens for p in pieces), default=0), span):
-            due = [p for p in pieces if p.start + offset < p.end]
-            calls += [(offset, due[i:i + max_prefill_rows])
-                      for i in range(0, len(due), max_prefill_rows)]
-    for index, (offset, rows) in enumerate(calls):
-        starts = [p.start + offset for p in rows]
-        ends = [min(start + span, p.end) for start, p in zip(starts, rows)]
-        # What each chunk keeps whole: the protected tail of its turn (pieces start on the chunk
-        # grid of their planned segment), or all of it in a segment decode wrote. A whole row
-        # keeps every token anyway.
-        protected = [0 if runner.prefill_whole_rows else
-                     layout.chunk_protected(p.segment[1] - p.segment[0], start - p.segment[0],
-                                            end - start) if p.segment[2] else end - start
-                     for p, start, end in zip(rows, starts, ends)]
-        # Each row's count: the layout's rule for the row's place in its turn (a segment decode
-        # wrote keeps all); under retention "turn" also where the turn's held tokens start and
-        # how many of its protected tail they include (the turn's last row compresses them).
-        counts = turn_rows = None
-        if not (runner.prefill_whole_rows or dynamic):
-            counts = [_row_keep_counts(layout, p, start, end, protected_b)
-                      for p, start, end, protected_b in zip(rows, starts, ends, protected)]
-        if runner.compacts_turns:
-            turn_rows = dict(turn_hist=[], keep_counts=counts, held_protected=[])
-            for p, start in zip(rows, starts):
-                seg_start, seg_end, compressed = p.segment
-                offset, turn_len = start - seg_start, seg_end - seg_start
-                turn_rows["turn_hist"].append(hist[p.seq.request_id] - (
-                    layout.retained_counts(turn_len, upto=offset) if compressed else 0))
-                turn_rows["held_protected"].append(
-                    max(0, offset - turn_len + layout.protected_tail(turn_len))
-                    if compressed else 0)
-        want = prompt_logprobs is not None and any(p.seq.request_id in prompt_logprobs
-                                                   for p in rows)
-        targets = [_prompt_targets(p.seq, a, b) for p, a, b in zip(rows, starts, ends)] \
-            if want else None
-        with_decode = decode if index == len(calls) - 1 else None
-        logits, kept, *lp_rows = runner.prefill(
-            [np.asarray(p.seq.token_ids[a:b], np.int32) for p, a, b in zip(rows, starts, ends)],
-            starts, [p.seq.slot for p in rows], [hist[p.seq.request_id] for p in rows],
-            protected, targets, decode=with_decode, **(turn_rows or {}))
-        if with_decode is not None:
-            decoded = lp_rows.pop()
-        for p, a, t, lp in zip(rows, starts, targets or (), lp_rows[0] if lp_rows else ()):
-            record = prompt_logprobs.get(p.seq.request_id)
-            for i in (np.flatnonzero(t >= 0) if record is not None else ()):
-                record[a + i + 1] = TokenLogprobs(*(x[i] for x in lp[:4]), None)
-        kept_host = np.asarray(kept) if dynamic else None
-        for b, (p, start, end) in enumerate(zip(rows, starts, ends)):
-            rid = p.seq.request_id
-            if kept_host is not None:   # the per-input count: a host round trip
-                hist[rid] = hist[rid] + kept_host[b]
-            elif runner.prefill_whole_rows:   # every token kept
-                hist[rid] = hist[rid] + (end - start)
-            else:
-                hist[rid] = hist[rid] + counts[b]
-            if end == p.end and p.is_last:
-                finished.append((p, logits[b]))
-    if decode is None:
-        return finished, hist
-    return finished, hist, decoded if calls else runner.decode(**decode)
-
-
-def _row_keep_counts(layout, piece, start: int, end: int, protected: int) -> np.ndarray:
-    """int64 [layers, groups]: the slots a compression-chunk row of tokens [start, end) of
-    `piece`'s segment adds: ``layout.piece_retained_counts`` of its place in the turn (under
-    flow retention it depends on what came before), every token of a segment decode wrote."""
-    seg_start, seg_end, compressed = piece.segment
-    if not compressed:
-        return np.full((layout.num_layers, layout.num_groups), end - start, np.int64)
-    if layout.retention == "chunk":
-        return layout.chunk_keep_counts(end - start, protected)
-    return layout.piece_retained_counts(seg_end - seg_start, start - seg_start, end - seg_start)
-
-
-def _prompt_targets(seq: Sequence, start: int, end: int) -> np.ndarray:
-    """int32 [end - start]: the prompt token each of positions start..end-1 predicts (-1 past
-    the turn's prompt: those are generated tokens, not prompt)."""
-    prompt_end = seq.prompt_start + seq.num_prompt_tokens
-    targets = np.full(end - start, -1, np.int32)
-    last = min(end + 1, prompt_end)
-    if last > start + 1:
-        targets[:last - start - 1] = seq.token_ids[start + 1:last]
-    return targets
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _copy_pages(k_pages, v_pages, src, dst):
-    """The pool with pages `dst` overwritten by pages `src` (int32 [n]; a `dst` out of range is
-    padding, dropped): a fork's copies of partly filled pages (`KVCacheManager.fork`). Every
-    array of a page format (quantised codes and scales too) has the page axis first. With
-    precision tiers the copies are of the high tier's pool (the decode tier's pages, page ids
-    of that pool); the low tier's is left alone."""
-    def copy(pages):
-        return pages.at[dst].set(pages[src], mode="drop")
-    if isinstance(k_pages, kv_quant.TieredPages):
-        return (dataclasses.replace(k_pages, high=jax.tree.map(copy, k_pages.high)),
-                dataclasses.replace(v_pages, high=jax.tree.map(copy, v_pages.high)))
-    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
-
-
-def decode_split_map(layout, model_config, dtype, num_programs: int, batch: int, *,
-                     group_size: int, kv_precision: str = "bf16"):
-    """The AOT split map of decode bucket `batch`: over the layout's groups weighed by their
-    budgets (every group holds one page format, `kv_precision`, whose measured program target
-    `decode_programs` sizes the map), or, with precision tiers, over its tier groups weighed by
-    the bytes each is expected to read (`build_tier_split_map`: each tier is read by its own
-    launch). group_size: the KV heads of a group on one device."""
-    if not isinstance(layout, TieredLayout):
-        return build_split_map(layout.group_budgets, decode_programs(kv_precision, num_programs),
-                               batch, group_size=group_size)
-    tier_bytes = tuple(kv_quant.page_bytes(kv_quant.page_format(t), 1, 1,
-                                           model_config.head_dim, jnp.dtype(dtype))
-                       for t in layout.tiers)
-    return build_tier_split_map(layout.base.group_budgets, layout.high_share, tier_bytes,
-                                num_programs, batch, group_size=group_size)
-
-
 class _RequestFailed(Exception):
     """A failure recorded for one request while its step was dispatched (`_Request.error`)."""
 
@@ -363,16 +213,6 @@ class Engine:
         # the chunk compression cannot run is refused here, by RunnerConfig).
         self.compression_method = rc.compression_method
         buckets = rc.decode_buckets
-        # Each device attends over its share of every group's heads (tensor parallelism).
-        split_maps = {b: decode_split_map(self.layout, mc, loaded.model.dtype, cfg.num_programs,
-                                          b, group_size=self.layout.group_size
-                                          // cfg.tensor_parallel_size,
-                                          kv_precision=cfg.kv_precision) for b in buckets}
-        if cfg.split_map == "uniform":   # as many items per row, cut evenly across the groups
-            split_maps = {b: dataclasses.replace(
-                uniform_split_map(mc.num_layers, m.num_groups, max(1, m.num_items // m.num_groups),
-                                  tiered=m.tiered), batch=b)
-                for b, m in split_maps.items()}
         # The manager's block table: [max_seqs + 1 (the null slot), layers, groups, max_pages].
         table_shape = (cfg.max_num_seqs + 1, mc.num_layers, self.layout.num_groups,
                        rc.max_pages_per_seq)
@@ -387,13 +227,16 @@ class Engine:
         self.runner = ModelRunner(
             loaded.model, mc, self.layout,
             rc.num_pages if device_memory is None and not fixed else None,   # else below
-            table_shape, split_maps=split_maps, devices=self.devices,
+            table_shape, devices=self.devices,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
                                        method=self.compression_method,
                                        scoring_rule=rc.scoring_rule,
                                        dynamic_ratio=cfg.ratio, layer_loop=cfg.layer_loop,
                                        max_prefill_tokens=rc.max_num_batched_tokens,
-                                       prefill_token_buckets=cfg.prefill_token_buckets),
+                                       prefill_token_buckets=cfg.prefill_token_buckets,
+                                       decode_buckets=tuple(rc.decode_buckets),
+                                       num_programs=cfg.num_programs,
+                                       split_map=cfg.split_map),
             kv_precision=cfg.kv_precision)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
@@ -824,8 +667,6 @@ class Engine:
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
         out = self.scheduler.schedule()
-        # The device's copy of the block table follows the manager's writes.
-        self.runner.update_block_tables(*self.manager.take_table_updates())
         in_flight = self._dispatch(out) if not out.is_empty else []
         if self.config.async_scheduling:
             outputs = self._resolve(self._in_flight)
@@ -840,7 +681,33 @@ class Engine:
         return self._report(list(outputs.values()))
 
     def _dispatch(self, out) -> list[_InFlightToken]:
-        """Queue `out`'s device work and commit its lengths; returns its tokens to resolve."""
+        """Queue `out`'s device work (`_plan`, `ModelRunner.execute`) and commit its lengths;
+        returns its tokens to resolve."""
+        plan, decode_reqs, first_reqs = self._plan(out)
+        result = self.runner.execute(plan)
+        self.tokens_processed += sum(r.num_tokens for r in plan.prefill) + len(decode_reqs)
+        for rid, entries in result.prompt_logprobs.items():
+            self._requests[rid].prompt_lp.update(entries)
+        for r in first_reqs:   # a family's children start from their parent's prompt entries
+            if r.seq.fork_children:
+                for c in r.seq.fork_children:
+                    self._requests[c.request_id].prompt_lp = dict(r.prompt_lp)
+        pending = [(r, result.decode_tokens, i, result.decode_logprobs)
+                   for i, r in enumerate(decode_reqs)]
+        pending += [(r, result.first_tokens, i, result.first_logprobs)
+                    for i, r in enumerate(first_reqs)]
+        self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, *_ in pending},
+                              result.retained)
+        # Forks the commit made (parallel samples): copy their partly filled pages before any
+        # forked sequence decodes (the copy is queued after this step's prefill wrote them).
+        self.runner.copy_pages(*self.manager.take_page_copies())
+        # commit appended one placeholder per sampled token: remember where it sits.
+        return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
+                for r, tokens, row, lp in pending]
+
+    def _plan(self, out) -> tuple[StepPlan, list[_Request], list[_Request]]:
+        """The step plan of scheduler output `out` (`step_plan`), with the requests of its
+        decode rows and of its first-token rows (in row order)."""
         decode_reqs = [self._requests[s.request_id] for s in out.decode_seqs]
         decode = None
         if decode_reqs:
@@ -849,47 +716,41 @@ class Engine:
             steps = np.zeros(bucket, np.int32)
             positions[:n] = [r.seq.num_tokens - 1 for r in decode_reqs]
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
-            temperature, top_k, top_p, seeds = self._sampling_arrays(decode_reqs, bucket)
-            decode = dict(positions=positions, slots=out.decode_slots,
-                          lengths=self.manager.decode_write_lengths(out.decode_slots),
-                          temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
-                          steps=steps, forced_tokens=self._forced_tokens(decode_reqs, bucket),
-                          logprobs=self._logprob_mode(decode_reqs),
-                          adjust=self._logits_adjust(decode_reqs, bucket))
-        # The decode rows run with the step's last prefill call (one program on the CPU path).
-        first_logits, first_reqs, reclaim, result = self._prefill(out.prefill_chunks, decode)
-        pending: list[tuple[_Request, jax.Array, int, TokenLogprobs | None]] = []
-        if decode_reqs:
-            tokens, lp = result if decode["logprobs"] is not None else (result, None)
-            pending += [(r, tokens, i, lp) for i, r in enumerate(decode_reqs)]
-            self.tokens_processed += n
+            decode = DecodeRows(positions=positions, slots=out.decode_slots,
+                                lengths=self.manager.decode_write_lengths(out.decode_slots),
+                                sampling=self._sampling_rows(decode_reqs, bucket, steps))
+        pieces = out.prefill_chunks
+        wanted = {p.seq.request_id for p in pieces
+                  if self._requests[p.seq.request_id].params.prompt_logprobs is not None
+                  and self._requests[p.seq.request_id].prompt_lp_entries is None}
+        rows = prefill_rows(pieces, self.manager, wanted)
+        # A prompt that ends here samples its first token from its last row's logits; a
+        # family's (parallel samples) waiting children each sample from the same logits (their
+        # own seeds) and are forked at the commit.
+        sources, first_reqs = [], []
+        for i, p in enumerate(pieces):
+            if p.is_last:
+                req = self._requests[p.seq.request_id]
+                family = [req, *(self._requests[c.request_id] for c in p.seq.fork_children)]
+                sources += [i] * len(family)
+                first_reqs += family
+        first = None
         if first_reqs:
-            mode = self._logprob_mode(first_reqs)
-            result = self.runner.sample(
-                first_logits, [r.seq.slot for r in first_reqs],
-                *self._sampling_arrays(first_reqs, len(first_reqs)),
-                [r.seq.num_output_tokens for r in first_reqs],
-                forced_tokens=self._forced_tokens(first_reqs, len(first_reqs)), logprobs=mode,
-                adjust=self._logits_adjust(first_reqs, len(first_reqs)))
-            tokens, lp = result if mode is not None else (result, None)
-            pending += [(r, tokens, i, lp) for i, r in enumerate(first_reqs)]
+            first = FirstTokenRows(
+                sources=tuple(sources), slots=tuple(r.seq.slot for r in first_reqs),
+                sampling=self._sampling_rows(first_reqs, len(first_reqs), np.asarray(
+                    [r.seq.num_output_tokens for r in first_reqs], np.int32)))
+        plan = StepPlan(table_updates=self.manager.take_table_updates(), prefill=rows,
+                        decode=decode, first_tokens=first,
+                        max_prefill_rows=self.config.max_prefill_rows)
+        return plan, decode_reqs, first_reqs
 
-        self.scheduler.commit(out, {r.seq.request_id: _PLACEHOLDER for r, *_ in pending},
-                              reclaim)
-        # Forks the commit made (parallel samples): copy their partly filled pages before any
-        # forked sequence decodes (the copy is queued after this step's prefill wrote them).
-        src, dst = self.manager.take_page_copies()
-        if src.size:
-            size = max(8, 1 << int(src.size - 1).bit_length())   # few shapes (see warmup)
-            num_pages = self.manager.pools[0].num_pages   # fork copies: the decode tier's
-            pad = size - src.size
-            self.runner.k_pages, self.runner.v_pages = _copy_pages(
-                self.runner.k_pages, self.runner.v_pages,
-                np.concatenate([src, np.zeros(pad, np.int32)]),
-                np.concatenate([dst, np.full(pad, num_pages, np.int32)]))
-        # commit appended one placeholder per sampled token: remember where it sits.
-        return [_InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
-                for r, tokens, row, lp in pending]
+    def _sampling_rows(self, reqs: list[_Request], rows: int, steps: np.ndarray) -> SamplingRows:
+        """The sampling rows of `reqs`, padded to `rows` (padding rows greedy)."""
+        return SamplingRows(*self._sampling_arrays(reqs, rows), steps,
+                            forced_tokens=self._forced_tokens(reqs, rows),
+                            logprobs=self._logprob_mode(reqs),
+                            adjust=self._logits_adjust(reqs, rows))
 
     @staticmethod
     def _logprob_mode(reqs: list[_Request]) -> str | None:
@@ -920,32 +781,6 @@ class Engine:
         forced[:len(reqs)] = [r.forced_token() for r in reqs]
         return forced
 
-    def _prefill(self, pieces, decode: dict | None = None) -> tuple:
-        """Run this step's prefill pieces (`run_prefill_pieces`) and its decode rows (`decode`:
-        `ModelRunner.decode`'s keyword arguments, or None).
-        Returns the last logits [V] and requests of pieces that end their prompt, each
-        piece's retained lengths after compression in dynamic mode (None otherwise), and the
-        decode's result (None without decode rows)."""
-        wanted = {p.seq.request_id: self._requests[p.seq.request_id].prompt_lp for p in pieces
-                  if self._requests[p.seq.request_id].params.prompt_logprobs is not None
-                  and self._requests[p.seq.request_id].prompt_lp_entries is None}
-        finished, hist, *decoded = run_prefill_pieces(
-            self.runner, self.manager, pieces, self.config.max_prefill_rows, wanted or None,
-            decode)
-        self.tokens_processed += sum(p.num_tokens for p in pieces)
-        logits, reqs = [], []
-        for p, row in finished:
-            req = self._requests[p.seq.request_id]
-            # A family's prefill (parallel samples): each waiting child samples its first token
-            # from the same logits (its own seed) and is forked at the commit.
-            children = [self._requests[c.request_id] for c in p.seq.fork_children]
-            for child in children:
-                child.prompt_lp = dict(req.prompt_lp)
-            logits += [row] * (1 + len(children))
-            reqs += [req, *children]
-        return (logits, reqs, hist if self.config.mode == "dynamic" else None,
-                decoded[0] if decoded else None)
-
     def warmup(self, *, logprobs: bool = False) -> None:
         """Compile every step shape now (decode buckets, prefill rows, first-token sampling,
         the page copies of parallel samples' forks) instead of when the first requests meet
@@ -956,22 +791,19 @@ class Engine:
         serve` asks for them). A later call with it adds only those."""
         started = time.perf_counter()
         modes = LOGPROB_MODES if logprobs else (None,)
+        # A fork copies decode cells only (the high tier's groups of a tiered layout).
+        decode_groups = (int(self.layout.decode_tier_groups.sum())
+                         if isinstance(self.layout, TieredLayout) else self.layout.num_groups)
         self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
                            self.config.max_num_seqs,
+                           max_page_copies=(self.config.max_num_seqs - 1)
+                           * self.model_config.num_layers * decode_groups,
                            logprob_modes=[m for m in modes if m not in self._warm_variants],
                            prompt_logprobs=[t for t in ((False, True) if logprobs else (False,))
                                             if ("prompt", t) not in self._warm_variants])
         self._warm_variants.update(modes)
         self._warm_variants.update(("prompt", t) for t in ((False, True) if logprobs
                                                            else (False,)))
-        # The fork's page copies: 8 pages and up, by powers of two (`_dispatch`).
-        # A fork copies decode cells only (the high tier's groups of a tiered layout).
-        decode_groups = (int(self.layout.decode_tier_groups.sum())
-                         if isinstance(self.layout, TieredLayout) else self.layout.num_groups)
-        most = (self.config.max_num_seqs - 1) * self.model_config.num_layers * decode_groups
-        for size in (1 << b for b in range(3, max(3, int(most - 1).bit_length()) + 1)):
-            index = np.zeros(size, np.int32)
-            _copy_pages.lower(self.runner.k_pages, self.runner.v_pages, index, index).compile()
         self.startup_seconds["warmup"] += time.perf_counter() - started
         log.info("warm-up compiled every step shape in %.1f s (compile cache: %s)",
                  self.startup_seconds["warmup"], self.compile_cache_dir or "off")

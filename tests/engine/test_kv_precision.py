@@ -7,7 +7,7 @@ import pytest
 
 from tangram_jax import LLM, kv_quant
 from tangram_jax.engine.config import EngineConfig, EngineConfigError
-from tangram_jax.engine.llm_engine import decode_split_map
+from tangram_jax.engine.decode_step import decode_split_map
 from tangram_jax.sampling import SamplingParams
 
 from tiny_engine import tiny_engine_config

@@ -226,7 +226,7 @@ def test_tiered_split_map_weighs_tier_groups_by_their_bytes():
     budget x tier share x its tier's bytes per slot: a group all in the high tier (K8V4,
     208 B at head_dim 128) gets about 208 / 112 the items of one of the same budget all in the
     low tier (K4V2); the empty tiers get one item each, which the kernel runs as a no-op."""
-    from tangram_jax.engine.llm_engine import decode_split_map
+    from tangram_jax.engine.decode_step import decode_split_map
     import types
     base = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, group_size=2, page_size=PS,
                     chunk_size=8, head_perm=np.arange(4)[None], group_budgets=np.array([[0.5,
@@ -250,7 +250,7 @@ def test_engine_split_map_takes_each_page_format_s_measured_program_target():
     twice the items per row for K8V8, four times for K8V4 and K4V2 (each measured fastest
     there); a tiered layout's map does not depend on the setting (the engine's maps:
     test_kv_precision)."""
-    from tangram_jax.engine.llm_engine import decode_split_map
+    from tangram_jax.engine.decode_step import decode_split_map
     from tangram_jax.pallas_kernels.decode_attention import DECODE_PROGRAM_SCALE
     from tangram_jax.pallas_kernels.split_map import build_split_map
     import types
@@ -343,7 +343,7 @@ def _runner_steps(use_kernels: bool, kv_precision: str = "k8v4-k4v2", max_pages:
     the table width of each prefill call)."""
     from flax import nnx
     from test_runner import CONFIG, LAYOUT
-    from tangram_jax.engine.llm_engine import decode_split_map
+    from tangram_jax.engine.decode_step import decode_split_map
     from tangram_jax.engine.model_runner import AttentionOps, ModelRunner, RunnerConfig
     from tangram_jax.models.decoder import Decoder
     from tangram_jax.scheduler.kv_cache_manager import KVCacheManager

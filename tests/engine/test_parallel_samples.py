@@ -327,7 +327,7 @@ def test_a_family_on_a_short_pool_is_preempted_and_still_equals_one_request(engi
     child is preempted (its own pages dropped, the shared ones kept by its siblings), replays
     its history alone later, and every completion still equals a single request's."""
     folder = engines["tangram"].config.model
-    engine = Engine(tiny_engine_config(folder, "tangram", num_pages=60))
+    engine = Engine(tiny_engine_config(folder, "tangram", num_pages=84))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     single = _run(engine, params).outputs[0]
     final = _run(engine, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,

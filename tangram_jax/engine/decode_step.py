@@ -1,0 +1,415 @@
+"""The runner's decode programs, the mixed step, and token sampling.
+
+`DecodeSteps` is the half of `ModelRunner` that produces tokens: `decode` (one token for a
+padded bucket of sequences, its input read from the device's `slot_tokens`, attention split by
+the bucket's AOT split map), the mixed step of the CPU path (prefill rows and decode rows as
+one program: `_run_mixed`, `_mixed_impl`), and `sample` (the first token of prompts that
+ended). `decode_split_map(s)` build the split maps the decode kernel is compiled with;
+`_copy_pages` copies a fork's partly filled pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from tangram_jax import kv_quant
+from tangram_jax.kv_layout import TieredLayout
+from tangram_jax.engine.tensor_parallel import AXIS
+from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.decode_attention import decode_programs
+from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
+                                                  uniform_split_map)
+from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, sample_tokens,
+                                  step_keys, token_logprobs)
+
+
+# What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
+# whole [rows, vocab] log-softmax (each a separately compiled variant of the step).
+LOGPROB_MODES = (None, "top", "full")
+
+
+class DecodeSteps:
+    """Decode half of `ModelRunner` (a mixin: it reads the runner's state: layout, pool,
+    tables, ops, placement, split maps)."""
+
+    _pool_spec = P(None, AXIS)   # every pool array (codes, scales) split on its head axis G
+
+    @staticmethod
+    def _decode_attention(q, k, v, k_pages, v_pages, tables, lens, work, terms, *,
+                          decode_attention, use_work, tiered=None, high_items=0):
+        """One layer's decode attention on one device's heads (all of them without tensor
+        parallelism): append the new token's K/V at slot `lens` of every group, attend.
+        q [B, 1, Hq, d], k/v [B, 1, Hkv, d] (this device's heads, group-major); k/v_pages
+        [num_pages, G, page_size, d] (this device's G); tables [B, groups, P]; lens [B, groups].
+        terms: the layer's window and sinks (`_attention_terms`). Returns (out [B, 1, Hq, d],
+        k_pages, v_pages).
+
+        tiered: precision tiers (`kv_quant.TieredPages`; tables and lens of tier groups),
+        attended by the Pallas decode kernel (``"pallas"``: one launch over both pools, work the
+        high tier's `high_items` rows then the low tier's, `SplitMap.tier_work_lists`) or, on
+        the CPU path, as one dense history. The token goes to the high tier."""
+        batch = lens.shape[0]
+        if tiered is None:
+            k_pages, v_pages = DecodeSteps._append_token(k, v, k_pages, v_pages, tables, lens)
+            qg = q[:, 0].reshape(batch, lens.shape[1], -1, q.shape[-1])
+            out = decode_attention(qg, k_pages, v_pages, tables, lens + 1,
+                                   work if use_work else None, **terms)
+            return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
+        k_high, v_high = DecodeSteps._append_token(k, v, k_pages.high, v_pages.high,
+                                                   tables[:, 0::2], lens[:, 0::2])
+        k_pages = kv_quant.TieredPages(k_high, k_pages.low)
+        v_pages = kv_quant.TieredPages(v_high, v_pages.low)
+        seen = lens + (jnp.arange(lens.shape[1]) % 2 == 0)        # the new token is high
+        qg = q[:, 0].reshape(batch, lens.shape[1] // 2, -1, q.shape[-1])
+        if tiered == "pallas":
+            out = decode_attention(qg, k_pages, v_pages, tables, seen,
+                                   (work[:high_items], work[high_items:]), **terms)
+        else:
+            out = decode_attention(qg, *kv_quant.tiered_dense_history(
+                k_pages, v_pages, tables, seen, jnp.float32), None, **terms)
+        return out.reshape(batch, 1, -1, q.shape[-1]), k_pages, v_pages
+
+    @staticmethod
+    def _append_token(k, v, k_pages, v_pages, tables, lens):
+        """Write each row's new K/V (k/v [B, 1, Hkv, d]) at slot `lens` [B, groups] of its
+        groups' pages (tables [B, groups, P]); returns the pools."""
+        batch, n_groups = lens.shape
+        g, ps = k_pages.shape[1], k_pages.shape[2]
+        # Padded rows write into the null page 0, which nothing reads as valid.
+        page = jnp.take_along_axis(tables, (lens // ps)[..., None], axis=-1)[..., 0]
+        offset = lens % ps
+        heads = jnp.arange(g)[None, None, :]
+        k_new = k[:, 0].reshape(batch, n_groups, g, -1).astype(k_pages.dtype)
+        v_new = v[:, 0].reshape(batch, n_groups, g, -1).astype(v_pages.dtype)
+        slots = (page[..., None], heads, offset[..., None])
+        return (kv_quant.write_slots(k_pages, slots, k_new),    # quantised if the pool is
+                kv_quant.write_slots(v_pages, slots, v_new))
+
+    def decode(self, positions: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
+               temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               seeds: np.ndarray, steps: np.ndarray, *, forced_tokens: np.ndarray | None = None,
+               logprobs: str | None = None, adjust: LogitsAdjust | None = None,
+               ) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
+        """One decode step for a padded batch (the bucket is `len(slots)`).
+
+        Each row's input token is its slot's last sampled token (`slot_tokens`, on the device),
+        and the token sampled here replaces it, so nothing waits for the host.
+        positions: int [B] position of each row's input token; slots: int [B] rows of the block
+        table (padded rows: the manager's null slot); lengths: int32 [B, layers, groups]
+        retained tokens before this step (pages for the new token already reserved).
+        Sampling arrays [B] as in `tangram_jax.sampling`. forced_tokens: int [B], the token row
+        i must take (teacher forcing; -1: sample), default none. logprobs: one of
+        `LOGPROB_MODES`. adjust: the rows' penalties / min_tokens / min_p (None: nobody's; a
+        separately compiled variant). Returns next tokens [B] (device), and with `logprobs` set also their
+        `TokenLogprobs` (device arrays, the model's distribution at each row).
+        """
+        args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
+                                         temperature, top_k, top_p, seeds, steps,
+                                         forced_tokens, logprobs, adjust)
+        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
+            *args, **static)
+        return next_tokens if logprobs is None else (next_tokens, lp)
+
+    def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
+                     top_p, seeds, steps, forced_tokens=None,
+                     logprobs: str | None = None,
+                     adjust: LogitsAdjust | None = None) -> tuple[tuple, dict]:
+        """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
+        bucket = len(slots)
+        split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
+        if self.ops.name == "pallas" and split_map is None:
+            raise ValueError(f"no split map for decode bucket {bucket}; have "
+                             f"{sorted(self.split_maps)}")
+        _check_logprob_mode(logprobs)
+        forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
+                  else np.asarray(forced_tokens, np.int32))
+        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
+                np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
+                np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
+                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced, adjust)
+        return args, dict(split_map=split_map, logprobs=logprobs,
+                          table_width=self._table_width(int(np.max(lengths, initial=0)) + 1,
+                                                        prefill=False))
+
+    def _decode_layer_attention(self, split_map) -> Callable:
+        """One layer's decode attention (`_decode_attention`) run per device: ``attend(q, k, v,
+        k_pages, v_pages, tables, lens, work) -> (out, k_pages, v_pages)``."""
+        heads = P(None, None, AXIS, None)          # [B, 1, heads, d]: heads over the devices
+        return self.placement.per_device(
+            functools.partial(self._decode_attention, decode_attention=self.ops.decode_attention,
+                              use_work=split_map is not None,
+                              tiered=None if self.tiers is None else self.ops.name,
+                              high_items=split_map.tier_work_lists()[0].shape[1]
+                              if self.tiers is not None and split_map is not None else 0),
+            in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec, P(), P(), P(),
+                      self._terms_spec),
+            out_specs=(heads, self._pool_spec, self._pool_spec))
+
+    def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
+                     all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
+                     adjust, *, split_map, logprobs, table_width):
+        model = nnx.merge(self.graphdef, state)
+        tokens = slot_tokens[slots]
+        block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
+        layout = self.layout
+        # The AOT work lists are constants of the trace ([layers, items, 3]); the references
+        # take none (a dummy keeps the scan's inputs uniform).
+        # With precision tiers each layer's row is the high tier's list then the low tier's.
+        work_lists = (jnp.zeros((layout.num_layers, 1, 3), jnp.int32) if split_map is None else
+                      jnp.asarray(split_map.work_lists()) if self.tiers is None else
+                      jnp.asarray(np.concatenate(split_map.tier_work_lists(), axis=1)))
+        attend = self._decode_layer_attention(split_map)
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry
+            layer_state, tables, lens, work = xs          # [B, Gn, P], [B, Gn], [items, 3]
+            layer = self._layer(layer_state)
+            q, k, v = layer.qkv(h, positions[:, None])
+            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, tables, lens, work,
+                                           self._attention_terms(layer))
+            h = layer.finish(h, out.astype(h.dtype))
+            return (h, k_pages, v_pages), None
+
+        h = model.embed(tokens[:, None])
+        (h, k_pages, v_pages), _ = self._over_layers(
+            layer_step, (h, k_pages, v_pages),
+            (layer_states, jnp.swapaxes(block_tables, 0, 1), jnp.swapaxes(lengths, 0, 1),
+             work_lists))
+        logits = model.logits(h)[:, 0]
+        next_tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced,
+                                         logprobs, adjust, tokens)
+        # Padded rows all point at the null slot; whichever write wins there is never read.
+        return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens, lp
+
+    # ----- a mixed step: prefill rows and decode rows in one program (the CPU path) -------------
+    def _run_mixed(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                   decode: dict, turn_rows=None) -> tuple:
+        """`prefill` of these rows and `decode(**decode)` as one program (`_mixed_impl`)."""
+        decode = dict(decode)
+        positions, d_slots, lengths = (decode.pop(k) for k in ("positions", "slots", "lengths"))
+        sampling = [decode.pop(k) for k in ("temperature", "top_k", "top_p", "seeds", "steps")]
+        logprobs = decode.pop("logprobs", None)
+        forced, adjust = decode.pop("forced_tokens", None), decode.pop("adjust", None)
+        if decode:
+            raise ValueError(f"unknown decode arguments {sorted(decode)}")
+        if set(int(s) for s in slots) & set(int(s) for s in d_slots if s != self.null_slot):
+            raise ValueError("a mixed step's prefill and decode rows must be distinct sequences")
+        prefill_args, prefill_static = self._prefill_args(
+            tokens, start_positions, slots, hist_lengths, num_protected, None, self.k_pages,
+            self.v_pages, turn_rows)
+        decode_args, decode_static = self._decode_call(
+            self.k_pages, self.v_pages, positions, d_slots, lengths, *sampling, forced,
+            logprobs, adjust)
+        # One width for both parts: where steps mix it is the whole table (`_table_width`).
+        prefill_static = dict(prefill_static, table_width=max(
+            prefill_static["table_width"], decode_static["table_width"]))
+        logits, kept, next_tokens, lp = self._call_mixed(prefill_args, prefill_static,
+                                                         decode_args, decode_static)
+        return logits, kept, (next_tokens if logprobs is None else (next_tokens, lp))
+
+    @property
+    def mixes_steps(self) -> bool:
+        """Whether a step's last prefill call and its decode rows run as one program (`prefill`
+        with `decode`): the CPU path, where the two programs of a mixed step each read every
+        weight and walk every layer (a decode step at batch 8 is ~0.15 s of that on the
+        embedded model). Not with precision tiers (their attention reads a dense history of a
+        per-width table) nor tensor parallelism; the Pallas path keeps its two programs."""
+        return self.ops.name == "xla" and self.tiers is None and self.placement.tp == 1
+
+    def _mixed_args(self, prefill_args: tuple, prefill_static: dict, decode_args: tuple,
+                    decode_static: dict) -> tuple[tuple, dict]:
+        """`_mixed`'s inputs and static arguments from a prefill call's and a decode call's
+        (`_prefill_args`, `_decode_call`) over the same pool."""
+        (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
+         tables, row_slots, hist, keep, items, held_protected, turn_hist) = prefill_args
+        (_, _, _, _, slot_tokens, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
+        return ((state, layer_states, k_pages, v_pages, slot_tokens, tables, flat, positions,
+                 row_starts, lens, protected, row_slots, hist, keep, items, held_protected,
+                 turn_hist, d_positions, d_slots, d_lengths, *sampling),
+                dict(table_width=prefill_static["table_width"],
+                     region_pages=prefill_static["region_pages"],
+                     logprobs=decode_static["logprobs"]))
+
+    def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, all_tables,
+                    tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
+                    keep_counts, work_items, held_protected, turn_hist, d_positions, d_slots,
+                    d_lengths, temperature, top_k, top_p, seeds, steps, forced, adjust, *,
+                    table_width, region_pages, logprobs):
+        """A prefill call (`_prefill_impl`'s inputs, N flat tokens) and a decode step
+        (`_decode_impl`'s, B rows) in one forward: per layer the projections of all N + B
+        tokens in one matmul, the decode rows' attention (their token appended to the pool
+        first), the prefill rows' attention over the pool, and o-proj + MLP of all tokens in
+        one matmul. Returns (k_pages, v_pages, slot_tokens, next_tokens [B], lp, writes or None,
+        prefill logits [rows, vocab], kept [rows, layers, groups]): the decode step's results,
+        then the prefill's (`_prefill_impl`: its planned writes, or None where it wrote in
+        place). Mixed steps exist where `_table_width` is the whole table, so both parts read
+        `table_width` columns.
+
+        Order inside a layer: the decode rows write their token, then both parts read the pool.
+        Their pages are disjoint (distinct sequences), but the order matters to XLA: a read
+        before a write of the same buffer in one loop iteration makes it copy the pool."""
+        model = nnx.merge(self.graphdef, state)
+        rows, n = row_starts.shape[0], tokens.shape[0]
+        planned = self.plans_prefill_writes
+        prefill_attend = self._prefill_layer_attention(rows, n, k_pages, region_pages)
+        decode_attend = self._decode_layer_attention(None)
+        no_work = jnp.zeros((1, 3), jnp.int32)           # the CPU path's decode takes none
+        d_tokens = slot_tokens[d_slots]
+        all_positions = jnp.concatenate([positions, d_positions])
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry                     # h [1, N + B, hidden]
+            (layer_state, tables, write_tables, hist, turn_hist, keep, items, d_tables,
+             d_lens) = xs
+            layer = self._layer(layer_state)
+            q, k, v = layer.qkv(h, all_positions[None])     # one GEMM over both parts' tokens
+            terms = self._attention_terms(layer)
+            d_out, k_pages, v_pages = decode_attend(
+                q[0, n:, None], k[0, n:, None], v[0, n:, None], k_pages, v_pages, d_tables,
+                d_lens, no_work, terms)
+            out, k_pages, v_pages, kept, plans = prefill_attend(
+                q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, tables, write_tables, hist,
+                turn_hist, keep, items, row_starts, row_lens, num_protected, held_protected,
+                positions, terms)
+            out = jnp.concatenate([out, d_out[:, 0].astype(out.dtype)])
+            h = layer.finish(h, out[None].astype(h.dtype))
+            return (h, k_pages, v_pages), (kept, plans or None)
+
+        h = model.embed(jnp.concatenate([tokens, d_tokens])[None])
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)
+        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
+            layer_step, (h, k_pages, v_pages),
+            (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
+                                                        turn_hist, keep_counts, work_items,
+                                                        table_width),
+             per_layer(all_tables[d_slots][..., :table_width]), per_layer(d_lengths)))
+        last = h[0, jnp.clip(row_starts + row_lens - 1, 0, n - 1)]        # [rows, hidden]
+        logits = model.logits(jnp.concatenate([last, h[0, n:]])[:, None])[:, 0]
+        d_logits = logits[rows:]
+        next_tokens, lp = _choose_tokens(d_logits, temperature, top_k, top_p, seeds, steps,
+                                         forced, logprobs, adjust, d_tokens)
+        return (k_pages, v_pages, slot_tokens.at[d_slots].set(next_tokens), next_tokens, lp,
+                plans if planned else None, logits[:rows], per_layer(kept))
+
+    def _call_mixed(self, prefill_args, prefill_static, decode_args, decode_static) -> tuple:
+        """Run `_mixed` on the held pool (and apply the prefill's planned writes); returns
+        (logits, kept, next_tokens, lp)."""
+        args, static = self._mixed_args(prefill_args, prefill_static, decode_args, decode_static)
+        (self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp, writes, logits,
+         kept) = self._mixed(*args, **static)
+        if writes is not None:
+            self.k_pages, self.v_pages = self._apply_writes(self.k_pages, self.v_pages, writes)
+        return logits, kept, next_tokens, lp
+
+    # ----- sampling of prefill logits -----------------------------------------------------
+    def sample(self, logits: list[jax.Array], slots, temperature, top_k, top_p, seeds,
+               steps, *, forced_tokens=None, logprobs: str | None = None,
+               adjust: LogitsAdjust | None = None) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
+        """Sample the first token of sequences whose prefill just ended (logits: list of [V],
+        slots: int [n] their block-table rows, which remember the token for the next decode;
+        sampling arrays [n]; forced_tokens, logprobs and adjust (rows [n]) as in `decode`). Rows are padded to a
+        power of two (padding rows repeat row 0 and write to the null slot). Returns tokens
+        [rows] (device), the first n the samples (and their `TokenLogprobs` when asked)."""
+        _check_logprob_mode(logprobs)
+        n = len(logits)
+        pick = _pad_rows(n)
+        rows = lambda x, dtype: np.asarray(x, dtype)[pick]
+        padded_slots = rows(slots, np.int32)
+        padded_slots[n:] = self.null_slot
+        forced = rows(np.full(n, -1) if forced_tokens is None else forced_tokens, np.int32)
+        self.slot_tokens, tokens, lp = self._sample_rows(
+            self.slot_tokens, jnp.stack([logits[i] for i in pick]), padded_slots,
+            rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
+            rows(seeds, np.uint32), rows(steps, np.int32), forced,
+            None if adjust is None else LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)),
+            logprobs=logprobs)
+        return tokens if logprobs is None else (tokens, lp)
+
+
+def _greedy(rows: int) -> tuple[np.ndarray, ...]:
+    """Sampling arrays (temperature, top_k, top_p, seeds, steps) of `rows` greedy rows."""
+    return (np.zeros(rows, np.float32), np.full(rows, -1, np.int32), np.ones(rows, np.float32),
+            np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+
+def _pad_rows(n: int) -> list[int]:
+    """Row order for `n` rows padded to a power of two by repeating row 0 (few shapes compile)."""
+    return list(range(n)) + [0] * (backend.next_power_of_2(n) - n)
+
+
+def _check_logprob_mode(logprobs) -> None:
+    if logprobs not in LOGPROB_MODES:
+        raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
+
+
+def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
+                   adjust=None, input_tokens=None):
+    """Each row's token (sampled after `adjust`, or forced where ``forced >= 0``) and, with
+    `logprobs` set, the model's log-probabilities at that row (computed here on the device)."""
+    tokens = force_tokens(sample_tokens(logits, temperature, top_k, top_p,
+                                        step_keys(seeds, steps), adjust, input_tokens), forced)
+    lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
+    return tokens, lp
+
+
+def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,
+                       forced, adjust, *, logprobs):
+    tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
+                                adjust)
+    return slot_tokens.at[slots].set(tokens), tokens, lp
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_pages(k_pages, v_pages, src, dst):
+    """The pool with pages `dst` overwritten by pages `src` (int32 [n]; a `dst` out of range is
+    padding, dropped): a fork's copies of partly filled pages (`KVCacheManager.fork`). Every
+    array of a page format (quantised codes and scales too) has the page axis first. With
+    precision tiers the copies are of the high tier's pool (the decode tier's pages, page ids
+    of that pool); the low tier's is left alone."""
+    def copy(pages):
+        return pages.at[dst].set(pages[src], mode="drop")
+    if isinstance(k_pages, kv_quant.TieredPages):
+        return (dataclasses.replace(k_pages, high=jax.tree.map(copy, k_pages.high)),
+                dataclasses.replace(v_pages, high=jax.tree.map(copy, v_pages.high)))
+    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
+
+
+def decode_split_map(layout, model_config, dtype, num_programs: int, batch: int, *,
+                     group_size: int, kv_precision: str = "bf16"):
+    """The AOT split map of decode bucket `batch`: over the layout's groups weighed by their
+    budgets (every group holds one page format, `kv_precision`, whose measured program target
+    `decode_programs` sizes the map), or, with precision tiers, over its tier groups weighed by
+    the bytes each is expected to read (`build_tier_split_map`: each tier is read by its own
+    launch). group_size: the KV heads of a group on one device."""
+    if not isinstance(layout, TieredLayout):
+        return build_split_map(layout.group_budgets, decode_programs(kv_precision, num_programs),
+                               batch, group_size=group_size)
+    tier_bytes = tuple(kv_quant.page_bytes(kv_quant.page_format(t), 1, 1,
+                                           model_config.head_dim, jnp.dtype(dtype))
+                       for t in layout.tiers)
+    return build_tier_split_map(layout.base.group_budgets, layout.high_share, tier_bytes,
+                                num_programs, batch, group_size=group_size)
+
+
+def decode_split_maps(layout, model_config, dtype, num_programs: int, buckets, *,
+                      group_size: int, kv_precision: str = "bf16", kind: str = "aot") -> dict:
+    """{bucket: SplitMap} of every decode bucket (`decode_split_map`); kind ``uniform``: as many
+    items per row as the AOT map, cut evenly across the groups (the ablation baseline)."""
+    maps = {b: decode_split_map(layout, model_config, dtype, num_programs, b,
+                                group_size=group_size, kv_precision=kv_precision)
+            for b in buckets}
+    if kind == "uniform":
+        maps = {b: dataclasses.replace(
+            uniform_split_map(model_config.num_layers, m.num_groups,
+                              max(1, m.num_items // m.num_groups), tiered=m.tiered), batch=b)
+            for b, m in maps.items()}
+    return maps

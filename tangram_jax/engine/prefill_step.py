@@ -1,0 +1,679 @@
+"""The runner's prefill programs: compression-chunk and whole rows of prompt tokens.
+
+`PrefillSteps` is the half of `ModelRunner` that runs prompt rows: `prefill` (a ragged batch of
+rows, one compression chunk or one whole piece of a turn each) checks its rows and builds the
+jitted program's inputs (`_prefill_args`: rows packed on a flat token axis, block tables cut to
+a compiled width, retention "turn"'s held regions), and `_prefill_impl` runs the layers: each
+layer's attention over the rows' history and themselves (`_prefill_layer_attention`), the
+chunk's scores (`_row_scores`, `chunk_scoring`), and the kept K/V written into the pages (the
+kernels in place; the CPU path returns a plan of writes that `_apply_writes` scatters), or under
+retention "turn" the whole held turn compacted by its last chunk (`_turn_compaction`). The
+host half, which rows share a call and what each keeps, is `prefill_calls.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from tangram_jax.compression.chunk_scoring import chunk_scores, dynamic_keep_count, turn_scores
+from tangram_jax import kv_quant
+from tangram_jax.engine.xla_attention import apply_chunk_writes
+from tangram_jax.pallas_kernels.chunk_compress import (chunk_destinations,
+                                                       compress_chunk_into_tiers,
+                                                       contiguous_dirty_pages)
+from tangram_jax.engine.tensor_parallel import AXIS
+from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.prefill_attention import (item_capacity, observation_probs,
+                                                          pack_rows, prefill_work_items,
+                                                          row_alignment)
+from tangram_jax.sampling import TokenLogprobs, token_logprobs
+
+
+# The narrowest block-table width of the CPU path over precision tiers (pages): shorter rows are
+# padded to it, so short contexts share one compiled shape.
+_MIN_TABLE_WIDTH = 16
+# The held pages a short turn's compaction reads (retention "turn", `_region_widths`): a
+# follow-up question and its protected tail fit; a longer turn reads the whole table.
+SHORT_REGION_PAGES = 64
+
+
+class PrefillSteps:
+    """Prefill half of `ModelRunner` (a mixin: it reads the runner's state: layout, pool,
+    tables, ops, placement)."""
+
+    @property
+    def prefill_whole_rows(self) -> bool:
+        """True when a prefill row may span several compression chunks: the layout keeps every
+        token (``full``, or a profile of budgets 1), so no chunk's selection depends on the
+        scores of the chunk before it, and a row is a whole piece of a turn (one long causal
+        attention, one KV append). Otherwise a row is one compression chunk (always with
+        precision tiers: the tier rule splits each chunk's kept tokens by rank)."""
+        return (not self.layout.compresses and self.runner_config.mode != "dynamic"
+                and self.tiers is None)
+
+    def prefill_token_buckets(self, max_rows: int = 1) -> list[int]:
+        """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): the
+        configured `RunnerConfig.prefill_token_buckets` rounded up to the row alignment, else
+        multiples of the alignment growing by ~1.5x (so at most a third is padding); up to
+        `max_prefill_tokens` plus one alignment of slack per extra row (always a bucket)."""
+        align = row_alignment(self.prefill_tuning)
+        cap = -(-self.runner_config.max_prefill_tokens // align) * align + align * (max_rows - 1)
+        if self.runner_config.prefill_token_buckets is not None:
+            return sorted({-(-b // align) * align for b in self.runner_config.prefill_token_buckets
+                           if b < cap} | {cap})
+        sizes, size = [], align
+        while size < cap:
+            sizes += [size] + ([size * 3 // 2] if size * 3 // 2 < cap and size >= 2 * align
+                               else [])
+            size *= 2
+        return sorted(set(sizes)) + [cap]
+
+    def chunk_token_buckets(self, rows: int) -> list[int]:
+        """Flat-token sizes of a call of `rows` compression-chunk rows (not
+        `prefill_whole_rows`): every row's chunk, aligned; on the CPU path also the powers of
+        two of the row alignment below that from `rows` alignments up (a follow-up turn's few
+        dozen tokens cost a 64-token GEMM, not a whole chunk's; each size is one more compiled
+        prefill and mixed program)."""
+        align = row_alignment(self.prefill_tuning)
+        whole = rows * (-(-self.layout.chunk_size // align) * align)
+        if self.ops.name != "xla":
+            return [whole]
+        return _doublings(rows * align, whole)
+
+    def prefill(self, tokens: list[np.ndarray], start_positions: list[int], slots: list[int],
+                hist_lengths: list[np.ndarray],
+                num_protected: list[int] | None = None,
+                prompt_targets: list[np.ndarray] | None = None,
+                decode: dict | None = None, *,
+                turn_hist: list[np.ndarray] | None = None,
+                keep_counts: list[np.ndarray] | None = None,
+                held_protected: list[int] | None = None) -> tuple:
+        """Run one prefill row for each of several sequences in one call (a ragged batch: the
+        GEMMs see every row's tokens at once), writing each one's kept K/V into its pages.
+
+        Row b: tokens[b] int [n_b], start_positions[b] the absolute position of its first token
+        (a compression-chunk boundary of its turn), slots[b] its block-table row (reservation
+        applied by `update_block_tables`), hist_lengths[b] int [layers, groups] retained tokens
+        before the row, num_protected[b] how many of its last tokens are the turn's protected
+        tail (`KVLayout.chunk_protected`; default none). With `prefill_whole_rows` a row is any
+        piece of a turn (n_b >= 1, all rows together within `max_prefill_tokens`; every token
+        is kept, so protection changes nothing); otherwise one compression chunk
+        (1 <= n_b <= layout.chunk_size). The slots must be distinct. Rows are padded to a
+        power of two with empty rows on the null slot, so few shapes compile.
+        Returns (last_logits [rows, vocab] float32, kept [rows, layers, groups] int32), device
+        arrays whose first ``len(tokens)`` rows are the given rows. Without dynamic selection
+        `kept` is the layout's keep rule for each row (``chunk_keep_counts(n_b, num_protected[b])``
+        for a chunk, n_b for a whole row). With `prompt_targets` a third item: each row's
+        log-probabilities of its targets (see `_run_prefill`).
+
+        decode: a decode step to run with this call (the keyword arguments of `decode`; its
+        rows are other sequences than these). Where the runner `mixes_steps` and no
+        prompt_targets are asked, both run as one program (`_mixed_impl`: one pass over the
+        weights and the layers); otherwise the prefill, then the decode. Its result (`decode`'s
+        return value) is then the last item of the returned tuple.
+
+        Retention "turn" (`compacts_turns`) needs, per row, turn_hist[b] int [layers, groups]
+        (the retained tokens before the row's turn: its held tokens are slots turn_hist ..
+        hist - 1) and keep_counts[b] int [layers, groups] (what the row changes the group's
+        count by, ``layout.piece_retained_counts`` of the row within its turn: the row's length
+        while the turn is held, and for its last row the turn's count less what it holds, so
+        that row compresses the whole turn); held_protected[b]: of the turn's protected tail,
+        the tokens already held before the row. Without them every row is a whole turn of its
+        own, compressed as it is written.
+        """
+        n_rows = len(tokens)
+        if not (n_rows == len(start_positions) == len(slots) == len(hist_lengths) > 0):
+            raise ValueError("prefill needs one start position, slot and history per row")
+        if len(set(int(s) for s in slots)) != n_rows:
+            raise ValueError(f"prefill rows must be distinct sequences, got slots {list(slots)}")
+        if num_protected is None:
+            num_protected = [0] * n_rows
+        limit = None if self.prefill_whole_rows else self.layout.chunk_size
+        for t, p in zip(tokens, num_protected):
+            if len(t) < 1 or (limit is not None and len(t) > limit):
+                raise ValueError(f"a prefill row holds 1..{limit or 'max_prefill_tokens'} "
+                                 f"tokens, got {len(t)}")
+            if not 0 <= p <= len(t):
+                raise ValueError(f"num_protected must be in [0, {len(t)}] for a row of {len(t)} "
+                                 f"tokens, got {p}")
+        if prompt_targets is not None and [len(t) for t in prompt_targets] != \
+                [len(t) for t in tokens]:
+            raise ValueError("prompt_targets needs one target per token of every row")
+        turn_rows = self._turn_rows(tokens, hist_lengths, num_protected, turn_hist, keep_counts,
+                                    held_protected)
+        if decode is not None and self.mixes_steps and prompt_targets is None:
+            return self._run_mixed(tokens, start_positions, slots, hist_lengths, num_protected,
+                                   decode, turn_rows)
+        out = self._run_prefill(tokens, start_positions, slots, hist_lengths, num_protected,
+                                prompt_targets, turn_rows)
+        return out if decode is None else (*out, self.decode(**decode))
+
+    def _turn_rows(self, tokens, hist_lengths, num_protected, turn_hist, keep_counts,
+                   held_protected):
+        """(turn_hist, keep_counts, held_protected) of every row for retention "turn"
+        (checked; `prefill`), None where the runner does not compact turns."""
+        if not self.compacts_turns:
+            return None
+        n = len(tokens)
+        if turn_hist is None and keep_counts is None and held_protected is None:
+            # Every row a whole turn of its own: compressed as it is written.
+            layout = self.layout
+            bad = [len(t) for t, p in zip(tokens, num_protected)
+                   if p != layout.protected_tail(len(t))]
+            if bad:
+                raise ValueError(f"retention 'turn': rows of {bad} tokens are not whole turns "
+                                 f"(their protected tails differ); pass turn_hist, keep_counts "
+                                 f"and held_protected")
+            turn_hist = [np.asarray(h) for h in hist_lengths]
+            keep_counts = [layout.retained_counts(len(t)) for t in tokens]
+            held_protected = [0] * n
+        if turn_hist is None or keep_counts is None or held_protected is None or \
+                not len(turn_hist) == len(keep_counts) == len(held_protected) == n:
+            raise ValueError("retention 'turn' needs turn_hist, keep_counts and held_protected "
+                             "for every row")
+        turn_hist = [np.asarray(x, np.int64) for x in turn_hist]
+        keep_counts = [np.asarray(x, np.int64) for x in keep_counts]
+        for t, h0, h, k, p in zip(tokens, turn_hist, hist_lengths, keep_counts, held_protected):
+            h = np.asarray(h)
+            if h0.shape != self.counts_shape or k.shape != self.counts_shape or \
+                    (h0 > h).any() or (k > len(t)).any() or (h + k < h0).any() or \
+                    not 0 <= p <= (h - h0).min():
+                raise ValueError(f"turn_hist and keep_counts must be {self.counts_shape} with "
+                                 f"turn_hist <= hist, keep_counts <= the row's tokens and "
+                                 f"hist + keep_counts >= turn_hist; held_protected in "
+                                 f"[0, hist - turn_hist]")
+        return turn_hist, keep_counts, [int(p) for p in held_protected]
+
+    def _run_prefill(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                     prompt_targets=None, turn_rows=None):
+        """`prefill` without the checks. With `prompt_targets` (int [n_b] per row: the token
+        each position's logits predict, -1 for none) it also returns each row's
+        `TokenLogprobs` of those targets (numpy, [n_b] / [n_b, MAX_TOP_LOGPROBS]; the
+        prompt_logprobs of vLLM), computed on the device over every position of the call."""
+        args, static = self._prefill_args(tokens, start_positions, slots, hist_lengths,
+                                          num_protected, None, self.k_pages, self.v_pages,
+                                          turn_rows)
+        if prompt_targets is None:
+            logits, kept = self._call_prefill(args, static)
+            return logits, kept
+        row_starts = args[6]
+        flat_targets = np.full(args[4].shape[0], -1, np.int32)
+        for start, t in zip(row_starts, prompt_targets):
+            flat_targets[start:start + len(t)] = t
+        logits, kept, lp = self._call_prefill((*args, flat_targets), static)
+        host = TokenLogprobs(*(np.asarray(x) for x in lp[:4]), None)
+        rows = [TokenLogprobs(*(x[start:start + len(t)] for x in host[:4]), None)
+                for start, t in zip(row_starts, prompt_targets)]
+        return logits, kept, rows
+
+    def _call_prefill(self, args, static) -> tuple:
+        """Run `_prefill` and take the pool it wrote (kernels: in place) or apply the writes
+        it planned (the CPU path); returns the rest of its results."""
+        if self.plans_prefill_writes:
+            writes, *rest = self._prefill(*args, **static)
+            self.k_pages, self.v_pages = self._apply_writes(self.k_pages, self.v_pages, writes)
+        else:
+            self.k_pages, self.v_pages, *rest = self._prefill(*args, **static)
+        return tuple(rest)
+
+    def _prefill_args(self, tokens, start_positions, slots, hist_lengths, num_protected,
+                      num_tokens, k_pages, v_pages, turn_rows=None,
+                      region_pages: int | None = None) -> tuple[tuple, dict]:
+        """`_prefill`'s inputs and static arguments for these rows; `num_tokens` forces the
+        flat-token bucket of whole rows (warm-up); turn_rows: `_turn_rows`'s (turn_hist,
+        keep_counts, held_protected), or None (every row keeps all: a warm-up call);
+        region_pages forces the static region width of turn compactions (warm-up)."""
+        n_rows = len(tokens)
+        rows = backend.next_power_of_2(n_rows)
+        layout = self.layout
+        align = row_alignment(self.prefill_tuning)
+        lens = np.zeros(rows, np.int32)
+        lens[:n_rows] = [len(t) for t in tokens]
+        protected = np.zeros(rows, np.int32)
+        protected[:n_rows] = num_protected
+        starts, used = pack_rows(lens[:n_rows], align)
+        if self.prefill_whole_rows:
+            if num_tokens is None:
+                num_tokens = next((b for b in self.prefill_token_buckets(rows) if b >= used), None)
+                if num_tokens is None:
+                    raise ValueError(f"a prefill call of {int(lens.sum())} tokens in {n_rows} "
+                                     f"rows exceeds max_prefill_tokens "
+                                     f"{self.runner_config.max_prefill_tokens}")
+        elif num_tokens is None:
+            num_tokens = next(b for b in self.chunk_token_buckets(rows) if b >= used)
+        # Empty padding rows start at the end of the flat axis (they own no token).
+        row_starts = np.full(rows, num_tokens, np.int32)
+        row_starts[:n_rows] = starts
+        flat = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        for b in range(n_rows):
+            s, n = starts[b], lens[b]
+            flat[s:s + n] = tokens[b]
+            positions[s:s + n] = int(start_positions[b]) + np.arange(n)
+        row_slots = np.full(rows, self.null_slot, np.int32)
+        row_slots[:n_rows] = slots
+        hist = np.zeros((rows, *self.counts_shape), np.int32)
+        hist[:n_rows] = np.stack([np.asarray(h, np.int32) for h in hist_lengths])
+        turn_hist = hist.copy()
+        held_protected = np.zeros(rows, np.int32)
+        if self.prefill_whole_rows or self.runner_config.mode == "dynamic":
+            keep = np.zeros_like(hist)     # whole rows keep all; dynamic decides on device
+        elif self.compacts_turns:
+            keep = np.broadcast_to(lens[:, None, None], hist.shape).astype(np.int32)
+            if turn_rows is not None:
+                turn_hist[:n_rows] = np.stack(turn_rows[0])
+                keep[:n_rows] = np.stack(turn_rows[1])
+                held_protected[:n_rows] = turn_rows[2]
+        else:
+            keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
+                             for n, p in zip(lens, protected)]).astype(np.int32)
+        # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
+        # (Tiers: a group's history is both its tiers, read as one.)
+        group_hist = hist if self.tiers is None else hist[..., 0::2] + hist[..., 1::2]
+        items = prefill_work_items(
+            row_starts, lens, np.swapaxes(group_hist, 0, 1), num_tokens=num_tokens,
+            num_items=item_capacity(num_tokens, self.base_layout.num_groups,
+                                    self.base_layout.group_size // self.placement.tp,
+                                    self.prefill_tuning), tuning=self.prefill_tuning)
+        args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
+                lens, protected, self.block_tables, row_slots, hist, keep, items, held_protected,
+                turn_hist)
+        # The columns attention reads: the history's (the CPU path plans its writes from the
+        # whole table after the loop), or the history's and the row's (kernels write in place).
+        reach = int(hist.max()) + (0 if self.plans_prefill_writes else int(lens.max()))
+        if region_pages is None:
+            region_pages = 0
+            if self.compacts_turns:   # the pages each compaction's held tokens span
+                compacts = (keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
+                ps = layout.page_size
+                span = (turn_hist % ps + hist - turn_hist + ps - 1) // ps
+                region_pages = self._region_width(
+                    int(span[:n_rows][compacts].max()) if compacts.any() else 0)
+        return args, dict(table_width=self._table_width(reach, prefill=True),
+                          region_pages=region_pages)
+
+    def _region_widths(self) -> list[int]:
+        """The static region widths (pages) of turn compactions a prefill call compiles for
+        (`_region_width`): `SHORT_REGION_PAGES` (what a follow-up turn holds) and the whole
+        block table (a long turn), so a prefill shape compiles twice, not once per length; a
+        call whose rows only append takes the short one (its compaction branch is skipped).
+        [0] where the runner does not compact turns."""
+        if not self.compacts_turns:
+            return [0]
+        full = int(self.block_tables.shape[-1])
+        return sorted({min(SHORT_REGION_PAGES, full), full})
+
+    def _region_width(self, pages: int) -> int:
+        """The smallest of `_region_widths` that holds `pages` pages."""
+        return next(w for w in self._region_widths() if w >= pages)
+
+    @property
+    def dense_pool(self) -> bool:
+        """Whether the pool holds pages of values (bf16), not quantised codes or tiers."""
+        return not self.kv_format.quantised and self.tiers is None
+
+    @property
+    def plans_prefill_writes(self) -> bool:
+        """Whether prefill plans its K/V writes and scatters them after the layer loop (the CPU
+        path: writing inside the loop made XLA copy the whole pool every layer) rather than
+        writing in place. Plans are of dense (bf16) pools on one device."""
+        return self.ops.plan_writes is not None and self.placement.tp == 1 and self.dense_pool
+
+    def prefill_chunk(self, tokens: np.ndarray, start_position: int, slot: int,
+                      hist_lengths: np.ndarray,
+                      num_protected: int = 0) -> tuple[jax.Array, jax.Array]:
+        """`prefill` of a single row: (last_logits [vocab], kept [layers, groups])."""
+        logits, kept = self.prefill([tokens], [start_position], [slot], [hist_lengths],
+                                    [num_protected])
+        return logits[0], kept[0]
+
+    def _prefill_layer_attention(self, rows: int, n: int, k_pages,
+                                 region_pages: int = 0) -> Callable:
+        """One layer's prefill attention, compression scoring and KV write for `rows` rows over
+        a flat axis of `n` tokens (run per device): ``attend(q, k, v, k_pages, v_pages, tables,
+        write_tables, hist, turn_hist, keep, items, row_starts, row_lens, num_protected,
+        held_protected, positions, terms) -> (out [n, Hq, d], k_pages, v_pages, kept [rows,
+        groups], planned writes)``. region_pages: static, the held pages a turn compaction of
+        this call reads (`_turn_compaction`; 0: no row compacts its turn)."""
+        chunk = self.layout.chunk_size
+        whole_rows = self.prefill_whole_rows
+        group_size = self.base_layout.group_size // self.placement.tp   # heads of a group here
+        page_size = self.layout.page_size
+
+        planned = self.plans_prefill_writes
+        num_pages = k_pages.shape[0] if planned else None
+        tiered = self.tiers is not None
+
+        def write(k_src, v_src, dest, k_pages, v_pages, table, plans):
+            """Rows of k_src, v_src [S, heads, d] into the slots `dest` [heads, S] gives (-1:
+            none): now (kernel), or planned for after the loop (then `table` is the row's
+            whole table of this layer, `plans` collects the plan)."""
+            if planned:
+                plans.append(self.ops.plan_writes(k_src, v_src, dest, num_pages, page_size,
+                                                  group_size, table))
+                return k_pages, v_pages
+            return self.ops.write_chunk(
+                k_src, v_src, dest, k_pages, v_pages, table,
+                max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
+
+        def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, turn_hist, keep, items,
+                   row_starts, row_lens, num_protected, held_protected, positions, terms):
+            """The layer's attention, compression scoring and KV write on one device's heads
+            (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
+            [num_pages, G, page_size, d] (this device's G); terms: the layer's window and sinks
+            (`_attention_terms`). Returns (out [N, Hq, d], k_pages, v_pages, kept [rows,
+            groups], the planned writes (a list; empty unless planned))."""
+            k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
+            plans = []
+            # Tiers: tables and lengths of tier groups; both prefill paths read a group's two
+            # tiers as one dense history (`kv_quant.tiered_dense_history`).
+            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
+                                                  row_starts, row_lens, items,
+                                                  tuning=self.prefill_tuning, **terms)
+            if whole_rows:
+                # Every token kept: each row's K/V appended after its history, in order.
+                pad = ((0, n), (0, 0), (0, 0))
+                k_flat, v_flat = jnp.pad(k, pad), jnp.pad(v, pad)
+                t = jnp.arange(n, dtype=jnp.int32)[None, :]
+                for b in range(rows):
+                    dest = jnp.where(t < row_lens[b], jnp.repeat(hist[b], group_size)[:, None]
+                                     + t, -1)
+                    k_pages, v_pages = write(
+                        jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
+                        jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n), dest,
+                        k_pages, v_pages, write_tables[b], plans)
+                kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
+                return out, k_pages, v_pages, kept, plans
+            # One compression chunk per row: score, select, write.
+            obs = observation_probs(q, k, lse, row_starts, row_lens,
+                                    obs_window=self.runner_config.obs_window, chunk=chunk)
+            pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
+            q_flat, k_flat, v_flat = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+            kept = []
+            for b in range(rows):
+                q_row, k_row, v_row = (jax.lax.dynamic_slice_in_dim(x, row_starts[b], chunk)
+                                       for x in (q_flat, k_flat, v_flat))
+                if tiered:
+                    scores, keep_b = self._row_scores(
+                        obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
+                        positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
+                    k_pages, v_pages = compress_chunk_into_tiers(
+                        self.ops.compress_chunk, k_row, v_row, scores, keep_b, row_lens[b],
+                        k_pages, v_pages, write_tables[b], hist[b])
+                    kept.append(keep_b)
+                    continue
+                if self.compacts_turns:
+                    # Held whole (the row's length), or the turn's last row: the whole turn.
+                    keep_b = keep[b]
+                    chunk_dest = chunk_destinations(
+                        -jnp.arange(chunk, dtype=jnp.float32)[None].repeat(k.shape[1], 0),
+                        jnp.minimum(keep_b, row_lens[b]), row_lens[b], hist[b], group_size)
+                    if region_pages:
+                        dest, k_src, v_src = jax.lax.cond(
+                            jnp.any(keep_b < row_lens[b]),
+                            lambda: self._turn_compaction(
+                                q_row, k_row, v_row, obs[b], lse, row_starts[b], row_lens[b],
+                                k_pages, v_pages, write_tables[b], hist[b], turn_hist[b],
+                                keep_b, num_protected[b], held_protected[b], region_pages),
+                            lambda: _append_only(chunk_dest, k_row, v_row, region_pages,
+                                                 page_size))
+                    else:
+                        dest, k_src, v_src = chunk_dest, k_row, v_row
+                else:
+                    scores, keep_b = self._row_scores(
+                        obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
+                        positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
+                    dest = chunk_destinations(scores, keep_b, row_lens[b], hist[b], group_size)
+                    k_src, v_src = k_row, v_row
+                k_pages, v_pages = write(k_src, v_src, dest, k_pages, v_pages, write_tables[b],
+                                         plans)
+                kept.append(keep_b)
+            return out, k_pages, v_pages, jnp.stack(kept), plans
+
+        heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
+        attend = self.placement.per_device(
+            attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
+            + (P(),) * 11 + (self._terms_spec,),
+            out_specs=(heads, self._pool_spec, self._pool_spec, P(), []))
+
+        return attend
+
+    def _turn_compaction(self, q_row, k_row, v_row, obs_row, lse, row_start, row_len, k_pages,
+                         v_pages, table, hist, turn_hist, keep, num_protected, held_protected,
+                         region_pages: int):
+        """The last row of a turn under retention "turn": the whole turn (its held slots
+        ``turn_hist .. hist - 1`` of each group, then the row's tokens) scored by the turn's
+        question (the row's last obs_window queries, `obs_row`) and the question-agnostic rule
+        (`chunk_scoring.turn_scores`), the top ``hist + keep - turn_hist`` of each head written
+        back in temporal order from slot ``turn_hist``.
+
+        q_row, k_row, v_row [T, heads, d] (the row, padded); obs_row [Hq, W, T] (the window's
+        probabilities over the row's keys); lse [Hq, N] (the call's); row_start, row_len,
+        num_protected (the row's protected tokens), held_protected (the turn's protected tokens
+        held before the row): int32 scalars; table int [groups, P]; hist, turn_hist, keep int
+        [groups]. Returns (dest [heads, R + T], k_src, v_src [R + T, heads, d]) for `write`:
+        R = region_pages * page_size held slots, read from the pages (dequantised) and written
+        back compacted, then the row's tokens."""
+        chunk, heads, dim = k_row.shape
+        group_size = heads // hist.shape[0]
+        ps = self.layout.page_size
+        window = obs_row.shape[1]
+        q_per_kv = self.config.q_per_kv
+        # The held slots: per group the table columns from its turn's first page on.
+        first = turn_hist // ps                                              # [groups]
+        cols = jnp.clip(first[:, None] + jnp.arange(region_pages)[None], 0, table.shape[1] - 1)
+        page_ids = jnp.clip(jnp.take_along_axis(table, cols, axis=1), 0, None)
+        slot = (first[:, None] * ps + jnp.arange(region_pages * ps)[None])   # [groups, R]
+        held = (slot >= turn_hist[:, None]) & (slot < hist[:, None])
+        per_head = lambda x: jnp.repeat(x, group_size, axis=0)              # noqa: E731
+
+        def gather(pages):   # [groups, R_pages] -> [heads, R, d] in the pool's value dtype
+            x = kv_quant.take_pages(pages, page_ids)       # [groups, Rp, G, ps, d]
+            x = jnp.moveaxis(x, 2, 1)                      # [groups, G, Rp, ps, d]
+            return x.reshape(heads, region_pages * ps, dim)
+
+        k_held, v_held = gather(k_pages), gather(v_pages)
+        # The question's attention on the held tokens: exp(q k / sqrt(d) - lse), summed over
+        # the window, averaged over each head's query heads (what `obs_row` holds for the row).
+        local = row_len - window + jnp.arange(window)
+        # (In the pool's dtype with float32 sums, as the attention kernels compute them.)
+        q_win = q_row[jnp.clip(local, 0, chunk - 1)].astype(k_held.dtype)    # [W, Hq, d]
+        lse_win = lse[:, jnp.clip(row_start + local, 0, lse.shape[1] - 1)]   # [Hq, W]
+        logits = jnp.einsum("wgjd,gsd->gjws", q_win.reshape(window, heads, q_per_kv, dim),
+                            k_held, preferred_element_type=jnp.float32).reshape(
+            heads * q_per_kv, window, -1) / math.sqrt(dim)
+        live = (local >= 0)[None, :, None] & per_head(held)[:, None].repeat(q_per_kv, 0)
+        probs = jnp.where(live, jnp.exp(logits - lse_win[..., None]), 0.0)
+        mass_held = probs.sum(axis=1).reshape(heads, q_per_kv, -1).mean(axis=1)
+        mass_row = obs_row.sum(axis=1).reshape(heads, q_per_kv, chunk).mean(axis=1)
+        # One temporal axis: held slots, then the row.
+        mass = jnp.concatenate([mass_held, mass_row], axis=1)
+        keys = jnp.concatenate([k_held.astype(jnp.float32),
+                                jnp.swapaxes(k_row, 0, 1).astype(jnp.float32)], axis=1)
+        t = jnp.arange(chunk)
+        candidate = jnp.concatenate([per_head(held), jnp.broadcast_to(
+            t[None] < row_len, (heads, chunk))], axis=1)
+        protected = jnp.concatenate([
+            per_head((slot >= hist[:, None] - held_protected) & held),
+            jnp.broadcast_to((t[None] >= row_len - num_protected) & (t[None] < row_len),
+                             (heads, chunk))], axis=1)
+        scores = turn_scores(mass, keys, candidate, protected,
+                             method=self.runner_config.method,
+                             rule=self.runner_config.scoring_rule)
+        total = scores.shape[1]
+        dest = chunk_destinations(scores, hist + keep - turn_hist, jnp.int32(total), turn_hist,
+                                  group_size)
+        k_src = jnp.concatenate([jnp.swapaxes(k_held, 0, 1).astype(k_row.dtype), k_row])
+        v_src = jnp.concatenate([jnp.swapaxes(v_held, 0, 1).astype(v_row.dtype), v_row])
+        return dest, k_src, v_src
+
+    def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
+                      row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
+                      work_items, held_protected, turn_hist, targets=None, *, table_width,
+                      region_pages):
+        """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
+        held_protected, slots [rows]; hist_lengths, keep_counts, turn_hist [rows, layers,
+        groups]; work_items [layers, items, 5]; table_width, region_pages: static, the
+        block-table columns attention reads and the held pages a turn compaction reads (see
+        `_table_width`, `_prefill_args`). Returns (k_pages, v_pages, logits, kept[, lp]), or
+        with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
+        writes for `_apply_writes`."""
+        model = nnx.merge(self.graphdef, state)
+        rows, n = row_starts.shape[0], tokens.shape[0]
+        planned = self.plans_prefill_writes
+        attend = self._prefill_layer_attention(rows, n, k_pages, region_pages)
+
+        def layer_step(carry, xs):
+            h, k_pages, v_pages = carry
+            # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 3, [I, 5]
+            layer_state, tables, write_tables, hist, turn_hist, keep, items = xs
+            layer = self._layer(layer_state)
+            q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
+            out, k_pages, v_pages, kept, plans = attend(
+                q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, turn_hist, keep,
+                items, row_starts, row_lens, num_protected, held_protected, positions,
+                self._attention_terms(layer))
+            h = layer.finish(h, out[None].astype(h.dtype))
+            return (h, k_pages, v_pages), (kept, plans or None)
+
+        h = model.embed(tokens[None])                    # [1, N, hidden]
+        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
+            layer_step, (h, k_pages, v_pages),
+            (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
+                                                        turn_hist, keep_counts, work_items,
+                                                        table_width)))
+        # The CPU path returns its writes of every layer and row (`_apply_writes` scatters them
+        # in place, in a second program): scattered here, after the loop, they could still be
+        # ordered before a layer's history read (unrolled, nothing makes the scatter wait for
+        # the last layer's attention), and XLA copied the pool (1 GiB) to keep them apart.
+        pool = (plans,) if planned else (k_pages, v_pages)
+        last = h[0, jnp.clip(row_starts + row_lens - 1, 0, h.shape[1] - 1)]   # [rows, hidden]
+        logits = model.logits(last[:, None])[:, 0]
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [layers, rows, ...] -> [rows, layers, ...]
+        if targets is None:
+            return *pool, logits, per_layer(kept)
+        # prompt_logprobs: every position's distribution over the token that follows it.
+        lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
+        return *pool, logits, per_layer(kept), lp
+
+    def _prefill_layer_inputs(self, all_tables, slots, hist_lengths, turn_hist, keep_counts,
+                              work_items, table_width) -> tuple:
+        """The prefill's per-layer inputs (leading axis layers): the rows' tables of the
+        columns attention reads, the tables writes use (the whole table where writes are
+        planned), histories, turn starts, keep counts, work items."""
+        per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
+        tables = all_tables[slots]
+        return (per_layer(tables[..., :table_width]),
+                per_layer(tables if self.plans_prefill_writes else tables[..., :table_width]),
+                per_layer(hist_lengths), per_layer(turn_hist), per_layer(keep_counts),
+                work_items)
+
+    def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
+        """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps
+        [groups] (`tangram_jax.compression.chunk_scoring`, by the runner's method; dynamic mode
+        decides the count on the device). obs_probs [Hq, obs_window, T]; q, k, v the row's
+        [T, heads, d] (padded); first_position: the row's first token position."""
+        scores = chunk_scores(self.runner_config.method, obs_probs, q, k, v, chunk_len,
+                              num_protected, first_position, q_per_kv=self.config.q_per_kv,
+                              inv_freq=self._inv_freq, rule=self.runner_config.scoring_rule)
+        if self.runner_config.mode == "dynamic":
+            # One count for every head of the layer: under tensor parallelism it is decided
+            # over all devices' heads (the selection does not depend on the heads' order).
+            every_head = (jax.lax.all_gather(scores, AXIS, axis=0, tiled=True)
+                          if self.placement.tp > 1 else scores)
+            count = dynamic_keep_count(every_head, chunk_len, num_protected,
+                                       self.runner_config.dynamic_ratio,
+                                       self.runner_config.dynamic_safeguard)
+            return scores, jnp.full(keep.shape, count, jnp.int32)
+        return scores, keep
+
+    def _table_width(self, max_tokens: int, *, prefill: bool) -> int:
+        """Block-table columns a step passes to attention when rows hold at most `max_tokens`
+        retained tokens per group (history plus what the step writes).
+
+        The Pallas decode kernel reads only the pages a row's length covers, and so does the
+        CPU path's attention (`xla_attention` walks a row's table in blocks and skips those
+        past its length): both get the whole table (one compiled shape). Where attention
+        first gathers every column of the rows' tables into a dense history
+        (`_reads_dense_history`: precision tiers on the CPU path, quantised pools in the
+        Pallas prefill), the width is the pages `max_tokens` needs, rounded up to a power of
+        two and at least `_dense_width_floor` pages, so a step dequantises what its rows hold,
+        not `max_model_len`, and few widths compile.
+        """
+        full = int(self.block_tables.shape[-1])
+        if not self._reads_dense_history(prefill):
+            return full
+        pages = -(-max(int(max_tokens), 1) // self.layout.page_size)
+        return min(full, max(self._dense_width_floor, backend.next_power_of_2(pages)))
+
+    def _table_widths(self, *, prefill: bool) -> list[int]:
+        """Every width `_table_width` returns for prefill (or decode) steps: the shapes
+        warm-up compiles."""
+        full = int(self.block_tables.shape[-1])
+        if not self._reads_dense_history(prefill):
+            return [full]
+        return _doublings(min(self._dense_width_floor, full), full)
+
+    def _reads_dense_history(self, prefill: bool) -> bool:
+        """Whether a step's attention gathers its rows' table columns into a dense history:
+        the CPU path over precision tiers (`kv_quant.tiered_dense_history`, prefill and
+        decode), and the Pallas prefill over a quantised or tiered pool (`prefill_attention.
+        dense_history`: the kernel reads one dense page format)."""
+        if self.ops.name == "pallas":
+            return prefill and not self.dense_pool
+        return self.tiers is not None
+
+    @property
+    def _dense_width_floor(self) -> int:
+        """The narrowest dense-history width (pages): `_MIN_TABLE_WIDTH` on the CPU path; on
+        the Pallas path an eighth of the table rounded up to a power of two (at most 4 widths a
+        prefill shape compiles: each adds seconds of warm-up on the 8B model, 50-120 s in all
+        on an H100, and a dense history of an eighth of `max_model_len` costs little beside a
+        chunk's attention)."""
+        if self.ops.name != "pallas":
+            return _MIN_TABLE_WIDTH
+        return max(_MIN_TABLE_WIDTH,
+                   backend.next_power_of_2(-(-int(self.block_tables.shape[-1]) // 8)))
+
+
+def _doublings(first: int, last: int) -> list[int]:
+    """first, 2 first, 4 first, ... below `last`, then `last`: the sizes a few compiled
+    shapes cover."""
+    sizes = []
+    while first < last:
+        sizes.append(first)
+        first *= 2
+    return sizes + [last]
+
+
+def _apply_planned_writes(k_pages, v_pages, writes):
+    """Scatter a CPU prefill's planned writes (one (where, rows) per row, stacked over the
+    layers) into the pool, in place (the pool is donated)."""
+    for where, rows_kv in writes:
+        k_pages, v_pages = apply_chunk_writes(k_pages, v_pages, where, rows_kv)
+    return k_pages, v_pages
+
+
+def _reference_write(k_chunk, v_chunk, dest, k_pages, v_pages, block_table, *, max_dirty):
+    """`write_chunk_into_pages`'s signature over its pure-jnp scatter (`max_dirty` unused)."""
+    from tangram_jax.pallas_kernels.chunk_compress import write_chunk_into_pages_reference
+    del max_dirty
+    return write_chunk_into_pages_reference(k_chunk, v_chunk, dest, k_pages, v_pages,
+                                            block_table)
+
+
+def _append_only(chunk_dest, k_row, v_row, region_pages: int, page_size: int):
+    """`_turn_compaction`'s outputs for a row that only appends (its turn is still held):
+    the row's destinations after an unwritten region of `region_pages` pages."""
+    rows = region_pages * page_size
+    none = jnp.full((chunk_dest.shape[0], rows), -1, chunk_dest.dtype)
+    zeros = jnp.zeros((rows, *k_row.shape[1:]), k_row.dtype)
+    return (jnp.concatenate([none, chunk_dest], axis=1), jnp.concatenate([zeros, k_row]),
+            jnp.concatenate([zeros.astype(v_row.dtype), v_row]))

@@ -1,0 +1,166 @@
+"""Compiling the runner's programs ahead of serving: warm-up and memory analysis.
+
+`StepCompilation` is the part of `ModelRunner` that lowers and compiles every program a request
+can meet (`warmup`: prefill row counts and flat-token buckets, region widths, table widths,
+mixed steps, decode buckets, first-token sampling, block-table updates, fork page copies)
+without running them, and the largest steps for a pool that is not allocated yet
+(`compile_steps`: `engine/memory.py` sizes the pool from their memory analysis).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
+from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.prefill_attention import row_alignment
+
+
+class StepCompilation:
+    """Ahead-of-time compilation for `ModelRunner` (a mixin over the prefill and decode
+    programs)."""
+
+    def _null_prefill_call(self, rows: int, k_pages, v_pages, num_tokens: int | None = None,
+                           region_pages: int | None = None) -> tuple[tuple, dict]:
+        """`_prefill` inputs and static arguments of `rows` one-token rows on the null slot,
+        whose page 0 is scratch (`prefill` refuses repeated slots; the null slot may repeat:
+        it holds nothing), over a flat axis of `num_tokens` (default the largest bucket) and
+        turn compactions of `region_pages` (default: what such a call serves with)."""
+        zeros = np.zeros(self.counts_shape, np.int32)
+        if num_tokens is None:
+            num_tokens = (self.prefill_token_buckets(rows) if self.prefill_whole_rows
+                          else self.chunk_token_buckets(rows))[-1]
+        return self._prefill_args([np.zeros(1, np.int32)] * rows, [0] * rows,
+                                  [self.null_slot] * rows, [zeros] * rows, [0] * rows,
+                                  num_tokens, k_pages, v_pages, None, region_pages)
+
+    def _null_decode_call(self, bucket: int, k_pages, v_pages) -> tuple[tuple, dict]:
+        """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
+        return self._decode_call(k_pages, v_pages, np.zeros(bucket, np.int32),
+                                 np.full(bucket, self.null_slot, np.int32),
+                                 np.zeros((bucket, *self.counts_shape), np.int32),
+                                 *_greedy(bucket))
+
+    def compile_steps(self, num_pages, decode_bucket: int, prefill_rows: int) -> dict:
+        """Compile (without running, and without a pool in memory) the decode step at
+        `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
+        pages. Returns {"decode": compiled, "prefill": compiled} and, where prefill plans its
+        writes, "prefill_writes" (the program that scatters them) (`jax.stages.Compiled`: read
+        `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
+        called with the same shapes."""
+        pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=self.placement.pool))
+        rows = backend.next_power_of_2(prefill_rows)
+        decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
+        prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
+        steps = {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
+                 "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
+        if self.plans_prefill_writes:
+            steps["prefill_writes"] = self._compile_apply_writes(prefill_args, prefill_static)
+        if self.mixes_steps:
+            steps["mixed"] = self._mixed.lower(*self._mixed_args(
+                prefill_args, prefill_static, decode_args, decode_static)[0],
+                **prefill_static | dict(logprobs=None)).compile()
+        return steps
+
+    def _compile_mixed(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
+                       region_pages: int | None = None) -> None:
+        """Compile `_mixed` for a prefill call of `rows` rows (over `num_tokens` flat tokens,
+        whole rows; turn compactions over `region_pages`) beside a decode step of `bucket`
+        rows."""
+        prefill_args, prefill_static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                               num_tokens, region_pages)
+        decode_args, decode_static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+        args, static = self._mixed_args(prefill_args, prefill_static, decode_args,
+                                        dict(decode_static, logprobs=logprobs))
+        self._mixed.lower(*args, **static).compile()
+
+    def _compile_apply_writes(self, prefill_args, prefill_static):
+        """`_apply_writes` compiled for the write plan a prefill call with these arguments
+        returns (its shapes do not depend on the table width)."""
+        writes = jax.eval_shape(functools.partial(self._prefill, **prefill_static),
+                                *prefill_args)[0]
+        k_pages, v_pages = prefill_args[2], prefill_args[3]
+        return self._apply_writes.lower(k_pages, v_pages, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.replicated),
+            writes)).compile()
+
+    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
+               logprob_modes=(None,), prompt_logprobs=(False,),
+               max_page_copies: int = 0) -> None:
+        """Compile every step shape serving can meet (decode buckets, prefill row counts and,
+        for whole rows, flat-token buckets; where the runner `mixes_steps`, each prefill shape
+        beside each decode bucket; first-token sampling row counts) ahead of time, without
+        running them: jit reuses these
+        executables when serving meets the shapes, so nothing compiles while requests wait
+        (running the steps would add nothing but time: on a CPU the reference attention is
+        slow).
+
+        logprob_modes: the `LOGPROB_MODES` decode and first-token sampling are compiled for
+        (any top-k count up to `MAX_TOP_LOGPROBS` is one "top" variant); prompt_logprobs: the
+        prefill variants, without (False) and with (True) prompt log-probabilities. Compiling
+        a variant again costs little (jit finds it cached), so a later call may add modes.
+        max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it)."""
+        for mode in logprob_modes:
+            _check_logprob_mode(mode)
+        for rows in _padded_row_counts(max_prefill_rows):
+            # Whole rows: every flat-token bucket a call of `rows` rows can meet.
+            buckets = [b for b in self.prefill_token_buckets(rows)
+                       if b >= rows * row_alignment(self.prefill_tuning)] \
+                if self.prefill_whole_rows else self.chunk_token_buckets(rows)
+            # Retention "turn": every region width a turn compaction of the call can read.
+            regions = [0] if self.prefill_whole_rows else self._region_widths()
+            for num_tokens, region in itertools.product(buckets, regions):
+                for width, targets in itertools.product(self._table_widths(prefill=True),
+                                                        prompt_logprobs):
+                    args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                           num_tokens, region)
+                    extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
+                    self._prefill.lower(*args, *extra,
+                                        **dict(static, table_width=width)).compile()
+                if self.plans_prefill_writes:
+                    self._compile_apply_writes(args, static)
+                # This prefill call beside each decode bucket (a mixed step's one program).
+                for bucket, mode in itertools.product(
+                        decode_buckets if self.mixes_steps else (), logprob_modes):
+                    self._compile_mixed(rows, num_tokens, bucket, mode, region)
+        for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
+            self._sample_rows.lower(
+                self.slot_tokens, jax.ShapeDtypeStruct(
+                    (n, self.config.vocab_size), jnp.float32,
+                    sharding=self.placement.replicated),
+                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
+                logprobs=mode).compile()
+        for bucket, mode in itertools.product(decode_buckets, logprob_modes):
+            for width in self._table_widths(prefill=False):
+                args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+                self._decode.lower(*args, **dict(static, table_width=width,
+                                                 logprobs=mode)).compile()
+        # The small ops between the steps, run once: a row of the prefill logits, a stack of
+        # rows for `sample`, a block-table write (all dropped: out of range).
+        for rows in _padded_row_counts(max_prefill_rows):
+            row = jnp.zeros((rows, self.config.vocab_size), jnp.float32,
+                            device=self.placement.replicated)[0]
+        for n in _padded_row_counts(max_first_tokens):
+            jnp.stack([row] * n)
+        # Every update size `update_block_tables` pads to (64 and up by powers of two: a long
+        # prompt's reservation or a fork writes many entries at once), capped at 2**20 entries.
+        most = min(backend.next_power_of_2(self.block_tables.size), 1 << 20)
+        for size in (1 << b for b in range(6, max(6, most.bit_length() - 1) + 1)):
+            self.block_tables = self._apply_table_updates(
+                self.block_tables, np.full(size, self.block_tables.size, np.int32),
+                np.zeros(size, np.int32))
+        jax.block_until_ready(self.block_tables)
+        for size in (1 << b for b in range(3, max(3, int(max_page_copies - 1).bit_length()) + 1)):
+            index = np.zeros(size, np.int32)
+            _copy_pages.lower(self.k_pages, self.v_pages, index, index).compile()
+
+
+def _padded_row_counts(max_rows: int) -> list[int]:
+    """Every row count `_pad_rows` makes for 1 .. max_rows rows: 1, 2, 4, ..."""
+    return [1 << i for i in range(backend.next_power_of_2(max_rows).bit_length())]
