@@ -1,8 +1,9 @@
 """`tangram-jax bench NAME`: run a benchmark of the harness (the checkout's `benchmarks/`).
 
 Every script in `benchmarks/` is a benchmark of that name (`accuracy.py` is `bench accuracy`,
-`gpu_check.sh` is `bench gpu_check`); `serve` is part of the package. `tangram-jax bench` with
-no name lists them with the first line of each script's header. Each benchmark measures Tangram
+`gpu_check.sh` is `bench gpu_check`; a `_name.py` is a module the scripts import, no
+benchmark); `serve` is part of the package. `tangram-jax bench` with no name lists them with
+the first line of each script's header. Each benchmark measures Tangram
 and its baselines in the same run and writes JSON with the device, the git revision and the
 command: to a fresh `benchmarks/results/runs/NAME-<time>.json` unless its `--out` (`--json`)
 names a file, and over a committed result only with `--overwrite`. Each says up front where it

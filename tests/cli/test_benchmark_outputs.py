@@ -24,7 +24,7 @@ SCRIPTS = {
     "accuracy": [], "accuracy_batch_invariance": [], "control_plane": [], "decode_attention": [],
     "decode_step_gpu": [], "end_to_end": [], "followup_scoring_probe": [], "gpu_memory": [],
     "kv_precision_decode": [], "kv_tier_pools": [], "kvpress_accuracy": [], "pool_copy_probe": [],
-    "prefill_8b": [], "serve_openai": [], "soak": [], "startup": [],
+    "prefill_8b": [], "retention_proxy": [], "serve_openai": [], "soak": [], "startup": [],
     "accuracy_merge": ["part.json"], "gpu_engine_check": ["--tokenizer-dir", "x"],
     "retention_rule": ["--configs", "full:1:window"], "families_gpu": ["--shape", "gemma3-tiny"],
 }
