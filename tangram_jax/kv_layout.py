@@ -59,11 +59,11 @@ turns; the accuracy harness's long-session tasks) a fixed share per chunk, score
 question exists, keeps a chunk of filler as much as the chunk that holds the only fact, and
 answered long-session follow-ups at 0.5 half as often as full KV; rankings that let the budget
 flow across chunks by question-free scores did no better; only the whole turn scored by its
-question came within a few points of full KV at 0.5 (`benchmarks/results/retention_proxy_gpu.json`,
-`benchmarks/NOTES_accuracy.md`). It costs the attention saving inside a turn while it is
-prefilled (its chunks attend to the uncompressed turn) and the staging pages; later turns still
-attend to the compressed history. Precision tiers split each chunk's kept tokens by rank as it
-is written and dynamic mode is the per-chunk method as published: both use ``"chunk"``.
+question came within a few points of full KV at 0.5
+(`benchmarks/results/retention_proxy_gpu.json`). It costs the attention saving inside a turn
+while it is prefilled (its chunks attend to the uncompressed turn) and the staging pages; later
+turns still attend to the compressed history. Precision tiers split each chunk's kept tokens by
+rank as it is written and dynamic mode is the per-chunk method as published: both use ``"chunk"``.
 
 Which tokens a head keeps (never how many: the counts above are the scheduler's) is the scoring
 rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks by the

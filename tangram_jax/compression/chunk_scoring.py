@@ -52,14 +52,14 @@ def check_served_method(method: str) -> str:
 # - "window+keydiff":  the same union with KeyDiff's ranking (keys least like the head's mean
 #                      key: query-free, no attention to compute).
 # A later turn asks about what the current question does not: the question-agnostic half keeps
-# tokens for it (`benchmarks/NOTES_accuracy_harness.md`, "Follow-up turns: scoring rule").
+# tokens for it.
 SCORING_RULES = ("window", "window+context", "window+keydiff")
 # What `EngineConfig.scoring_rule` accepts: a rule, or "auto" (the default), which picks by the
 # profile's keep ratio (`resolve_scoring_rule`).
 SCORING_RULE_CHOICES = ("auto",) + SCORING_RULES
 # "auto" takes window+keydiff below this keep ratio and the window alone at or above it. H100,
 # SmolLM2, 100 samples a task on two sample sets (`benchmarks/results/accuracy.json`,
-# `accuracy_solvable.json`; NOTES_accuracy_harness.md, session 10): at 0.25 the union keeps
+# `accuracy_solvable.json`): at 0.25 the union keeps
 # variable tracking where the window alone loses it (39% vs 8% and 46% vs 6%; full KV 44 / 41%),
 # ties multi-turn and passkey, and costs kv retrieval 5 / 1 points: the best mean over the four
 # tasks on both sets (40 vs 33%, 65 vs 54%). At 0.5 the window alone keeps more (kv retrieval 36

@@ -265,7 +265,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
         # Switch on the CPU: unrolled saves the scan's per-layer weight copies (~425 MB a step
         # on the embedded model) but compiles 30 layer bodies per shape (the warm-up of `bench
         # serve`, ~50 shapes, went from ~4 minutes to over 15); the switch loop saves the
-        # copies too and compiles the attention once (NOTES_bench_serve.md, session 9).
+        # copies too and compiles the attention once.
         self.layer_loop = runner_config.layer_loop or (
             "unrolled" if self.ops.name == "pallas" else "switch")
         self.layer_graphdef = nnx.split(layers[0])[0]

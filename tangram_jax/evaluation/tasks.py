@@ -80,7 +80,7 @@ _PEOPLE = ("Alice", "Bruno", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hugo"
            "Karen", "Leo", "Maria", "Nadia", "Oscar", "Paula", "Quentin", "Rosa", "Simon", "Tara")
 # Variables are words, not letters: full KV (SmolLM2-135M, CPU, 24 samples at 36 filler lines)
 # answered 14 with word names, 9 with single letters and 5 with RULER's "VAR XYZ" names; with
-# letters it stayed at 38-46% at 16-36 filler lines (`benchmarks/NOTES_accuracy_harness.md`).
+# letters it stayed at 38-46% at 16-36 filler lines.
 _VARIABLES = ("apple", "river", "stone", "cloud", "tiger", "maple", "lemon", "otter", "piano",
               "coral", "ember", "frost", "grape", "honey", "ivory", "jelly", "koala", "lotus",
               "mango", "nylon")
