@@ -3,6 +3,10 @@ import os
 # Tests run on the CPU in float32; keep XLA from grabbing every core's worth of threads twice.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# No persistent compile cache (`engine/compile_cache.py`): reading or writing an XLA:CPU
+# executable of the server tests' penalty decode step aborted the whole test process twice
+# (a fresh CI machine gains nothing from the cache anyway). Subprocesses inherit it.
+os.environ.setdefault("TANGRAM_JAX_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 

@@ -132,11 +132,15 @@ def prune_stale(root: Path, fingerprint: dict) -> list[Path]:
 
 
 def read_manifest(entry: Path, fingerprint: dict) -> dict | None:
-    """The entry's manifest, or None when there is no complete entry for `fingerprint`.
-    Raises CacheCorrupt when it is unreadable, its content differs from its recorded checksum,
+    """The entry's manifest, or None when there is no entry for `fingerprint`.
+    Raises CacheCorrupt when it is missing from an entry's folder, unreadable, its content differs from its recorded checksum,
     or it was made for another source or dtype."""
     path = entry / _MANIFEST
     if not path.is_file():
+        # Entries are written aside and renamed into place whole: files without a manifest
+        # are a damaged entry, not a missing one.
+        if entry.is_dir() and any(entry.iterdir()):
+            raise CacheCorrupt(f"{path} is missing")
         return None
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

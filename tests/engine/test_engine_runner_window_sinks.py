@@ -4,7 +4,6 @@ reference's logits and greedy tokens for a tiny GPT-OSS-shaped model (a local la
 between global ones, sinks, experts), prefilled in pieces whose history reaches past the window,
 under each way of looping over the layers."""
 
-import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +14,6 @@ from tangram_jax.engine.model_runner import AttentionOps, ModelRunner, RunnerCon
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.config import ModelConfig, MoEConfig
 from tangram_jax.models.decoder import Decoder, DenseKVCache
-from tangram_jax.pallas_kernels import chunk_compress, decode_attention, prefill_attention
 from tangram_jax.pallas_kernels.split_map import build_split_map
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tiny_engine import prefill_then_decode
@@ -42,13 +40,8 @@ def make_model() -> Decoder:
 
 
 def kernel_ops() -> AttentionOps:
-    """The Pallas kernels, interpreted (the GPU path's code on the CPU)."""
-    return AttentionOps(
-        functools.partial(prefill_attention.ragged_prefill_attention, interpret=True),
-        functools.partial(chunk_compress.compress_chunk_into_pages, interpret=True),
-        lambda q, k, v, bt, ln, work, **terms: decode_attention.ragged_paged_decode_attention(
-            q, k, v, bt, ln, work_list=work, interpret=True, **terms),
-        "pallas")
+    """The Pallas kernels (interpreted on the CPU: the GPU path's code)."""
+    return AttentionOps.for_backend(use_kernels=True)
 
 
 @pytest.fixture(scope="module")

@@ -309,18 +309,20 @@ def test_fixed_pool_check_arithmetic():
                                 tokens_of=tokens_of)
 
 
-def test_checking_a_config_sets_the_allocator_cap_before_the_backend_starts():
-    """`EngineConfig.check()` asks which backend runs (for the chunk-size default), which starts
-    JAX's backend and fixes its allocator cap: the config's gpu_memory_utilization must already
-    be in place then (in a fresh process; the GPU run of session 5 got 0.75 of an H200)."""
+def test_the_allocator_cap_is_set_before_a_config_first_starts_the_backend():
+    """Checking a config does not start JAX's backend; resolving it asks which backend runs
+    (for the token budget's default), which starts the backend and fixes its allocator cap:
+    the config's gpu_memory_utilization must already be in place then (in a fresh process; a
+    GPU run once got JAX's default 0.75 of an H200 this way)."""
     import subprocess
     import sys
     code = ("import os\n"
             "from jax._src import xla_bridge\n"
-            "from tangram_jax.engine.config import EngineConfig\n"
-            "c = EngineConfig(model='smollm2', gpu_memory_utilization=0.8)\n"
-            "assert not xla_bridge.backends_are_initialized()\n"
+            "from tangram_jax.engine import config\n"
+            "c = config.EngineConfig(model='smollm2', gpu_memory_utilization=0.8)\n"
             "c.check()\n"
+            "assert not xla_bridge.backends_are_initialized()\n"
+            "assert config._backend_kind(c.gpu_memory_utilization) == 'cpu'\n"
             "assert xla_bridge.backends_are_initialized()\n"
             "assert os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.8', os.environ\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
