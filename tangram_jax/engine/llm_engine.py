@@ -667,8 +667,20 @@ class Engine:
         self._warm_variants.update(("prompt", t) for t in ((False, True) if logprobs
                                                            else (False,)))
         self.startup_seconds["warmup"] += time.perf_counter() - started
-        log.info("warm-up compiled every step shape in %.1f s (compile cache: %s)",
-                 self.startup_seconds["warmup"], self.compile_cache_dir or "off")
+        log.info("warm-up compiled every step shape (%d programs) in %.1f s (compile cache: %s)",
+                 len(self.runner.compile_log), self.startup_seconds["warmup"],
+                 self.compile_cache_dir or "off")
+
+    def startup_report(self) -> dict:
+        """Where start-up went: `startup_seconds` (load_model, build: runner, pool and
+        scheduler, warmup, total) and one record a program warm-up compiled ({"program",
+        "key", "lower_seconds", "compile_seconds", "hlo_chars"}), slowest first, with their
+        count and summed compile seconds (more than warm-up's wall time when programs compile
+        side by side)."""
+        programs = sorted(self.runner.compile_log, key=lambda r: -r["compile_seconds"])
+        return dict(seconds=dict(self.startup_seconds), num_programs=len(programs),
+                    compile_seconds=sum(r["compile_seconds"] for r in programs),
+                    programs=programs)
 
     @property
     def is_warm(self) -> bool:

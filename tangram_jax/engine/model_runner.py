@@ -300,6 +300,8 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
         # fit a program's shared memory (float32 models); row packing and work items follow it.
         self.prefill_tuning = fit_tuning(PREFILL_TUNING, config.num_heads // config.num_kv_heads,
                                          config.head_dim, self.kv_dtype.itemsize)
+        # What `warmup` compiled: one record a program (name, shape key, seconds, HLO size).
+        self.compile_log: list[dict] = []
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)

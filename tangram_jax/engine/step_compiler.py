@@ -9,12 +9,17 @@ without running them, and the largest steps for a pool that is not allocated yet
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
+import os
+import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
 from tangram_jax.pallas_kernels import backend
@@ -68,9 +73,9 @@ class StepCompilation:
                 **prefill_static | dict(logprobs=None)).compile()
         return steps
 
-    def _compile_mixed(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
-                       region_pages: int | None = None) -> None:
-        """Compile `_mixed` for a prefill call of `rows` rows (over `num_tokens` flat tokens,
+    def _mixed_lowering(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
+                        region_pages: int | None = None):
+        """`_mixed` lowered for a prefill call of `rows` rows (over `num_tokens` flat tokens,
         whole rows; turn compactions over `region_pages`) beside a decode step of `bucket`
         rows."""
         prefill_args, prefill_static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
@@ -78,36 +83,32 @@ class StepCompilation:
         decode_args, decode_static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
         args, static = self._mixed_args(prefill_args, prefill_static, decode_args,
                                         dict(decode_static, logprobs=logprobs))
-        self._mixed.lower(*args, **static).compile()
+        return self._mixed.lower(*args, **static)
 
-    def _compile_apply_writes(self, prefill_args, prefill_static):
-        """`_apply_writes` compiled for the write plan a prefill call with these arguments
+    def _apply_writes_lowering(self, prefill_args, prefill_static):
+        """`_apply_writes` lowered for the write plan a prefill call with these arguments
         returns (its shapes do not depend on the table width)."""
         writes = jax.eval_shape(functools.partial(self._prefill, **prefill_static),
                                 *prefill_args)[0]
         k_pages, v_pages = prefill_args[2], prefill_args[3]
         return self._apply_writes.lower(k_pages, v_pages, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.replicated),
-            writes)).compile()
+            writes))
 
-    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
-               logprob_modes=(None,), prompt_logprobs=(False,),
-               max_page_copies: int = 0) -> None:
-        """Compile every step shape serving can meet (decode buckets, prefill row counts and,
-        for whole rows, flat-token buckets; where the runner `mixes_steps`, each prefill shape
-        beside each decode bucket; first-token sampling row counts) ahead of time, without
-        running them: jit reuses these
-        executables when serving meets the shapes, so nothing compiles while requests wait
-        (running the steps would add nothing but time: on a CPU the reference attention is
-        slow).
+    def _compile_apply_writes(self, prefill_args, prefill_static):
+        return self._apply_writes_lowering(prefill_args, prefill_static).compile()
 
-        logprob_modes: the `LOGPROB_MODES` decode and first-token sampling are compiled for
-        (any top-k count up to `MAX_TOP_LOGPROBS` is one "top" variant); prompt_logprobs: the
-        prefill variants, without (False) and with (True) prompt log-probabilities. Compiling
-        a variant again costs little (jit finds it cached), so a later call may add modes.
-        max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it)."""
+    def warmup_programs(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
+                        logprob_modes=(None,), prompt_logprobs=(False,),
+                        max_page_copies: int = 0) -> list[WarmupProgram]:
+        """Every program serving can meet, as `WarmupProgram`s to compile (`warmup` has the
+        arguments): decode buckets, prefill row counts and, for whole rows, flat-token buckets;
+        where the runner `mixes_steps`, each prefill shape beside each decode bucket;
+        first-token sampling row counts; fork page copies."""
         for mode in logprob_modes:
             _check_logprob_mode(mode)
+        programs = []
+        add = lambda name, lower, **key: programs.append(WarmupProgram(name, key, lower))
         for rows in _padded_row_counts(max_prefill_rows):
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
@@ -116,31 +117,89 @@ class StepCompilation:
             # Retention "turn": every region width a turn compaction of the call can read.
             regions = [0] if self.prefill_whole_rows else self._region_widths()
             for num_tokens, region in itertools.product(buckets, regions):
+                args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                                                       num_tokens, region)
                 for width, targets in itertools.product(self._table_widths(prefill=True),
                                                         prompt_logprobs):
-                    args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
-                                                           num_tokens, region)
                     extra = (np.full(args[4].shape[0], -1, np.int32),) if targets else ()
-                    self._prefill.lower(*args, *extra,
-                                        **dict(static, table_width=width)).compile()
+                    add("prefill", functools.partial(
+                        self._prefill.lower, *args, *extra, **dict(static, table_width=width)),
+                        rows=rows, tokens=num_tokens, region_pages=region, table_width=width,
+                        prompt_logprobs=targets)
                 if self.plans_prefill_writes:
-                    self._compile_apply_writes(args, static)
+                    add("prefill_writes", functools.partial(self._apply_writes_lowering, args,
+                                                            static),
+                        rows=rows, tokens=num_tokens, region_pages=region)
                 # This prefill call beside each decode bucket (a mixed step's one program).
                 for bucket, mode in itertools.product(
                         decode_buckets if self.mixes_steps else (), logprob_modes):
-                    self._compile_mixed(rows, num_tokens, bucket, mode, region)
+                    add("mixed", functools.partial(self._mixed_lowering, rows, num_tokens,
+                                                   bucket, mode, region),
+                        rows=rows, tokens=num_tokens, region_pages=region, bucket=bucket,
+                        logprobs=mode)
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
-            self._sample_rows.lower(
-                self.slot_tokens, jax.ShapeDtypeStruct(
+            add("sample", functools.partial(
+                self._sample_rows.lower, self.slot_tokens, jax.ShapeDtypeStruct(
                     (n, self.config.vocab_size), jnp.float32,
                     sharding=self.placement.replicated),
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
-                logprobs=mode).compile()
+                logprobs=mode), rows=n, logprobs=mode)
         for bucket, mode in itertools.product(decode_buckets, logprob_modes):
+            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
             for width in self._table_widths(prefill=False):
-                args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
-                self._decode.lower(*args, **dict(static, table_width=width,
-                                                 logprobs=mode)).compile()
+                add("decode", functools.partial(
+                    self._decode.lower, *args, **dict(static, table_width=width, logprobs=mode)),
+                    bucket=bucket, table_width=width, logprobs=mode)
+        for size in (1 << b for b in range(3, max(3, int(max_page_copies - 1).bit_length()) + 1)):
+            index = np.zeros(size, np.int32)
+            add("copy_pages", functools.partial(_copy_pages.lower, self.k_pages, self.v_pages,
+                                                index, index), pages=size)
+        return programs
+
+    def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
+               logprob_modes=(None,), prompt_logprobs=(False,), max_page_copies: int = 0,
+               threads: int | None = None, progress: bool | None = None) -> list[dict]:
+        """Compile every step shape serving can meet (`warmup_programs`) ahead of time, without
+        running them: jit reuses these executables when serving meets the shapes, so nothing
+        compiles while requests wait (running the steps would add nothing but time: on a CPU
+        the reference attention is slow). Programs are lowered one after another and compiled
+        by `threads` at once (XLA compiles outside Python's lock; default: the CPU count, at
+        most 8), behind a progress bar (`progress`: None shows it on a terminal).
+
+        logprob_modes: the `LOGPROB_MODES` decode and first-token sampling are compiled for
+        (any top-k count up to `MAX_TOP_LOGPROBS` is one "top" variant); prompt_logprobs: the
+        prefill variants, without (False) and with (True) prompt log-probabilities. Compiling
+        a variant again costs little (jit finds it cached), so a later call may add modes.
+        max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it).
+        Returns one record a program ({"program", "key", "lower_seconds", "compile_seconds",
+        "hlo_chars"}), also appended to `compile_log`."""
+        programs = self.warmup_programs(decode_buckets, max_prefill_rows, max_first_tokens,
+                                        logprob_modes=logprob_modes,
+                                        prompt_logprobs=prompt_logprobs,
+                                        max_page_copies=max_page_copies)
+        threads = threads or min(8, os.cpu_count() or 1)
+        records = []
+        bar = tqdm(total=len(programs), desc="compiling", unit="program", leave=False,
+                   disable=None if progress is None else not progress)
+
+        def compile_one(program, lowered, lower_seconds):
+            started = time.perf_counter()
+            lowered.compile()
+            return dict(program=program.name, key=program.key, lower_seconds=lower_seconds,
+                        compile_seconds=time.perf_counter() - started,
+                        hlo_chars=len(lowered.as_text()))
+
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = []
+            for program in programs:
+                bar.set_postfix_str(f"{program.name} {program.describe()}", refresh=False)
+                started = time.perf_counter()
+                lowered = program.lower()
+                futures.append(pool.submit(compile_one, program, lowered,
+                                           time.perf_counter() - started))
+                futures[-1].add_done_callback(lambda _: bar.update())
+            records = [f.result() for f in futures]
+        bar.close()
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
@@ -156,9 +215,20 @@ class StepCompilation:
                 self.block_tables, np.full(size, self.block_tables.size, np.int32),
                 np.zeros(size, np.int32))
         jax.block_until_ready(self.block_tables)
-        for size in (1 << b for b in range(3, max(3, int(max_page_copies - 1).bit_length()) + 1)):
-            index = np.zeros(size, np.int32)
-            _copy_pages.lower(self.k_pages, self.v_pages, index, index).compile()
+        self.compile_log.extend(records)
+        return records
+
+
+class WarmupProgram(NamedTuple):
+    """One program `warmup` compiles: its jitted function's name, the shape key it is compiled
+    for, and a thunk that lowers it (`jax.stages.Lowered`)."""
+
+    name: str
+    key: dict
+    lower: Callable
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.key.items())
 
 
 def _padded_row_counts(max_rows: int) -> list[int]:

@@ -3,6 +3,8 @@ included: after it no request compiles anything (the tiny model of tests/tiny_en
 
 from __future__ import annotations
 
+import pytest
+
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.sampling import SamplingParams
 from tiny_engine import build_tiny_model, tiny_engine_config
@@ -11,16 +13,19 @@ PROMPT = "the cat sat on the mat and then the cat ran off to see the dog, " * 2 
 
 
 
-def test_a_server_warm_up_leaves_nothing_to_compile_for_logprob_requests(tmp_path):
+@pytest.mark.parametrize("overrides", [{}, {"kv_precision": "k8v4"}, {"mode": "full"}],
+                         ids=["tangram", "tangram-k8v4", "full"])
+def test_a_server_warm_up_leaves_nothing_to_compile_for_logprob_requests(tmp_path, overrides):
     """`tangram-jax serve` warms the engine up with the log-prob variants (`warmup(logprobs=
     True)`): requests asking for top-k log-probs (any count), the whole distribution, prompt
     log-probs or several samples (their fork's page copies, block-table writes of any size)
     then run no XLA compilation (the server compiled them while clients waited)."""
     import jax
     folder = build_tiny_model(tmp_path / "tiny")
-    engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
-                                       max_num_seqs=2, decode_buckets=(2,),
-                                       max_model_len=160))
+    overrides = dict(overrides)
+    engine = Engine(tiny_engine_config(folder, overrides.pop("mode", "tangram"), warmup=True,
+                                       compile_cache_dir="off", max_num_seqs=2,
+                                       decode_buckets=(2,), max_model_len=320, **overrides))
     assert engine.is_warm
     engine.warmup(logprobs=True)
     compiles = []
@@ -34,8 +39,58 @@ def test_a_server_warm_up_leaves_nothing_to_compile_for_logprob_requests(tmp_pat
                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=-1),
                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1,
                                   n=2)):
-        for prompt in (PROMPT, "hi"):
+        for prompt in (PROMPT, "hi", PROMPT * 2):   # a long, a short and a longer prompt
             engine.add_request(prompt=prompt, sampling_params=params)
         outs = [o for o in engine.stream() if o.finished]
-        assert len(outs) == 2 and all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
+        assert len(outs) == 3 and all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
         assert compiles == [], (params, compiles)
+    # A session's follow-up turn (its history continued, only the new tokens prefilled).
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request(prompt=PROMPT, sampling_params=greedy, session_id="s")
+    turn = [o for o in engine.stream() if o.finished][0]
+    engine.add_request(prompt_token_ids=[*turn.prompt_token_ids, *turn.outputs[0].token_ids,
+                                         5, 6, 7], sampling_params=greedy, session_id="s")
+    assert [o for o in engine.stream() if o.finished][0].num_cached_tokens > 0
+    assert compiles == []
+
+
+@pytest.mark.xfail(strict=True, reason="warm-up does not compile the logits-adjust variants: "
+                   "the penalties' token-id arrays (`sampling.LogitsAdjust`) are padded to "
+                   "powers of two of the history, a shape per width")
+def test_penalty_requests_compile_nothing_after_warm_up(tmp_path):
+    import jax
+    folder = build_tiny_model(tmp_path / "tiny")
+    engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
+                                       max_num_seqs=2, decode_buckets=(2,), max_model_len=320))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event
+        else None)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True,
+                            presence_penalty=0.5, repetition_penalty=1.2, min_p=0.05,
+                            min_tokens=4)
+    for prompt in (PROMPT, "hi"):
+        engine.add_request(prompt=prompt, sampling_params=params)
+    assert len([o for o in engine.stream() if o.finished]) == 2
+    assert compiles == []
+
+
+def test_the_start_up_report_lists_every_compiled_program(tmp_path):
+    """`Engine.startup_report`: every program warm-up compiled, with its shape key, compile
+    seconds and HLO size; the count equals the runner's list of warm-up programs."""
+    folder = build_tiny_model(tmp_path / "tiny")
+    engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
+                                       max_num_seqs=2, decode_buckets=(1, 2),
+                                       max_model_len=160))
+    report = engine.startup_report()
+    programs = report["programs"]
+    assert report["num_programs"] == len(programs) == len(engine.runner.warmup_programs(
+        (1, 2), engine.config.max_prefill_rows, 2,
+        max_page_copies=engine.model_config.num_layers * engine.layout.num_groups))
+    assert {p["program"] for p in programs} >= {"prefill", "decode", "sample", "copy_pages"}
+    assert all(p["compile_seconds"] > 0 and p["hlo_chars"] > 0 for p in programs)
+    assert {p["key"]["bucket"] for p in programs if p["program"] == "decode"} == {1, 2}
+    assert [p["compile_seconds"] for p in programs] == sorted(
+        (p["compile_seconds"] for p in programs), reverse=True)
+    assert set(report["seconds"]) == {"load_model", "build", "warmup", "total"}
+    assert report["seconds"]["warmup"] <= report["seconds"]["total"]
