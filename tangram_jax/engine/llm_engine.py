@@ -138,16 +138,27 @@ class Engine:
             kv_precision=cfg.kv_precision)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
+        pool = memory.pool_by_bytes(self.runner, self.layout, self.max_model_len)
         if fixed:
-            pages = (self._pages_in_bytes(cfg.kv_cache_memory_bytes)
-                     if cfg.kv_cache_memory_bytes is not None else rc.num_pages)
+            pages = rc.num_pages
+            if cfg.kv_cache_memory_bytes is not None:
+                try:
+                    pages = memory.pages_in_bytes(pool, cfg.kv_cache_memory_bytes,
+                                                  self.max_model_len)
+                except ValueError as e:
+                    raise EngineConfigError(str(e)) from None
             if device_memory is not None:   # before the pool exists: refused, not OOM later
-                self._check_fixed_pool(pages, max(buckets), allocator)
+                try:
+                    memory.check_fixed_pool_fits(self.runner, self.device, cfg, pool, pages,
+                                                 max(buckets), allocator)
+                except ValueError as e:
+                    raise EngineConfigError(str(e)) from None
             self.runner.allocate_pool(pages)
         elif device_memory is not None:
             if allocator.note:
                 log.warning(allocator.note)
-            self.memory_plan = self._size_pool(max(buckets), allocator.fraction)
+            self.memory_plan = memory.size_pool(self.runner, self.device, cfg, pool,
+                                                max(buckets), allocator.fraction)
             self.runner.allocate_pool(self.memory_plan.num_pages)
         self.manager = KVCacheManager(
             self.layout, self.runner.num_pages, cfg.max_num_seqs,
@@ -161,7 +172,7 @@ class Engine:
                                    max_long_partial_prefills=rc.max_long_partial_prefills)
         # The one session table (id -> sequence, eviction ranking, prefix lookup).
         self.sessions = self.scheduler.sessions
-        log.info("%s", self._pool_line())
+        log.info("%s", memory.describe_pool(self.kv_pool(), self.memory_plan))
         self._requests: dict[str, LiveRequest] = {}
         # Requests of n > 1: parent id -> parent, and each live child's id -> (parent, index).
         self._parents: dict[str, ParentRequest] = {}
@@ -179,108 +190,12 @@ class Engine:
             self.warmup()
         self.startup_seconds["total"] = time.perf_counter() - started
 
-    def _size_pool(self, max_bucket: int, fraction: float) -> memory.PoolPlan:
-        """The pool under `gpu_memory_utilization` (see `engine/memory.py`): compile the largest
-        decode bucket and prefill for a provisional pool that leaves `step_reserve` free, read
-        their peak, and keep the provisional size when the peak fits in the reserve (the
-        compiled steps are then reused as they are), else shrink the pool to fit."""
-        cfg = self.config
-        now = memory.DeviceMemory.read(self.device, fraction)   # weights are in now
-        budget, _ = memory.budget_bytes(now.card_bytes, cfg.gpu_memory_utilization,
-                                        now.bytes_limit)
-        pool = self._pool_by_bytes()
-        provisional = pool.pages_in(budget - now.bytes_in_use - memory.step_reserve(budget))
-        compiled = self.runner.compile_steps(pool.at_least_min(provisional), max_bucket,
-                                             cfg.max_prefill_rows)
-        peak = max(memory.step_peak_bytes(c) for c in compiled.values())
-        return memory.plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
-                                prefer_pages=provisional if pool.holds_min(provisional) else None)
-
-    def _check_fixed_pool(self, pages, max_bucket: int, allocator: memory.AllocatorSetup):
-        """Refuse a pool the user fixed that cannot fit under the allocator's cap in force
-        beside the weights and the largest step (compiled here for that pool, as warm-up would:
-        the executables are reused), naming the figures and what would fit."""
-        cfg = self.config
-        now = memory.DeviceMemory.read(self.device, allocator.fraction)   # the weights are in
-        compiled = self.runner.compile_steps(pages, max_bucket, cfg.max_prefill_rows)
-        peak = max(memory.step_peak_bytes(c) for c in compiled.values())
-        setting = next(f"{name}={getattr(cfg, name)}" for name in
-                       ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
-                       if getattr(cfg, name) is not None)
-        try:
-            memory.check_fixed_pool(now, self._pool_by_bytes(), pages, peak, setting=setting,
-                                    tokens_of=self._full_kv_tokens,
-                                    note=f": {allocator.note}" if allocator.note else "")
-        except ValueError as e:
-            raise EngineConfigError(str(e)) from None
-
-    def _full_kv_tokens(self, pages) -> int:
-        """Full-KV tokens a pool of `pages` holds (its head-token slots, null pages excluded,
-        over every layer's KV heads), as `kv_pool` counts them."""
-        slots = sum(n - 1 for n in self.runner.tier_pages(pages)) * \
-            self.layout.page_size * self.layout.group_size
-        return slots // (self.model_config.num_layers * self.model_config.num_kv_heads)
-
-    def _pool_by_bytes(self) -> memory.TieredPool:
-        """The pool's page bytes per tier (one tier untiered) and the pages one max_model_len
-        sequence needs in each, which must fit or nothing could be served."""
-        layout = self.layout
-        one = pages_for(layout.retained_counts(self.max_model_len), layout.page_size)
-        if isinstance(layout, TieredLayout):
-            return memory.TieredPool(self.runner.tier_page_bytes, layout.pool_pages,
-                                     (int(one[:, 0::2].sum()) + 1, int(one[:, 1::2].sum()) + 1))
-        return memory.TieredPool.single(self.runner.kv_bytes_per_page, int(one.sum()) + 1)
-
-    def _pages_in_bytes(self, nbytes: int):
-        """The largest pool of at most `nbytes` (`kv_cache_memory_bytes`) in the pool's page
-        format(s); raises EngineConfigError when it cannot hold one max_model_len sequence."""
-        pool = self._pool_by_bytes()
-        pages = pool.pages_in(nbytes)
-        if not pool.holds_min(pages):
-            raise EngineConfigError(
-                f"kv_cache_memory_bytes={nbytes} holds {pool.describe(pages)}; one "
-                f"max_model_len={self.max_model_len} sequence needs {pool.describe(pool.min_pages)}"
-                f" ({pool.bytes_of(pool.min_pages):,} bytes): raise kv_cache_memory_bytes or "
-                f"lower max_model_len")
-        return pages
-
-    def _pool_line(self) -> str:
-        pool = self.kv_pool()
-        tiers = "".join(f", {name} {t['num_pages']:,} pages" for name, t in
-                        pool.get("tiers", {}).items())
-        if self.memory_plan is not None:
-            return self.memory_plan.describe(pool["full_kv_tokens"]) + tiers
-        return (f"KV pool {pool['num_pages']:,} pages ({pool['full_kv_tokens']:,} full-KV "
-                f"tokens, {pool['bytes'] / memory.GIB:.2f} GiB{tiers}), sized by "
-                f"{pool['sized_by']}")
-
     def kv_pool(self) -> dict:
         """The pool's size: pages (null pages included), bytes (the arrays', on each device),
-        the head-token slots its pages hold and the full-KV tokens that is (every layer and KV
-        head keeping every token; compressed modes hold more), bytes per slot, what sized it
-        and, when `gpu_memory_utilization` did, the figures it used (`memory.PoolPlan`). With
-        precision tiers also `tiers`: each tier's pool (page format -> pages, bytes, slots);
-        its slots hold that tier's retained tokens only."""
-        mc, cfg, runner = self.model_config, self.config, self.runner
-        counts = runner.tier_pages(runner.num_pages)
-        slots_per_page = self.layout.page_size * self.layout.group_size
-        tiers = {name: {"num_pages": n, "bytes": n * b, "slots": (n - 1) * slots_per_page}
-                 for name, n, b in zip(self.manager.tier_names, counts,
-                                       runner.tier_page_bytes)}
-        slots = sum(t["slots"] for t in tiers.values())               # no null pages
-        pool_bytes = runner.pool_bytes()
-        pool = {"num_pages": sum(counts), "bytes": pool_bytes, "slots": slots,
-                "bytes_per_slot": pool_bytes / slots,
-                "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
-                "sized_by": ("num_pages" if cfg.num_pages is not None else
-                             "kv_cache_memory_bytes" if cfg.kv_cache_memory_bytes is not None else
-                             "kv_cache_tokens" if self.memory_plan is None else
-                             "gpu_memory_utilization")}
-        if isinstance(self.layout, TieredLayout):
-            pool["tiers"] = tiers
-        if self.memory_plan is not None:
-            pool["plan"] = dataclasses.asdict(self.memory_plan)
-        return pool
+        the head-token slots its pages hold and the full-KV tokens that is, what sized it and
+        its figures (`memory.pool_report`); with precision tiers each tier's pool too."""
+        return memory.pool_report(self.runner, self.layout, self.manager.tier_names, self.config,
+                                  self.memory_plan)
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None, *,

@@ -33,6 +33,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tangram_jax.kv_layout import TieredLayout, pages_for
+
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_FRACTION = 0.75     # what JAX's GPU client takes when the variable is unset
 GIB = 2 ** 30
@@ -332,3 +334,103 @@ def step_peak_bytes(compiled) -> int:
     buffer plus the outputs that do not reuse an argument's buffer."""
     m = compiled.memory_analysis()
     return int(m.temp_size_in_bytes + max(m.output_size_in_bytes - m.alias_size_in_bytes, 0))
+
+
+# ----- sizing the engine's pool (the runner's page formats, the layout's budgets) ---------------
+def pool_by_bytes(runner, layout, max_model_len: int) -> TieredPool:
+    """The pool's page bytes per tier (one tier untiered, `runner.tier_page_bytes`) and the
+    pages one `max_model_len` sequence needs in each, which must fit or nothing could be
+    served."""
+    one = pages_for(layout.retained_counts(max_model_len), layout.page_size)
+    if isinstance(layout, TieredLayout):
+        return TieredPool(runner.tier_page_bytes, layout.pool_pages,
+                          (int(one[:, 0::2].sum()) + 1, int(one[:, 1::2].sum()) + 1))
+    return TieredPool.single(runner.kv_bytes_per_page, int(one.sum()) + 1)
+
+
+def pages_in_bytes(pool: TieredPool, nbytes: int, max_model_len: int):
+    """The largest pool of at most `nbytes` (`kv_cache_memory_bytes`) in `pool`'s page
+    format(s); raises ValueError when it cannot hold one max_model_len sequence."""
+    pages = pool.pages_in(nbytes)
+    if not pool.holds_min(pages):
+        raise ValueError(
+            f"kv_cache_memory_bytes={nbytes} holds {pool.describe(pages)}; one "
+            f"max_model_len={max_model_len} sequence needs {pool.describe(pool.min_pages)}"
+            f" ({pool.bytes_of(pool.min_pages):,} bytes): raise kv_cache_memory_bytes or "
+            f"lower max_model_len")
+    return pages
+
+
+def size_pool(runner, device, cfg, pool: TieredPool, max_bucket: int,
+              fraction: float) -> PoolPlan:
+    """The pool under `cfg.gpu_memory_utilization` (module docstring): compile the largest
+    decode bucket and prefill for a provisional pool that leaves `step_reserve` free, read their
+    peak, and keep the provisional size when the peak fits in the reserve (the compiled steps
+    are then reused as they are), else shrink the pool to fit."""
+    now = DeviceMemory.read(device, fraction)   # weights are in now
+    budget, _ = budget_bytes(now.card_bytes, cfg.gpu_memory_utilization, now.bytes_limit)
+    provisional = pool.pages_in(budget - now.bytes_in_use - step_reserve(budget))
+    compiled = runner.compile_steps(pool.at_least_min(provisional), max_bucket,
+                                    cfg.max_prefill_rows)
+    peak = max(step_peak_bytes(c) for c in compiled.values())
+    return plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
+                     prefer_pages=provisional if pool.holds_min(provisional) else None)
+
+
+def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages, max_bucket: int,
+                          allocator: AllocatorSetup) -> None:
+    """Refuse (ValueError) a pool the user fixed that cannot fit under the allocator's cap in
+    force beside the weights and the largest step (compiled here for that pool, as warm-up
+    would: the executables are reused), naming the figures and what would fit."""
+    now = DeviceMemory.read(device, allocator.fraction)   # the weights are in
+    compiled = runner.compile_steps(pages, max_bucket, cfg.max_prefill_rows)
+    peak = max(step_peak_bytes(c) for c in compiled.values())
+    setting = next(f"{name}={getattr(cfg, name)}" for name in
+                   ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
+                   if getattr(cfg, name) is not None)
+    config = runner.config
+    slots_per_page = runner.base_layout.page_size * runner.base_layout.group_size
+
+    def full_kv_tokens(pages) -> int:   # head-token slots over every layer's KV heads
+        slots = sum(n - 1 for n in runner.tier_pages(pages)) * slots_per_page
+        return slots // (config.num_layers * config.num_kv_heads)
+
+    check_fixed_pool(now, pool, pages, peak, setting=setting, tokens_of=full_kv_tokens,
+                     note=f": {allocator.note}" if allocator.note else "")
+
+
+def pool_report(runner, layout, tier_names, cfg, plan: PoolPlan | None) -> dict:
+    """The pool's size: pages (null pages included), bytes (the arrays', on each device), the
+    head-token slots its pages hold and the full-KV tokens that is (every layer and KV head
+    keeping every token; compressed modes hold more), bytes per slot, what sized it and, when
+    `gpu_memory_utilization` did, the figures it used (`plan`). With precision tiers also
+    `tiers`: each tier's pool (page format -> pages, bytes, slots); its slots hold that tier's
+    retained tokens only."""
+    mc = runner.config
+    counts = runner.tier_pages(runner.num_pages)
+    slots_per_page = layout.page_size * layout.group_size
+    tiers = {name: {"num_pages": n, "bytes": n * b, "slots": (n - 1) * slots_per_page}
+             for name, n, b in zip(tier_names, counts, runner.tier_page_bytes)}
+    slots = sum(t["slots"] for t in tiers.values())               # no null pages
+    pool_bytes = runner.pool_bytes()
+    pool = {"num_pages": sum(counts), "bytes": pool_bytes, "slots": slots,
+            "bytes_per_slot": pool_bytes / slots,
+            "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
+            "sized_by": ("num_pages" if cfg.num_pages is not None else
+                         "kv_cache_memory_bytes" if cfg.kv_cache_memory_bytes is not None else
+                         "kv_cache_tokens" if plan is None else "gpu_memory_utilization")}
+    if isinstance(layout, TieredLayout):
+        pool["tiers"] = tiers
+    if plan is not None:
+        pool["plan"] = dataclasses.asdict(plan)
+    return pool
+
+
+def describe_pool(pool: dict, plan: PoolPlan | None) -> str:
+    """One line of `pool_report`'s figures, for the start-up log."""
+    tiers = "".join(f", {name} {t['num_pages']:,} pages" for name, t in
+                    pool.get("tiers", {}).items())
+    if plan is not None:
+        return plan.describe(pool["full_kv_tokens"]) + tiers
+    return (f"KV pool {pool['num_pages']:,} pages ({pool['full_kv_tokens']:,} full-KV "
+            f"tokens, {pool['bytes'] / GIB:.2f} GiB{tiers}), sized by {pool['sized_by']}")

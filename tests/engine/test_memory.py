@@ -249,7 +249,7 @@ def test_a_fixed_pool_over_the_cap_is_refused_at_build_naming_what_fits(monkeypa
     reports a cap (a GPU; a made-up device here) a pool that cannot fit beside the weights and
     the largest step is refused when the engine is built, in one error naming the pool, the
     weights, the step, the cap and what would fit; what it names does fit. On a GPU the same
-    check reads the real allocator (`Engine._check_fixed_pool`)."""
+    check reads the real allocator (`memory.check_fixed_pool_fits`)."""
     from tangram_jax.engine import llm_engine
     from tangram_jax.engine.config import EngineConfigError
 
