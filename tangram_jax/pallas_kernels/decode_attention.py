@@ -14,7 +14,7 @@ side in one tile (default 1: two heads a tile gain a few percent for K4V2 alone 
 enough to be the default) and their query heads,
 writing a normalised partial output and its log-sum-exp per head. A second Pallas kernel
 (grid ``(batch, group, query head x head_dim slice)``) merges the partials of each group by
-log-sum-exp into the output, so a call is two launches. The work list is the only thing that
+log-sum-exp into the output (`decode_merge.py`), so a call is two launches. The work list is the only thing that
 differs between the AOT split map, uniform splits and runtime planning (`split_map.py`): a
 static one becomes a constant of the jitted step, a planned one is a runtime int32 array of
 shape ``[batch, items, 3]``.
@@ -23,7 +23,7 @@ Quantised pools (`tangram_jax.kv_quant`, K8V8 / K8V4 / K4V2): the same grid and 
 kernel reads packed codes and per-slot scale / zero instead of pages of values, so a work item
 moves fewer bytes (what the split map weighs: `split_map.build_split_map`'s `bytes_per_token`).
 Compiled kernels unpack the codes (bytes or 16-bit units, by page format: `kv_quant`) in
-inline PTX into subnormal operands (`unpack_planes`); interpreted ones (the CPU tests) cast the
+inline PTX into subnormal operands (`packed_codes.unpack_planes`); interpreted ones (the CPU tests) cast the
 same codes, the same products up to powers of two. Slot-pair pools (K4V2) hold two slots' bytes
 in each 16-bit unit, so a block's tokens come as two sets (even, odd) of full-width planes.
 
@@ -56,17 +56,14 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.attention_terms import first_visible_slot
 from tangram_jax.pallas_kernels.backend import dot_f32 as _dot
-from tangram_jax.pallas_kernels.tuning import DECODE_PROGRAM_SCALE, DECODE_TUNING, MERGE_TUNING
+from tangram_jax.pallas_kernels.decode_merge import _work_spec, merge_partials_pallas
+from tangram_jax.pallas_kernels.packed_codes import code_operand, unpack_planes
+from tangram_jax.pallas_kernels.tuning import DECODE_PROGRAM_SCALE, DECODE_TUNING
 
 # Masked logits: far below any real logit, but finite so that max/exp never see inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Query rows of one KV head are padded to this for the matrix unit (tl.dot needs M >= 16).
 _MIN_DOT_ROWS = 16
-# The merge launch's tiles (`tuning.MERGE_TUNING`): work items one step reads at once (at most),
-# the f32 elements of a step's partial outputs (head_dim is split to fit), and warps a program.
-_MERGE_CHUNK_ITEMS = MERGE_TUNING["chunk_items"]
-_MERGE_TILE_F32 = MERGE_TUNING["tile_f32"]
-_MERGE_WARPS = MERGE_TUNING["num_warps"]
 # The partials' stores ask L2 to keep their lines (`evict_last`): the merge reads them right
 # after the launch, and the KV streaming through L2 would evict them first. Measured on an H100
 # (benchmarks/results/kv_precision_decode_partials_merge.json): the decode launch itself -1.3%
@@ -94,109 +91,6 @@ def _slot_pairs(k_pages, v_pages) -> bool:
         raise ValueError(f"k_pages and v_pages must both or neither be slot pairs, got "
                          f"{pairs[0]} and {pairs[1]}")
     return pairs[0]
-
-
-# Codes become matrix-unit operands without a conversion instruction. A plane's code c of a byte
-# (bits ``b*p .. b*p + b - 1``), masked in place, is the integer N = c * 2^(b p) < 256; placed
-# in the low byte of a 16-bit float's pattern (the high byte 0) it is the float N * 2^E exactly,
-# E = -133 for bfloat16 and -24 for float16: patterns below 2^11 (float16) or 2^8 (bfloat16) are
-# subnormal or in the lowest normal binade, where a pattern's value is linear in its bits. So a
-# compiled kernel spreads each 4 bytes into two registers' 16-bit halves once (two ``prmt``) and
-# takes every plane from them with one ``and`` a code pair; the per-plane power of two 2^(b p)
-# goes into q's planes (keys) or the output's (values), and 2^E is lifted by scaling the other
-# operand by 2^S (q and bfloat16 value weights by 2^100, float16 value weights by 2^12) so the
-# float32 products are normal numbers: exact powers of two, so the products are those of the codes
-# themselves, scaled. Interpreted kernels (the CPU tests: XLA on the CPU flushes subnormal
-# operands to zero) cast N itself (E = 0), the same products up to the same powers of two. Against
-# magic-number operands (OR a code into the mantissa of M = 128 or 1024, then subtract M: a shift
-# and a packed subtract a code pair per plane, the two prmt repeated per plane) this is fewer
-# instructions a code, faster for K4V2 on an H100 and equal for the others, with no M in the
-# 8-bit keys' products.
-# Operand dtypes: keys in the compute dtype (any width: N < 256 is exact in bfloat16); 8-bit value
-# codes in float16, whose weights (p * s, cast to the operand dtype) keep 11 significant bits,
-# narrower ones in the compute dtype.
-_SUBNORMAL_EXPONENT = {jnp.dtype(jnp.bfloat16): -133, jnp.dtype(jnp.float16): -24}
-# log2 of the factor q (keys) or the value weights are scaled by, by operand dtype, compiled:
-# bfloat16 q and weights keep float32's range (2^100 leaves |x| up to 2^27); float16 value
-# weights p * s span [0, s] with s ~ range / 255, and float16's normal range starts at 6e-5, so
-# unscaled the small weights of flat attention over tens of thousands of tokens (p ~ 3e-5, s ~
-# 0.01) would be subnormal (a few significant bits); scaled by 2^12 they are normal down to p s =
-# 1.5e-8 and the largest stays below float16's 65504 for value scales up to 16 (ranges of 4000).
-_OTHER_OPERAND_EXPONENT = {jnp.dtype(jnp.bfloat16): 100, jnp.dtype(jnp.float16): 12}
-
-
-def code_operand(bits: int, compute_dtype, *, values: bool = False,
-                 compiled: bool = True) -> tuple:
-    """(operand dtype, E, S) of `bits`-bit key (or `values`) codes in a kernel computing in
-    `compute_dtype`: a plane's operand is N * 2^E (N the code's byte masked to its bits), and
-    the other operand of its product (q, or the value weights) is scaled by 2^S; E = 0 where the
-    kernel is interpreted or computes in float32 (the codes are cast)."""
-    compute_dtype = jnp.dtype(compute_dtype)
-    if compute_dtype == jnp.float32:
-        return compute_dtype, 0, 0
-    dtype = jnp.dtype(jnp.float16) if values and bits == 8 else compute_dtype
-    other = _OTHER_OPERAND_EXPONENT[dtype]
-    if not compiled:   # interpreted: only float16 weights keep their scale (CPU subnormals)
-        return dtype, 0, (other if dtype == jnp.float16 else 0)
-    return dtype, _SUBNORMAL_EXPONENT[dtype], other
-
-
-def plane_masks(bits: int) -> list[int]:
-    """Each plane's bits of a byte (plane p: bits ``p*bits .. (p+1)*bits - 1``)."""
-    return [((1 << bits) - 1) << (p * bits) for p in range(8 // bits)]
-
-
-def unpack_planes(raw, bits: int, dtype, exponent: int) -> list:
-    """Packed codes [tokens, d/n] -> the n planes [tokens, d/n] as `dtype` operands N * 2^E,
-    E = `exponent` (`code_operand`: N = c * 2^(bits p) for plane p's code c of a byte). uint8
-    codes: n = 8 / bits; uint16 codes (`kv_quant`'s 16-bit units): `_unpack_planes16`.
-
-    E != 0 (compiled kernels' 16-bit operands; inline PTX cannot be interpreted): a ``prmt`` pair
-    spreads each 32-bit word of 4 bytes into the low bytes of two registers' 16-bit halves (one
-    asm for all planes), and each plane is one ``and`` a register (two codes) of those: the
-    patterns are the subnormal operands N * 2^E. E = 0 (interpreted, or float32 operands): the
-    masked bytes cast to `dtype`."""
-    if raw.dtype == jnp.uint16:
-        return _unpack_planes16(raw, bits, dtype, exponent)
-    if exponent == 0:
-        return [(raw & jnp.uint8(mask)).astype(dtype) for mask in plane_masks(bits)]
-    if jnp.dtype(dtype).itemsize != 2 or exponent != _SUBNORMAL_EXPONENT[jnp.dtype(dtype)]:
-        raise ValueError(f"exponent must be 0 or the subnormal exponent of {dtype} "
-                         f"({_SUBNORMAL_EXPONENT.get(jnp.dtype(dtype))}), got {exponent}")
-    # One asm a result: Pallas lowers only single-result inline asm (jax 0.11.2: "multiple
-    # results, but 2 outvars do not match 1 outvals"), so the spread is its own asm.
-    # int16, not uint16: Triton's integers are signless (it rejects an unsigned result type).
-    spread_dtype = dtype if bits == 8 else jnp.int16
-    spread = plgpu.elementwise_inline_asm(
-        "prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", args=[raw],
-        constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, spread_dtype)])[0]
-    if bits == 8:
-        return [spread]
-    return [plgpu.elementwise_inline_asm(
-        f"and.b32 $0, $1, 0x{mask:04X}{mask:04X};", args=[spread], constraints="=r,r",
-        pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(raw.shape, dtype)])[0]
-        for mask in plane_masks(bits)]
-
-
-def _unpack_planes16(raw, bits: int, dtype, exponent: int) -> list:
-    """`unpack_planes` of 16-bit code units [tokens, d/n] (n = 16 / bits planes, plane p at bits
-    ``bits p`` of the unit): the low byte's planes masked in place, the high byte's moved to the
-    low byte first (one ``prmt`` a register), so plane p's operand is N = c 2^(bits (p mod
-    8/bits)) * 2^E, as in a byte."""
-    if exponent == 0:
-        per_byte = 8 // bits
-        return [((raw >> (8 * (p // per_byte))) & plane_masks(bits)[p % per_byte]).astype(dtype)
-                for p in range(16 // bits)]
-    def asm(code, x, out_dtype):
-        return plgpu.elementwise_inline_asm(
-            code, args=[x], constraints="=r,r", pack=2,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, out_dtype)])[0]
-    high = asm("prmt.b32 $0, $1, 0, 0x4341;", raw, dtype if bits == 8 else jnp.int16)
-    if bits == 8:
-        return [asm("and.b32 $0, $1, 0x00FF00FF;", raw, dtype), high]
-    return [asm(f"and.b32 $0, $1, 0x{mask:04X}{mask:04X};", half, dtype)
-            for half in (raw, high) for mask in plane_masks(bits)]
 
 
 def _div(x, d: int):
@@ -541,78 +435,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
-def _merge_kernel(*refs, num_items: tuple, chunks: tuple, dim_splits: int, sinks: bool):
-    """One (sequence, group, query head of the group x head_dim slice) program: log-sum-exp
-    merge of the work items that cover this group, over the partials of every decode launch.
-
-    refs: per launch (n of them) its work_ref [items, 3], then per launch o_part_ref [items,
-    heads_per_group, head_dim] f32 (normalised), then per launch lse_part_ref [items,
-    heads_per_group] f32; then with `sinks` sinks_ref [heads_per_group] f32 (this group's sink
-    logits, `attention_terms`: a term of the denominator); then out_ref [head_dim // dim_splits]
-    in the output dtype. Each launch's
-    partials are read where that launch wrote them (with precision tiers no concatenation of
-    the tiers' partials is written and read back first).
-    One pass over each launch's items in `chunks`-item steps, unrolled (num_items is static), so
-    all loads can be in flight at once: only items of this group are read (masked loads), and
-    the running maximum rescales what earlier steps summed.
-    """
-    n = len(num_items)
-    work_refs, o_refs, lse_refs, out_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
-    sinks_ref = refs[3 * n] if sinks else None
-    group = pl.program_id(1)
-    head = pl.program_id(2) // dim_splits
-    dim_block = out_ref.shape[-1]
-    dims = (pl.program_id(2) % dim_splits) * dim_block + jnp.arange(dim_block)[None, :]
-    group_col, num_splits_col = jnp.int32(0), jnp.int32(2)
-    m = jnp.float32(-jnp.inf)
-    num = jnp.zeros(out_ref.shape, jnp.float32)
-    den = jnp.float32(0.0)
-    for work_ref, o_part_ref, lse_part_ref, items, chunk in zip(work_refs, o_refs, lse_refs,
-                                                                num_items, chunks):
-        for start in range(0, items, chunk):
-            idx = start + jnp.arange(chunk)
-            in_row = idx < items
-            owned = (plgpu.load(work_ref.at[idx, group_col], mask=in_row, other=-1) == group) & \
-                (plgpu.load(work_ref.at[idx, num_splits_col], mask=in_row, other=0) > 0)
-            lse = plgpu.load(lse_part_ref.at[idx, head], mask=owned, other=-jnp.inf)  # [chunk]
-            o = plgpu.load(o_part_ref.at[idx[:, None], head, dims], mask=owned[:, None],
-                           other=0.0)                                              # [chunk, d]
-            m_next = jnp.maximum(m, lse.max())
-            m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
-            rescale = jnp.exp(m - m_safe)                     # 0 while nothing was summed yet
-            w = jnp.where(owned, jnp.exp(lse - m_safe), 0.0)
-            num = num * rescale + (w[:, None] * o).sum(axis=0)
-            den = den * rescale + w.sum()
-            m = m_next
-    if sinks_ref is not None:
-        sink = sinks_ref[head]
-        den = den + jnp.exp(sink - jnp.where(m > -jnp.inf, m, sink))
-    out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
-
-
-def merge_partials(o_part: jax.Array, lse_part: jax.Array, work: jax.Array,
-                   num_groups: int, sinks: jax.Array | None = None) -> jax.Array:
-    """Log-sum-exp merge of the work items' partial results into one output per group (jnp).
-
-    o_part [batch, items, G, q_per_kv, d] f32 (normalised), lse_part [batch, items, G, q_per_kv],
-    work [items, 3] or [batch, items, 3]. Returns [batch, groups, G, q_per_kv, d] f32; groups
-    with no tokens 0; sinks [groups * G * q_per_kv] or None (`attention_terms`). The Pallas
-    merge (`_merge_kernel`) computes the same; this one documents it and tests it.
-    """
-    work = jnp.broadcast_to(work, (o_part.shape[0], *work.shape[-2:]))
-    owner = (work[..., 0:1] == jnp.arange(num_groups)) & (work[..., 2:3] > 0)  # [b, i, groups]
-    lse = jnp.where(owner[..., None, None], lse_part[:, :, None], -jnp.inf)     # [b,i,n,G,q]
-    m = lse.max(axis=1)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m[:, None])
-    den = w.sum(axis=1)
-    if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(den.shape[1:])
-        den = den + jnp.exp(sink - m)
-    num = jnp.einsum("bingq,bigqd->bngqd", w, o_part, precision=lax.Precision.HIGHEST)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
-
-
 def _tier_pools(k_pages, v_pages) -> list[tuple]:
     """The (k, v) pools of a layer's launches, high tier first: one pair, or the two tiers of
     `kv_quant.TieredPages`."""
@@ -663,13 +485,6 @@ def _check_inputs(q, tier_pools, block_tables, lengths, works):
                                                               work.shape[0] != batch):
             raise ValueError(f"work_list must be [items, 3] or [batch={batch}, items, 3], got "
                              f"{work.shape}")
-
-
-def _work_spec(work):
-    """A shared work list [items, 3] is read by every batch row; a planned one per row."""
-    if work.ndim == 2:
-        return pl.BlockSpec(work.shape, lambda b, *_: (0, 0))
-    return pl.BlockSpec((None, *work.shape[1:]), lambda b, *_: (b, 0, 0))
 
 
 # How precision tiers are launched: one launch over both tiers' items (each program reads its
@@ -799,62 +614,6 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, starts=Non
         compiler_params=backend.compiler_params(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_decode_attention",
     )(work, lengths, block_tables, q, *page_arrays, *extra), work
-
-
-def _as_tuple(x) -> tuple:
-    """A launch's array as a one-entry tuple; tuples and lists of launches as tuples."""
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-@functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "interpret"))
-def merge_partials_pallas(o_part, lse_part, work, sinks=None, *, num_groups: int, out_dtype,
-                          interpret: bool):
-    """`merge_partials` as one Pallas launch, writing the final layout and dtype.
-
-    o_part [batch, items, G, q_per_kv, d], lse_part [batch, items, G, q_per_kv],
-    work [items, 3] or [batch, items, 3] -> [batch, groups, G * q_per_kv, d] in `out_dtype`.
-    Several decode launches' partials (precision tiers launched per tier) are passed as tuples
-    of these, a launch an entry (each its own item count and work list), and merged together
-    as if their items were one list. sinks: None or [groups * G * q_per_kv] sink logits
-    (`attention_terms`)."""
-    o_parts, lse_parts, works = _as_tuple(o_part), _as_tuple(lse_part), _as_tuple(work)
-    if not len(o_parts) == len(lse_parts) == len(works):
-        raise ValueError(f"o_part, lse_part and work must have one entry per launch, got "
-                         f"{len(o_parts)}, {len(lse_parts)} and {len(works)}")
-    batch, _, group_size, q_per_kv, head_dim = o_parts[0].shape
-    heads = group_size * q_per_kv
-    num_items = tuple(o.shape[1] for o in o_parts)
-    o_parts = [o.reshape(batch, o.shape[1], heads, head_dim) for o in o_parts]
-    lse_parts = [x.reshape(batch, x.shape[1], heads) for x in lse_parts]
-    chunks = tuple(min(_MERGE_CHUNK_ITEMS, backend.next_power_of_2(i)) for i in num_items)
-    # A chunk of partial outputs is at most _MERGE_TILE_F32 (64 registers a thread at 2 warps),
-    # so all chunks of a program stay in flight: long rows (small batches) split head_dim.
-    dim_block = min(head_dim, max(16, _MERGE_TILE_F32 // max(chunks)))
-    dim_splits = head_dim // dim_block
-    extra = () if sinks is None else (sinks.astype(jnp.float32).reshape(num_groups, heads),)
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, num_items=num_items, chunks=chunks,
-                          dim_splits=dim_splits, sinks=sinks is not None),
-        grid=(batch, num_groups, heads * dim_splits),
-        in_specs=[
-            *(_work_spec(w) for w in works),
-            *(pl.BlockSpec((None, i, heads, head_dim), lambda b, n, h: (b, 0, 0, 0))
-              for i in num_items),
-            *(pl.BlockSpec((None, i, heads), lambda b, n, h: (b, 0, 0)) for i in num_items),
-            *(pl.BlockSpec((None, heads), lambda b, n, h: (n, 0)) for _ in extra),
-        ],
-        out_specs=pl.BlockSpec((None, None, None, dim_block),
-                               lambda b, n, h: (b, n, h // dim_splits, h % dim_splits)),
-        out_shape=jax.ShapeDtypeStruct((batch, num_groups, heads, head_dim), out_dtype),
-        interpret=interpret,
-        compiler_params=backend.compiler_params(num_warps=_MERGE_WARPS, num_stages=1),
-        name="ragged_paged_decode_merge",
-    )(*works, *o_parts, *lse_parts, *extra)
-
-
-# The decode launch's (block_tokens, num_warps) by page format (`tuning.DECODE_TUNING`), and the
-# programs its split map is sized for as a multiple of the engine's `num_programs`
-# (`tuning.DECODE_PROGRAM_SCALE`): more, smaller items even out the SMs' last wave of programs.
 
 
 def decode_programs(kv_precision: str, num_programs: int) -> int:

@@ -15,7 +15,7 @@ from tangram_jax import LLM, kv_quant
 from tangram_jax.compression.profile import TierBudgets
 from tangram_jax.sampling import SamplingParams
 from tangram_jax.kv_layout import KVLayout, TieredLayout
-from tangram_jax.pallas_kernels import chunk_compress, decode_attention
+from tangram_jax.pallas_kernels import chunk_compress, decode_attention, decode_merge
 
 from tiny_engine import prefill_then_decode, tiny_engine_config, tiny_profile
 
@@ -180,11 +180,11 @@ def test_tiered_decode_merges_the_partials_of_both_launches():
             num_stages=2, tier=tier, num_tiers=2)
         alone = decode_attention.ragged_paged_decode_attention_reference(
             q, kt, vt, tables[:, tier::2], lens[:, tier::2])
-        merged = decode_attention.merge_partials(o_part, lse, work, 1)
+        merged = decode_merge.merge_partials(o_part, lse, work, 1)
         np.testing.assert_allclose(np.asarray(merged).reshape(alone.shape), np.asarray(alone),
                                    rtol=2e-5, atol=2e-5, err_msg=str(tier))
         parts.append((o_part, lse))
-    merged = decode_attention.merge_partials(
+    merged = decode_merge.merge_partials(
         jnp.concatenate([p[0] for p in parts], axis=1),
         jnp.concatenate([p[1] for p in parts], axis=1), jnp.concatenate([work, work]), 1)
     full = decode_attention.ragged_paged_decode_attention_reference(q, k, v, tables, lens)
@@ -198,9 +198,9 @@ def test_tiered_decode_merges_the_partials_of_both_launches():
     np.testing.assert_array_equal(np.asarray(work_one), np.concatenate([work, work]))
     for tier, (o_part, lse) in enumerate(parts):
         items = slice(tier * len(work), (tier + 1) * len(work))
-        merged = decode_attention.merge_partials(o_part, lse, work, 1)
+        merged = decode_merge.merge_partials(o_part, lse, work, 1)
         np.testing.assert_allclose(
-            np.asarray(decode_attention.merge_partials(o_one[:, items], lse_one[:, items],
+            np.asarray(decode_merge.merge_partials(o_one[:, items], lse_one[:, items],
                                                        work, 1)),
             np.asarray(merged), rtol=2e-5, atol=2e-5, err_msg=str(tier))
     # The decode and merge launches a layer makes: one decode launch (a launch per tier with

@@ -14,8 +14,8 @@ import pytest
 from tangram_jax.pallas_kernels import split_map as sm
 from tangram_jax.pallas_kernels.backend import default_interpret
 from tangram_jax.pallas_kernels.decode_attention import (
-    merge_partials, merge_partials_pallas, ragged_paged_decode_attention,
-    ragged_paged_decode_attention_reference)
+    ragged_paged_decode_attention, ragged_paged_decode_attention_reference)
+from tangram_jax.pallas_kernels.decode_merge import merge_partials, merge_partials_pallas
 
 GPU_SCALE = os.environ.get("TANGRAM_KERNEL_SCALE") == "gpu"
 # (batch, groups, G, q_per_kv, head_dim, page_size, max_pages, block_tokens, num_programs)
@@ -291,8 +291,8 @@ def test_codes_become_exact_operands_without_conversion(bits, compute, values):
     pattern, in the low byte of the operand dtype, is the float N * 2^E (`code_operand`,
     compiled: subnormal or lowest-binade patterns, linear in their bits); interpreted, N cast."""
     import ml_dtypes
-    from tangram_jax.pallas_kernels.decode_attention import (code_operand, plane_masks,
-                                                             unpack_planes)
+    from tangram_jax.pallas_kernels.packed_codes import (code_operand, plane_masks,
+                                                         unpack_planes)
     dtype, exponent, other = code_operand(bits, compute, values=values)
     assert jnp.dtype(dtype) == (jnp.float32 if compute == jnp.float32 else
                                 jnp.float16 if values and bits == 8 else compute)
@@ -319,7 +319,7 @@ def test_16_bit_units_unpack_into_the_byte_planes_operands(bits):
     planes of `kv_quant.unpack`, each plane's N the code shifted by its place in its byte (as a
     byte's planes: the high byte's planes are moved down first)."""
     from tangram_jax import kv_quant
-    from tangram_jax.pallas_kernels.decode_attention import unpack_planes
+    from tangram_jax.pallas_kernels.packed_codes import unpack_planes
     units = np.arange(0, 65536, 7, dtype=np.uint16)
     planes = unpack_planes(jnp.asarray(units), bits, jnp.float32, 0)
     codes = np.asarray(kv_quant.unpack(jnp.asarray(units)[:, None], bits))  # [n, planes]
@@ -342,8 +342,8 @@ def test_inline_ptx_unpack_gives_the_subnormal_operands(bits, values, unit):
     from jax import lax
     from jax.experimental import pallas as pl
     from tangram_jax.pallas_kernels.backend import compiler_params
-    from tangram_jax.pallas_kernels.decode_attention import (code_operand, plane_masks,
-                                                             unpack_planes)
+    from tangram_jax.pallas_kernels.packed_codes import (code_operand, plane_masks,
+                                                         unpack_planes)
     dtype, exponent, _ = code_operand(bits, jnp.bfloat16, values=values)
     planes = 8 // bits
     rng = np.random.default_rng()
