@@ -68,6 +68,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tangram_jax.kv_layout import PRECISION_TIERS
+
 KV_PRECISIONS = ("bf16", "k8v8", "k8v4", "k4v2")
 QUANT_BITS = (8, 4, 2)
 _EPS32 = float(np.finfo(np.float32).eps)
@@ -102,6 +104,42 @@ def page_format(precision: str) -> PageFormat:
     if precision not in PAGE_FORMATS:
         raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {precision!r}")
     return PAGE_FORMATS[precision]
+
+
+# What a pool may store: one page format, or precision tiers (`kv_layout.PRECISION_TIERS`).
+SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolFormat:
+    """What the KV pool stores, resolved once from `EngineConfig.kv_precision`
+    (`EngineConfig.resolve`) and read by the runner, the split map and the pool sizing.
+
+    precision: the served name (`SERVED_PRECISIONS`), also the key of its decode tuning and
+    program target (`pallas_kernels.tuning`); page_formats: the page format of each of its
+    pools: one, or (high, low) for precision tiers."""
+
+    precision: str
+    page_formats: tuple[PageFormat, ...]
+
+    @property
+    def tiered(self) -> bool:
+        return len(self.page_formats) > 1
+
+    def page_bytes(self, group_size: int, page_size: int, head_dim: int,
+                   dtype) -> tuple[int, ...]:
+        """Bytes of one page (K and V) of each of its pools."""
+        return tuple(page_bytes(f, group_size, page_size, head_dim, dtype)
+                     for f in self.page_formats)
+
+
+def pool_format(precision: str) -> PoolFormat:
+    """The `PoolFormat` of a `SERVED_PRECISIONS` name (the one check of the name)."""
+    if precision not in SERVED_PRECISIONS:
+        raise ValueError(f"kv_precision must be one of {', '.join(SERVED_PRECISIONS)}, got "
+                         f"{precision!r}")
+    return PoolFormat(precision, tuple(page_format(name) for name in
+                                       PRECISION_TIERS.get(precision, (precision,))))
 
 
 def _check_bits(bits) -> int:

@@ -33,10 +33,9 @@ from tangram_jax.compression.chunk_scoring import (SCORING_RULE_CHOICES, TURN_ME
                                                    resolve_scoring_rule)
 from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, KVLayout,
                                    TieredLayout, check_local_layers, pages_for)
-from tangram_jax.kv_quant import KV_PRECISIONS, page_format
+from tangram_jax.kv_quant import SERVED_PRECISIONS, PoolFormat, pool_format
 
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
-SERVED_PRECISIONS = KV_PRECISIONS + tuple(PRECISION_TIERS)
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.sampling import is_int
 from tangram_jax.models.registry import DTYPES
@@ -445,8 +444,8 @@ class EngineConfig:
             raise EngineConfigError(f"kv_tier_turn={self.kv_tier_turn} splits a tiered pool; "
                                     f"kv_precision {self.kv_precision!r} has no tiers (one of "
                                     f"{tuple(PRECISION_TIERS)})")
-        formats = PRECISION_TIERS.get(self.kv_precision, (self.kv_precision,))
-        if self.page_size % 2 and any(page_format(f).slot_pairs for f in formats):
+        if self.page_size % 2 and any(f.slot_pairs for f in
+                                      pool_format(self.kv_precision).page_formats):
             raise EngineConfigError(
                 f"page_size={self.page_size}: kv_precision {self.kv_precision!r} stores K4V2 "
                 f"pages as slot pairs (two slots' codes in each 16-bit unit), which need an even "
@@ -537,7 +536,8 @@ class EngineConfig:
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         return ResolvedConfig(
-            layout=layout, num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
+            layout=layout, pool_format=pool_format(self.kv_precision),
+            num_pages=pool_pages(self, mc, layout), max_model_len=max_model_len,
             max_num_batched_tokens=batched, decode_buckets=tuple(buckets),
             long_prefill_token_threshold=long_threshold,
             max_long_partial_prefills=self.max_long_partial_prefills,
@@ -555,6 +555,7 @@ class ResolvedConfig:
     """The settings an engine runs with (see `EngineConfig.resolve`)."""
 
     layout: KVLayout | TieredLayout   # tiered: kv_precision names precision tiers
+    pool_format: PoolFormat      # what the pool stores (kv_precision, resolved once)
     num_pages: int | tuple[int, int]   # KV pool pages, null page included; tiered: (high, low)
     max_model_len: int
     max_num_batched_tokens: int

@@ -384,28 +384,32 @@ def _copy_pages(k_pages, v_pages, src, dst):
 
 
 def decode_split_map(layout, model_config, dtype, num_programs: int, batch: int, *,
-                     group_size: int, kv_precision: str = "bf16"):
+                     group_size: int, pool_format: kv_quant.PoolFormat = kv_quant.pool_format(
+                         "bf16")):
     """The AOT split map of decode bucket `batch`: over the layout's groups weighed by their
-    budgets (every group holds one page format, `kv_precision`, whose measured program target
+    budgets (every group holds one page format, whose measured program target
     `decode_programs` sizes the map), or, with precision tiers, over its tier groups weighed by
     the bytes each is expected to read (`build_tier_split_map`: each tier is read by its own
     launch). group_size: the KV heads of a group on one device."""
-    if not isinstance(layout, TieredLayout):
-        return build_split_map(layout.group_budgets, decode_programs(kv_precision, num_programs),
+    if pool_format.tiered != isinstance(layout, TieredLayout):
+        raise ValueError(f"pool format {pool_format.precision!r} and layout {layout.name!r} "
+                         f"disagree on precision tiers")
+    if not pool_format.tiered:
+        return build_split_map(layout.group_budgets,
+                               decode_programs(pool_format.precision, num_programs),
                                batch, group_size=group_size)
-    tier_bytes = tuple(kv_quant.page_bytes(kv_quant.page_format(t), 1, 1,
-                                           model_config.head_dim, jnp.dtype(dtype))
-                       for t in layout.tiers)
+    tier_bytes = pool_format.page_bytes(1, 1, model_config.head_dim, jnp.dtype(dtype))
     return build_tier_split_map(layout.base.group_budgets, layout.high_share, tier_bytes,
                                 num_programs, batch, group_size=group_size)
 
 
 def decode_split_maps(layout, model_config, dtype, num_programs: int, buckets, *,
-                      group_size: int, kv_precision: str = "bf16", kind: str = "aot") -> dict:
+                      group_size: int, pool_format: kv_quant.PoolFormat = kv_quant.pool_format(
+                          "bf16"), kind: str = "aot") -> dict:
     """{bucket: SplitMap} of every decode bucket (`decode_split_map`); kind ``uniform``: as many
     items per row as the AOT map, cut evenly across the groups (the ablation baseline)."""
     maps = {b: decode_split_map(layout, model_config, dtype, num_programs, b,
-                                group_size=group_size, kv_precision=kv_precision)
+                                group_size=group_size, pool_format=pool_format)
             for b in buckets}
     if kind == "uniform":
         maps = {b: dataclasses.replace(

@@ -135,7 +135,7 @@ class Engine:
                                        decode_buckets=tuple(rc.decode_buckets),
                                        num_programs=cfg.num_programs,
                                        split_map=cfg.split_map),
-            kv_precision=cfg.kv_precision)
+            pool_format=rc.pool_format)
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
         pool = memory.pool_by_bytes(self.runner, self.layout, self.max_model_len)

@@ -55,7 +55,7 @@ from tangram_jax.engine.prefill_step import PrefillSteps, _apply_planned_writes,
 from tangram_jax.engine.step_compiler import StepCompilation
 from tangram_jax.engine.step_plan import StepPlan, StepResult
 from tangram_jax import kv_quant
-from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout, check_local_layers
+from tangram_jax.kv_layout import KVLayout, TieredLayout, check_local_layers
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.models.decoder import Decoder
 from tangram_jax.models.head_permutation import permute_kv_heads
@@ -188,10 +188,11 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
       runner_config: mode and scorer settings.
       kv_dtype: pool dtype (the model's dtype by default); of a quantised pool, the dtype its
         values are dequantised to.
-      kv_precision: page format of the pool (`kv_quant.KV_PRECISIONS`): ``bf16`` stores K/V in
-        `kv_dtype`; ``k8v8`` / ``k8v4`` / ``k4v2`` store packed codes with per-slot scales
+      pool_format: what the pool stores (`kv_quant.PoolFormat`, resolved once from
+        `EngineConfig.kv_precision`; default bf16): ``bf16`` stores K/V in `kv_dtype`;
+        ``k8v8`` / ``k8v4`` / ``k4v2`` store packed codes with per-slot scales
         (`kv_quant.QuantPages`), quantised as the chunk compression and the decode step write
-        them and dequantised by the attention kernels. A tiered precision
+        them and dequantised by the attention kernels. A tiered format
         (`kv_layout.PRECISION_TIERS`, ``k8v4-k4v2``) needs a `TieredLayout` of that precision:
         the pool is then `kv_quant.TieredPages` (a high and a low pool, each of its own page
         count, indexed by its tier groups' block-table entries),
@@ -206,7 +207,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
                  table_shape: tuple[int, ...], *,
                  split_maps: dict[int, SplitMap] | None = None,
                  runner_config: RunnerConfig = RunnerConfig(), kv_dtype=None,
-                 kv_precision: str = "bf16",
+                 pool_format: kv_quant.PoolFormat = kv_quant.pool_format("bf16"),
                  ops: AttentionOps | None = None,
                  devices: Sequence[jax.Device] | None = None):
         self.config = config
@@ -218,11 +219,12 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
         # A tiered layout's groups are (group, tier) pairs for the tables and counts; heads,
         # pages and the kernels' groups are its base layout's.
         self.tiers = layout if isinstance(layout, TieredLayout) else None
-        if (kv_precision in PRECISION_TIERS) != (self.tiers is not None) or (
-                self.tiers is not None and self.tiers.precision != kv_precision):
-            raise ValueError(f"kv_precision {kv_precision!r} needs "
-                             + ("a TieredLayout of that precision" if kv_precision in
-                                PRECISION_TIERS else "a KVLayout") + f", got {layout.name!r}")
+        self.pool_format = pool_format
+        if pool_format.tiered != (self.tiers is not None) or (
+                self.tiers is not None and self.tiers.precision != pool_format.precision):
+            raise ValueError(f"pool format {pool_format.precision!r} needs "
+                             + ("a TieredLayout of that precision" if pool_format.tiered
+                                else "a KVLayout") + f", got {layout.name!r}")
         if self.tiers is not None and runner_config.mode == "dynamic":
             raise ValueError("precision tiers are served with static budgets (tangram or full "
                              "mode), not in dynamic mode")
@@ -238,7 +240,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
             split_maps = decode_split_maps(
                 layout, config, model.dtype, runner_config.num_programs,
                 runner_config.decode_buckets, group_size=base.group_size // self.placement.tp,
-                kv_precision=kv_precision, kind=runner_config.split_map)
+                pool_format=pool_format, kind=runner_config.split_map)
         self.split_maps = dict(split_maps)
         for bucket, split_map in self.split_maps.items():
             if split_map.tiered != (self.tiers is not None):
@@ -250,7 +252,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
                               group_size=base.group_size,
                               intermediate_size=config.intermediate_size,
                               num_experts=config.moe.num_experts if config.moe else None)
-        check_local_layers(config, layout, runner_config.mode, kv_precision,
+        check_local_layers(config, layout, runner_config.mode, pool_format.precision,
                            int(table_shape[-1]) * base.page_size)
         head_perm = device_major_perm(base.head_perm, base.group_size, tp)
         if not np.array_equal(head_perm, np.tile(np.arange(base.num_kv_heads),
@@ -284,16 +286,12 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
                                                    stacked=self.layer_loop == "scan")
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
         # The page format of the pool, or of each tier's pool (high, low).
-        self.tier_formats = (tuple(kv_quant.page_format(t) for t in self.tiers.tiers)
-                             if self.tiers is not None else None)
-        self.kv_format = (self.tier_formats[0] if self.tiers is not None
-                          else kv_quant.page_format(kv_precision))
+        self.tier_formats = pool_format.page_formats if pool_format.tiered else None
+        self.kv_format = pool_format.page_formats[0]
         # Bytes of one page of each tier's pool (one pool untiered) on each device (a page's G
         # heads are split over the devices).
-        self.tier_page_bytes = tuple(
-            kv_quant.page_bytes(fmt, base.group_size, base.page_size, base.head_dim,
-                                self.kv_dtype) // tp
-            for fmt in (self.tier_formats or (self.kv_format,)))
+        self.tier_page_bytes = tuple(b // tp for b in pool_format.page_bytes(
+            base.group_size, base.page_size, base.head_dim, self.kv_dtype))
         # Tables, lengths and keep counts per (layer, group) or per (layer, tier group).
         self.counts_shape = (layout.num_layers, layout.num_groups)
         # The prefill kernel's tiles, shrunk where this model's dtype and head count would not

@@ -47,7 +47,8 @@ def test_tiny_engine_runs_every_precision(tiny_folder, mode, precisions):
         engine = llm.engine
         assert runner.split_maps == {b: decode_split_map(
             engine.layout, engine.model_config, None, engine.config.num_programs, b,
-            group_size=engine.layout.group_size, kv_precision=precision)
+            group_size=engine.layout.group_size,
+            pool_format=kv_quant.pool_format(precision))
             for b in runner.split_maps}
         if precision == "k8v4" and mode == "tangram":
             assert runner.split_maps != {b: decode_split_map(

@@ -233,7 +233,7 @@ def test_tiered_split_map_weighs_tier_groups_by_their_bytes():
                                                                                        0.5]]))
     tiered = TieredLayout(base, np.array([[1.0, 0.0]]))
     smap = decode_split_map(tiered, types.SimpleNamespace(head_dim=128), jnp.bfloat16, 40, 1,
-                            group_size=2)
+                            group_size=2, pool_format=kv_quant.pool_format("k8v4-k4v2"))
     assert smap.tiered and smap.num_groups == 4
     high_of_0, low_of_0, high_of_1, low_of_1 = smap.splits[0]
     assert low_of_0 == 1 and high_of_1 == 1
@@ -258,16 +258,19 @@ def test_engine_split_map_takes_each_page_format_s_measured_program_target():
                     chunk_size=8, head_perm=np.arange(4)[None],
                     group_budgets=np.array([[0.5, 0.5]]))
     items = {name: decode_split_map(base, None, jnp.bfloat16, 24, 1, group_size=2,
-                                    kv_precision=name).num_items
+                                    pool_format=kv_quant.pool_format(name)).num_items
              for name in ("bf16", "k8v8", "k8v4", "k4v2")}
     assert items == {name: build_split_map(base.group_budgets, 24 * DECODE_PROGRAM_SCALE[name],
                                            1, group_size=2).num_items for name in items}
     assert items["k8v4"] == items["k4v2"] == 2 * items["k8v8"] == 4 * items["bf16"] == 48
     tiered = TieredLayout(base, np.array([[0.5, 0.5]]))
     cfg = types.SimpleNamespace(head_dim=128)
+    tiers = kv_quant.pool_format("k8v4-k4v2")
     assert decode_split_map(tiered, cfg, jnp.bfloat16, 24, 1, group_size=2,
-                            kv_precision="k8v4-k4v2") == \
-        decode_split_map(tiered, cfg, jnp.bfloat16, 24, 1, group_size=2)
+                            pool_format=tiers).num_items == 24   # num_programs, unscaled
+    for layout, fmt in ((tiered, kv_quant.pool_format("k8v4")), (base, tiers)):
+        with pytest.raises(ValueError, match="disagree on precision tiers"):
+            decode_split_map(layout, cfg, jnp.bfloat16, 24, 1, group_size=2, pool_format=fmt)
 
 
 # ----- the engine end to end (tiny model, CPU serving path) -----------------------------------
@@ -353,11 +356,12 @@ def _runner_steps(use_kernels: bool, kv_precision: str = "k8v4-k4v2", max_pages:
     else:
         layout, pool_pages = LAYOUT, 64
     manager = KVCacheManager(layout, pool_pages, 2, max_pages, model_kv_shape=(3, 2, 8))
-    split_maps = {1: decode_split_map(layout, CONFIG, jnp.float32, 4, 1, group_size=1)}
+    split_maps = {1: decode_split_map(layout, CONFIG, jnp.float32, 4, 1, group_size=1,
+                                      pool_format=kv_quant.pool_format(kv_precision))}
     runner = ModelRunner(Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)), CONFIG, layout,
                          pool_pages, manager.block_tables.shape, split_maps=split_maps,
                          runner_config=RunnerConfig(layer_loop="scan"),
-                         kv_precision=kv_precision,
+                         pool_format=kv_quant.pool_format(kv_precision),
                          ops=AttentionOps.for_backend(use_kernels=use_kernels))
     prefill, runner.prefill_widths = runner._prefill, []
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tangram_jax import kv_quant
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig
 from tangram_jax.kv_layout import KVLayout
 from tangram_jax.models.decoder import Decoder
@@ -52,7 +53,7 @@ def run_mixed_steps(runner_class, mode, precision):
     model = Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0))
     runner = runner_class(model, CONFIG, layout, 96, manager.block_tables.shape,
                           runner_config=RunnerConfig(mode=mode, max_prefill_tokens=32),
-                          kv_precision=precision)
+                          pool_format=kv_quant.pool_format(precision))
     assert runner.mixes_steps == (runner_class is ModelRunner)
     rng = np.random.default_rng(5)
     a_tokens, b_tokens = rng.integers(1, 97, 21), rng.integers(1, 97, 37)
