@@ -123,8 +123,8 @@ def test_a_token_budget_below_a_chunk_is_refused_when_the_config_is_made():
         EngineConfig(max_num_batched_tokens=8, chunk_size=16)
     with pytest.raises(EngineConfigError, match=r"= 2 \+ 16 = 18"):
         EngineConfig(max_num_batched_tokens=17, chunk_size=16, max_num_seqs=2)
-    # chunk_size left to the backend: bounded by the smallest default (CPU's), named as such.
-    with pytest.raises(EngineConfigError, match=r"16 \+ 128 = 144 \(chunk_size's default"):
+    # chunk_size left to its default (2048 on every backend), named as such.
+    with pytest.raises(EngineConfigError, match=r"16 \+ 2048 = 2064 \(chunk_size's default"):
         EngineConfig(max_num_batched_tokens=8)
     assert EngineConfig(max_num_batched_tokens=18, chunk_size=16, max_num_seqs=2)\
         .max_num_batched_tokens == 18
