@@ -368,6 +368,19 @@ class Scheduler(HostTierScheduling):
             raise ValueError(f"session {session_id!r} is {seq.status.value}, not idle")
         self._release(seq, SequenceStatus.FINISHED)
 
+    def evict_session(self, session_id: str) -> bool:
+        """Evict an idle session's cache now, as a full pool would (`_evict`: to host memory
+        where the host tier takes it, else dropped). Returns whether it went to host memory."""
+        seq = self.sessions.get(session_id)
+        if seq is None:
+            raise KeyError(f"no session {session_id!r}")
+        if seq.status is not SequenceStatus.IDLE or not seq.is_cached:
+            raise ValueError(f"session {session_id!r} is {seq.status.value}"
+                             f"{'' if seq.is_cached else ' without a cache in the pool'}: only "
+                             f"an idle session holding pages can be evicted")
+        self._evict(seq)
+        return seq.is_swapped
+
     # ----- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
