@@ -269,7 +269,8 @@ class EngineConfig:
         "host memory for idle sessions' KV swapped out of the pool, bytes (vLLM's swap_space / "
         "kv_offloading_size): an evicted session is copied there and back instead of "
         "re-prefilled when that is cheaper; 0 turns the host tier off; default: a quarter of "
-        "the machine's memory, at most 16 GiB (engine/host_offload.py)")
+        "the machine's memory, at most 16 GiB, shared by the data-parallel replicas "
+        "(scheduler/host_pool.py)")
     max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
     max_num_batched_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),
@@ -557,7 +558,9 @@ class EngineConfig:
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
             compression_method=method, scoring_rule=scoring_rule,
-            host_kv_cache_bytes=(default_host_kv_cache_bytes() if self.host_kv_cache_bytes is None
+            # The default is the machine's: data-parallel replicas (engines) share it.
+            host_kv_cache_bytes=(default_host_kv_cache_bytes() // self.data_parallel_size
+                                 if self.host_kv_cache_bytes is None
                                  else self.host_kv_cache_bytes),
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 

@@ -179,9 +179,6 @@ class Engine:
         self._next_id = 0
         self._in_flight: list[InFlightToken] = []
         self.tokens_processed = 0
-        # The prefill rate's measurement: (prefill tokens, start) of the last step that was
-        # mostly prefill, timed to the next step's start (`_observe_prefill_rate`).
-        self._prefill_probe: tuple[int, float] | None = None
         self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
         # included), warm-up (compiling every step shape), total.
@@ -579,7 +576,7 @@ class Engine:
         token, was written to the cache, so a session's next turn need not prefill it).
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
-        self._observe_prefill_rate(time.perf_counter())
+        self.host_pool.end_prefill_timing(time.perf_counter())
         out = self.scheduler.schedule()
         if out.is_empty:   # host moves of evictions that admitted nothing, or of closed sessions
             self._move_host_kv()
@@ -605,7 +602,7 @@ class Engine:
         prefill_tokens = sum(r.num_tokens for r in plan.prefill)
         self.tokens_processed += prefill_tokens + len(decode_reqs)
         if prefill_tokens >= len(decode_reqs):   # mostly prefill: time it to the next step
-            self._prefill_probe = (prefill_tokens, started)
+            self.host_pool.start_prefill_timing(prefill_tokens, started)
         for rid, entries in result.prompt_logprobs.items():
             self._requests[rid].prompt_lp.update(entries)
         for r in first_reqs:   # a family's children start from their parent's prompt entries
@@ -629,16 +626,6 @@ class Engine:
         """Run the host tier's moves logged outside a step plan (between steps only releases
         of host copies, of sessions closed or aborted)."""
         self.runner.move_host_kv(self.manager.take_host_transfers())
-
-    def _observe_prefill_rate(self, now: float) -> None:
-        """Feed the host tier's swap-or-recompute choice the prefill rate: the prefill tokens
-        of the last step that was mostly prefill over the time from its dispatch to this step's
-        start (an estimate: under asynchronous scheduling that span ends when the host has
-        waited for the step before it, so it is about one step of device time)."""
-        if self._prefill_probe is not None:
-            tokens, started = self._prefill_probe
-            self.host_pool.observe_prefill(tokens, now - started)
-            self._prefill_probe = None
 
     def _plan(self, out) -> tuple[StepPlan, list[LiveRequest], list[LiveRequest]]:
         """The step plan of scheduler output `out` (`step_plan`), with the requests of its

@@ -122,6 +122,7 @@ class HostKVPool:
         # Sessions holding a host copy -> its bytes, in the order they were swapped out.
         self._held: dict[object, int] = {}
         self._measured = {"host_bandwidth": False, "prefill_rate": False}
+        self._prefill_timing: tuple[int, float] | None = None
 
     # ----- accounting ------------------------------------------------------------------------
     @property
@@ -196,6 +197,19 @@ class HostKVPool:
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step of `num_tokens` prefill tokens took `seconds`."""
         self._observe("prefill_rate", num_tokens, seconds)
+
+    def start_prefill_timing(self, num_tokens: int, started: float) -> None:
+        """A step that was mostly `num_tokens` of prefill was dispatched at `started`; the
+        next step's start (`end_prefill_timing`) ends it. An estimate: under asynchronous
+        scheduling the next step starts once the host has waited for the step before this
+        one, about one step of device time later."""
+        self._prefill_timing = (int(num_tokens), float(started))
+
+    def end_prefill_timing(self, now: float) -> None:
+        if self._prefill_timing is not None:
+            tokens, started = self._prefill_timing
+            self.observe_prefill(tokens, now - started)
+            self._prefill_timing = None
 
     def _observe(self, name: str, amount: float, seconds: float) -> None:
         if amount <= 0 or not seconds > 0:
