@@ -145,9 +145,9 @@ class HostKVTier:
 
     def _rows(self, rows, size: int):
         """A copy's rows as a device array of `size` pages (numpy ones padded and put)."""
-        if isinstance(rows, jax.Array):   # still the padded device gather
-            assert rows.shape[0] == size, (rows.shape, size)   # the same n, the same bucket
-            return rows
+        if isinstance(rows, jax.Array):   # still the padded device gather (same n, same size)
+            assert rows.shape[0] == size, (rows.shape, size)
+            return jax.device_put(rows, self.sharding)   # the layout warm-up compiled for
         pad = np.zeros((size - rows.shape[0], *rows.shape[1:]), rows.dtype)
         return jax.device_put(np.concatenate([rows, pad]), self.sharding)
 
@@ -168,6 +168,23 @@ class HostKVTier:
             for _, rows in self._copies[handle]:
                 jax.block_until_ready(rows)
         self._settle()
+
+
+def swap_lowerings(k_pages, v_pages, sharding, max_pages: int) -> list[tuple]:
+    """``(name, key, lower)`` of every gather and scatter a swap of up to `max_pages` pages of
+    each tier's pool meets (the warm-up compiles them: `StepCompilation.warmup_programs`)."""
+    programs = []
+    for tier, pool in enumerate(tier_pools(k_pages, v_pages)):
+        top = _padded(min(max_pages, jax.tree.leaves(pool)[0].shape[0]))
+        for size in (1 << b for b in range(3, top.bit_length())):
+            ids = np.zeros(size, np.int32)
+            rows = jax.tree.map(lambda x, size=size: jax.ShapeDtypeStruct(
+                (size, *x.shape[1:]), x.dtype, sharding=sharding), pool)
+            programs.append(("host_copy_out", dict(tier=tier, pages=size),
+                             functools.partial(_gather.lower, pool, ids)))
+            programs.append(("host_copy_in", dict(tier=tier, pages=size),
+                             functools.partial(_scatter.lower, pool, ids, rows)))
+    return programs
 
 
 def time_host_copy(device, nbytes: int = 16 << 20) -> tuple[int, float]:

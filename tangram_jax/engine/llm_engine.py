@@ -685,6 +685,9 @@ class Engine:
                            self.config.max_num_seqs,
                            max_page_copies=(self.config.max_num_seqs - 1)
                            * self.model_config.num_layers * decode_groups,
+                           # A swapped session holds at most a full block table's pages.
+                           max_swap_pages=(self.manager.block_tables[0].size
+                                           if self.host_pool.enabled else 0),
                            logprob_modes=[m for m in modes if m not in self._warm_variants],
                            prompt_logprobs=[t for t in ((False, True) if logprobs else (False,))
                                             if ("prompt", t) not in self._warm_variants])

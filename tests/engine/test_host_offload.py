@@ -69,8 +69,9 @@ def _clobber_pool(engine):
     engine._move_host_kv()
     engine.runner.host_tier.settle_all()
     runner = engine.runner
-    runner.k_pages, runner.v_pages = jax.tree.map(lambda x: jnp.full_like(x, 3),
-                                                  (runner.k_pages, runner.v_pages))
+    runner.k_pages, runner.v_pages = jax.tree.map(
+        lambda x: jax.device_put(jnp.full_like(x, 3), x.sharding),
+        (runner.k_pages, runner.v_pages))
 
 
 def _all_returned(engine):
@@ -130,3 +131,58 @@ def test_pool_pressure_swaps_idle_sessions_and_restores_them(tiny_folder):
         tight.end_session(sid)
     assert tight.host_pool.used_bytes == 0 and tight.runner.host_tier.num_copies == 0
     np.testing.assert_array_equal(tight.manager.num_free_pages, tight.manager.capacity)
+
+
+def test_swapping_after_warm_up_compiles_nothing(tiny_folder):
+    """Warm-up compiles the host tier's page copies (every size a swapped session can need,
+    of each tier's pool): a session swapped out and back after it compiles nothing."""
+    engine = _engine(tiny_folder, "k8v4-k4v2", warmup=True)
+    engine.host_pool.host_bandwidth = 1e15
+    assert {"host_copy_out", "host_copy_in"} <= {r["program"] for r in engine.runner.compile_log}
+    turns = _turns()
+    _turn(engine, "t0", turns[0])
+    _turn(engine, "t1", turns[1])   # the follow-up's shapes, before anything is recorded
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event
+        else None)
+    assert engine.scheduler.evict_session("s")
+    _turn(engine, "t2", turns[1])
+    jax.block_until_ready(engine.runner.k_pages)
+    assert compiles == [] and engine.scheduler.metrics.num_swapped_in == 1
+
+
+TENSOR_PARALLEL_CHILD = r"""
+import json, sys
+import jax
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2] + "/engine")
+from tiny_engine import tiny_engine_config, tiny_profile
+from tangram_jax.engine.llm_engine import Engine
+from test_host_offload import _conversation
+
+folder = sys.argv[1]
+assert len(jax.devices()) == 2, jax.devices()
+report = {}
+for precision in ("bf16", "k8v4"):
+    runs = {}
+    for evict in (None, "host"):
+        engine = Engine(tiny_engine_config(folder, "tangram", tensor_parallel_size=2,
+                                           kv_precision=precision,
+                                           profile=tiny_profile(folder, group_size=2)))
+        engine.host_pool.host_bandwidth = 1e15
+        runs[str(evict)] = _conversation(engine, evict)
+        swapped = engine.scheduler.metrics.num_swapped_in
+    report[precision] = dict(equal=runs["None"] == runs["host"], swapped_in=swapped)
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_swapping_a_pool_split_over_two_devices(tmp_path):
+    """Tensor parallelism: the pool's head axis is split over the devices; a session swapped
+    out of it and back answers as never evicted (bf16 and quantised pages)."""
+    from tiny_engine import build_tiny_model, report_of_child
+    report = report_of_child(TENSOR_PARALLEL_CHILD, build_tiny_model(tmp_path / "tiny"))
+    for precision in ("bf16", "k8v4"):
+        assert report[precision] == dict(equal=True, swapped_in=2), report
