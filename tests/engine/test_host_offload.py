@@ -186,3 +186,26 @@ def test_swapping_a_pool_split_over_two_devices(tmp_path):
     report = report_of_child(TENSOR_PARALLEL_CHILD, build_tiny_model(tmp_path / "tiny"))
     for precision in ("bf16", "k8v4"):
         assert report[precision] == dict(equal=True, swapped_in=2), report
+
+
+@pytest.mark.parametrize("bad,match", [
+    (-1, "host_kv_cache_bytes must be an int >= 0 or None, got -1"),
+    (1.5, "host_kv_cache_bytes must be an int >= 0 or None, got 1.5"),
+    ("4G", "host_kv_cache_bytes must be an int >= 0 or None, got '4G'"),
+    (True, "host_kv_cache_bytes must be an int >= 0 or None, got True"),
+    (1 << 60, "host_kv_cache_bytes=1152921504606846976 exceeds this machine's memory")])
+def test_bad_host_budget_is_one_clear_error(bad, match):
+    from tangram_jax.engine.config import EngineConfig, EngineConfigError
+    with pytest.raises(EngineConfigError, match=match):
+        EngineConfig(host_kv_cache_bytes=bad)
+
+
+def test_host_budget_default_and_off(tiny_folder):
+    from tangram_jax.scheduler.host_pool import default_host_kv_cache_bytes, host_memory_bytes
+    default = default_host_kv_cache_bytes()
+    assert 0 < default <= min(16 << 30, host_memory_bytes() // 4)
+    off = _engine(tiny_folder, "tangram", host_kv_cache_bytes=0)
+    assert off.scheduler.host is None and not off.host_pool.enabled
+    assert off.kv_usage()["host"]["host_kv_capacity_bytes"] == 0
+    _turn(off, "t0", _turns()[0])
+    assert off.scheduler.evict_session("s") is False   # recomputed, as without a host tier
