@@ -5,8 +5,8 @@ only, so both sides run the same loop.
 Each session's first turn is sent at the session's arrival time (all at 0 in a closed loop,
 Poisson in an open loop); each follow-up is sent the session's think time for it (its
 ``think_times``, drawn by `workload.make_sessions`) after the previous turn ends, or the moment
-it ends where the session has none. Times are taken as a client sees them: TTFT from the turn's send time to the step
-that reports its first token, TPOT over the rest of its tokens.
+it ends where the session has none. Times are taken as a client sees them: TTFT from the turn's
+send time to the step that reports its first token, TPOT over the rest of its tokens.
 """
 
 from __future__ import annotations

@@ -227,6 +227,71 @@ class HostKVPool:
                 "prefill_tokens_per_s": self.prefill_rate}
 
 
+class HostTierPages:
+    """The `KVCacheManager`'s host-tier moves (a part of `KVCacheManager`, kept here with the
+    tier): a slot's pages out to host memory, back into fresh pages, a host copy let go, each
+    logged for the device (`take_host_transfers`); `pages_to_reserve` and `fits_ever` take a
+    `SwappedKV` where they take a slot."""
+
+    def swap_out(self, slot: int) -> SwappedKV:
+        """Move `slot`'s KV to host memory (`scheduler.host_pool`): log the copy of every page
+        it holds, of each tier's pool, for the device (`take_host_transfers`), then free the
+        slot and its pages (the device copies them out before anything of the step that reuses
+        them runs). Only a slot whose turn is written (no unwritten reserved room) and whose
+        pages no other slot shares (no forked family) can go. Returns what `swap_in` restores."""
+        self._check_slot(slot)
+        if (self.reserved_lengths[slot] != self.lengths[slot]).any() or slot in self._fork_stash:
+            raise ValueError(f"swap_out: slot {slot} has reserved room it has not written")
+        counts = self.table.num_pages[slot].copy()
+        pages = self.table.pages_of(slot)
+        by_tier = self._pages_by_tier(pages, counts)
+        if any((pool.holders(p) > 1).any() for pool, p in zip(self.pools, by_tier)):
+            raise ValueError(f"swap_out: slot {slot} shares pages with a forked sibling")
+        self._last_handle += 1
+        swapped = SwappedKV(self._last_handle, counts, self.lengths[slot].copy(),
+                            self.pages_held(slot))
+        self._host_transfers.append(HostTransfer("out", swapped.handle, by_tier))
+        self.free(slot)
+        return swapped
+
+    def swap_in(self, slot: int, swapped: SwappedKV) -> bool:
+        """Give fresh slot `slot` back the KV `swapped` held: as many pages of each (layer,
+        group), of its tier's pool, with the same retained (and reserved) lengths, and log
+        their copy from host memory (`take_host_transfers`). All or nothing: False (nothing
+        changes) when a tier's pool is short."""
+        self._check_slot(slot)
+        if self.table.num_pages[slot].any() or slot in self._fork_stash:
+            raise ValueError(f"swap_in: slot {slot} already holds pages")
+        counts = swapped.num_pages
+        if (self._by_tier(counts) > np.array([p.num_free for p in self.pools])).any():
+            return False
+        pages = self._allocate(counts)
+        self.table.append(np.array([slot]), counts[None], pages)
+        self.lengths[slot] = swapped.lengths
+        self.reserved_lengths[slot] = swapped.lengths
+        self._host_transfers.append(HostTransfer("in", swapped.handle,
+                                                 self._pages_by_tier(pages, counts)))
+        return True
+
+    def discard_swapped(self, swapped: SwappedKV) -> None:
+        """The host copy of `swapped` will not be restored (its session is closed or falls back
+        to recompute): log its release for the device."""
+        self._host_transfers.append(HostTransfer("drop", swapped.handle))
+
+    def _pages_by_tier(self, pages: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+        """`pages` (of cells holding `counts` pages, block-table order) split by tier's pool."""
+        if len(self.pools) == 1:
+            return (np.asarray(pages, np.int32),)
+        tiers = self._page_tiers(counts)
+        return tuple(np.asarray(pages[tiers == t], np.int32) for t in range(len(self.pools)))
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        """Moves of the host tier since the last call, in order: the device runs them before
+        anything else of the step (`engine/host_offload.py`)."""
+        transfers, self._host_transfers = self._host_transfers, []
+        return transfers
+
+
 class HostTierScheduling:
     """The `Scheduler`'s host-tier steps (a part of `Scheduler`, kept here with the tier):
     the eviction cost its session table ranks by, swapping an evicted session out, and back
