@@ -209,3 +209,45 @@ def test_host_budget_default_and_off(tiny_folder):
     assert off.kv_usage()["host"]["host_kv_capacity_bytes"] == 0
     _turn(off, "t0", _turns()[0])
     assert off.scheduler.evict_session("s") is False   # recomputed, as without a host tier
+
+
+@pytest.mark.parametrize("formats", [("bf16",), ("k8v4",), ("k8v4", "k4v2")])
+@pytest.mark.parametrize("settle", [True, False])
+def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
+    """`HostKVTier` on a pool of random contents: pages copied out and back into other page
+    ids hold exactly what they held (codes, scales and zeros of quantised formats; each tier's
+    pool), whether the copy reached host memory first (numpy) or is still in flight (the same
+    step's gather); a dropped copy is gone; other pages are untouched."""
+    from tangram_jax import kv_quant
+    from tangram_jax.engine.host_offload import HostKVTier, tier_pools
+    from tangram_jax.scheduler.host_pool import HostTransfer
+    rng = np.random.default_rng(0)
+
+    def make(shape, dtype):
+        dtype = jnp.dtype(dtype)
+        if jnp.issubdtype(dtype, jnp.integer):
+            return jnp.asarray(rng.integers(0, 200, shape), dtype)
+        return jnp.asarray(rng.normal(size=shape), dtype)
+    k, v = kv_quant.allocate_pools([kv_quant.page_format(f) for f in formats],
+                                   [20] * len(formats), (2, 4, 16), jnp.bfloat16, make=make)
+    before = [jax.tree.map(np.asarray, pool) for pool in tier_pools(k, v)]
+    src = tuple(np.array([3, 7, 1, 12], np.int32)[:4 - t] for t in range(len(formats)))
+    dst = tuple(np.array([15, 2, 19, 5], np.int32)[:4 - t] for t in range(len(formats)))
+    tier = HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    moves = [HostTransfer("out", 1, src), HostTransfer("out", 2, src)]
+    if settle:
+        k, v = tier.apply(k, v, moves)
+        tier.settle_all()
+        assert tier.num_copies == 2 and tier.host_bytes > 0
+        k, v = tier.apply(k, v, [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
+    else:
+        k, v = tier.apply(k, v, moves + [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
+    assert tier.num_copies == 0
+    for t, (old, new) in enumerate(zip(before, (jax.tree.map(np.asarray, p)
+                                                 for p in tier_pools(k, v)))):
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+            np.testing.assert_array_equal(b[dst[t]], a[src[t]])
+            others = np.setdiff1d(np.arange(20), dst[t])
+            np.testing.assert_array_equal(b[others], a[others])
+    with pytest.raises(KeyError, match="no copy 2"):
+        tier.apply(k, v, [HostTransfer("drop", 2)])

@@ -137,3 +137,28 @@ def test_measured_rates_replace_the_priors_then_average():
     assert host.host_bandwidth == pytest.approx(0.8 * 100 + 0.2 * 200)
     host.observe_prefill(0, 1.0)   # nothing prefilled: no measurement
     assert host.prefill_rate == HostKVPool(10, [1]).prefill_rate
+
+
+def test_queued_session_swapped_out_is_restored_at_admission_or_released_on_abort():
+    """A session whose next turn is queued may be evicted too (decode growth takes queued
+    sessions last): swapped, its admission restores it; aborted instead, its host copy goes."""
+    for abort in (False, True):
+        m, s, host = make_host()
+        serve_turn(s, "a1", list(range(40)), "a", finish_after=3)
+        a = s.sessions.get("a")
+        lengths, computed = m.lengths[a.slot].copy(), a.num_computed_tokens
+        s.add_request("a2", [3] * 5, session_id="a")
+        assert a.status is SequenceStatus.WAITING and s.sessions.is_listed(a)
+        assert s._evict_one() and a.is_swapped and host.used_bytes > 0
+        if abort:
+            s.abort("a2")
+            assert host.used_bytes == 0 and "a" not in s.sessions
+            kinds = [t.kind for t in m.take_host_transfers()]
+            assert kinds[-2:] == ["out", "drop"]
+        else:
+            out = s.schedule()
+            (piece,) = out.prefill_chunks
+            assert piece.seq is a and piece.start == computed and not a.is_swapped
+            np.testing.assert_array_equal(m.retained_lengths(a.slot), lengths)
+            assert [t.kind for t in m.take_host_transfers()][-2:] == ["out", "in"]
+        assert m.num_free_slots == m.max_seqs - (0 if abort else 1)
