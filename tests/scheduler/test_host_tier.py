@@ -162,3 +162,21 @@ def test_queued_session_swapped_out_is_restored_at_admission_or_released_on_abor
             np.testing.assert_array_equal(m.retained_lengths(a.slot), lengths)
             assert [t.kind for t in m.take_host_transfers()][-2:] == ["out", "in"]
         assert m.num_free_slots == m.max_seqs - (0 if abort else 1)
+
+
+def test_eviction_ranking_counts_the_cheaper_of_swap_and_recompute():
+    """The session table ranks by pages freed per expected cost: with a host tier that cost is
+    the copy back's (in recompute tokens at the measured prefill rate) where swapping wins, so
+    a long history that is cheap to swap back is no longer kept for its recompute cost."""
+    for bandwidth, swaps in ((1e12, True), (1.0, False)):
+        m, s, host = make_host(host_bandwidth=bandwidth, prefill_rate=1000.0)
+        serve_turn(s, "a1", list(range(40)), "a", finish_after=3)
+        a = s.sessions.get("a")
+        nbytes = host.bytes_of(m.pages_held(a.slot))
+        cost = s.sessions.eviction_cost(a)
+        if swaps:
+            assert cost == pytest.approx(nbytes / bandwidth * 1000.0) and cost < a.num_tokens
+        else:
+            assert cost == a.num_tokens
+        assert s.sessions.eviction_score(a) == pytest.approx(
+            m.pages_held(a.slot) * (0 + s.sessions.idle_prior_seconds) / max(1.0, cost))
