@@ -190,7 +190,8 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
         adapter = _EngineAdapter(engine, spec.answer_tokens)
         metrics = engine.scheduler.metrics
         before = (metrics.num_evictions, metrics.num_preemptions, metrics.num_capped,
-                  engine.manager.pages_reclaimed, engine.manager.reclaim_seconds)
+                  engine.manager.pages_reclaimed, engine.manager.reclaim_seconds,
+                  metrics.num_swapped_out, metrics.num_swapped_in, metrics.swapped_out_bytes)
         recorder.reset()
         records, elapsed = session_loop.drive(sessions, adapter, on_step=recorder.sample_pool)
         new_tokens = sum(r.new_tokens for r in records)
@@ -201,6 +202,11 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
                "steps": recorder.steps, "peak_batch": recorder.peak_batch,
                "mean_decode_batch": recorder.decode_rows / max(recorder.steps, 1),
                "evictions": metrics.num_evictions - before[0],
+               # Of them, swapped to host memory (and sessions copied back) instead of
+               # recomputed (`host_kv_cache_bytes`).
+               "swapped_out": metrics.num_swapped_out - before[5],
+               "swapped_in": metrics.num_swapped_in - before[6],
+               "swapped_out_bytes": metrics.swapped_out_bytes - before[7],
                "preemptions": metrics.num_preemptions - before[1],
                "capped": metrics.num_capped - before[2],
                "pages_reclaimed": engine.manager.pages_reclaimed - before[3],
@@ -212,7 +218,8 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
         results.append(row)
         print(f"  {name}: {row['turns']} turns in {elapsed:.1f} s, {row['turns_per_s']:.3f} "
               f"turns/s, TTFT follow-up p50 {row['ttft_followup_s']['p50']}, evictions "
-              f"{row['evictions']}, recompute {row['recompute_tokens']}", flush=True)
+              f"{row['evictions']} ({row['swapped_out']} to host), recompute "
+              f"{row['recompute_tokens']}", flush=True)
     engine.scheduler.schedule = recorder.original
     return results
 

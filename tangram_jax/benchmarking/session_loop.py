@@ -3,9 +3,10 @@ virtual environment through `vllm_driver.py`, which loads this file by path): st
 only, so both sides run the same loop.
 
 Each session's first turn is sent at the session's arrival time (all at 0 in a closed loop,
-Poisson in an open loop); each follow-up is sent the moment the session's previous turn ends (no
-think time). Times are taken as a client sees them: TTFT from the turn's send time to the step
-that reports its first token, TPOT over the rest of its tokens.
+Poisson in an open loop); each follow-up is sent the session's think time for it (its
+``think_times``, drawn by `workload.make_sessions`) after the previous turn ends, or the moment
+it ends where the session has none. Times are taken as a client sees them: TTFT from the turn's
+send time to the step that reports its first token, TPOT over the rest of its tokens.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def drive(sessions: list[dict], adapter: Adapter, clock=time.perf_counter,
                 session = by_id[rec.session_id]
                 history[rec.session_id] += list(token_ids)
                 if rec.turn + 1 < len(session["turns"]):
-                    due.append((now, rec.session_id, rec.turn + 1))
+                    think = session.get("think_times") or ()
+                    wait = float(think[rec.turn]) if rec.turn < len(think) else 0.0
+                    due.append((now + wait, rec.session_id, rec.turn + 1))
                     due.sort()
                 else:
                     adapter.end_session(rec.session_id)

@@ -23,12 +23,15 @@ ARRIVALS = ("closed", "poisson")
 @dataclasses.dataclass(frozen=True)
 class Session:
     """One session: ``turns[0]`` the context with its first question, ``turns[1:]`` the
-    follow-up questions (token ids); `arrival` seconds after the start when turn 1 is sent."""
+    follow-up questions (token ids); `arrival` seconds after the start when turn 1 is sent;
+    `think_times` seconds between an answer and the next follow-up (one per follow-up; empty:
+    each follow-up is sent the moment the answer ends)."""
 
     session_id: str
     turns: tuple[tuple[int, ...], ...]
     answer_tokens: int
     arrival: float = 0.0
+    think_times: tuple[float, ...] = ()
 
     @property
     def num_turns(self) -> int:
@@ -47,6 +50,9 @@ class SessionSpec:
     arrival: str = "closed"
     session_rate: float | None = None     # sessions per second, for poisson arrivals
     seed: int = 0
+    # Mean think time, seconds: each follow-up is sent an exponential time (of this mean) after
+    # the previous answer ended (a user reading it); 0: at once.
+    think_time: float = 0.0
 
     def __post_init__(self):
         for name in ("num_sessions", "context_tokens", "question_tokens", "answer_tokens"):
@@ -55,6 +61,11 @@ class SessionSpec:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.followups, (int, np.integer)) or self.followups < 0:
             raise ValueError(f"followups must be an int >= 0, got {self.followups!r}")
+        if isinstance(self.think_time, bool) or not isinstance(
+                self.think_time, (int, float, np.integer, np.floating)) \
+                or not 0 <= self.think_time < float("inf"):
+            raise ValueError(f"think_time must be a number of seconds >= 0, got "
+                             f"{self.think_time!r}")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
         if self.arrival == "poisson" and not (self.session_rate and self.session_rate > 0):
@@ -100,19 +111,25 @@ def make_sessions(spec: SessionSpec, vocab_size: int) -> list[Session]:
     low, high = 100, max(101, vocab_size - 100)
     arrivals = (poisson_arrivals(spec.num_sessions, spec.session_rate, rng)
                 if spec.arrival == "poisson" else np.zeros(spec.num_sessions))
+    # Think times from a generator of their own: the tokens and arrivals of a seed stay the same
+    # with and without them.
+    think = (np.random.default_rng([spec.seed, 1]).exponential(
+        spec.think_time, (spec.num_sessions, spec.followups)) if spec.think_time > 0 else None)
     sessions = []
     for i in range(spec.num_sessions):
         turns = [tuple(int(t) for t in rng.integers(low, high, spec.context_tokens))]
         turns += [tuple(int(t) for t in rng.integers(low, high, spec.question_tokens))
                   for _ in range(spec.followups)]
-        sessions.append(Session(f"s{i}", tuple(turns), spec.answer_tokens, float(arrivals[i])))
+        sessions.append(Session(f"s{i}", tuple(turns), spec.answer_tokens, float(arrivals[i]),
+                                tuple(float(x) for x in think[i]) if think is not None else ()))
     return sessions
 
 
 def sessions_to_json(sessions: list[Session]) -> list[dict]:
     """Plain dicts (for a driver in another process, e.g. `vllm_driver`)."""
     return [{"session_id": s.session_id, "turns": [list(t) for t in s.turns],
-             "answer_tokens": s.answer_tokens, "arrival": s.arrival} for s in sessions]
+             "answer_tokens": s.answer_tokens, "arrival": s.arrival,
+             "think_times": list(s.think_times)} for s in sessions]
 
 
 # ----- budget profiles of random models ------------------------------------------------------

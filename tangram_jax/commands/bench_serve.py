@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="configurations that also serve the open-loop workloads")
     p.add_argument("--rate-sessions", type=positive_int, default=None,
                    help="sessions of each open-loop workload (default --sessions)")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="mean think time, seconds: each follow-up is sent an exponential time "
+                        "of this mean after the previous answer ended (0: at once)")
     p.add_argument("--ratio", type=float, default=0.25, help="retention target rho")
     p.add_argument("--group-size", type=positive_int, default=None,
                    help="heads per group G of ragged/tangram (default: 1 for the embedded "
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--variants: {e}") from None
     if args.followups < 0:
         raise UsageError(f"--followups must be >= 0, got {args.followups}")
+    if not 0 <= args.think_time < float("inf"):
+        raise UsageError(f"--think-time must be a number of seconds >= 0, got {args.think_time}")
     if not 0 < args.ratio <= 1:
         raise UsageError(f"--ratio must be in (0, 1], got {args.ratio}")
     if args.resume and args.json is None:
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     # The workloads: closed loop per context class (or one length), open loop per rate.
     common = dict(num_sessions=args.sessions, followups=args.followups,
                   question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
-                  seed=args.workload_seed)
+                  seed=args.workload_seed, think_time=args.think_time)
     if args.context_tokens:
         lengths = [(f"{context_class_of(args.context_tokens)}-{args.context_tokens}",
                     args.context_tokens)]
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [{"name": n, "arrival": s.arrival, "session_rate": s.session_rate,
                   "context_tokens": s.context_tokens, "sessions": s.num_sessions,
                   "followups": s.followups, "question_tokens": s.question_tokens,
-                  "answer_tokens": s.answer_tokens, "turns": s.num_turns}
+                  "answer_tokens": s.answer_tokens, "turns": s.num_turns,
+                  "think_time": s.think_time}
                  for n, s in closed + rated]
     report = {"model": args.model, "model_shape": {
                   k: getattr(model_config, k) for k in ("num_layers", "hidden_size", "num_heads",

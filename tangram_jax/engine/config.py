@@ -38,6 +38,7 @@ from tangram_jax.kv_quant import SERVED_PRECISIONS, PoolFormat, pool_format
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.sampling import is_int
+from tangram_jax.scheduler.host_pool import default_host_kv_cache_bytes, host_memory_bytes
 from tangram_jax.models.registry import DTYPES
 from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS
 
@@ -262,6 +263,13 @@ class EngineConfig:
         "bytes of KV pool (on each device), in the pool's own page format: a quantised or "
         "tiered --kv-precision holds more tokens in them (vLLM's kv_cache_memory_bytes); "
         "instead of --num-pages / --kv-cache-tokens / --gpu-memory-utilization's sizing")
+    host_kv_cache_bytes: int | None = _field(
+        None, _int_at_least(0, optional=True),
+        "host memory for idle sessions' KV swapped out of the pool, bytes (vLLM's swap_space / "
+        "kv_offloading_size): an evicted session is copied there and back instead of "
+        "re-prefilled when that is cheaper; 0 turns the host tier off; default: a quarter of "
+        "the machine's memory, at most 16 GiB, shared by the data-parallel replicas "
+        "(scheduler/host_pool.py)")
     max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
     max_num_batched_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),
@@ -451,6 +459,12 @@ class EngineConfig:
                 f"pages as slot pairs (two slots' codes in each 16-bit unit), which need an even "
                 f"page_size")
         check_tiered_num_pages(self)
+        host_memory = host_memory_bytes()
+        if self.host_kv_cache_bytes is not None and host_memory is not None \
+                and self.host_kv_cache_bytes > host_memory:
+            raise EngineConfigError(
+                f"host_kv_cache_bytes={self.host_kv_cache_bytes} exceeds this machine's memory "
+                f"({host_memory} bytes): give at most that (0 turns the host tier off)")
         if self.kv_cache_memory_bytes is not None and (self.num_pages is not None
                                                        or self.kv_cache_tokens is not None):
             raise EngineConfigError(
@@ -544,6 +558,10 @@ class EngineConfig:
             max_pages_per_seq=int(pages_for(max_model_len, self.page_size)) + 1,
             obs_window=obs_window,
             compression_method=method, scoring_rule=scoring_rule,
+            # The default is the machine's: data-parallel replicas (engines) share it.
+            host_kv_cache_bytes=(default_host_kv_cache_bytes() // self.data_parallel_size
+                                 if self.host_kv_cache_bytes is None
+                                 else self.host_kv_cache_bytes),
             policy="reclaim" if self.mode == "dynamic" else "reserve")
 
 
@@ -567,6 +585,7 @@ class ResolvedConfig:
     policy: str                  # the KV manager's: "reserve" or "reclaim" (dynamic mode)
     compression_method: str      # the scorer chunks are compressed with (the profile's method)
     scoring_rule: str            # the rule "auto" resolved to (chunk_scoring.SCORING_RULES)
+    host_kv_cache_bytes: int = 0  # the host tier's budget (0: off)
 
 
 # ----- command line -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax.engine import inputs, kv_savings, memory
+from tangram_jax.engine.host_offload import time_host_copy
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
@@ -53,6 +54,7 @@ from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
 from tangram_jax.sampling import SamplingParams, StopChecker, resolve_seed
+from tangram_jax.scheduler.host_pool import HostKVPool
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
@@ -166,10 +168,18 @@ class Engine:
             model_kv_shape=(mc.num_layers, mc.num_kv_heads, mc.head_dim), policy=rc.policy)
         assert self.manager.block_tables.shape == table_shape, (self.manager.block_tables.shape,
                                                                 table_shape)
+        # The host tier idle sessions are swapped to (`scheduler/host_pool.py`): its page bytes
+        # are whole pages (every device's share), its bandwidth measured now.
+        self.host_pool = HostKVPool(rc.host_kv_cache_bytes, [
+            b * cfg.tensor_parallel_size for b in self.runner.tier_page_bytes])
+        if self.host_pool.enabled:
+            self.host_pool.observe_transfer(*time_host_copy(
+                self.device, min(16 << 20, rc.host_kv_cache_bytes)))
         self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
                                    max_num_batched_tokens=rc.max_num_batched_tokens,
                                    long_prefill_token_threshold=rc.long_prefill_token_threshold,
-                                   max_long_partial_prefills=rc.max_long_partial_prefills)
+                                   max_long_partial_prefills=rc.max_long_partial_prefills,
+                                   host=self.host_pool)
         # The one session table (id -> sequence, eviction ranking, prefix lookup).
         self.sessions = self.scheduler.sessions
         log.info("%s", memory.describe_pool(self.kv_pool(), self.memory_plan))
@@ -419,6 +429,7 @@ class Engine:
         if req is None:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.abort(request_id)
+        self._move_host_kv()   # a swapped session's host copy goes
         req.drop_placeholders()
         return self._output(req, "abort")
 
@@ -426,6 +437,7 @@ class Engine:
         """Free an idle session's pages."""
         inputs.check_id("session_id", session_id)
         self.scheduler.close_session(session_id)
+        self._move_host_kv()   # a swapped session's host copy goes
 
     # Sessions: questions answered by the scheduler's `SessionTable` (`self.sessions`).
     def find_session(self, token_ids: SequenceABC[int]) -> tuple[str | None, list[int]]:
@@ -479,7 +491,10 @@ class Engine:
         token, was written to the cache, so a session's next turn need not prefill it).
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
+        self.host_pool.end_prefill_timing(time.perf_counter())
         out = self.scheduler.schedule()
+        if out.is_empty:   # host moves of evictions that admitted nothing, or of closed sessions
+            self._move_host_kv()
         in_flight = self._dispatch(out) if not out.is_empty else []
         if self.config.async_scheduling:
             outputs = self._resolve(self._in_flight)
@@ -497,8 +512,12 @@ class Engine:
         """Queue `out`'s device work (`_plan`, `ModelRunner.execute`) and commit its lengths;
         returns its tokens to resolve."""
         plan, decode_reqs, first_reqs = self._plan(out)
+        started = time.perf_counter()
         result = self.runner.execute(plan)
-        self.tokens_processed += sum(r.num_tokens for r in plan.prefill) + len(decode_reqs)
+        prefill_tokens = sum(r.num_tokens for r in plan.prefill)
+        self.tokens_processed += prefill_tokens + len(decode_reqs)
+        if prefill_tokens >= len(decode_reqs):   # mostly prefill: time it to the next step
+            self.host_pool.start_prefill_timing(prefill_tokens, started)
         for rid, entries in result.prompt_logprobs.items():
             self._requests[rid].prompt_lp.update(entries)
         for r in first_reqs:   # a family's children start from their parent's prompt entries
@@ -517,6 +536,11 @@ class Engine:
         # commit appended one placeholder per sampled token: remember where it sits.
         return [InFlightToken(r, tokens, row, r.seq.num_tokens - 1, lp)
                 for r, tokens, row, lp in pending]
+
+    def _move_host_kv(self) -> None:
+        """Run the host tier's moves logged outside a step plan (between steps only releases
+        of host copies, of sessions closed or aborted)."""
+        self.runner.move_host_kv(self.manager.take_host_transfers())
 
     def _plan(self, out) -> tuple[StepPlan, list[LiveRequest], list[LiveRequest]]:
         """The step plan of scheduler output `out` (`step_plan`), with the requests of its
@@ -554,6 +578,7 @@ class Engine:
                 sampling=sampling_rows(first_reqs, len(first_reqs), np.asarray(
                     [r.seq.num_output_tokens for r in first_reqs], np.int32)))
         plan = StepPlan(table_updates=self.manager.take_table_updates(), prefill=rows,
+                        host_transfers=tuple(self.manager.take_host_transfers()),
                         decode=decode, first_tokens=first,
                         max_prefill_rows=self.config.max_prefill_rows)
         return plan, decode_reqs, first_reqs
@@ -575,6 +600,9 @@ class Engine:
                            self.config.max_num_seqs,
                            max_page_copies=(self.config.max_num_seqs - 1)
                            * self.model_config.num_layers * decode_groups,
+                           # A swapped session holds at most a full block table's pages.
+                           max_swap_pages=(self.manager.block_tables[0].size
+                                           if self.host_pool.enabled else 0),
                            logprob_modes=[m for m in modes if m not in self._warm_variants],
                            prompt_logprobs=[t for t in ((False, True) if logprobs else (False,))
                                             if ("prompt", t) not in self._warm_variants])
@@ -696,6 +724,7 @@ class Engine:
                                                                           self.layout)),
             tokens_processed=self.tokens_processed,
             scheduler=scheduler,
+            host=self.host_pool.summary(),
             pool=self.kv_pool(),
         )
         return usage

@@ -50,6 +50,7 @@ from tangram_jax.compression.chunk_scoring import check_scoring_rule, check_serv
 from tangram_jax.engine.config import MODES, SPLIT_MAPS
 from tangram_jax.engine.decode_step import (DecodeSteps, _copy_pages, _sample_into_slots,
                                             decode_split_maps)
+from tangram_jax.engine.host_offload import HostKVTier
 from tangram_jax.engine.prefill_calls import run_prefill_rows
 from tangram_jax.engine.prefill_step import PrefillSteps, _apply_planned_writes, _reference_write
 from tangram_jax.engine.step_compiler import StepCompilation
@@ -303,6 +304,8 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)
+        # Host copies of sessions swapped out of the pool (`host_offload.py`).
+        self.host_tier = HostKVTier(self.placement.pool)
         self.block_tables = jnp.zeros(table_shape, jnp.int32, device=self.placement.replicated)
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
@@ -456,6 +459,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
         (`prefill_calls.run_prefill_rows`) with the decode rows beside the last call, then the
         first tokens of the prompts that ended. Nothing here waits for the device but
         ``dynamic`` mode's retained counts."""
+        self.move_host_kv(plan.host_transfers)
         self.update_block_tables(*plan.table_updates)
         last_logits, retained, prompt_lp, decoded = run_prefill_rows(
             self, plan.prefill, plan.max_prefill_rows, plan.decode)
@@ -471,6 +475,11 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
             asked = first.sampling.logprobs is not None
             result.first_tokens, result.first_logprobs = out if asked else (out, None)
         return result
+
+    def move_host_kv(self, transfers) -> None:
+        """Run the host tier's moves (`scheduler.host_pool.HostTransfer`s, in order) against
+        the pool: copies to host memory of pages being freed, copies back into fresh pages."""
+        self.k_pages, self.v_pages = self.host_tier.apply(self.k_pages, self.v_pages, transfers)
 
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Overwrite pool pages `dst` with pages `src` (int32 [n]): the partly filled pages a

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
+from tangram_jax.engine.host_offload import swap_lowerings
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import row_alignment
 
@@ -100,11 +101,13 @@ class StepCompilation:
 
     def warmup_programs(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                         logprob_modes=(None,), prompt_logprobs=(False,),
-                        max_page_copies: int = 0) -> list[WarmupProgram]:
+                        max_page_copies: int = 0,
+                        max_swap_pages: int = 0) -> list[WarmupProgram]:
         """Every program serving can meet, as `WarmupProgram`s to compile (`warmup` has the
         arguments): decode buckets, prefill row counts and, for whole rows, flat-token buckets;
         where the runner `mixes_steps`, each prefill shape beside each decode bucket;
-        first-token sampling row counts; fork page copies."""
+        first-token sampling row counts; fork page copies; the host tier's page copies of up to
+        `max_swap_pages` pages a tier (`host_offload.swap_lowerings`)."""
         for mode in logprob_modes:
             _check_logprob_mode(mode)
         programs = []
@@ -154,11 +157,16 @@ class StepCompilation:
             index = np.zeros(size, np.int32)
             add("copy_pages", functools.partial(_copy_pages.lower, self.k_pages, self.v_pages,
                                                 index, index), pages=size)
+        if max_swap_pages:
+            for name, key, lower in swap_lowerings(self.k_pages, self.v_pages,
+                                                   self.placement.pool, max_swap_pages):
+                add(name, lower, **key)
         return programs
 
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                logprob_modes=(None,), prompt_logprobs=(False,), max_page_copies: int = 0,
-               threads: int | None = None, progress: bool | None = None) -> list[dict]:
+               max_swap_pages: int = 0, threads: int | None = None,
+               progress: bool | None = None) -> list[dict]:
         """Compile every step shape serving can meet (`warmup_programs`) ahead of time, without
         running them: jit reuses these executables when serving meets the shapes, so nothing
         compiles while requests wait (running the steps would add nothing but time: on a CPU
@@ -170,13 +178,15 @@ class StepCompilation:
         (any top-k count up to `MAX_TOP_LOGPROBS` is one "top" variant); prompt_logprobs: the
         prefill variants, without (False) and with (True) prompt log-probabilities. Compiling
         a variant again costs little (jit finds it cached), so a later call may add modes.
-        max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it).
+        max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
+        max_swap_pages: the most pages of a tier one session swapped to host memory holds.
         Returns one record a program ({"program", "key", "lower_seconds", "compile_seconds",
         "hlo_chars"}), also appended to `compile_log`."""
         programs = self.warmup_programs(decode_buckets, max_prefill_rows, max_first_tokens,
                                         logprob_modes=logprob_modes,
                                         prompt_logprobs=prompt_logprobs,
-                                        max_page_copies=max_page_copies)
+                                        max_page_copies=max_page_copies,
+                                        max_swap_pages=max_swap_pages)
         threads = threads or min(8, os.cpu_count() or 1)
         records = []
         bar = tqdm(total=len(programs), desc="compiling", unit="program", leave=False,

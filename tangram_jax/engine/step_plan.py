@@ -8,6 +8,9 @@ runner is the only owner of device work: it splits prefill rows into calls, choo
 and compiled shapes, and holds the pool; the engine never touches device arrays but the tokens.
 
 One plan, in the order the runner runs it:
+0. `host_transfers`: the host tier's moves (`engine/host_offload.py`): pages of sessions swapped
+   out copied to host memory before anything of the step may reuse them, host copies of
+   sessions swapped back in copied into their fresh pages before their prefill reads them.
 1. `table_updates`: the manager's block-table writes since the last step.
 2. `prefill`: rows of prompt (or replayed) tokens, each a `PrefillRow`; rows of one request run
    in order, rows of different requests side by side (`prefill_calls.run_prefill_rows`).
@@ -26,6 +29,7 @@ import dataclasses
 import numpy as np
 
 from tangram_jax.sampling import LogitsAdjust
+from tangram_jax.scheduler.host_pool import HostTransfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +123,14 @@ class StepPlan:
 
     table_updates: tuple[np.ndarray, np.ndarray]
     prefill: tuple[PrefillRow, ...] = ()
+    host_transfers: tuple[HostTransfer, ...] = ()
     decode: DecodeRows | None = None
     first_tokens: FirstTokenRows | None = None
     max_prefill_rows: int = 1
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill and self.decode is None
+        return not self.prefill and self.decode is None and not self.host_transfers
 
 
 @dataclasses.dataclass

@@ -52,6 +52,7 @@ scheduler away from block tables):
   answers and page counts, by slot; it never reads the arrays above;
 - the device feed, for the engine and runner that build a step: `take_table_updates` (the block
   table's writes for a device-resident copy), `take_page_copies` (the pages forks copied),
+  `take_host_transfers` (pages of sessions swapped to host memory and back),
   `decode_write_lengths` (where each decode row writes its token) and `retained_lengths` (a
   slot's history lengths for prefill).
 """
@@ -65,6 +66,7 @@ import numpy as np
 
 from tangram_jax.kv_layout import KVLayout, TieredLayout, pages_for
 from tangram_jax.scheduler.block_table import BlockTable
+from tangram_jax.scheduler.host_pool import HostTierPages, HostTransfer, SwappedKV
 from tangram_jax.scheduler.page_pool import PagePool
 
 POLICIES = ("reserve", "reclaim")
@@ -76,6 +78,7 @@ SCHEDULER_INTERFACE = frozenset({
     "commit_prefill", "finish_prefill", "reclaim", "grow_for_decode", "decode_demand",
     "at_table_limit",
     "max_pages_per_group", "fork", "describe_pages",
+    "swap_out", "swap_in", "discard_swapped",
 })
 
 # Pages per tier: an int for an untiered layout, int64 [tiers] (high, low) for a tiered one.
@@ -103,7 +106,7 @@ def check_layout_matches(layout: KVLayout, num_layers: int, num_kv_heads: int,
         raise LayoutMismatchError(f"KV layout {layout.name!r} does not match the model ({diff})")
 
 
-class KVCacheManager:
+class KVCacheManager(HostTierPages):
     """Pages and block tables for up to `max_seqs` sequences under one `KVLayout`.
 
     Args:
@@ -179,6 +182,9 @@ class KVCacheManager:
         # device feed last took them.
         self._fork_stash: dict[int, np.ndarray] = {}
         self._copies: list[tuple[np.ndarray, np.ndarray]] = []
+        # Moves of the host tier since the device feed last took them, and the last handle.
+        self._host_transfers: list[HostTransfer] = []
+        self._last_handle = 0
         # Groups a decode token is appended to: all, or the high tier of a TieredLayout (whose
         # groups are (group, tier) pairs, reserved like groups).
         self._decode_groups = (layout.decode_tier_groups if isinstance(layout, TieredLayout)
@@ -343,28 +349,35 @@ class KVCacheManager:
                       layout.retained_counts)(num_new_tokens)
         return counts + base_lengths
 
-    def _base_lengths(self, slot: int | None) -> np.ndarray:
-        """int [layers, groups]: what `slot` holds (zeros for None: a fresh slot)."""
+    def _base_lengths(self, slot: int | SwappedKV | None) -> np.ndarray:
+        """int [layers, groups]: what `slot` holds (zeros for None: a fresh slot; a swapped
+        slot's lengths for a `SwappedKV`)."""
         if slot is None:
             return np.zeros(self.lengths.shape[1:], dtype=np.int64)
+        if isinstance(slot, SwappedKV):
+            return slot.lengths
         return self.lengths[slot]
 
-    def pages_to_reserve(self, slot: int | None, num_new_tokens, forks: int = 0) -> PageCounts:
+    def pages_to_reserve(self, slot: int | SwappedKV | None, num_new_tokens,
+                         forks: int = 0) -> PageCounts:
         """Extra pages `reserve(slot, num_new_tokens, forks=forks)` would take (slot None: a
-        fresh one), per tier."""
+        fresh one; a `SwappedKV`: its pages taken back by `swap_in` and the turn's on top),
+        per tier."""
         return self._counts(self._reservation(slot, num_new_tokens, forks)[-1])
 
     def _reservation(self, slot: int | None, num_new_tokens, forks: int) -> tuple:
         """What `reserve` takes: (target tokens [layers, groups], pages held after it, new pages
         per cell, the forks' stash pages, int64 [tiers] of all the pages it takes)."""
-        held = 0 if slot is None else self.table.num_pages[slot].astype(np.int64)
+        swapped = isinstance(slot, SwappedKV)
+        held = (0 if slot is None else slot.num_pages.astype(np.int64) if swapped
+                else self.table.num_pages[slot].astype(np.int64))
         target = self.reservation_target(self._base_lengths(slot), num_new_tokens)
         new_held = np.maximum(pages_for(target, self.page_size), held)
         need = new_held - held
         # Forks copy the partly filled last pages of what the prefill keeps, not of its peak.
         stash = self._fork_pages(self.reservation_target(
             self._base_lengths(slot), num_new_tokens, peak=False), forks)
-        by_tier = self._by_tier(need)
+        by_tier = self._by_tier(need) + (self._by_tier(held) if swapped else 0)
         by_tier[0] += stash                             # fork copies come from the decode tier
         return target, new_held, need, stash, by_tier
 
@@ -379,10 +392,11 @@ class KVCacheManager:
             return forks * int(decode_cells.sum())
         return forks * int((decode_cells & (target % self.page_size != 0)).sum())
 
-    def fits_ever(self, slot: int | None, num_new_tokens, forks: int = 0) -> bool:
+    def fits_ever(self, slot: int | SwappedKV | None, num_new_tokens, forks: int = 0) -> bool:
         """Whether a turn of `num_new_tokens` (or a prefill plan) on top of what `slot` holds
-        (None: from nothing), plus one decode token (for each of `forks` forks too: a page per
-        decode cell), could be held by an otherwise empty pool and the block table."""
+        (None: from nothing; a `SwappedKV`: what the swapped slot held), plus one decode token
+        (for each of `forks` forks too: a page per decode cell), could be held by an otherwise
+        empty pool and the block table."""
         need = pages_for(self.reservation_target(self._base_lengths(slot), num_new_tokens)
                          + self._decode_groups, self.page_size)
         per_fork = int(np.broadcast_to(self._decode_groups, need.shape).sum())

@@ -28,6 +28,12 @@ class SchedulerMetrics:
         self.num_preemptions = 0
         self.num_evictions = 0
         self.evicted_recompute_tokens = 0   # history tokens of evicted sessions (re-prefill cost)
+        # Evictions swapped to the host tier, turns that copied a session back, the bytes
+        # swapped out, and host copies dropped to make room (those sessions recompute).
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self.swapped_out_bytes = 0
+        self.num_host_drops = 0
         self.num_capped = 0
         self.num_rejected = 0
         self.num_admitted = 0
@@ -78,6 +84,10 @@ class SchedulerMetrics:
             "preemptions": self.num_preemptions,
             "evictions": self.num_evictions,
             "evicted_recompute_tokens": self.evicted_recompute_tokens,
+            "swapped_out": self.num_swapped_out,
+            "swapped_in": self.num_swapped_in,
+            "swapped_out_bytes": self.swapped_out_bytes,
+            "host_copies_dropped": self.num_host_drops,
             "capped": self.num_capped,
             "rejected": self.num_rejected,
             "admitted": self.num_admitted,

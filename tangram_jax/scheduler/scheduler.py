@@ -48,6 +48,10 @@ first sequence returns the family's slots, stash and pages and requeues the fami
 waiting completion drops it from the family; aborting the first one hands the family to the next
 (requeued at the front, its prompt prefilled from the start); capping it caps the family.
 
+Host tier (`host`, a `HostKVPool`): an evicted session is swapped to host memory instead of
+dropped when the copy back is cheaper than its re-prefill and the host holds it (`_swap_out`);
+its next admission reserves its old pages plus the turn's and copies them back (`_reserve`).
+
 The scheduler talks to the KV-cache manager only through `SCHEDULER_INTERFACE` (slots,
 reservations and growth as answers and page counts), never through its arrays; sessions live in
 one `SessionTable` (`scheduler.sessions`).
@@ -69,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS, bucket_for
+from tangram_jax.scheduler.host_pool import HostKVPool, HostTierScheduling
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.metrics import SchedulerMetrics
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
@@ -126,7 +131,7 @@ class SchedulerOutput:
         return not self.prefill_chunks and not self.decode_seqs
 
 
-class Scheduler:
+class Scheduler(HostTierScheduling):
     """Args:
       manager: the `KVCacheManager` (its layout and policy decide what a reservation is).
       max_num_batched_tokens: per-step token budget (decode tokens + prefill tokens); must be at
@@ -141,12 +146,14 @@ class Scheduler:
       max_long_partial_prefills: long turns prefilling at once (the others wait, and shorter
         turns behind them go first).
       clock: seconds, monotonic, for the sessions' idle times (tests pass a fake one).
+      host: the host tier evicted sessions may be swapped to (None: evictions recompute).
     """
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int = 4096,
                  decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS,
                  fairness_skips: int = 8, long_prefill_token_threshold: int | None = None,
-                 max_long_partial_prefills: int = 1, clock=time.monotonic):
+                 max_long_partial_prefills: int = 1, clock=time.monotonic,
+                 host: HostKVPool | None = None):
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         buckets = tuple(int(b) for b in decode_buckets)
@@ -167,6 +174,8 @@ class Scheduler:
             raise ValueError(f"long_prefill_token_threshold must lie in [chunk_size, "
                              f"max_num_batched_tokens] = [{chunk}, {max_num_batched_tokens}], "
                              f"got {long_prefill_token_threshold!r}")
+        if host is not None and not isinstance(host, HostKVPool):
+            raise TypeError(f"host must be a HostKVPool or None, got {type(host).__name__}")
         if max_long_partial_prefills < 1:
             raise ValueError(f"max_long_partial_prefills must be >= 1, got "
                              f"{max_long_partial_prefills!r}")
@@ -182,8 +191,10 @@ class Scheduler:
         self.running: list[Sequence] = []          # PREFILL and DECODE, oldest admission first
         self._requests: dict[str, Sequence] = {}   # live request id -> sequence
         # Eviction ranks sessions by the pages they hold, every tier's together.
+        self.host = host if host is not None and host.enabled else None
         self.sessions = SessionTable(lambda slot: int(np.sum(manager.pages_held(slot))),
-                                     clock=clock)
+                                     clock=clock,
+                                     eviction_cost=self._eviction_cost if self.host else None)
         self._parked: list[int] = []               # slots of finished requests, pages not freed yet
         self._step = 0
         self._admissions = 0
@@ -224,8 +235,9 @@ class Scheduler:
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         seq = self.sessions.get(session_id)
         if seq is not None:
-            if seq.is_cached and not self.manager.fits_ever(
-                    seq.slot, seq.num_uncomputed_tokens + len(tokens)):
+            held = seq.slot if seq.is_cached else seq.host_kv
+            if held is not None and not self.manager.fits_ever(
+                    held, seq.num_uncomputed_tokens + len(tokens)):
                 self._drop_cache(seq)   # the cached path can never fit; re-prefill everything
             seq.start_turn(request_id, tokens, sampling_params, arrival)
         else:
@@ -355,6 +367,19 @@ class Scheduler:
         if seq.status is not SequenceStatus.IDLE:
             raise ValueError(f"session {session_id!r} is {seq.status.value}, not idle")
         self._release(seq, SequenceStatus.FINISHED)
+
+    def evict_session(self, session_id: str) -> bool:
+        """Evict an idle session's cache now, as a full pool would (`_evict`: to host memory
+        where the host tier takes it, else dropped). Returns whether it went to host memory."""
+        seq = self.sessions.get(session_id)
+        if seq is None:
+            raise KeyError(f"no session {session_id!r}")
+        if seq.status is not SequenceStatus.IDLE or not seq.is_cached:
+            raise ValueError(f"session {session_id!r} is {seq.status.value}"
+                             f"{'' if seq.is_cached else ' without a cache in the pool'}: only "
+                             f"an idle session holding pages can be evicted")
+        self._evict(seq)
+        return seq.is_swapped
 
     # ----- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -610,11 +635,12 @@ class Scheduler:
         # with its cache (an eviction drops the slot) or its tokens, so it is computed once.
         # A family (parallel samples) is admitted whole: a slot per completion, and the pages
         # its forks will copy reserved with the prompt's.
+        # A session swapped to host memory takes its old pages back too (`swap_in`).
         forks = len(seq.fork_children)
-        key = (seq.slot, seq.num_uncomputed_tokens, forks)
+        held = seq.slot if seq.is_cached else seq.host_kv
+        key = (seq.slot, id(seq.host_kv), seq.num_uncomputed_tokens, forks)
         if seq.reservation_need is None or seq.reservation_need[0] != key:
-            seq.reservation_need = (key, m.pages_to_reserve(seq.slot if seq.is_cached else None,
-                                                            self._plan(seq), forks))
+            seq.reservation_need = (key, m.pages_to_reserve(held, self._plan(seq), forks))
         # Page counts are per tier with precision tiers: every tier must have its pages.
         need = seq.reservation_need[1]
         need_slots = (not seq.is_cached) + forks
@@ -636,6 +662,8 @@ class Scheduler:
         self.sessions.unlist(seq)   # before its page count changes
         if not seq.is_cached:
             seq.slot = m.allocate_slot()
+            if seq.is_swapped:
+                self._swap_in(seq)
         if not m.reserve(seq.slot, self._plan(seq), forks):
             raise AssertionError("reservation failed after the pool was checked")
         for child in seq.fork_children:
@@ -695,9 +723,12 @@ class Scheduler:
         return True
 
     def _evict(self, seq: Sequence) -> None:
-        """Drop an idle (or queued) session's cache; its history re-prefills on its next turn.
-        An idle anonymous session is forgotten instead (see `SessionTable`)."""
+        """Move an idle (or queued) session's cache to the host tier where that is cheaper
+        (`_swap_out`), else drop it: its history re-prefills on its next turn. An idle anonymous
+        session is forgotten instead (see `SessionTable`)."""
         self.metrics.num_evictions += 1
+        if self._swap_out(seq):
+            return
         self.metrics.evicted_recompute_tokens += seq.num_tokens
         if seq.status is SequenceStatus.IDLE and self.sessions.is_anonymous(seq.session_id):
             self._release(seq, SequenceStatus.FINISHED)
@@ -708,6 +739,9 @@ class Scheduler:
         if seq.is_cached:
             self.sessions.unlist(seq)
             self.manager.free(seq.slot)
+        elif seq.is_swapped:
+            self.host.remove(seq)
+            self.manager.discard_swapped(seq.host_kv)
         seq.drop_cache()
         self._free_children(seq.fork_children)   # a family not forked yet: their slots go too
 

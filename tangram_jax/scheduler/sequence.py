@@ -64,6 +64,9 @@ class Sequence:
         self.arrival_time = arrival_time
         self.status = SequenceStatus.WAITING
         self.slot = -1                    # -1: holds no slot (and no pages)
+        # An idle session's KV moved to host memory (`scheduler.host_pool.SwappedKV`): no slot,
+        # but `num_computed_tokens` stays, and its next admission copies the pages back.
+        self.host_kv = None
         self.num_computed_tokens = 0
         self.turn_start = 0
         self.turns: list[tuple[int, int]] = []
@@ -92,6 +95,11 @@ class Sequence:
     @property
     def is_cached(self) -> bool:
         return self.slot >= 0
+
+    @property
+    def is_swapped(self) -> bool:
+        """Whether its KV waits in host memory (see `host_kv`)."""
+        return self.host_kv is not None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -173,9 +181,11 @@ class Sequence:
         self.fork_parent = None
 
     def drop_cache(self) -> None:
-        """Forget the cache (after eviction or preemption): everything is re-prefilled."""
+        """Forget the cache (after eviction or preemption; a host copy too): everything is
+        re-prefilled."""
         self._cache_end = max(self._cache_end, self.num_computed_tokens)
         self.slot = -1
+        self.host_kv = None
         self.num_computed_tokens = 0
         self.turn_start = 0
 

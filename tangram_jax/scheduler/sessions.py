@@ -20,6 +20,13 @@ evicting it is ``history_tokens / (t + prior)`` (up to a constant). Prefill cost
 linear in the history's tokens (chunked prefill: each chunk's cost is dominated by its weights'
 GEMMs at these sizes). Least recently idle breaks ties.
 
+With a host tier (`scheduler.host_pool`) an eviction may swap the session to host memory
+instead, when copying it back is cheaper; the scheduler then gives the table an `eviction_cost`
+that is the cheaper of the two, in recompute tokens (the swap's seconds at the measured prefill
+rate), so a session that is cheap to swap back ranks as cheap to evict:
+
+    score = pages_held * (idle_seconds + IDLE_PRIOR_SECONDS) / eviction_cost
+
 Anonymous sessions: clients that resend the whole conversation each turn (`LLM.chat`, the chat
 command's resets, the OpenAI server) find their session by prefix and open new ones under ids
 minted by `new_id`. When such a session's cache is evicted while it is idle the table forgets
@@ -47,14 +54,18 @@ class SessionTable:
     Args:
       pages_held: slot -> pages it holds (the KV-cache manager's count).
       clock: seconds, monotonic (tests pass a fake one).
+      eviction_cost: sequence -> the expected cost of evicting it, in recompute tokens
+        (default: its history's tokens; see the module docstring).
     """
 
     def __init__(self, pages_held: Callable[[int], int], *,
                  clock: Callable[[], float] = time.monotonic,
-                 idle_prior_seconds: float = IDLE_PRIOR_SECONDS):
+                 idle_prior_seconds: float = IDLE_PRIOR_SECONDS,
+                 eviction_cost: Callable[[Sequence], float] | None = None):
         if not idle_prior_seconds > 0:
             raise ValueError(f"idle_prior_seconds must be > 0, got {idle_prior_seconds!r}")
         self._pages_held = pages_held
+        self.eviction_cost = eviction_cost or (lambda seq: seq.num_tokens)
         self.clock = clock
         self.idle_prior_seconds = float(idle_prior_seconds)
         self._by_id: dict[str, Sequence] = {}
@@ -169,7 +180,7 @@ class SessionTable:
         now = self.clock() if now is None else now
         idle = max(0.0, now - seq.idle_since)
         return (self._pages_held(seq.slot) * (idle + self.idle_prior_seconds)
-                / max(1, seq.num_tokens))
+                / max(1.0, self.eviction_cost(seq)))
 
     def eviction_order(self) -> list[Sequence]:
         """The eviction candidates, the one to evict first first. Sessions whose next turn is

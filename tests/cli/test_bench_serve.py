@@ -26,7 +26,8 @@ def test_sessions_have_the_asked_shape_and_arrivals():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(arrival="poisson"), "session_rate"), (dict(arrival="burst"), "arrival"),
-    (dict(context_tokens=0), "context_tokens"), (dict(followups=-1), "followups")])
+    (dict(context_tokens=0), "context_tokens"), (dict(followups=-1), "followups"),
+    (dict(think_time=-1.0), "think_time"), (dict(think_time=float("nan")), "think_time")])
 def test_bad_session_specs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SessionSpec(**{"num_sessions": 2, "context_tokens": 10, **kwargs})
@@ -82,6 +83,33 @@ def test_session_loop_sends_follow_ups_with_their_history_and_times_turns():
     assert row["turns"] == 6 and row["output_tokens"] == 24
     assert row["ttft_first_s"]["n"] == 2 and row["ttft_followup_s"]["n"] == 4
     assert all(r.tpot > 0 for r in records)
+
+
+def test_think_times_delay_each_follow_up_after_its_answer():
+    """Open loop with think times: each follow-up is sent its session's think time (seeded,
+    exponential of the asked mean) after the answer before it ended; the tokens and arrivals
+    of the seed are those without think times."""
+    spec = SessionSpec(num_sessions=3, context_tokens=10, followups=2, question_tokens=3,
+                       answer_tokens=2, arrival="poisson", session_rate=1.0, think_time=30.0)
+    sessions = make_sessions(spec, 500)
+    plain = make_sessions(SessionSpec(**{**spec.__dict__, "think_time": 0.0}), 500)
+    assert [s.turns for s in sessions] == [s.turns for s in plain]
+    assert [s.arrival for s in sessions] == [s.arrival for s in plain]
+    think = np.array([s.think_times for s in sessions])
+    assert think.shape == (3, 2) and (think > 0).all() and plain[0].think_times == ()
+    assert make_sessions(spec, 500) == sessions                   # seeded
+    ticks = iter(range(100_000))
+    records, _ = session_loop.drive(sessions_to_json(sessions), FakeEngine(2),
+                                    clock=lambda: float(next(ticks)))
+    by = {(r.session_id, r.turn): r for r in records}
+    for i, s in enumerate(sessions):
+        for turn in (1, 2):
+            prev, rec = by[(s.session_id, turn - 1)], by[(s.session_id, turn)]
+            # Sent no earlier than the think time after the answer (the loop polls).
+            assert rec.sent == pytest.approx(prev.finished + s.think_times[turn - 1])
+    with pytest.raises(SystemExit):
+        from tangram_jax.commands import bench_serve
+        bench_serve.main(["--think-time", "x", "--kv-gib", "1"])
 
 
 def test_ablation_configurations():

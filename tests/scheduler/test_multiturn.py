@@ -254,14 +254,21 @@ class RecordingManager(KVCacheManager):
         super().__init__(*args, **kwargs)
 
     def __getattribute__(self, name):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller in ("tangram_jax.scheduler.scheduler", "tangram_jax.scheduler.sessions"):
+        # The scheduler's modules, not the manager's own methods (its host-tier part lives
+        # in `host_pool` beside the scheduler's).
+        frame = sys._getframe(1)
+        caller = frame.f_globals.get("__name__", "")
+        if caller in ("tangram_jax.scheduler.scheduler", "tangram_jax.scheduler.sessions",
+                      "tangram_jax.scheduler.host_pool") and frame.f_locals.get("self") is not self:
             object.__getattribute__(self, "seen").add(name)
         return object.__getattribute__(self, name)
 
 
-def test_scheduler_uses_only_the_narrow_manager_interface():
-    m, s = make(num_pages=40, manager_cls=RecordingManager, long_prefill_token_threshold=16)
+@pytest.mark.parametrize("host_bytes", [0, 10**6])
+def test_scheduler_uses_only_the_narrow_manager_interface(host_bytes):
+    from tangram_jax.scheduler.host_pool import HostKVPool
+    m, s = make(num_pages=40, manager_cls=RecordingManager, long_prefill_token_threshold=16,
+                host=HostKVPool(host_bytes, [1000]))
     serve_turn(s, "t1", list(range(24)), "chat", finish_after=2)
     for i in range(5):
         s.add_request(f"r{i}", list(range(20 + 9 * i)))
@@ -275,6 +282,12 @@ def test_scheduler_uses_only_the_narrow_manager_interface():
     assert s.metrics.num_evictions + s.metrics.num_preemptions > 0   # the pool ran short
     assert m.seen <= SCHEDULER_INTERFACE, m.seen - SCHEDULER_INTERFACE
     assert {"reserve", "grow_for_decode", "commit_prefill", "fork"} <= m.seen
+    if host_bytes:   # the session went to host memory and comes back
+        assert "swap_out" in m.seen and s.metrics.num_swapped_out
+        if s.sessions.get("chat").is_swapped:
+            serve_turn(s, "t3", [2] * 5, "chat")
+        assert "swap_in" in m.seen and s.metrics.num_swapped_in
+        assert m.seen <= SCHEDULER_INTERFACE, m.seen - SCHEDULER_INTERFACE
 
 
 def test_long_prefill_fields_are_checked():

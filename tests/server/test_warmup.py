@@ -86,8 +86,10 @@ def test_the_start_up_report_lists_every_compiled_program(tmp_path):
     programs = report["programs"]
     assert report["num_programs"] == len(programs) == len(engine.runner.warmup_programs(
         (1, 2), engine.config.max_prefill_rows, 2,
-        max_page_copies=engine.model_config.num_layers * engine.layout.num_groups))
-    assert {p["program"] for p in programs} >= {"prefill", "decode", "sample", "copy_pages"}
+        max_page_copies=engine.model_config.num_layers * engine.layout.num_groups,
+        max_swap_pages=engine.manager.block_tables[0].size))
+    assert {p["program"] for p in programs} >= {"prefill", "decode", "sample", "copy_pages",
+                                                 "host_copy_out", "host_copy_in"}
     assert all(p["compile_seconds"] > 0 and p["hlo_chars"] > 0 for p in programs)
     assert {p["key"]["bucket"] for p in programs if p["program"] == "decode"} == {1, 2}
     assert [p["compile_seconds"] for p in programs] == sorted(

@@ -1,0 +1,200 @@
+"""The host tier's device side: pool pages copied to host memory and back (`HostKVTier`).
+
+The scheduler decides (`scheduler/host_pool.py`); the KV-cache manager logs each move as a
+`HostTransfer` of page ids (`swap_out`, `swap_in`, `discard_swapped`); the step plan carries
+them (`StepPlan.host_transfers`) and `ModelRunner.execute` runs them first, in the order
+logged, before anything of the step writes the pool (pages a swap-out frees may be reserved
+for this very step):
+
+- ``out``: gather the pages of each tier's pool, K and V, every array of the page format
+  (quantised codes, scales and zeros as stored), into one device array per leaf, and start its
+  copy to host memory (`jax.Array.copy_to_host_async`). The copy runs while the device
+  computes the step; a later step keeps the host arrays (numpy) and lets the device ones go,
+  once they are ready.
+- ``in``: scatter the host copy into the freshly reserved pages (the host-to-device copy is
+  queued ahead of the prefill that reads them) and forget it;
+- ``drop``: forget it.
+
+Page ids are padded to a power of two from 8 (few compiled sizes): gathers pad with the null
+page (those rows are cut off on the host), scatters with an out-of-range id (dropped). Every
+array of a page format has the page axis first and the head axis second, so one gather and one
+scatter serve every format and, under tensor parallelism, the pool's sharding.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from tangram_jax import kv_quant
+from tangram_jax.pallas_kernels import backend
+from tangram_jax.scheduler.host_pool import HostTransfer
+
+def tier_pools(k_pages, v_pages) -> list[tuple]:
+    """[(k, v)] of each tier's pool (high first; one pair untiered)."""
+    if kv_quant.is_tiered(k_pages, v_pages):
+        return [(k_pages.high, v_pages.high), (k_pages.low, v_pages.low)]
+    return [(k_pages, v_pages)]
+
+
+def with_tier_pools(k_pages, v_pages, pools: list[tuple]) -> tuple:
+    """(k_pages, v_pages) rebuilt from `tier_pools`' pairs."""
+    if kv_quant.is_tiered(k_pages, v_pages):
+        (k_high, v_high), (k_low, v_low) = pools
+        return kv_quant.TieredPages(k_high, k_low), kv_quant.TieredPages(v_high, v_low)
+    return pools[0]
+
+
+@jax.jit
+def _gather(pool, ids):
+    """Pages `ids` (int32 [n]) of every array of `pool` (a (k, v) pair of one tier)."""
+    return jax.tree.map(lambda x: x[ids], pool)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(pool, ids, rows):
+    """`pool` with pages `ids` (int32 [n]; out of range: dropped) overwritten by `rows`."""
+    return jax.tree.map(lambda x, r: x.at[ids].set(r.astype(x.dtype), mode="drop"), pool, rows)
+
+
+def _padded(n: int) -> int:
+    return max(8, backend.next_power_of_2(n))
+
+
+class HostKVTier:
+    """Host copies of swapped-out sessions' pages, by `HostTransfer.handle`.
+
+    Each copy is a list over the tiers of ``(n, rows)``: `rows` a (k, v) pytree of the tier's
+    page format whose arrays hold the n pages first (device arrays padded to a bucket while
+    the copy to host memory is in flight, numpy arrays of exactly n pages after).
+
+    Args:
+      sharding: the pool's sharding (`Placement.pool`), which restored rows are put with.
+    """
+
+    def __init__(self, sharding):
+        self.sharding = sharding
+        self._copies: dict[int, list[tuple[int, object]]] = {}
+        self._in_flight: set[int] = set()
+
+    @property
+    def num_copies(self) -> int:
+        return len(self._copies)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies that have reached host memory."""
+        return sum(int(leaf.nbytes) for handle, tiers in self._copies.items()
+                   if handle not in self._in_flight
+                   for _, rows in tiers for leaf in jax.tree.leaves(rows))
+
+    def apply(self, k_pages, v_pages, transfers) -> tuple:
+        """Run `transfers` (in order) against the pool; returns the new (k_pages, v_pages).
+        Copies out of earlier steps that have reached host memory are kept as numpy first."""
+        self._settle()
+        if not transfers:
+            return k_pages, v_pages
+        pools = tier_pools(k_pages, v_pages)
+        for t in transfers:
+            if t.kind == "out":
+                self._copies[t.handle] = [self._copy_out(pool, ids)
+                                          for pool, ids in zip(pools, t.pages)]
+                self._in_flight.add(t.handle)
+            elif t.kind == "in":
+                copy = self._take(t.handle)
+                pools = [self._copy_in(pool, ids, n, rows)
+                         for pool, ids, (n, rows) in zip(pools, t.pages, copy)]
+            elif t.kind == "drop":
+                self._take(t.handle)
+            else:
+                raise ValueError(f"unknown host transfer kind {t.kind!r}")
+        return with_tier_pools(k_pages, v_pages, pools)
+
+    def _take(self, handle: int) -> list:
+        self._in_flight.discard(handle)
+        try:
+            return self._copies.pop(handle)
+        except KeyError:
+            raise KeyError(f"host tier: no copy {handle}") from None
+
+    def _copy_out(self, pool, ids: np.ndarray) -> tuple[int, object]:
+        n = len(ids)
+        if n == 0:
+            return 0, None
+        padded = np.zeros(_padded(n), np.int32)   # padding reads the null page
+        padded[:n] = ids
+        rows = _gather(pool, padded)
+        for leaf in jax.tree.leaves(rows):
+            leaf.copy_to_host_async()
+        return n, rows
+
+    def _copy_in(self, pool, ids: np.ndarray, n: int, rows):
+        if n == 0:
+            return pool
+        if len(ids) != n:
+            raise ValueError(f"host tier: {len(ids)} pages to restore {n} pages into")
+        size = _padded(n)
+        num_pages = jax.tree.leaves(pool)[0].shape[0]
+        padded = np.full(size, num_pages, np.int32)   # out of range: dropped
+        padded[:n] = ids
+        rows = jax.tree.map(lambda r: self._rows(r, size), rows)
+        return _scatter(pool, padded, rows)
+
+    def _rows(self, rows, size: int):
+        """A copy's rows as a device array of `size` pages (numpy ones padded and put)."""
+        if isinstance(rows, jax.Array):   # still the padded device gather (same n, same size)
+            assert rows.shape[0] == size, (rows.shape, size)
+            return jax.device_put(rows, self.sharding)   # the layout warm-up compiled for
+        pad = np.zeros((size - rows.shape[0], *rows.shape[1:]), rows.dtype)
+        return jax.device_put(np.concatenate([rows, pad]), self.sharding)
+
+    def _settle(self) -> None:
+        """Copies out whose transfer finished: keep the host arrays, let the device ones go."""
+        for handle in list(self._in_flight):
+            tiers = self._copies[handle]
+            leaves = [leaf for _, rows in tiers for leaf in jax.tree.leaves(rows)]
+            if all(leaf.is_ready() for leaf in leaves):
+                self._copies[handle] = [
+                    (n, jax.tree.map(lambda x, n=n: np.array(np.asarray(x)[:n]), rows))
+                    for n, rows in tiers]
+                self._in_flight.discard(handle)
+
+    def settle_all(self) -> None:
+        """Wait for every copy out to reach host memory (tests, shutdown)."""
+        for handle in self._in_flight:
+            for _, rows in self._copies[handle]:
+                jax.block_until_ready(rows)
+        self._settle()
+
+
+def swap_lowerings(k_pages, v_pages, sharding, max_pages: int) -> list[tuple]:
+    """``(name, key, lower)`` of every gather and scatter a swap of up to `max_pages` pages of
+    each tier's pool meets (the warm-up compiles them: `StepCompilation.warmup_programs`)."""
+    programs = []
+    for tier, pool in enumerate(tier_pools(k_pages, v_pages)):
+        top = _padded(min(max_pages, jax.tree.leaves(pool)[0].shape[0]))
+        for size in (1 << b for b in range(3, top.bit_length())):
+            ids = np.zeros(size, np.int32)
+            rows = jax.tree.map(lambda x, size=size: jax.ShapeDtypeStruct(
+                (size, *x.shape[1:]), x.dtype, sharding=sharding), pool)
+            programs.append(("host_copy_out", dict(tier=tier, pages=size),
+                             functools.partial(_gather.lower, pool, ids)))
+            programs.append(("host_copy_in", dict(tier=tier, pages=size),
+                             functools.partial(_scatter.lower, pool, ids, rows)))
+    return programs
+
+
+def time_host_copy(device, nbytes: int = 16 << 20) -> tuple[int, float]:
+    """(bytes, seconds) of a host-to-device copy of about `nbytes` to `device`, the fastest of
+    three (the copy back of a swapped session lies on its next turn's path)."""
+    data = np.ones(max(1024, nbytes // 4), np.float32)
+    jax.block_until_ready(jax.device_put(data[:1024], device))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.device_put(data, device))
+        best = min(best, time.perf_counter() - t0)
+    return int(data.nbytes), max(best, 1e-9)

@@ -1,0 +1,253 @@
+"""The host tier end to end on the tiny model (`engine/host_offload.py`,
+`scheduler/host_pool.py`): a session swapped to host memory between turns and copied back
+gives the same greedy tokens as the same session never evicted, in every mode and KV precision
+(the page formats as stored: quantised codes and scales, both tiers of a tiered pool); with no
+host room it falls back to recompute and is still right; every device page and host byte comes
+back at the end."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tangram_jax.engine.llm_engine import Engine
+from tangram_jax.sampling import SamplingParams
+
+from test_kv_tiers_serving import _tiered_profile
+from tiny_engine import tiny_engine_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+CASES = {   # name: (mode, config overrides)
+    "full": ("full", {}),
+    "tangram": ("tangram", {}),
+    "dynamic": ("dynamic", {}),
+    "k8v4": ("tangram", {"kv_precision": "k8v4"}),
+    "k8v4-k4v2": ("tangram", {"kv_precision": "k8v4-k4v2"}),
+}
+
+
+def _engine(folder, case, **overrides):
+    mode, extra = CASES[case]
+    extra = dict(extra, **overrides)
+    if extra.get("kv_precision") == "k8v4-k4v2":
+        extra["profile"] = _tiered_profile(folder, np.random.default_rng(1).uniform(
+            0.2, 0.8, (2, 2)))
+    return Engine(tiny_engine_config(folder, mode, **extra))
+
+
+def _turn(engine, request_id, tokens, session_id="s"):
+    engine.add_request(request_id, prompt_token_ids=tokens, session_id=session_id,
+                       sampling_params=GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = [o for o in outs if o.request_id == request_id]
+    return out.outputs[0].token_ids
+
+
+def _turns():
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 250, size=n).tolist() for n in (37, 11, 20)]
+
+
+def _conversation(engine, evict: str | None):
+    """Three turns of session "s"; between turns `evict` ("host" or "drop") forces it out."""
+    answers = []
+    for i, tokens in enumerate(_turns()):
+        if i and evict is not None:
+            swapped = engine.scheduler.evict_session("s")
+            assert swapped == (evict == "host")
+            _clobber_pool(engine)
+        answers.append(_turn(engine, f"t{i}", tokens))
+    return answers
+
+
+def _clobber_pool(engine):
+    """Copy the evicted session's pages out now (to host memory), then overwrite every page
+    of the pool: what its next turn reads must come back from the host copy (or the replay),
+    not from pages that happened to keep their contents."""
+    engine._move_host_kv()
+    engine.runner.host_tier.settle_all()
+    runner = engine.runner
+    runner.k_pages, runner.v_pages = jax.tree.map(
+        lambda x: jax.device_put(jnp.full_like(x, 3), x.sharding),
+        (runner.k_pages, runner.v_pages))
+
+
+def _all_returned(engine):
+    engine.end_session("s")
+    m, host = engine.manager, engine.host_pool
+    assert m.num_free_slots == m.max_seqs
+    np.testing.assert_array_equal(m.num_free_pages, m.capacity)
+    assert host.used_bytes == 0 and host.num_held == 0
+    assert engine.runner.host_tier.num_copies == 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_swapped_session_answers_as_if_never_evicted(tiny_folder, case):
+    reference = _conversation(_engine(tiny_folder, case), evict=None)
+    engine = _engine(tiny_folder, case)
+    engine.host_pool.host_bandwidth = 1e15   # swap, whatever the measured rates say
+    got = _conversation(engine, evict="host")
+    assert got == reference
+    metrics = engine.scheduler.metrics
+    assert metrics.num_swapped_out == metrics.num_swapped_in == 2
+    assert metrics.evicted_recompute_tokens == 0
+    _all_returned(engine)
+
+
+@pytest.mark.parametrize("case", ["tangram", "k8v4-k4v2"])
+def test_no_host_room_falls_back_to_recompute(tiny_folder, case):
+    reference = _conversation(_engine(tiny_folder, case), evict=None)
+    engine = _engine(tiny_folder, case, host_kv_cache_bytes=1)
+    got = _conversation(engine, evict="drop")
+    assert got == reference   # the replay of the history keeps greedy output exact
+    assert engine.scheduler.metrics.num_swapped_out == 0
+    assert engine.scheduler.metrics.evicted_recompute_tokens > 0
+    _all_returned(engine)
+
+
+def test_pool_pressure_swaps_idle_sessions_and_restores_them(tiny_folder):
+    """No direct call: a small pool, two sessions and a long competing request; the idle
+    sessions leave the pool for host memory under pressure and their next turns are the same
+    as on a pool large enough for all."""
+    def serve(num_pages):
+        engine = _engine(tiny_folder, "tangram", num_pages=num_pages)
+        engine.host_pool.host_bandwidth = 1e15
+        rng = np.random.default_rng(3)
+        first = {sid: _turn(engine, f"{sid}-1", rng.integers(0, 250, 60).tolist(), sid)
+                 for sid in ("a", "b")}
+        _turn(engine, "big", rng.integers(0, 250, 150).tolist(), None)
+        second = {sid: _turn(engine, f"{sid}-2", rng.integers(0, 250, 9).tolist(), sid)
+                  for sid in ("a", "b")}
+        return engine, first, second
+    roomy, first, second = serve(160)
+    assert roomy.scheduler.metrics.num_evictions == 0
+    tight, first_t, second_t = serve(92)
+    metrics = tight.scheduler.metrics
+    assert metrics.num_swapped_out == metrics.num_swapped_in == 2
+    assert (first_t, second_t) == (first, second)
+    for sid in ("a", "b"):
+        tight.end_session(sid)
+    assert tight.host_pool.used_bytes == 0 and tight.runner.host_tier.num_copies == 0
+    np.testing.assert_array_equal(tight.manager.num_free_pages, tight.manager.capacity)
+
+
+def test_swapping_after_warm_up_compiles_nothing(tiny_folder):
+    """Warm-up compiles the host tier's page copies (every size a swapped session can need,
+    of each tier's pool): a session swapped out and back after it compiles nothing."""
+    engine = _engine(tiny_folder, "k8v4-k4v2", warmup=True)
+    engine.host_pool.host_bandwidth = 1e15
+    assert {"host_copy_out", "host_copy_in"} <= {r["program"] for r in engine.runner.compile_log}
+    turns = _turns()
+    _turn(engine, "t0", turns[0])
+    _turn(engine, "t1", turns[1])   # the follow-up's shapes, before anything is recorded
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event
+        else None)
+    assert engine.scheduler.evict_session("s")
+    _turn(engine, "t2", turns[1])
+    jax.block_until_ready(engine.runner.k_pages)
+    assert compiles == [] and engine.scheduler.metrics.num_swapped_in == 1
+
+
+TENSOR_PARALLEL_CHILD = r"""
+import json, sys
+import jax
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2] + "/engine")
+from tiny_engine import tiny_engine_config, tiny_profile
+from tangram_jax.engine.llm_engine import Engine
+from test_host_offload import _conversation
+
+folder = sys.argv[1]
+assert len(jax.devices()) == 2, jax.devices()
+report = {}
+for precision in ("bf16", "k8v4"):
+    runs = {}
+    for evict in (None, "host"):
+        engine = Engine(tiny_engine_config(folder, "tangram", tensor_parallel_size=2,
+                                           kv_precision=precision,
+                                           profile=tiny_profile(folder, group_size=2)))
+        engine.host_pool.host_bandwidth = 1e15
+        runs[str(evict)] = _conversation(engine, evict)
+        swapped = engine.scheduler.metrics.num_swapped_in
+    report[precision] = dict(equal=runs["None"] == runs["host"], swapped_in=swapped)
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_swapping_a_pool_split_over_two_devices(tmp_path):
+    """Tensor parallelism: the pool's head axis is split over the devices; a session swapped
+    out of it and back answers as never evicted (bf16 and quantised pages)."""
+    from tiny_engine import build_tiny_model, report_of_child
+    report = report_of_child(TENSOR_PARALLEL_CHILD, build_tiny_model(tmp_path / "tiny"))
+    for precision in ("bf16", "k8v4"):
+        assert report[precision] == dict(equal=True, swapped_in=2), report
+
+
+@pytest.mark.parametrize("bad,match", [
+    (-1, "host_kv_cache_bytes must be an int >= 0 or None, got -1"),
+    (1.5, "host_kv_cache_bytes must be an int >= 0 or None, got 1.5"),
+    ("4G", "host_kv_cache_bytes must be an int >= 0 or None, got '4G'"),
+    (True, "host_kv_cache_bytes must be an int >= 0 or None, got True"),
+    (1 << 60, "host_kv_cache_bytes=1152921504606846976 exceeds this machine's memory")])
+def test_bad_host_budget_is_one_clear_error(bad, match):
+    from tangram_jax.engine.config import EngineConfig, EngineConfigError
+    with pytest.raises(EngineConfigError, match=match):
+        EngineConfig(host_kv_cache_bytes=bad)
+
+
+def test_host_budget_default_and_off(tiny_folder):
+    from tangram_jax.scheduler.host_pool import default_host_kv_cache_bytes, host_memory_bytes
+    default = default_host_kv_cache_bytes()
+    assert 0 < default <= min(16 << 30, host_memory_bytes() // 4)
+    off = _engine(tiny_folder, "tangram", host_kv_cache_bytes=0)
+    assert off.scheduler.host is None and not off.host_pool.enabled
+    assert off.kv_usage()["host"]["host_kv_capacity_bytes"] == 0
+    _turn(off, "t0", _turns()[0])
+    assert off.scheduler.evict_session("s") is False   # recomputed, as without a host tier
+
+
+@pytest.mark.parametrize("formats", [("bf16",), ("k8v4",), ("k8v4", "k4v2")])
+@pytest.mark.parametrize("settle", [True, False])
+def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
+    """`HostKVTier` on a pool of random contents: pages copied out and back into other page
+    ids hold exactly what they held (codes, scales and zeros of quantised formats; each tier's
+    pool), whether the copy reached host memory first (numpy) or is still in flight (the same
+    step's gather); a dropped copy is gone; other pages are untouched."""
+    from tangram_jax import kv_quant
+    from tangram_jax.engine.host_offload import HostKVTier, tier_pools
+    from tangram_jax.scheduler.host_pool import HostTransfer
+    rng = np.random.default_rng(0)
+
+    def make(shape, dtype):
+        dtype = jnp.dtype(dtype)
+        if jnp.issubdtype(dtype, jnp.integer):
+            return jnp.asarray(rng.integers(0, 200, shape), dtype)
+        return jnp.asarray(rng.normal(size=shape), dtype)
+    k, v = kv_quant.allocate_pools([kv_quant.page_format(f) for f in formats],
+                                   [20] * len(formats), (2, 4, 16), jnp.bfloat16, make=make)
+    before = [jax.tree.map(np.asarray, pool) for pool in tier_pools(k, v)]
+    src = tuple(np.array([3, 7, 1, 12], np.int32)[:4 - t] for t in range(len(formats)))
+    dst = tuple(np.array([15, 2, 19, 5], np.int32)[:4 - t] for t in range(len(formats)))
+    tier = HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    moves = [HostTransfer("out", 1, src), HostTransfer("out", 2, src)]
+    if settle:
+        k, v = tier.apply(k, v, moves)
+        tier.settle_all()
+        assert tier.num_copies == 2 and tier.host_bytes > 0
+        k, v = tier.apply(k, v, [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
+    else:
+        k, v = tier.apply(k, v, moves + [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
+    assert tier.num_copies == 0
+    for t, (old, new) in enumerate(zip(before, (jax.tree.map(np.asarray, p)
+                                                 for p in tier_pools(k, v)))):
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+            np.testing.assert_array_equal(b[dst[t]], a[src[t]])
+            others = np.setdiff1d(np.arange(20), dst[t])
+            np.testing.assert_array_equal(b[others], a[others])
+    with pytest.raises(KeyError, match="no copy 2"):
+        tier.apply(k, v, [HostTransfer("drop", 2)])
