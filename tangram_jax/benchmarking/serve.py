@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,8 +44,8 @@ import numpy as np
 
 from tangram_jax.benchmarking import session_loop
 from tangram_jax.benchmarking.timing import percentiles
-from tangram_jax.benchmarking.workload import (SessionSpec, context_class_of, make_sessions,
-                                               sessions_to_json, skewed_profile)
+from tangram_jax.benchmarking.workload import (SessionSpec, make_sessions, sessions_to_json,
+                                               skewed_profile)
 
 VARIANTS = {
     "full": "full KV, monolithic pages",

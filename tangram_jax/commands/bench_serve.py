@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from tangram_jax.commands import UsageError, add_overwrite_flag, check_output_path
 

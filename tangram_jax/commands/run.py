@@ -11,7 +11,6 @@ are ones whose user turns are long enough to compress (`--min-user-chars`): a tu
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 HELP = "Serve a batch of multi-turn ShareGPT conversations and report throughput and KV memory"

@@ -31,7 +31,6 @@ import numpy as np
 
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
-from tangram_jax.scheduler.host_pool import HostTransfer
 
 def tier_pools(k_pages, v_pages) -> list[tuple]:
     """[(k, v)] of each tier's pool (high first; one pair untiered)."""

@@ -35,7 +35,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from tangram_jax.models.config import ModelConfig
