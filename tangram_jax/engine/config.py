@@ -38,7 +38,7 @@ from tangram_jax.kv_quant import SERVED_PRECISIONS, PoolFormat, pool_format
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
 from tangram_jax.models.config import ModelConfig
 from tangram_jax.sampling import is_int
-from tangram_jax.scheduler.host_pool import default_host_kv_cache_bytes, host_memory_bytes
+from tangram_jax.host_memory import default_host_kv_cache_bytes, host_memory_bytes
 from tangram_jax.models.registry import DTYPES
 from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS
 
@@ -269,7 +269,7 @@ class EngineConfig:
         "kv_offloading_size): an evicted session is copied there and back instead of "
         "re-prefilled when that is cheaper; 0 turns the host tier off; default: a quarter of "
         "the machine's memory, at most 16 GiB, shared by the data-parallel replicas "
-        "(scheduler/host_pool.py)")
+        "(host_memory.py)")
     max_num_seqs: int = _field(16, _int_at_least(1), "concurrent sequence slots")
     max_num_batched_tokens: int | None = _field(
         None, _int_at_least(1, optional=True),

@@ -201,7 +201,7 @@ def test_bad_host_budget_is_one_clear_error(bad, match):
 
 
 def test_host_budget_default_and_off(tiny_folder):
-    from tangram_jax.scheduler.host_pool import default_host_kv_cache_bytes, host_memory_bytes
+    from tangram_jax.host_memory import default_host_kv_cache_bytes, host_memory_bytes
     default = default_host_kv_cache_bytes()
     assert 0 < default <= min(16 << 30, host_memory_bytes() // 4)
     off = _engine(tiny_folder, "tangram", host_kv_cache_bytes=0)
