@@ -32,6 +32,7 @@ import numpy as np
 from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 
+
 def tier_pools(k_pages, v_pages) -> list[tuple]:
     """[(k, v)] of each tier's pool (high first; one pair untiered)."""
     if kv_quant.is_tiered(k_pages, v_pages):
