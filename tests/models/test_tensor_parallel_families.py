@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]   # tests/: tiny_families.py
 
 CHILD = r"""
 import json, sys
 import jax
 import numpy as np
 import torch
-sys.path.insert(0, sys.argv[3])
+sys.path[:0] = [sys.argv[3], sys.argv[3] + "/models"]   # tiny_families, test_families
 from tiny_families import build_family_model
 from test_families import ENGINE, hf_greedy, identity_profile, prompts
 from tangram_jax import LLM, SamplingParams
