@@ -13,8 +13,8 @@ PROMPT = "the cat sat on the mat and then the cat ran off to see the dog, " * 2 
 
 
 
-@pytest.mark.parametrize("overrides", [{}, {"kv_precision": "k8v4"}, {"mode": "full"}],
-                         ids=["tangram", "tangram-k8v4", "full"])
+@pytest.mark.parametrize("overrides", [{"kv_precision": "k8v4"}, {"mode": "full"}],
+                         ids=["tangram-k8v4", "full"])
 def test_a_server_warm_up_leaves_nothing_to_compile_for_logprob_requests(tmp_path, overrides):
     """`tangram-jax serve` warms the engine up with the log-prob variants (`warmup(logprobs=
     True)`): requests asking for top-k log-probs (any count), the whole distribution, prompt
