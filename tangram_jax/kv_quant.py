@@ -134,7 +134,7 @@ class PoolFormat:
 
 
 def pool_format(precision: str) -> PoolFormat:
-    """The `PoolFormat` of a `SERVED_PRECISIONS` name (the one check of the name)."""
+    """The `PoolFormat` of a `SERVED_PRECISIONS` name (ValueError for another name)."""
     if precision not in SERVED_PRECISIONS:
         raise ValueError(f"kv_precision must be one of {', '.join(SERVED_PRECISIONS)}, got "
                          f"{precision!r}")
@@ -369,10 +369,7 @@ def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> 
                           groups=fmt.value_groups, unit=fmt.code_unit,
                           slot_pairs=fmt.slot_pairs))
              for n, fmt in zip(num_pages, formats)]
-    if len(pools) == 1:
-        return pools[0]
-    (k_high, v_high), (k_low, v_low) = pools
-    return TieredPages(k_high, k_low), TieredPages(v_high, v_low)
+    return from_tier_pools(pools)
 
 
 def page_bytes(fmt: PageFormat, group_size: int, page_size: int, head_dim: int, dtype) -> int:
@@ -500,6 +497,21 @@ def is_tiered(k_pages, v_pages) -> bool:
         raise TypeError(f"k_pages and v_pages must both be TieredPages or neither, got "
                         f"{type(k_pages).__name__} and {type(v_pages).__name__}")
     return isinstance(k_pages, TieredPages)
+
+
+def tier_pools(k_pages, v_pages) -> list[tuple]:
+    """[(k, v)] of each tier's pool, high first: one pair, or the two of `TieredPages`."""
+    if is_tiered(k_pages, v_pages):
+        return [(k_pages.high, v_pages.high), (k_pages.low, v_pages.low)]
+    return [(k_pages, v_pages)]
+
+
+def from_tier_pools(pools: list[tuple]) -> tuple:
+    """(k_pages, v_pages) of `tier_pools`' pairs: the one pair, or `TieredPages` of two."""
+    if len(pools) == 1:
+        return pools[0]
+    (k_high, v_high), (k_low, v_low) = pools
+    return TieredPages(k_high, k_low), TieredPages(v_high, v_low)
 
 
 def tiered_dense_history(k_pages: TieredPages, v_pages: TieredPages, block_tables: jax.Array,

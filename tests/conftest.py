@@ -3,9 +3,9 @@ import os
 # Tests run on the CPU in float32; keep XLA from grabbing every core's worth of threads twice.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-# No persistent compile cache (`engine/compile_cache.py`): reading or writing an XLA:CPU
-# executable of the server tests' penalty decode step aborted the whole test process twice
-# (a fresh CI machine gains nothing from the cache anyway). Subprocesses inherit it.
+# No persistent compile cache (`engine/compile_cache.py`): once, reading an XLA:CPU executable
+# of the server tests' penalty decode step from it aborted the whole test process (a fresh CI
+# machine gains nothing from the cache anyway). Subprocesses inherit it.
 os.environ.setdefault("TANGRAM_JAX_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
@@ -26,9 +26,10 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Each module's engines and compiled programs are freed when it ends: the whole suite runs
-    in one process, whose XLA:CPU compiles aborted late in the run (at ~90% of the suite, in a
-    test that passes alone) while every earlier module's executables were still cached."""
+    """Each module's engines and compiled programs are freed when it ends. The whole suite runs
+    in one process; late in it (~90%), compiling the server tests' penalty decode step on the
+    engine's thread crashed XLA:CPU (abort, segfault) in a test that passes alone, while every
+    earlier module's executables were still cached. Cause unknown; with this the suite passes."""
     yield
     import gc
     gc.collect()

@@ -375,12 +375,9 @@ def _copy_pages(k_pages, v_pages, src, dst):
     array of a page format (quantised codes and scales too) has the page axis first. With
     precision tiers the copies are of the high tier's pool (the decode tier's pages, page ids
     of that pool); the low tier's is left alone."""
-    def copy(pages):
-        return pages.at[dst].set(pages[src], mode="drop")
-    if isinstance(k_pages, kv_quant.TieredPages):
-        return (dataclasses.replace(k_pages, high=jax.tree.map(copy, k_pages.high)),
-                dataclasses.replace(v_pages, high=jax.tree.map(copy, v_pages.high)))
-    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
+    pools = kv_quant.tier_pools(k_pages, v_pages)
+    pools[0] = jax.tree.map(lambda pages: pages.at[dst].set(pages[src], mode="drop"), pools[0])
+    return kv_quant.from_tier_pools(pools)
 
 
 def decode_split_map(layout, model_config, dtype, num_programs: int, batch: int, *,

@@ -33,21 +33,6 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 
 
-def tier_pools(k_pages, v_pages) -> list[tuple]:
-    """[(k, v)] of each tier's pool (high first; one pair untiered)."""
-    if kv_quant.is_tiered(k_pages, v_pages):
-        return [(k_pages.high, v_pages.high), (k_pages.low, v_pages.low)]
-    return [(k_pages, v_pages)]
-
-
-def with_tier_pools(k_pages, v_pages, pools: list[tuple]) -> tuple:
-    """(k_pages, v_pages) rebuilt from `tier_pools`' pairs."""
-    if kv_quant.is_tiered(k_pages, v_pages):
-        (k_high, v_high), (k_low, v_low) = pools
-        return kv_quant.TieredPages(k_high, k_low), kv_quant.TieredPages(v_high, v_low)
-    return pools[0]
-
-
 @jax.jit
 def _gather(pool, ids):
     """Pages `ids` (int32 [n]) of every array of `pool` (a (k, v) pair of one tier)."""
@@ -97,7 +82,7 @@ class HostKVTier:
         self._settle()
         if not transfers:
             return k_pages, v_pages
-        pools = tier_pools(k_pages, v_pages)
+        pools = kv_quant.tier_pools(k_pages, v_pages)
         for t in transfers:
             if t.kind == "out":
                 self._copies[t.handle] = [self._copy_out(pool, ids)
@@ -111,7 +96,7 @@ class HostKVTier:
                 self._take(t.handle)
             else:
                 raise ValueError(f"unknown host transfer kind {t.kind!r}")
-        return with_tier_pools(k_pages, v_pages, pools)
+        return kv_quant.from_tier_pools(pools)
 
     def _take(self, handle: int) -> list:
         self._in_flight.discard(handle)
@@ -174,7 +159,7 @@ def swap_lowerings(k_pages, v_pages, sharding, max_pages: int) -> list[tuple]:
     """``(name, key, lower)`` of every gather and scatter a swap of up to `max_pages` pages of
     each tier's pool meets (the warm-up compiles them: `StepCompilation.warmup_programs`)."""
     programs = []
-    for tier, pool in enumerate(tier_pools(k_pages, v_pages)):
+    for tier, pool in enumerate(kv_quant.tier_pools(k_pages, v_pages)):
         top = _padded(min(max_pages, jax.tree.leaves(pool)[0].shape[0]))
         for size in (1 << b for b in range(3, top.bit_length())):
             ids = np.zeros(size, np.int32)

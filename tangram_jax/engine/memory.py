@@ -370,9 +370,7 @@ def size_pool(runner, device, cfg, pool: TieredPool, max_bucket: int,
     now = DeviceMemory.read(device, fraction)   # weights are in now
     budget, _ = budget_bytes(now.card_bytes, cfg.gpu_memory_utilization, now.bytes_limit)
     provisional = pool.pages_in(budget - now.bytes_in_use - step_reserve(budget))
-    compiled = runner.compile_steps(pool.at_least_min(provisional), max_bucket,
-                                    cfg.max_prefill_rows)
-    peak = max(step_peak_bytes(c) for c in compiled.values())
+    peak = _largest_step_peak(runner, pool.at_least_min(provisional), max_bucket, cfg)
     return plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
                      prefer_pages=provisional if pool.holds_min(provisional) else None)
 
@@ -383,20 +381,28 @@ def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages, max_buck
     force beside the weights and the largest step (compiled here for that pool, as warm-up
     would: the executables are reused), naming the figures and what would fit."""
     now = DeviceMemory.read(device, allocator.fraction)   # the weights are in
-    compiled = runner.compile_steps(pages, max_bucket, cfg.max_prefill_rows)
-    peak = max(step_peak_bytes(c) for c in compiled.values())
+    peak = _largest_step_peak(runner, pages, max_bucket, cfg)
     setting = next(f"{name}={getattr(cfg, name)}" for name in
                    ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
                    if getattr(cfg, name) is not None)
-    config = runner.config
-    slots_per_page = runner.base_layout.page_size * runner.base_layout.group_size
-
-    def full_kv_tokens(pages) -> int:   # head-token slots over every layer's KV heads
-        slots = sum(n - 1 for n in runner.tier_pages(pages)) * slots_per_page
-        return slots // (config.num_layers * config.num_kv_heads)
-
-    check_fixed_pool(now, pool, pages, peak, setting=setting, tokens_of=full_kv_tokens,
+    check_fixed_pool(now, pool, pages, peak, setting=setting,
+                     tokens_of=lambda pages: full_kv_tokens(runner, pages),
                      note=f": {allocator.note}" if allocator.note else "")
+
+
+def _largest_step_peak(runner, pages, max_bucket: int, cfg) -> int:
+    """Peak bytes of the largest decode bucket and prefill compiled for a pool of `pages` (the
+    executables are kept: serving reuses them)."""
+    compiled = runner.compile_steps(pages, max_bucket, cfg.max_prefill_rows)
+    return max(step_peak_bytes(c) for c in compiled.values())
+
+
+def full_kv_tokens(runner, pages) -> int:
+    """Full-KV tokens a pool of `pages` holds: its head-token slots (null pages excluded) over
+    every layer's KV heads (every layer and KV head keeping every token)."""
+    layout = runner.base_layout
+    slots = sum(n - 1 for n in runner.tier_pages(pages)) * layout.page_size * layout.group_size
+    return slots // (runner.config.num_layers * runner.config.num_kv_heads)
 
 
 def pool_report(runner, layout, tier_names, cfg, plan: PoolPlan | None) -> dict:
@@ -406,7 +412,6 @@ def pool_report(runner, layout, tier_names, cfg, plan: PoolPlan | None) -> dict:
     `gpu_memory_utilization` did, the figures it used (`plan`). With precision tiers also
     `tiers`: each tier's pool (page format -> pages, bytes, slots); its slots hold that tier's
     retained tokens only."""
-    mc = runner.config
     counts = runner.tier_pages(runner.num_pages)
     slots_per_page = layout.page_size * layout.group_size
     tiers = {name: {"num_pages": n, "bytes": n * b, "slots": (n - 1) * slots_per_page}
@@ -415,7 +420,7 @@ def pool_report(runner, layout, tier_names, cfg, plan: PoolPlan | None) -> dict:
     pool_bytes = runner.pool_bytes()
     pool = {"num_pages": sum(counts), "bytes": pool_bytes, "slots": slots,
             "bytes_per_slot": pool_bytes / slots,
-            "full_kv_tokens": slots // (mc.num_layers * mc.num_kv_heads),
+            "full_kv_tokens": full_kv_tokens(runner, runner.num_pages),
             "sized_by": ("num_pages" if cfg.num_pages is not None else
                          "kv_cache_memory_bytes" if cfg.kv_cache_memory_bytes is not None else
                          "kv_cache_tokens" if plan is None else "gpu_memory_utilization")}

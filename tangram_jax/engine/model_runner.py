@@ -286,9 +286,6 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
         self.layer_states = self.placement.weights(self.layer_states,
                                                    stacked=self.layer_loop == "scan")
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
-        # The page format of the pool, or of each tier's pool (high, low).
-        self.tier_formats = pool_format.page_formats if pool_format.tiered else None
-        self.kv_format = pool_format.page_formats[0]
         # Bytes of one page of each tier's pool (one pool untiered) on each device (a page's G
         # heads are split over the devices).
         self.tier_page_bytes = tuple(b // tp for b in pool_format.page_bytes(
@@ -378,7 +375,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
     def _pool(self, num_pages, make):
         """(k_pages, v_pages) of the runner's page format(s); `make(shape, dtype)` builds each
         array (zeros on the runner's devices, or a `jax.ShapeDtypeStruct` spec)."""
-        return kv_quant.allocate_pools(self.tier_formats or (self.kv_format,),
+        return kv_quant.allocate_pools(self.pool_format.page_formats,
                                        self.tier_pages(num_pages), self.pool_shape(0)[1:],
                                        self.kv_dtype, make=make)
 

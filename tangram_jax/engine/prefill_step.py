@@ -317,7 +317,7 @@ class PrefillSteps:
     @property
     def dense_pool(self) -> bool:
         """Whether the pool holds pages of values (bf16), not quantised codes or tiers."""
-        return not self.kv_format.quantised and self.tiers is None
+        return not self.pool_format.tiered and not self.pool_format.page_formats[0].quantised
 
     @property
     def plans_prefill_writes(self) -> bool:

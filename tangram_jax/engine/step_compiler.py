@@ -67,7 +67,8 @@ class StepCompilation:
         steps = {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
                  "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
         if self.plans_prefill_writes:
-            steps["prefill_writes"] = self._compile_apply_writes(prefill_args, prefill_static)
+            steps["prefill_writes"] = self._apply_writes_lowering(prefill_args,
+                                                                  prefill_static).compile()
         if self.mixes_steps:
             steps["mixed"] = self._mixed.lower(*self._mixed_args(
                 prefill_args, prefill_static, decode_args, decode_static)[0],
@@ -95,9 +96,6 @@ class StepCompilation:
         return self._apply_writes.lower(k_pages, v_pages, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.replicated),
             writes))
-
-    def _compile_apply_writes(self, prefill_args, prefill_static):
-        return self._apply_writes_lowering(prefill_args, prefill_static).compile()
 
     def warmup_programs(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                         logprob_modes=(None,), prompt_logprobs=(False,),

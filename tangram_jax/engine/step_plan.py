@@ -128,10 +128,6 @@ class StepPlan:
     first_tokens: FirstTokenRows | None = None
     max_prefill_rows: int = 1
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefill and self.decode is None and not self.host_transfers
-
 
 @dataclasses.dataclass
 class StepResult:

@@ -435,14 +435,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
-def _tier_pools(k_pages, v_pages) -> list[tuple]:
-    """The (k, v) pools of a layer's launches, high tier first: one pair, or the two tiers of
-    `kv_quant.TieredPages`."""
-    if kv_quant.is_tiered(k_pages, v_pages):
-        return [(k_pages.high, v_pages.high), (k_pages.low, v_pages.low)]
-    return [(k_pages, v_pages)]
-
-
 def _work_lists(work_list, tiers: int) -> tuple:
     """`work_list` as one int32 list per pool (a numpy list becomes a constant of the
     trace): the list itself, or with precision tiers the (high, low) pair."""
@@ -541,7 +533,7 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, starts=Non
     work). `ragged_paged_decode_attention` merges them. starts: None, or int32 [batch, groups]
     the first slot each (row, group) attends (a local layer's window)."""
     if kv_quant.is_tiered(k_pages, v_pages):
-        pools = _tier_pools(k_pages, v_pages)
+        pools = kv_quant.tier_pools(k_pages, v_pages)
         works = tuple(work)
         tiers, num_tiers = tuple(range(len(pools))), len(pools)
     else:
@@ -625,7 +617,7 @@ def decode_programs(kv_precision: str, num_programs: int) -> int:
 def _format_name(k_pages, v_pages) -> str:
     """The page format of a pool ("bf16" unquantised), or "high-low" of precision tiers."""
     if kv_quant.is_tiered(k_pages, v_pages):
-        return "-".join(_format_name(k, v) for k, v in _tier_pools(k_pages, v_pages))
+        return "-".join(_format_name(k, v) for k, v in kv_quant.tier_pools(k_pages, v_pages))
     bits = (_bits(k_pages), _bits(v_pages))
     return next((f.name for f in kv_quant.PAGE_FORMATS.values()
                  if (f.key_bits, f.value_bits) == bits), "bf16")
@@ -651,7 +643,7 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, works, starts, sinks, *,
                                  num_warps=num_warps or tuned[1], **kwargs)]
     else:
         parts = []
-        for t, ((k, v), work) in enumerate(zip(_tier_pools(k_pages, v_pages), works)):
+        for t, ((k, v), work) in enumerate(zip(kv_quant.tier_pools(k_pages, v_pages), works)):
             tuned = decode_tuning(k, v)
             tokens = block_tokens[t] if isinstance(block_tokens, tuple) else block_tokens
             parts.append(decode_partials(q, k, v, block_tables, lengths, work, tier=t,
@@ -705,7 +697,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     """
     if tier_launch not in TIER_LAUNCHES:
         raise ValueError(f"tier_launch must be one of {TIER_LAUNCHES}, got {tier_launch!r}")
-    tier_pools = _tier_pools(k_pages, v_pages)
+    tier_pools = kv_quant.tier_pools(k_pages, v_pages)
     works = _work_lists(work_list, len(tier_pools))
     _check_inputs(q, tier_pools, block_tables, lengths, works)
     starts = None

@@ -219,7 +219,7 @@ def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
     pool), whether the copy reached host memory first (numpy) or is still in flight (the same
     step's gather); a dropped copy is gone; other pages are untouched."""
     from tangram_jax import kv_quant
-    from tangram_jax.engine.host_offload import HostKVTier, tier_pools
+    from tangram_jax.engine.host_offload import HostKVTier
     from tangram_jax.scheduler.host_pool import HostTransfer
     rng = np.random.default_rng(0)
 
@@ -230,7 +230,7 @@ def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
         return jnp.asarray(rng.normal(size=shape), dtype)
     k, v = kv_quant.allocate_pools([kv_quant.page_format(f) for f in formats],
                                    [20] * len(formats), (2, 4, 16), jnp.bfloat16, make=make)
-    before = [jax.tree.map(np.asarray, pool) for pool in tier_pools(k, v)]
+    before = [jax.tree.map(np.asarray, pool) for pool in kv_quant.tier_pools(k, v)]
     src = tuple(np.array([3, 7, 1, 12], np.int32)[:4 - t] for t in range(len(formats)))
     dst = tuple(np.array([15, 2, 19, 5], np.int32)[:4 - t] for t in range(len(formats)))
     tier = HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
@@ -244,7 +244,7 @@ def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
         k, v = tier.apply(k, v, moves + [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
     assert tier.num_copies == 0
     for t, (old, new) in enumerate(zip(before, (jax.tree.map(np.asarray, p)
-                                                 for p in tier_pools(k, v)))):
+                                                 for p in kv_quant.tier_pools(k, v)))):
         for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
             np.testing.assert_array_equal(b[dst[t]], a[src[t]])
             others = np.setdiff1d(np.arange(20), dst[t])
