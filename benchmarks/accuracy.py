@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--retention", default=None, choices=("auto", "turn", "chunk"),
                    help="EngineConfig.retention of the tangram and uniform engines (kv_layout."
                         "RETENTIONS; default the engine's); dynamic compresses per chunk")
+    p.add_argument("--turn-view", default=None, choices=("whole", "recent"),
+                   help="EngineConfig.turn_view of the tangram and uniform engines (kv_layout."
+                        "TURN_VIEWS; default the engine's)")
     p.add_argument("--profile", action="append", default=[],
                    help="a budget profile file the tangram mode serves at its ratio (its rho) "
                         "instead of the shipped SnapKV one, e.g. one from `tangram-jax calibrate "
@@ -158,6 +161,7 @@ def main(argv=None) -> int:
                            **({"prefill_token_buckets": tuple(args.prefill_token_buckets)}
                               if args.prefill_token_buckets else {}),
                            **({"tail_rule": args.tail_rule} if args.tail_rule else {}),
+                           **({"turn_view": args.turn_view} if args.turn_view else {}),
                            **({"obs_window": args.obs_window} if args.obs_window else {}),
                            **({"gpu_memory_utilization": args.gpu_memory_utilization}
                               if args.gpu_memory_utilization else {})))

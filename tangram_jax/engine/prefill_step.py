@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from tangram_jax.compression.chunk_scoring import chunk_scores, dynamic_keep_count, turn_scores
 from tangram_jax import kv_quant
+from tangram_jax.kv_layout import held_turn_skip
 from tangram_jax.engine.xla_attention import apply_chunk_writes
 from tangram_jax.pallas_kernels.chunk_compress import (chunk_destinations,
                                                        compress_chunk_into_tiers,
@@ -274,9 +275,19 @@ class PrefillSteps:
         else:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
+        # Retention "turn" with the "recent" view: rows that hold their turn (all but its last)
+        # attend to its first page and its recent share only (`kv_layout.held_turn_skip`).
+        view_skip = np.zeros_like(hist)
+        if self.compacts_turns and layout.turn_view == "recent" and turn_rows is not None:
+            holds = ~(keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
+            view_skip[:n_rows][holds] = held_turn_skip(
+                hist[:n_rows][holds], turn_hist[:n_rows][holds], layout.group_budgets,
+                layout.chunk_size, layout.page_size, self.config.local_layers)
         # The kernel's item list per layer, heaviest first (ahead of the call, on the host).
         # (Tiers: a group's history is both its tiers, read as one.)
-        group_hist = hist if self.tiers is None else hist[..., 0::2] + hist[..., 1::2]
+        group_hist = hist - view_skip * layout.page_size
+        if self.tiers is not None:
+            group_hist = group_hist[..., 0::2] + group_hist[..., 1::2]
         items = prefill_work_items(
             row_starts, lens, np.swapaxes(group_hist, 0, 1), num_tokens=num_tokens,
             num_items=item_capacity(num_tokens, self.base_layout.num_groups,
@@ -284,7 +295,7 @@ class PrefillSteps:
                                     self.prefill_tuning), tuning=self.prefill_tuning)
         args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items, held_protected,
-                turn_hist)
+                turn_hist, view_skip)
         # The columns attention reads: the history's (the CPU path plans its writes from the
         # whole table after the loop), or the history's and the row's (kernels write in place).
         reach = int(hist.max()) + (0 if self.plans_prefill_writes else int(lens.max()))
@@ -338,10 +349,12 @@ class PrefillSteps:
                                  region_pages: int = 0) -> Callable:
         """One layer's prefill attention, compression scoring and KV write for `rows` rows over
         a flat axis of `n` tokens (run per device): ``attend(q, k, v, k_pages, v_pages, tables,
-        write_tables, hist, turn_hist, keep, items, row_starts, row_lens, num_protected,
-        held_protected, positions, terms) -> (out [n, Hq, d], k_pages, v_pages, kept [rows,
-        groups], planned writes)``. region_pages: static, the held pages a turn compaction of
-        this call reads (`_turn_compaction`; 0: no row compacts its turn)."""
+        write_tables, hist, view_hist, turn_hist, keep, items, row_starts, row_lens,
+        num_protected, held_protected, positions, terms) -> (out [n, Hq, d], k_pages, v_pages,
+        kept [rows, groups], planned writes)``; attention reads `view_hist` slots of `tables`
+        (`_prefill_layer_inputs`), the writes go after `hist` slots of `write_tables`.
+        region_pages: static, the held pages a turn compaction of this call reads
+        (`_turn_compaction`; 0: no row compacts its turn)."""
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
         group_size = self.base_layout.group_size // self.placement.tp   # heads of a group here
@@ -363,8 +376,9 @@ class PrefillSteps:
                 k_src, v_src, dest, k_pages, v_pages, table,
                 max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
 
-        def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, turn_hist, keep, items,
-                   row_starts, row_lens, num_protected, held_protected, positions, terms):
+        def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, view_hist, turn_hist,
+                   keep, items, row_starts, row_lens, num_protected, held_protected, positions,
+                   terms):
             """The layer's attention, compression scoring and KV write on one device's heads
             (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
             [num_pages, G, page_size, d] (this device's G); terms: the layer's window and sinks
@@ -374,7 +388,7 @@ class PrefillSteps:
             plans = []
             # Tiers: tables and lengths of tier groups; both prefill paths read a group's two
             # tiers as one dense history (`kv_quant.tiered_dense_history`).
-            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, hist,
+            out, lse = self.ops.prefill_attention(q, k, v, k_pages, v_pages, tables, view_hist,
                                                   row_starts, row_lens, items,
                                                   tuning=self.prefill_tuning, **terms)
             if whole_rows:
@@ -440,7 +454,7 @@ class PrefillSteps:
         heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
         attend = self.placement.per_device(
             attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
-            + (P(),) * 11 + (self._terms_spec,),
+            + (P(),) * 12 + (self._terms_spec,),
             out_specs=(heads, self._pool_spec, self._pool_spec, P(), []))
 
         return attend
@@ -516,13 +530,14 @@ class PrefillSteps:
 
     def _prefill_impl(self, state, layer_states, k_pages, v_pages, tokens, positions, row_starts,
                       row_lens, num_protected, all_tables, slots, hist_lengths, keep_counts,
-                      work_items, held_protected, turn_hist, targets=None, *, table_width,
-                      region_pages):
+                      work_items, held_protected, turn_hist, view_skip, targets=None, *,
+                      table_width, region_pages):
         """tokens, positions [N] (flat, rows at row_starts); row_starts, row_lens, num_protected,
-        held_protected, slots [rows]; hist_lengths, keep_counts, turn_hist [rows, layers,
-        groups]; work_items [layers, items, 5]; table_width, region_pages: static, the
-        block-table columns attention reads and the held pages a turn compaction reads (see
-        `_table_width`, `_prefill_args`). Returns (k_pages, v_pages, logits, kept[, lp]), or
+        held_protected, slots [rows]; hist_lengths, keep_counts, turn_hist, view_skip [rows,
+        layers, groups] (view_skip: `_prefill_layer_inputs`); work_items [layers, items, 5];
+        table_width, region_pages: static, the block-table columns attention reads and the held
+        pages a turn compaction reads (see `_table_width`, `_prefill_args`). Returns (k_pages,
+        v_pages, logits, kept[, lp]), or
         with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
         writes for `_apply_writes`."""
         model = nnx.merge(self.graphdef, state)
@@ -533,13 +548,13 @@ class PrefillSteps:
         def layer_step(carry, xs):
             h, k_pages, v_pages = carry
             # [rows, Gn, width], [rows, Gn, P or width], [rows, Gn] x 3, [I, 5]
-            layer_state, tables, write_tables, hist, turn_hist, keep, items = xs
+            layer_state, tables, write_tables, hist, view_hist, turn_hist, keep, items = xs
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
             out, k_pages, v_pages, kept, plans = attend(
-                q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, turn_hist, keep,
-                items, row_starts, row_lens, num_protected, held_protected, positions,
-                self._attention_terms(layer))
+                q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, view_hist,
+                turn_hist, keep, items, row_starts, row_lens, num_protected, held_protected,
+                positions, self._attention_terms(layer))
             h = layer.finish(h, out[None].astype(h.dtype))
             return (h, k_pages, v_pages), (kept, plans or None)
 
@@ -548,7 +563,7 @@ class PrefillSteps:
             layer_step, (h, k_pages, v_pages),
             (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
                                                         turn_hist, keep_counts, work_items,
-                                                        table_width)))
+                                                        table_width, view_skip)))
         # The CPU path returns its writes of every layer and row (`_apply_writes` scatters them
         # in place, in a second program): scattered here, after the loop, they could still be
         # ordered before a layer's history read (unrolled, nothing makes the scatter wait for
@@ -564,16 +579,27 @@ class PrefillSteps:
         return *pool, logits, per_layer(kept), lp
 
     def _prefill_layer_inputs(self, all_tables, slots, hist_lengths, turn_hist, keep_counts,
-                              work_items, table_width) -> tuple:
+                              work_items, table_width, view_skip) -> tuple:
         """The prefill's per-layer inputs (leading axis layers): the rows' tables of the
         columns attention reads, the tables writes use (the whole table where writes are
-        planned), histories, turn starts, keep counts, work items."""
+        planned), histories, the histories attention reads, turn starts, keep counts, work
+        items. view_skip [rows, layers, groups]: pages of a held turn attention skips
+        (`kv_layout.held_turn_skip`): its table's columns after the turn's first page jump
+        that many pages, and it reads that many pages fewer."""
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)    # [rows, layers, ...] -> [layers, rows, ...]
         tables = all_tables[slots]
-        return (per_layer(tables[..., :table_width]),
+        view_tables, view_hist = tables[..., :table_width], hist_lengths
+        if self.compacts_turns:
+            cols = jnp.arange(table_width)
+            first = (turn_hist // self.layout.page_size)[..., None]
+            jump = jnp.where(cols > first, view_skip[..., None], 0)
+            view_tables = jnp.take_along_axis(
+                tables, jnp.minimum(cols + jump, tables.shape[-1] - 1), axis=-1)
+            view_hist = hist_lengths - view_skip * self.layout.page_size
+        return (per_layer(view_tables),
                 per_layer(tables if self.plans_prefill_writes else tables[..., :table_width]),
-                per_layer(hist_lengths), per_layer(turn_hist), per_layer(keep_counts),
-                work_items)
+                per_layer(hist_lengths), per_layer(view_hist), per_layer(turn_hist),
+                per_layer(keep_counts), work_items)
 
     def _row_scores(self, obs_probs, q, k, v, chunk_len, num_protected, first_position, keep):
         """Scores [num_kv_heads, T] of one compression chunk and the tokens each group keeps

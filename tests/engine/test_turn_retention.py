@@ -193,3 +193,83 @@ def test_cpu_and_gpu_defaults_decide_retention_alike(monkeypatch, tiny_folder, m
                         layout.tail_window, resolved.obs_window, resolved.scoring_rule,
                         resolved.compression_method, layout.group_budgets.tobytes()))
     assert decided[0] == decided[1]
+
+
+def test_held_turn_skip_keeps_the_first_page_and_the_recent_share():
+    """`held_turn_skip`: the pages between the turn's first page and its recent share
+    (max(chunk, ceil(r * held)) tokens, rounded out to whole pages); none for a turn shorter
+    than that, and none in sliding-window layers."""
+    from tangram_jax.kv_layout import held_turn_skip
+    budgets = np.asarray([[0.5, 0.25], [0.5, 0.25]])
+    hist = np.asarray([[[64, 64], [64, 64]], [[100, 100], [20, 20]]])   # [rows, layers, groups]
+    turn_hist = np.asarray([[[0, 0], [0, 0]], [[13, 13], [4, 4]]])
+    skip = held_turn_skip(hist, turn_hist, budgets, chunk_size=16, page_size=8)
+    # Row 0: held 64; recent 32 / 16 -> from page 4 / 6; the first page 0 stays: skip 3 / 5.
+    # Row 1, layer 0: held 87; recent 44 / 22 -> from page 7 / 9; first page 1: skip 5 / 7.
+    # Row 1, layer 1: held 16 fits one chunk: nothing skipped.
+    np.testing.assert_array_equal(skip, [[[3, 5], [3, 5]], [[5, 7], [0, 0]]])
+    np.testing.assert_array_equal(
+        held_turn_skip(hist, turn_hist, budgets, 16, 8, windowed_layers=(1,))[:, 1], 0)
+
+
+@pytest.mark.parametrize("view", ["recent", "whole"])
+def test_recent_view_attends_to_the_first_page_and_the_recent_share(tiny_folder, view):
+    """Retention "turn" with turn_view "recent": each held chunk of a 190-token turn attends
+    to the turn's first page and its last max(chunk, ceil(r * held)) held tokens (whole pages),
+    the turn's last chunk to all of it; with "whole" every chunk attends to all. The first
+    token's log-probs equal a dense forward under exactly that mask, and the two views' masks
+    give log-probs far apart (the test tells them apart)."""
+    import jax
+    import jax.numpy as jnp
+    from tangram_jax.compression.profile import BudgetProfile
+    from tangram_jax.engine.llm_engine import Engine
+    from tangram_jax.models.decoder import dense_attention
+    from tangram_jax.models.registry import load_model
+    from tangram_jax.sampling import SamplingParams
+    from tiny_engine import CONFIG, tiny_engine_config
+
+    layers, heads = CONFIG["num_hidden_layers"], CONFIG["num_key_value_heads"]
+    half = np.full((layers, heads), 0.5)
+    profile = BudgetProfile(
+        model=dict(architecture="llama", num_layers=layers, num_kv_heads=heads,
+                   head_dim=CONFIG["hidden_size"] // CONFIG["num_attention_heads"],
+                   name=str(tiny_folder)),
+        method="snapkv", rho=0.5, lambda_=2.0, mean=half, std=np.zeros_like(half),
+        budget=half, group_size=1, grouping="budget",
+        head_perm=np.tile(np.arange(heads), (layers, 1)), group_budgets=half)
+    engine = Engine(tiny_engine_config(tiny_folder, "tangram", profile=profile,
+                                       retention="turn", turn_view=view, obs_window=8))
+    chunk, ps = engine.layout.chunk_size, engine.layout.page_size
+    assert (chunk, ps) == (16, 8)
+    prompt = np.random.default_rng(5).integers(0, 250, 190).tolist()
+    engine.add_request(request_id="r", prompt_token_ids=prompt, session_id="s",
+                       sampling_params=SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.finished]
+    entry = done[0].outputs[0].logprobs[0]
+
+    def masked_log_probs(recent_view: bool) -> np.ndarray:
+        n = len(prompt)
+        q_pos, k_pos = np.arange(n)[:, None], np.arange(n)[None, :]
+        start = q_pos // chunk * chunk                       # each query's chunk start = held
+        recent = np.maximum(chunk, np.ceil(0.5 * start))
+        first_recent = (start - recent) // ps * ps           # the recent share, whole pages
+        seen = (k_pos < ps) | (k_pos >= first_recent) | (first_recent <= ps)
+        last = start == (n - 1) // chunk * chunk             # the last chunk sees the turn
+        mask = (k_pos <= q_pos) & (seen | last | (not recent_view))
+        model = load_model(str(tiny_folder)).model
+        tokens = jnp.asarray([prompt], jnp.int32)
+        positions = jnp.arange(n, dtype=jnp.int32)[None]
+        h = model.embed(tokens)
+        for layer in model.layers:
+            q, k, v = layer.qkv(h, positions)
+            h = layer.finish(h, dense_attention(q, k, v, jnp.asarray(mask)[None]))
+        return np.asarray(jax.nn.log_softmax(model.logits(h)[0, -1]))
+
+    ref = masked_log_probs(view == "recent")
+    other = masked_log_probs(view != "recent")
+    top = np.argsort(-ref)[:5]
+    assert set(top.tolist()) <= set(entry)
+    got = np.asarray([entry[t].logprob for t in top.tolist()])
+    np.testing.assert_allclose(got, ref[top], atol=2e-3)
+    assert np.abs(other[top] - ref[top]).max() > 0.05
