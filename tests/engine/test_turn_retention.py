@@ -197,17 +197,17 @@ def test_cpu_and_gpu_defaults_decide_retention_alike(monkeypatch, tiny_folder, m
 
 def test_held_turn_skip_keeps_the_first_page_and_the_recent_share():
     """`held_turn_skip`: the pages between the turn's first page and its recent share
-    (max(chunk, ceil(r * held)) tokens, rounded out to whole pages); none for a turn shorter
-    than that, and none in sliding-window layers."""
+    (max(chunk, ceil(max(r, 1/2) * held)) tokens, rounded out to whole pages); none for a turn
+    shorter than that, and none in sliding-window layers."""
     from tangram_jax.kv_layout import held_turn_skip
-    budgets = np.asarray([[0.5, 0.25], [0.5, 0.25]])
+    budgets = np.asarray([[0.5, 0.75], [0.25, 0.75]])
     hist = np.asarray([[[64, 64], [64, 64]], [[100, 100], [20, 20]]])   # [rows, layers, groups]
     turn_hist = np.asarray([[[0, 0], [0, 0]], [[13, 13], [4, 4]]])
     skip = held_turn_skip(hist, turn_hist, budgets, chunk_size=16, page_size=8)
-    # Row 0: held 64; recent 32 / 16 -> from page 4 / 6; the first page 0 stays: skip 3 / 5.
-    # Row 1, layer 0: held 87; recent 44 / 22 -> from page 7 / 9; first page 1: skip 5 / 7.
-    # Row 1, layer 1: held 16 fits one chunk: nothing skipped.
-    np.testing.assert_array_equal(skip, [[[3, 5], [3, 5]], [[5, 7], [0, 0]]])
+    # Row 0: held 64; recent 32 / 48 (a budget of 0.25 counts as 0.5) -> from page 4 / 2; the
+    # first page 0 stays: skip 3 / 1. Row 1, layer 0: held 87; recent 44 / 66 -> from page 7 / 4;
+    # first page 1: skip 5 / 2. Row 1, layer 1: held 16 fits one chunk: nothing skipped.
+    np.testing.assert_array_equal(skip, [[[3, 1], [3, 1]], [[5, 2], [0, 0]]])
     np.testing.assert_array_equal(
         held_turn_skip(hist, turn_hist, budgets, 16, 8, windowed_layers=(1,))[:, 1], 0)
 
@@ -215,7 +215,8 @@ def test_held_turn_skip_keeps_the_first_page_and_the_recent_share():
 @pytest.mark.parametrize("view", ["recent", "whole"])
 def test_recent_view_attends_to_the_first_page_and_the_recent_share(tiny_folder, view):
     """Retention "turn" with turn_view "recent": each held chunk of a 190-token turn attends
-    to the turn's first page and its last max(chunk, ceil(r * held)) held tokens (whole pages),
+    to the turn's first page and its last max(chunk, ceil(r * held)) held tokens (whole pages; r
+    = 0.5 here),
     the turn's last chunk to all of it; with "whole" every chunk attends to all. The first
     token's log-probs equal a dense forward under exactly that mask, and the two views' masks
     give log-probs far apart (the test tells them apart)."""
