@@ -71,11 +71,21 @@ before its last one.
 - ``"whole"``   every held token of the turn: the prefill of a turn of n tokens attends over
                 ~n^2 / 2 token pairs, as full KV's does;
 - ``"recent"``  the session's compressed history, the turn's first page and its last
-                ``max(chunk, ceil(max(r, 1/2) * held))`` held tokens (`held_turn_skip`; an
-                attention sink and a local window, MInference's "A-shape"): about half the
-                pairs of ``"whole"``. The turn's last chunk, whose question scores
+                ``max(chunk, ceil(r * held))`` held tokens (`held_turn_skip`; an attention sink
+                and a local window, MInference's "A-shape"): about the pairs a chunk of
+                ``"chunk"`` retention attends over. The turn's last chunk, whose question scores
                 the turn, attends to every held token; what is kept is chosen as under
                 ``"whole"``, from keys and values each computed over its recent context.
+
+Why ``"recent"`` is the default: it keeps the question-scored whole-turn selection at about
+retention ``"chunk"``'s prefill cost. On the 8B shape (H200, Long 8 x 100k, ratio 0.25) it
+served 0.592 turns/s against ``"whole"``'s 0.366 and ``"chunk"``'s 0.638
+(`benchmarks/results/serve_gpu_view_long.json`); on the long-session tasks (100 samples a
+task, turns of 9-10 chunks of 128) it answered as ``"whole"`` at 0.5 (facts / passkey / kv 61 /
+97 / 44% against 62 / 97 / 46) and lost 13 points on the facts at 0.25 (47 against 60;
+`accuracy_long.json`), still far above ``"chunk"`` (27 / 62 / 21 at 0.5). Attending to at least
+half of the held turn at 0.25 won back 5 of them for a fifth of the speed
+(`accuracy_long_view_floor.json`, `serve_gpu_view_floor_long.json`): not kept.
 
 Which tokens a head keeps (never how many: the counts above are the scheduler's) is the scoring
 rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks by the
@@ -121,10 +131,6 @@ RETENTIONS = ("turn", "chunk")
 # What a chunk of a held turn attends to before the turn's last chunk (module docstring, "Held
 # turn view"): every held token ("whole") or the turn's first page and its recent share.
 TURN_VIEWS = ("whole", "recent")
-# The least share of a held turn the "recent" view attends to, whatever the budget: at a share
-# of r = 0.25 the long-session facts task lost 13 points against "whole" (47 vs 60%, H200, 100
-# samples, 128-token chunks); at 0.5 it lost 1.
-RECENT_SHARE_FLOOR = 0.5
 
 
 def chunk_keep_count(group_budgets: np.ndarray, chunk_len: int | np.ndarray) -> np.ndarray:
@@ -181,9 +187,8 @@ def held_turn_skip(hist, turn_hist, group_budgets, chunk_size: int, page_size: i
     """Pages of a held turn that a prefill row's attention skips under the ``"recent"`` view
     (module docstring, "Held turn view"): of the turn's held slots ``turn_hist .. hist - 1`` a
     row attends to the page holding the turn's first slot (with everything before it: the
-    session's compressed history) and the last ``max(chunk_size, ceil(s * held))`` held
-    tokens, s = max(r, RECENT_SHARE_FLOOR), rounded out to whole pages; the pages between are
-    skipped. The attended slots,
+    session's compressed history) and the last ``max(chunk_size, ceil(r * held))`` held
+    tokens, rounded out to whole pages; the pages between are skipped. The attended slots,
     renumbered, are ``hist - skip * page_size`` contiguous ones (every page but the last of the
     view is full), so attention reads them through a block table whose columns after the first
     page jump `skip` pages.
@@ -196,8 +201,7 @@ def held_turn_skip(hist, turn_hist, group_budgets, chunk_size: int, page_size: i
     hist = np.asarray(hist, np.int64)
     turn_hist = np.asarray(turn_hist, np.int64)
     held = hist - turn_hist
-    share = np.maximum(np.asarray(group_budgets), RECENT_SHARE_FLOOR)
-    recent = np.maximum(chunk_size, np.ceil(share * held - _CEIL_EPS))
+    recent = np.maximum(chunk_size, np.ceil(np.asarray(group_budgets) * held - _CEIL_EPS))
     first = turn_hist // page_size
     start = (hist - recent.astype(np.int64)) // page_size     # the recent share's first page
     skip = np.maximum(start - first - 1, 0)
@@ -246,7 +250,7 @@ class KVLayout:
     tail_rule: str = "none"
     tail_window: int = 0
     retention: str = "chunk"
-    turn_view: str = "whole"
+    turn_view: str = "recent"
 
     def __post_init__(self):
         if self.group_size <= 0 or self.num_kv_heads % self.group_size:

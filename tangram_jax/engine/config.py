@@ -387,11 +387,11 @@ class EngineConfig:
         "per-input method as published) and profiles calibrated with a method the whole-turn "
         "compression does not serve (chunk_scoring.TURN_METHODS)")
     turn_view: str = _field(
-        "whole", _choice(TURN_VIEWS),
+        "recent", _choice(TURN_VIEWS),
         "under retention turn, what a held turn's chunks before its last attend to "
         "(kv_layout.TURN_VIEWS): every held token (whole) or the turn's first page and its "
-        "most recent max(chunk, max(ratio, 1/2) x held) tokens (recent: about half the "
-        "attention work); the last chunk, which scores the turn, attends to all of it")
+        "most recent max(chunk, ratio x held) tokens (recent: about the attention work of "
+        "retention chunk); the last chunk, which scores the turn, attends to all of it")
     scoring_rule: str = _field(
         "auto", _choice(SCORING_RULE_CHOICES),
         "which queries rank a compressed chunk's tokens (chunk_scoring.SCORING_RULES): the "

@@ -451,7 +451,8 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
             preemptions=int(sched["preemptions"]), evictions=int(sched["evictions"]),
             layout=engine.layout.name, max_model_len=engine.max_model_len,
             scoring_rule=engine.resolved.scoring_rule, method=engine.compression_method,
-            retention=engine.layout.retention, chunk_size=engine.layout.chunk_size)
+            retention=engine.layout.retention, turn_view=engine.layout.turn_view,
+            chunk_size=engine.layout.chunk_size)
         judged[spec.label] = rows
         if on_partial is not None:
             done = specs[:specs.index(spec) + 1]

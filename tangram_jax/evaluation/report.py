@@ -12,11 +12,14 @@ from pathlib import Path
 def served_rows(report: dict) -> list[dict]:
     """The report's rows, each compressing mode of this library labelled with what its engine
     served beyond the defaults: a scoring rule other than the window (``tangram
-    (window+keydiff)``) and a profile calibrated with another method than SnapKV (``tangram
-    (keydiff profile)``). The engine's rule and method come from the report's `engines` (recorded
-    since "auto"), else the rule from the part's `--scoring-rule`. A merged report's rows are
-    labelled already (it has no `engines`)."""
+    (window+keydiff)``), a profile calibrated with another method than SnapKV (``tangram
+    (keydiff profile)``), retention "chunk" and the held-turn view "whole" (``tangram (retention
+    chunk)``, ``tangram (whole view)``). The engine's rule, method, retention and view come from
+    the report's `engines` (recorded since "auto"; the view, where the engines lack it, from the
+    part's `--turn-view`), else the rule from the part's `--scoring-rule`. A merged report's
+    rows are labelled already (it has no `engines`)."""
     asked = (report.get("config") or {}).get("scoring_rule")
+    asked_view = (report.get("config") or {}).get("turn_view")
     engines = report.get("engines")
     if engines is None and "parts" in report:
         return [dict(r) for r in report["results"]]
@@ -32,6 +35,10 @@ def served_rows(report: dict) -> list[dict]:
             rule = served.get("scoring_rule") or asked or "window"
             if rule != "window":
                 notes.append(rule)
+            if served.get("retention") == "chunk":
+                notes.append("retention chunk")
+            elif (served.get("turn_view") or asked_view) == "whole":
+                notes.append("whole view")
             if notes:
                 row["mode"] = f"{row['mode']} ({', '.join(notes)})"
         out.append(row)

@@ -133,8 +133,8 @@ def _held_rows(engine, session_id):
 
 def test_a_turn_keeps_the_same_tokens_however_it_is_chunked_and_returns_its_staging(tiny_folder):
     """The same 190-token turn prefilled in chunks of 16, 48 and 256 (the whole turn) keeps the
-    same K rows per head (every chunk attends to the whole held turn, and the last compresses
-    it all at once), and once prefilled the slot holds exactly the pages of the turn's count:
+    same K rows per head under the "whole" view (every chunk attends to the whole held turn, and
+    the last compresses it all at once), and once prefilled the slot holds exactly the pages of the turn's count:
     the staging the reservation borrowed is back in the pool."""
     from tangram_jax.engine.llm_engine import Engine
     from tangram_jax.sampling import SamplingParams
@@ -145,7 +145,8 @@ def test_a_turn_keeps_the_same_tokens_however_it_is_chunked_and_returns_its_stag
     for chunk in (16, 48, 256):
         engine = Engine(tiny_engine_config(tiny_folder, "tangram", chunk_size=chunk,
                                            max_num_batched_tokens=max(64, chunk + 4),
-                                           obs_window=8, retention="turn"))
+                                           obs_window=8, retention="turn",
+                                           turn_view="whole"))
         layout = engine.layout
         assert engine.runner.compacts_turns
         free = engine.manager.num_free_pages
@@ -189,7 +190,7 @@ def test_cpu_and_gpu_defaults_decide_retention_alike(monkeypatch, tiny_folder, m
         monkeypatch.setattr(config_module, "_backend_kind", lambda _u, kind=kind: kind)
         resolved = EngineConfig(**fields).resolve(model_config)
         layout = resolved.layout
-        decided.append((layout.chunk_size, layout.retention, layout.tail_rule,
+        decided.append((layout.chunk_size, layout.retention, layout.turn_view, layout.tail_rule,
                         layout.tail_window, resolved.obs_window, resolved.scoring_rule,
                         resolved.compression_method, layout.group_budgets.tobytes()))
     assert decided[0] == decided[1]
@@ -197,17 +198,17 @@ def test_cpu_and_gpu_defaults_decide_retention_alike(monkeypatch, tiny_folder, m
 
 def test_held_turn_skip_keeps_the_first_page_and_the_recent_share():
     """`held_turn_skip`: the pages between the turn's first page and its recent share
-    (max(chunk, ceil(max(r, 1/2) * held)) tokens, rounded out to whole pages); none for a turn
-    shorter than that, and none in sliding-window layers."""
+    (max(chunk, ceil(r * held)) tokens, rounded out to whole pages); none for a turn shorter
+    than that, and none in sliding-window layers."""
     from tangram_jax.kv_layout import held_turn_skip
-    budgets = np.asarray([[0.5, 0.75], [0.25, 0.75]])
+    budgets = np.asarray([[0.5, 0.25], [0.5, 0.25]])
     hist = np.asarray([[[64, 64], [64, 64]], [[100, 100], [20, 20]]])   # [rows, layers, groups]
     turn_hist = np.asarray([[[0, 0], [0, 0]], [[13, 13], [4, 4]]])
     skip = held_turn_skip(hist, turn_hist, budgets, chunk_size=16, page_size=8)
-    # Row 0: held 64; recent 32 / 48 (a budget of 0.25 counts as 0.5) -> from page 4 / 2; the
-    # first page 0 stays: skip 3 / 1. Row 1, layer 0: held 87; recent 44 / 66 -> from page 7 / 4;
-    # first page 1: skip 5 / 2. Row 1, layer 1: held 16 fits one chunk: nothing skipped.
-    np.testing.assert_array_equal(skip, [[[3, 1], [3, 1]], [[5, 2], [0, 0]]])
+    # Row 0: held 64; recent 32 / 16 -> from page 4 / 6; the first page 0 stays: skip 3 / 5.
+    # Row 1, layer 0: held 87; recent 44 / 22 -> from page 7 / 9; first page 1: skip 5 / 7.
+    # Row 1, layer 1: held 16 fits one chunk: nothing skipped.
+    np.testing.assert_array_equal(skip, [[[3, 5], [3, 5]], [[5, 7], [0, 0]]])
     np.testing.assert_array_equal(
         held_turn_skip(hist, turn_hist, budgets, 16, 8, windowed_layers=(1,))[:, 1], 0)
 
@@ -215,8 +216,7 @@ def test_held_turn_skip_keeps_the_first_page_and_the_recent_share():
 @pytest.mark.parametrize("view", ["recent", "whole"])
 def test_recent_view_attends_to_the_first_page_and_the_recent_share(tiny_folder, view):
     """Retention "turn" with turn_view "recent": each held chunk of a 190-token turn attends
-    to the turn's first page and its last max(chunk, ceil(r * held)) held tokens (whole pages; r
-    = 0.5 here),
+    to the turn's first page and its last max(chunk, ceil(r * held)) held tokens (whole pages),
     the turn's last chunk to all of it; with "whole" every chunk attends to all. The first
     token's log-probs equal a dense forward under exactly that mask, and the two views' masks
     give log-probs far apart (the test tells them apart)."""
