@@ -275,11 +275,13 @@ class PrefillSteps:
         else:
             keep = np.stack([layout.chunk_keep_counts(int(n), int(p))
                              for n, p in zip(lens, protected)]).astype(np.int32)
+        # The rows that compact their turn (retention "turn": the turn's last row).
+        compacts = (keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
         # Retention "turn" with the "recent" view: rows that hold their turn (all but its last)
         # attend to its first page and its recent share only (`kv_layout.held_turn_skip`).
         view_skip = np.zeros_like(hist)
         if self.compacts_turns and layout.turn_view == "recent" and turn_rows is not None:
-            holds = ~(keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
+            holds = ~compacts
             view_skip[:n_rows][holds] = held_turn_skip(
                 hist[:n_rows][holds], turn_hist[:n_rows][holds], layout.group_budgets,
                 layout.chunk_size, layout.page_size, self.config.local_layers)
@@ -302,7 +304,6 @@ class PrefillSteps:
         if region_pages is None:
             region_pages = 0
             if self.compacts_turns:   # the pages each compaction's held tokens span
-                compacts = (keep < lens[:, None, None]).any(axis=(1, 2))[:n_rows]
                 ps = layout.page_size
                 span = (turn_hist % ps + hist - turn_hist + ps - 1) // ps
                 region_pages = self._region_width(
