@@ -40,6 +40,8 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
         known until the turn ends)
   QoHq  Qo (s = 0.25), then KeyDiff against the mean of the question-only pass's keys
   DHg   D (s = 0.25), then KeyDiff against the turn's mean key (H.25 as two greedy lanes)
+  DJg   D (s = 0.25), then J (the question window first, KVzip's reconstruction score for the
+        rest: DHg with KVzip in place of KeyDiff)
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ CHUNK = 128          # the CPU engine's compression chunk
 TAIL = 32            # protected tail = SnapKV observation window
 RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
          "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD",
-         "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg")
-KVZIP_RULES = ("J", "JD")                                       # need the KVzip pass
+         "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg")
+KVZIP_RULES = ("J", "JD", "DJg")                                       # need the KVzip pass
 QUESTION_RULES = ("Qo", "QoH1", "QoE1", "QoHt", "QoHq")        # need the question-only pass
 # Two greedy lanes: rule -> (first score, second score, the first lane's share of the count).
 TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
              "QoHt": ("Qo", "kd_turn", 0.25), "QoHq": ("Qo", "kd_question", 0.25),
-             "DHg": ("D", "kd_turn", 0.25)}
+             "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25)}
 
 
 @dataclasses.dataclass
@@ -302,9 +304,16 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
     if "I6" in want:
         out["I6"] = ("flow", (get("rk", running_kd),
                               _union(get("tw", turn_window), get("rk", running_kd), u, 0.5)))
-    if "J" in want or "JD" in want:
+    def kvzip_scores():   # [L, Hkv, N]: the KVzip pass's scores of the turn's context
+        if kvzip is None:
+            raise ValueError(f"the rules {', '.join(KVZIP_RULES)} need the KVzip pass")
         j = np.full((num_layers, t1.k.shape[2], big_n), -np.inf, np.float32)
         j[..., :u] = kvzip[..., :u]
+        return j
+
+    lanes["J"] = kvzip_scores
+    if "J" in want or "JD" in want:
+        j = get("J", kvzip_scores)
         if "J" in want:
             out["J"] = ("turn", j)
         if "JD" in want:

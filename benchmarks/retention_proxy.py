@@ -526,6 +526,9 @@ def print_tables(path: str) -> None:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None,
+                    help="model to load (`models.registry.load_model`: a GGUF or HF folder); "
+                         "default the embedded SmolLM2-135M")
     ap.add_argument("--samples", type=int, default=40, help="samples per task (indices 0..)")
     ap.add_argument("--first", type=int, default=0, help="first sample index")
     ap.add_argument("--seed", type=int, default=0)
@@ -572,7 +575,7 @@ def main(argv=None):
     run = start("retention_proxy", outputs, argv)
     origin = provenance([__file__, *argv])   # once: the revision that runs, not a later one
 
-    loaded = load_model()
+    loaded = load_model(args.model)
     pm = ProxyModel(loaded)
     budgets = {}
     for r in ratios:

@@ -1,8 +1,13 @@
-"""Start-up time of the engine, cold and with JAX's persistent compilation cache warm.
+"""Start-up time of the engine, cold and with JAX's persistent compilation cache warm, to the
+first token of the first request.
 
-Starts the same engine configuration in fresh processes that share one empty cache folder (the
-first compiles everything and fills the cache, the next ones load from it) and times, in each,
-the Engine's construction with warm-up (`EngineConfig(warmup=True)`: every step shape compiled).
+For each mode, starts the same engine configuration in fresh processes that share one empty
+cache folder (the first compiles everything and fills the cache, the second loads from it),
+then one more fresh process for each `--changes` setting (one engine setting changed, the cache
+warm from the first two: what a user who changes the pool or the batch size pays). Each process
+times the Engine's construction with warm-up (`EngineConfig(warmup=True)`: every step shape
+compiled) and then the first token of one 512-token request, and reports where start-up went
+(`Engine.startup_report`: seconds by phase, each compiled program's compile seconds).
 
     python benchmarks/startup.py                              # CPU: embedded SmolLM2-135M
     python benchmarks/startup.py --model random-llama-8b      # GPU: Llama-3.1-8B shape, random
@@ -10,7 +15,7 @@ the Engine's construction with warm-up (`EngineConfig(warmup=True)`: every step 
 
 Writes `--out` (default a fresh file under benchmarks/results/runs/; the committed
 startup_<cpu|gpu>.json only with --overwrite): device, revision, command, each start's seconds,
-the ratio first / second.
+the ratio cold / warm.
 """
 
 from __future__ import annotations
@@ -26,34 +31,11 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, BENCH)
+from tangram_jax.benchmarking.models import RANDOM_8B  # noqa: E402
 from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 
-RANDOM_8B = "random-llama-8b"
-
-
-def random_llama_8b(dtype: str = "bfloat16"):
-    """A `LoadedModel` of the Llama-3.1-8B shape with random weights built on the device (no
-    file: 16 GB of safetensors would take longer to write and read than the whole run), and a
-    word-level tokenizer over its 128256 ids (``t0`` .. ``t128255``)."""
-    import jax.numpy as jnp
-    import tokenizers
-    from flax import nnx
-    from tokenizers import models, pre_tokenizers
-
-    from decode_step_gpu import LLAMA_8B, model_config
-    from tangram_jax.models.decoder import Decoder
-    from tangram_jax.models.registry import LoadedModel
-    from tangram_jax.models.tokenizer import Tokenizer
-
-    config = model_config(LLAMA_8B)
-    model = Decoder(config, jnp.dtype(dtype), rngs=nnx.Rngs(0))
-    backend = tokenizers.Tokenizer(models.WordLevel(
-        {f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = Tokenizer(backend, eos_token_ids=config.eos_token_ids)
-    return LoadedModel(config, model, tokenizer, RANDOM_8B, None)
+PROMPT_TOKENS = 512
 
 
 def build_engine(model: str, engine_kwargs: dict):
@@ -63,69 +45,135 @@ def build_engine(model: str, engine_kwargs: dict):
     from tangram_jax.engine.config import EngineConfig
 
     if model == RANDOM_8B:   # built inside Engine(), after it has set JAX's allocator up
-        llm_engine.load_model = lambda *args, **kwargs: random_llama_8b(
-            engine_kwargs.get("dtype", "bfloat16"))
+        from tangram_jax.benchmarking.models import random_model
+        llm_engine.load_model = lambda *args, **kwargs: random_model(
+            RANDOM_8B, engine_kwargs.get("dtype", "bfloat16"))
     return llm_engine.Engine(EngineConfig(model=None if model == RANDOM_8B else model,
                                           **engine_kwargs))
 
 
-def engine_kwargs_for(model: str) -> dict:
-    if model == RANDOM_8B:   # the 8B serving shape of gpu_memory.py; chunk size and step token
-        # budget are the engine's GPU defaults (2048 / 8192), so the largest step is measured
-        return dict(mode="full", dtype="bfloat16", max_num_seqs=64, max_model_len=32768,
-                    warmup=True)
-    return dict(mode="tangram", dtype="float32", max_num_seqs=16, warmup=True)
+def engine_kwargs_for(model: str, mode: str | None = None) -> dict:
+    """The engine settings timed: for the 8B shape the GPU defaults (chunk size 2048, step
+    token budget 8192: the largest step is measured) at 64 sequences and 32k tokens a sequence
+    (the shape of `gpu_memory.py`), `mode` full by default; tangram with a skewed random profile
+    at 0.25 (G 2; the random model has no calibrated one). SmolLM2: tangram, float32."""
+    if model == RANDOM_8B:
+        mode = mode or "full"
+        kwargs = dict(mode=mode, dtype="bfloat16", max_num_seqs=64, max_model_len=32768,
+                      warmup=True)
+        if mode == "tangram":
+            from tangram_jax.benchmarking.models import random_model_config
+            from tangram_jax.benchmarking.workload import skewed_profile
+            kwargs.update(group_size=2, profile=skewed_profile(
+                random_model_config(RANDOM_8B), 2, 0.25, seed=0))
+        return kwargs
+    return dict(mode=mode or "tangram", dtype="float32", max_num_seqs=16, warmup=True)
+
+
+def _printable(kwargs: dict) -> dict:
+    return {k: (v if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__)
+            for k, v in kwargs.items()}
 
 
 def child(args) -> None:
     t0 = time.perf_counter()
-    engine = build_engine(args.model, dict(engine_kwargs_for(args.model),
-                                           compile_cache_dir=args.cache_dir))
-    total = time.perf_counter() - t0
-    print("STARTUP " + json.dumps({"seconds": total, "engine": engine.startup_seconds,
-                                   "pool": {k: v for k, v in engine.kv_pool().items()
-                                            if k != "plan"}}), flush=True)
+    kwargs = dict(engine_kwargs_for(args.model, args.mode), compile_cache_dir=args.cache_dir,
+                  **json.loads(args.change or "{}"))
+    engine = build_engine(args.model, kwargs)
+    built = time.perf_counter() - t0
+    from tangram_jax.sampling import SamplingParams
+    prompt = [int(t) for t in (1 + (i * 7919) % 1000 for i in range(PROMPT_TOKENS))]
+    engine.add_request("first", prompt_token_ids=prompt,
+                       sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    first_token = time.perf_counter() - t0
+    report = engine.startup_report()
+    print("STARTUP " + json.dumps({
+        "seconds": built, "first_token_seconds": first_token,
+        "engine": engine.startup_seconds, "num_programs": report["num_programs"],
+        "compile_seconds": report["compile_seconds"], "programs": report["programs"],
+        "pool": {k: v for k, v in engine.kv_pool().items() if k != "plan"}}), flush=True)
 
 
-def run_starts(model: str, starts: int, cache_dir: str, log=print) -> list[dict]:
-    """Time `starts` fresh processes of the same configuration sharing `cache_dir`."""
-    results = []
-    for i in range(starts):
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model",
-                               model, "--cache-dir", cache_dir], capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("STARTUP ")), None)
-        if proc.returncode != 0 or line is None:
-            raise RuntimeError(f"start {i} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-        result = dict(json.loads(line[len("STARTUP "):]), process_wall_seconds=wall)
-        results.append(result)
-        log(f"start {i + 1}: engine built and warmed up in {result['seconds']:.1f} s "
-            f"(process {wall:.1f} s; loading the weights "
-            f"{result['engine'].get('load_model', 0):.1f} s, warm-up "
-            f"{result['engine']['warmup']:.1f} s)")
-    return results
+def run_start(model: str, mode: str | None, cache_dir: str, change: dict | None = None,
+              log=print) -> dict:
+    """One fresh process of the configuration (`change`: engine settings over it) with the
+    compile cache in `cache_dir`."""
+    t0 = time.perf_counter()
+    command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
+               "--cache-dir", cache_dir]
+    command += ["--mode", mode] if mode else []
+    command += ["--change", json.dumps(change)] if change else []
+    proc = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("STARTUP ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"start of {mode or 'default'} {change or ''} failed "
+                           f"(rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = dict(json.loads(line[len("STARTUP "):]), process_wall_seconds=wall,
+                  change=change)
+    log(f"{mode or 'default'}{' ' + json.dumps(change) if change else ''}: engine built and "
+        f"warmed up in {result['seconds']:.1f} s, first token at "
+        f"{result['first_token_seconds']:.1f} s (process {wall:.1f} s; loading the weights "
+        f"{result['engine'].get('load_model', 0):.1f} s, warm-up "
+        f"{result['engine']['warmup']:.1f} s; {result['num_programs']} programs, "
+        f"{result['compile_seconds']:.1f} s of compiles)", flush=True)
+    return result
+
+
+def parse_changes(text: str) -> list[dict]:
+    """``name=value,...`` -> one {name: value} a start (ints where they parse)."""
+    changes = []
+    for item in (t for t in text.split(",") if t):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--changes: expected name=value items, got {item!r}")
+        changes.append({name: int(value) if value.lstrip("-").isdigit() else value})
+    return changes
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help=f"'smollm2' or '{RANDOM_8B}'")
-    parser.add_argument("--starts", type=int, default=2)
-    parser.add_argument("--cache-dir", default=None, help="default: a fresh temporary folder")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated engine modes, each timed with its own empty cache "
+                             "(default: full for the 8B shape, tangram for SmolLM2)")
+    parser.add_argument("--changes", default="",
+                        help="name=value,... : after the cold and warm starts, one more start "
+                             "per item with that engine setting changed (e.g. "
+                             "kv_cache_tokens=380000,max_num_seqs=32)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="default: a fresh temporary folder a mode")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--change", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
                         "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    changes = parse_changes(args.changes)
     run = start("startup", resolve_outputs(parser, args, {"out": "startup"}), argv)
     import jax
 
     from tangram_jax.provenance import device_description, git_revision
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="tangram_jax_startup_")
-    starts = run_starts(args.model, args.starts, cache_dir)
-    out = args.out
+    modes = [m for m in (args.modes or "").split(",") if m] or [None]
+    by_mode = {}
+    for mode in modes:
+        cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="tangram_jax_startup_")
+        cold = run_start(args.model, mode, cache_dir)
+        warm = run_start(args.model, mode, cache_dir)
+        changed = [run_start(args.model, mode, cache_dir, change) for change in changes]
+        by_mode[mode or engine_kwargs_for(args.model)["mode"]] = {
+            "engine_config": _printable(engine_kwargs_for(args.model, mode)),
+            "cold": cold, "warm": warm, "changed": changed,
+            "cold_over_warm": cold["first_token_seconds"] / warm["first_token_seconds"],
+            "first_token_seconds": {"cold": cold["first_token_seconds"],
+                                    "warm": warm["first_token_seconds"],
+                                    **{json.dumps(c["change"]): c["first_token_seconds"]
+                                       for c in changed}}}
     result = {
         "benchmark": "startup",
         "device": device_description(),
@@ -133,27 +181,20 @@ def main(argv=None) -> None:
         "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
         "jax_version": jax.__version__,
         "model": args.model,
-        "engine_config": engine_kwargs_for(args.model),
-        "what_is_timed": ("Engine construction with warm-up (every step shape compiled) in a "
-                          "fresh process; all processes share one compilation cache folder "
-                          "that is empty before the first"),
-        "starts": starts,
-        "first_over_second": starts[0]["seconds"] / starts[1]["seconds"] if len(starts) > 1
-        else None,
-        # What the compilation cache can change: the start without loading the weights.
-        "first_over_second_without_weight_loading": (
-            (starts[0]["seconds"] - starts[0]["engine"]["load_model"])
-            / (starts[1]["seconds"] - starts[1]["engine"]["load_model"])
-            if len(starts) > 1 else None),
-        "warmup_first_over_second": (starts[0]["engine"]["warmup"] / starts[1]["engine"]["warmup"]
-                                     if len(starts) > 1 else None),
+        "what_is_timed": ("from before Engine(...) to the first token of one "
+                          f"{PROMPT_TOKENS}-token request, in a fresh process: construction "
+                          "with warm-up (every step shape compiled), then the request; 'cold': "
+                          "an empty compilation cache folder, 'warm': the same configuration "
+                          "again, 'changed': one setting changed, the cache warm"),
+        "modes": by_mode,
     }
-    with open(out, "w") as f:
+    with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     finish(run)
-    print(f"first / second start: {result['first_over_second']:.2f}x (without loading the "
-          f"weights {result['first_over_second_without_weight_loading']:.2f}x, warm-up "
-          f"{result['warmup_first_over_second']:.2f}x); wrote {out}", flush=True)
+    for mode, r in by_mode.items():
+        print(f"{mode}: first token {r['first_token_seconds']} s (cold / warm "
+              f"{r['cold_over_warm']:.2f}x)", flush=True)
+    print(f"wrote {args.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
               "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
               "pool_slots": pool["slots"], "pool_tiers": pool.get("tiers"),
               "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
-              "workloads": rows}
+              "startup_report": engine.startup_report(), "workloads": rows}
     del engine
     gc.collect()
     jax.clear_caches()

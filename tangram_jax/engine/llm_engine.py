@@ -616,10 +616,12 @@ class Engine:
 
     def startup_report(self) -> dict:
         """Where start-up went: `startup_seconds` (load_model, build: runner, pool and
-        scheduler, warmup, total) and one record a program warm-up compiled ({"program",
-        "key", "lower_seconds", "compile_seconds", "hlo_chars"}), slowest first, with their
-        count and summed compile seconds (more than warm-up's wall time when programs compile
-        side by side)."""
+        scheduler, warmup, total) and one record a program the build (phase "pool": the
+        largest steps, for the pool's size) and warm-up (phase "warmup") compiled ({"program",
+        "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"}), slowest first, with
+        their count and summed compile seconds (more than the wall time when programs compile
+        side by side; a program warm-up meets again after the build is found in jit's cache
+        in well under a second)."""
         programs = sorted(self.runner.compile_log, key=lambda r: -r["compile_seconds"])
         return dict(seconds=dict(self.startup_seconds), num_programs=len(programs),
                     compile_seconds=sum(r["compile_seconds"] for r in programs),

@@ -55,25 +55,64 @@ class StepCompilation:
     def compile_steps(self, num_pages, decode_bucket: int, prefill_rows: int) -> dict:
         """Compile (without running, and without a pool in memory) the decode step at
         `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
-        pages. Returns {"decode": compiled, "prefill": compiled} and, where prefill plans its
-        writes, "prefill_writes" (the program that scatters them) (`jax.stages.Compiled`: read
-        `memory_analysis()`, `as_text()`). The jitted steps reuse these executables when later
-        called with the same shapes."""
+        pages, side by side (`compile_programs`). Returns {"decode": compiled, "prefill":
+        compiled} and, where prefill plans its writes, "prefill_writes" (the program that
+        scatters them) (`jax.stages.Compiled`: read `memory_analysis()`, `as_text()`). The
+        jitted steps reuse these executables when later called with the same shapes; each is
+        recorded in `compile_log` (phase "pool")."""
         pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
             shape, dtype, sharding=self.placement.pool))
         rows = backend.next_power_of_2(prefill_rows)
         decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
         prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
-        steps = {"decode": self._decode.lower(*decode_args, **decode_static).compile(),
-                 "prefill": self._prefill.lower(*prefill_args, **prefill_static).compile()}
+        key = dict(pages=int(np.sum(num_pages)), bucket=decode_bucket, rows=rows)
+        programs = [WarmupProgram("decode", key, functools.partial(
+                        self._decode.lower, *decode_args, **decode_static)),
+                    WarmupProgram("prefill", key, functools.partial(
+                        self._prefill.lower, *prefill_args, **prefill_static))]
         if self.plans_prefill_writes:
-            steps["prefill_writes"] = self._apply_writes_lowering(prefill_args,
-                                                                  prefill_static).compile()
+            programs.append(WarmupProgram("prefill_writes", key, functools.partial(
+                self._apply_writes_lowering, prefill_args, prefill_static)))
         if self.mixes_steps:
-            steps["mixed"] = self._mixed.lower(*self._mixed_args(
-                prefill_args, prefill_static, decode_args, decode_static)[0],
-                **prefill_static | dict(logprobs=None)).compile()
-        return steps
+            programs.append(WarmupProgram("mixed", key, lambda: self._mixed.lower(
+                *self._mixed_args(prefill_args, prefill_static, decode_args,
+                                  decode_static)[0], **prefill_static | dict(logprobs=None))))
+        compiled, records = self.compile_programs(programs, phase="pool", progress=False)
+        self.compile_log.extend(records)
+        return {p.name: c for p, c in zip(programs, compiled)}
+
+    def compile_programs(self, programs: list[WarmupProgram], *, phase: str,
+                         threads: int | None = None, progress: bool | None = None
+                         ) -> tuple[list, list[dict]]:
+        """Lower `programs` one after another (tracing holds Python's lock) and compile them
+        `threads` at a time as they are lowered (XLA compiles outside the lock; default: the
+        CPU count, at most 8), behind a progress bar (`progress`: None shows it on a
+        terminal). Returns the `jax.stages.Compiled`s in order and one record a program
+        ({"program", "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"})."""
+        threads = threads or min(8, os.cpu_count() or 1)
+        bar = tqdm(total=len(programs), desc="compiling", unit="program", leave=False,
+                   disable=None if progress is None else not progress)
+
+        def compile_one(program, lowered, lower_seconds):
+            started = time.perf_counter()
+            compiled = lowered.compile()
+            return compiled, dict(program=program.name, key=program.key, phase=phase,
+                                  lower_seconds=lower_seconds,
+                                  compile_seconds=time.perf_counter() - started,
+                                  hlo_chars=len(lowered.as_text()))
+
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = []
+            for program in programs:
+                bar.set_postfix_str(f"{program.name} {program.describe()}", refresh=False)
+                started = time.perf_counter()
+                lowered = program.lower()
+                futures.append(pool.submit(compile_one, program, lowered,
+                                           time.perf_counter() - started))
+                futures[-1].add_done_callback(lambda _: bar.update())
+            done = [f.result() for f in futures]
+        bar.close()
+        return [c for c, _ in done], [r for _, r in done]
 
     def _mixed_lowering(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
                         region_pages: int | None = None):
@@ -168,9 +207,7 @@ class StepCompilation:
         """Compile every step shape serving can meet (`warmup_programs`) ahead of time, without
         running them: jit reuses these executables when serving meets the shapes, so nothing
         compiles while requests wait (running the steps would add nothing but time: on a CPU
-        the reference attention is slow). Programs are lowered one after another and compiled
-        by `threads` at once (XLA compiles outside Python's lock; default: the CPU count, at
-        most 8), behind a progress bar (`progress`: None shows it on a terminal).
+        the reference attention is slow). `compile_programs` compiles them, `threads` at once.
 
         logprob_modes: the `LOGPROB_MODES` decode and first-token sampling are compiled for
         (any top-k count up to `MAX_TOP_LOGPROBS` is one "top" variant); prompt_logprobs: the
@@ -178,36 +215,15 @@ class StepCompilation:
         a variant again costs little (jit finds it cached), so a later call may add modes.
         max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
         max_swap_pages: the most pages of a tier one session swapped to host memory holds.
-        Returns one record a program ({"program", "key", "lower_seconds", "compile_seconds",
-        "hlo_chars"}), also appended to `compile_log`."""
+        Returns one record a program (`compile_programs`, phase "warmup"), also appended to
+        `compile_log`."""
         programs = self.warmup_programs(decode_buckets, max_prefill_rows, max_first_tokens,
                                         logprob_modes=logprob_modes,
                                         prompt_logprobs=prompt_logprobs,
                                         max_page_copies=max_page_copies,
                                         max_swap_pages=max_swap_pages)
-        threads = threads or min(8, os.cpu_count() or 1)
-        records = []
-        bar = tqdm(total=len(programs), desc="compiling", unit="program", leave=False,
-                   disable=None if progress is None else not progress)
-
-        def compile_one(program, lowered, lower_seconds):
-            started = time.perf_counter()
-            lowered.compile()
-            return dict(program=program.name, key=program.key, lower_seconds=lower_seconds,
-                        compile_seconds=time.perf_counter() - started,
-                        hlo_chars=len(lowered.as_text()))
-
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = []
-            for program in programs:
-                bar.set_postfix_str(f"{program.name} {program.describe()}", refresh=False)
-                started = time.perf_counter()
-                lowered = program.lower()
-                futures.append(pool.submit(compile_one, program, lowered,
-                                           time.perf_counter() - started))
-                futures[-1].add_done_callback(lambda _: bar.update())
-            records = [f.result() for f in futures]
-        bar.close()
+        _, records = self.compile_programs(programs, phase="warmup", threads=threads,
+                                           progress=progress)
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
