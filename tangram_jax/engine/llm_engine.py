@@ -141,6 +141,18 @@ class Engine:
         del loaded
         self.memory_plan: memory.PoolPlan | None = None
         pool = memory.pool_by_bytes(self.runner, self.layout, self.max_model_len)
+        warm = cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas")
+
+        def step_peak(pages) -> int:
+            """Peak bytes of the steps compiled for a pool of `pages`: with warm-up, every
+            program it compiles (all compiling at once, kept for warm-up), else the largest
+            decode bucket and prefill."""
+            compiled = (self.runner.precompile(pages, **self._warmup_arguments(
+                            rc.host_kv_cache_bytes > 0, table_shape))
+                        if warm else self.runner.compile_steps(
+                            pages, max(buckets), cfg.max_prefill_rows).values())
+            return max(memory.step_peak_bytes(c) for c in compiled)
+
         if fixed:
             pages = rc.num_pages
             if cfg.kv_cache_memory_bytes is not None:
@@ -152,15 +164,15 @@ class Engine:
             if device_memory is not None:   # before the pool exists: refused, not OOM later
                 try:
                     memory.check_fixed_pool_fits(self.runner, self.device, cfg, pool, pages,
-                                                 max(buckets), allocator)
+                                                 step_peak, allocator)
                 except ValueError as e:
                     raise EngineConfigError(str(e)) from None
             self.runner.allocate_pool(pages)
         elif device_memory is not None:
             if allocator.note:
                 log.warning(allocator.note)
-            self.memory_plan = memory.size_pool(self.runner, self.device, cfg, pool,
-                                                max(buckets), allocator.fraction)
+            self.memory_plan = memory.size_pool(self.device, cfg, pool, step_peak,
+                                                allocator.fraction)
             self.runner.allocate_pool(self.memory_plan.num_pages)
         self.manager = KVCacheManager(
             self.layout, self.runner.num_pages, cfg.max_num_seqs,
@@ -196,7 +208,7 @@ class Engine:
         self.startup_seconds = {"load_model": load_seconds,
                                 "build": time.perf_counter() - started - load_seconds,
                                 "warmup": 0.0}
-        if cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas"):
+        if warm:
             self.warmup()
         self.startup_seconds["total"] = time.perf_counter() - started
 
@@ -593,19 +605,14 @@ class Engine:
         serve` asks for them). A later call with it adds only those."""
         started = time.perf_counter()
         modes = LOGPROB_MODES if logprobs else (None,)
-        # A fork copies decode cells only (the high tier's groups of a tiered layout).
-        decode_groups = (int(self.layout.decode_tier_groups.sum())
-                         if isinstance(self.layout, TieredLayout) else self.layout.num_groups)
-        self.runner.warmup(self.scheduler.decode_buckets, self.config.max_prefill_rows,
-                           self.config.max_num_seqs,
-                           max_page_copies=(self.config.max_num_seqs - 1)
-                           * self.model_config.num_layers * decode_groups,
-                           # A swapped session holds at most a full block table's pages.
-                           max_swap_pages=(self.manager.block_tables[0].size
-                                           if self.host_pool.enabled else 0),
-                           logprob_modes=[m for m in modes if m not in self._warm_variants],
-                           prompt_logprobs=[t for t in ((False, True) if logprobs else (False,))
-                                            if ("prompt", t) not in self._warm_variants])
+        arguments = self._warmup_arguments(self.host_pool.enabled,
+                                           self.manager.block_tables.shape, logprobs)
+        self.runner.warmup(**dict(
+            arguments,
+            logprob_modes=[m for m in arguments["logprob_modes"]
+                           if m not in self._warm_variants],
+            prompt_logprobs=[t for t in arguments["prompt_logprobs"]
+                             if ("prompt", t) not in self._warm_variants]))
         self._warm_variants.update(modes)
         self._warm_variants.update(("prompt", t) for t in ((False, True) if logprobs
                                                            else (False,)))
@@ -613,6 +620,24 @@ class Engine:
         log.info("warm-up compiled every step shape (%d programs) in %.1f s (compile cache: %s)",
                  len(self.runner.compile_log), self.startup_seconds["warmup"],
                  self.compile_cache_dir or "off")
+
+    def _warmup_arguments(self, host_tier: bool, table_shape, logprobs: bool = False) -> dict:
+        """`ModelRunner.warmup_programs`' arguments: what serving can meet (`warmup`): the
+        decode buckets, prefill rows, first-token rows, the page copies of parallel samples'
+        forks, with `host_tier` the swaps of a session's pages (at most a block table's:
+        `table_shape` [slots, layers, groups, pages]), and with `logprobs` every log-prob
+        variant."""
+        cfg = self.config
+        # A fork copies decode cells only (the high tier's groups of a tiered layout).
+        decode_groups = (int(self.layout.decode_tier_groups.sum())
+                         if isinstance(self.layout, TieredLayout) else self.layout.num_groups)
+        return dict(decode_buckets=tuple(self.resolved.decode_buckets),
+                    max_prefill_rows=cfg.max_prefill_rows, max_first_tokens=cfg.max_num_seqs,
+                    max_page_copies=(cfg.max_num_seqs - 1) * self.model_config.num_layers
+                    * decode_groups,
+                    max_swap_pages=int(np.prod(table_shape[1:])) if host_tier else 0,
+                    logprob_modes=LOGPROB_MODES if logprobs else (None,),
+                    prompt_logprobs=(False, True) if logprobs else (False,))
 
     def startup_report(self) -> dict:
         """Where start-up went: `startup_seconds` (load_model, build: runner, pool and

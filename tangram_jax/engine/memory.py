@@ -8,8 +8,10 @@ allocator takes a fixed fraction of the card when its backend starts (75% unless
    once the backend runs it is too late, and the engine sizes against the cap in force and says
    so),
 2. loads the weights and reads what the allocator holds (`DeviceMemory.read`),
-3. compiles its largest steps and reads their temporary bytes (XLA's `memory_analysis`; the
-   pool is updated in place, so a step's temp does not grow with the pool),
+3. compiles its steps for a provisional pool (with warm-up on, every program warm-up would
+   compile, side by side, kept for warm-up; else the largest decode bucket and prefill) and
+   reads their temporary bytes (XLA's `memory_analysis`; the pool is updated in place, so a
+   step's temp does not grow with the pool),
 4. gives the pool what is left (`plan_pool`): ``budget - in_use - step_peak - headroom``.
 
 A pool of precision tiers (`kv_layout.TieredLayout`) is two pools of different page bytes whose
@@ -361,40 +363,34 @@ def pages_in_bytes(pool: TieredPool, nbytes: int, max_model_len: int):
     return pages
 
 
-def size_pool(runner, device, cfg, pool: TieredPool, max_bucket: int,
+def size_pool(device, cfg, pool: TieredPool, step_peak: Callable[[object], int],
               fraction: float) -> PoolPlan:
-    """The pool under `cfg.gpu_memory_utilization` (module docstring): compile the largest
-    decode bucket and prefill for a provisional pool that leaves `step_reserve` free, read their
-    peak, and keep the provisional size when the peak fits in the reserve (the compiled steps
-    are then reused as they are), else shrink the pool to fit."""
+    """The pool under `cfg.gpu_memory_utilization` (module docstring): compile the steps for a
+    provisional pool that leaves `step_reserve` free, read their peak (`step_peak(pages)`:
+    bytes), and keep the provisional size when the peak fits in the reserve (the compiled
+    steps are then reused as they are), else shrink the pool to fit."""
     now = DeviceMemory.read(device, fraction)   # weights are in now
     budget, _ = budget_bytes(now.card_bytes, cfg.gpu_memory_utilization, now.bytes_limit)
     provisional = pool.pages_in(budget - now.bytes_in_use - step_reserve(budget))
-    peak = _largest_step_peak(runner, pool.at_least_min(provisional), max_bucket, cfg)
+    peak = step_peak(pool.at_least_min(provisional))
     return plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
                      prefer_pages=provisional if pool.holds_min(provisional) else None)
 
 
-def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages, max_bucket: int,
-                          allocator: AllocatorSetup) -> None:
+def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages,
+                          step_peak: Callable[[object], int], allocator: AllocatorSetup) -> None:
     """Refuse (ValueError) a pool the user fixed that cannot fit under the allocator's cap in
-    force beside the weights and the largest step (compiled here for that pool, as warm-up
-    would: the executables are reused), naming the figures and what would fit."""
+    force beside the weights and the steps' peak (`step_peak(pages)`: compiled here for that
+    pool, as warm-up would: the executables are reused), naming the figures and what would
+    fit."""
     now = DeviceMemory.read(device, allocator.fraction)   # the weights are in
-    peak = _largest_step_peak(runner, pages, max_bucket, cfg)
+    peak = step_peak(pages)
     setting = next(f"{name}={getattr(cfg, name)}" for name in
                    ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
                    if getattr(cfg, name) is not None)
     check_fixed_pool(now, pool, pages, peak, setting=setting,
                      tokens_of=lambda pages: full_kv_tokens(runner, pages),
                      note=f": {allocator.note}" if allocator.note else "")
-
-
-def _largest_step_peak(runner, pages, max_bucket: int, cfg) -> int:
-    """Peak bytes of the largest decode bucket and prefill compiled for a pool of `pages` (the
-    executables are kept: serving reuses them)."""
-    compiled = runner.compile_steps(pages, max_bucket, cfg.max_prefill_rows)
-    return max(step_peak_bytes(c) for c in compiled.values())
 
 
 def full_kv_tokens(runner, pages) -> int:

@@ -298,6 +298,7 @@ class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
                                          config.head_dim, self.kv_dtype.itemsize)
         # What `warmup` compiled: one record a program (name, shape key, seconds, HLO size).
         self.compile_log: list[dict] = []
+        self._compiled: dict = {}   # (program, shape key, pool pages) -> jax.stages.Compiled
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)

@@ -58,8 +58,7 @@ class StepCompilation:
         pages, side by side (`compile_programs`). Returns {"decode": compiled, "prefill":
         compiled} and, where prefill plans its writes, "prefill_writes" (the program that
         scatters them) (`jax.stages.Compiled`: read `memory_analysis()`, `as_text()`). The
-        jitted steps reuse these executables when later called with the same shapes; each is
-        recorded in `compile_log` (phase "pool")."""
+        jitted steps reuse these executables when later called with the same shapes."""
         pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
             shape, dtype, sharding=self.placement.pool))
         rows = backend.next_power_of_2(prefill_rows)
@@ -77,20 +76,36 @@ class StepCompilation:
             programs.append(WarmupProgram("mixed", key, lambda: self._mixed.lower(
                 *self._mixed_args(prefill_args, prefill_static, decode_args,
                                   decode_static)[0], **prefill_static | dict(logprobs=None))))
-        compiled, records = self.compile_programs(programs, phase="pool", progress=False)
-        self.compile_log.extend(records)
+        compiled = self.compile_programs(programs, phase="pool", pages=num_pages,
+                                         progress=False)
         return {p.name: c for p, c in zip(programs, compiled)}
 
-    def compile_programs(self, programs: list[WarmupProgram], *, phase: str,
-                         threads: int | None = None, progress: bool | None = None
-                         ) -> tuple[list, list[dict]]:
-        """Lower `programs` one after another (tracing holds Python's lock) and compile them
-        `threads` at a time as they are lowered (XLA compiles outside the lock; default: the
-        CPU count, at most 8), behind a progress bar (`progress`: None shows it on a
-        terminal). Returns the `jax.stages.Compiled`s in order and one record a program
+    def precompile(self, num_pages, **warmup_arguments) -> list:
+        """Every program `warmup` compiles (`warmup_programs`' arguments), compiled now for a
+        pool of `num_pages` pages that need not exist yet (its shapes only), side by side. The
+        executables are kept: when the pool is allocated at that size, `warmup` finds them
+        and lowers nothing again, and jit reuses them when serving meets the shapes. Engine
+        construction calls this to size the pool from every program's peak, so the largest
+        compiles start at once instead of after the sizing. Returns the `jax.stages.Compiled`s."""
+        pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=self.placement.pool))
+        return self.compile_programs(self.warmup_programs(pool=pool, **warmup_arguments),
+                                     phase="pool", pages=num_pages)
+
+    def compile_programs(self, programs: list[WarmupProgram], *, phase: str, pages,
+                         threads: int | None = None, progress: bool | None = None) -> list:
+        """Lower `programs` (for a pool of `pages` pages) one after another (tracing holds
+        Python's lock) and compile them `threads` at a time as they are lowered (XLA compiles
+        outside the lock; default: the CPU count, at most 8), behind a progress bar
+        (`progress`: None shows it on a terminal). A program this runner already compiled for
+        the same pool size is neither lowered nor compiled again. Returns the
+        `jax.stages.Compiled`s in order; each new one is recorded in `compile_log`
         ({"program", "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"})."""
         threads = threads or min(8, os.cpu_count() or 1)
-        bar = tqdm(total=len(programs), desc="compiling", unit="program", leave=False,
+        pool_key = tuple(int(n) for n in np.atleast_1d(pages))
+        keys = [(p.name, repr(sorted(p.key.items())), pool_key) for p in programs]
+        new = [(k, p) for k, p in zip(keys, programs) if k not in self._compiled]
+        bar = tqdm(total=len(new), desc="compiling", unit="program", leave=False,
                    disable=None if progress is None else not progress)
 
         def compile_one(program, lowered, lower_seconds):
@@ -103,25 +118,27 @@ class StepCompilation:
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = []
-            for program in programs:
+            for key, program in new:
                 bar.set_postfix_str(f"{program.name} {program.describe()}", refresh=False)
                 started = time.perf_counter()
                 lowered = program.lower()
                 futures.append(pool.submit(compile_one, program, lowered,
                                            time.perf_counter() - started))
                 futures[-1].add_done_callback(lambda _: bar.update())
-            done = [f.result() for f in futures]
+            for (key, _), future in zip(new, futures):
+                self._compiled[key], record = future.result()
+                self.compile_log.append(record)
         bar.close()
-        return [c for c, _ in done], [r for _, r in done]
+        return [self._compiled[k] for k in keys]
 
     def _mixed_lowering(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
-                        region_pages: int | None = None):
+                        region_pages: int | None, k_pages, v_pages):
         """`_mixed` lowered for a prefill call of `rows` rows (over `num_tokens` flat tokens,
         whole rows; turn compactions over `region_pages`) beside a decode step of `bucket`
         rows."""
-        prefill_args, prefill_static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+        prefill_args, prefill_static = self._null_prefill_call(rows, k_pages, v_pages,
                                                                num_tokens, region_pages)
-        decode_args, decode_static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+        decode_args, decode_static = self._null_decode_call(bucket, k_pages, v_pages)
         args, static = self._mixed_args(prefill_args, prefill_static, decode_args,
                                         dict(decode_static, logprobs=logprobs))
         return self._mixed.lower(*args, **static)
@@ -138,15 +155,17 @@ class StepCompilation:
 
     def warmup_programs(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                         logprob_modes=(None,), prompt_logprobs=(False,),
-                        max_page_copies: int = 0,
-                        max_swap_pages: int = 0) -> list[WarmupProgram]:
+                        max_page_copies: int = 0, max_swap_pages: int = 0,
+                        pool: tuple | None = None) -> list[WarmupProgram]:
         """Every program serving can meet, as `WarmupProgram`s to compile (`warmup` has the
         arguments): decode buckets, prefill row counts and, for whole rows, flat-token buckets;
         where the runner `mixes_steps`, each prefill shape beside each decode bucket;
         first-token sampling row counts; fork page copies; the host tier's page copies of up to
-        `max_swap_pages` pages a tier (`host_offload.swap_lowerings`)."""
+        `max_swap_pages` pages a tier (`host_offload.swap_lowerings`). `pool`: (k_pages,
+        v_pages) to lower for (arrays or `jax.ShapeDtypeStruct`s; default the runner's pool)."""
         for mode in logprob_modes:
             _check_logprob_mode(mode)
+        k_pages, v_pages = pool if pool is not None else (self.k_pages, self.v_pages)
         programs = []
         add = lambda name, lower, **key: programs.append(WarmupProgram(name, key, lower))
         for rows in _padded_row_counts(max_prefill_rows):
@@ -157,7 +176,7 @@ class StepCompilation:
             # Retention "turn": every region width a turn compaction of the call can read.
             regions = [0] if self.prefill_whole_rows else self._region_widths()
             for num_tokens, region in itertools.product(buckets, regions):
-                args, static = self._null_prefill_call(rows, self.k_pages, self.v_pages,
+                args, static = self._null_prefill_call(rows, k_pages, v_pages,
                                                        num_tokens, region)
                 for width, targets in itertools.product(self._table_widths(prefill=True),
                                                         prompt_logprobs):
@@ -174,7 +193,7 @@ class StepCompilation:
                 for bucket, mode in itertools.product(
                         decode_buckets if self.mixes_steps else (), logprob_modes):
                     add("mixed", functools.partial(self._mixed_lowering, rows, num_tokens,
-                                                   bucket, mode, region),
+                                                   bucket, mode, region, k_pages, v_pages),
                         rows=rows, tokens=num_tokens, region_pages=region, bucket=bucket,
                         logprobs=mode)
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
@@ -185,17 +204,17 @@ class StepCompilation:
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32), None,
                 logprobs=mode), rows=n, logprobs=mode)
         for bucket, mode in itertools.product(decode_buckets, logprob_modes):
-            args, static = self._null_decode_call(bucket, self.k_pages, self.v_pages)
+            args, static = self._null_decode_call(bucket, k_pages, v_pages)
             for width in self._table_widths(prefill=False):
                 add("decode", functools.partial(
                     self._decode.lower, *args, **dict(static, table_width=width, logprobs=mode)),
                     bucket=bucket, table_width=width, logprobs=mode)
         for size in (1 << b for b in range(3, max(3, int(max_page_copies - 1).bit_length()) + 1)):
             index = np.zeros(size, np.int32)
-            add("copy_pages", functools.partial(_copy_pages.lower, self.k_pages, self.v_pages,
+            add("copy_pages", functools.partial(_copy_pages.lower, k_pages, v_pages,
                                                 index, index), pages=size)
         if max_swap_pages:
-            for name, key, lower in swap_lowerings(self.k_pages, self.v_pages,
+            for name, key, lower in swap_lowerings(k_pages, v_pages,
                                                    self.placement.pool, max_swap_pages):
                 add(name, lower, **key)
         return programs
@@ -215,15 +234,18 @@ class StepCompilation:
         a variant again costs little (jit finds it cached), so a later call may add modes.
         max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
         max_swap_pages: the most pages of a tier one session swapped to host memory holds.
-        Returns one record a program (`compile_programs`, phase "warmup"), also appended to
+        Programs `precompile` compiled for this pool's size are not compiled again. Returns one
+        record a program compiled now (`compile_programs`, phase "warmup"), also in
         `compile_log`."""
         programs = self.warmup_programs(decode_buckets, max_prefill_rows, max_first_tokens,
                                         logprob_modes=logprob_modes,
                                         prompt_logprobs=prompt_logprobs,
                                         max_page_copies=max_page_copies,
                                         max_swap_pages=max_swap_pages)
-        _, records = self.compile_programs(programs, phase="warmup", threads=threads,
-                                           progress=progress)
+        before = len(self.compile_log)
+        self.compile_programs(programs, phase="warmup", pages=self.num_pages, threads=threads,
+                              progress=progress)
+        records = self.compile_log[before:]
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
@@ -239,7 +261,6 @@ class StepCompilation:
                 self.block_tables, np.full(size, self.block_tables.size, np.int32),
                 np.zeros(size, np.int32))
         jax.block_until_ready(self.block_tables)
-        self.compile_log.extend(records)
         return records
 
 

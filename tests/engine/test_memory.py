@@ -244,6 +244,45 @@ def test_engine_sizes_its_pool_from_what_the_device_reports(monkeypatch):
     assert len(outs[0].outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("mode", ["full", "tangram"])
+def test_with_warm_up_the_pool_is_sized_from_every_program_compiled_once(monkeypatch, mode):
+    """With warm-up on, the build compiles every program warm-up needs for the provisional
+    pool, all at once (`ModelRunner.precompile`), and sizes the pool from their peak; when that
+    size is kept, warm-up lowers and compiles nothing again and serving compiles nothing."""
+    import jax
+
+    from tangram_jax.engine import llm_engine
+    from tangram_jax.sampling import SamplingParams
+
+    card, in_use = 1200 * 2**20, 50 * 2**20
+    device = memory.DeviceMemory(int(0.9 * card), in_use, 0, 0.9)
+    small = dict(_made_up_device(monkeypatch, device), warmup=True, mode=mode)
+    if mode == "tangram":   # the tiny random model has no shipped profile
+        from tangram_jax.benchmarking.workload import skewed_profile
+        small.update(group_size=1, profile=skewed_profile(CONFIG, 1, 0.5))
+    engine = llm_engine.Engine(EngineConfig(**small, gpu_memory_utilization=0.5))
+    plan = engine.memory_plan
+    provisional = (plan.budget_bytes - in_use - memory.step_reserve(plan.budget_bytes)) \
+        // engine.runner.kv_bytes_per_page
+    assert plan.num_pages == provisional   # kept: the peak fits in the reserve
+    log = engine.runner.compile_log
+    warm_up_programs = engine.runner.warmup_programs(**engine._warmup_arguments(
+        engine.host_pool.enabled, engine.manager.block_tables.shape))
+    assert len(log) == len(warm_up_programs) and {r["phase"] for r in log} == {"pool"}
+    assert engine.is_warm and engine.startup_report()["num_programs"] == len(log)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event
+        else None)
+    for prompt in (list(range(1, 30)), [5, 6]):
+        engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
+            temperature=0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3] and compiles == []
+
+
 def test_a_fixed_pool_over_the_cap_is_refused_at_build_naming_what_fits(monkeypatch):
     """kv_cache_tokens / num_pages / kv_cache_memory_bytes fix the pool; where the allocator
     reports a cap (a GPU; a made-up device here) a pool that cannot fit beside the weights and
