@@ -33,6 +33,12 @@ from tangram_jax import kv_quant
 from tangram_jax.pallas_kernels import backend
 
 
+# The programs of `swap_lowerings`. Their outputs are a swapped session's own pages, not a
+# step's working memory: pool sizing leaves them out of the step peak (a whole block table's
+# gather would reserve gigabytes beside every pool).
+SWAP_PROGRAMS = ("host_copy_out", "host_copy_in")
+
+
 @jax.jit
 def _gather(pool, ids):
     """Pages `ids` (int32 [n]) of every array of `pool` (a (k, v) pair of one tier)."""
@@ -165,9 +171,9 @@ def swap_lowerings(k_pages, v_pages, sharding, max_pages: int) -> list[tuple]:
             ids = np.zeros(size, np.int32)
             rows = jax.tree.map(lambda x, size=size: jax.ShapeDtypeStruct(
                 (size, *x.shape[1:]), x.dtype, sharding=sharding), pool)
-            programs.append(("host_copy_out", dict(tier=tier, pages=size),
+            programs.append((SWAP_PROGRAMS[0], dict(tier=tier, pages=size),
                              functools.partial(_gather.lower, pool, ids)))
-            programs.append(("host_copy_in", dict(tier=tier, pages=size),
+            programs.append((SWAP_PROGRAMS[1], dict(tier=tier, pages=size),
                              functools.partial(_scatter.lower, pool, ids, rows)))
     return programs
 

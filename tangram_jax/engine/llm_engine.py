@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax.engine import inputs, kv_savings, memory
-from tangram_jax.engine.host_offload import time_host_copy
 from tangram_jax.engine.compile_cache import enable_compile_cache
+from tangram_jax.engine.host_offload import SWAP_PROGRAMS, time_host_copy
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
                                        pool_is_fixed)
 from tangram_jax.engine.decode_step import LOGPROB_MODES
@@ -145,12 +145,15 @@ class Engine:
 
         def step_peak(pages) -> int:
             """Peak bytes of the steps compiled for a pool of `pages`: with warm-up, every
-            program it compiles (all compiling at once, kept for warm-up), else the largest
-            decode bucket and prefill."""
-            compiled = (self.runner.precompile(pages, **self._warmup_arguments(
-                            rc.host_kv_cache_bytes > 0, table_shape))
-                        if warm else self.runner.compile_steps(
-                            pages, max(buckets), cfg.max_prefill_rows).values())
+            program it compiles but the host tier's copies (all compiling at once, kept for
+            warm-up), else the largest decode bucket and prefill."""
+            if warm:
+                compiled = [c for name, c in self.runner.precompile(
+                    pages, **self._warmup_arguments(rc.host_kv_cache_bytes > 0, table_shape))
+                    if name not in SWAP_PROGRAMS]
+            else:
+                compiled = self.runner.compile_steps(pages, max(buckets),
+                                                     cfg.max_prefill_rows).values()
             return max(memory.step_peak_bytes(c) for c in compiled)
 
         if fixed:

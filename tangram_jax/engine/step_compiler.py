@@ -80,17 +80,19 @@ class StepCompilation:
                                          progress=False)
         return {p.name: c for p, c in zip(programs, compiled)}
 
-    def precompile(self, num_pages, **warmup_arguments) -> list:
+    def precompile(self, num_pages, **warmup_arguments) -> list[tuple[str, object]]:
         """Every program `warmup` compiles (`warmup_programs`' arguments), compiled now for a
         pool of `num_pages` pages that need not exist yet (its shapes only), side by side. The
         executables are kept: when the pool is allocated at that size, `warmup` finds them
         and lowers nothing again, and jit reuses them when serving meets the shapes. Engine
         construction calls this to size the pool from every program's peak, so the largest
-        compiles start at once instead of after the sizing. Returns the `jax.stages.Compiled`s."""
+        compiles start at once instead of after the sizing. Returns (program name,
+        `jax.stages.Compiled`) pairs."""
         pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
             shape, dtype, sharding=self.placement.pool))
-        return self.compile_programs(self.warmup_programs(pool=pool, **warmup_arguments),
-                                     phase="pool", pages=num_pages)
+        programs = self.warmup_programs(pool=pool, **warmup_arguments)
+        return [(p.name, c) for p, c in zip(
+            programs, self.compile_programs(programs, phase="pool", pages=num_pages))]
 
     def compile_programs(self, programs: list[WarmupProgram], *, phase: str, pages,
                          threads: int | None = None, progress: bool | None = None) -> list:
