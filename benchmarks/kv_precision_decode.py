@@ -47,9 +47,9 @@ from tangram_jax.benchmarking.results import finish, resolve_outputs, start
 from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
-from tangram_jax.pallas_kernels.decode_attention import (decode_programs,
-                                                         ragged_paged_decode_attention,
+from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
                                                          ragged_paged_decode_attention_reference)
+from tangram_jax.pallas_kernels.decode_pools import decode_programs
 
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
@@ -326,7 +326,7 @@ def main(argv=None):
                    help="the engine's num_programs (default 528)")
     p.add_argument("--program-scale", default="auto",
                    help="'auto': each format's split map sized as the engine sizes it "
-                   "(decode_attention.DECODE_PROGRAM_SCALE); an integer N: num_programs x N "
+                   "(tuning.DECODE_PROGRAM_SCALE); an integer N: num_programs x N "
                    "for every format")
     p.add_argument("--baseline-sweep", default=None,
                    help="tunings tried for bf16 (default: --sweep)")

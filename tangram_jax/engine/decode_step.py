@@ -24,7 +24,7 @@ from tangram_jax import kv_quant
 from tangram_jax.kv_layout import TieredLayout
 from tangram_jax.engine.tensor_parallel import AXIS
 from tangram_jax.pallas_kernels import backend
-from tangram_jax.pallas_kernels.decode_attention import decode_programs
+from tangram_jax.pallas_kernels.decode_pools import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
                                                   uniform_split_map)
 from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, sample_tokens,

@@ -10,6 +10,7 @@
 - `sessions.SessionTable`: the one owner of multi-turn sessions (id -> sequence, eviction
   ranking by idle time and recompute cost, prefix lookup).
 - `scheduler.Scheduler`: continuous batching, chunked prefill with a cap on long prefills,
-  admission by reservation, preemption by recompute, session eviction.
+  admission by reservation (`admission.AdmissionScheduling`, a part of it), preemption by
+  recompute, session eviction; each step's work is a `output.SchedulerOutput`.
 - `metrics.SchedulerMetrics`: control-plane host time, preemptions, evictions, rejections.
 """

@@ -20,14 +20,14 @@ One engine step is::
 2. Prefill of short turns (at most `long_prefill_token_threshold` tokens left when admitted):
    first the admitted ones, oldest admission first, then admission (3). One chunk per long turn
    in prefill is kept back from them, so short turns cannot starve long ones.
-3. Admission, FCFS by reservation: a waiting turn is admitted only if its whole post-compression
-   reservation fits (evicting idle sessions if that makes it fit; not sessions whose next turn
-   is queued, nor, while other sequences run, sessions that went idle under a second ago:
-   `_admission_victims`). A short turn gets its first
-   piece at once. A long turn is admitted only while fewer than `max_long_partial_prefills`
-   long turns have more than one piece left; until then the turns behind it go first. A turn
-   that does not fit the pool is passed over so smaller ones behind it can run, but each time it is overtaken its
-   skip count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
+3. Admission, FCFS by reservation (`admission.py`): a waiting turn is admitted only if its
+   whole post-compression reservation fits (evicting idle sessions if that makes it fit; not
+   sessions whose next turn is queued, nor, while other sequences run, sessions that went idle
+   under a second ago: `_admission_victims`). A short turn gets its first piece at once. A long
+   turn is admitted only while fewer than `max_long_partial_prefills` long turns have more than
+   one piece left; until then the turns behind it go first. A turn that does not fit the pool
+   is passed over so smaller ones behind it can run, but each time it is overtaken its skip
+   count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
    fits. Requests larger than the whole pool are rejected by `add_request`.
 4. Prefill of long turns, oldest admission first, each piece at most the threshold (vLLM's
    `long_prefill_token_threshold` / `max_long_partial_prefills`), from what is left.
@@ -65,7 +65,6 @@ exactly what was reserved.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -73,9 +72,11 @@ from typing import Any
 import numpy as np
 
 from tangram_jax.decode_buckets import DEFAULT_DECODE_BUCKETS, bucket_for
+from tangram_jax.scheduler.admission import AdmissionScheduling
 from tangram_jax.scheduler.host_pool import HostKVPool, HostTierScheduling
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.metrics import SchedulerMetrics
+from tangram_jax.scheduler.output import PrefillChunk, SchedulerOutput
 from tangram_jax.scheduler.sequence import Sequence, SequenceStatus
 from tangram_jax.scheduler.sessions import SessionTable
 
@@ -84,54 +85,7 @@ class RequestTooLargeError(ValueError):
     """The request can never fit: its reservation exceeds the whole pool or block-table width."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-    """Run ``seq.token_ids[start:end]`` through prefill, writing into ``seq.slot``'s pages.
-
-    The kept tokens of every (layer, group) go to positions ``manager.retained_lengths(slot)``
-    (before `commit`) onwards; `is_last` means the logits of the final token give the first
-    sampled token.
-    """
-    seq: Sequence
-    start: int
-    end: int
-    is_last: bool
-    # The planned segment the piece lies in (`Sequence.segments`): (start, end, compressed).
-    segment: tuple[int, int, bool] = (0, 0, True)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's work (what runs; where it reads and writes comes from the manager).
-
-    decode_slots: int32 [bucket] slots of `decode_seqs`, padded with the manager's null slot.
-    preempted / capped: sequences preempted by recompute / ended for lack of KV capacity.
-    """
-    step: int
-    prefill_chunks: list[PrefillChunk]
-    decode_seqs: list[Sequence]
-    decode_slots: np.ndarray
-    preempted: list[Sequence]
-    capped: list[Sequence]
-
-    @property
-    def decode_bucket(self) -> int:
-        return int(self.decode_slots.size)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefill_chunks) + len(self.decode_seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefill_chunks and not self.decode_seqs
-
-
-class Scheduler(HostTierScheduling):
+class Scheduler(AdmissionScheduling, HostTierScheduling):
     """Args:
       manager: the `KVCacheManager` (its layout and policy decide what a reservation is).
       max_num_batched_tokens: per-step token budget (decode tokens + prefill tokens); must be at
@@ -569,133 +523,6 @@ class Scheduler(HostTierScheduling):
         start = seq.num_computed_tokens
         return PrefillChunk(seq, start, start + take, start + take == seq.num_tokens,
                             seq.segment_at(start))
-
-    def _admit(self, budget: int, chunks: list[PrefillChunk], longs: list[Sequence]) -> int:
-        """Admit waiting turns (FCFS by reservation) while the budget lasts: a short turn gets
-        its piece now, a long one is appended to `longs` (the long turns prefilling, which get
-        their pieces after every short turn). Returns the budget left."""
-        # With every slot held by a running sequence (and no idle session to evict) nobody can
-        # be admitted: return before walking a possibly long queue.
-        slots_exhausted = self.manager.num_free_slots == 0 and not self.sessions.num_evictable
-        if not self.waiting or slots_exhausted or budget <= 0:
-            return budget
-        # A long turn whose rest fits one piece ends this step (oldest first): the next long
-        # turn may start beside it instead of a step later.
-        num_long = sum(self._is_long(s) for s in longs)
-        priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
-        candidates = [priority] if priority is not None else list(self.waiting)
-        passed_over: list[Sequence] = []
-        for seq in candidates:
-            if seq.status is not SequenceStatus.WAITING:
-                continue
-            if slots_exhausted and not seq.is_cached:
-                passed_over.append(seq)
-                continue
-            # A cached session evicted by an earlier admission this step re-prefills everything,
-            # so the plan and size are read here, not before the loop.
-            seq.plan_prefill()
-            long = self._is_long(seq)
-            if long and num_long >= self.max_long_partial_prefills:
-                continue   # waits for a long turn to finish; not a skip (pages are not short)
-            take = self._piece_size(seq, budget)
-            if take == 0:   # less than a chunk left: only a turn that fits whole can start
-                continue
-            if long and budget < self.layout.chunk_size:
-                continue
-            if not self._reserve(seq):
-                passed_over.append(seq)
-                continue
-            for other in passed_over:
-                other.num_skips += 1
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            self._batch_stale = True
-            seq.status = SequenceStatus.PREFILL
-            seq.turn_start = seq.num_computed_tokens
-            seq.long_prefill = long
-            seq.admission_order = self._admissions
-            self._admissions += 1
-            self.metrics.num_admitted += 1
-            if long:
-                longs.append(seq)   # its piece comes after the short turns'
-                num_long += 1
-            else:
-                chunks.append(self._chunk(seq, take))
-                budget -= take
-            if budget <= 0:
-                break
-            slots_exhausted = (self.manager.num_free_slots == 0
-                               and not self.sessions.num_evictable)
-        return budget
-
-    def _reserve(self, seq: Sequence) -> bool:
-        """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
-        m = self.manager
-        # A request that does not fit is tried again every step; what it needs changes only
-        # with its cache (an eviction drops the slot) or its tokens, so it is computed once.
-        # A family (parallel samples) is admitted whole: a slot per completion, and the pages
-        # its forks will copy reserved with the prompt's.
-        # A session swapped to host memory takes its old pages back too (`swap_in`).
-        forks = len(seq.fork_children)
-        held = seq.slot if seq.is_cached else seq.host_kv
-        key = (seq.slot, id(seq.host_kv), seq.num_uncomputed_tokens, forks)
-        if seq.reservation_need is None or seq.reservation_need[0] != key:
-            seq.reservation_need = (key, m.pages_to_reserve(held, self._plan(seq), forks))
-        # Page counts are per tier with precision tiers: every tier must have its pages.
-        need = seq.reservation_need[1]
-        need_slots = (not seq.is_cached) + forks
-        if np.any(m.num_free_pages < need) or m.num_free_slots < need_slots:
-            # Victims are listed sessions: when all of them together are not enough, skip
-            # ranking them (this runs for every waiting turn short of room, every step).
-            if (np.any(need > m.num_free_pages + self.sessions.evictable_pages)
-                    or m.num_free_slots + self.sessions.num_evictable < need_slots):
-                return False
-            victims = self._admission_victims(seq)
-            if np.any(need > m.num_free_pages + sum(m.pages_held(v.slot) for v in victims)):
-                return False
-            if m.num_free_slots + len(victims) < need_slots:
-                return False
-            for victim in victims:
-                if np.all(m.num_free_pages >= need) and m.num_free_slots >= need_slots:
-                    break
-                self._evict(victim)
-        self.sessions.unlist(seq)   # before its page count changes
-        if not seq.is_cached:
-            seq.slot = m.allocate_slot()
-            if seq.is_swapped:
-                self._swap_in(seq)
-        if not m.reserve(seq.slot, self._plan(seq), forks):
-            raise AssertionError("reservation failed after the pool was checked")
-        for child in seq.fork_children:
-            child.slot = m.allocate_slot()
-        seq.reservation_need = None   # the slot's contents change from here on
-        return True
-
-    def _admission_victims(self, seq: Sequence) -> list[Sequence]:
-        """The sessions an admission of `seq` may evict, the first to go first.
-
-        A session whose next turn is queued is kept: that turn is work the device can do now
-        and would otherwise re-prefill the session's whole history (a closed-loop client sends
-        it the moment the answer arrives). While other sequences run, so is a session that went
-        idle less than the table's idle prior ago (its next turn is the likeliest to come); the
-        admission waits for pages the running sequences will return. With nothing running,
-        waiting would idle the device, so every idle session is a candidate, and after a step
-        that admitted nothing with nothing running, queued sessions too (admission cannot
-        stall)."""
-        order = [v for v in self.sessions.eviction_order() if v is not seq]
-        if self._admission_stalled and not self.running:
-            return order
-        idle = [v for v in order if v.status is SequenceStatus.IDLE]
-        if not self.running:
-            return idle
-        now = self.sessions.clock()
-        grace = self.sessions.idle_prior_seconds
-        return [v for v in idle if now - v.idle_since >= grace]
-
-    @staticmethod
-    def _plan(seq: Sequence) -> list[tuple[int, bool]]:
-        """The admission's prefill plan as ``(length, compressed)`` segments (what to reserve)."""
-        return [(b - a, c) for a, b, c in seq.plan_prefill()]
 
     def _park(self, seq: Sequence) -> None:
         """A finished request without a session: its pages go back to the pool when they are

@@ -251,7 +251,7 @@ def test_engine_split_map_takes_each_page_format_s_measured_program_target():
     there); a tiered layout's map does not depend on the setting (the engine's maps:
     test_kv_precision)."""
     from tangram_jax.engine.decode_step import decode_split_map
-    from tangram_jax.pallas_kernels.decode_attention import DECODE_PROGRAM_SCALE
+    from tangram_jax.pallas_kernels.tuning import DECODE_PROGRAM_SCALE
     from tangram_jax.pallas_kernels.split_map import build_split_map
     import types
     base = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, group_size=2, page_size=PS,

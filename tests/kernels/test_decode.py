@@ -377,7 +377,7 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     (`DECODE_TUNING`), and a quantised pool attended that way matches the reference."""
     import jax
     from tangram_jax import kv_layout, kv_quant
-    from tangram_jax.pallas_kernels.decode_attention import DECODE_TUNING, decode_tuning
+    from tangram_jax.pallas_kernels.decode_pools import DECODE_TUNING, decode_tuning
     for name, fmt in kv_quant.PAGE_FORMATS.items():
         k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct,
                                      unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)

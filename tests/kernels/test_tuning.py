@@ -2,7 +2,7 @@
 format, and the kernels launch with the tuned device's entries."""
 
 from tangram_jax import kv_layout, kv_quant
-from tangram_jax.pallas_kernels import decode_attention, prefill_attention, tuning
+from tangram_jax.pallas_kernels import decode_pools, prefill_attention, tuning
 
 
 def test_every_device_entry_tunes_every_page_format():
@@ -18,9 +18,9 @@ def test_every_device_entry_tunes_every_page_format():
 
 def test_the_kernels_read_the_tuned_device_entries():
     device = tuning.TUNED_DEVICE
-    assert decode_attention.DECODE_TUNING == tuning.DECODE_TUNINGS[device]
-    assert decode_attention.decode_programs("k8v4", 528) \
+    assert decode_pools.DECODE_TUNING == tuning.DECODE_TUNINGS[device]
+    assert decode_pools.decode_programs("k8v4", 528) \
         == 528 * tuning.DECODE_PROGRAM_SCALES[device]["k8v4"]
-    assert decode_attention.decode_programs("k8v4-k4v2", 528) == 528
+    assert decode_pools.decode_programs("k8v4-k4v2", 528) == 528
     assert prefill_attention.PREFILL_TUNING == \
         prefill_attention.PrefillTuning(**tuning.PREFILL_TUNINGS[device])

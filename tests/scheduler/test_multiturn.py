@@ -254,12 +254,13 @@ class RecordingManager(KVCacheManager):
         super().__init__(*args, **kwargs)
 
     def __getattribute__(self, name):
-        # The scheduler's modules, not the manager's own methods (its host-tier part lives
-        # in `host_pool` beside the scheduler's).
+        # The scheduler's modules, not the manager's own methods (its admission part lives in
+        # `admission`, its host-tier part in `host_pool` beside the scheduler's).
         frame = sys._getframe(1)
         caller = frame.f_globals.get("__name__", "")
-        if caller in ("tangram_jax.scheduler.scheduler", "tangram_jax.scheduler.sessions",
-                      "tangram_jax.scheduler.host_pool") and frame.f_locals.get("self") is not self:
+        if caller in ("tangram_jax.scheduler.scheduler", "tangram_jax.scheduler.admission",
+                      "tangram_jax.scheduler.sessions", "tangram_jax.scheduler.host_pool") \
+                and frame.f_locals.get("self") is not self:
             object.__getattribute__(self, "seen").add(name)
         return object.__getattribute__(self, name)
 
