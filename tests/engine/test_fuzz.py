@@ -374,9 +374,10 @@ def test_fixed_pool_check_refuses_exactly_what_cannot_fit(limit_mib, in_use_frac
 
 
 def test_a_fixed_pool_over_the_devices_cap_is_refused_on_the_device(tiny_folder):
-    """GPU only (the CPU reports no allocator cap; tests/engine/test_engine_memory.py checks the same
-    path with a made-up device): a pool of more tokens than the card holds is refused when the
-    engine is built, and the pool the error names as fitting builds."""
+    """GPU only, run with JAX_PLATFORMS=cuda (the tests default to the CPU, which reports no
+    allocator cap; tests/engine/test_memory.py checks the same path with a made-up device): a
+    pool of more tokens than the card holds is refused when the engine is built, and the pool
+    the error names as fitting builds."""
     import re
 
     import jax
@@ -385,7 +386,8 @@ def test_a_fixed_pool_over_the_devices_cap_is_refused_on_the_device(tiny_folder)
     from tangram_jax.engine.config import EngineConfigError
     device = memory.DeviceMemory.read(jax.devices()[0], 0.9)
     if device is None:
-        pytest.skip("this device reports no allocator cap (a CPU): the check runs on GPUs")
+        pytest.skip(f"{jax.default_backend()} reports no allocator cap: the check runs on a GPU "
+                    "with JAX_PLATFORMS=cuda (the tests default to the CPU)")
     with pytest.raises(EngineConfigError) as e:
         Engine(tiny_engine_config(tiny_folder, "full", num_pages=None,
                                   kv_cache_memory_bytes=2 * device.bytes_limit))
