@@ -13,8 +13,9 @@ compiled shapes. Static arguments (chunk size, batch bucket, split map) are the 
 step is compiled for; nothing is planned at run time in ``tangram`` mode.
 
 The class is spread over one file a concept: this one (construction, pool, block tables, layer
-loop, `execute`), `prefill_step.py` (prompt rows), `decode_step.py` (decode, the mixed step,
-sampling, split maps) and `step_compiler.py` (ahead-of-time compilation and warm-up).
+loop, `execute`), `prefill_step.py` (prompt rows), `turn_compaction.py` (retention "turn": a
+turn's last row compacts the whole turn), `decode_step.py` (decode, the mixed step, sampling,
+split maps) and `step_compiler.py` (ahead-of-time compilation and warm-up).
 
 Where attention comes from: on a GPU the Pallas kernels of `tangram_jax.pallas_kernels`, on a CPU
 the XLA serving path of `engine/xla_attention.py` (same signatures, reading only the pages the
@@ -55,6 +56,7 @@ from tangram_jax.engine.prefill_calls import run_prefill_rows
 from tangram_jax.engine.prefill_step import PrefillSteps, _apply_planned_writes, _reference_write
 from tangram_jax.engine.step_compiler import StepCompilation
 from tangram_jax.engine.step_plan import StepPlan, StepResult
+from tangram_jax.engine.turn_compaction import TurnCompaction
 from tangram_jax import kv_quant
 from tangram_jax.kv_layout import KVLayout, TieredLayout, check_local_layers
 from tangram_jax.models.config import ModelConfig
@@ -172,7 +174,7 @@ class RunnerConfig:
                              f"got {self.method!r}")
 
 
-class ModelRunner(PrefillSteps, DecodeSteps, StepCompilation):
+class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
     """Device side of the engine: parameters, page pool, jitted steps.
 
     Args:
