@@ -88,6 +88,9 @@ def main(argv=None) -> int:
     p.add_argument("--turn-view", default=None, choices=("whole", "recent"),
                    help="EngineConfig.turn_view of the tangram and uniform engines (kv_layout."
                         "TURN_VIEWS; default the engine's)")
+    p.add_argument("--chat-template", default=None,
+                   help="EngineConfig.chat_template: a Jinja file or template text in place of "
+                        "the model's own (models that ship none need it)")
     p.add_argument("--profile", action="append", default=[],
                    help="a budget profile file the tangram mode serves at its ratio (its rho) "
                         "instead of the shipped SnapKV one, e.g. one from `tangram-jax calibrate "
@@ -162,6 +165,8 @@ def main(argv=None) -> int:
                               if args.prefill_token_buckets else {}),
                            **({"tail_rule": args.tail_rule} if args.tail_rule else {}),
                            **({"turn_view": args.turn_view} if args.turn_view else {}),
+                           **({"chat_template": args.chat_template}
+                              if args.chat_template else {}),
                            **({"obs_window": args.obs_window} if args.obs_window else {}),
                            **({"gpu_memory_utilization": args.gpu_memory_utilization}
                               if args.gpu_memory_utilization else {})))
@@ -240,13 +245,12 @@ def _estimate(samples, specs, cfg) -> tuple[float, str] | None:
     cost per token measured on a 2-core CPU); None on a GPU (`start` then falls back to an
     earlier run's time)."""
     from tangram_jax.benchmarking.results import machine_kind
-    from tangram_jax.evaluation.harness import estimate_seconds, missing_logprob_api, \
-        session_lengths
-    from tangram_jax.models.registry import load_model
+    from tangram_jax.evaluation.harness import (estimate_seconds, harness_tokenizer,
+                                                missing_logprob_api, session_lengths)
 
     if machine_kind() == "gpu":
         return None
-    tokens = sum(session_lengths(load_model(cfg.model).tokenizer, samples, cfg.max_tokens))
+    tokens = sum(session_lengths(harness_tokenizer(cfg), samples, cfg.max_tokens))
     kl = cfg.kl and not missing_logprob_api()
     seconds = estimate_seconds(tokens, len(specs), kl)
     return seconds, (f"{len(samples)} sessions of {tokens:,} tokens in all, x {len(specs)} "

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "placeholders {rho} and {g}, e.g. p_rho{rho:.2f}_g{g}.json")
     parser.add_argument("--plot", help="box plot PNG to write")
     parser.add_argument("--model", default=None, help="model name or path (default: embedded)")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template the pilot prompts are formatted with in place of "
+                             "the model's own: a Jinja file or the template text (models that "
+                             "ship none need it)")
     parser.add_argument("--lambda", dest="lambda_", type=float, default=2.0,
                         help="budget = min(1, mean + lambda * std)")
     parser.add_argument("--rescale", action="store_true",
@@ -110,6 +114,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from tangram_jax.models.registry import load_model
     loaded = load_model(args.model)
+    if args.chat_template is not None:
+        from tangram_jax.models.tokenizer import load_chat_template
+        loaded.tokenizer.use_chat_template(load_chat_template(args.chat_template))
     config = loaded.config
     heads = config.num_kv_heads
     for g in group_sizes:

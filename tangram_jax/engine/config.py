@@ -30,7 +30,7 @@ import numpy as np
 
 from tangram_jax.compression.profile import BudgetProfile, shipped_profile
 from tangram_jax.engine.config_fields import (EngineConfigError, _buckets, _cache_folder,
-                                              _choice, _field, _flag, _fraction,
+                                              _chat_template, _choice, _field, _flag, _fraction,
                                               _generation_config, _host_port, _int_at_least,
                                               _model, _profile, _tier_turn)
 from tangram_jax.engine.tensor_parallel import check_tensor_parallel
@@ -193,6 +193,10 @@ class EngineConfig:
         "metadata; vLLM's defaults where it has none), vllm (vLLM's defaults: temperature 1, "
         "16 tokens), or a folder whose generation_config.json to use "
         "(models.generation_config)")
+    chat_template: str | None = _field(
+        None, _chat_template,
+        "chat template used in place of the model's own (vLLM's --chat-template): a Jinja file "
+        "path or the template text; needed by models that ship none")
     async_scheduling: bool = _field(
         True, _flag(), "learn each step's tokens one step late so the host schedules step N+1 "
         "while the device runs step N (vLLM's async_scheduling)")

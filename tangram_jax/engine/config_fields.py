@@ -100,6 +100,14 @@ def _generation_config(name, value):
     return value
 
 
+def _chat_template(name, value):
+    """None, or a Jinja file path or template text (read when the engine loads its model)."""
+    if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+        raise EngineConfigError(f"{name} must be None, a Jinja file path or a Jinja template, "
+                                f"got {value!r}")
+    return value
+
+
 def _buckets(name, value):
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise EngineConfigError(f"{name} must be a non-empty sequence of positive ints, got "

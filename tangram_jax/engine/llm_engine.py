@@ -52,6 +52,7 @@ from tangram_jax.engine.outputs import CompletionOutput, RequestOutput
 from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
 from tangram_jax.models.registry import DEFAULT_MODEL, load_model
+from tangram_jax.models.tokenizer import ChatTemplateError, load_chat_template
 from tangram_jax.scheduler.host_pool import HostKVPool
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
 from tangram_jax.scheduler.scheduler import Scheduler
@@ -98,6 +99,11 @@ class Engine(RequestIntake):
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
+        if cfg.chat_template is not None:
+            try:
+                self.tokenizer.use_chat_template(load_chat_template(cfg.chat_template))
+            except ChatTemplateError as e:
+                raise EngineConfigError(f"chat_template: {e}") from None
         # What a request without SamplingParams is served with (vLLM's generation_config).
         try:
             self.default_sampling_params, self.default_sampling_source = \

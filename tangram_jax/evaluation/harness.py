@@ -322,6 +322,18 @@ class HarnessConfig:
                              f"{list(self.profiles)}")
 
 
+def harness_tokenizer(cfg: HarnessConfig, loaded=None):
+    """The tokenizer the engines of `cfg` format chats with: the model's (`loaded`, else
+    loaded now), with `engine_kwargs["chat_template"]` in place of its template if given."""
+    from tangram_jax.models.registry import load_model
+    from tangram_jax.models.tokenizer import load_chat_template
+
+    tokenizer = (loaded or load_model(cfg.model)).tokenizer
+    if cfg.engine_kwargs.get("chat_template") is not None:
+        tokenizer.use_chat_template(load_chat_template(cfg.engine_kwargs["chat_template"]))
+    return tokenizer
+
+
 def _engine_config(spec: ModeSpec, cfg: HarnessConfig, max_model_len: int, fingerprint: dict):
     from tangram_jax.compression.profile import BudgetProfile, shipped_profile
     from tangram_jax.engine.config import EngineConfig
@@ -383,7 +395,7 @@ def run_table(samples: list[Sample], specs: list[ModeSpec], cfg: HarnessConfig,
     if not specs or specs[0].mode != "full":
         raise ValueError("the first spec must be full KV: every other mode is compared with it")
     loaded = load_model(cfg.model)
-    tokenizer, fingerprint = loaded.tokenizer, loaded.config.fingerprint()
+    tokenizer, fingerprint = harness_tokenizer(cfg, loaded), loaded.config.fingerprint()
     del loaded
     max_model_len = max(session_lengths(tokenizer, samples, cfg.max_tokens))
     if cfg.max_model_len is not None:

@@ -213,6 +213,13 @@ class Tokenizer:
 
     # ---- chat ----
 
+    def use_chat_template(self, source: str) -> None:
+        """Format chats with `source` (a Jinja template, as `load_chat_template` returns it) in
+        place of the model's own (vLLM's ``--chat-template``). Raises ChatTemplateError when it
+        does not parse."""
+        self._compiled_template = compile_chat_template(source)
+        self.chat_template = source
+
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     **template_kwargs) -> str:
         """The conversation as the model's chat template spells it (special tokens as text).
@@ -242,6 +249,20 @@ class Tokenizer:
         """Token ids of the formatted conversation (the special tokens are matched as such)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs),
                            add_special_tokens=False)
+
+
+def load_chat_template(value: str | os.PathLike) -> str:
+    """A chat template given as vLLM's ``--chat-template`` takes it: the path of a Jinja file,
+    or the template itself (text with ``{{`` or ``{%``). Raises ChatTemplateError naming the
+    value otherwise."""
+    text = os.fspath(value)
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in text or "{%" in text:
+        return text
+    raise ChatTemplateError(f"chat_template must be a Jinja file or a Jinja template (text "
+                            f"with '{{{{' or '{{%'), got {text!r}: no such file")
 
 
 def compile_chat_template(source: str):

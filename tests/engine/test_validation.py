@@ -75,11 +75,24 @@ def test_sampling_params_refuse_with_the_field_name(kwargs, error, field):
     ({"max_num_seqs": np.float64(4)}, "max_num_seqs"), ({"group_size": 0}, "group_size"),
     ({"profile": 3}, "profile"), ({"model": ""}, "model"), ({"seed": -1}, "seed"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"chat_template": ""}, "chat_template"), ({"chat_template": 3}, "chat_template"),
 ])
 def test_engine_config_fields_name_field_and_value(kwargs, field):
     with pytest.raises(EngineConfigError, match=field) as e:
         EngineConfig(**kwargs)
     assert repr(next(iter(kwargs.values()))) in str(e.value)
+
+
+def test_an_engine_formats_chats_with_the_chat_template_it_is_given(tiny_folder, tmp_path):
+    """EngineConfig.chat_template (vLLM's --chat-template) replaces the model's template for
+    every chat the engine formats; a value that is neither a file nor a template is refused
+    when the engine is built, naming it."""
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}", encoding="utf-8")
+    engine = Engine(tiny_engine_config(tiny_folder, "full", chat_template=str(path)))
+    assert engine.tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "[hi]"
+    with pytest.raises(EngineConfigError, match="chat_template.*'nothing-here'"):
+        Engine(tiny_engine_config(tiny_folder, "full", chat_template="nothing-here"))
 
 
 def test_engine_config_checks_assignments_too():

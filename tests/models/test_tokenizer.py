@@ -252,3 +252,28 @@ def test_smollm2_hf_folder_template_matches_transformers(theirs, tmp_path):
                                                  tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             assert ours_tok.apply_chat_template(messages, add_generation_prompt=gen) == list(ids)
+
+
+def test_a_chat_template_given_in_place_of_the_models(tmp_path):
+    """vLLM's --chat-template: a Jinja file or the template text replaces the model's own (or
+    gives one to a model that ships none); anything else is one error naming the value, and a
+    template that does not parse is refused when it is given, not at the first chat."""
+    from tangram_jax.models.tokenizer import load_chat_template
+
+    backend = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(backend, eos_token_ids=(1,))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+    text = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<model>"
+    path = tmp_path / "template.jinja"
+    path.write_text(text, encoding="utf-8")
+    for given in (text, str(path), path):
+        assert load_chat_template(given) == text
+    tok.use_chat_template(load_chat_template(path))
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi<model>"
+    with pytest.raises(ChatTemplateError, match="'no-such-template.jinja'"):
+        load_chat_template("no-such-template.jinja")
+    with pytest.raises(ChatTemplateError):
+        tok.use_chat_template("{% for m in messages %}")
+    assert tok.chat_template == text   # a refused template leaves the one in use
