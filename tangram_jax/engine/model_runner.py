@@ -88,18 +88,26 @@ class AttentionOps(NamedTuple):
     plan_writes: Callable | None = None
 
     @classmethod
-    def for_backend(cls, use_kernels: bool | None = None) -> "AttentionOps":
-        """Pallas kernels where they compile (GPU), the XLA serving path otherwise (CPU)."""
+    def for_backend(cls, use_kernels: bool | None = None,
+                    pool_format: kv_quant.PoolFormat | None = None) -> "AttentionOps":
+        """Pallas kernels where they compile (GPU), the XLA serving path otherwise (CPU). With
+        `pool_format` the decode kernel launches with that format's tuning
+        (`tuning.DECODE_TUNING`, keyed by the format's name); without, the kernel finds it from
+        the pool's arrays."""
         from tangram_jax.pallas_kernels import chunk_compress, decode_attention, prefill_attention
+        from tangram_jax.pallas_kernels.tuning import DECODE_TUNING
         if use_kernels is None:
             use_kernels = not backend.default_interpret()
         if use_kernels:
+            block_tokens, num_warps = (DECODE_TUNING[pool_format.precision]
+                                       if pool_format is not None else (None, None))
             return cls(prefill_attention.ragged_prefill_attention,
                        chunk_compress.write_chunk_into_pages,
                        chunk_compress.compress_chunk_into_pages,
                        lambda q, k, v, bt, ln, work, **terms:
                        decode_attention.ragged_paged_decode_attention(
-                           q, k, v, bt, ln, work_list=work, **terms),
+                           q, k, v, bt, ln, work_list=work, block_tokens=block_tokens,
+                           num_warps=num_warps, **terms),
                        "pallas")
         # The CPU serving path: XLA programs of the kernels' signatures (engine/xla_attention.py),
         # not the kernels' test references; the chunk compression's scatter is its reference.
@@ -238,7 +246,7 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         # compresses the whole turn (`_turn_compaction`).
         self.compacts_turns = (base.retention == "turn" and base.compresses
                                and runner_config.mode != "dynamic" and self.tiers is None)
-        self.ops = ops or AttentionOps.for_backend()
+        self.ops = ops or AttentionOps.for_backend(pool_format=pool_format)
         if split_maps is None:   # each device attends over its share of every group's heads
             split_maps = decode_split_maps(
                 layout, config, model.dtype, runner_config.num_programs,

@@ -24,3 +24,28 @@ def test_the_kernels_read_the_tuned_device_entries():
     assert decode_pools.decode_programs("k8v4-k4v2", 528) == 528
     assert prefill_attention.PREFILL_TUNING == \
         prefill_attention.PrefillTuning(**tuning.PREFILL_TUNINGS[device])
+
+
+def test_the_runner_launches_decode_with_its_pool_formats_tuning(monkeypatch):
+    """The runner's Pallas decode op passes the tuning of the pool format the engine resolved
+    (`AttentionOps.for_backend(pool_format=...)`): the same values the kernel would find from
+    the pool's arrays, for every served precision, without reading bit widths back."""
+    import jax
+    import jax.numpy as jnp
+
+    from tangram_jax.engine.model_runner import AttentionOps
+    from tangram_jax.pallas_kernels import decode_attention
+
+    seen = {}
+    monkeypatch.setattr(decode_attention, "ragged_paged_decode_attention",
+                        lambda *args, **kwargs: seen.update(kwargs))
+    for precision in kv_quant.SERVED_PRECISIONS:
+        fmt = kv_quant.pool_format(precision)
+        k, v = kv_quant.allocate_pools(fmt.page_formats, (4,) * len(fmt.page_formats),
+                                       (2, 16, 64), jnp.bfloat16,
+                                       make=lambda shape, dtype: jax.ShapeDtypeStruct(shape,
+                                                                                      dtype))
+        ops = AttentionOps.for_backend(use_kernels=True, pool_format=fmt)
+        ops.decode_attention(None, k, v, None, None, None)
+        assert (seen["block_tokens"], seen["num_warps"]) == tuning.DECODE_TUNING[precision] \
+            == decode_pools.decode_tuning(k, v), precision
