@@ -225,7 +225,15 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     reports = [report]
     if args.kvpress and Path(args.kvpress).is_file():
-        reports.append(json.loads(Path(args.kvpress).read_text()))
+        kvpress = json.loads(Path(args.kvpress).read_text())
+        # kvpress_accuracy.py serves the embedded model: its rows stand beside this run's only
+        # for that model on the same samples.
+        if args.model is None and Path(kvpress["config"]["tasks_file"]).name == \
+                report["tasks_file"]:
+            reports.append(kvpress)
+        else:
+            print(f"kvpress results of {args.kvpress} left out: they are of the embedded model "
+                  f"on {kvpress['config']['tasks_file']}")
     plot = args.plot
     plot_accuracy(plot, *reports)
     print(markdown_table(*reports))
