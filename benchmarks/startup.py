@@ -1,5 +1,4 @@
-"""Start-up time of the engine, cold and with JAX's persistent compilation cache warm, to the
-first token of the first request.
+"""Engine start-up to the first token, cold and with JAX's persistent compilation cache warm.
 
 For each mode, starts the same engine configuration in fresh processes that share one empty
 cache folder (the first compiles everything and fills the cache, the second loads from it),
