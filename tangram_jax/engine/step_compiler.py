@@ -52,6 +52,12 @@ class StepCompilation:
                                  np.zeros((bucket, *self.counts_shape), np.int32),
                                  *_greedy(bucket))
 
+    def _pool_specs(self, num_pages) -> tuple:
+        """(k_pages, v_pages) of a pool of `num_pages` pages as `jax.ShapeDtypeStruct`s with the
+        pool's sharding: what programs are lowered for before the pool exists."""
+        return self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=self.placement.pool))
+
     def compile_steps(self, num_pages, decode_bucket: int, prefill_rows: int) -> dict:
         """Compile (without running, and without a pool in memory) the decode step at
         `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
@@ -59,8 +65,7 @@ class StepCompilation:
         compiled} and, where prefill plans its writes, "prefill_writes" (the program that
         scatters them) (`jax.stages.Compiled`: read `memory_analysis()`, `as_text()`). The
         jitted steps reuse these executables when later called with the same shapes."""
-        pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=self.placement.pool))
+        pool = self._pool_specs(num_pages)
         rows = backend.next_power_of_2(prefill_rows)
         decode_args, decode_static = self._null_decode_call(decode_bucket, *pool)
         prefill_args, prefill_static = self._null_prefill_call(rows, *pool)
@@ -88,9 +93,7 @@ class StepCompilation:
         construction calls this to size the pool from every program's peak, so the largest
         compiles start at once instead of after the sizing. Returns (program name,
         `jax.stages.Compiled`) pairs."""
-        pool = self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=self.placement.pool))
-        programs = self.warmup_programs(pool=pool, **warmup_arguments)
+        programs = self.warmup_programs(pool=self._pool_specs(num_pages), **warmup_arguments)
         return [(p.name, c) for p, c in zip(
             programs, self.compile_programs(programs, phase="pool", pages=num_pages))]
 
