@@ -123,7 +123,9 @@ def decode_call(runner: ModelRunner, slots: np.ndarray, lengths: np.ndarray, con
     args = (np.full(b, context, np.int32), slots, lengths, np.zeros(b, np.float32),
             np.full(b, -1, np.int32), np.ones(b, np.float32), np.zeros(b, np.uint32),
             np.zeros(b, np.int32))
-    return lambda: runner.decode(*args)
+    call = lambda: runner.decode(*args)   # noqa: E731
+    call.decode_args = args
+    return call
 
 
 def main(argv=None) -> None:

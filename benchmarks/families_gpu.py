@@ -55,6 +55,7 @@ from tangram_jax.benchmarking.results import resolve_outputs, write_result  # no
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
 from tangram_jax.engine.decode_step import decode_split_map  # noqa: E402
+from tangram_jax.engine.memory import step_peak_bytes  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.engine.tensor_parallel import Placement  # noqa: E402
 from tangram_jax.kv_layout import KVLayout  # noqa: E402
@@ -72,20 +73,32 @@ def random_decoder(config, dtype, placement: Placement, seed: int) -> tuple[Deco
     graphdef, state = nnx.split(abstract)
     key = jax.random.key(seed)
     sizes = {"experts": 0, "embedding": 0, "other": 0}
+    makers = {}
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
         if not isinstance(var, nnx.Param):
             continue
         shape, names = var.get_value().shape, [str(p) for p in path]
         sharding = placement.weight_sharding(path, len(shape))
-        make = jax.jit(lambda k, shape=shape: (jax.random.normal(k, shape, jnp.float32) * 0.02
-                                               ).astype(dtype), out_shardings=sharding)
-        var.set_value(make(jax.random.fold_in(key, i)))
+        # One compiled generator per (shape, sharding): the layers share theirs.
+        cache_key = (shape, sharding)
+        if cache_key not in makers:
+            makers[cache_key] = jax.jit(
+                lambda k, shape=shape: (jax.random.normal(k, shape, jnp.float32) * 0.02
+                                        ).astype(dtype), out_shardings=sharding)
+        var.set_value(makers[cache_key](jax.random.fold_in(key, i)))
         kind = ("experts" if "moe" in names and "router" not in names
                 else "embedding" if "embed_tokens" in names else "other")
         sizes[kind] += int(np.prod(shape)) * jnp.dtype(dtype).itemsize
     model = nnx.merge(graphdef, state)
     model.set_constants()
     return model, sizes
+
+
+def decode_extra_bytes(runner: ModelRunner, call) -> int:
+    """Bytes the decode program of `call` allocates beyond its donated arguments
+    (`memory.step_peak_bytes`): a few MB of activations, unless it copies the pool."""
+    args, static = runner._decode_call(runner.k_pages, runner.v_pages, *call.decode_args)
+    return step_peak_bytes(runner._decode.lower(*args, **static).compile())
 
 
 def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
@@ -166,8 +179,9 @@ def main(argv=None) -> None:
     decode = []
     for b in args.batches:
         rows = slots[:b]
-        fig = measure(decode_call(runner, rows, manager.lengths[rows] - 1, args.context),
-                      args.reps, on_gpu)
+        call = decode_call(runner, rows, manager.lengths[rows] - 1, args.context)
+        fig = measure(call, args.reps, on_gpu)
+        fig["step_extra_bytes"] = decode_extra_bytes(runner, call)
         bound = limits(config, sizes, b, args.context, args.prefill, args.tp, kind)
         fig.update(batch=b, limit_ms=bound["decode_ms"], limit_bytes=bound["decode_bytes"],
                    kv_bytes=bound["decode_kv_bytes"], expert_bytes=bound["decode_expert_bytes"],

@@ -47,9 +47,12 @@ from tangram_jax.benchmarking.results import finish, resolve_outputs, start
 from tangram_jax.commands import add_overwrite_flag
 from tangram_jax.kv_layout import PRECISION_TIERS
 from tangram_jax.pallas_kernels import split_map as sm
-from tangram_jax.pallas_kernels.decode_attention import (ragged_paged_decode_attention,
+from tangram_jax.pallas_kernels import backend
+from tangram_jax.pallas_kernels.decode_attention import (decode_partials,
+                                                         ragged_paged_decode_attention,
                                                          ragged_paged_decode_attention_reference)
-from tangram_jax.pallas_kernels.decode_pools import decode_programs
+from tangram_jax.pallas_kernels.decode_merge import merge_partials_pallas
+from tangram_jax.pallas_kernels.decode_pools import decode_programs, decode_tuning
 
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, GROUP_SIZE, PAGE_SIZE = 32, 8, 128, 2, 16
@@ -81,15 +84,16 @@ def make_case(key, batch: int, context: int):
 
 
 def random_pool(key, num_pages: int, bits: int | None, groups: int = 1, unit: int = 8,
-                slot_pairs: bool = False):
+                slot_pairs: bool = False, page_format: str | None = None):
     """A K or V pool of random contents in the format of `bits` (`groups` scales a row, codes
-    in `unit`-bit units, in slot pairs when set: the page format's `code_unit`, `slot_pairs`)."""
+    in `unit`-bit units, in slot pairs when set: the page format's `code_unit`, `slot_pairs`;
+    tagged with the format's name, `page_format`)."""
     shape = (num_pages, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)
     if bits is None:
         return jax.random.normal(key, shape, DTYPE)
     k1, k2, k3 = jax.random.split(key, 3)
     spec = kv_quant.pool_arrays(shape, DTYPE, bits, make=jax.ShapeDtypeStruct, groups=groups,
-                                unit=unit, slot_pairs=slot_pairs)
+                                unit=unit, slot_pairs=slot_pairs, page_format=page_format)
     # Codes drawn as 32-bit words and viewed as units: uint8 draws go through a 4x-sized
     # intermediate (the 128k pools of run 1 ran out of memory asking exactly 4 bytes per code).
     *lead, width = spec.codes.shape
@@ -106,9 +110,9 @@ def random_pools(key, num_pages: int, fmt: kv_quant.PageFormat) -> tuple:
     """(k, v) pools of random contents in page format `fmt`."""
     kk, vk = jax.random.split(key)
     return (random_pool(kk, num_pages, fmt.key_bits, unit=fmt.code_unit,
-                        slot_pairs=fmt.slot_pairs),
+                        slot_pairs=fmt.slot_pairs, page_format=fmt.name),
             random_pool(vk, num_pages, fmt.value_bits, fmt.value_groups, fmt.code_unit,
-                        fmt.slot_pairs))
+                        fmt.slot_pairs, fmt.name))
 
 
 def programs_of(precision: str, num_programs: int, program_scale: str) -> int:
@@ -205,14 +209,40 @@ def tier_work_lists(precision, batch, num_programs, group_order=False) -> tuple:
     return tuple(w[0] for w in _ordered(smap, group_order).tier_work_lists())
 
 
+def per_tier_decode(q, k_pages, v_pages, block_tables, lengths, *, work_list,
+                    block_tokens=None, num_warps=None, num_stages: int = 3,
+                    heads_per_program: int = 1):
+    """The baseline of the one-launch tiered decode: a decode launch per precision tier (each
+    over its tier groups' rows of the shared tables, `decode_partials` with `tier`), then one
+    merge launch of both launches' partials. Arguments as `ragged_paged_decode_attention` over
+    `kv_quant.TieredPages`; block_tokens an int or a (high, low) pair, None: each tier's
+    page format's `DECODE_TUNING`."""
+    pools = kv_quant.tier_pools(k_pages, v_pages)
+    interpret = backend.resolve_interpret(None)
+    parts = []
+    for t, ((k, v), work) in enumerate(zip(pools, work_list)):
+        tuned = decode_tuning(k, v)
+        tokens = block_tokens[t] if isinstance(block_tokens, tuple) else block_tokens
+        parts.append(decode_partials(
+            q, k, v, block_tables, lengths, jnp.asarray(work, jnp.int32), tier=t,
+            num_tiers=len(pools), block_tokens=tokens or tuned[0],
+            num_warps=num_warps or tuned[1], num_stages=num_stages,
+            heads_per_program=heads_per_program, interpret=interpret))
+    return merge_partials_pallas(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                                 tuple(p[2] for p in parts), num_groups=q.shape[1],
+                                 out_dtype=q.dtype, interpret=interpret)
+
+
 def _tuning(tuning) -> dict:
     """Kernel keywords of a sweep entry "block_tokens[/num_warps[/num_stages[/heads]]]", or
     "default": none (each pool's page format's `DECODE_TUNING`, what the engine runs).
     Precision tiers: block_tokens "high+low" gives each tier its own, and a suffix
-    ":per-tier" launches each tier on its own (`tier_launch`; default one launch). The
+    ":per-tier" launches each tier on its own (`per_tier_decode`; default one launch). The
     suffixes of `_entry_suffixes` are not kernel keywords and are dropped here."""
     tuning, _, launch = _entry_suffixes(tuning)[0].partition(":")
-    kw = {"tier_launch": launch} if launch else {}
+    if launch not in ("", "per-tier"):
+        raise ValueError(f"a sweep entry's launch suffix must be ':per-tier', got {launch!r}")
+    kw = {"per_tier": True} if launch else {}
     if tuning == "default":
         return kw
     block, *rest = tuning.split("/")
@@ -258,8 +288,9 @@ def _measure(key, precision, block_list, num_pages, slots, qs, tbl, lens, correc
         return work_list(precision, batch,
                          num_programs if scale is None else base_programs * scale, group_order)
 
-    def attend(q, k, v, t, n, work=work_at(None), **kw):
-        return ragged_paged_decode_attention(q, k, v, t, n, work_list=work, **kw)
+    def attend(q, k, v, t, n, work=work_at(None), per_tier=False, **kw):
+        launch = per_tier_decode if per_tier else ragged_paged_decode_attention
+        return launch(q, k, v, t, n, work_list=work, **kw)
     reference = ragged_paged_decode_attention_reference
     # Kernel launches a layer's decode attention makes (pallas_calls in its program).
     launches = str(jax.make_jaxpr(lambda q, k, v: attend(q, k, v, tbl, lens))(

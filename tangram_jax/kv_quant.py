@@ -286,7 +286,9 @@ class QuantPages:
     scale and zero float32 [num_pages, G, page_size] (with `groups` > 1: [..., groups], a
     scale and zero per group of head_dim / groups dims, the plane of that index when groups
     equals the planes). A pytree (jit, donation and scan carry it like an array); `bits`,
-    `dtype` (what dequantised values come back as) and `groups` are static."""
+    `dtype` (what dequantised values come back as) and `groups` are static, as is
+    `page_format`: the `PAGE_FORMATS` name of the pool this is half of, where it was made from
+    one (`allocate_pools`; the decode kernel's tuning key), else None."""
 
     codes: jax.Array
     scale: jax.Array
@@ -295,6 +297,7 @@ class QuantPages:
     dtype: np.dtype
     groups: int = 1
     slot_pairs: bool = False
+    page_format: str | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -323,7 +326,8 @@ class QuantPages:
 
 
 jax.tree_util.register_dataclass(QuantPages, data_fields=["codes", "scale", "zero"],
-                                 meta_fields=["bits", "dtype", "groups", "slot_pairs"])
+                                 meta_fields=["bits", "dtype", "groups", "slot_pairs",
+                                              "page_format"])
 
 Pages = jax.Array | QuantPages
 
@@ -336,11 +340,11 @@ def _check_pairs(slot_pairs: bool, unit: int, page_size: int) -> bool:
 
 
 def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int = 1,
-                unit: int = 8, slot_pairs: bool = False) -> Pages:
+                unit: int = 8, slot_pairs: bool = False, page_format: str | None = None) -> Pages:
     """A K or V pool of logical shape [num_pages, G, page_size, head_dim]: an array of `dtype`
     (bits None) or `QuantPages` (with `groups` scales a row, codes in `unit`-bit units, in
-    `slot_pairs` when set). `make(shape, dtype)` builds each leaf: `jnp.zeros` (a zeroed pool)
-    or `jax.ShapeDtypeStruct` (a spec to compile against)."""
+    `slot_pairs` when set, tagged with `page_format`). `make(shape, dtype)` builds each leaf:
+    `jnp.zeros` (a zeroed pool) or `jax.ShapeDtypeStruct` (a spec to compile against)."""
     shape = tuple(int(s) for s in shape)
     if bits is None:
         return make(shape, dtype)
@@ -353,7 +357,8 @@ def pool_arrays(shape, dtype, bits: int | None, *, make=jnp.zeros, groups: int =
         codes = make((*shape[:-1], width), CODE_UNITS[unit])
     return QuantPages(codes=codes, scale=make(scales, jnp.float32),
                       zero=make(scales, jnp.float32), bits=_check_bits(bits),
-                      dtype=jnp.dtype(dtype), groups=groups, slot_pairs=bool(slot_pairs))
+                      dtype=jnp.dtype(dtype), groups=groups, slot_pairs=bool(slot_pairs),
+                      page_format=page_format)
 
 
 def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> tuple:
@@ -364,10 +369,10 @@ def allocate_pools(formats, num_pages, page_shape, dtype, *, make=jnp.zeros) -> 
         raise ValueError(f"one page count per format (1 or 2 of them), got {len(formats)} "
                          f"formats and num_pages {tuple(num_pages)}")
     pools = [(pool_arrays((n, *page_shape), dtype, fmt.key_bits, make=make,
-                          unit=fmt.code_unit, slot_pairs=fmt.slot_pairs),
+                          unit=fmt.code_unit, slot_pairs=fmt.slot_pairs, page_format=fmt.name),
               pool_arrays((n, *page_shape), dtype, fmt.value_bits, make=make,
                           groups=fmt.value_groups, unit=fmt.code_unit,
-                          slot_pairs=fmt.slot_pairs))
+                          slot_pairs=fmt.slot_pairs, page_format=fmt.name))
              for n, fmt in zip(num_pages, formats)]
     return from_tier_pools(pools)
 
@@ -435,10 +440,11 @@ def dequantise_pages(pages: Pages, dtype=None) -> jax.Array:
 
 
 def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int = 1,
-                   unit: int = 8, slot_pairs: bool = False) -> Pages:
+                   unit: int = 8, slot_pairs: bool = False,
+                   page_format: str | None = None) -> Pages:
     """A dense pool [num_pages, G, page_size, head_dim] in the format of `bits` (None: the
     pool itself, cast to `dtype`) with `groups` scales a row and codes in `unit`-bit units (in
-    `slot_pairs` when set). Rows holding a NaN get NaN scale and zero (codes cannot be NaN), so
+    `slot_pairs` when set), tagged with `page_format` (`QuantPages`). Rows holding a NaN get NaN scale and zero (codes cannot be NaN), so
     a poisoned slot stays poisoned (what the kernel tests rely on)."""
     dtype = jnp.dtype(dtype or pages.dtype)
     if bits is None:
@@ -452,7 +458,8 @@ def quantise_pages(pages: jax.Array, bits: int | None, dtype=None, groups: int =
         poisoned = poisoned[..., None]
     return QuantPages(codes=codes, scale=jnp.where(poisoned, jnp.nan, scale),
                       zero=jnp.where(poisoned, jnp.nan, zero), bits=_check_bits(bits),
-                      dtype=dtype, groups=int(groups), slot_pairs=bool(slot_pairs))
+                      dtype=dtype, groups=int(groups), slot_pairs=bool(slot_pairs),
+                      page_format=page_format)
 
 
 # ----- precision tiers (`kv_layout.TieredLayout`) ---------------------------------------------

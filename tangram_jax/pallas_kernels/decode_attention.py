@@ -34,7 +34,8 @@ groups, cut by tier); each program runs the same kernel body over its item's tie
 (`decode_pools._parts_kernel`), in that tier's format and tuning, reading only its tier
 groups' table rows; then the merge of the launch's partials (a group's items of either tier
 are shares of its keys): two launches a layer, as untiered. On an H100 one launch is 3-7%
-faster than a launch per tier (`tier_launch` "per-tier", kept as the baseline;
+faster than a launch per tier (`decode_partials` with `tier`, the baseline of
+benchmarks/kv_precision_decode.py's ":per-tier" entries;
 benchmarks/results/kv_precision_decode_tiers_one_launch.json), whose two half-size launches
 each pay a ramp and a last round. (Items that read both tiers in two loops of one body are
 slower still: their registers.)
@@ -416,10 +417,6 @@ def _decode_kernel(work_ref, lengths_ref, block_tables_ref, q_ref, *refs, page_s
         store(lse_ref.at[row_head, row_in_head], lse, mask=row_real)
 
 
-# How precision tiers are launched: one launch over both tiers' items (each program reads its
-# item's tier), or a launch per tier.
-TIER_LAUNCHES = ("one", "per-tier")
-
 _STATIC = ("interpret", "block_tokens", "num_warps", "num_stages", "heads_per_program")
 
 
@@ -519,29 +516,19 @@ def decode_partials(q, k_pages, v_pages, block_tables, lengths, work, starts=Non
 
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "tier_launch"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(q, k_pages, v_pages, block_tables, lengths, works, starts, sinks, *, block_tokens,
-            num_warps, tier_launch: str, **kwargs):
-    """The decode launch (tuning not given: the pools' `decode_tuning`), or with precision
-    tiers and `tier_launch` "per-tier" a launch per tier's pool, then one merge launch of all
-    their partials."""
-    if tier_launch == "one" or not kv_quant.is_tiered(k_pages, v_pages):
+            num_warps, **kwargs):
+    """The decode launch (over both tiers' pools with precision tiers; tuning not given: the
+    pools' `decode_tuning`), then the merge launch of its partials."""
+    tuned = (block_tokens, num_warps)
+    if block_tokens is None or num_warps is None:
         tuned = decode_tuning(k_pages, v_pages)
-        parts = [decode_partials(q, k_pages, v_pages, block_tables, lengths,
-                                 works[0] if len(works) == 1 else works, starts,
-                                 block_tokens=block_tokens or tuned[0],
-                                 num_warps=num_warps or tuned[1], **kwargs)]
-    else:
-        parts = []
-        for t, ((k, v), work) in enumerate(zip(kv_quant.tier_pools(k_pages, v_pages), works)):
-            tuned = decode_tuning(k, v)
-            tokens = block_tokens[t] if isinstance(block_tokens, tuple) else block_tokens
-            parts.append(decode_partials(q, k, v, block_tables, lengths, work, tier=t,
-                                         num_tiers=len(works),
-                                         block_tokens=tokens or tuned[0],
-                                         num_warps=num_warps or tuned[1], **kwargs))
-    return merge_partials_pallas(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
-                                 tuple(p[2] for p in parts), sinks, num_groups=q.shape[1],
+    o_part, lse, work = decode_partials(q, k_pages, v_pages, block_tables, lengths,
+                                        works[0] if len(works) == 1 else works, starts,
+                                        block_tokens=block_tokens or tuned[0],
+                                        num_warps=num_warps or tuned[1], **kwargs)
+    return merge_partials_pallas(o_part, lse, work, sinks, num_groups=q.shape[1],
                                  out_dtype=q.dtype, interpret=kwargs["interpret"])
 
 
@@ -549,8 +536,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
                                   interpret: bool | None = None,
                                   block_tokens: int | None = None,
                                   num_warps: int | None = None, num_stages: int = 3,
-                                  heads_per_program: int = 1,
-                                  tier_launch: str = "one", window=None,
+                                  heads_per_program: int = 1, window=None,
                                   sinks=None) -> jax.Array:
     """Decode attention of one layer for all its head groups: a decode launch over the pool
     (with precision tiers over both tiers' pools), then the merge launch.
@@ -560,8 +546,8 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
       k_pages, v_pages: [num_pages, G, page_size, head_dim], the whole pool: arrays in q's
         dtype, or `kv_quant.QuantPages` of that logical shape (keys and values may have
         different bits), dequantised on the fly; or precision tiers, `kv_quant.TieredPages`
-        (a pool per tier; each item reads one tier in its format: one launch over both tiers'
-        items, or with `tier_launch` "per-tier" a launch per tier).
+        (a pool per tier; one launch over both tiers' items, each item reading its tier in
+        that tier's format).
       block_tables: int32 [batch, groups, max_pages], this layer's; with tiers [batch,
         2 * groups, max_pages] of tier groups (``2 g`` group g's high tier, ``2 g + 1`` its
         low tier, entries ids of that tier's pool).
@@ -577,16 +563,12 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
         step = block_tokens // page_size pages; KV heads of the group one program streams);
         block_tokens / num_warps None: the pool's page format's `DECODE_TUNING`; with tiers
         block_tokens may be a (high, low) pair.
-      tier_launch: precision tiers in "one" launch (default) or "per-tier" (the baseline);
-        ignored without tiers.
       window: None, or an int32 scalar (traced): a local layer's window (the query at slot
         length - 1 sees slots > length - 1 - window; 0: a global layer); not with tiers.
       sinks: None or [groups * G * q_per_kv] sink logits (`attention_terms`).
     Returns [batch, groups, G * q_per_kv, head_dim] in q's dtype; softmax in float32, scale
     1/sqrt(head_dim).
     """
-    if tier_launch not in TIER_LAUNCHES:
-        raise ValueError(f"tier_launch must be one of {TIER_LAUNCHES}, got {tier_launch!r}")
     tier_pools = kv_quant.tier_pools(k_pages, v_pages)
     works = _work_lists(work_list, len(tier_pools))
     _check_inputs(q, tier_pools, block_tables, lengths, works)
@@ -599,7 +581,7 @@ def ragged_paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *,
     return _decode(q, k_pages, v_pages, block_tables, lengths, works, starts, sinks,
                    interpret=backend.resolve_interpret(interpret), block_tokens=block_tokens,
                    num_warps=num_warps, num_stages=num_stages,
-                   heads_per_program=heads_per_program, tier_launch=tier_launch)
+                   heads_per_program=heads_per_program)
 
 
 @jax.jit

@@ -42,12 +42,21 @@ def decode_programs(kv_precision: str, num_programs: int) -> int:
 
 
 def _format_name(k_pages, v_pages) -> str:
-    """The page format of a pool ("bf16" unquantised), or "high-low" of precision tiers."""
+    """The page format of a pool ("bf16" unquantised, else the name its `QuantPages` carry), or
+    "high-low" of precision tiers."""
     if kv_quant.is_tiered(k_pages, v_pages):
         return "-".join(_format_name(k, v) for k, v in kv_quant.tier_pools(k_pages, v_pages))
-    bits = (_bits(k_pages), _bits(v_pages))
-    return next((f.name for f in kv_quant.PAGE_FORMATS.values()
-                 if (f.key_bits, f.value_bits) == bits), "bf16")
+    quantised = [isinstance(p, kv_quant.QuantPages) for p in (k_pages, v_pages)]
+    if not any(quantised):
+        return "bf16"
+    names = {p.page_format if q else None for p, q in zip((k_pages, v_pages), quantised)}
+    if len(names) != 1 or None in names:
+        raise ValueError(
+            f"a quantised pool without block_tokens and num_warps must be made from its page "
+            f"format (kv_quant.allocate_pools, or page_format= of pool_arrays / "
+            f"quantise_pages) so its tuning can be found; got k_pages and v_pages of page "
+            f"formats {[getattr(p, 'page_format', 'bf16') for p in (k_pages, v_pages)]}")
+    return names.pop()
 
 
 def decode_tuning(k_pages, v_pages) -> tuple:

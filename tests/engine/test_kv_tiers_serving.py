@@ -149,12 +149,12 @@ def test_tiered_decode_kernel_matches_reference():
         "runtime_planned": tuple(planned),
         "aot_high_planned_low": (aot.tier_work_lists()[0][0], planned[1]),
     }
-    paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3, tier_launch="per-tier"),
+    paths = {"aot": dict(num_stages=2), "uniform": dict(num_stages=3),
              "runtime_planned": dict(heads_per_program=G), "aot_high_planned_low": {}}
     for name, work in work_lists.items():
         got = decode_attention.ragged_paged_decode_attention(
             q, k, v, tables, lens, work_list=work, interpret=True, block_tokens=2 * PS,
-            **paths[name])
+            num_warps=4, **paths[name])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5,
                                    err_msg=name)
         assert not np.asarray(got)[0, 0].any()
@@ -164,7 +164,7 @@ def test_tiered_decode_kernel_matches_reference():
 
 
 def test_tiered_decode_merges_the_partials_of_both_launches():
-    """Each tier's launch (`tier_launch` "per-tier") reads only its tier groups' rows of the shared tables and lengths
+    """Each tier's launch (`decode_partials` with `tier`) reads only its tier groups' rows of the shared tables and lengths
     (``2 g + t``) in its pool's format: its partials are the untiered reference over that tier
     alone; the merge of both launches' partials is the reference over both tiers."""
     rng = np.random.default_rng(3)
@@ -203,22 +203,17 @@ def test_tiered_decode_merges_the_partials_of_both_launches():
             np.asarray(decode_merge.merge_partials(o_one[:, items], lse_one[:, items],
                                                        work, 1)),
             np.asarray(merged), rtol=2e-5, atol=2e-5, err_msg=str(tier))
-    # The decode and merge launches a layer makes: one decode launch (a launch per tier with
-    # tier_launch "per-tier"), then the merge; both the reference's output.
-    for tier_launch, launches in (("one", 1), ("per-tier", 2)):
-        def attend(q, tier_launch=tier_launch):
-            return decode_attention.ragged_paged_decode_attention(
-                q, k, v, tables, lens, work_list=(work, work), interpret=True,
-                tier_launch=tier_launch)
-        jaxpr = str(jax.make_jaxpr(attend)(q))
-        assert jaxpr.count("name=ragged_paged_decode_attention") == launches, tier_launch
-        assert jaxpr.count("name=ragged_paged_decode_merge") == 1
-        np.testing.assert_allclose(np.asarray(attend(q)).reshape(full.shape), np.asarray(full),
-                                   rtol=2e-5, atol=2e-5, err_msg=tier_launch)
-    with pytest.raises(ValueError, match="tier_launch must be one of"):
-        decode_attention.ragged_paged_decode_attention(q, k, v, tables, lens,
-                                                       work_list=(work, work), interpret=True,
-                                                       tier_launch="both")
+    # The decode and merge launches a layer makes: one decode launch over both tiers, then
+    # the merge; the reference's output.
+    def attend(q):
+        return decode_attention.ragged_paged_decode_attention(
+            q, k, v, tables, lens, work_list=(work, work), interpret=True, block_tokens=PS,
+            num_warps=4)
+    jaxpr = str(jax.make_jaxpr(attend)(q))
+    assert jaxpr.count("name=ragged_paged_decode_attention") == 1
+    assert jaxpr.count("name=ragged_paged_decode_merge") == 1
+    np.testing.assert_allclose(np.asarray(attend(q)).reshape(full.shape), np.asarray(full),
+                               rtol=2e-5, atol=2e-5)
 
 
 def test_tiered_split_map_weighs_tier_groups_by_their_bytes():

@@ -218,7 +218,7 @@ def test_quantised_decode_matches_reference(precision, dtype, pairs):
              "runtime_planned": dict(heads_per_program=2)}
     for name, work in _work_lists(lengths, q.shape[1], shape).items():
         out = ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work,
-                                            block_tokens=shape[7], **paths[name])
+                                            block_tokens=shape[7], num_warps=4, **paths[name])
         assert out.shape == q.shape and out.dtype == q.dtype
         err = _rel_err(out, ref)
         assert err < RTOL[dtype], f"{name}: relative error {err:.2e}"
@@ -235,7 +235,7 @@ def test_quantised_decode_matches_reference(precision, dtype, pairs):
     ref_g = ragged_paged_decode_attention_reference(q, kq, vg, tables, lens)
     work = _work_lists(lengths, q.shape[1], shape)["aot"]
     out = ragged_paged_decode_attention(q, kq, vg, tables, lens, work_list=work,
-                                        block_tokens=shape[7])
+                                        block_tokens=shape[7], num_warps=4)
     assert _rel_err(out, ref_g) < RTOL[dtype]
     if planes > 1:   # the groups are used: the output differs from one scale a row's
         assert _rel_err(ref_g, ragged_paged_decode_attention_reference(
@@ -244,11 +244,10 @@ def test_quantised_decode_matches_reference(precision, dtype, pairs):
             tables, lens)) > 1e-4
 
 
-@pytest.mark.parametrize("tier_launch", ["one", "per-tier"])
-def test_tiered_decode_matches_reference(tier_launch):
+def test_tiered_decode_matches_reference():
     """Precision tiers as served (K8V4 high tier, K4V2 slot-pair low tier, bf16 q, each tier
-    group's tokens in its own pool), in one launch over both tiers' items (the default) and a
-    launch per tier, with the tiered AOT map, runtime planning per tier, and each tier format's
+    group's tokens in its own pool), in one launch over both tiers' items, with the tiered AOT
+    map, runtime planning per tier, and each tier format's
     default tuning: against the reference over both tiers. Unowned slots are NaN."""
     from tangram_jax import kv_layout, kv_quant
     rng = np.random.default_rng()
@@ -261,7 +260,8 @@ def test_tiered_decode_matches_reference(tier_launch):
     for tier, precision in zip(("high", "low"), kv_layout.PRECISION_TIERS["k8v4-k4v2"]):
         fmt = kv_quant.page_format(precision)
         pools[tier] = [kv_quant.quantise_pages(x, bits, jnp.bfloat16, groups=groups_,
-                                               unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
+                                               unit=fmt.code_unit, slot_pairs=fmt.slot_pairs,
+                                               page_format=fmt.name)
                        for x, bits, groups_ in ((k, fmt.key_bits, 1),
                                                 (v, fmt.value_bits, fmt.value_groups))]
     kt, vt = (kv_quant.TieredPages(pools["high"][i], pools["low"][i]) for i in (0, 1))
@@ -276,8 +276,7 @@ def test_tiered_decode_matches_reference(tier_launch):
                                                       group_size=g) for t in (0, 1)),
     }
     for name, work in work_lists.items():
-        out = ragged_paged_decode_attention(q, kt, vt, tables, lens, work_list=work,
-                                            tier_launch=tier_launch)
+        out = ragged_paged_decode_attention(q, kt, vt, tables, lens, work_list=work)
         err = _rel_err(out, ref)
         assert err < RTOL[jnp.bfloat16], f"{name}: relative error {err:.2e}"
         assert not np.asarray(out, np.float32)[(lengths[:, 0::2] + lengths[:, 1::2]) == 0].any()
@@ -379,20 +378,17 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     from tangram_jax import kv_layout, kv_quant
     from tangram_jax.pallas_kernels.decode_pools import DECODE_TUNING, decode_tuning
     for name, fmt in kv_quant.PAGE_FORMATS.items():
-        k, v = (kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits, make=jax.ShapeDtypeStruct,
-                                     unit=fmt.code_unit, slot_pairs=fmt.slot_pairs)
-                for bits in (fmt.key_bits, fmt.value_bits))
+        k, v = kv_quant.allocate_pools((fmt,), (3,), (2, 8, 32), jnp.bfloat16,
+                                       make=jax.ShapeDtypeStruct)
         assert decode_tuning(k, v) == DECODE_TUNING[name]
     # Precision tiers in one launch: their own entry (a block size a tier, one warp count).
     tiers = kv_layout.PRECISION_TIERS["k8v4-k4v2"]
     pools = []
     for precision in tiers:
         fmt = kv_quant.page_format(precision)
-        pools.append([kv_quant.pool_arrays((3, 2, 8, 32), jnp.bfloat16, bits,
-                                           make=jax.ShapeDtypeStruct, unit=fmt.code_unit,
-                                           slot_pairs=fmt.slot_pairs)
-                      for bits in (fmt.key_bits, fmt.value_bits)])
-    k, v = (kv_quant.TieredPages(pools[0][i], pools[1][i]) for i in (0, 1))
+        pools.append(fmt)
+    k, v = kv_quant.allocate_pools(tuple(pools), (3, 3), (2, 8, 32), jnp.bfloat16,
+                                   make=jax.ShapeDtypeStruct)
     assert decode_tuning(k, v) == DECODE_TUNING["k8v4-k4v2"]
     rng = np.random.default_rng()
     shape = (3, 4, 2, 2, 32, 8, 9, 16, 48)
@@ -400,7 +396,12 @@ def test_decode_tuning_is_the_measured_one_of_each_page_format():
     kq, vq = kv_quant.quantise_pages(k, 4), kv_quant.quantise_pages(v, 2)
     lens = jnp.asarray(lengths)
     work = _work_lists(lengths, q.shape[1], shape)["aot"]
-    out = ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work)
+    # A pool of bare bit widths names no format: the launch asks for its tuning instead of
+    # guessing one from the widths.
+    with pytest.raises(ValueError, match="must be made from its page format"):
+        ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work)
+    out = ragged_paged_decode_attention(q, kq, vq, tables, lens, work_list=work,
+                                        block_tokens=16, num_warps=2)
     ref = ragged_paged_decode_attention_reference(q, kq, vq, tables, lens)
     assert _rel_err(out, ref) < RTOL[jnp.float32]
 
