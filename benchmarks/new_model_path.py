@@ -33,6 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# This process draws the weights on the device and then leaves the card to the steps it times
+# (fresh processes): allocate exactly what is asked and free it, no 75% preallocation.
+_PARENT_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+_USER_ENV = {k: os.environ.get(k) for k in _PARENT_ENV}
+os.environ.update(_PARENT_ENV)
 
 from tangram_jax.benchmarking.models import LLAMA_8B, TINY  # noqa: E402
 from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
@@ -177,7 +182,9 @@ def main(argv=None) -> None:
                                 "cache the folder, pilot samples, profile), then LLM(...) with "
                                 "that profile and one greedy chat request to its first token",
                   steps={})
-    env = dict(os.environ, TANGRAM_JAX_CACHE=str(work / "model_cache"),
+    env = {k: v for k, v in os.environ.items() if k not in _PARENT_ENV}
+    env.update({k: v for k, v in _USER_ENV.items() if v is not None})
+    env = dict(env, TANGRAM_JAX_CACHE=str(work / "model_cache"),
                TANGRAM_JAX_COMPILE_CACHE=str(work / "compile_cache"))
     calibrate = [sys.executable, "-c", "import sys; from tangram_jax.cli import main; "
                  "sys.exit(main())", "calibrate", "--model", str(folder), "--samples",
