@@ -1,5 +1,7 @@
-"""A new model's whole path, timed: `tangram-jax calibrate` of a Hugging Face folder, then serving
-`tangram` with the profile it wrote (first token of a first chat request).
+"""A new model's whole path, timed: `tangram-jax calibrate` of a model folder, then its first token.
+
+`tangram-jax calibrate` of a Hugging Face folder, then serving `tangram` with the profile it
+wrote (the first token of a first chat request).
 
 The folder stands in for a download: a Llama-3.1-8B-shaped `config.json`, random bf16 weights
 generated on the device and written as safetensors shards (not timed), and the tokenizer files

