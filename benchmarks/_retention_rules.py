@@ -42,6 +42,13 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
   DHg   D (s = 0.25), then KeyDiff against the turn's mean key (H.25 as two greedy lanes)
   DJg   D (s = 0.25), then J (the question window first, KVzip's reconstruction score for the
         rest: DHg with KVzip in place of KeyDiff)
+  Stand-ins for J that need no second pass: the most attention (max over the KV head's query
+  heads) a key gets from the turn's own queries before the question, in the prefill itself:
+  Af    from every later query of the turn (an upper bound: the engine's chunks do not see the
+        whole turn)
+  Al    from the queries of the key's own chunk of 128 only (what an engine could compute per
+        chunk from the chunk's attention and its log-sum-exp, and keep beside the held tokens)
+  DAfg / DAlg  D (s = 0.25), then Af / Al (DJg with the stand-in in place of KVzip)
 """
 
 from __future__ import annotations
@@ -61,13 +68,14 @@ CHUNK = 128          # the CPU engine's compression chunk
 TAIL = 32            # protected tail = SnapKV observation window
 RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
          "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD",
-         "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg")
+         "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg", "Af", "Al", "DAfg", "DAlg")
 KVZIP_RULES = ("J", "JD", "DJg")                                       # need the KVzip pass
 QUESTION_RULES = ("Qo", "QoH1", "QoE1", "QoHt", "QoHq")        # need the question-only pass
 # Two greedy lanes: rule -> (first score, second score, the first lane's share of the count).
 TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
              "QoHt": ("Qo", "kd_turn", 0.25), "QoHq": ("Qo", "kd_question", 0.25),
-             "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25)}
+             "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25),
+             "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25)}
 
 
 @dataclasses.dataclass
@@ -90,6 +98,8 @@ class Turn1:
     chunk_obs: np.ndarray   # [L, C, Hq, TAIL, CHUNK]
     turn_obs: np.ndarray    # [L, Hq, TAIL, N]
     q_window: np.ndarray    # [L, TAIL, Hq, D]
+    attn_turn: np.ndarray | None = None    # [L, Hkv, N] (rules A*: `_dense_pass`)
+    attn_chunk: np.ndarray | None = None
     question: QuestionPass | None = None   # the question-only pass (rules Qo*)
 
     @property
@@ -312,6 +322,18 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
         return j
 
     lanes["J"] = kvzip_scores
+
+    def own_attention(name):   # Af / Al: the context's keys ranked, the rest never
+        def make():
+            a = np.full((num_layers, t1.k.shape[2], big_n), -np.inf, np.float32)
+            a[..., :u] = (t1.attn_turn if name == "Af" else t1.attn_chunk)[..., :u]
+            return a
+        return make
+
+    for name in ("Af", "Al"):
+        lanes[name] = own_attention(name)
+        if name in want:
+            out[name] = ("turn", get(name, lanes[name]))
     if "J" in want or "JD" in want:
         j = get("J", kvzip_scores)
         if "J" in want:

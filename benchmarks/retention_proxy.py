@@ -140,7 +140,9 @@ class ProxyModel:
         chunk_obs [L, C, Hq, TAIL, CHUNK] (chunk c's last TAIL queries over the chunk's keys,
         normalised over everything before them, zero for queries before the chunk, as the
         engine's `observation_probs`); turn_obs [L, Hq, TAIL, N] (the turn's last TAIL
-        queries); q_window [L, TAIL, Hq, D]."""
+        queries); q_window [L, TAIL, Hq, D]; attn_turn, attn_chunk [L, Hkv, N]: per key the
+        most attention (max over the KV head's query heads) any query of the context before
+        the protected tail pays it, of the whole turn / of the key's own CHUNK (rules A*)."""
         model = nnx.merge(self.graphdef, state)
         t = tokens.shape[0]
         chunks = t // CHUNK
@@ -149,19 +151,29 @@ class ProxyModel:
         rows = end[:, None] - TAIL + jnp.arange(TAIL)[None]                     # [C, TAIL]
         row_ok = rows >= start[:, None]
 
+        query = jnp.arange(t)
+        context = query < n - TAIL                      # queries before the protected tail
+        same_chunk = (query[:, None] // CHUNK) == (query[None, :] // CHUNK)   # [N, N]
+
+        def most(probs, rows_ok):   # [Hq, N, N] -> [Hkv, N]: max over allowed queries, heads
+            best = jnp.max(jnp.where(rows_ok, probs, 0.0), axis=1)
+            return best.reshape(-1, self.q_per_kv, t).max(axis=1)
+
         def step(h, layer_state):
             h, q, k, v, probs, _ = self._causal_layer(layer_state, h, n)
+            attn_turn = most(probs, context[None, :, None])
+            attn_chunk = most(probs, (context[:, None] & same_chunk)[None])
             picked = probs[:, jnp.clip(rows, 0, t - 1)]                      # [Hq, C, W, N]
             picked = picked.reshape(*picked.shape[:3], chunks, CHUNK)
             own = jnp.moveaxis(jnp.diagonal(picked, axis1=1, axis2=3), -1, 0)  # [C, Hq, W, 128]
             own = jnp.where(row_ok[:, None, :, None], own, 0.0)
             turn = jax.lax.dynamic_slice_in_dim(probs, n - TAIL, TAIL, axis=1)
             q_win = jax.lax.dynamic_slice_in_dim(q, n - TAIL, TAIL, axis=0)
-            return h, (k, v, own, turn, q_win)
+            return h, (k, v, own, turn, q_win, attn_turn, attn_chunk)
 
         h = model.embed(tokens[None])
-        _, (k, v, own, turn, q_win) = jax.lax.scan(step, h, layer_states)
-        return k, v, own, turn, q_win
+        _, outs = jax.lax.scan(step, h, layer_states)
+        return outs
 
     def _kvzip_pass(self, state, layer_states, tokens, n, repeat_start):
         """tokens [N2] (context, repeat prompt, context again; padded), n: the real length,
