@@ -378,7 +378,9 @@ def main(argv=None):
         # A process per configuration: measured in one process after the others, K8V8 at 64 x
         # 128k ran 4505 us, alone 3573 (H100, session 15): what earlier configurations leave
         # in the allocator and caches is not part of a configuration's time.
-        return _isolated(args, configs)
+        _isolated(args, configs)
+        finish(run)
+        return
     results = []
     key = jax.random.key(int.from_bytes(os.urandom(4), "little"))   # fresh data every run
     chosen = None
@@ -397,6 +399,7 @@ def main(argv=None):
         print(res["batch"], res["context"],
               {p: round(e["fraction_of_ideal"], 3) for p, e in res["formats"].items()
                if "fraction_of_ideal" in e})
+    finish(run)
 
 
 def _isolated(args, configs):
@@ -431,7 +434,6 @@ def _write(path, results, precisions):
            "calls_per_block": CALLS, "results": results}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-        finish(run)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ model it was calibrated on; and how/when it was made. JSON layout (format_versio
      "group_size": 3, "grouping": "budget",
      "heads": {"mean": [[...]], "std": [[...]], "budget": [[...]]},        # [layers, kv_heads]
      "groups": {"head_perm": [[...]], "group_budgets": [[...]]},           # [layers, ...]
-     "metadata": {"created", "samples", "tangram_jax_version", "git_revision", ...}}
+     "metadata": {"created", "samples", "tangram_jax_version", "git_revision", "device", ...}}
 
 Format version 2 adds precision-tier budgets (hetero-precision KV, `kv_layout.TieredLayout`)::
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from tangram_jax.compression.clustering import GROUPINGS, group_heads
 from tangram_jax.kv_layout import PRECISION_TIERS, KVLayout, TieredLayout
-from tangram_jax.provenance import git_revision
+from tangram_jax.provenance import device_description, git_revision
 from tangram_jax.version import __version__
 
 FORMAT_VERSION = 2            # written when the profile has tiers, else 1
@@ -54,9 +54,11 @@ class ProfileError(ValueError):
 
 
 def creation_metadata(samples: int, **extra) -> dict:
-    """Date, sample count, package version and git revision (when the package is in a checkout)."""
+    """Date, sample count, package version, git revision (when the package is in a checkout)
+    and the device the calibration ran on."""
     meta = dict(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                samples=int(samples), tangram_jax_version=__version__, git_revision=git_revision())
+                samples=int(samples), tangram_jax_version=__version__, git_revision=git_revision(),
+                device=device_description())
     meta.update(extra)
     return meta
 

@@ -208,7 +208,6 @@ def ragged_paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths
     del work_list
     batch, num_groups, q_rows, head_dim = q.shape
     num_pages, group_size, page_size, _ = k_pages.shape
-    width = block_tables.shape[-1]
     tables = jnp.clip(block_tables, 0, num_pages - 1)
     qg = (q.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))).reshape(
         batch, num_groups * group_size, q_rows // group_size, head_dim)

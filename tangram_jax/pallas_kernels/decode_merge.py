@@ -144,11 +144,6 @@ def merge_partials_pallas(o_part, lse_part, work, sinks=None, *, num_groups: int
     )(*works, *o_parts, *lse_parts, *extra)
 
 
-# The decode launch's (block_tokens, num_warps) by page format (`tuning.DECODE_TUNING`), and the
-# programs its split map is sized for as a multiple of the engine's `num_programs`
-# (`tuning.DECODE_PROGRAM_SCALE`): more, smaller items even out the SMs' last wave of programs.
-
-
 def _work_spec(work):
     """A shared work list [items, 3] is read by every batch row; a planned one per row."""
     if work.ndim == 2:

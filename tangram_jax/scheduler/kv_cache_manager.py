@@ -542,7 +542,7 @@ class KVCacheManager(HostTierPages):
         slots: int [n] distinct slots whose prefill is complete (lengths == reserved_lengths).
         Groups whose token crosses a page boundary take a page; then lengths and reserved
         lengths count the token (the device writes it at the old length, which the scheduler
-        hands it as `SchedulerOutput.decode_lengths`). Sequences are served in the order given,
+        hands the engine with the step's decode rows). Sequences are served in the order given,
         all or nothing each, while the pool lasts (so the ones that fail are the last ones); a
         sequence that would overflow the block-table width fails too. Returns bool [n]
         (read-only): which got their token (the others are unchanged).

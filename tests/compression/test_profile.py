@@ -149,6 +149,7 @@ def test_report_figures(tmp_path):
     profile = profile_from_run(run, 0.3, model=dict(FINGERPRINT, num_layers=5, num_kv_heads=3),
                                group_size=3)
     assert profile.metadata["samples"] == 12 and profile.group_budgets.shape == (5, 1)
+    assert profile.metadata["device"].startswith("CPU")   # where the calibration ran
     png = tmp_path / "box.png"
     retention_boxplot(r, profile.budget, 0.3, png, layers=[0, 4])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
