@@ -15,10 +15,13 @@ for this very step):
   queued ahead of the prefill that reads them) and forget it;
 - ``drop``: forget it.
 
-Page ids are padded to a power of two from 8 (few compiled sizes): gathers pad with the null
-page (those rows are cut off on the host), scatters with an out-of-range id (dropped). Every
-array of a page format has the page axis first and the head axis second, so one gather and one
-scatter serve every format and, under tensor parallelism, the pool's sharding.
+A session's pages move in chunks of at most `chunk_pages` (`CHUNK_BYTES` of pages, a power of
+two): a swap of a 100k-token session holds a few chunks' device copies at once instead of one
+gather of gigabytes, and the compiled copy sizes stop at the chunk's. Page ids are padded to a
+power of two from 8 (few compiled sizes): gathers pad with the null page (those rows are cut
+off on the host), scatters with an out-of-range id (dropped). Every array of a page format has
+the page axis first and the head axis second, so one gather and one scatter serve every format
+and, under tensor parallelism, the pool's sharding.
 """
 
 from __future__ import annotations
@@ -51,16 +54,29 @@ def _scatter(pool, ids, rows):
     return jax.tree.map(lambda x, r: x.at[ids].set(r.astype(x.dtype), mode="drop"), pool, rows)
 
 
+# The most bytes of pages one copy moves (per tier, K and V together).
+CHUNK_BYTES = 256 << 20
+
+
 def _padded(n: int) -> int:
     return max(8, backend.next_power_of_2(n))
+
+
+def chunk_pages(pool) -> int:
+    """Pages of `pool` (a (k, v) pair of one tier) one copy moves: the largest power of two
+    whose pages fit in `CHUNK_BYTES`, at least 8."""
+    page_bytes = sum(int(np.prod(leaf.shape[1:])) * np.dtype(leaf.dtype).itemsize
+                     for leaf in jax.tree.leaves(pool))   # arrays or their specs
+    return max(8, 1 << max(0, (CHUNK_BYTES // max(page_bytes, 1)).bit_length() - 1))
 
 
 class HostKVTier:
     """Host copies of swapped-out sessions' pages, by `HostTransfer.handle`.
 
-    Each copy is a list over the tiers of ``(n, rows)``: `rows` a (k, v) pytree of the tier's
-    page format whose arrays hold the n pages first (device arrays padded to a bucket while
-    the copy to host memory is in flight, numpy arrays of exactly n pages after).
+    Each copy is a list over the tiers of lists of chunks ``(n, rows)``: `rows` a (k, v)
+    pytree of the tier's page format whose arrays hold the chunk's n pages first (device
+    arrays padded to a bucket while the copy to host memory is in flight, numpy arrays of
+    exactly n pages after).
 
     Args:
       sharding: the pool's sharding (`Placement.pool`), which restored rows are put with.
@@ -80,7 +96,7 @@ class HostKVTier:
         """Bytes of the host copies that have reached host memory."""
         return sum(int(leaf.nbytes) for handle, tiers in self._copies.items()
                    if handle not in self._in_flight
-                   for _, rows in tiers for leaf in jax.tree.leaves(rows))
+                   for chunks in tiers for _, rows in chunks for leaf in jax.tree.leaves(rows))
 
     def apply(self, k_pages, v_pages, transfers) -> tuple:
         """Run `transfers` (in order) against the pool; returns the new (k_pages, v_pages).
@@ -96,8 +112,8 @@ class HostKVTier:
                 self._in_flight.add(t.handle)
             elif t.kind == "in":
                 copy = self._take(t.handle)
-                pools = [self._copy_in(pool, ids, n, rows)
-                         for pool, ids, (n, rows) in zip(pools, t.pages, copy)]
+                pools = [self._copy_in(pool, ids, chunks)
+                         for pool, ids, chunks in zip(pools, t.pages, copy)]
             elif t.kind == "drop":
                 self._take(t.handle)
             else:
@@ -111,28 +127,35 @@ class HostKVTier:
         except KeyError:
             raise KeyError(f"host tier: no copy {handle}") from None
 
-    def _copy_out(self, pool, ids: np.ndarray) -> tuple[int, object]:
-        n = len(ids)
-        if n == 0:
-            return 0, None
-        padded = np.zeros(_padded(n), np.int32)   # padding reads the null page
-        padded[:n] = ids
-        rows = _gather(pool, padded)
-        for leaf in jax.tree.leaves(rows):
-            leaf.copy_to_host_async()
-        return n, rows
+    def _copy_out(self, pool, ids: np.ndarray) -> list[tuple[int, object]]:
+        """Start the copy of pages `ids` of `pool` to host memory, a chunk at a time."""
+        step = chunk_pages(pool)
+        chunks = []
+        for first in range(0, len(ids), step):
+            part = ids[first:first + step]
+            padded = np.zeros(_padded(len(part)), np.int32)   # padding reads the null page
+            padded[:len(part)] = part
+            rows = _gather(pool, padded)
+            for leaf in jax.tree.leaves(rows):
+                leaf.copy_to_host_async()
+            chunks.append((len(part), rows))
+        return chunks
 
-    def _copy_in(self, pool, ids: np.ndarray, n: int, rows):
-        if n == 0:
-            return pool
-        if len(ids) != n:
-            raise ValueError(f"host tier: {len(ids)} pages to restore {n} pages into")
-        size = _padded(n)
+    def _copy_in(self, pool, ids: np.ndarray, chunks: list[tuple[int, object]]):
+        """Scatter a copy's chunks into pages `ids` of `pool` (as many as it holds)."""
+        if len(ids) != sum(n for n, _ in chunks):
+            raise ValueError(f"host tier: {len(ids)} pages to restore "
+                             f"{sum(n for n, _ in chunks)} pages into")
         num_pages = jax.tree.leaves(pool)[0].shape[0]
-        padded = np.full(size, num_pages, np.int32)   # out of range: dropped
-        padded[:n] = ids
-        rows = jax.tree.map(lambda r: self._rows(r, size), rows)
-        return _scatter(pool, padded, rows)
+        first = 0
+        for n, rows in chunks:
+            size = _padded(n)
+            padded = np.full(size, num_pages, np.int32)   # out of range: dropped
+            padded[:n] = ids[first:first + n]
+            first += n
+            pool = _scatter(pool, padded, jax.tree.map(lambda r, size=size: self._rows(r, size),
+                                                       rows))
+        return pool
 
     def _rows(self, rows, size: int):
         """A copy's rows as a device array of `size` pages (numpy ones padded and put)."""
@@ -146,27 +169,30 @@ class HostKVTier:
         """Copies out whose transfer finished: keep the host arrays, let the device ones go."""
         for handle in list(self._in_flight):
             tiers = self._copies[handle]
-            leaves = [leaf for _, rows in tiers for leaf in jax.tree.leaves(rows)]
+            leaves = [leaf for chunks in tiers for _, rows in chunks
+                      for leaf in jax.tree.leaves(rows)]
             if all(leaf.is_ready() for leaf in leaves):
                 self._copies[handle] = [
-                    (n, jax.tree.map(lambda x, n=n: np.array(np.asarray(x)[:n]), rows))
-                    for n, rows in tiers]
+                    [(n, jax.tree.map(lambda x, n=n: np.array(np.asarray(x)[:n]), rows))
+                     for n, rows in chunks] for chunks in tiers]
                 self._in_flight.discard(handle)
 
     def settle_all(self) -> None:
         """Wait for every copy out to reach host memory (tests, shutdown)."""
         for handle in self._in_flight:
-            for _, rows in self._copies[handle]:
-                jax.block_until_ready(rows)
+            for chunks in self._copies[handle]:
+                for _, rows in chunks:
+                    jax.block_until_ready(rows)
         self._settle()
 
 
 def swap_lowerings(k_pages, v_pages, sharding, max_pages: int) -> list[tuple]:
     """``(name, key, lower)`` of every gather and scatter a swap of up to `max_pages` pages of
-    each tier's pool meets (the warm-up compiles them: `StepCompilation.warmup_programs`)."""
+    each tier's pool meets, chunks of at most `chunk_pages` (the warm-up compiles them:
+    `StepCompilation.warmup_programs`)."""
     programs = []
     for tier, pool in enumerate(kv_quant.tier_pools(k_pages, v_pages)):
-        top = _padded(min(max_pages, jax.tree.leaves(pool)[0].shape[0]))
+        top = _padded(min(max_pages, jax.tree.leaves(pool)[0].shape[0], chunk_pages(pool)))
         for size in (1 << b for b in range(3, top.bit_length())):
             ids = np.zeros(size, np.int32)
             rows = jax.tree.map(lambda x, size=size: jax.ShapeDtypeStruct(

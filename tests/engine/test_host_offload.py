@@ -251,3 +251,32 @@ def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
             np.testing.assert_array_equal(b[others], a[others])
     with pytest.raises(KeyError, match="no copy 2"):
         tier.apply(k, v, [HostTransfer("drop", 2)])
+
+
+def test_a_long_session_moves_in_bounded_chunks(monkeypatch):
+    """Pages move in chunks of at most `chunk_pages` (`CHUNK_BYTES` of pages): a copy of 21
+    pages in chunks of 8 is three gathers of at most 8 pages, restored exactly, and the copy
+    sizes warm-up compiles stop at the chunk's."""
+    from tangram_jax import kv_quant
+    from tangram_jax.engine import host_offload
+    from tangram_jax.scheduler.host_pool import HostTransfer
+    rng = np.random.default_rng(1)
+    k, v = kv_quant.allocate_pools(
+        [kv_quant.page_format("k8v4")], [64], (2, 4, 16), jnp.bfloat16,
+        make=lambda shape, dtype: jnp.asarray(rng.integers(0, 200, shape) if jnp.issubdtype(
+            dtype, jnp.integer) else rng.normal(size=shape), dtype))
+    page_bytes = sum(leaf.nbytes // 64 for leaf in jax.tree.leaves((k, v)))
+    monkeypatch.setattr(host_offload, "CHUNK_BYTES", 8 * page_bytes + page_bytes // 2)
+    assert host_offload.chunk_pages((k, v)) == 8
+    before = jax.tree.map(np.asarray, (k, v))
+    src, dst = np.arange(1, 22, dtype=np.int32), np.arange(63, 42, -1, dtype=np.int32)
+    tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    k, v = tier.apply(k, v, [HostTransfer("out", 1, (src,))])
+    assert [n for n, _ in tier._copies[1][0]] == [8, 8, 5]
+    tier.settle_all()
+    k, v = tier.apply(k, v, [HostTransfer("in", 1, (dst,))])
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, (k, v)))):
+        np.testing.assert_array_equal(b[dst], a[src])
+    sizes = {key["pages"] for name, key, _ in host_offload.swap_lowerings(
+        k, v, jax.sharding.SingleDeviceSharding(jax.devices()[0]), 64)}
+    assert sizes == {8}
