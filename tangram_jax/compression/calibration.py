@@ -174,6 +174,12 @@ def run_calibration(model, config, samples: Sequence[PilotSample], rhos: Iterabl
             raise ValueError(f"target ratio rho must lie in (0, 1], got {r}")
     if not samples:
         raise ValueError("calibration needs at least one pilot sample")
+    for sample in samples:   # the embedding would clamp an id past the vocabulary silently
+        bad = [t for t in sample.tokens if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(f"pilot sample ({sample.task}, {len(sample.tokens)} tokens) has "
+                             f"token ids {bad[:5]} outside the model's vocabulary [0, "
+                             f"{config.vocab_size}): the tokenizer does not match the model")
     options = dict(scorer_options or {})
     if method == "expected_attention" and "inv_freq" not in options:
         from tangram_jax.models.rope import inverse_frequencies

@@ -297,6 +297,10 @@ def test_calibration_pins_local_layers_and_the_profile_serves(tiny):
     samples = [PilotSample("random", 48, tuple(int(t) for t in rng.integers(3, 256, size=48)))
                for _ in range(2)]
     run = run_calibration(model, config, samples, rhos=(0.25,))
+    # A tokenizer that does not match the model: one clear error, not clamped embeddings.
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        run_calibration(model, config, [PilotSample("random", 2, (3, config.vocab_size))],
+                        rhos=(0.25,))
     local, full = list(config.local_layers), [i for i in range(4) if i not in config.local_layers]
     retention = run.retention[0.25]
     assert (retention[:, local] == 1).all() and (retention[:, full] < 0.75).all()
