@@ -65,15 +65,28 @@ def _on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _quiet_unraisable(default):
+    """`sys.unraisablehook` that says nothing of a KeyboardInterrupt: a Ctrl-C that lands in a
+    callback Python cannot propagate from (a gc callback of JAX's) is dropped there with an
+    "Exception ignored" traceback, and the grace timer of `_on_sigint` ends the process."""
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            default(unraisable)
+    return hook
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _on_sigint) if in_main_thread else None
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_unraisable(previous_hook)
     try:
         return _main(argv)
     except KeyboardInterrupt:
         _exit_interrupted()
     finally:   # main() called in-process (tests, embedding) leaves the caller's handler
+        sys.unraisablehook = previous_hook
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
 
