@@ -143,9 +143,9 @@ class HostKVTier:
 
     def _copy_in(self, pool, ids: np.ndarray, chunks: list[tuple[int, object]]):
         """Scatter a copy's chunks into pages `ids` of `pool` (as many as it holds)."""
-        if len(ids) != sum(n for n, _ in chunks):
-            raise ValueError(f"host tier: {len(ids)} pages to restore "
-                             f"{sum(n for n, _ in chunks)} pages into")
+        held = sum(n for n, _ in chunks)
+        if len(ids) != held:
+            raise ValueError(f"host tier: {len(ids)} pages to restore {held} pages into")
         num_pages = jax.tree.leaves(pool)[0].shape[0]
         first = 0
         for n, rows in chunks:
