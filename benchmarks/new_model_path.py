@@ -184,6 +184,9 @@ def main(argv=None) -> None:
                                 "cache the folder, pilot samples, profile), then LLM(...) with "
                                 "that profile and one greedy chat request to its first token",
                   steps={})
+    write_result(out, "new_model_path", result)
+    print(f"folder written: {nbytes / 2**30:.1f} GiB in {result['folder_write_s']:.1f} s",
+          flush=True)
     env = {k: v for k, v in os.environ.items() if k not in _PARENT_ENV}
     env.update({k: v for k, v in _USER_ENV.items() if v is not None})
     env = dict(env, TANGRAM_JAX_CACHE=str(work / "model_cache"),

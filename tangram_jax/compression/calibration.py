@@ -131,16 +131,28 @@ def high_tier_share(scores: jax.Array, counts: jax.Array, mass: float) -> jax.Ar
     return jnp.where((total[:, 0] > 0) & (counts > 0), share, 1.0)
 
 
+def padded_length(t: int) -> int:
+    """The sequence length a `t`-token pilot sample is padded to: the smallest 2^k or 3 x 2^k at
+    least t (and 16). Samples of the same padded length share one compiled layer program (an 8B
+    layer's compile on a GPU costs seconds, pilot samples have ~50 distinct lengths); padding
+    adds at most half, and sits after the sample, where causal attention hides it."""
+    n = 16
+    while n < t:
+        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+    return n
+
+
 def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], safeguard: float,
                    tier_mass: float | None = None):
-    """jit(state, h [1, T, D]) -> (h, counts [len(rhos), kv_heads], high-tier shares
-    [len(rhos), kv_heads] (zeros without `tier_mass`)): one decoder layer plus scoring.
+    """jit(state, h [1, T, D], num_valid) -> (h, counts [len(rhos), kv_heads], high-tier shares
+    [len(rhos), kv_heads] (zeros without `tier_mass`)): one decoder layer plus scoring of the
+    first `num_valid` positions (the rest is padding, `padded_length`).
 
     Every layer of the decoder has the same structure, so one graphdef and one compilation per
-    prompt length serve all of them; only the layer's state (weights) changes.
+    padded length serve all of them; only the layer's state (weights) changes.
     """
     @jax.jit
-    def step(state, h):
+    def step(state, h, num_valid):
         layer = nnx.merge(graphdef, state)
         t = h.shape[1]
         positions = jnp.arange(t, dtype=jnp.int32)[None]
@@ -149,9 +161,11 @@ def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], saf
         mask = causal_mask(positions, positions[0], window)
         h_out = layer.finish(h, dense_attention(q, k, v, mask, layer.attention_sinks()))
         scores = scorer(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
-                        q_per_kv=q_per_kv)
-        counts = jnp.stack([dynamic_select(scores, rho, safeguard=safeguard).counts for rho in rhos])
-        counts = jnp.where(window > 0, t, counts)       # a local layer keeps its window whole
+                        q_per_kv=q_per_kv, num_valid=num_valid)
+        scores = jnp.where(jnp.arange(t) < num_valid, scores, -jnp.inf)
+        counts = jnp.stack([dynamic_select(scores, rho, safeguard=safeguard,
+                                           num_valid=num_valid).counts for rho in rhos])
+        counts = jnp.where(window > 0, num_valid, counts)   # a local layer keeps its window whole
         shares = (jnp.stack([high_tier_share(scores, c, tier_mass) for c in counts])
                   if tier_mass is not None else jnp.zeros(counts.shape, jnp.float32))
         return h_out, counts, shares
@@ -161,9 +175,12 @@ def _layer_step_fn(graphdef, scorer, q_per_kv: int, rhos: tuple[float, ...], saf
 def run_calibration(model, config, samples: Sequence[PilotSample], rhos: Iterable[float], *,
                     method: str = "snapkv", safeguard: float = 0.2, scorer_options: dict | None = None,
                     progress: Callable[[Iterable], Iterable] | None = None,
-                    tier_mass: float | None = None) -> CalibrationRun:
+                    tier_mass: float | None = None, pad: bool = True) -> CalibrationRun:
     """Runs the dynamic method over `samples` and records each head's implicit retention (and,
     with `tier_mass` in (0, 1], its high-tier share, `high_tier_share`).
+
+    pad: run each sample padded to `padded_length` (a few compiled programs); False compiles one
+    per distinct length. The counts are the same either way.
 
     model: a `tangram_jax.models.decoder.Decoder` (layers expose `qkv` and `finish`);
     config: its `ModelConfig`. `progress` wraps the sample iterator (e.g. tqdm).
@@ -196,10 +213,14 @@ def run_calibration(model, config, samples: Sequence[PilotSample], rhos: Iterabl
     shares = np.zeros(counts.shape, np.float64)
     iterator = progress(list(enumerate(samples))) if progress else enumerate(samples)
     for i, sample in iterator:
-        h = embed(jnp.asarray(sample.tokens, jnp.int32)[None])
+        n = len(sample.tokens)
+        tokens = np.zeros(padded_length(n) if pad else n, np.int32)
+        tokens[:n] = sample.tokens
+        h = embed(jnp.asarray(tokens)[None])
+        num_valid = jnp.int32(n)
         per_layer, per_layer_shares = [], []
         for state in states:
-            h, layer_counts, layer_shares = step(state, h)
+            h, layer_counts, layer_shares = step(state, h, num_valid)
             per_layer.append(layer_counts)
             per_layer_shares.append(layer_shares)
         counts[i] = np.asarray(jnp.stack(per_layer, axis=1))

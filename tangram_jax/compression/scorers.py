@@ -11,6 +11,8 @@ GQA: query head i belongs to KV head ``i // q_per_kv``; attention-based scorers 
 per-query-head scores over each KV head's query heads (kvpress and Ada-KV's GQA rule), so a KV
 head keeps a token if its query heads together attend to it. Higher score = more worth keeping.
 Options (window sizes, sinks) are keywords with defaults and must be static under `jax.jit`.
+Every scorer also takes `num_valid` (may be traced): only the first `num_valid` positions exist,
+the rest pad the sequence to a shape already compiled (Tq == Tk then).
 
 The engine calls these on one prefill chunk's q/k/v; calibration calls them on a whole prompt.
 """
@@ -47,21 +49,42 @@ def _check_shapes(queries, keys, values, q_per_kv):
                          f"got Tq={t_q}, Tk={t_k}")
 
 
-def causal_attention_probs(queries: jax.Array, keys: jax.Array, q_per_kv: int) -> jax.Array:
+def causal_attention_probs(queries: jax.Array, keys: jax.Array, q_per_kv: int,
+                           q_positions=None) -> jax.Array:
     """Softmax attention of the queries over the keys, causal, float32.
 
-    queries [num_q_heads, Tq, D] (positions Tk-Tq .. Tk-1), keys [num_kv_heads, Tk, D]
-    -> probs [num_q_heads, Tq, Tk] (zero on masked keys).
+    queries [num_q_heads, Tq, D] at key positions `q_positions` [Tq] (default Tk-Tq .. Tk-1;
+    may be traced), keys [num_kv_heads, Tk, D] -> probs [num_q_heads, Tq, Tk] (zero on masked keys).
     """
     num_q, t_q, dim = queries.shape
     t_k = keys.shape[1]
     k = jnp.repeat(keys, q_per_kv, axis=0)  # query head i reads KV head i // q_per_kv
     logits = jnp.einsum("hqd,hkd->hqk", queries.astype(jnp.float32), k.astype(jnp.float32))
     logits = logits * (dim ** -0.5)
-    q_pos = t_k - t_q + jnp.arange(t_q)
+    q_pos = t_k - t_q + jnp.arange(t_q) if q_positions is None else q_positions
     visible = jnp.arange(t_k)[None, :] <= q_pos[:, None]
     logits = jnp.where(visible[None], logits, -jnp.inf)
     return jax.nn.softmax(logits, axis=-1)
+
+
+def _padded_queries(queries, keys, num_valid, count: int):
+    """The last `count` of the first `num_valid` (traced) queries of a padded sequence (Tq == Tk)
+    -> (queries [num_q_heads, count, D], their positions [count], real [count] bool): fewer than
+    `count` valid queries leave the window's start at 0 and mark the padding queries unreal."""
+    if queries.shape[1] != keys.shape[1]:
+        raise ValueError(f"with num_valid the queries are the keys' positions (Tq == Tk); got "
+                         f"Tq={queries.shape[1]}, Tk={keys.shape[1]}")
+    start = jnp.maximum(jnp.asarray(num_valid, jnp.int32) - count, 0)
+    positions = start + jnp.arange(count)
+    return (jax.lax.dynamic_slice_in_dim(queries, start, count, axis=1), positions,
+            positions < num_valid)
+
+
+def _mask_padding(scores: jax.Array, num_valid) -> jax.Array:
+    """scores [heads, Tk] with keys at or past `num_valid` (None: none) at -inf."""
+    if num_valid is None:
+        return scores
+    return jnp.where(jnp.arange(scores.shape[-1]) < num_valid, scores, -jnp.inf)
 
 
 def _mean_over_query_heads(per_q_head: jax.Array, q_per_kv: int) -> jax.Array:
@@ -92,11 +115,15 @@ def pool1d(x: jax.Array, kernel: int, pool: str) -> jax.Array:
 
 
 def snapkv_from_probs(obs_probs: jax.Array, q_per_kv: int, pool: str = "max",
-                      *, kernel: int = DEFAULT_KERNEL, protect_window: bool = True) -> jax.Array:
+                      *, kernel: int = DEFAULT_KERNEL, protect_window: bool = True,
+                      window_start=None, num_valid=None) -> jax.Array:
     """SnapKV scores from the observation window's attention probabilities.
 
     obs_probs: [num_q_heads, w, Tk] float, the causal softmax of the last w queries over all Tk keys
     (what a prefill kernel has already computed). Returns [num_kv_heads, Tk] float32.
+    window_start / num_valid (may be traced): the window's queries are positions window_start ..
+    of which those before num_valid exist, keys from num_valid on are padding (score -inf);
+    defaults Tk - w and Tk.
 
     Each key's score is the attention the window paid it (summed over the window, averaged over the
     KV head's query heads), pooled over neighbouring keys so that a kept token brings its context.
@@ -107,34 +134,56 @@ def snapkv_from_probs(obs_probs: jax.Array, q_per_kv: int, pool: str = "max",
     num_q, w, t_k = obs_probs.shape
     summed = _mean_over_query_heads(obs_probs.astype(jnp.float32).sum(axis=1), q_per_kv)
     if not protect_window:
-        return pool1d(summed, kernel, pool)
-    in_prefix = jnp.arange(t_k) < t_k - w
+        return _mask_padding(pool1d(summed, kernel, pool), num_valid)
+    start = t_k - w if window_start is None else window_start
+    in_prefix = jnp.arange(t_k) < start
     pooled = pool1d(jnp.where(in_prefix, summed, 0.0), kernel, pool)
-    # Scores of the prefix are at most w (a window's probabilities sum to w), so w + 1 is above all.
-    return jnp.where(in_prefix, pooled, jnp.float32(w + 1))
+    # Scores of the prefix are at most the window's length (each query's probabilities sum to
+    # 1), so one more is above all.
+    real_window = w if num_valid is None else jnp.minimum(num_valid - start, w)
+    protected = jnp.asarray(real_window + 1, jnp.float32)
+    return _mask_padding(jnp.where(in_prefix, pooled, protected), num_valid)
 
 
 def snapkv(queries, keys, values, *, q_per_kv: int, window: int = DEFAULT_WINDOW,
-           kernel: int = DEFAULT_KERNEL, pool: str = "max", protect_window: bool = True):
-    """SnapKV: pooled attention of the last `window` queries (observation window)."""
+           kernel: int = DEFAULT_KERNEL, pool: str = "max", protect_window: bool = True,
+           num_valid=None):
+    """SnapKV: pooled attention of the last `window` queries (observation window).
+    num_valid: only the first `num_valid` positions exist (a padded sequence, Tq == Tk; may be
+    traced); the window is the last `window` of those."""
     _check_shapes(queries, keys, values, q_per_kv)
     w = min(window, queries.shape[1])
-    probs = causal_attention_probs(queries[:, -w:], keys, q_per_kv)
-    return snapkv_from_probs(probs, q_per_kv, pool, kernel=kernel, protect_window=protect_window)
+    if num_valid is None:
+        probs = causal_attention_probs(queries[:, -w:], keys, q_per_kv)
+        return snapkv_from_probs(probs, q_per_kv, pool, kernel=kernel,
+                                 protect_window=protect_window)
+    q, positions, real = _padded_queries(queries, keys, num_valid, w)
+    probs = causal_attention_probs(q, keys, q_per_kv, positions) * real[None, :, None]
+    return snapkv_from_probs(probs, q_per_kv, pool, kernel=kernel, protect_window=protect_window,
+                             window_start=positions[0], num_valid=num_valid)
 
 
-def tova(queries, keys, values, *, q_per_kv: int):
-    """TOVA: the last query's attention (averaged over the KV head's query heads)."""
+def tova(queries, keys, values, *, q_per_kv: int, num_valid=None):
+    """TOVA: the last query's attention (averaged over the KV head's query heads).
+    num_valid: as `snapkv`'s (the last query is the last valid one)."""
     _check_shapes(queries, keys, values, q_per_kv)
-    probs = causal_attention_probs(queries[:, -1:], keys, q_per_kv)[:, 0]
-    return _mean_over_query_heads(probs, q_per_kv)
+    if num_valid is None:
+        probs = causal_attention_probs(queries[:, -1:], keys, q_per_kv)[:, 0]
+    else:
+        q, positions, _ = _padded_queries(queries, keys, num_valid, 1)
+        probs = causal_attention_probs(q, keys, q_per_kv, positions)[:, 0]
+    return _mask_padding(_mean_over_query_heads(probs, q_per_kv), num_valid)
 
 
-def h2o(queries, keys, values, *, q_per_kv: int):
-    """H2O heavy hitters: attention accumulated over all queries (causal)."""
+def h2o(queries, keys, values, *, q_per_kv: int, num_valid=None):
+    """H2O heavy hitters: attention accumulated over all queries (causal).
+    num_valid: as `snapkv`'s (padding queries add nothing)."""
     _check_shapes(queries, keys, values, q_per_kv)
     probs = causal_attention_probs(queries, keys, q_per_kv)
-    return _mean_over_query_heads(probs.sum(axis=1), q_per_kv)
+    if num_valid is not None:
+        _padded_queries(queries, keys, num_valid, queries.shape[1])   # checks Tq == Tk
+        probs = probs * (jnp.arange(queries.shape[1]) < num_valid)[None, :, None]
+    return _mask_padding(_mean_over_query_heads(probs.sum(axis=1), q_per_kv), num_valid)
 
 
 def keydiff(queries, keys, values, *, q_per_kv: int, num_valid=None):

@@ -1,5 +1,6 @@
 """Every scorer against a direct loop-over-heads-and-tokens numpy reference on random inputs."""
 
+import contextlib
 import functools
 import math
 
@@ -236,3 +237,23 @@ def test_registry_and_shape_errors():
     with pytest.raises(ValueError, match="Tq <= Tk"):
         scorers.h2o(np.zeros((6, 11, DIM), np.float32), k, v, q_per_kv=Q_PER_KV)
     assert get_scorer("snapkv", window=2)(q, k, v, q_per_kv=Q_PER_KV).shape == (NUM_KV, 10)
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS))
+@pytest.mark.parametrize("valid", [5, 23])
+def test_a_padded_sequence_scores_as_the_unpadded_one(name, valid):
+    """num_valid: a sequence padded to a compiled length (queries = keys' positions) scores its
+    valid keys as the sequence alone does (the same order for streaming_llm, whose recency is a
+    share of the padded length); 5 valid positions are fewer than SnapKV's window."""
+    q, k, v = _inputs(11, 30, 30)
+    fn = functools.partial(get_scorer(name), q_per_kv=Q_PER_KV)
+    alone = np.asarray(fn(q[:, :valid], k[:, :valid], v[:, :valid]))
+    padded = np.asarray(jax.jit(fn)(q, k, v, num_valid=np.int32(valid)))[:, :valid]
+    if name == "streaming_llm":
+        np.testing.assert_array_equal(np.argsort(-padded, kind="stable"),
+                                      np.argsort(-alone, kind="stable"))
+    else:
+        np.testing.assert_allclose(padded, alone, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Tq == Tk") if name in ("snapkv", "tova", "h2o") \
+            else contextlib.nullcontext():
+        fn(q[:, -4:], k, v, num_valid=np.int32(valid))

@@ -283,6 +283,24 @@ def test_saved_config_round_trips(tiny):
     assert all(g == graphdefs[0] for g in graphdefs)
 
 
+def test_calibration_pads_samples_to_few_programs_with_the_same_counts(tiny):
+    """Pilot samples padded to `padded_length` (one compiled layer program per padded length)
+    give the counts and high-tier shares of the samples run alone, local layers and sinks
+    included."""
+    from tangram_jax.compression.calibration import padded_length, run_calibration
+    from tangram_jax.compression.pilot_data import PilotSample
+    _, _, _, config, model = tiny
+    rng = np.random.default_rng(7)
+    samples = [PilotSample("random", n, tuple(int(t) for t in rng.integers(3, 256, size=n)))
+               for n in (37, 45)]
+    assert {padded_length(len(s.tokens)) for s in samples} == {48}
+    runs = [run_calibration(model, config, samples, rhos=(0.25, 0.5), tier_mass=0.9, pad=pad)
+            for pad in (True, False)]
+    for rho in (0.25, 0.5):
+        np.testing.assert_array_equal(runs[0].retention[rho], runs[1].retention[rho])
+        np.testing.assert_allclose(runs[0].high_share[rho], runs[1].high_share[rho])
+
+
 def test_calibration_pins_local_layers_and_the_profile_serves(tiny):
     """Calibration runs the local layers with their window (and sinks) but keeps them whole:
     their budgets are 1, the global layers' follow the ratio; the engine serves the profile in
