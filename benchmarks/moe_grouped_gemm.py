@@ -96,8 +96,9 @@ def main(argv=None) -> None:
         flops = 2 * rows * (d * 2 * i + i * d)
         limit_s = max(touched * expert_bytes / bw, flops / peak if peak else 0.0)
 
-        def both(dot):
-            return jax.jit(lambda x, a, s: (dot(x, gate_up, s), dot(a, down, s)))
+        def both(dot):   # the weights are arguments: closed over, they compile as constants
+            f = jax.jit(lambda x, a, s, w1, w2: (dot(x, w1, s), dot(a, w2, s)))
+            return lambda x, a, s: f(x, a, s, gate_up, down)
 
         ref_fn = both(lambda l, r, s: jax.lax.ragged_dot(l, r, s))
         ref = ref_fn(x, a, sizes)
