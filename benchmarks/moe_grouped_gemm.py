@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
-from tangram_jax.benchmarking.timing import gpu_busy_time  # noqa: E402
+from tangram_jax.benchmarking.timing import busy_or_wall, gpu_busy_time  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12}
@@ -68,6 +68,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--partial", action="store_true", default=True)
+    p.add_argument("--layer-only", action="store_true",
+                   help="only `layer_cases` (the engine's expert_outputs against XLA's)")
     p.add_argument("--out", default=None)
     add_overwrite_flag(p)
     args = p.parse_args(argv)
@@ -87,7 +89,7 @@ def main(argv=None) -> None:
                   bf16_peak_flops_per_s=peak, experts=e, top_k=k, hidden=d, intermediate=i,
                   limit="max(touched experts' bytes / copy bandwidth, FLOPs / bf16 peak)",
                   cases=[])
-    for n in args.tokens:
+    for n in [] if args.layer_only else args.tokens:
         ids, sizes = routed_rows(keys[2], n, e, k)
         rows = n * k
         x = jax.random.normal(keys[3], (rows, d), jnp.float32).astype(jnp.bfloat16)
@@ -149,7 +151,47 @@ def main(argv=None) -> None:
         print(n, {kk: v for kk, v in case.items() if kk != "mgpu_tried"}, flush=True)
         result["cases"].append(case)
         write_result(out, "moe_grouped_gemm", result)
+    result["expert_outputs"] = layer_cases(args, gate_up, down)
+    write_result(out, "moe_grouped_gemm", result)
     print(f"wrote {out}")
+
+
+def layer_cases(args, gate_up, down) -> list[dict]:
+    """`models.moe.expert_outputs` as the engine runs it (`grouped_matmul`: the Mosaic kernel
+    where `mosaic_tiling` picks it) against the same function on `lax.ragged_dot`, on a device
+    holding the first `--experts` of twice as many (TP=2's device 0: half the copies sort past
+    its last group): outputs' max |difference| relative to the largest, and GPU busy ms."""
+    from tangram_jax.models import moe
+    from tangram_jax.models.config import MoEConfig
+    e, k = args.experts, args.top_k
+    config = MoEConfig(num_experts=2 * e, top_k=k, intermediate_size=args.intermediate)
+    run = jax.jit(functools.partial(moe.expert_outputs, config=config, sharded=False))
+    cases = []
+    for n in args.tokens:
+        keys = jax.random.split(jax.random.key(n), 3)
+        x = jax.random.normal(keys[0], (n, args.hidden), jnp.float32).astype(jnp.bfloat16)
+        weights = jax.random.uniform(keys[1], (n, k)).astype(jnp.bfloat16)
+        experts = jnp.argsort(jax.random.uniform(keys[2], (n, 2 * e)), axis=1)[:, :k]
+        call = (x, weights, experts.astype(jnp.int32), gate_up, down, ())
+        got = run(*call)
+        tiling = moe.mosaic_tiling(n * k, args.hidden, 2 * args.intermediate, jnp.bfloat16,
+                                   jax.devices()[0].device_kind)
+        t_auto = busy_or_wall(run, call, args.reps)
+        auto = moe.grouped_matmul
+        moe.grouped_matmul = lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs, sizes)
+        try:
+            xla = jax.jit(functools.partial(moe.expert_outputs, config=config, sharded=False))
+            want = xla(*call)
+            t_xla = busy_or_wall(xla, call, args.reps)
+        finally:
+            moe.grouped_matmul = auto
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        diff = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()) / scale
+        cases.append(dict(tokens=n, mosaic_tiling=tiling, engine_ms=t_auto * 1e3,
+                          xla_ragged_dot_ms=t_xla * 1e3, speedup=t_xla / t_auto,
+                          max_rel_diff=diff, finite=bool(jnp.isfinite(got).all())))
+        print("expert_outputs", cases[-1], flush=True)
+    return cases
 
 
 if __name__ == "__main__":

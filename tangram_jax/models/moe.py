@@ -4,7 +4,8 @@ Every token goes to `top_k` of `num_experts` expert MLPs and takes their outputs
 routing weights (`MoEConfig.routing`: Qwen3-MoE's softmax-then-top-k, GPT-OSS's top-k-then-
 softmax). The experts run as two grouped GEMMs (`jax.lax.ragged_dot`) over the token copies
 sorted by expert: copy (token t, choice j) goes to expert e = choice, the copies of expert e are
-one contiguous run of rows, and `ragged_dot` multiplies run e by expert e's weights::
+one contiguous run of rows, and `grouped_matmul` (XLA's `ragged_dot`, on Hopper JAX's Mosaic GPU
+kernel) multiplies run e by expert e's weights::
 
     x_sorted   [N * k, D]         rows sorted by expert (stable: token order within a run)
     gate_up    [E, D, 2 I]        gate columns then up columns (GPT-OSS's interleaved
@@ -17,8 +18,8 @@ then each row is weighted and added back to its token (a scatter-add).
 Tensor parallelism shards the experts, not their matrices: device i of N holds experts
 i E/N .. (i+1) E/N - 1 whole (`gate_up`, `down` and their biases sharded on the expert axis,
 `engine.tensor_parallel.Placement`). Every device sees every token (the router is replicated),
-runs the copies routed to its own experts (the others sort past its last group, where
-`ragged_dot` writes zeros) and the partial outputs are summed over the devices (one psum of
+runs the copies routed to its own experts (the others sort past its last group and are
+selected away) and the partial outputs are summed over the devices (one psum of
 [N, D], as the row-parallel down projection of a dense MLP). The mesh is a static attribute set
 by `shard_experts`; without one the same function runs every expert on one device.
 """
@@ -111,7 +112,7 @@ def expert_outputs(x, weights, experts, gate_up, down, biases, *, config: MoECon
     token = order // k
     sorted_expert = jnp.minimum(key[order], here - 1)
     sizes = jnp.zeros((here + 1,), jnp.int32).at[key].add(1)[:here]
-    h = jax.lax.ragged_dot(x[token], gate_up, sizes)             # [N k, 2 I]
+    h = grouped_matmul(x[token], gate_up, sizes)                 # [N k, 2 I]
     if biases:
         h = h + biases[0][sorted_expert]
     gate, up = jnp.split(h, 2, axis=-1)
@@ -121,14 +122,59 @@ def expert_outputs(x, weights, experts, gate_up, down, biases, *, config: MoECon
         act = (up + 1) * (gate * jax.nn.sigmoid(gate * config.swiglu_alpha))
     else:
         act = jax.nn.silu(gate) * up
-    y = jax.lax.ragged_dot(act, down, sizes)                     # [N k, D]
+    y = grouped_matmul(act, down, sizes)                         # [N k, D]
     if biases:
         y = y + biases[1][sorted_expert]
-    y = y * jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(y.dtype)[:, None]
+    # Rows of other devices' experts are whatever the grouped GEMM left there: selected away.
+    routed = weights.reshape(-1)[order].astype(y.dtype)[:, None]
+    y = jnp.where(mine[order][:, None], y * routed, 0)
     out = jnp.zeros(x.shape, y.dtype).at[token].add(y)
     if sharded:
         out = jax.lax.psum(out, EXPERT_AXIS)
     return out.astype(x.dtype)
+
+
+# Hopper tilings of JAX's Mosaic GPU grouped GEMM, measured at Qwen3-30B-A3B's expert shapes on
+# an H200 (`benchmarks/moe_grouped_gemm.py`, `results/moe_grouped_gemm_gpu.json`): 26x XLA's
+# ragged_dot at 2048 tokens, 2.6x at 64; XLA's is faster below MOSAIC_MIN_ROWS rows.
+MOSAIC_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+MOSAIC_MIN_ROWS = 128
+MOSAIC_BLOCK_K = 64
+MOSAIC_LARGE_ROWS = 8192        # from here block_m 128 (0.47 ms at 16k rows), below it 64
+
+
+def mosaic_tiling(rows: int, k: int, n: int, dtype, device_kind: str) -> dict | None:
+    """The Mosaic GPU grouped GEMM's tiling for lhs `[rows, k]` x rhs `[G, k, n]` on a device of
+    `device_kind`, or None where `jax.lax.ragged_dot` serves (not a Hopper GPU, few rows, a
+    dtype or a width the kernel's tiles do not divide)."""
+    if not any(kind in device_kind for kind in MOSAIC_KINDS) or rows < MOSAIC_MIN_ROWS:
+        return None
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    block_n = next((b for b in (128, 64) if n % b == 0), None)
+    if block_n is None or k % MOSAIC_BLOCK_K:
+        return None
+    return dict(block_m=128 if rows >= MOSAIC_LARGE_ROWS else 64, block_n=block_n,
+                block_k=MOSAIC_BLOCK_K, max_concurrent_steps=4,
+                grid_block_n=2 if n % (2 * block_n) == 0 else 1)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """lhs `[M, K]` rows in runs of `sizes` `[G]`, rhs `[G, K, N]` -> `[M, N]`: run g times rhs[g].
+
+    Rows past sum(sizes) are unspecified (XLA writes zeros, the Mosaic kernel leaves them): the
+    caller selects them away. On a Hopper GPU JAX's Mosaic GPU kernel reads only the tiles of
+    the experts that have rows; XLA's ragged_dot there runs every group dense.
+    """
+    device = jax.devices()[0]
+    tiling = None
+    if jax.default_backend() == "gpu" and lhs.dtype == rhs.dtype:
+        tiling = mosaic_tiling(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype,
+                               device.device_kind)
+    if tiling is None:
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiling)
 
 
 def shard_experts(layers, mesh) -> None:
