@@ -174,7 +174,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Arra
     if tiling is None:
         return jax.lax.ragged_dot(lhs, rhs, sizes)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiling)
+    rows = lhs.shape[0]
+    padded = -(-rows // tiling["block_m"]) * tiling["block_m"]   # the row counts it was measured at
+    lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiling)[:rows]
 
 
 def shard_experts(layers, mesh) -> None:
