@@ -29,7 +29,9 @@ serve tangram-mode configurations only (their budgets come with the profile).
 program.) Every configuration gets the same KV pool bytes. Per configuration and workload the
 report has turns/s, output and processed tokens/s, TTFT and TPOT percentiles for first turns and
 follow-ups, peak and mean decode batch, evictions / preemptions and the tokens they made the
-engine recompute, and the peak pool use.
+engine recompute, the peak pool use, the pool's fragmentation (allocated slots no token
+occupies; mean and peak over the steps) and the dynamic baseline's reclaim time per prefill
+chunk. `--kv-gib` with several sizes sweeps the pool (`eviction_onset`, `plot_sweep`).
 """
 
 from __future__ import annotations
@@ -138,7 +140,11 @@ class _StepRecorder:
 
     def reset(self):
         self.steps = self.decode_rows = self.prefill_tokens = self.peak_batch = 0
+        self.prefill_chunks = self.samples = 0
         self.peak_utilisation = 0.0   # of the fullest tier's pool (one pool untiered)
+        # Allocated token slots no token occupies (page tails; under dynamic selection the
+        # slots a short head leaves in its group's pages), sampled after every step.
+        self.fragmentation_sum = self.peak_fragmentation = 0.0
 
     def _schedule(self):
         out = self.original()
@@ -146,11 +152,17 @@ class _StepRecorder:
             self.steps += 1
             self.decode_rows += len(out.decode_seqs)
             self.prefill_tokens += sum(c.num_tokens for c in out.prefill_chunks)
+            self.prefill_chunks += len(out.prefill_chunks)
             self.peak_batch = max(self.peak_batch, len(out.decode_seqs))
         return out
 
     def sample_pool(self):
-        self.peak_utilisation = max(self.peak_utilisation, self.engine.manager.fullest_pool_use)
+        manager = self.engine.manager
+        self.peak_utilisation = max(self.peak_utilisation, manager.fullest_pool_use)
+        fragmentation = manager.usage()["fragmentation"]
+        self.samples += 1
+        self.fragmentation_sum += fragmentation
+        self.peak_fragmentation = max(self.peak_fragmentation, fragmentation)
 
 
 def summarize(records: list[session_loop.TurnRecord], elapsed: float) -> dict:
@@ -218,6 +230,10 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
                "capped": metrics.num_capped - before[2],
                "pages_reclaimed": engine.manager.pages_reclaimed - before[3],
                "reclaim_seconds": engine.manager.reclaim_seconds - before[4],
+               "reclaim_ms_per_prefill_chunk": (engine.manager.reclaim_seconds - before[4])
+               * 1e3 / max(recorder.prefill_chunks, 1),
+               "mean_fragmentation": recorder.fragmentation_sum / max(recorder.samples, 1),
+               "peak_fragmentation": recorder.peak_fragmentation,
                "peak_pool_utilisation": recorder.peak_utilisation}
         if row["capped"]:
             raise RuntimeError(f"{name}: {row['capped']} turns were cut short for lack of KV "
@@ -309,14 +325,41 @@ def run_vllm(model_folder: str, workloads: list[tuple[str, SessionSpec]], vocab:
 
 def add_ratios(report: dict) -> None:
     """Per workload, each configuration's turns/s against full KV, dynamic and vLLM (where they
-    ran the same workload), and its seconds against vLLM's."""
-    by = {r["variant"]: {w["workload"]: w for w in r["workloads"]} for r in report["results"]}
+    ran the same workload on the same pool)."""
+    by = {(r["variant"], _sweep_point(report, r)): {w["workload"]: w for w in r["workloads"]}
+          for r in report["results"]}
     for r in report["results"]:
         for w in r["workloads"]:
             for base in ("full", "dynamic", "vllm"):
-                other = by.get(base, {}).get(w["workload"])
+                other = by.get((base, _sweep_point(report, r)), {}).get(w["workload"])
                 if other is not None and r["variant"] != base:
                     w[f"turns_per_s_vs_{base}"] = w["turns_per_s"] / other["turns_per_s"]
+
+
+def _sweep_point(report: dict, result: dict) -> float | None:
+    """The pool GiB a result was measured at in a pool sweep (None in a run of one pool, where
+    vLLM's entry names its own whole GiB)."""
+    return result.get("kv_cache_gib") if isinstance(report.get("kv_cache_gib"), list) else None
+
+
+def eviction_onset(report: dict) -> dict:
+    """Of a pool sweep: per configuration and workload, the largest pool (GiB) at which the
+    configuration still evicted a session and the smallest from which it never did (None where
+    it evicted at every size, or at none)."""
+    onset: dict = {}
+    for r in sorted(report["results"], key=lambda r: r["kv_cache_gib"]):
+        for w in r["workloads"]:
+            entry = onset.setdefault(r["variant"], {}).setdefault(
+                w["workload"], {"last_evicting_gib": None, "evictions_by_gib": {}})
+            entry["evictions_by_gib"][str(r["kv_cache_gib"])] = w["evictions"]
+            if w["evictions"]:
+                entry["last_evicting_gib"] = r["kv_cache_gib"]
+    for by_workload in onset.values():
+        for entry in by_workload.values():
+            last = entry["last_evicting_gib"]
+            above = [float(g) for g in entry["evictions_by_gib"] if last is None or float(g) > last]
+            entry["no_evictions_from_gib"] = min(above) if above else None
+    return onset
 
 
 # ----- plots ---------------------------------------------------------------------------------
@@ -373,20 +416,62 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_sweep(report: dict, path: Path) -> None:
+    """A pool sweep: per closed-loop workload, turns/s and follow-up TTFT p50 / p99 against the
+    pool's GiB, one line per configuration (hollow markers where it evicted)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [w["name"] for w in report["workloads"] if w["arrival"] == "closed"]
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.8 * len(names)), squeeze=False)
+    variants = list(dict.fromkeys(r["variant"] for r in report["results"]))
+    for row, name in zip(axes, names):
+        for variant in variants:
+            pts = sorted((r["kv_cache_gib"], w) for r in report["results"]
+                         if r["variant"] == variant for w in r["workloads"]
+                         if w["workload"] == name)
+            if not pts:
+                continue
+            gib = [g for g, _ in pts]
+            line, = row[0].plot(gib, [w["turns_per_s"] for _, w in pts], "-", label=variant)
+            evicted = [(g, w) for g, w in pts if w["evictions"]]
+            row[0].plot([g for g, _ in evicted], [w["turns_per_s"] for _, w in evicted], "o",
+                        mfc="none", color=line.get_color())
+            for q, style in (("p50", "-o"), ("p99", ":x")):
+                row[1].plot(gib, [w["ttft_followup_s"][q] for _, w in pts], style,
+                            color=line.get_color(), label=f"{variant} {q}")
+        row[0].set(xlabel="KV pool (GiB)", ylabel="turns / s", title=f"{name}: throughput "
+                   "(hollow: evicted)")
+        row[1].set(xlabel="KV pool (GiB)", ylabel="follow-up TTFT (s)", yscale="log",
+                   title=f"{name}: follow-up TTFT")
+        row[0].legend(fontsize=8)
+        row[1].legend(fontsize=7, ncol=2)
+    if "device" not in report:
+        from tangram_jax.provenance import device_description
+        report = {**report, "device": device_description()}
+    fig.suptitle(f"{report['model']} on {report['device']}: pool sweep", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def table(report: dict) -> str:
     """A plain-text table of every configuration and workload."""
-    lines = [f"{'config':13} {'workload':18} {'turns/s':>8} {'out tok/s':>9} {'vs full':>7} "
+    lines = [f"{'config':13} {'GiB':>6} {'workload':18} {'turns/s':>8} {'out tok/s':>9} {'vs full':>7} "
              f"{'TTFT1 p50':>9} {'TTFTf p50':>9} {'TPOT p50':>8} {'peak b':>6} {'evict':>5} "
              f"{'recomp':>7} {'pool':>5} {'s':>7}"]
-    full = {w["workload"]: w for r in report["results"] if r["variant"] == "full"
-            for w in r["workloads"]}
+    full = {(_sweep_point(report, r), w["workload"]): w for r in report["results"]
+            if r["variant"] == "full" for w in r["workloads"]}
     for r in report["results"]:
+        gib = _sweep_point(report, r)
         for w in r["workloads"]:
-            base = full.get(w["workload"])
+            base = full.get((gib, w["workload"]))
             ratio = w["turns_per_s"] / base["turns_per_s"] if base else float("nan")
             f = lambda x: "-" if x is None else f"{x:.3f}"
             lines.append(
-                f"{r['variant']:13} {w['workload']:18} {w['turns_per_s']:8.3f} "
+                f"{r['variant']:13} {'-' if gib is None else f'{gib:g}':>6} "
+                f"{w['workload']:18} {w['turns_per_s']:8.3f} "
                 f"{w['output_tokens_per_s']:9.1f} {ratio:7.2f} {f(w['ttft_first_s']['p50']):>9} "
                 f"{f(w['ttft_followup_s']['p50']):>9} {f(w['tpot_followup_s']['p50']):>8} "
                 f"{w.get('peak_batch', 0):6d} {w.get('evictions', 0):5d} "

@@ -32,6 +32,17 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+def _pools(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GiB, got {text!r}") from None
+    if not values or any(not 0 < v < float("inf") for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"pool sizes must be distinct numbers of GiB > 0, got "
+                                         f"{text!r}")
+    return sorted(values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tangram_jax.benchmarking.models import RANDOM_8B, RANDOM_TINY
     from tangram_jax.benchmarking.serve import VARIANTS
@@ -77,10 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-seed", type=int, default=0,
                    help="seed of the skewed profile of random / HF models")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--kv-gib", type=float, default=None,
+    pool.add_argument("--kv-gib", type=_pools, default=None,
                       help="KV pool bytes, GiB, the same in every configuration and for vLLM "
                            "(EngineConfig.kv_cache_memory_bytes: a quantised or tiered KV "
-                           "precision holds more tokens in them)")
+                           "precision holds more tokens in them); several, comma-separated, "
+                           "sweep the pool: every configuration at every size, one report and "
+                           "a plot of turns/s and follow-up TTFT against the pool")
     pool.add_argument("--kv-cache-tokens", type=positive_int, default=None,
                       help="KV pool as bf16 full-KV tokens' head-token slots, the same slots in "
                            "every configuration (the same bytes for bf16 ones; a quantised "
@@ -132,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--ratio must be in (0, 1], got {args.ratio}")
     if args.resume and args.json is None:
         raise UsageError("--resume needs --json: the output of the run to resume")
+    pools = args.kv_gib or [None]       # GiB per sweep point; [None]: --kv-cache-tokens
+    if args.vllm and len(pools) > 1:
+        raise UsageError(f"--vllm serves one pool; --kv-gib sweeps {len(pools)}: give one size")
     out = output_path("--json", args.json, "serve", overwrite=args.overwrite)
     plot_path = check_output_path("--plot", args.plot or out.with_suffix(".png"),
                                   overwrite=args.overwrite)
@@ -174,21 +190,22 @@ def main(argv: list[str] | None = None) -> int:
                      (args.dtype == "auto" and profile_seed is not None)) else 4
     token_bytes = 2 * model_config.num_layers * model_config.num_kv_heads * \
         model_config.head_dim * itemsize
-    kv_tokens = (args.kv_cache_tokens if args.kv_cache_tokens else
-                 int(args.kv_gib * 2**30 // token_bytes) if args.kv_gib else None)
-    if kv_tokens is None:
+    if not args.kv_cache_tokens and not args.kv_gib:
         raise UsageError("give the KV pool: --kv-gib or --kv-cache-tokens (equal bytes in every "
                          "configuration)")
+    kv_tokens = [args.kv_cache_tokens] if args.kv_cache_tokens else \
+        [int(gib * 2**30 // token_bytes) for gib in pools]
     engine_cfg = from_cli_args(args)
     fields = {name: getattr(engine_cfg, name) for name in args._engine_fields}
-    # --kv-gib: equal bytes (each configuration's page format decides the tokens they hold);
-    # --kv-cache-tokens: equal slots.
-    if args.kv_gib:
-        fields["kv_cache_memory_bytes"] = int(args.kv_gib * 2**30)
-    else:
-        fields["kv_cache_tokens"] = kv_tokens
     if fields.get("max_model_len") is None:
         fields["max_model_len"] = longest + 64
+
+    def pool_fields(gib: float | None) -> dict:
+        """--kv-gib: equal bytes (each configuration's page format decides the tokens they
+        hold); --kv-cache-tokens: equal slots."""
+        if gib is None:
+            return dict(fields, kv_cache_tokens=args.kv_cache_tokens)
+        return dict(fields, kv_cache_memory_bytes=int(gib * 2**30))
 
     workloads = [{"name": n, "arrival": s.arrival, "session_rate": s.session_rate,
                   "context_tokens": s.context_tokens, "sessions": s.num_sessions,
@@ -199,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "model_shape": {
                   k: getattr(model_config, k) for k in ("num_layers", "hidden_size", "num_heads",
                                                         "num_kv_heads", "head_dim", "vocab_size")},
-              "ratio": args.ratio, "group_size": group_size, "kv_cache_tokens": kv_tokens,
-              "kv_cache_gib": args.kv_gib or kv_tokens * token_bytes / 2**30,
+              "ratio": args.ratio, "group_size": group_size,
+              "kv_cache_tokens": kv_tokens[0] if len(kv_tokens) == 1 else kv_tokens,
+              "kv_cache_gib": pools[0] if len(pools) == 1 and pools[0] else
+              (pools if pools[0] else kv_tokens[0] * token_bytes / 2**30),
               "pool_sized_by": "bytes" if args.kv_gib else "bf16 full-KV tokens' slots",
               "engine_fields": fields,
               "workloads": workloads, "results": []}
@@ -214,19 +233,22 @@ def main(argv: list[str] | None = None) -> int:
         report["results"] = [r for r in earlier["results"] if r["variant"] != "vllm"]
         report["earlier_invocations"] = earlier.get("earlier_invocations", []) + [
             {k: earlier.get(k) for k in ("git_revision", "command", "utc_time")}]
-        done = {r["variant"] for r in report["results"]}
-        print(f"resuming {out}: keeping {', '.join(sorted(done)) or 'nothing'}")
-    for variant in dict.fromkeys(variants + rate_variants):
-        if variant in done:
-            continue
-        mine = (closed if variant in variants else []) + (rated if variant in rate_variants else [])
-        result = serve.run_variant(variant, factory, model_config, fields, mine, group_size,
-                                   args.ratio, profile_seed)
-        report["results"].append(result)
-        save()    # after every configuration: a run cut short keeps what it measured
+        done = {(r["variant"], r.get("kv_cache_gib")) for r in report["results"]}
+        print(f"resuming {out}: keeping "
+              f"{', '.join(sorted(v for v, _ in done)) or 'nothing'}")
+    for gib in pools:
+        for variant in dict.fromkeys(variants + rate_variants):
+            if (variant, gib) in done:
+                continue
+            mine = (closed if variant in variants else []) + \
+                (rated if variant in rate_variants else [])
+            result = serve.run_variant(variant, factory, model_config, pool_fields(gib), mine,
+                                       group_size, args.ratio, profile_seed)
+            report["results"].append(dict(result, kv_cache_gib=gib))
+            save()    # after every configuration: a run cut short keeps what it measured
     if args.vllm:
         # kv_cache_tokens rounds --kv-gib down to whole tokens: within a token of whole GiB.
-        gib = kv_tokens * token_bytes / 2**30
+        gib = kv_tokens[0] * token_bytes / 2**30
         if abs(gib - round(gib)) > token_bytes / 2**30 or round(gib) < 1:
             raise UsageError(f"--vllm needs a whole number of GiB of KV (VLLM_CPU_KVCACHE_SPACE), "
                              f"got {gib:.3f}: use --kv-gib N")
@@ -235,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             fields["max_model_len"], args.vllm_python or serve.VLLM_PYTHON))
         save()
     serve.add_ratios(report)
+    if len(pools) > 1:
+        report["eviction_onset"] = serve.eviction_onset(report)
     save()
-    serve.plot(report, plot_path)
+    (serve.plot_sweep if len(pools) > 1 else serve.plot)(report, plot_path)
     print(serve.table(report))
     finish(run)
     print(f"wrote {out} and {plot_path}")

@@ -150,3 +150,49 @@ def test_split_map_field_is_checked():
     assert EngineConfig(split_map="uniform").split_map == "uniform"
     with pytest.raises(EngineConfigError, match="split_map"):
         EngineConfig(split_map="runtime")
+
+
+def test_kv_gib_list_sweeps_the_pool_and_finds_where_eviction_stops(tmp_path, monkeypatch):
+    """`--kv-gib 0.5,1,2`: every configuration runs at every pool size (the engine gets that
+    many bytes), ratios compare configurations on the same pool, the report says from which
+    pool each configuration stops evicting, and the plot is the sweep's. The engines are
+    stand-ins here (turns/s and evictions as a function of the pool)."""
+    import json
+
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.commands import UsageError, bench_serve
+    seen = []
+
+    def fake_run_variant(variant, factory, model_config, fields, workloads, *rest):
+        gib = fields["kv_cache_memory_bytes"] / 2**30
+        seen.append((variant, gib))
+        evictions = {"full": {0.5: 4, 1.0: 2, 2.0: 0}, "tangram": {0.5: 1, 1.0: 0, 2.0: 0}}
+        rows = [{"workload": name, "turns_per_s": gib * (2 if variant == "tangram" else 1),
+                 "output_tokens_per_s": 1.0, "seconds": 1.0, "evictions": evictions[variant][gib],
+                 "ttft_first_s": {"p50": 0.1, "p99": 0.2},
+                 "ttft_followup_s": {"p50": 0.1 / gib, "p99": 0.3 / gib},
+                 "tpot_followup_s": {"p50": 0.01}} for name, _ in workloads]
+        return {"variant": variant, "workloads": rows}
+
+    monkeypatch.setattr(serve, "run_variant", fake_run_variant)
+    out = tmp_path / "sweep.json"
+    assert bench_serve.main(["--model", "random-tiny", "--variants", "full,tangram",
+                             "--context-tokens", "600", "--sessions", "2", "--kv-gib", "1,0.5,2",
+                             "--json", str(out)]) == 0
+    assert seen == [(v, g) for g in (0.5, 1.0, 2.0) for v in ("full", "tangram")]
+    report = json.loads(out.read_text())
+    assert report["kv_cache_gib"] == [0.5, 1.0, 2.0] and len(report["kv_cache_tokens"]) == 3
+    for r in report["results"]:
+        if r["variant"] == "tangram":
+            assert r["workloads"][0]["turns_per_s_vs_full"] == 2.0     # the same pool's full
+    onset = report["eviction_onset"]
+    workload = report["workloads"][0]["name"]
+    assert onset["full"][workload]["last_evicting_gib"] == 1.0
+    assert onset["full"][workload]["no_evictions_from_gib"] == 2.0
+    assert onset["tangram"][workload]["no_evictions_from_gib"] == 1.0
+    assert out.with_suffix(".png").stat().st_size > 0
+    for bad in ("1,1", "0,1", "x"):
+        with pytest.raises(SystemExit):
+            bench_serve.main(["--kv-gib", bad])
+    with pytest.raises(UsageError, match="--vllm serves one pool"):
+        bench_serve.main(["--kv-gib", "1,2", "--vllm", "--json", str(tmp_path / "v.json")])
