@@ -1,5 +1,6 @@
-"""The mixture-of-experts MLP's grouped GEMMs on a Hopper GPU: `jax.lax.ragged_dot` against
-JAX's Mosaic GPU kernel (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`).
+"""MoE expert GEMMs on a Hopper GPU: XLA's `ragged_dot` against JAX's Mosaic GPU grouped GEMM.
+
+The kernel is `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`.
 
 One MoE layer's two grouped GEMMs (rows sorted by expert, as `models.moe.expert_outputs`):
 `x_sorted [N k, D] @ gate_up [E, D, 2I]` and `act [N k, I] @ down [E, I, D]`, random bf16,
