@@ -2,8 +2,7 @@
 
 Every token goes to `top_k` of `num_experts` expert MLPs and takes their outputs weighted by its
 routing weights (`MoEConfig.routing`: Qwen3-MoE's softmax-then-top-k, GPT-OSS's top-k-then-
-softmax). The experts run as two grouped GEMMs (`jax.lax.ragged_dot`) over the token copies
-sorted by expert: copy (token t, choice j) goes to expert e = choice, the copies of expert e are
+softmax). The experts run as two grouped GEMMs over the token copies sorted by expert: copy (token t, choice j) goes to expert e = choice, the copies of expert e are
 one contiguous run of rows, and `grouped_matmul` (XLA's `ragged_dot`, on Hopper JAX's Mosaic GPU
 kernel) multiplies run e by expert e's weights::
 
@@ -11,7 +10,7 @@ kernel) multiplies run e by expert e's weights::
     gate_up    [E, D, 2 I]        gate columns then up columns (GPT-OSS's interleaved
                                   checkpoint layout is split at load time)
     down       [E, I, D]
-    h = ragged_dot(x_sorted, gate_up, sizes) -> act -> ragged_dot(., down, sizes) [N * k, D]
+    h = grouped_matmul(x_sorted, gate_up, sizes) -> act -> grouped_matmul(., down, sizes)
 
 then each row is weighted and added back to its token (a scatter-add).
 
