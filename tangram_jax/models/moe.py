@@ -2,9 +2,10 @@
 
 Every token goes to `top_k` of `num_experts` expert MLPs and takes their outputs weighted by its
 routing weights (`MoEConfig.routing`: Qwen3-MoE's softmax-then-top-k, GPT-OSS's top-k-then-
-softmax). The experts run as two grouped GEMMs over the token copies sorted by expert: copy (token t, choice j) goes to expert e = choice, the copies of expert e are
-one contiguous run of rows, and `grouped_matmul` (XLA's `ragged_dot`, on Hopper JAX's Mosaic GPU
-kernel) multiplies run e by expert e's weights::
+softmax). The experts run as two grouped GEMMs over the token copies sorted by expert: copy
+(token t, choice j) goes to expert e = choice, the copies of expert e are one contiguous run of
+rows, and `grouped_matmul` (XLA's `ragged_dot`; on Hopper JAX's Mosaic GPU kernel) multiplies
+run e by expert e's weights::
 
     x_sorted   [N * k, D]         rows sorted by expert (stable: token order within a run)
     gate_up    [E, D, 2 I]        gate columns then up columns (GPT-OSS's interleaved
