@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
 from tangram_jax.benchmarking.timing import busy_or_wall, gpu_busy_time  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
+from decode_attention import copy_bandwidth  # noqa: E402
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12}
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
@@ -52,12 +53,6 @@ def routed_rows(key, tokens: int, experts: int, top_k: int):
     choice = jnp.argsort(jax.random.uniform(key, (tokens, experts)), axis=1)[:, :top_k]
     flat = jnp.sort(choice.reshape(-1))
     return flat, jnp.zeros((experts,), jnp.int32).at[flat].add(1)
-
-
-def copy_bandwidth(mib: int = 2048, reps: int = 10) -> float:
-    x = jnp.ones((mib << 18,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    return 2 * x.nbytes / gpu_busy_time(f, (x,), reps)
 
 
 def main(argv=None) -> None:

@@ -346,23 +346,36 @@ def eviction_onset(report: dict) -> dict:
     """Of a pool sweep: per configuration and workload, the largest pool (GiB) at which the
     configuration still evicted a session and the smallest from which it never did (None where
     it evicted at every size, or at none)."""
-    onset: dict = {}
-    for r in sorted(report["results"], key=lambda r: r["kv_cache_gib"]):
+    by: dict = {}
+    for r in report["results"]:
         for w in r["workloads"]:
-            entry = onset.setdefault(r["variant"], {}).setdefault(
-                w["workload"], {"last_evicting_gib": None, "evictions_by_gib": {}})
-            entry["evictions_by_gib"][str(r["kv_cache_gib"])] = w["evictions"]
-            if w["evictions"]:
-                entry["last_evicting_gib"] = r["kv_cache_gib"]
-    for by_workload in onset.values():
-        for entry in by_workload.values():
-            last = entry["last_evicting_gib"]
-            above = [float(g) for g in entry["evictions_by_gib"] if last is None or float(g) > last]
-            entry["no_evictions_from_gib"] = min(above) if above else None
+            by.setdefault(r["variant"], {}).setdefault(w["workload"], []).append(
+                (r["kv_cache_gib"], w["evictions"]))
+    onset: dict = {}
+    for variant, workloads in by.items():
+        for name, points in workloads.items():
+            points.sort()
+            last = max((g for g, n in points if n), default=None)
+            onset.setdefault(variant, {})[name] = {
+                "last_evicting_gib": last,
+                "no_evictions_from_gib": next((g for g, _ in points
+                                               if last is None or g > last), None),
+                "evictions_by_gib": {str(g): n for g, n in points}}
     return onset
 
 
 # ----- plots ---------------------------------------------------------------------------------
+
+def _finish_figure(fig, report: dict, path: Path, plt, what: str = "") -> None:
+    """Title the figure with the model and device, write it to `path` and close it."""
+    if "device" not in report:      # the provenance writer adds it to the file, not to `report`
+        from tangram_jax.provenance import device_description
+        report = {**report, "device": device_description()}
+    fig.suptitle(f"{report['model']} on {report['device']}{what}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 
 def plot(report: dict, path: Path) -> None:
     """Two panels: turns/s per context class and configuration (closed loop), and median TTFT
@@ -407,13 +420,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.set_title("TTFT vs rate")
         ax.legend(fontsize=8)
-    if "device" not in report:      # the provenance writer adds it to the file, not to `report`
-        from tangram_jax.provenance import device_description
-        report = {**report, "device": device_description()}
-    fig.suptitle(f"{report['model']} on {report['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_figure(fig, report, path, plt)
 
 
 def plot_sweep(report: dict, path: Path) -> None:
@@ -447,13 +454,7 @@ def plot_sweep(report: dict, path: Path) -> None:
                    title=f"{name}: follow-up TTFT")
         row[0].legend(fontsize=8)
         row[1].legend(fontsize=7, ncol=2)
-    if "device" not in report:
-        from tangram_jax.provenance import device_description
-        report = {**report, "device": device_description()}
-    fig.suptitle(f"{report['model']} on {report['device']}: pool sweep", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_figure(fig, report, path, plt, ": pool sweep")
 
 
 def table(report: dict) -> str:

@@ -22,25 +22,24 @@ _OWN_FIELDS = ("model", "mode", "profile", "ratio", "group_size", "warmup", "kv_
                "kv_cache_memory_bytes", "num_pages", "split_map")
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
-    return values
-
-
-def _pools(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated GiB, got {text!r}") from None
-    if not values or any(not 0 < v < float("inf") for v in values) or len(set(values)) < len(values):
-        raise argparse.ArgumentTypeError(f"pool sizes must be distinct numbers of GiB > 0, got "
-                                         f"{text!r}")
-    return sorted(values)
+def _positive_floats(what: str, distinct: bool = False):
+    """argparse type: comma-separated numbers > 0 (`distinct`: none twice, returned sorted)."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got "
+                                             f"{text!r}") from None
+        if any(not 0 < v < float("inf") for v in values):
+            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {text!r}")
+        if distinct:
+            if not values:
+                raise argparse.ArgumentTypeError(f"give at least one of the {what}")
+            if len(set(values)) < len(values):
+                raise argparse.ArgumentTypeError(f"{what} must be distinct, got {text!r}")
+            values = sorted(values)
+        return values
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question-tokens", type=positive_int, default=64)
     p.add_argument("--answer-tokens", type=positive_int, default=128,
                    help="output tokens of every turn (greedy, EOS ignored)")
-    p.add_argument("--rates", type=_floats, default=[],
+    p.add_argument("--rates", type=_positive_floats("rates"), default=[],
                    help="open-loop session rates (sessions/s, Poisson), comma-separated")
     p.add_argument("--rate-variants", default="full,tangram",
                    help="configurations that also serve the open-loop workloads")
@@ -88,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-seed", type=int, default=0,
                    help="seed of the skewed profile of random / HF models")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--kv-gib", type=_pools, default=None,
+    pool.add_argument("--kv-gib", type=_positive_floats("pool sizes (GiB)", distinct=True),
+                      default=None,
                       help="KV pool bytes, GiB, the same in every configuration and for vLLM "
                            "(EngineConfig.kv_cache_memory_bytes: a quantised or tiered KV "
                            "precision holds more tokens in them); several, comma-separated, "
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         "num_kv_heads", "head_dim", "vocab_size")},
               "ratio": args.ratio, "group_size": group_size,
               "kv_cache_tokens": kv_tokens[0] if len(kv_tokens) == 1 else kv_tokens,
-              "kv_cache_gib": pools[0] if len(pools) == 1 and pools[0] else
-              (pools if pools[0] else kv_tokens[0] * token_bytes / 2**30),
+              "kv_cache_gib": pools if len(pools) > 1 else
+              pools[0] or kv_tokens[0] * token_bytes / 2**30,
               "pool_sized_by": "bytes" if args.kv_gib else "bf16 full-KV tokens' slots",
               "engine_fields": fields,
               "workloads": workloads, "results": []}

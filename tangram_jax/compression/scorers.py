@@ -67,13 +67,17 @@ def causal_attention_probs(queries: jax.Array, keys: jax.Array, q_per_kv: int,
     return jax.nn.softmax(logits, axis=-1)
 
 
+def _check_same_positions(queries, keys) -> None:
+    if queries.shape[1] != keys.shape[1]:
+        raise ValueError(f"with num_valid the queries are the keys' positions (Tq == Tk); got "
+                         f"Tq={queries.shape[1]}, Tk={keys.shape[1]}")
+
+
 def _padded_queries(queries, keys, num_valid, count: int):
     """The last `count` of the first `num_valid` (traced) queries of a padded sequence (Tq == Tk)
     -> (queries [num_q_heads, count, D], their positions [count], real [count] bool): fewer than
     `count` valid queries leave the window's start at 0 and mark the padding queries unreal."""
-    if queries.shape[1] != keys.shape[1]:
-        raise ValueError(f"with num_valid the queries are the keys' positions (Tq == Tk); got "
-                         f"Tq={queries.shape[1]}, Tk={keys.shape[1]}")
+    _check_same_positions(queries, keys)
     start = jnp.maximum(jnp.asarray(num_valid, jnp.int32) - count, 0)
     positions = start + jnp.arange(count)
     return (jax.lax.dynamic_slice_in_dim(queries, start, count, axis=1), positions,
@@ -181,7 +185,7 @@ def h2o(queries, keys, values, *, q_per_kv: int, num_valid=None):
     _check_shapes(queries, keys, values, q_per_kv)
     probs = causal_attention_probs(queries, keys, q_per_kv)
     if num_valid is not None:
-        _padded_queries(queries, keys, num_valid, queries.shape[1])   # checks Tq == Tk
+        _check_same_positions(queries, keys)
         probs = probs * (jnp.arange(queries.shape[1]) < num_valid)[None, :, None]
     return _mask_padding(_mean_over_query_heads(probs.sum(axis=1), q_per_kv), num_valid)
 

@@ -166,11 +166,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Arra
     caller selects them away. On a Hopper GPU JAX's Mosaic GPU kernel reads only the tiles of
     the experts that have rows; XLA's ragged_dot there runs every group dense.
     """
-    device = jax.devices()[0]
     tiling = None
     if jax.default_backend() == "gpu" and lhs.dtype == rhs.dtype:
         tiling = mosaic_tiling(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype,
-                               device.device_kind)
+                               jax.devices()[0].device_kind)
     if tiling is None:
         return jax.lax.ragged_dot(lhs, rhs, sizes)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
