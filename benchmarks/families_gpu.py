@@ -11,7 +11,8 @@ figures are the model's, not the compression's); every sequence of a decode batc
 
 Timed (median wall ms with block_until_ready, and GPU busy ms from a profiler trace):
 - `ModelRunner.decode` at each `--batches` bucket (Pallas decode kernel + AOT split map; local
-  layers read their window only; experts as `ragged_dot` grouped GEMMs, expert-parallel);
+  layers read their window only; experts as grouped GEMMs, expert-parallel: `ragged_dot`,
+  on Hopper JAX's Mosaic GPU kernel from 2048 rows, `models.moe.grouped_matmul`);
 - `ModelRunner.prefill` of one `--prefill`-token row at history 0 (Pallas prefill kernel).
 
 Physical limits (per device; `limits`): decode moves at least the weights a step touches (every

@@ -136,9 +136,12 @@ def expert_outputs(x, weights, experts, gate_up, down, biases, *, config: MoECon
 
 # Hopper tilings of JAX's Mosaic GPU grouped GEMM, measured at Qwen3-30B-A3B's expert shapes on
 # an H200 (`benchmarks/moe_grouped_gemm.py`, `results/moe_grouped_gemm_gpu.json`): 26x XLA's
-# ragged_dot at 2048 tokens, 2.6x at 64; XLA's is faster below MOSAIC_MIN_ROWS rows.
+# ragged_dot at 16k rows (2048 tokens), 6.9x at 2048 rows, 2.6x at 512. XLA compiles the kernel
+# once per call site, ~1.4 s each (`NOTES_engine.md`): 96 call sites make an 8B-class MoE step
+# program ~2 min slower to compile. So only prefill-sized calls (MOSAIC_MIN_ROWS rows and up,
+# few programs, where most of the gain is) use it; decode's many batch buckets keep ragged_dot.
 MOSAIC_KINDS = ("H100", "H200", "H800", "H20", "GH200")
-MOSAIC_MIN_ROWS = 128
+MOSAIC_MIN_ROWS = 2048
 MOSAIC_BLOCK_K = 64
 MOSAIC_LARGE_ROWS = 8192        # from here block_m 128 (0.47 ms at 16k rows), below it 64
 
