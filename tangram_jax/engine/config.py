@@ -175,9 +175,8 @@ class EngineConfig:
         None, lambda name, value: None if value is None else _buckets(name, value),
         "flat-token sizes a prefill call of whole rows (full KV on a GPU) is padded to, each "
         "compiled once (comma-separated; rounded up to the kernel's row alignment, "
-        "max_num_batched_tokens always added). Default: a ladder growing by ~1.5x (a third of "
-        "padding at most, a dozen shapes at 8192 tokens); fewer sizes compile faster and pad "
-        "more")
+        "max_num_batched_tokens always added). Default: doublings of the alignment (half a call "
+        "padding at most, 8 shapes at 8192 tokens); more sizes pad less and compile longer")
     num_programs: int = _field(132 * 4, _int_at_least(1),
                                "concurrent programs the decode kernel's split map is sized "
                                "for (bf16 pages; a quantised format scales it by its measured "

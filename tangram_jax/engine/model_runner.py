@@ -138,7 +138,7 @@ class RunnerConfig:
     max_prefill_tokens: the most tokens of one prefill call (the engine's token budget); the
       largest flat-token bucket of a call of whole rows (`ModelRunner.prefill`).
     prefill_token_buckets: the flat-token sizes below that a call of whole rows is padded to
-      (`ModelRunner.prefill_token_buckets`); None: a ladder growing by ~1.5x.
+      (`ModelRunner.prefill_token_buckets`); None: doublings of the row alignment.
     decode_buckets / num_programs / split_map: the decode batch buckets the runner builds a
       split map for (where it is not handed `split_maps`), the kernel's program target, and
       the map's kind (`config.SPLIT_MAPS`: ``aot`` weighs groups by budget, ``uniform`` cuts

@@ -59,19 +59,16 @@ class PrefillSteps:
     def prefill_token_buckets(self, max_rows: int = 1) -> list[int]:
         """Flat-token sizes a call of whole rows is padded to (`prefill_whole_rows`): the
         configured `RunnerConfig.prefill_token_buckets` rounded up to the row alignment, else
-        multiples of the alignment growing by ~1.5x (so at most a third is padding); up to
-        `max_prefill_tokens` plus one alignment of slack per extra row (always a bucket)."""
+        the alignment's doublings (at most half a call is padding; `NOTES_memory.md`: each
+        8B prefill program costs ~25 s of compile cold and ~1.6 s warm, more than the padding
+        of a long prompt's last step); up to `max_prefill_tokens` plus one alignment of slack
+        per extra row (always a bucket)."""
         align = row_alignment(self.prefill_tuning)
         cap = -(-self.runner_config.max_prefill_tokens // align) * align + align * (max_rows - 1)
         if self.runner_config.prefill_token_buckets is not None:
             return sorted({-(-b // align) * align for b in self.runner_config.prefill_token_buckets
                            if b < cap} | {cap})
-        sizes, size = [], align
-        while size < cap:
-            sizes += [size] + ([size * 3 // 2] if size * 3 // 2 < cap and size >= 2 * align
-                               else [])
-            size *= 2
-        return sorted(set(sizes)) + [cap]
+        return _doublings(align, cap)
 
     def chunk_token_buckets(self, rows: int) -> list[int]:
         """Flat-token sizes of a call of `rows` compression-chunk rows (not

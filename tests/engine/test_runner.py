@@ -212,7 +212,9 @@ def test_configured_prefill_token_buckets_are_aligned_and_end_at_the_token_budge
 
     ladder, align = buckets(None)
     cap = -(-100 // align) * align
-    assert ladder[-1] == cap and len(ladder) >= 2
+    # Default: the alignment's doublings below the budget, then the budget.
+    assert ladder == [align << i for i in range(len(ladder) - 1)] + [cap]
+    assert ladder[-2] < cap <= 2 * ladder[-2] and len(ladder) >= 2
     got, _ = buckets((1, align + 1, 10_000))
     # Rounded up to the alignment, sizes at or past the budget dropped, the budget kept.
     assert got == sorted({align, 2 * align, cap})
