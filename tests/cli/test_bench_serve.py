@@ -135,6 +135,15 @@ def test_ablation_configurations():
         variant_config("full", mc, 2, 0.25, 0, "k8v4-k4v2")
     with pytest.raises(ValueError, match="kv_precision must be one of"):
         variant_config("tangram+k3v1", mc, 2, 0.25, 0)
+    # '/recompute': the same configuration without a host-memory tier.
+    assert variant_config("full/recompute", mc, 2, 0.25, 0) == {
+        "mode": "full", "kv_precision": "bf16", "host_kv_cache_bytes": 0}
+    assert variant_config("tangram+k8v4/recompute", mc, 2, 0.25, None) == dict(
+        variant_config("tangram+k8v4", mc, 2, 0.25, None), host_kv_cache_bytes=0)
+    assert "host_kv_cache_bytes" not in variant_config("tangram", mc, 2, 0.25, None)
+    for bad in ("tangram/recompute+k8v4", "tangram/swap", "tangram/recompute/recompute"):
+        with pytest.raises(ValueError):
+            variant_config(bad, mc, 2, 0.25, 0)
 
 
 def test_bench_serve_refuses_bad_flags_before_loading_anything(capsys):
@@ -196,3 +205,46 @@ def test_kv_gib_list_sweeps_the_pool_and_finds_where_eviction_stops(tmp_path, mo
             bench_serve.main(["--kv-gib", bad])
     with pytest.raises(UsageError, match="--vllm serves one pool"):
         bench_serve.main(["--kv-gib", "1,2", "--vllm", "--json", str(tmp_path / "v.json")])
+
+
+def test_recompute_configurations_are_compared_with_offload(tmp_path, monkeypatch):
+    """`--variants full,full/recompute,...` with think times: the '/recompute' configuration
+    gets no host tier, and the report gives each configuration's turns/s and follow-up TTFT
+    against itself with recompute, beside the table and a plot. Stand-in engines."""
+    import json
+
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.commands import bench_serve
+    seen = {}
+
+    def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
+                         profile_seed):
+        config = serve.variant_config(variant, model_config, group_size, ratio, profile_seed)
+        seen[variant] = dict(fields, **config).get("host_kv_cache_bytes")
+        offload = not variant.endswith(serve.RECOMPUTE)
+        rows = [{"workload": name, "turns_per_s": 2.0 if offload else 1.0,
+                 "output_tokens_per_s": 1.0, "seconds": 1.0, "evictions": 3,
+                 "swapped_out": 3 if offload else 0, "recompute_tokens": 0 if offload else 900,
+                 "ttft_first_s": {"p50": 0.1, "p99": 0.2},
+                 "ttft_followup_s": {"p50": 0.1 if offload else 0.4,
+                                     "p99": 0.5 if offload else 4.0},
+                 "tpot_followup_s": {"p50": 0.01}} for name, spec in workloads
+                if spec.think_time == 30]
+        return {"variant": variant, "workloads": rows}
+
+    monkeypatch.setattr(serve, "run_variant", fake_run_variant)
+    out = tmp_path / "think.json"
+    assert bench_serve.main(["--model", "random-tiny", "--variants",
+                             "full,full/recompute,tangram,tangram/recompute", "--think-time", "30",
+                             "--context-tokens", "600", "--sessions", "2", "--kv-gib", "1",
+                             "--json", str(out)]) == 0
+    assert seen["full/recompute"] == 0 == seen["tangram/recompute"]
+    assert seen["full"] != 0 and seen["tangram"] != 0
+    report = json.loads(out.read_text())
+    assert report["workloads"][0]["think_time"] == 30
+    by = {r["variant"]: r["workloads"][0] for r in report["results"]}
+    assert by["tangram"]["turns_per_s_vs_recompute"] == 2.0
+    assert by["full"]["ttft_followup_p99_vs_recompute"] == 0.125
+    assert by["full"]["ttft_followup_p50_vs_recompute"] == 0.25
+    assert "turns_per_s_vs_recompute" not in by["tangram/recompute"]
+    assert out.with_suffix(".png").stat().st_size > 0
