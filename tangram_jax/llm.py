@@ -62,7 +62,7 @@ class LLM:
                 raise TypeError("pass either config= or EngineConfig fields, not both")
         else:
             config = EngineConfig(model=model, profile=profile, mode=mode, **kwargs)
-        self.engines = _replicas(config)
+        self.engines = build_replicas(config)
         self.engine = self.engines[0]   # the first local replica (the only one by default)
         self._request_ids = itertools.count()   # ids of data-parallel requests (`request-K`)
         # Several processes: the global replica list (see the module docstring).
@@ -336,7 +336,7 @@ def _run_threads(serve, replicas: list[int], stop: threading.Event) -> None:
         raise errors[0]
 
 
-def _replicas(config: EngineConfig) -> list[Engine]:
+def build_replicas(config: EngineConfig) -> list[Engine]:
     """The engines of `config` on this process's devices: one, or `data_parallel_size`
     replicas, each on its own run of `tensor_parallel_size` devices."""
     distributed.start(config)   # several hosts: before anything starts JAX's backend

@@ -31,11 +31,16 @@ report has turns/s, output and processed tokens/s, TTFT and TPOT percentiles for
 follow-ups, peak and mean decode batch, evictions / preemptions and the tokens they made the
 engine recompute, the peak pool use, the pool's fragmentation (allocated slots no token
 occupies; mean and peak over the steps) and the dynamic baseline's reclaim time per prefill
-chunk. `--kv-gib` with several sizes sweeps the pool (`eviction_onset`, `plot_sweep`).
+chunk. `--kv-gib` with several sizes sweeps the pool (`eviction_onset`, `plot_sweep`). A name
+ending in ``/recompute`` serves without the host-memory tier (`RECOMPUTE`; the report compares
+it with the same configuration offloading). With ``--data-parallel-size N`` each configuration
+runs N replicas, each with the pool, its sessions staying on one replica
+(`replicas.ReplicaAdapter`); rows then list each replica's share (`replicas`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -48,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram_jax.benchmarking import session_loop
+from tangram_jax.benchmarking.replicas import ReplicaAdapter
 from tangram_jax.benchmarking.timing import percentiles
 from tangram_jax.benchmarking.workload import (SessionSpec, make_sessions, sessions_to_json,
                                                skewed_profile)
@@ -203,47 +209,80 @@ def _warm_sessions(spec: SessionSpec, chunk: int, vocab: int) -> list[dict]:
     return sessions_to_json(make_sessions(warm, vocab))
 
 
-def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int) -> list[dict]:
-    """Serve each named workload to completion on `engine` (warmed up first); one result
-    dict each."""
-    vocab = engine.model_config.vocab_size
-    recorder = _StepRecorder(engine)
-    adapter = _EngineAdapter(engine, 4)
-    session_loop.drive(_warm_sessions(workloads[0][1], chunk, vocab), adapter)
+def _counters(engines) -> dict:
+    """The engines' cumulative scheduler and manager counters, summed over replicas."""
+    names = {"evictions": "num_evictions", "preemptions": "num_preemptions",
+             "capped": "num_capped", "swapped_out": "num_swapped_out",
+             "swapped_in": "num_swapped_in", "swapped_out_bytes": "swapped_out_bytes"}
+    out = {k: sum(getattr(e.scheduler.metrics, v) for e in engines) for k, v in names.items()}
+    out["pages_reclaimed"] = sum(e.manager.pages_reclaimed for e in engines)
+    out["reclaim_seconds"] = sum(e.manager.reclaim_seconds for e in engines)
+    return out
+
+
+def _adapter(engines, recorders, answer_tokens: int):
+    """(adapter, on_step) driving `engines`: one engine directly, several as data-parallel
+    replicas stepping in their own threads (each samples its own pool after its steps)."""
+    if len(engines) == 1:
+        return _EngineAdapter(engines[0], answer_tokens), recorders[0].sample_pool
+    return ReplicaAdapter([_EngineAdapter(e, answer_tokens) for e in engines],
+                          after_step=[r.sample_pool for r in recorders]), None
+
+
+def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: int) -> list[dict]:
+    """Serve each named workload to completion on `engines` (one, or data-parallel replicas
+    whose sessions each stay on one replica; warmed up first); one result dict each."""
+    engines = list(engines)
+    vocab = engines[0].model_config.vocab_size
+    recorders = [_StepRecorder(e) for e in engines]
+    adapter, on_step = _adapter(engines, recorders, 4)
+    with contextlib.closing(adapter):
+        session_loop.drive(_warm_sessions(workloads[0][1], chunk, vocab), adapter, on_step=on_step)
     results = []
     for name, spec in workloads:
         sessions = sessions_to_json(make_sessions(spec, vocab))
-        adapter = _EngineAdapter(engine, spec.answer_tokens)
-        metrics = engine.scheduler.metrics
-        before = (metrics.num_evictions, metrics.num_preemptions, metrics.num_capped,
-                  engine.manager.pages_reclaimed, engine.manager.reclaim_seconds,
-                  metrics.num_swapped_out, metrics.num_swapped_in, metrics.swapped_out_bytes)
-        recorder.reset()
-        records, elapsed = session_loop.drive(sessions, adapter, on_step=recorder.sample_pool)
+        adapter, on_step = _adapter(engines, recorders, spec.answer_tokens)
+        before = _counters(engines)
+        for recorder in recorders:
+            recorder.reset()
+        with contextlib.closing(adapter):
+            records, elapsed = session_loop.drive(sessions, adapter, on_step=on_step)
+        counts = {k: v - before[k] for k, v in _counters(engines).items()}
+        total = lambda name: sum(getattr(r, name) for r in recorders)   # noqa: E731
+        steps, prefill_tokens, prefill_chunks = (total("steps"), total("prefill_tokens"),
+                                                 total("prefill_chunks"))
         new_tokens = sum(r.new_tokens for r in records)
         row = {"workload": name, **summarize(records, elapsed),
-               "processed_tokens_per_s": (recorder.prefill_tokens + recorder.decode_rows) / elapsed,
-               "prefill_tokens": recorder.prefill_tokens,
-               "recompute_tokens": max(0, recorder.prefill_tokens - new_tokens),
-               "steps": recorder.steps, "peak_batch": recorder.peak_batch,
-               "mean_decode_batch": recorder.decode_rows / max(recorder.steps, 1),
-               "evictions": metrics.num_evictions - before[0],
+               "processed_tokens_per_s": (prefill_tokens + total("decode_rows")) / elapsed,
+               "prefill_tokens": prefill_tokens,
+               "recompute_tokens": max(0, prefill_tokens - new_tokens),
+               "steps": steps, "peak_batch": max(r.peak_batch for r in recorders),
+               "mean_decode_batch": total("decode_rows") / max(steps, 1),
+               "evictions": counts["evictions"],
                # Of them, swapped to host memory (and sessions copied back) instead of
                # recomputed (`host_kv_cache_bytes`).
-               "swapped_out": metrics.num_swapped_out - before[5],
-               "swapped_in": metrics.num_swapped_in - before[6],
-               "swapped_out_bytes": metrics.swapped_out_bytes - before[7],
-               "host_bytes_per_swapped_session": (metrics.swapped_out_bytes - before[7])
-               / max(metrics.num_swapped_out - before[5], 1),
-               "preemptions": metrics.num_preemptions - before[1],
-               "capped": metrics.num_capped - before[2],
-               "pages_reclaimed": engine.manager.pages_reclaimed - before[3],
-               "reclaim_seconds": engine.manager.reclaim_seconds - before[4],
-               "reclaim_ms_per_prefill_chunk": (engine.manager.reclaim_seconds - before[4])
-               * 1e3 / max(recorder.prefill_chunks, 1),
-               "mean_fragmentation": recorder.fragmentation_sum / max(recorder.samples, 1),
-               "peak_fragmentation": recorder.peak_fragmentation,
-               "peak_pool_utilisation": recorder.peak_utilisation}
+               "swapped_out": counts["swapped_out"],
+               "swapped_in": counts["swapped_in"],
+               "swapped_out_bytes": counts["swapped_out_bytes"],
+               "host_bytes_per_swapped_session": counts["swapped_out_bytes"]
+               / max(counts["swapped_out"], 1),
+               "preemptions": counts["preemptions"],
+               "capped": counts["capped"],
+               "pages_reclaimed": counts["pages_reclaimed"],
+               "reclaim_seconds": counts["reclaim_seconds"],
+               "reclaim_ms_per_prefill_chunk": counts["reclaim_seconds"] * 1e3
+               / max(prefill_chunks, 1),
+               "mean_fragmentation": total("fragmentation_sum") / max(total("samples"), 1),
+               "peak_fragmentation": max(r.peak_fragmentation for r in recorders),
+               "peak_pool_utilisation": max(r.peak_utilisation for r in recorders)}
+        if len(engines) > 1:
+            # Each replica's share: how evenly sessions, prefill and decode spread.
+            row["replicas"] = [
+                {"device": str(e.devices[0]) if getattr(e, "devices", None) else None,
+                 "sessions": n, "steps": r.steps, "prefill_tokens": r.prefill_tokens,
+                 "decode_rows": r.decode_rows, "peak_batch": r.peak_batch,
+                 "peak_pool_utilisation": r.peak_utilisation}
+                for e, r, n in zip(engines, recorders, adapter.sessions_per_replica())]
         if row["capped"]:
             raise RuntimeError(f"{name}: {row['capped']} turns were cut short for lack of KV "
                                f"room; the run would not be complete")
@@ -252,7 +291,8 @@ def serve_workloads(engine, workloads: list[tuple[str, SessionSpec]], chunk: int
               f"turns/s, TTFT follow-up p50 {row['ttft_followup_s']['p50']}, evictions "
               f"{row['evictions']} ({row['swapped_out']} to host), recompute "
               f"{row['recompute_tokens']}", flush=True)
-    engine.scheduler.schedule = recorder.original
+    for recorder in recorders:
+        recorder.engine.scheduler.schedule = recorder.original
     return results
 
 
@@ -260,21 +300,24 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                 workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
                 profile_seed: int | None) -> dict:
     """Build the engine of `variant` (the pool `engine_fields` fixes: kv_cache_memory_bytes,
-    equal bytes, or kv_cache_tokens, equal slots), serve every workload, free the engine."""
+    equal bytes, or kv_cache_tokens, equal slots; with data_parallel_size N, N replicas with
+    that pool each), serve every workload, free the engines."""
     import jax
 
     from tangram_jax.engine.config import EngineConfig
-    from tangram_jax.engine.llm_engine import Engine
+    from tangram_jax.llm import build_replicas
     fields = dict(engine_fields, ratio=ratio,
                   **variant_config(variant, model_config, group_size, ratio, profile_seed,
                                    engine_fields.get("kv_precision", "bf16")))
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=model_factory, warmup=True, **fields))
+    engines = build_replicas(EngineConfig(model=model_factory, warmup=True, **fields))
     build = time.perf_counter() - t0
+    engine = engines[0]
     pool = engine.kv_pool()
-    print(f"{variant}: built in {build:.1f} s ({engine.layout.name}, G {engine.layout.group_size}, "
+    print(f"{variant}: built in {build:.1f} s ({len(engines)} replica(s), {engine.layout.name}, "
+          f"G {engine.layout.group_size}, "
           f"{pool['num_pages']} pages, {pool['bytes'] / 2**30:.2f} GiB)", flush=True)
-    rows = serve_workloads(engine, workloads, engine.layout.chunk_size)
+    rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
     base_layout = getattr(engine.layout, "base", engine.layout)   # a TieredLayout's groups
     result = {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
               "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
@@ -283,9 +326,11 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
               "mean_group_budget": float(np.mean(base_layout.group_budgets)),
               "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
               "pool_slots": pool["slots"], "pool_tiers": pool.get("tiers"),
+              "data_parallel_size": len(engines),
+              "tensor_parallel_size": engine.config.tensor_parallel_size,
               "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
               "startup_report": engine.startup_report(), "workloads": rows}
-    del engine
+    del engine, engines
     gc.collect()
     jax.clear_caches()
     return result

@@ -46,13 +46,15 @@ class Adapter:
     prompt and answer token of the session, `new`: this turn's tokens); stateful engines send
     only `new` to the session. step() -> list of (request_id, output_token_ids, finished,
     cached_tokens) for the requests with news. has_work(): requests are in flight.
-    end_session(session_id): the session's last turn ended.
+    end_session(session_id): the session's last turn ended. close(): the run is over (release
+    threads and the like; `contextlib.closing`).
     """
 
     def submit(self, request_id, session_id, turn, history, new): raise NotImplementedError
     def step(self): raise NotImplementedError
     def has_work(self) -> bool: raise NotImplementedError
     def end_session(self, session_id) -> None: pass
+    def close(self) -> None: pass
 
 
 def drive(sessions: list[dict], adapter: Adapter, clock=time.perf_counter,
