@@ -83,9 +83,9 @@ def main(argv=None) -> None:
                            "followups": spec.followups, "answer_tokens": spec.answer_tokens},
               "results": []}
     for variant in VARIANTS:
-        result = serve.run_variant(variant, lambda: random_model(args.model), model_config,
-                                   fields, [("pool-bound", spec)], args.group_size, args.ratio,
-                                   profile_seed=0)
+        result, = serve.run_variant(variant, lambda: random_model(args.model), model_config,
+                                    fields, [("pool-bound", spec)], args.group_size, args.ratio,
+                                    profile_seed=0)
         report["results"].append(result)
         write_result(args.out, "kv_tier_pools", report, ["python", *sys.argv])
     k8v4, tiered = report["results"]

@@ -48,6 +48,7 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -298,10 +299,13 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
 
 def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                 workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
-                profile_seed: int | None) -> dict:
+                profile_seed: int | None, limits: Sequence[int | None] = (None,)):
     """Build the engine of `variant` (the pool `engine_fields` fixes: kv_cache_memory_bytes,
     equal bytes, or kv_cache_tokens, equal slots; with data_parallel_size N, N replicas with
-    that pool each), serve every workload, free the engines."""
+    that pool each) and serve every workload at each of `limits` (pool bytes served,
+    `Engine.limit_kv_cache`; None: the whole pool), one result dict yielded each; the
+    engines are freed after the last. A pool sweep builds once, at its largest pool: the
+    compiled steps do not change with the pages handed out."""
     import jax
 
     from tangram_jax.engine.config import EngineConfig
@@ -317,23 +321,34 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
     print(f"{variant}: built in {build:.1f} s ({len(engines)} replica(s), {engine.layout.name}, "
           f"G {engine.layout.group_size}, "
           f"{pool['num_pages']} pages, {pool['bytes'] / 2**30:.2f} GiB)", flush=True)
-    rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
     base_layout = getattr(engine.layout, "base", engine.layout)   # a TieredLayout's groups
-    result = {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
-              "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
-              "mode": engine.config.mode, "group_size": engine.layout.group_size,
-              "split_map": engine.config.split_map, "attention": engine.runner.ops.name,
-              "mean_group_budget": float(np.mean(base_layout.group_budgets)),
-              "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
-              "pool_slots": pool["slots"], "pool_tiers": pool.get("tiers"),
-              "data_parallel_size": len(engines),
-              "tensor_parallel_size": engine.config.tensor_parallel_size,
-              "build_and_warmup_seconds": build, "startup_seconds": engine.startup_seconds,
-              "startup_report": engine.startup_report(), "workloads": rows}
-    del engine, engines
-    gc.collect()
-    jax.clear_caches()
-    return result
+    try:
+        for limit in limits:
+            for e in engines:
+                e.limit_kv_cache(limit)
+            if limit is not None:
+                print(f"{variant}: serving {limit / 2**30:g} GiB of the pool "
+                      f"({engine.manager.describe_pages(engine.manager.capacity)})", flush=True)
+            rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
+            yield {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
+                   "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
+                   "mode": engine.config.mode, "group_size": engine.layout.group_size,
+                   "split_map": engine.config.split_map, "attention": engine.runner.ops.name,
+                   "mean_group_budget": float(np.mean(base_layout.group_budgets)),
+                   "pool_pages": pool["num_pages"], "pool_bytes": pool["bytes"],
+                   "pool_slots": pool["slots"], "pool_tiers": pool.get("tiers"),
+                   # The pages handed out (null pages excluded): all of them unless limited.
+                   "served_pool_bytes": limit, "served_pool_pages": np.asarray(
+                       engine.manager.capacity).tolist(),
+                   "data_parallel_size": len(engines),
+                   "tensor_parallel_size": engine.config.tensor_parallel_size,
+                   "build_and_warmup_seconds": build,
+                   "startup_seconds": engine.startup_seconds,
+                   "startup_report": engine.startup_report(), "workloads": rows}
+    finally:
+        del engine, engines
+        gc.collect()
+        jax.clear_caches()
 
 
 def run_vllm(model_folder: str, workloads: list[tuple[str, SessionSpec]], vocab: int,

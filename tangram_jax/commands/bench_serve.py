@@ -240,16 +240,22 @@ def main(argv: list[str] | None = None) -> int:
         done = {(r["variant"], r.get("kv_cache_gib")) for r in report["results"]}
         print(f"resuming {out}: keeping "
               f"{', '.join(sorted(v for v, _ in done)) or 'nothing'}")
-    for gib in pools:
-        for variant in dict.fromkeys(variants + rate_variants):
-            if (variant, gib) in done:
-                continue
-            mine = (closed if variant in variants else []) + \
-                (rated if variant in rate_variants else [])
-            result = serve.run_variant(variant, factory, model_config, pool_fields(gib), mine,
-                                       group_size, args.ratio, profile_seed)
+    # One build a configuration: a sweep builds the largest pool it has left and serves each
+    # size from it (`Engine.limit_kv_cache`: the compiled steps do not depend on the pages
+    # handed out, so a size costs its serving, not a start-up).
+    for variant in dict.fromkeys(variants + rate_variants):
+        todo = [gib for gib in pools if (variant, gib) not in done]
+        if not todo:
+            continue
+        mine = (closed if variant in variants else []) + \
+            (rated if variant in rate_variants else [])
+        limits = [int(gib * 2**30) for gib in todo] if len(pools) > 1 else [None]
+        # The generator first: zip runs it to its end (freeing the engines) before stopping.
+        for result, gib in zip(serve.run_variant(
+                variant, factory, model_config, pool_fields(todo[-1]), mine, group_size,
+                args.ratio, profile_seed, limits), todo):
             report["results"].append(dict(result, kv_cache_gib=gib))
-            save()    # after every configuration: a run cut short keeps what it measured
+            save()    # after every run: a run cut short keeps what it measured
     if args.vllm:
         # kv_cache_tokens rounds --kv-gib down to whole tokens: within a token of whole GiB.
         gib = kv_tokens[0] * token_bytes / 2**30

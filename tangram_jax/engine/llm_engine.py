@@ -219,6 +219,26 @@ class Engine(RequestIntake):
             self.warmup()
         self.startup_seconds["total"] = time.perf_counter() - started
 
+    def limit_kv_cache(self, nbytes: int | None) -> None:
+        """Serve as if the KV pool held `nbytes` (`kv_cache_memory_bytes`; None: all of it):
+        the scheduler hands out only that many bytes' pages, the arrays and the compiled steps
+        stay as they are. For sweeping the pool's size over one build; the engine must be idle
+        (no request, no session held)."""
+        if self.has_unfinished_requests() or len(self.sessions):
+            raise RuntimeError("limit_kv_cache needs an idle engine: finish the requests and "
+                               "end the sessions first")
+        physical = self.runner.num_pages
+        if nbytes is None:
+            self.manager.limit_pages(physical)
+            return
+        pages = memory.pages_in_bytes(memory.pool_by_bytes(self.runner, self.layout,
+                                                           self.max_model_len),
+                                      nbytes, self.max_model_len)
+        if np.any(np.asarray(pages) > np.asarray(physical)):
+            raise ValueError(f"kv_cache_memory_bytes={nbytes} is more than the pool's "
+                             f"{self.kv_pool()['bytes']} bytes")
+        self.manager.limit_pages(pages)
+
     def kv_pool(self) -> dict:
         """The pool's size: pages (null pages included), bytes (the arrays', on each device),
         the head-token slots its pages hold and the full-KV tokens that is, what sized it and

@@ -234,6 +234,17 @@ class KVCacheManager(HostTierPages):
         return " + ".join(f"{int(c)} {name}" for c, name in zip(counts, self.tier_names)) \
             + " pages"
 
+    def limit_pages(self, num_pages: int | SequenceABC[int]) -> None:
+        """Serve from the first `num_pages` pages of each tier's pool (null page included; a
+        (high, low) pair for a tiered layout), the arrays unchanged (`PagePool.limit`); no
+        page may be allocated."""
+        counts = (num_pages,) if len(self.pools) == 1 else tuple(num_pages)
+        if len(counts) != len(self.pools):
+            raise ValueError(f"num_pages must give {len(self.pools)} pool sizes, got "
+                             f"{num_pages!r}")
+        for pool, n in zip(self.pools, counts):
+            pool.limit(n)
+
     @property
     def capacity(self) -> PageCounts:
         """Pages each tier's pool can hand out (null pages excluded)."""

@@ -41,16 +41,32 @@ class PagePool:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         self.num_pages = int(num_pages)
-        # Low ids on top of the stack so a fresh pool hands out 1, 2, 3, ... (easier to read).
-        self._free = np.arange(self.num_pages - 1, 0, -1, dtype=np.int32)
-        self._num_free = self.num_pages - 1
         self._refs = np.zeros(self.num_pages, dtype=np.int32)
         self._position = np.zeros(self.num_pages, dtype=np.int32)   # scratch for release()
+        self.limit(self.num_pages)
+
+    def limit(self, num_pages: int) -> None:
+        """Hand out only ids below `num_pages` (<= the pool's size) from now on: a pool of that
+        size over the same arrays. Every page is free again after the change, so none may be
+        allocated. (A benchmark sweeping the pool's size keeps the compiled programs of the
+        largest; the pages' arrays do not change.)"""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+                or not 2 <= num_pages <= self.num_pages:
+            raise ValueError(f"num_pages must be an int in [2, {self.num_pages}], got "
+                             f"{num_pages!r}")
+        if self._refs.any():
+            raise ValueError(f"limiting the pool with {int((self._refs > 0).sum())} pages "
+                             f"allocated: free them first")
+        self.usable_pages = int(num_pages)
+        # Low ids on top of the stack so a fresh pool hands out 1, 2, 3, ... (easier to read).
+        self._free = np.zeros(self.num_pages, dtype=np.int32)
+        self._free[:self.usable_pages - 1] = np.arange(self.usable_pages - 1, 0, -1)
+        self._num_free = self.usable_pages - 1
 
     @property
     def capacity(self) -> int:
-        """Pages that can ever be handed out (all but the null page)."""
-        return self.num_pages - 1
+        """Pages that can ever be handed out (all but the null page; below `limit`)."""
+        return self.usable_pages - 1
 
     @property
     def num_free(self) -> int:

@@ -172,23 +172,28 @@ def test_kv_gib_list_sweeps_the_pool_and_finds_where_eviction_stops(tmp_path, mo
     from tangram_jax.commands import UsageError, bench_serve
     seen = []
 
-    def fake_run_variant(variant, factory, model_config, fields, workloads, *rest):
-        gib = fields["kv_cache_memory_bytes"] / 2**30
-        seen.append((variant, gib))
-        evictions = {"full": {0.5: 4, 1.0: 2, 2.0: 0}, "tangram": {0.5: 1, 1.0: 0, 2.0: 0}}
-        rows = [{"workload": name, "turns_per_s": gib * (2 if variant == "tangram" else 1),
-                 "output_tokens_per_s": 1.0, "seconds": 1.0, "evictions": evictions[variant][gib],
-                 "ttft_first_s": {"p50": 0.1, "p99": 0.2},
-                 "ttft_followup_s": {"p50": 0.1 / gib, "p99": 0.3 / gib},
-                 "tpot_followup_s": {"p50": 0.01}} for name, _ in workloads]
-        return {"variant": variant, "workloads": rows}
+    def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
+                         profile_seed, limits):
+        # One build a configuration, at the largest pool; each size served from it.
+        assert fields["kv_cache_memory_bytes"] == max(limits)
+        for limit in limits:
+            gib = limit / 2**30
+            seen.append((variant, gib))
+            evictions = {"full": {0.5: 4, 1.0: 2, 2.0: 0}, "tangram": {0.5: 1, 1.0: 0, 2.0: 0}}
+            rows = [{"workload": name, "turns_per_s": gib * (2 if variant == "tangram" else 1),
+                     "output_tokens_per_s": 1.0, "seconds": 1.0,
+                     "evictions": evictions[variant][gib],
+                     "ttft_first_s": {"p50": 0.1, "p99": 0.2},
+                     "ttft_followup_s": {"p50": 0.1 / gib, "p99": 0.3 / gib},
+                     "tpot_followup_s": {"p50": 0.01}} for name, _ in workloads]
+            yield {"variant": variant, "workloads": rows}
 
     monkeypatch.setattr(serve, "run_variant", fake_run_variant)
     out = tmp_path / "sweep.json"
     assert bench_serve.main(["--model", "random-tiny", "--variants", "full,tangram",
                              "--context-tokens", "600", "--sessions", "2", "--kv-gib", "1,0.5,2",
                              "--json", str(out)]) == 0
-    assert seen == [(v, g) for g in (0.5, 1.0, 2.0) for v in ("full", "tangram")]
+    assert seen == [(v, g) for v in ("full", "tangram") for g in (0.5, 1.0, 2.0)]
     report = json.loads(out.read_text())
     assert report["kv_cache_gib"] == [0.5, 1.0, 2.0] and len(report["kv_cache_tokens"]) == 3
     for r in report["results"]:
@@ -218,7 +223,8 @@ def test_recompute_configurations_are_compared_with_offload(tmp_path, monkeypatc
     seen = {}
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed):
+                         profile_seed, limits):
+        assert limits == [None]                     # one pool: served whole
         config = serve.variant_config(variant, model_config, group_size, ratio, profile_seed)
         seen[variant] = dict(fields, **config).get("host_kv_cache_bytes")
         offload = not variant.endswith(serve.RECOMPUTE)
@@ -230,7 +236,7 @@ def test_recompute_configurations_are_compared_with_offload(tmp_path, monkeypatc
                                      "p99": 0.5 if offload else 4.0},
                  "tpot_followup_s": {"p50": 0.01}} for name, spec in workloads
                 if spec.think_time == 30]
-        return {"variant": variant, "workloads": rows}
+        yield {"variant": variant, "workloads": rows}
 
     monkeypatch.setattr(serve, "run_variant", fake_run_variant)
     out = tmp_path / "think.json"
