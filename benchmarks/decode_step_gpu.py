@@ -108,10 +108,21 @@ def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
            "wall_ms_p90": float(np.percentile(times, 90) * 1e3),
            "first_call_s": first, "reps": reps}
     by_name: dict[str, float] = {}
-    gpu = gpu_busy_time(fn, (), max(3, reps // 2), per_kernel=by_name) if on_gpu else None
+    devices: dict[str, dict] = {}
+    gpu = gpu_busy_time(fn, (), max(3, reps // 2), per_kernel=by_name,
+                        per_device=devices) if on_gpu else None
     out["gpu_busy_ms"] = float(gpu * 1e3) if gpu else None
     out["top_gpu_ops_ms"] = {k: round(v * 1e3, 4) for k, v in
                              sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
+    if len(devices) > 1:
+        # A program over several devices: each one's busy time and top kernels (collectives,
+        # its shard of attention and GEMMs), and the spread between them.
+        out["per_device"] = {d: {"busy_ms": v["busy_s"] * 1e3, "top_ops_ms": {
+            k: round(s * 1e3, 4) for k, s in sorted(v["kernels"].items(),
+                                                    key=lambda kv: -kv[1])[:top]}}
+            for d, v in sorted(devices.items())}
+        busy = [v["busy_s"] for v in devices.values()]
+        out["device_busy_spread"] = max(busy) / min(busy)
     out["ms"] = out["gpu_busy_ms"] or out["wall_ms_median"]
     out["time_source"] = "gpu_busy" if out["gpu_busy_ms"] else "wall"
     return out

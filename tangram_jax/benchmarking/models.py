@@ -72,6 +72,12 @@ FAMILY_SHAPES = {
         rope_scaling=dict(rope_type="linear", factor=8.0), rms_norm_eps=1e-6,
         eos_token_id=[1, 106]),
 }
+# The serving benchmarks' 8B shape as a family entry (the dense baseline of the TP profiles).
+FAMILY_SHAPES["llama3-8b"] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=128001)
 FAMILY_SHAPES["qwen3-moe-tiny"] = dict(
     FAMILY_SHAPES["qwen3-30b-a3b"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=8,

@@ -42,11 +42,14 @@ def wall_quantiles(fn: Callable, args: Sequence = (), reps: int = 5,
 
 
 def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
-                  per_kernel: dict | None = None) -> float | None:
-    """Seconds of GPU stream activity per call of ``fn(*args)``, from a profiler trace (CUPTI):
-    device time without the host's launch gaps. None where the trace has no GPU events (CPU).
-    `per_kernel`, a dict, receives seconds per call by kernel name (numeric suffixes folded:
-    fusion_3, fusion_12 -> fusion)."""
+                  per_kernel: dict | None = None, per_device: dict | None = None
+                  ) -> float | None:
+    """Seconds of GPU stream activity per call of ``fn(*args)`` on the first GPU, from a
+    profiler trace (CUPTI): device time without the host's launch gaps. None where the trace
+    has no GPU events (CPU). `per_kernel`, a dict, receives the first GPU's seconds per call by
+    kernel name (numeric suffixes folded: fusion_3, fusion_12 -> fusion); `per_device`, a dict,
+    every GPU's: ``{"GPU:1": {"busy_s": s, "kernels": {name: s}}}`` (a program over several
+    devices: collectives and each shard's work)."""
     import jax
     from jax._src.lib import _profile_data
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,16 +63,26 @@ def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
         data = _profile_data.ProfileData.from_file(paths[0])
     total, names = 0, []
     for plane in data.planes:
-        if not plane.name.startswith("/device:GPU:0"):
+        device = re.match(r"/device:(GPU:\d+)", plane.name)
+        if device is None:
             continue
+        first = device.group(1) == "GPU:0"
+        mine = {"busy_s": 0.0, "kernels": {}}
         for line in plane.lines:
-            names.append(line.name)
+            if first:
+                names.append(line.name)
             if line.name.startswith("Stream"):
                 for e in line.events:
-                    total += e.duration_ns
-                    if per_kernel is not None:
-                        name = re.sub(r"([._]\d+)+$", "", e.name)
-                        per_kernel[name] = per_kernel.get(name, 0.0) + e.duration_ns * 1e-9 / reps
+                    name = re.sub(r"([._]\d+)+$", "", e.name)
+                    seconds = e.duration_ns * 1e-9 / reps
+                    mine["busy_s"] += seconds
+                    mine["kernels"][name] = mine["kernels"].get(name, 0.0) + seconds
+                    if first:
+                        total += e.duration_ns
+                        if per_kernel is not None:
+                            per_kernel[name] = per_kernel.get(name, 0.0) + seconds
+        if per_device is not None and mine["busy_s"]:
+            per_device[device.group(1)] = mine
     if not _PRINTED_LINES:
         _PRINTED_LINES.append(names)
         print("profiler GPU lines:", sorted(set(names))[:12], flush=True)
