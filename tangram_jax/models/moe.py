@@ -162,13 +162,27 @@ def mosaic_tiling(rows: int, k: int, n: int, dtype, device_kind: str) -> dict | 
                 grid_block_n=2 if n % (2 * block_n) == 0 else 1)
 
 
+# Few rows (decode at a small batch) gather each row's expert matrix and multiply it: M x K x N
+# weights read (and written once) instead of every group's. XLA's ragged_dot runs every group
+# dense on a GPU: at Qwen3-30B-A3B's batch 1 on one H200 that read all 128 experts a layer,
+# 13.3 ms of a 19.5 ms decode step (`results/families_qwen3_30b_a3b_tp1_gpu.json`). Gathering
+# moves ~3 M x K x N bytes against G x K x N: from GATHER_GROUPS_PER_ROW groups a row.
+GATHER_GROUPS_PER_ROW = 4
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
     """lhs `[M, K]` rows in runs of `sizes` `[G]`, rhs `[G, K, N]` -> `[M, N]`: run g times rhs[g].
 
-    Rows past sum(sizes) are unspecified (XLA writes zeros, the Mosaic kernel leaves them): the
-    caller selects them away. On a Hopper GPU JAX's Mosaic GPU kernel reads only the tiles of
-    the experts that have rows; XLA's ragged_dot there runs every group dense.
+    Rows past sum(sizes) are unspecified (XLA writes zeros, the Mosaic kernel and the gather
+    leave other values): the caller selects them away. A few rows gather their groups' matrices
+    (`GATHER_GROUPS_PER_ROW`); on a Hopper GPU many rows take JAX's Mosaic GPU kernel, which
+    reads only the tiles of the experts that have rows; XLA's ragged_dot there runs every group
+    dense.
     """
+    rows, groups = lhs.shape[0], rhs.shape[0]
+    if rows * GATHER_GROUPS_PER_ROW <= groups:
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right")
+        return jnp.einsum("mk,mkn->mn", lhs, rhs[jnp.minimum(group, groups - 1)])
     tiling = None
     if jax.default_backend() == "gpu" and lhs.dtype == rhs.dtype:
         tiling = mosaic_tiling(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype,

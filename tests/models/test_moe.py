@@ -43,6 +43,24 @@ def test_grouped_matmul_off_hopper_is_xla_ragged_dot():
                                   np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes)))
 
 
+@pytest.mark.parametrize("rows,groups", [(1, 8), (2, 8), (5, 24), (32, 128)])
+def test_few_rows_gather_their_groups_matrices_as_ragged_dot_multiplies(rows, groups):
+    """Decode-sized calls (`GATHER_GROUPS_PER_ROW` groups a row or more) gather each row's
+    matrix: the rows in groups equal ragged_dot's; empty groups and rows past the last group
+    (other devices' experts) are allowed."""
+    assert rows * moe.GATHER_GROUPS_PER_ROW <= groups
+    rng = np.random.default_rng(rows)
+    lhs = jnp.asarray(rng.normal(size=(rows, 16)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(groups, 16, 12)), jnp.float32)
+    counts = np.zeros(groups, np.int32)
+    np.add.at(counts, rng.integers(0, groups, size=max(rows - 1, 1)), 1)   # one row past: others'
+    sizes = jnp.asarray(counts)
+    got = np.asarray(moe.grouped_matmul(lhs, rhs, sizes))
+    want = np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes))
+    valid = int(counts.sum())
+    np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-5, atol=1e-5)
+
+
 def test_rows_of_other_devices_experts_are_selected_away(monkeypatch):
     """A device holding experts 0-1 of 4 (what `shard_experts` gives device 0 of 2): copies
     routed to experts 2-3 sort past its last group, where the kernel's output is garbage (NaN
