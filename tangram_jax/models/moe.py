@@ -4,8 +4,8 @@ Every token goes to `top_k` of `num_experts` expert MLPs and takes their outputs
 routing weights (`MoEConfig.routing`: Qwen3-MoE's softmax-then-top-k, GPT-OSS's top-k-then-
 softmax). The experts run as two grouped GEMMs over the token copies sorted by expert: copy
 (token t, choice j) goes to expert e = choice, the copies of expert e are one contiguous run of
-rows, and `grouped_matmul` (XLA's `ragged_dot`; on Hopper JAX's Mosaic GPU kernel) multiplies
-run e by expert e's weights::
+rows, and `grouped_matmul` (XLA's `ragged_dot`; a gather of each row's expert for a few rows;
+on Hopper JAX's Mosaic GPU kernel for many) multiplies run e by expert e's weights::
 
     x_sorted   [N * k, D]         rows sorted by expert (stable: token order within a run)
     gate_up    [E, D, 2 I]        gate columns then up columns (GPT-OSS's interleaved
@@ -13,7 +13,7 @@ run e by expert e's weights::
     down       [E, I, D]
     h = grouped_matmul(x_sorted, gate_up, sizes) -> act -> grouped_matmul(., down, sizes)
 
-then each row is weighted and added back to its token (a scatter-add).
+then each row is weighted, put back in token order and summed over the token's k rows.
 
 Tensor parallelism shards the experts, not their matrices: device i of N holds experts
 i E/N .. (i+1) E/N - 1 whole (`gate_up`, `down` and their biases sharded on the expert axis,
@@ -128,7 +128,11 @@ def expert_outputs(x, weights, experts, gate_up, down, biases, *, config: MoECon
     # Rows of other devices' experts are whatever the grouped GEMM left there: selected away.
     routed = weights.reshape(-1)[order].astype(y.dtype)[:, None]
     y = jnp.where(mine[order][:, None], y * routed, 0)
-    out = jnp.zeros(x.shape, y.dtype).at[token].add(y)
+    # Back to token order (each token's k rows together) and summed: a gather and a reduction,
+    # not a scatter-add, whose colliding rows the GPU serialises (13 of 90 ms of a 2048-token
+    # Qwen3-30B-A3B prefill, `NOTES_engine.md`).
+    unsorted = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    out = y[unsorted].reshape(n, k, -1).sum(axis=1, dtype=jnp.float32).astype(y.dtype)
     if sharded:
         out = jax.lax.psum(out, EXPERT_AXIS)
     return out.astype(x.dtype)
