@@ -324,9 +324,9 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
     base_layout = getattr(engine.layout, "base", engine.layout)   # a TieredLayout's groups
     try:
         for limit in limits:
-            for e in engines:
-                e.limit_kv_cache(limit)
             if limit is not None:
+                for e in engines:
+                    e.limit_kv_cache(limit)
                 print(f"{variant}: serving {limit / 2**30:g} GiB of the pool "
                       f"({engine.manager.describe_pages(engine.manager.capacity)})", flush=True)
             rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
