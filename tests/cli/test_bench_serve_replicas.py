@@ -10,7 +10,6 @@ import pytest
 
 from tangram_jax.benchmarking import session_loop
 from tangram_jax.benchmarking.replicas import ReplicaAdapter
-from tiny_engine import report_of_child
 
 
 class SlowReplica(session_loop.Adapter):
@@ -79,27 +78,22 @@ def test_a_failing_replica_raises_in_the_loop():
             session_loop.drive(sessions(2), adapter)
 
 
-CHILD = r"""
-import json, sys
-from tangram_jax.commands import bench_serve
-out = sys.argv[1] + "/dp.json"
-assert bench_serve.main(["--model", "random-tiny", "--variants", "full", "--context-tokens", "300",
-                         "--sessions", "4", "--followups", "1", "--answer-tokens", "4",
-                         "--kv-cache-tokens", "4096", "--data-parallel-size", "2",
-                         "--max-num-seqs", "2", "--decode-buckets", "2", "--max-model-len", "384",
-                         "--json", out]) == 0
-print("REPORT " + json.dumps(json.load(open(out))))
-"""
-
-
-def test_bench_serve_runs_data_parallel_replicas_on_two_devices(tmp_path):
-    report = report_of_child(CHILD, tmp_path, devices=2)
-    (result,) = report["results"]
-    assert result["data_parallel_size"] == 2
-    (row,) = result["workloads"]
+def test_serve_workloads_spreads_sessions_over_replicas_and_sums_their_figures(tiny_folder):
+    """`serve.serve_workloads` over two engines (what `bench serve --data-parallel-size 2`
+    builds, one a device; here both on the one CPU device): every turn served, sessions split
+    between the replicas, each replica's share in the row and the row's counts their sums."""
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.benchmarking.workload import SessionSpec
+    from tangram_jax.engine.llm_engine import Engine
+    from tiny_engine import tiny_engine_config
+    engines = [Engine(tiny_engine_config(tiny_folder, "full", max_model_len=256))
+               for _ in range(2)]
+    spec = SessionSpec(num_sessions=4, context_tokens=40, followups=1, question_tokens=8,
+                       answer_tokens=4)
+    (row,) = serve.serve_workloads(engines, [("short", spec)], engines[0].layout.chunk_size)
     assert row["turns"] == 8 and row["output_tokens"] == 32
     replicas = row["replicas"]
     assert [r["sessions"] for r in replicas] == [2, 2]
-    assert len({r["device"] for r in replicas}) == 2
     assert all(r["prefill_tokens"] > 0 and r["decode_rows"] > 0 for r in replicas)
     assert row["prefill_tokens"] == sum(r["prefill_tokens"] for r in replicas)
+    assert row["steps"] == sum(r["steps"] for r in replicas)
