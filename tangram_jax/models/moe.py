@@ -189,12 +189,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Arra
         return jnp.einsum("mk,mkn->mn", lhs, rhs[jnp.minimum(group, groups - 1)])
     tiling = None
     if jax.default_backend() == "gpu" and lhs.dtype == rhs.dtype:
-        tiling = mosaic_tiling(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype,
+        tiling = mosaic_tiling(rows, lhs.shape[1], rhs.shape[2], lhs.dtype,
                                jax.devices()[0].device_kind)
     if tiling is None:
         return jax.lax.ragged_dot(lhs, rhs, sizes)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-    rows = lhs.shape[0]
     padded = -(-rows // tiling["block_m"]) * tiling["block_m"]   # the row counts it was measured at
     lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
     return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiling)[:rows]
