@@ -159,12 +159,14 @@ def provenance(argv: list[str] | None = None) -> dict:
 
 
 def write_result(path: str | os.PathLike, benchmark: str, body: dict,
-                 argv: list[str] | None = None) -> Path:
+                 argv: list[str] | None = None, measured_on: dict | None = None) -> Path:
     """Write ``{"benchmark": ..., provenance..., **body}`` as JSON to `path` (atomically: a
-    run cut off mid-write leaves the previous file). Returns the path."""
+    run cut off mid-write leaves the previous file). `measured_on`: the device, revision and
+    JAX version of figures measured elsewhere (a merge of runs), instead of this process's.
+    Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": benchmark, **provenance(argv), **body}
+    report = {"benchmark": benchmark, **provenance(argv), **(measured_on or {}), **body}
     write_text_atomic(path, json.dumps(report, indent=2, default=_jsonable))
     return path
 

@@ -414,6 +414,71 @@ def add_ratios(report: dict) -> None:
                         if mine is not None and theirs else None
 
 
+# What runs merged into one report must share (`merge_reports`).
+MERGE_KEYS = ("device", "git_revision", "jax_version", "model", "model_shape", "ratio",
+              "group_size", "kv_cache_tokens", "kv_cache_gib", "pool_sized_by", "engine_fields")
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several runs that measured the same thing (`MERGE_KEYS`: device,
+    revision, model, pool, engine settings), e.g. configurations run side by side, one a GPU of
+    the same host, or one workload a run: the union of their workloads (a name twice must be
+    the same workload), each configuration's rows at one pool size joined into one (a workload
+    measured twice for a configuration is refused; a joined row's workloads keep their own
+    run's build seconds), the ratios and the eviction onset computed anew. The reports' own
+    provenance (device, revision, JAX) is kept; `merged_from` lists each run's command, time
+    and revision. Raises ValueError naming what differs."""
+    if not reports:
+        raise ValueError("nothing to merge: give at least one report")
+    first = reports[0]
+    for i, r in enumerate(reports[1:], 1):
+        if r.get("benchmark", "serve") != "serve":
+            raise ValueError(f"report {i} is a {r.get('benchmark')!r} benchmark, not 'serve'")
+        for key in MERGE_KEYS:
+            if r.get(key) != first.get(key):
+                raise ValueError(f"report {i} measured another {key} ({r.get(key)!r}) than "
+                                 f"report 0 ({first.get(key)!r}): runs merge only if they "
+                                 f"share {', '.join(MERGE_KEYS)}")
+    workloads: dict[str, dict] = {}
+    rows: dict[tuple, dict] = {}
+    merged_from = []
+    for i, r in enumerate(reports):
+        merged_from += r.get("merged_from") or [
+            {k: r.get(k) for k in ("git_revision", "command", "utc_time")}]
+        for w in r["workloads"]:
+            if workloads.setdefault(w["name"], w) != w:
+                raise ValueError(f"report {i}'s workload {w['name']!r} differs from an earlier "
+                                 f"report's: {w} against {workloads[w['name']]}")
+        for row in r["results"]:
+            key = (row["variant"], row.get("kv_cache_gib"))
+            served = [dict(w, build_and_warmup_seconds=w.get(
+                "build_and_warmup_seconds", row.get("build_and_warmup_seconds")))
+                for w in row["workloads"]]
+            if key not in rows:
+                rows[key] = dict(row, workloads=served)
+                continue
+            have = {w["workload"] for w in rows[key]["workloads"]}
+            twice = have & {w["workload"] for w in served}
+            if twice:
+                raise ValueError(f"configuration {row['variant']!r} at pool "
+                                 f"{row.get('kv_cache_gib')} measured {sorted(twice)} in more "
+                                 f"than one report")
+            rows[key]["workloads"] += served
+    merged = {k: v for k, v in first.items()
+              if k not in ("benchmark", "command", "utc_time", "results", "workloads",
+                           "earlier_invocations", "eviction_onset", "merged_from")}
+    merged.update(workloads=list(workloads.values()), results=list(rows.values()),
+                  merged_from=merged_from)
+    for row in merged["results"]:     # ratios anew: the merged rows meet their baselines
+        for w in row["workloads"]:
+            for k in [k for k in w if "_vs_" in k]:
+                del w[k]
+    add_ratios(merged)
+    if isinstance(merged.get("kv_cache_gib"), list):
+        merged["eviction_onset"] = eviction_onset(merged)
+    return merged
+
+
 def _sweep_point(report: dict, result: dict) -> float | None:
     """The pool GiB a result was measured at in a pool sweep (None in a run of one pool, where
     vLLM's entry names its own whole GiB)."""

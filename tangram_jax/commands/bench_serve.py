@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "invocation of the same benchmark (same device, model, pool, engine "
                         "settings and workloads: refused otherwise) and run only the others; "
                         "for runs longer than one process may take; needs --json")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="instead of running: merge these reports of runs that measured the "
+                        "same thing (device, revision, model, pool, engine settings), e.g. one "
+                        "configuration a GPU side by side, or one workload a run, into --json "
+                        "and its plot, ratios computed across them")
     add_overwrite_flag(p)
     add_cli_args(p, exclude=_OWN_FIELDS)
     return p
@@ -124,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        return _merge(args, argv)
 
     from tangram_jax.benchmarking import serve
     from tangram_jax.benchmarking.models import (RANDOM_8B, RANDOM_TINY, random_model,
@@ -274,6 +281,43 @@ def main(argv: list[str] | None = None) -> int:
     print(serve.table(report))
     finish(run)
     print(f"wrote {out} and {plot_path}")
+    return 0
+
+
+def _merge(args, argv: list[str] | None) -> int:
+    """`--merge A.json B.json ...`: one report of runs measured elsewhere (`serve.
+    merge_reports`), written with their device and revision, plus its plot and table."""
+    import json
+    from pathlib import Path
+
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.benchmarking.results import output_path, write_result
+    if args.json is None:
+        raise UsageError("--merge needs --json: the merged report's path")
+    if args.resume:
+        raise UsageError("--merge and --resume exclude each other: a merge runs nothing")
+    reports = []
+    for name in args.merge:
+        try:
+            reports.append(json.loads(Path(name).read_text()))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--merge: cannot read {name!r} as a report: {e}") from None
+    try:
+        merged = serve.merge_reports(reports)
+    except ValueError as e:
+        raise UsageError(f"--merge: {e}") from None
+    out = output_path("--json", args.json, "serve", overwrite=args.overwrite)
+    plot_path = check_output_path("--plot", args.plot or out.with_suffix(".png"),
+                                  overwrite=args.overwrite)
+    measured_on = {k: merged.pop(k) for k in ("device", "git_revision", "jax_version")
+                   if k in merged}
+    write_result(out, "serve", merged, ["tangram-jax bench serve", *(argv or sys.argv[1:])],
+                 measured_on=measured_on)
+    merged.update(measured_on)
+    sweep = isinstance(merged.get("kv_cache_gib"), list)
+    (serve.plot_sweep if sweep else serve.plot)(merged, plot_path)
+    print(serve.table(merged))
+    print(f"merged {len(reports)} reports into {out} and {plot_path}")
     return 0
 
 

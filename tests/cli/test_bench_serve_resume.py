@@ -28,3 +28,59 @@ def test_resume_keeps_a_matching_report_and_refuses_another(tmp_path):
     path.write_text(json.dumps(dict(earlier, device="another GPU")))
     with pytest.raises(UsageError, match="device"):
         _resumable(path, _report())
+
+
+def test_merge_joins_runs_made_side_by_side_and_compares_across_them(tmp_path, monkeypatch):
+    """`--merge`: configurations run in separate processes (one a GPU) and workloads run apart
+    become one report: each configuration one row with all its workloads, offload compared
+    with its /recompute run from another file, the files' device and revision kept; runs that
+    measured something else, or a workload twice, are refused."""
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.commands import bench_serve
+
+    def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
+                         profile_seed, limits):
+        offload = not variant.endswith(serve.RECOMPUTE)
+        yield {"variant": variant, "build_and_warmup_seconds": 5.0, "workloads": [
+            {"workload": name, "turns_per_s": 2.0 if offload else 1.0,
+             "output_tokens_per_s": 1.0, "seconds": 1.0, "evictions": 1,
+             "ttft_first_s": {"p50": 0.1, "p99": 0.2},
+             "ttft_followup_s": {"p50": 0.1 if offload else 0.4, "p99": 0.5 if offload else 2.0},
+             "tpot_followup_s": {"p50": 0.01}} for name, _ in workloads]}
+
+    monkeypatch.setattr(serve, "run_variant", fake_run_variant)
+    common = ["--model", "random-tiny", "--sessions", "2", "--kv-gib", "1", "--think-time", "3",
+              "--max-model-len", "2048"]
+    parts = {}
+    for variant in ("full", "full/recompute"):
+        for tokens in ("600", "900"):
+            path = tmp_path / f"{variant.replace('/', '-')}-{tokens}.json"
+            assert bench_serve.main([*common, "--variants", variant, "--context-tokens", tokens,
+                                     "--json", str(path)]) == 0
+            parts[variant, tokens] = path
+    out = tmp_path / "merged.json"
+    assert bench_serve.main(["--merge", *map(str, parts.values()), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [r["variant"] for r in merged["results"]] == ["full", "full/recompute"]
+    full = {w["workload"]: w for w in merged["results"][0]["workloads"]}
+    assert len(full) == 2 == len(merged["workloads"]) and len(merged["merged_from"]) == 4
+    assert all(w["turns_per_s_vs_recompute"] == 2.0 for w in full.values())
+    assert all(w["ttft_followup_p99_vs_recompute"] == 0.25 for w in full.values())
+    assert all(w["build_and_warmup_seconds"] == 5.0 for w in full.values())
+    assert merged["device"] == device_description() and out.with_suffix(".png").exists()
+    assert "--merge" in merged["command"]
+
+    # Something else measured, or the same workload twice: refused, naming why.
+    other = json.loads(parts["full", "600"].read_text())
+    (tmp_path / "other.json").write_text(json.dumps(dict(other, device="another GPU")))
+    with pytest.raises(UsageError, match="device"):
+        bench_serve.main(["--merge", str(parts["full", "600"]), str(tmp_path / "other.json"),
+                          "--json", str(tmp_path / "x.json")])
+    with pytest.raises(UsageError, match="'full' at pool .* more than one report"):
+        bench_serve.main(["--merge", str(parts["full", "600"]), str(parts["full", "600"]),
+                          "--json", str(tmp_path / "y.json")])
+    with pytest.raises(UsageError, match="--merge needs --json"):
+        bench_serve.main(["--merge", str(parts["full", "600"])])
+    with pytest.raises(UsageError, match="cannot read"):
+        bench_serve.main(["--merge", str(tmp_path / "missing.json"), "--json",
+                          str(tmp_path / "z.json")])
