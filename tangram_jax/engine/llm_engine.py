@@ -208,6 +208,8 @@ class Engine(RequestIntake):
         self._child_of: dict[str, tuple[ParentRequest, int]] = {}
         self._next_id = 0
         self._in_flight: list[InFlightToken] = []
+        self._steps_dispatched = 0    # numbers the steps for the host tier's rate meter
+        self._in_flight_step = 0      # the step `_in_flight` came from
         self.tokens_processed = 0
         self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
@@ -355,16 +357,18 @@ class Engine(RequestIntake):
         token, was written to the cache, so a session's next turn need not prefill it).
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
-        self.host_pool.end_prefill_timing(time.perf_counter())
         out = self.scheduler.schedule()
         if out.is_empty:   # host moves of evictions that admitted nothing, or of closed sessions
             self._move_host_kv()
         in_flight = self._dispatch(out) if not out.is_empty else []
         if self.config.async_scheduling:
-            outputs = self._resolve(self._in_flight)
-            self._in_flight = in_flight
+            resolving, self._in_flight = self._in_flight, in_flight
+            resolved_step, self._in_flight_step = self._in_flight_step, self._steps_dispatched
         else:
-            outputs = self._resolve(in_flight)
+            resolving, resolved_step = in_flight, self._steps_dispatched
+        outputs = self._resolve(resolving)
+        if resolving:   # blocked on that step's tokens: every step up to it has finished
+            self.host_pool.steps_done(resolved_step, time.perf_counter())
         for seq in out.capped:   # ended by the scheduler: no KV room left to decode
             req = self._requests.pop(seq.request_id, None)
             if req is not None:
@@ -380,8 +384,9 @@ class Engine(RequestIntake):
         result = self.runner.execute(plan)
         prefill_tokens = sum(r.num_tokens for r in plan.prefill)
         self.tokens_processed += prefill_tokens + len(decode_reqs)
-        if prefill_tokens >= len(decode_reqs):   # mostly prefill: time it to the next step
-            self.host_pool.start_prefill_timing(prefill_tokens, started)
+        self._steps_dispatched += 1
+        self.host_pool.step_dispatched(self._steps_dispatched, prefill_tokens, len(decode_reqs),
+                                       started)
         for rid, entries in result.prompt_logprobs.items():
             self._requests[rid].prompt_lp.update(entries)
         for r in first_reqs:   # a family's children start from their parent's prompt entries

@@ -99,7 +99,11 @@ class HostKVPool:
         # Sessions holding a host copy -> its bytes, in the order they were swapped out.
         self._held: dict[object, int] = {}
         self._measured = {"host_bandwidth": False, "prefill_rate": False}
-        self._prefill_timing: tuple[int, float] | None = None
+        # Steps dispatched and not yet known finished (`step_dispatched`, `steps_done`):
+        # (step, prefill tokens, decode rows, dispatch time); when the host last saw the device
+        # done with everything it had been given.
+        self._undone: list[tuple[int, int, int, float]] = []
+        self._synced_at = float("-inf")
 
     # ----- accounting ------------------------------------------------------------------------
     @property
@@ -175,18 +179,27 @@ class HostKVPool:
         """A step of `num_tokens` prefill tokens took `seconds`."""
         self._observe("prefill_rate", num_tokens, seconds)
 
-    def start_prefill_timing(self, num_tokens: int, started: float) -> None:
-        """A step that was mostly `num_tokens` of prefill was dispatched at `started`; the
-        next step's start (`end_prefill_timing`) ends it. An estimate: under asynchronous
-        scheduling the next step starts once the host has waited for the step before this
-        one, about one step of device time later."""
-        self._prefill_timing = (int(num_tokens), float(started))
+    def step_dispatched(self, step: int, prefill_tokens: int, decode_rows: int,
+                        at: float) -> None:
+        """Step `step` (numbered in dispatch order) was queued on the device at `at`."""
+        self._undone.append((int(step), int(prefill_tokens), int(decode_rows), float(at)))
 
-    def end_prefill_timing(self, now: float) -> None:
-        if self._prefill_timing is not None:
-            tokens, started = self._prefill_timing
-            self.observe_prefill(tokens, now - started)
-            self._prefill_timing = None
+    def steps_done(self, step: int, at: float) -> None:
+        """The host saw at `at` that every step up to `step` has finished on the device (it
+        blocked on that step's tokens). The steps finished since the last such point measure
+        the prefill rate when they were mostly prefill: their prefill tokens over the time from
+        the later of that point and their first dispatch. Under asynchronous scheduling the
+        host learns of a step's end only when it fetches tokens, and a step of prefill chunks
+        alone has none, so a rate is taken over every step between two fetches, never from
+        one step's dispatch to the next (which, with the host running a step ahead, times the
+        step before it)."""
+        done = [d for d in self._undone if d[0] <= step]
+        self._undone = [d for d in self._undone if d[0] > step]
+        if done:
+            tokens = sum(d[1] for d in done)
+            if tokens >= sum(d[2] for d in done):     # mostly prefill
+                self.observe_prefill(tokens, at - max(self._synced_at, done[0][3]))
+        self._synced_at = float(at)
 
     def _observe(self, name: str, amount: float, seconds: float) -> None:
         if amount <= 0 or not seconds > 0:

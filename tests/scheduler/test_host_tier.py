@@ -139,6 +139,28 @@ def test_measured_rates_replace_the_priors_then_average():
     assert host.prefill_rate == HostKVPool(10, [1]).prefill_rate
 
 
+def test_prefill_rate_is_timed_from_device_completion_not_from_dispatch():
+    """The host runs a step ahead of the device: steps 1-3 (two prefill chunks with no
+    tokens to fetch, then a decode step) are dispatched within 20 ms; the host learns they
+    finished when it fetches step 3's tokens 2 s later. The rate is 2,000 tokens over those
+    2 s (not over the 10 ms between two dispatches); a window of decode steps measures
+    nothing; an idle host between windows does not count."""
+    host = HostKVPool(10, [1])
+    for step, (tokens, rows, at) in enumerate([(1000, 0, 0.0), (1000, 0, 0.01), (0, 4, 0.02)],
+                                              1):
+        host.step_dispatched(step, tokens, rows, at)
+    host.steps_done(3, at=2.0)
+    assert host.prefill_rate == pytest.approx(1000.0)
+    host.step_dispatched(4, 0, 8, 2.1)
+    host.steps_done(4, at=2.2)            # decode only: no measurement
+    assert host.prefill_rate == pytest.approx(1000.0)
+    host.step_dispatched(5, 3000, 2, 10.0)   # after 7.8 s of idle host
+    host.step_dispatched(6, 0, 2, 10.1)
+    host.steps_done(5, at=11.0)           # step 6 still under way: not counted yet
+    assert host.prefill_rate == pytest.approx(0.8 * 1000 + 0.2 * 3000)
+    assert [d[0] for d in host._undone] == [6]
+
+
 def test_queued_session_swapped_out_is_restored_at_admission_or_released_on_abort():
     """A session whose next turn is queued may be evicted too (decode growth takes queued
     sessions last): swapped, its admission restores it; aborted instead, its host copy goes."""
