@@ -275,7 +275,9 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
                / max(prefill_chunks, 1),
                "mean_fragmentation": total("fragmentation_sum") / max(total("samples"), 1),
                "peak_fragmentation": max(r.peak_fragmentation for r in recorders),
-               "peak_pool_utilisation": max(r.peak_utilisation for r in recorders)}
+               "peak_pool_utilisation": max(r.peak_utilisation for r in recorders),
+               # The rates the swap-or-recompute choice weighed at the end (first replica's).
+               "host_tier_rates": engines[0].host_pool.summary()}
         if len(engines) > 1:
             # Each replica's share: how evenly sessions, prefill and decode spread.
             row["replicas"] = [
