@@ -193,7 +193,7 @@ class Engine(RequestIntake):
             b * cfg.tensor_parallel_size for b in self.runner.tier_page_bytes])
         if self.host_pool.enabled:
             self.host_pool.observe_transfer(*time_host_copy(
-                self.device, min(16 << 20, rc.host_kv_cache_bytes)))
+                self.device, min(64 << 20, rc.host_kv_cache_bytes)))
         self.scheduler = Scheduler(self.manager, decode_buckets=buckets,
                                    max_num_batched_tokens=rc.max_num_batched_tokens,
                                    long_prefill_token_threshold=rc.long_prefill_token_threshold,

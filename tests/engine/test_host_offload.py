@@ -213,11 +213,13 @@ def test_host_budget_default_and_off(tiny_folder):
 
 @pytest.mark.parametrize("formats", [("bf16",), ("k8v4",), ("k8v4", "k4v2")])
 @pytest.mark.parametrize("settle", [True, False])
-def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
+@pytest.mark.parametrize("pinned", [True, False])
+def test_host_tier_moves_whole_pages_of_every_array(formats, settle, pinned):
     """`HostKVTier` on a pool of random contents: pages copied out and back into other page
     ids hold exactly what they held (codes, scales and zeros of quantised formats; each tier's
-    pool), whether the copy reached host memory first (numpy) or is still in flight (the same
-    step's gather); a dropped copy is gone; other pages are untouched."""
+    pool), whether the copy reached host memory first or is still in flight (the same step's
+    gather), kept in page-locked host memory (device arrays of memory kind pinned_host) or,
+    where a device has none, as numpy; a dropped copy is gone; other pages are untouched."""
     from tangram_jax import kv_quant
     from tangram_jax.engine.host_offload import HostKVTier
     from tangram_jax.scheduler.host_pool import HostTransfer
@@ -234,11 +236,18 @@ def test_host_tier_moves_whole_pages_of_every_array(formats, settle):
     src = tuple(np.array([3, 7, 1, 12], np.int32)[:4 - t] for t in range(len(formats)))
     dst = tuple(np.array([15, 2, 19, 5], np.int32)[:4 - t] for t in range(len(formats)))
     tier = HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert tier.host_sharding is not None      # the CPU backend has pinned host memory too
+    if not pinned:
+        tier.host_sharding = None
     moves = [HostTransfer("out", 1, src), HostTransfer("out", 2, src)]
     if settle:
         k, v = tier.apply(k, v, moves)
         tier.settle_all()
         assert tier.num_copies == 2 and tier.host_bytes > 0
+        kinds = {getattr(leaf, "sharding", None) and leaf.sharding.memory_kind
+                 for chunks in tier._copies[1] for _, rows in chunks
+                 for leaf in jax.tree.leaves(rows)}
+        assert kinds == ({"pinned_host"} if pinned else {None})
         k, v = tier.apply(k, v, [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
     else:
         k, v = tier.apply(k, v, moves + [HostTransfer("in", 1, dst), HostTransfer("drop", 2)])
