@@ -29,6 +29,18 @@ class AdmissionScheduling:
         priority = next((s for s in self.waiting if s.num_skips >= self.fairness_skips), None)
         candidates = [priority] if priority is not None else list(self.waiting)
         passed_over: list[Sequence] = []
+        # The fewest pages an earlier turn still waits for (passed over for pages, or waiting
+        # for a long-prefill slot): a turn behind it that needs as many would overtake it only
+        # by taking those pages (a session swapped to host memory takes its whole history's
+        # back: a short turn with a long turn's pages), so it waits its turn too; smaller ones
+        # go on.
+        blocked_at = None
+
+        def waits(s: Sequence) -> None:
+            nonlocal blocked_at
+            need = self._pages_needed(s)
+            blocked_at = need if blocked_at is None else min(blocked_at, need)
+
         for seq in candidates:
             if seq.status is not SequenceStatus.WAITING:
                 continue
@@ -40,14 +52,18 @@ class AdmissionScheduling:
             seq.plan_prefill()
             long = self._is_long(seq)
             if long and num_long >= self.max_long_partial_prefills:
+                waits(seq)
                 continue   # waits for a long turn to finish; not a skip (pages are not short)
             take = self._piece_size(seq, budget)
             if take == 0:   # less than a chunk left: only a turn that fits whole can start
                 continue
             if long and budget < self.layout.chunk_size:
                 continue
+            if blocked_at is not None and self._pages_needed(seq) >= blocked_at:
+                continue   # not a skip of its own: it waits behind a turn as large
             if not self._reserve(seq):
                 passed_over.append(seq)
+                waits(seq)
                 continue
             for other in passed_over:
                 other.num_skips += 1
@@ -72,9 +88,14 @@ class AdmissionScheduling:
                                and not self.sessions.num_evictable)
         return budget
 
-    def _reserve(self, seq: Sequence) -> bool:
-        """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
-        m = self.manager
+    def _pages_needed(self, seq: Sequence) -> int:
+        """Pages (all tiers) `seq`'s admission would take: its reservation, plus the pages of
+        its host copy for a swapped session; the same cached answer `_reserve` uses."""
+        self._reservation_need(seq)
+        return int(np.sum(seq.reservation_need[1]))
+
+    def _reservation_need(self, seq: Sequence):
+        """Pages per tier `seq`'s admission takes, computed once per cache and token state."""
         # A request that does not fit is tried again every step; what it needs changes only
         # with its cache (an eviction drops the slot) or its tokens, so it is computed once.
         # A family (parallel samples) is admitted whole: a slot per completion, and the pages
@@ -84,9 +105,16 @@ class AdmissionScheduling:
         held = seq.slot if seq.is_cached else seq.host_kv
         key = (seq.slot, id(seq.host_kv), seq.num_uncomputed_tokens, forks)
         if seq.reservation_need is None or seq.reservation_need[0] != key:
-            seq.reservation_need = (key, m.pages_to_reserve(held, self._plan(seq), forks))
+            seq.reservation_need = (key, self.manager.pages_to_reserve(held, self._plan(seq),
+                                                                       forks))
+        return seq.reservation_need[1]
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Slot + the turn's whole reservation, evicting idle sessions only if that suffices."""
+        m = self.manager
+        forks = len(seq.fork_children)
         # Page counts are per tier with precision tiers: every tier must have its pages.
-        need = seq.reservation_need[1]
+        need = self._reservation_need(seq)
         need_slots = (not seq.is_cached) + forks
         if np.any(m.num_free_pages < need) or m.num_free_slots < need_slots:
             # Victims are listed sessions: when all of them together are not enough, skip

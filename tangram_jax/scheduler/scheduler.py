@@ -28,7 +28,10 @@ One engine step is::
    one piece left; until then the turns behind it go first. A turn that does not fit the pool
    is passed over so smaller ones behind it can run, but each time it is overtaken its skip
    count grows; at `fairness_skips` it gets priority and nobody else is admitted until it
-   fits. Requests larger than the whole pool are rejected by `add_request`.
+   fits. Only smaller ones: a turn needing at least as many pages as an earlier one still
+   waiting (passed over, or waiting for a long-prefill slot) waits behind it (a session swapped
+   to host memory takes its history's pages back: a short turn with a long turn's pages).
+   Requests larger than the whole pool are rejected by `add_request`.
 4. Prefill of long turns, oldest admission first, each piece at most the threshold (vLLM's
    `long_prefill_token_threshold` / `max_long_partial_prefills`), from what is left.
 

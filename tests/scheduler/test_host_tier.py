@@ -202,3 +202,37 @@ def test_eviction_ranking_counts_the_cheaper_of_swap_and_recompute():
             assert cost == a.num_tokens
         assert s.sessions.eviction_score(a) == pytest.approx(
             m.pages_held(a.slot) * (0 + s.sessions.idle_prior_seconds) / max(1.0, cost))
+
+
+def test_a_swapped_session_does_not_take_the_pages_an_earlier_long_turn_waits_for():
+    """A follow-up of a swapped session is short to prefill but takes its whole history's
+    pages back. While a long first turn queued before it waits for a long-prefill slot, the
+    restore (needing at least its pages) waits behind it instead of taking those pages; a
+    turn needing fewer pages still goes ahead. (On the GPU, restores overtaking 32k first
+    turns this way tripled their TTFT.)"""
+    m = KVCacheManager(layout(), 80, 4, 96, model_kv_shape=(L, H, D))
+    host = HostKVPool(10**6, [PAGE_BYTES])
+    s = Scheduler(m, max_num_batched_tokens=64, decode_buckets=(1, 2, 4, 8), clock=lambda: 0.0,
+                  host=host, long_prefill_token_threshold=16, max_long_partial_prefills=1)
+    serve_turn(s, "a1", list(range(40)), "a", finish_after=3)
+    a = s.sessions.get("a")
+    crowd_out(s, "a", n=150)
+    assert a.is_swapped
+    s.add_request("first-1", list(range(48)))          # long: holds the one long slot
+    run_step(s, finish_after=50)
+    s.add_request("first-2", list(range(40)))          # long: waits for the slot
+    s.add_request("a2", [3] * 5, session_id="a")       # short, restores 22 pages + the turn's
+    s.add_request("tiny", list(range(4)))              # short and small
+    restore = m.pages_to_reserve(a.host_kv, [(5, True)])
+    assert restore >= m.pages_to_reserve(None, [(40, True)])
+    assert m.num_free_pages >= restore                 # it would fit: only the rule holds it
+    started = {}   # request -> the step its first piece ran in
+    for step in range(200):
+        if not s.has_unfinished():
+            break
+        out = run_step(s, finish_after=2)
+        started.update({c.seq.request_id: step for c in out.prefill_chunks
+                        if c.start == c.seq.turn_start})
+    assert not s.has_unfinished()
+    assert started["tiny"] < started["first-2"] <= started["a2"]
+    assert s.metrics.num_swapped_in == 1
