@@ -24,17 +24,23 @@ def model_config(shape: dict):
                        eos_token_ids=(128001,), **shape)
 
 
-def random_model_config(name: str):
-    """The `ModelConfig` of a random model name (`RANDOM_8B` or `RANDOM_TINY`)."""
+def random_model_config(name: str, num_layers: int | None = None):
+    """The `ModelConfig` of a random model name (`RANDOM_8B` or `RANDOM_TINY`), with
+    `num_layers` layers instead of the shape's where given (checks of per-layer paths at the
+    real widths that need not pay for every layer)."""
     shapes = {RANDOM_8B: LLAMA_8B, RANDOM_TINY: TINY}
     if name not in shapes:
         raise ValueError(f"random model must be one of {tuple(shapes)}, got {name!r}")
-    return model_config(shapes[name])
+    if num_layers is not None and not (isinstance(num_layers, int) and num_layers >= 1):
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    return model_config(dict(shapes[name], num_layers=num_layers or shapes[name]["num_layers"]))
 
 
-def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0):
-    """A `LoadedModel` of `name` (`RANDOM_8B` or `RANDOM_TINY`) with random weights, and a
-    word-level tokenizer over its ids (``t0`` .. ``t{vocab-1}``)."""
+def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
+                 num_layers: int | None = None):
+    """A `LoadedModel` of `name` (`RANDOM_8B` or `RANDOM_TINY`; `num_layers` as in
+    `random_model_config`) with random weights, and a word-level tokenizer over its ids
+    (``t0`` .. ``t{vocab-1}``)."""
     import jax.numpy as jnp
     import tokenizers
     from flax import nnx
@@ -44,7 +50,7 @@ def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0):
     from tangram_jax.models.registry import LoadedModel
     from tangram_jax.models.tokenizer import Tokenizer
 
-    config = random_model_config(name)
+    config = random_model_config(name, num_layers)
     model = Decoder(config, jnp.dtype(dtype), rngs=nnx.Rngs(seed))
     backend = tokenizers.Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
