@@ -7,6 +7,8 @@ through vLLM's CPU backend on the same sessions and KV bytes; one JSON and one P
     # GPU, Llama-3.1-8B shape with random bf16 weights built on the device:
     tangram-jax bench serve -- --model random-llama-8b --classes mid,long --sessions 16 \
         --rates 0.05,0.1 --kv-cache-tokens 400000
+    # configurations run apart (one a GPU: benchmarks/serve_per_gpu.sh), then one report:
+    tangram-jax bench serve -- --merge a.json b.json --json both.json
 """
 
 from __future__ import annotations
