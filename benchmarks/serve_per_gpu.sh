@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# `tangram-jax bench serve` with its configurations spread over this host's GPUs: one process a
-# GPU (CUDA_VISIBLE_DEVICES), each serving its share of the configurations (round-robin) into
-# its own report, then one report merged from them (`bench serve --merge`). Device time
-# counts the machine, not its GPUs: four configurations on four GPUs cost one's wall time.
+# `tangram-jax bench serve` with its configurations spread over this host's GPUs, one merged report.
+#
+# One process a GPU (CUDA_VISIBLE_DEVICES), each serving its share of the configurations
+# (round-robin) into its own report, then one report merged from them (`bench serve --merge`).
+# Device time counts the machine, not its GPUs: four configurations on four GPUs cost one's
+# wall time.
 # The configurations share the host (CPU, PCIe root, host memory); the merged report says so
 # in its `merged_from` commands.
 #
