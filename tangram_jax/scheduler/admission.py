@@ -91,8 +91,7 @@ class AdmissionScheduling:
     def _pages_needed(self, seq: Sequence) -> int:
         """Pages (all tiers) `seq`'s admission would take: its reservation, plus the pages of
         its host copy for a swapped session; the same cached answer `_reserve` uses."""
-        self._reservation_need(seq)
-        return int(np.sum(seq.reservation_need[1]))
+        return int(np.sum(self._reservation_need(seq)))
 
     def _reservation_need(self, seq: Sequence):
         """Pages per tier `seq`'s admission takes, computed once per cache and token state."""
