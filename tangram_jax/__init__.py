@@ -3,7 +3,12 @@
     from tangram_jax import LLM, SamplingParams
 """
 
+from tangram_jax.host_memory import let_pinned_pool_reach_host_memory
 from tangram_jax.version import __version__
+
+# Before any JAX backend starts: the host KV tier's budget may exceed XLA's default cap on
+# page-locked host memory (64 GiB a GPU).
+let_pinned_pool_reach_host_memory()
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "RequestOutput"]
 

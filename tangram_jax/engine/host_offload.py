@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import jax
 import numpy as np
 
 from tangram_jax import kv_quant
+from tangram_jax.host_memory import PINNED_LIMIT_ENV
 from tangram_jax.pallas_kernels import backend
 
 
@@ -91,6 +93,7 @@ class HostKVTier:
         self.host_sharding = pinned_host_sharding(sharding)
         self._copies: dict[int, list[tuple[int, object]]] = {}
         self._in_flight: set[int] = set()
+        self._warned_pinned_full = False
 
     @property
     def num_copies(self) -> int:
@@ -114,8 +117,9 @@ class HostKVTier:
             if t.kind == "out":
                 self._copies[t.handle] = [self._copy_out(pool, ids)
                                           for pool, ids in zip(pools, t.pages)]
-                if self.host_sharding is None:
-                    self._in_flight.add(t.handle)
+                if any(not _pinned(rows) for tier in self._copies[t.handle]
+                       for _, rows in tier):
+                    self._in_flight.add(t.handle)   # to settle as numpy once it lands
             elif t.kind == "in":
                 copy = self._take(t.handle)
                 pools = [self._copy_in(pool, ids, chunks)
@@ -143,12 +147,30 @@ class HostKVTier:
             padded[:len(part)] = part
             rows = _gather(pool, padded)
             if self.host_sharding is not None:   # stays padded; no host copy to settle
-                rows = jax.device_put(rows, self.host_sharding)
-            else:
+                rows = self._put_pinned(rows)
+            if not _pinned(rows):
                 for leaf in jax.tree.leaves(rows):
                     leaf.copy_to_host_async()
             chunks.append((len(part), rows))
         return chunks
+
+    def _put_pinned(self, rows):
+        """`rows` moved to page-locked host memory; `rows` themselves (a device array, to be
+        copied to pageable memory) where XLA's pinned pool is full: nothing is lost, the copy
+        costs a host-side copy when it settles and a put from pageable memory on its way back."""
+        try:
+            return jax.device_put(rows, self.host_sharding)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            if not self._warned_pinned_full:
+                self._warned_pinned_full = True
+                warnings.warn(
+                    f"host KV tier: XLA's page-locked host pool is full ({e}); copies that do "
+                    f"not fit are kept in pageable memory (slower swaps). Set "
+                    f"{PINNED_LIMIT_ENV} (GiB a device) above host_kv_cache_bytes before JAX "
+                    f"starts, or lower host_kv_cache_bytes.", RuntimeWarning, stacklevel=2)
+            return rows
 
     def _copy_in(self, pool, ids: np.ndarray, chunks: list[tuple[int, object]]):
         """Scatter a copy's chunks into pages `ids` of `pool` (as many as it holds)."""
@@ -211,6 +233,12 @@ def swap_lowerings(k_pages, v_pages, sharding, max_pages: int) -> list[tuple]:
             programs.append((SWAP_PROGRAMS[1], dict(tier=tier, pages=size),
                              functools.partial(_scatter.lower, pool, ids, rows)))
     return programs
+
+
+def _pinned(rows) -> bool:
+    """Whether a chunk's rows are held in page-locked host memory."""
+    return all(isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == "pinned_host"
+               for leaf in jax.tree.leaves(rows))
 
 
 def pinned_host_sharding(sharding):

@@ -289,3 +289,62 @@ def test_a_long_session_moves_in_bounded_chunks(monkeypatch):
     sizes = {key["pages"] for name, key, _ in host_offload.swap_lowerings(
         k, v, jax.sharding.SingleDeviceSharding(jax.devices()[0]), 64)}
     assert sizes == {8}
+
+
+def test_a_full_pinned_pool_keeps_copies_in_pageable_memory(monkeypatch):
+    """When XLA's page-locked host pool is full (its cap, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB,
+    below the host budget: the GPU run that found it crashed the engine), the chunks that do
+    not fit are kept in pageable memory: one warning naming the setting, and the session is
+    restored exactly, chunks of both kinds."""
+    from tangram_jax import kv_quant
+    from tangram_jax.engine import host_offload
+    from tangram_jax.scheduler.host_pool import HostTransfer
+    rng = np.random.default_rng(2)
+    k, v = kv_quant.allocate_pools(
+        [kv_quant.page_format("bf16")], [64], (2, 4, 16), jnp.bfloat16,
+        make=lambda shape, dtype: jnp.asarray(rng.normal(size=shape), dtype))
+    page_bytes = sum(leaf.nbytes // 64 for leaf in jax.tree.leaves((k, v)))
+    monkeypatch.setattr(host_offload, "CHUNK_BYTES", 8 * page_bytes)
+    before = jax.tree.map(np.asarray, (k, v))
+    tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert tier.host_sharding is not None
+    real_put, puts = jax.device_put, []
+
+    def put(x, sharding=None, **kw):   # the pinned pool holds one chunk, then is full
+        if sharding is tier.host_sharding:
+            puts.append(1)
+            if len(puts) > 1:
+                raise jax.errors.JaxRuntimeError(
+                    "RESOURCE_EXHAUSTED: Out of host memory while trying to allocate 128.00MiB "
+                    "with allocator xla_gpu_host_bfc on device 0.")
+        return real_put(x, sharding, **kw)
+    monkeypatch.setattr(jax, "device_put", put)
+    src, dst = np.arange(1, 22, dtype=np.int32), np.arange(63, 42, -1, dtype=np.int32)
+    with pytest.warns(RuntimeWarning, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB") as caught:
+        k, v = tier.apply(k, v, [HostTransfer("out", 1, (src,))])
+    assert len(caught) == 1 and len(puts) == 3
+    kinds = [host_offload._pinned(rows) for _, rows in tier._copies[1][0]]
+    assert kinds == [True, False, False]
+    tier.settle_all()
+    assert all(isinstance(leaf, np.ndarray) for _, rows in tier._copies[1][0]
+               for leaf in jax.tree.leaves(rows))
+    k, v = tier.apply(k, v, [HostTransfer("in", 1, (dst,))])
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, (k, v)))):
+        np.testing.assert_array_equal(b[dst], a[src])
+
+
+def test_import_raises_the_pinned_pool_cap_to_host_memory(monkeypatch):
+    """`let_pinned_pool_reach_host_memory` sets XLA's pinned-pool cap to the machine's memory
+    where that exceeds XLA's 64 GiB default, and never overrides a cap the user set."""
+    from tangram_jax import host_memory
+    monkeypatch.delenv(host_memory.PINNED_LIMIT_ENV, raising=False)
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 512 << 30)
+    host_memory.let_pinned_pool_reach_host_memory()
+    assert host_memory.pinned_pool_limit_bytes() == 512 << 30
+    monkeypatch.setenv(host_memory.PINNED_LIMIT_ENV, "100")
+    host_memory.let_pinned_pool_reach_host_memory()
+    assert host_memory.pinned_pool_limit_bytes() == 100 << 30
+    monkeypatch.delenv(host_memory.PINNED_LIMIT_ENV)
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 32 << 30)
+    host_memory.let_pinned_pool_reach_host_memory()   # below XLA's default: left alone
+    assert host_memory.pinned_pool_limit_bytes() == 64 << 30
