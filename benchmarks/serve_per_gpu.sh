@@ -2,7 +2,8 @@
 # `tangram-jax bench serve` with its configurations spread over this host's GPUs, one merged report.
 #
 # One process a GPU (CUDA_VISIBLE_DEVICES), each serving its share of the configurations
-# (round-robin) into its own report, then one report merged from them (`bench serve --merge`).
+# (round-robin) into its own report and log under OUT's name with `.parts/` (beside OUT: only
+# OUT and its plot sit in OUT's folder), then one report merged from them (`bench serve --merge`).
 # Device time counts the machine, not its GPUs: four configurations on four GPUs cost one's
 # wall time.
 # The configurations share the host (CPU, PCIe root, host memory); the merged report says so
@@ -22,21 +23,23 @@ IFS=, read -ra configs <<< "$variants"
 ngpu=$(nvidia-smi -L | wc -l)
 (( ngpu >= 1 )) || { echo "$0: no GPU visible" >&2; exit 2; }
 nproc=$(( ${#configs[@]} < ngpu ? ${#configs[@]} : ngpu ))
+partdir="${out%.json}.parts"
+mkdir -p "$partdir"
 parts=(); pids=()
 for (( g = 0; g < nproc; g++ )); do
   share=()
   for (( i = g; i < ${#configs[@]}; i += nproc )); do share+=("${configs[i]}"); done
-  part="${out%.json}.gpu$g.json"
+  part="$partdir/gpu$g.json"
   parts+=("$part")
   CUDA_VISIBLE_DEVICES=$g python3 -u -m tangram_jax.cli bench serve -- "$@" \
       --variants "$(IFS=,; echo "${share[*]}")" --json "$part" --resume \
-      > "${out%.json}.gpu$g.log" 2>&1 &
+      > "$partdir/gpu$g.log" 2>&1 &
   pids+=($!)
 done
 status=0
 for g in "${!pids[@]}"; do
   if ! wait "${pids[g]}"; then
-    echo "$0: GPU $g's run failed (log: ${out%.json}.gpu$g.log)" >&2; status=1
+    echo "$0: GPU $g's run failed (log: $partdir/gpu$g.log)" >&2; status=1
   fi
 done
 have=(); for p in "${parts[@]}"; do [[ -s $p ]] && have+=("$p"); done
