@@ -7,8 +7,9 @@ the copy, and overwrites every page of the pool: the next turn can only read the
 history from the host copy. Then the same turns as a new session that never leaves the pool.
 The greedy tokens of every turn must be equal. Random bf16 weights of the Llama-3.1-8B shape
 built on the device, `--layers` of them (the pages, heads and page formats are the 8B's; the
-layer count only multiplies the same copies). Also reports the bytes a swap moved and the time
-of each copy out and back (blocking on it, unlike serving).
+layer count only multiplies the same copies). Also reports the bytes a swap moved, the time
+of each copy out and back (blocking on it, unlike serving) and how long starting the copy out
+held the step loop (`copy_out_dispatch_s`).
 
     python benchmarks/swap_check_gpu.py --layers 4 --out /tmp/swap_check.json
     python benchmarks/swap_check_gpu.py --model random-tiny --context 600   # CPU smoke run
@@ -44,9 +45,10 @@ def conversation(engine, session: str, turns: list[list[int]], swap: bool, answe
                 raise RuntimeError(f"{session}: the eviction did not swap")
             t0 = time.perf_counter()
             engine._move_host_kv()
+            dispatched = time.perf_counter() - t0   # what the step loop waits for
             engine.runner.host_tier.settle_all()
             outs.append((engine.scheduler.metrics.swapped_out_bytes - before,
-                         time.perf_counter() - t0))
+                         time.perf_counter() - t0, dispatched))
             runner = engine.runner
             runner.k_pages, runner.v_pages = jax.tree.map(
                 lambda x: jax.device_put(jnp.full_like(x, 3), x.sharding),
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="full,tangram,tangram+k8v4,tangram+k8v4-k4v2")
     parser.add_argument("--context", type=int, default=8192, help="first turn's tokens")
     parser.add_argument("--answer", type=int, default=16, help="greedy tokens a turn")
+    parser.add_argument("--host-gib", type=float, default=8.0,
+                        help="the host tier's budget (GiB; a swap needs one session's KV)")
     parser.add_argument("--out", default=None)
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(EngineConfig(
             model=lambda: random_model(args.model, num_layers=args.layers), max_num_seqs=4,
             kv_cache_tokens=4 * (args.context + 512), max_model_len=args.context + 512,
-            host_kv_cache_bytes=8 << 30, **fields))
+            host_kv_cache_bytes=int(args.host_gib * (1 << 30)), **fields))
         build = time.perf_counter() - t0
         swapped = conversation(engine, "swapped", turns, True, args.answer)
         kept = conversation(engine, "kept", turns, False, args.answer)
@@ -112,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         ok &= same
         row = {"variant": variant, "identical": same, "build_s": build,
                "swapped_answers": swapped["answers"], "kept_answers": kept["answers"],
-               "copy_out_bytes": [b for b, _ in swapped["copy_out"]],
-               "copy_out_s": [s for _, s in swapped["copy_out"]],
-               "copy_out_gb_per_s": [b / s / 1e9 for b, s in swapped["copy_out"]],
+               "copy_out_bytes": [b for b, _, _ in swapped["copy_out"]],
+               "copy_out_s": [s for _, s, _ in swapped["copy_out"]],
+               "copy_out_dispatch_s": [d for _, _, d in swapped["copy_out"]],
+               "copy_out_gb_per_s": [b / s / 1e9 for b, s, _ in swapped["copy_out"]],
                "first_step_after_restore_s": swapped["copy_back_first_step_s"],
                "host_tier_rates": engine.host_pool.summary(),
                "swapped_in": engine.scheduler.metrics.num_swapped_in}
         rows.append(row)
         print(f"{variant}: {'identical' if same else 'DIFFERENT'} over {len(turns)} turns; "
-              f"copy out {row['copy_out_bytes']} B in {[f'{s:.3f}' for s in row['copy_out_s']]} s; "
+              f"copy out {row['copy_out_bytes']} B in {[f'{s:.3f}' for s in row['copy_out_s']]} s "
+              f"(dispatch {[f'{s:.3f}' for s in row['copy_out_dispatch_s']]} s); "
               f"first step after restore {[f'{s:.3f}' for s in row['first_step_after_restore_s']]}"
               f" s; built in {build:.1f} s", flush=True)
         del engine
