@@ -49,6 +49,8 @@ def conversation(engine, session: str, turns: list[list[int]], swap: bool, answe
             engine.runner.host_tier.settle_all()
             outs.append((engine.scheduler.metrics.swapped_out_bytes - before,
                          time.perf_counter() - t0, dispatched))
+            print(f"  {session} turn {i}: copy out {outs[-1][0]} B in {outs[-1][1]:.3f} s "
+                  f"(dispatch {dispatched:.3f} s)", flush=True)
             runner = engine.runner
             runner.k_pages, runner.v_pages = jax.tree.map(
                 lambda x: jax.device_put(jnp.full_like(x, 3), x.sharding),
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         engine = Engine(EngineConfig(
             model=lambda: random_model(args.model, num_layers=args.layers), max_num_seqs=4,
-            kv_cache_tokens=4 * (args.context + 512), max_model_len=args.context + 512,
+            kv_cache_tokens=2 * (args.context + 512), max_model_len=args.context + 512,
             host_kv_cache_bytes=int(args.host_gib * (1 << 30)), **fields))
         build = time.perf_counter() - t0
         swapped = conversation(engine, "swapped", turns, True, args.answer)
