@@ -124,13 +124,16 @@ def main(argv: list[str] | None = None) -> int:
                "copy_out_gb_per_s": [b / s / 1e9 for b, s, _ in swapped["copy_out"]],
                "first_step_after_restore_s": swapped["copy_back_first_step_s"],
                "host_tier_rates": engine.host_pool.summary(),
+               "pinned_ahead_bytes": engine.runner.host_tier.pinned_bytes,
+               "pinned_ahead_s": engine.runner.host_tier.pin_seconds,
                "swapped_in": engine.scheduler.metrics.num_swapped_in}
         rows.append(row)
         print(f"{variant}: {'identical' if same else 'DIFFERENT'} over {len(turns)} turns; "
               f"copy out {row['copy_out_bytes']} B in {[f'{s:.3f}' for s in row['copy_out_s']]} s "
               f"(dispatch {[f'{s:.3f}' for s in row['copy_out_dispatch_s']]} s); "
               f"first step after restore {[f'{s:.3f}' for s in row['first_step_after_restore_s']]}"
-              f" s; built in {build:.1f} s", flush=True)
+              f" s; built in {build:.1f} s; pinned ahead {row['pinned_ahead_bytes']} B in "
+              f"{row['pinned_ahead_s']} s", flush=True)
         del engine
         gc.collect()
         jax.clear_caches()

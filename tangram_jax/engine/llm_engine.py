@@ -143,6 +143,8 @@ class Engine(RequestIntake):
                                        split_map=cfg.split_map),
             pool_format=rc.pool_format)
         del loaded
+        # Page-lock the host tier's memory while the programs compile (`pin_host_memory`).
+        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes)
         self.memory_plan: memory.PoolPlan | None = None
         pool = memory.pool_by_bytes(self.runner, self.layout, self.max_model_len)
         warm = cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas")

@@ -348,3 +348,18 @@ def test_import_raises_the_pinned_pool_cap_to_host_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 32 << 30)
     host_memory.let_pinned_pool_reach_host_memory()   # below XLA's default: left alone
     assert host_memory.pinned_pool_limit_bytes() == 64 << 30
+
+
+def test_host_memory_is_pinned_ahead_of_the_swaps(monkeypatch):
+    """`pin_host_memory` grows the pinned pool by the budget in a background thread (so the
+    step loop never page-locks memory inside a copy out), a chunk at a time, holding nothing
+    afterwards; off the GPU, and with no budget, it does nothing."""
+    from tangram_jax.engine import host_offload
+    monkeypatch.setattr(host_offload, "CHUNK_BYTES", 1 << 20)
+    tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert tier.pin_host_memory(8 << 20) is None          # the CPU backend: nothing pinned
+    tier.pin_everywhere = True
+    assert tier.pin_host_memory(0) is None
+    thread = tier.pin_host_memory((5 << 20) + 1, wait=True)
+    assert not thread.is_alive() and tier.pinned_bytes == 6 << 20
+    assert tier.pin_seconds is not None and tier.num_copies == 0
