@@ -176,7 +176,9 @@ class HostKVTier:
             t0 = time.perf_counter()
             for device in devices:
                 target = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-                block = jax.device_put(np.zeros(min(CHUNK_BYTES, share), np.uint8), device)
+                # From host memory: a device buffer would take device memory while the pool
+                # is being sized.
+                block = np.zeros(min(CHUNK_BYTES, share), np.uint8)
                 held = []
                 try:
                     while len(held) * block.nbytes < share:
