@@ -348,112 +348,112 @@ def step_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
         seeds.astype(jnp.uint32), steps.astype(jnp.int32))
 
 
-# Padding of the token-id arrays of `LogitsAdjust`: out of every vocabulary's range, so the
-# scatters that read them drop it.
-PAD_TOKEN = _INT32_MAX
-# In `LogitsAdjust.output_ids`: the row's input token of this decode step (the token the previous
-# step sampled, which the host has not fetched yet: it is on the device, see `adjust_logits`).
-INPUT_TOKEN = -1
+# A slot's penalty row (`SlotState.penalties`, int32 [vocab]): how many times the completion
+# holds each token (low bits), and two flags: the token is in the prompt (the repetition
+# penalty counts it) or is EOS / a stop token (masked while the completion is under min_tokens).
+COUNT_MASK = (1 << 29) - 1
+STOP_BIT = 1 << 29
+PROMPT_BIT = 1 << 30
+
+
+class SlotState(NamedTuple):
+    """What the device keeps per block-table row (slot) between steps, so the host can schedule
+    the next step before it has seen this one's tokens.
+
+    tokens: int32 [slots] each slot's last sampled token (a decode step's input);
+    penalties: int32 [slots, vocab] each slot's penalty row (`penalty_row`): every sampled
+    token is counted in the graph (`record_tokens`); a request that adjusts its logits has its
+    row written from its host ids when it first samples in a slot (`write_penalty_row`)."""
+
+    tokens: jax.Array
+    penalties: jax.Array
+
+
+def record_tokens(state: SlotState, slots: jax.Array, tokens: jax.Array) -> SlotState:
+    """`state` after the rows in `slots` [B] sampled `tokens` [B] (padding rows: a slot never
+    read)."""
+    return SlotState(state.tokens.at[slots].set(tokens),
+                     state.penalties.at[slots, tokens].add(1, mode="drop"))
+
+
+def penalty_row(vocab: int, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                stop_ids: Sequence[int]) -> np.ndarray:
+    """int32 [vocab]: the penalty row of a completion (counts of `output_ids`, `PROMPT_BIT` of
+    `prompt_ids`, `STOP_BIT` of `stop_ids`); ids outside the vocabulary are ignored."""
+    ids = lambda x: (lambda a: a[(a >= 0) & (a < vocab)])(np.asarray(x, np.int64).reshape(-1))
+    row = np.minimum(np.bincount(ids(output_ids), minlength=vocab), COUNT_MASK).astype(np.int32)
+    row[ids(prompt_ids)] |= PROMPT_BIT
+    row[ids(stop_ids)] |= STOP_BIT
+    return row
 
 
 class LogitsAdjust(NamedTuple):
-    """Per-row changes to the logits before a token is chosen (penalties, min_tokens, min_p):
-    arrays of one step's rows, built on the host by `logits_adjust_arrays`.
+    """Per-row changes to the logits before a token is chosen (penalties, min_tokens, min_p),
+    built on the host by `logits_adjust_arrays`; the tokens they count are the rows' penalty
+    rows on the device (`SlotState.penalties`).
 
     presence, frequency, repetition, min_p: float32 [B] (0, 0, 1, 0 change nothing);
-    prompt_ids: int32 [B, Lp] the prompt's tokens (the repetition penalty counts them);
-    output_ids: int32 [B, Lo] the completion's tokens so far (`INPUT_TOKEN`: the step's input
-      token, not yet on the host); stop_ids: int32 [B, S] EOS and stop tokens, masked while
-      `suppress_stop` (bool [B]: the completion is shorter than min_tokens). Token arrays are
-      padded with `PAD_TOKEN`.
+    suppress_stop: bool [B] the completion is shorter than min_tokens (EOS and stop tokens
+    masked).
     """
 
     presence: jax.Array
     frequency: jax.Array
     repetition: jax.Array
     min_p: jax.Array
-    prompt_ids: jax.Array
-    output_ids: jax.Array
-    stop_ids: jax.Array
     suppress_stop: jax.Array
 
 
-def _padded_width(n: int) -> int:
-    """Columns of a token-id array holding n ids: a power of two >= 16 (few shapes compile)."""
-    return max(16, 1 << max(0, int(n) - 1).bit_length())
-
-
-def _id_matrix(rows: int, ids: Sequence[Sequence[int]]) -> np.ndarray:
-    out = np.full((rows, _padded_width(max((len(x) for x in ids), default=0))), PAD_TOKEN,
-                  np.int32)
-    for i, x in enumerate(ids):
-        out[i, :len(x)] = x
-    return out
-
-
-def logits_adjust_arrays(params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
-                         output_ids: Sequence[Sequence[int]],
-                         stop_ids: Sequence[Sequence[int]], rows: int) -> LogitsAdjust:
+def logits_adjust_arrays(params: Sequence[SamplingParams], output_lengths: Sequence[int],
+                         rows: int) -> LogitsAdjust:
     """Host arrays of a `LogitsAdjust` for `rows` rows, the first ``len(params)`` of them these
-    requests' (padding rows change nothing). Per request: its prompt's tokens (used only with a
-    repetition penalty), its completion so far (`INPUT_TOKEN` where the host does not know a
-    token yet) and the token ids min_tokens masks."""
+    requests' (whose completions hold `output_lengths` tokens; padding rows change nothing)."""
     n = len(params)
-    presence = np.zeros(rows, np.float32)
-    frequency = np.zeros(rows, np.float32)
-    repetition = np.ones(rows, np.float32)
-    min_p = np.zeros(rows, np.float32)
-    suppress = np.zeros(rows, bool)
-    presence[:n] = [p.presence_penalty for p in params]
-    frequency[:n] = [p.frequency_penalty for p in params]
-    repetition[:n] = [p.repetition_penalty for p in params]
-    min_p[:n] = [p.min_p for p in params]
-    counted = [p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-               for p in params]
-    suppress[:n] = [p.min_tokens > len(out) for p, out in zip(params, output_ids)]
-    return LogitsAdjust(
-        presence, frequency, repetition, min_p,
-        _id_matrix(rows, [ids if p.repetition_penalty != 1 else ()
-                          for p, ids in zip(params, prompt_ids)]),
-        _id_matrix(rows, [ids if c else () for c, ids in zip(counted, output_ids)]),
-        _id_matrix(rows, [ids if s else () for s, ids in zip(suppress, stop_ids)]),
-        suppress)
+    adjust = neutral_adjust(rows)
+    adjust.presence[:n] = [p.presence_penalty for p in params]
+    adjust.frequency[:n] = [p.frequency_penalty for p in params]
+    adjust.repetition[:n] = [p.repetition_penalty for p in params]
+    adjust.min_p[:n] = [p.min_p for p in params]
+    adjust.suppress_stop[:n] = [p.min_tokens > k for p, k in zip(params, output_lengths)]
+    return adjust
 
 
-def adjust_logits(logits: jax.Array, adjust: LogitsAdjust,
-                  input_tokens: jax.Array | None = None) -> jax.Array:
+def neutral_adjust(rows: int) -> LogitsAdjust:
+    """A `LogitsAdjust` of `rows` rows that changes nothing (host arrays)."""
+    return LogitsAdjust(np.zeros(rows, np.float32), np.zeros(rows, np.float32),
+                        np.ones(rows, np.float32), np.zeros(rows, np.float32),
+                        np.zeros(rows, bool))
+
+
+def adjust_logits(logits: jax.Array, adjust: LogitsAdjust, penalties: jax.Array) -> jax.Array:
     """The logits [B, V] after min_tokens' mask and the three penalties (vLLM's rules):
     repetition divides positive / multiplies negative logits of every token in the prompt or the
     output; frequency subtracts ``penalty * count`` and presence ``penalty`` for every token the
     output holds; EOS and stop tokens are -inf while a row is under min_tokens.
-    input_tokens: int32 [B], what `INPUT_TOKEN` entries stand for (None: there are none)."""
-    batch, vocab = logits.shape
-    rows = jnp.arange(batch)[:, None]
-    out_ids = adjust.output_ids
-    fill = PAD_TOKEN if input_tokens is None else input_tokens[:, None].astype(jnp.int32)
-    out_ids = jnp.where(out_ids == INPUT_TOKEN, fill, out_ids)
-    # Negative ids would wrap around in a scatter: every pad is far out of range instead.
-    counts = jnp.zeros((batch, vocab), jnp.int32).at[rows, out_ids].add(1, mode="drop")
-    in_prompt = jnp.zeros((batch, vocab), bool).at[rows, adjust.prompt_ids].set(True, mode="drop")
-    seen = in_prompt | (counts > 0)
+    penalties: int32 [B, V] the rows' penalty rows (`penalty_row`)."""
+    counts = penalties & COUNT_MASK
+    seen = ((penalties & PROMPT_BIT) != 0) | (counts > 0)
     rep = adjust.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = (logits - adjust.frequency[:, None] * counts
               - adjust.presence[:, None] * (counts > 0).astype(logits.dtype))
-    stop = jnp.zeros((batch, vocab), bool).at[rows, adjust.stop_ids].set(True, mode="drop")
+    stop = (penalties & STOP_BIT) != 0
     return jnp.where(stop & adjust.suppress_stop[:, None], -jnp.inf, logits)
 
 
 @jax.jit
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, keys: jax.Array, adjust: LogitsAdjust | None = None,
-                  input_tokens: jax.Array | None = None) -> jax.Array:
+                  penalties: jax.Array | None = None) -> jax.Array:
     """Choose one token per row.
 
     logits: [B, V] float32; temperature: [B] f32 (0 = greedy); top_k: [B] int32 (<= 0 disables);
     top_p: [B] f32 in (0, 1]; keys: [B, 2] raw PRNG keys (or [B] typed keys), one per row;
-    adjust: penalties, min_tokens and min_p of the rows (None: none asked for; a separately
-    compiled variant); input_tokens: [B] for `adjust_logits`. Returns [B] int32.
+    adjust: penalties, min_tokens and min_p of the rows (None: none asked for); penalties:
+    int32 [B, V] the rows' penalty rows (`adjust_logits`; needed with `adjust`), or (table
+    [slots, V], slots [B]) to gather them only when a row adjusts. The engine's steps always
+    pass both (rows that change nothing are skipped at run time: one program serves every
+    mix). Returns [B] int32.
 
     vLLM's order: the penalties and min_tokens change the logits (greedy rows take their
     argmax), then temperature, min-p, top-k and top-p. All filters work on one descending sort
@@ -461,7 +461,11 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """
     logits = logits.astype(jnp.float32)
     if adjust is not None:
-        logits = adjust_logits(logits, adjust, input_tokens)
+        active = ((adjust.presence != 0) | (adjust.frequency != 0) | (adjust.repetition != 1)
+                  | adjust.suppress_stop)
+        rows = lambda: penalties[0][penalties[1]] if isinstance(penalties, tuple) else penalties
+        logits = jax.lax.cond(jnp.any(active),
+                              lambda: adjust_logits(logits, adjust, rows()), lambda: logits)
         min_p = adjust.min_p
     else:
         min_p = jnp.zeros_like(temperature)

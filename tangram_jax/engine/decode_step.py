@@ -1,7 +1,7 @@
 """The runner's decode programs, the mixed step, and token sampling.
 
 `DecodeSteps` is the half of `ModelRunner` that produces tokens: `decode` (one token for a
-padded bucket of sequences, its input read from the device's `slot_tokens`, attention split by
+padded bucket of sequences, its input read from the device's `slot_state`, attention split by
 the bucket's AOT split map), the mixed step of the CPU path (prefill rows and decode rows as
 one program: `_run_mixed`, `_mixed_impl`), and `sample` (the first token of prompts that
 ended). `decode_split_map(s)` build the split maps the decode kernel is compiled with;
@@ -27,8 +27,9 @@ from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.decode_pools import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
                                                   uniform_split_map)
-from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, sample_tokens,
-                                  step_keys, token_logprobs)
+from tangram_jax.sampling import (LogitsAdjust, SlotState, TokenLogprobs, force_tokens,
+                                  neutral_adjust, record_tokens, sample_tokens, step_keys,
+                                  token_logprobs)
 
 
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
@@ -100,21 +101,22 @@ class DecodeSteps:
                ) -> jax.Array | tuple[jax.Array, TokenLogprobs]:
         """One decode step for a padded batch (the bucket is `len(slots)`).
 
-        Each row's input token is its slot's last sampled token (`slot_tokens`, on the device),
-        and the token sampled here replaces it, so nothing waits for the host.
+        Each row's input token is its slot's last sampled token (`slot_state`, on the device),
+        and the token sampled here replaces it (and is counted in the slot's penalty row), so
+        nothing waits for the host.
         positions: int [B] position of each row's input token; slots: int [B] rows of the block
         table (padded rows: the manager's null slot); lengths: int32 [B, layers, groups]
         retained tokens before this step (pages for the new token already reserved).
         Sampling arrays [B] as in `tangram_jax.sampling`. forced_tokens: int [B], the token row
         i must take (teacher forcing; -1: sample), default none. logprobs: one of
-        `LOGPROB_MODES`. adjust: the rows' penalties / min_tokens / min_p (None: nobody's; a
-        separately compiled variant). Returns next tokens [B] (device), and with `logprobs` set also their
+        `LOGPROB_MODES`. adjust: the rows' penalties / min_tokens / min_p (None: nobody's; the
+        same program either way). Returns next tokens [B] (device), and with `logprobs` set also their
         `TokenLogprobs` (device arrays, the model's distribution at each row).
         """
         args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
                                          temperature, top_k, top_p, seeds, steps,
                                          forced_tokens, logprobs, adjust)
-        self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp = self._decode(
+        self.k_pages, self.v_pages, self.slot_state, next_tokens, lp = self._decode(
             *args, **static)
         return next_tokens if logprobs is None else (next_tokens, lp)
 
@@ -131,7 +133,8 @@ class DecodeSteps:
         _check_logprob_mode(logprobs)
         forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
                   else np.asarray(forced_tokens, np.int32))
-        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_tokens,
+        adjust = neutral_adjust(bucket) if adjust is None else adjust
+        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_state,
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
                 np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
@@ -154,11 +157,11 @@ class DecodeSteps:
                       self._terms_spec),
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
-    def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, positions,
+    def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_state, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
                      adjust, *, split_map, logprobs, table_width):
         model = nnx.merge(self.graphdef, state)
-        tokens = slot_tokens[slots]
+        tokens = slot_state.tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
         layout = self.layout
         # The AOT work lists are constants of the trace ([layers, items, 3]); the references
@@ -186,9 +189,10 @@ class DecodeSteps:
              work_lists))
         logits = model.logits(h)[:, 0]
         next_tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced,
-                                         logprobs, adjust, tokens)
+                                         logprobs, adjust, (slot_state.penalties, slots))
         # Padded rows all point at the null slot; whichever write wins there is never read.
-        return k_pages, v_pages, slot_tokens.at[slots].set(next_tokens), next_tokens, lp
+        return (k_pages, v_pages, record_tokens(slot_state, slots, next_tokens), next_tokens,
+                lp)
 
     # ----- a mixed step: prefill rows and decode rows in one program (the CPU path) -------------
     def _run_mixed(self, tokens, start_positions, slots, hist_lengths, num_protected,
@@ -231,15 +235,15 @@ class DecodeSteps:
         (`_prefill_args`, `_decode_call`) over the same pool."""
         (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
          tables, row_slots, hist, keep, items, held_protected, turn_hist, view_skip) = prefill_args
-        (_, _, _, _, slot_tokens, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
-        return ((state, layer_states, k_pages, v_pages, slot_tokens, tables, flat, positions,
+        (_, _, _, _, slot_state, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
+        return ((state, layer_states, k_pages, v_pages, slot_state, tables, flat, positions,
                  row_starts, lens, protected, row_slots, hist, keep, items, held_protected,
                  turn_hist, view_skip, d_positions, d_slots, d_lengths, *sampling),
                 dict(table_width=prefill_static["table_width"],
                      region_pages=prefill_static["region_pages"],
                      logprobs=decode_static["logprobs"]))
 
-    def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_tokens, all_tables,
+    def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_state, all_tables,
                     tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
                     keep_counts, work_items, held_protected, turn_hist, view_skip, d_positions,
                     d_slots, d_lengths, temperature, top_k, top_p, seeds, steps, forced, adjust, *,
@@ -248,7 +252,7 @@ class DecodeSteps:
         (`_decode_impl`'s, B rows) in one forward: per layer the projections of all N + B
         tokens in one matmul, the decode rows' attention (their token appended to the pool
         first), the prefill rows' attention over the pool, and o-proj + MLP of all tokens in
-        one matmul. Returns (k_pages, v_pages, slot_tokens, next_tokens [B], lp, writes or None,
+        one matmul. Returns (k_pages, v_pages, slot_state, next_tokens [B], lp, writes or None,
         prefill logits [rows, vocab], kept [rows, layers, groups]): the decode step's results,
         then the prefill's (`_prefill_impl`: its planned writes, or None where it wrote in
         place). Mixed steps exist where `_table_width` is the whole table, so both parts read
@@ -263,7 +267,7 @@ class DecodeSteps:
         prefill_attend = self._prefill_layer_attention(rows, n, k_pages, region_pages)
         decode_attend = self._decode_layer_attention(None)
         no_work = jnp.zeros((1, 3), jnp.int32)           # the CPU path's decode takes none
-        d_tokens = slot_tokens[d_slots]
+        d_tokens = slot_state.tokens[d_slots]
         all_positions = jnp.concatenate([positions, d_positions])
 
         def layer_step(carry, xs):
@@ -296,15 +300,16 @@ class DecodeSteps:
         logits = model.logits(jnp.concatenate([last, h[0, n:]])[:, None])[:, 0]
         d_logits = logits[rows:]
         next_tokens, lp = _choose_tokens(d_logits, temperature, top_k, top_p, seeds, steps,
-                                         forced, logprobs, adjust, d_tokens)
-        return (k_pages, v_pages, slot_tokens.at[d_slots].set(next_tokens), next_tokens, lp,
+                                         forced, logprobs, adjust,
+                                         (slot_state.penalties, d_slots))
+        return (k_pages, v_pages, record_tokens(slot_state, d_slots, next_tokens), next_tokens, lp,
                 plans if planned else None, logits[:rows], per_layer(kept))
 
     def _call_mixed(self, prefill_args, prefill_static, decode_args, decode_static) -> tuple:
         """Run `_mixed` on the held pool (and apply the prefill's planned writes); returns
         (logits, kept, next_tokens, lp)."""
         args, static = self._mixed_args(prefill_args, prefill_static, decode_args, decode_static)
-        (self.k_pages, self.v_pages, self.slot_tokens, next_tokens, lp, writes, logits,
+        (self.k_pages, self.v_pages, self.slot_state, next_tokens, lp, writes, logits,
          kept) = self._mixed(*args, **static)
         if writes is not None:
             self.k_pages, self.v_pages = self._apply_writes(self.k_pages, self.v_pages, writes)
@@ -326,12 +331,12 @@ class DecodeSteps:
         padded_slots = rows(slots, np.int32)
         padded_slots[n:] = self.null_slot
         forced = rows(np.full(n, -1) if forced_tokens is None else forced_tokens, np.int32)
-        self.slot_tokens, tokens, lp = self._sample_rows(
-            self.slot_tokens, jnp.stack([logits[i] for i in pick]), padded_slots,
+        adjust = neutral_adjust(n) if adjust is None else adjust
+        self.slot_state, tokens, lp = self._sample_rows(
+            self.slot_state, jnp.stack([logits[i] for i in pick]), padded_slots,
             rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
             rows(seeds, np.uint32), rows(steps, np.int32), forced,
-            None if adjust is None else LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)),
-            logprobs=logprobs)
+            LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)), logprobs=logprobs)
         return tokens if logprobs is None else (tokens, lp)
 
 
@@ -352,20 +357,30 @@ def _check_logprob_mode(logprobs) -> None:
 
 
 def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
-                   adjust=None, input_tokens=None):
-    """Each row's token (sampled after `adjust`, or forced where ``forced >= 0``) and, with
-    `logprobs` set, the model's log-probabilities at that row (computed here on the device)."""
+                   adjust, penalties):
+    """Each row's token (sampled after `adjust` with the rows' `penalties`, a (table, slots)
+    pair, or forced where ``forced >= 0``) and, with `logprobs` set, the model's
+    log-probabilities at that row (computed here on the device)."""
     tokens = force_tokens(sample_tokens(logits, temperature, top_k, top_p,
-                                        step_keys(seeds, steps), adjust, input_tokens), forced)
+                                        step_keys(seeds, steps), adjust, penalties), forced)
     lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
     return tokens, lp
 
 
-def _sample_into_slots(slot_tokens, logits, slots, temperature, top_k, top_p, seeds, steps,
+def _sample_into_slots(slot_state, logits, slots, temperature, top_k, top_p, seeds, steps,
                        forced, adjust, *, logprobs):
     tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
-                                adjust)
-    return slot_tokens.at[slots].set(tokens), tokens, lp
+                                adjust, (slot_state.penalties, slots))
+    return record_tokens(slot_state, slots, tokens), tokens, lp
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_penalty_row(slot_state: SlotState, slot, row, pending) -> SlotState:
+    """`slot_state` with slot `slot`'s penalty row set to `row` (int32 [vocab], from the host
+    ids), plus `pending` (0 or 1) counts of the slot's last sampled token: the completion's
+    token the host has not fetched yet, already counted on the device in the row it replaces."""
+    row = row.at[slot_state.tokens[slot]].add(pending)
+    return slot_state._replace(penalties=slot_state.penalties.at[slot].set(row))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

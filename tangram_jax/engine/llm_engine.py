@@ -426,7 +426,8 @@ class Engine(RequestIntake):
             steps[:n] = [r.seq.num_output_tokens for r in decode_reqs]
             decode = DecodeRows(positions=positions, slots=out.decode_slots,
                                 lengths=self.manager.decode_write_lengths(out.decode_slots),
-                                sampling=sampling_rows(decode_reqs, bucket, steps))
+                                sampling=sampling_rows(decode_reqs, bucket, steps,
+                                                       self.runner.config.vocab_size))
         pieces = out.prefill_chunks
         wanted = {p.seq.request_id for p in pieces
                   if self._requests[p.seq.request_id].params.prompt_logprobs is not None
@@ -447,7 +448,8 @@ class Engine(RequestIntake):
             first = FirstTokenRows(
                 sources=tuple(sources), slots=tuple(r.seq.slot for r in first_reqs),
                 sampling=sampling_rows(first_reqs, len(first_reqs), np.asarray(
-                    [r.seq.num_output_tokens for r in first_reqs], np.int32)))
+                    [r.seq.num_output_tokens for r in first_reqs], np.int32),
+                    self.runner.config.vocab_size))
         plan = StepPlan(table_updates=self.manager.take_table_updates(), prefill=rows,
                         host_transfers=tuple(self.manager.take_host_transfers()),
                         decode=decode, first_tokens=first,

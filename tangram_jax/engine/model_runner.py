@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from tangram_jax.compression.chunk_scoring import check_scoring_rule, check_served_method
 from tangram_jax.engine.config import MODES, SPLIT_MAPS
 from tangram_jax.engine.decode_step import (DecodeSteps, _copy_pages, _sample_into_slots,
-                                            decode_split_maps)
+                                            _write_penalty_row, decode_split_maps)
 from tangram_jax.engine.host_offload import HostKVTier
 from tangram_jax.engine.prefill_calls import run_prefill_rows
 from tangram_jax.engine.prefill_step import PrefillSteps, _apply_planned_writes, _reference_write
@@ -68,6 +68,7 @@ from tangram_jax.models.moe import shard_experts
 from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import PREFILL_TUNING, fit_tuning
+from tangram_jax.sampling import SlotState
 from tangram_jax.pallas_kernels.split_map import SplitMap
 
 LAYER_LOOPS = ("scan", "unrolled", "switch")
@@ -318,9 +319,13 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         self.null_slot = int(table_shape[0]) - 1   # the manager's always-empty last row
         self._inv_freq = inverse_frequencies(config)   # Expected Attention's RoPE model
         # The last sampled token of every slot, kept on the device: a decode step reads its
-        # input tokens here, so the host can schedule the next step before it has seen them.
-        self.slot_tokens = jnp.zeros(table_shape[0], jnp.int32,
-                                     device=self.placement.replicated)
+        # input tokens here, so the host can schedule the next step before it has seen them;
+        # and each slot's penalty row (`sampling.SlotState`): requests with penalties or
+        # min_tokens cost no program of their own, whatever their history's length.
+        self.slot_state = SlotState(
+            jnp.zeros(table_shape[0], jnp.int32, device=self.placement.replicated),
+            jnp.zeros((table_shape[0], config.vocab_size), jnp.int32,
+                      device=self.placement.replicated))
         self._apply_table_updates = jax.jit(
             lambda t, i, v: t.reshape(-1).at[i].set(v, mode="drop").reshape(t.shape),
             donate_argnums=0)
@@ -469,6 +474,9 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         ``dynamic`` mode's retained counts."""
         self.move_host_kv(plan.host_transfers)
         self.update_block_tables(*plan.table_updates)
+        for rows in (plan.decode, plan.first_tokens):
+            if rows is not None:
+                self.write_penalty_rows(rows.sampling.penalty_rows)
         last_logits, retained, prompt_lp, decoded = run_prefill_rows(
             self, plan.prefill, plan.max_prefill_rows, plan.decode)
         result = StepResult(prompt_logprobs=prompt_lp,
@@ -483,6 +491,14 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
             asked = first.sampling.logprobs is not None
             result.first_tokens, result.first_logprobs = out if asked else (out, None)
         return result
+
+    def write_penalty_rows(self, rows) -> None:
+        """Write slots' penalty rows from the host (`step_plan.PenaltyRow`s), before the step
+        samples with them."""
+        for r in rows:
+            self.slot_state = _write_penalty_row(self.slot_state, np.int32(r.slot),
+                                                 np.asarray(r.row, np.int32),
+                                                 np.int32(r.pending))
 
     def move_host_kv(self, transfers) -> None:
         """Run the host tier's moves (`scheduler.host_pool.HostTransfer`s, in order) against

@@ -18,9 +18,9 @@ import numpy as np
 
 from tangram_jax.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
                                         RequestOutputKind)
-from tangram_jax.engine.step_plan import SamplingRows
-from tangram_jax.sampling import (INPUT_TOKEN, LogitsAdjust, SamplingParams, StopChecker,
-                                  TokenLogprobs, logits_adjust_arrays)
+from tangram_jax.engine.step_plan import PenaltyRow, SamplingRows
+from tangram_jax.sampling import (LogitsAdjust, SamplingParams, StopChecker, TokenLogprobs,
+                                  logits_adjust_arrays, penalty_row)
 from tangram_jax.scheduler.sequence import Sequence
 
 
@@ -58,6 +58,9 @@ class LiveRequest:
     # Set when something failed for this request alone while a step was dispatched; the
     # request ends with finish_reason "error" when that step's tokens are resolved.
     error: str | None = None
+    # (slot, admission) whose penalty row on the device was written for this request
+    # (`sampling_rows`): within one admission only this request samples in its slot.
+    penalty_row_of: tuple[int, int] | None = None
 
     def forced_token(self) -> int:
         """The token the next generated position must take (-1: sample it)."""
@@ -219,10 +222,13 @@ class RequestFailed(Exception):
     """A failure recorded for one request while its step was dispatched (`LiveRequest.error`)."""
 
 
-def sampling_rows(reqs: list[LiveRequest], rows: int, steps: np.ndarray) -> SamplingRows:
+def sampling_rows(reqs: list[LiveRequest], rows: int, steps: np.ndarray,
+                  vocab_size: int) -> SamplingRows:
     """The sampling rows of `reqs`, padded to `rows` (padding rows greedy): temperature, top-k/p
     and seeds (a request whose row cannot be built samples greedily and is marked failed: it
-    ends at resolution), `steps`, forced tokens, the log-prob mode and the logits adjustments."""
+    ends at resolution), `steps`, forced tokens, the log-prob mode, the logits adjustments and
+    the penalty rows to write first (a request that adjusts its logits, the first time it
+    samples in its slot since its admission)."""
     temperature = np.zeros(rows, np.float32)
     top_k = np.full(rows, -1, np.int32)
     top_p = np.ones(rows, np.float32)
@@ -236,7 +242,8 @@ def sampling_rows(reqs: list[LiveRequest], rows: int, steps: np.ndarray) -> Samp
             r.error = f"sampling parameters could not be used ({type(e).__name__}: {e})"
     return SamplingRows(temperature, top_k, top_p, seeds, steps,
                         forced_tokens=_forced_tokens(reqs, rows),
-                        logprobs=_logprob_mode(reqs), adjust=_logits_adjust(reqs, rows))
+                        logprobs=_logprob_mode(reqs), adjust=_logits_adjust(reqs, rows),
+                        penalty_rows=_penalty_rows(reqs, vocab_size))
 
 
 def _logprob_mode(reqs: list[LiveRequest]) -> str | None:
@@ -245,17 +252,37 @@ def _logprob_mode(reqs: list[LiveRequest]) -> str | None:
     return None if not asked else "full" if -1 in asked else "top"
 
 def _logits_adjust(reqs: list[LiveRequest], rows: int) -> LogitsAdjust | None:
-    """The rows' penalties, min_tokens and min_p (None when no request uses them). A
-    completion's last token may still be on the device (a placeholder): `INPUT_TOKEN`."""
+    """The rows' penalties, min_tokens and min_p (None when no request uses them)."""
     if not any(r.params.adjusts_logits for r in reqs):
         return None
-    prompts, outputs = [], []
+    return logits_adjust_arrays([r.params for r in reqs],
+                                [r.seq.num_output_tokens for r in reqs], rows)
+
+
+def _penalty_rows(reqs: list[LiveRequest], vocab_size: int) -> tuple[PenaltyRow, ...]:
+    """The penalty rows to write before these requests sample: one for each request that
+    adjusts its logits and has none in its slot since its admission (a new request, a session's
+    next turn, a readmission after preemption, a fork's child). Every later token is counted on
+    the device. Its prompt is the whole history (what a stateless client would send); a
+    completion's last token may still be on the device (a placeholder): `pending`."""
+    out = []
     for r in reqs:
+        key = (r.seq.slot, r.seq.admission_order)
+        if not r.params.adjusts_logits or r.penalty_row_of == key:
+            continue
+        r.penalty_row_of = key
         ids, end = r.seq.token_ids, r.seq.prompt_start + r.seq.num_prompt_tokens
-        prompts.append(ids[:end])   # the whole history: what a stateless client would send
-        outputs.append([INPUT_TOKEN if t == PLACEHOLDER else t for t in ids[end:]])
-    return logits_adjust_arrays([r.params for r in reqs], prompts, outputs,
-                                [sorted(r.stop.stop_token_ids) for r in reqs], rows)
+        output = ids[end:]
+        pending = sum(t == PLACEHOLDER for t in output)
+        if pending > 1 or (pending and output[-1] != PLACEHOLDER):
+            raise AssertionError(f"{r.seq.request_id}: only the last token can be in flight")
+        prompt = ids[:end] if r.params.repetition_penalty != 1 else ()
+        counted = (r.params.presence_penalty != 0 or r.params.frequency_penalty != 0
+                   or r.params.repetition_penalty != 1)
+        out.append(PenaltyRow(r.seq.slot, penalty_row(
+            vocab_size, prompt, [t for t in output if t != PLACEHOLDER] if counted else (),
+            sorted(r.stop.stop_token_ids)), pending))
+    return tuple(out)
 
 def _forced_tokens(reqs: list[LiveRequest], rows: int) -> np.ndarray | None:
     """int32 [rows]: each request's forced next token, -1 to sample (None: nobody forced)."""

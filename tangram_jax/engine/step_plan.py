@@ -59,11 +59,23 @@ class PrefillRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class PenaltyRow:
+    """A slot's penalty row to write before the step samples (`sampling.SlotState`): row int32
+    [vocab] (`sampling.penalty_row` of the request's host ids), plus `pending` (0 or 1) counts
+    of the slot's last sampled token, which the host has not fetched yet."""
+
+    slot: int
+    row: np.ndarray
+    pending: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingRows:
     """Per-row sampling arrays of `rows` rows (`tangram_jax.sampling`): temperature float32,
     top_k int32, top_p float32, seeds uint32, steps int32 (tokens the row's completion has);
     forced_tokens int32 (-1: sample) or None (nobody forced); logprobs one of
-    `decode_step.LOGPROB_MODES`; adjust the rows' penalties / min_tokens / min_p or None."""
+    `decode_step.LOGPROB_MODES`; adjust the rows' penalties / min_tokens / min_p or None;
+    penalty_rows the `PenaltyRow`s to write first."""
 
     temperature: np.ndarray
     top_k: np.ndarray
@@ -73,6 +85,7 @@ class SamplingRows:
     forced_tokens: np.ndarray | None = None
     logprobs: str | None = None
     adjust: LogitsAdjust | None = None
+    penalty_rows: tuple[PenaltyRow, ...] = ()
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """(temperature, top_k, top_p, seeds, steps): the positional sampling arguments."""

@@ -11,8 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tangram_jax.sampling import (INPUT_TOKEN, SamplingParams, StopChecker, adjust_logits,
-                                  logits_adjust_arrays, sample_tokens, step_keys)
+from tangram_jax.sampling import (SamplingParams, StopChecker, adjust_logits,
+                                  logits_adjust_arrays, penalty_row, sample_tokens, step_keys)
+
+
+def _rows(vocab, params, prompts, outputs, stops):
+    """The rows' penalty rows as the engine writes them (`requests._penalty_rows`): the prompt
+    counted only with a repetition penalty, the output only with a penalty."""
+    counted = lambda p: (p.presence_penalty != 0 or p.frequency_penalty != 0
+                         or p.repetition_penalty != 1)
+    return jnp.asarray(np.stack([
+        penalty_row(vocab, prompt if p.repetition_penalty != 1 else (),
+                    out if counted(p) else (), stop)
+        for p, prompt, out, stop in zip(params, prompts, outputs, stops)]))
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -110,8 +121,9 @@ def test_penalties_and_min_tokens_match_numpy_reference():
     outputs[2] = [5, 5, 5]                      # under min_tokens (3 < 4): stops masked
     outputs[4] = [7, 8, 9]                      # past min_tokens: nothing masked
     stops = [[0], [1, 2], [3, 39], [4], [6]]
-    adjust = logits_adjust_arrays(params, prompts, outputs, stops, rows=batch)
-    got = np.asarray(adjust_logits(jnp.asarray(logits), jax.tree.map(jnp.asarray, adjust)))
+    adjust = logits_adjust_arrays(params, [len(o) for o in outputs], rows=batch)
+    got = np.asarray(adjust_logits(jnp.asarray(logits), jax.tree.map(jnp.asarray, adjust),
+                                   _rows(vocab, params, prompts, outputs, stops)))
     want = _reference_adjust(
         logits, [p if q.repetition_penalty != 1 else [] for p, q in zip(prompts, params)], outputs,
         [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
@@ -122,27 +134,39 @@ def test_penalties_and_min_tokens_match_numpy_reference():
     np.testing.assert_array_equal(got[3], logits[3])
 
 
-def test_input_token_stands_for_the_row_input_on_the_device():
-    """The last output token of a decode row may still be on the device: `INPUT_TOKEN`
-    counts as the row's input token; rows without an input token drop it."""
+def test_penalty_rows_follow_sampled_tokens_and_a_pending_one_on_the_device():
+    """A slot's penalty row: every sampled token is counted on the device
+    (`record_tokens`); a row written from the host ids (`_write_penalty_row`) replaces it,
+    counting once the slot's last token when the host has not fetched it yet (`pending`)."""
+    from tangram_jax.engine.decode_step import _write_penalty_row
+    from tangram_jax.sampling import SlotState, record_tokens
+    state = SlotState(jnp.zeros(3, jnp.int32), jnp.zeros((3, 10), jnp.int32))
+    state = record_tokens(state, jnp.array([0, 1, 2]), jnp.array([3, 8, 8]))
+    state = record_tokens(state, jnp.array([0, 1, 2]), jnp.array([3, 8, 1]))
+    np.testing.assert_array_equal(np.asarray(state.tokens), [3, 8, 1])
+    assert np.asarray(state.penalties)[0, 3] == 2 and np.asarray(state.penalties)[2, 8] == 1
+    # Slot 1's host ids: output [5] and the in-flight 8; slot 2's: nothing pending.
+    state = _write_penalty_row(state, np.int32(1), penalty_row(10, [2], [5], [9]), np.int32(1))
+    state = _write_penalty_row(state, np.int32(2), penalty_row(10, [], [4], []), np.int32(0))
+    rows = np.asarray(state.penalties)
+    assert rows[1, 5] == 1 and rows[1, 8] == 1 and rows[1].sum() == 2 + (1 << 30) + (1 << 29)
+    assert rows[2].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
     logits = jnp.zeros((2, 10)) + jnp.arange(10.0)
-    params = [SamplingParams(frequency_penalty=1.5)] * 2
-    adjust = jax.tree.map(jnp.asarray, logits_adjust_arrays(
-        params, [[], []], [[3, INPUT_TOKEN], [INPUT_TOKEN]], [[], []], rows=2))
-    got = np.asarray(adjust_logits(logits, adjust, jnp.array([3, 8], jnp.int32)))
-    np.testing.assert_allclose(got[0, 3], 3 - 2 * 1.5)
-    np.testing.assert_allclose(got[1, 8], 8 - 1.5)
-    dropped = np.asarray(adjust_logits(logits, adjust))
-    np.testing.assert_allclose(dropped[1], np.arange(10.0))
+    params = [SamplingParams(frequency_penalty=1.5, min_tokens=3, max_tokens=9)] * 2
+    got = np.asarray(adjust_logits(logits, jax.tree.map(jnp.asarray, logits_adjust_arrays(
+        params, [2, 3], rows=2)), state.penalties[1:]))
+    np.testing.assert_allclose(got[0, [5, 8]], [5 - 1.5, 8 - 1.5])
+    assert np.isneginf(got[0, 9]) and got[0, 2] == 2.0     # stop masked; prompt not counted
+    np.testing.assert_allclose(got[1, 4], 4 - 1.5)
 
 
 def test_greedy_row_takes_the_penalised_argmax():
     logits = jnp.array([[5.0, 4.0, 1.0, 0.0]])
     params = [SamplingParams(temperature=0, presence_penalty=2.0)]
-    adjust = logits_adjust_arrays(params, [[]], [[0]], [[]], rows=1)
+    adjust = logits_adjust_arrays(params, [1], rows=1)
     keys = step_keys(jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32))
     token = sample_tokens(logits, jnp.zeros(1), jnp.full(1, -1, jnp.int32), jnp.ones(1), keys,
-                          jax.tree.map(jnp.asarray, adjust))
+                          jax.tree.map(jnp.asarray, adjust), _rows(4, params, [[]], [[0]], [[]]))
     assert int(token[0]) == 1
     plain = sample_tokens(logits, jnp.zeros(1), jnp.full(1, -1, jnp.int32), jnp.ones(1), keys)
     assert int(plain[0]) == 0
@@ -153,11 +177,10 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_best():
     logits = jnp.asarray(np.log(probs))[None].repeat(400, 0)
     min_p = 0.3                         # floor 0.135: tokens 0, 1, 2 survive
     params = [SamplingParams(min_p=min_p)] * 400
-    adjust = jax.tree.map(jnp.asarray, logits_adjust_arrays(params, [[]] * 400, [[]] * 400,
-                                                           [[]] * 400, rows=400))
+    adjust = jax.tree.map(jnp.asarray, logits_adjust_arrays(params, [0] * 400, rows=400))
     keys = step_keys(jnp.arange(400, dtype=jnp.uint32), jnp.zeros(400, jnp.int32))
     tokens = np.asarray(sample_tokens(logits, jnp.ones(400), jnp.full(400, -1, jnp.int32),
-                                      jnp.ones(400), keys, adjust))
+                                      jnp.ones(400), keys, adjust, jnp.zeros((400, 5), jnp.int32)))
     keep = probs >= min_p * probs.max()
     assert set(tokens.tolist()) == set(np.flatnonzero(keep).tolist())
     # The survivors are drawn in proportion to their renormalised probabilities.

@@ -150,13 +150,13 @@ def test_warmup_compiles_on_the_null_slot_without_touching_sequences():
     runner.warmup(decode_buckets=(1, 2), max_prefill_rows=2, max_first_tokens=2)
     np.testing.assert_array_equal(np.asarray(runner.k_pages)[held], before)
     # Padding rows of the first-token sampler write to the null slot only.
-    tokens_before = np.asarray(runner.slot_tokens)
+    tokens_before = np.asarray(runner.slot_state.tokens)
     logits, _ = runner.prefill([np.arange(1, 5)], [0], [slot], [manager.lengths[slot]])
     greedy = (np.zeros(3, np.float32), np.full(3, -1, np.int32), np.ones(3, np.float32),
               np.zeros(3, np.uint32), np.zeros(3, np.int32))
     assert slot == 0
     runner.sample([logits[0]] * 3, [0, 1, 2], *greedy)   # 3 rows, padded to 4
-    after = np.asarray(runner.slot_tokens)
+    after = np.asarray(runner.slot_state.tokens)
     assert after[:3].tolist() == [int(np.argmax(logits[0]))] * 3
     assert after[3] == tokens_before[3]   # slot 3 untouched; the padding row went to slot 4
 

@@ -51,6 +51,39 @@ def test_greedy_penalties_follow_the_model_distribution(engines, mode):
     assert len(set(tokens)) > len(set(plain[-1].outputs[0].token_ids))
 
 
+def _follows_penalties(c, frequency, presence):
+    """Every greedy token of completion `c` is the argmax of its raw distribution after the
+    penalties over the completion's own earlier tokens."""
+    counts = np.zeros(c.full_logprobs.shape[1])
+    for t, token in enumerate(c.token_ids):
+        want = c.full_logprobs[t] - frequency * counts - presence * (counts > 0)
+        if token != int(np.argmax(want)):
+            return False
+        counts[token] += 1
+    return True
+
+
+def test_penalties_count_each_request_s_own_tokens_in_a_reused_slot(engines):
+    """The tokens a penalty counts live in the slot's row on the device. A request forced to
+    repeat the very token the next one wants most leaves 16 counts of it in the slot the next
+    one takes; the next one (and each completion of n > 1, in slots earlier requests sampled
+    in) counts only its own completion's tokens: the same answer as on a fresh slot."""
+    engine = engines["tangram"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=0.6,
+                            frequency_penalty=0.9, logprobs=-1)
+    (fresh,) = _final(engine, params, RequestOutputKind.FINAL_ONLY)
+    wanted = fresh.outputs[0].token_ids[0]
+    engine.add_request(prompt=PROMPT, sampling_params=params, forced_token_ids=[wanted] * 16)
+    list(engine.stream())
+    (again,) = _final(engine, params, RequestOutputKind.FINAL_ONLY)
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert _follows_penalties(again.outputs[0], 0.9, 0.6)
+    (family,) = _final(engine, SamplingParams(n=2, temperature=0, max_tokens=16,
+                                              ignore_eos=True, frequency_penalty=1.3,
+                                              logprobs=-1), RequestOutputKind.FINAL_ONLY)
+    assert all(_follows_penalties(c, 1.3, 0.0) for c in family.outputs)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_min_tokens_masks_stop_tokens_on_the_device(engines, mode):
     engine = engines[mode]

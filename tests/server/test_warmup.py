@@ -54,10 +54,10 @@ def test_a_server_warm_up_leaves_nothing_to_compile_for_logprob_requests(tmp_pat
     assert compiles == []
 
 
-@pytest.mark.xfail(strict=True, reason="warm-up does not compile the logits-adjust variants: "
-                   "the penalties' token-id arrays (`sampling.LogitsAdjust`) are padded to "
-                   "powers of two of the history, a shape per width")
 def test_penalty_requests_compile_nothing_after_warm_up(tmp_path):
+    """Penalties, min_p and min_tokens, over histories of different lengths: the tokens they
+    count are the slots' penalty rows on the device (`sampling.SlotState`), so every step keeps
+    the shapes warm-up compiled."""
     import jax
     folder = build_tiny_model(tmp_path / "tiny")
     engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
