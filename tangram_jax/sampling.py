@@ -13,6 +13,7 @@ Three pieces, used by the dense reference generation and by the engine alike:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -232,8 +233,14 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the device must change this request's logits before choosing (penalties,
         min_p or min_tokens); rows that do not skip that work."""
+        return self.counts_tokens or self.min_p > 0 or self.min_tokens > 0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a penalty counts tokens (presence, frequency: the completion's; repetition:
+        the prompt's too)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1 or self.min_p > 0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -374,6 +381,15 @@ def record_tokens(state: SlotState, slots: jax.Array, tokens: jax.Array) -> Slot
     read)."""
     return SlotState(state.tokens.at[slots].set(tokens),
                      state.penalties.at[slots, tokens].add(1, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_penalty_row(state: SlotState, slot, row, pending) -> SlotState:
+    """`state` with slot `slot`'s penalty row set to `row` (int32 [vocab], from the host ids),
+    plus `pending` (0 or 1) counts of the slot's last sampled token: the completion's token the
+    host has not fetched yet, already counted on the device in the row it replaces."""
+    row = row.at[state.tokens[slot]].add(pending)
+    return state._replace(penalties=state.penalties.at[slot].set(row))
 
 
 def penalty_row(vocab: int, prompt_ids: Sequence[int], output_ids: Sequence[int],

@@ -27,9 +27,8 @@ from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.decode_pools import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
                                                   uniform_split_map)
-from tangram_jax.sampling import (LogitsAdjust, SlotState, TokenLogprobs, force_tokens,
-                                  neutral_adjust, record_tokens, sample_tokens, step_keys,
-                                  token_logprobs)
+from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, neutral_adjust,
+                                  record_tokens, sample_tokens, step_keys, token_logprobs)
 
 
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
@@ -373,14 +372,6 @@ def _sample_into_slots(slot_state, logits, slots, temperature, top_k, top_p, see
                                 adjust, (slot_state.penalties, slots))
     return record_tokens(slot_state, slots, tokens), tokens, lp
 
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_penalty_row(slot_state: SlotState, slot, row, pending) -> SlotState:
-    """`slot_state` with slot `slot`'s penalty row set to `row` (int32 [vocab], from the host
-    ids), plus `pending` (0 or 1) counts of the slot's last sampled token: the completion's
-    token the host has not fetched yet, already counted on the device in the row it replaces."""
-    row = row.at[slot_state.tokens[slot]].add(pending)
-    return slot_state._replace(penalties=slot_state.penalties.at[slot].set(row))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

@@ -98,7 +98,6 @@ class HostKVTier:
         # Page-locked host memory grown ahead of the swaps (`pin_host_memory`), and its time.
         self.pinned_bytes = 0
         self.pin_seconds = None
-        self.pin_everywhere = False   # tests: pin on the CPU backend too
 
     @property
     def num_copies(self) -> int:
@@ -159,23 +158,23 @@ class HostKVTier:
             chunks.append((len(part), rows))
         return chunks
 
-    def pin_host_memory(self, nbytes: int, *, wait: bool = False):
+    def pin_host_memory(self, nbytes: int, *, platforms=("gpu",), wait: bool = False):
         """Grow XLA's page-locked host pool by about `nbytes` (a device's share each) in a
         background thread, so that swaps never wait for it: the pool grows on demand, and
         page-locking fresh host memory runs at ~2 GB/s inside the allocation, on the step loop
         (the first copy out of a 13 GB session held it 6.4 s on an H200). Freed memory stays in
-        the pool. GPUs only (elsewhere host memory is not page-locked by XLA). Returns the
-        thread, or None where nothing is to be pinned; `wait` joins it."""
+        the pool. Only on devices of `platforms` (XLA page-locks the host memory of GPUs).
+        Returns the thread, or None where nothing is to be pinned; `wait` joins it."""
         devices = sorted(self.sharding.device_set, key=lambda d: d.id)
         if (self.host_sharding is None or nbytes <= 0
-                or not all(d.platform == "gpu" for d in devices) and not self.pin_everywhere):
+                or not all(d.platform in platforms for d in devices)):
             return None
         share = min(nbytes // len(devices), pinned_pool_limit_bytes() - (1 << 30))
 
         def grow() -> None:
             t0 = time.perf_counter()
             for device in devices:
-                target = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+                target = pinned_host_sharding(jax.sharding.SingleDeviceSharding(device))
                 # From host memory: a device buffer would take device memory while the pool
                 # is being sized.
                 block = np.zeros(min(CHUNK_BYTES, share), np.uint8)

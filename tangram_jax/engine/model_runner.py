@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from tangram_jax.compression.chunk_scoring import check_scoring_rule, check_served_method
 from tangram_jax.engine.config import MODES, SPLIT_MAPS
 from tangram_jax.engine.decode_step import (DecodeSteps, _copy_pages, _sample_into_slots,
-                                            _write_penalty_row, decode_split_maps)
+                                            decode_split_maps)
 from tangram_jax.engine.host_offload import HostKVTier
 from tangram_jax.engine.prefill_calls import run_prefill_rows
 from tangram_jax.engine.prefill_step import PrefillSteps, _apply_planned_writes, _reference_write
@@ -68,7 +68,7 @@ from tangram_jax.models.moe import shard_experts
 from tangram_jax.models.rope import inverse_frequencies
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import PREFILL_TUNING, fit_tuning
-from tangram_jax.sampling import SlotState
+from tangram_jax.sampling import SlotState, write_penalty_row
 from tangram_jax.pallas_kernels.split_map import SplitMap
 
 LAYER_LOOPS = ("scan", "unrolled", "switch")
@@ -496,7 +496,7 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         """Write slots' penalty rows from the host (`step_plan.PenaltyRow`s), before the step
         samples with them."""
         for r in rows:
-            self.slot_state = _write_penalty_row(self.slot_state, np.int32(r.slot),
+            self.slot_state = write_penalty_row(self.slot_state, np.int32(r.slot),
                                                  np.asarray(r.row, np.int32),
                                                  np.int32(r.pending))
 

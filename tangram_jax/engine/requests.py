@@ -260,15 +260,17 @@ def _logits_adjust(reqs: list[LiveRequest], rows: int) -> LogitsAdjust | None:
 
 
 def _penalty_rows(reqs: list[LiveRequest], vocab_size: int) -> tuple[PenaltyRow, ...]:
-    """The penalty rows to write before these requests sample: one for each request that
-    adjusts its logits and has none in its slot since its admission (a new request, a session's
+    """The penalty rows to write before these requests sample: one for each request whose
+    penalties or min_tokens read a row (min_p alone reads none) and has none in its slot since
+    its admission (a new request, a session's
     next turn, a readmission after preemption, a fork's child). Every later token is counted on
     the device. Its prompt is the whole history (what a stateless client would send); a
     completion's last token may still be on the device (a placeholder): `pending`."""
     out = []
     for r in reqs:
         key = (r.seq.slot, r.seq.admission_order)
-        if not r.params.adjusts_logits or r.penalty_row_of == key:
+        counted = r.params.counts_tokens
+        if not (counted or r.params.min_tokens > 0) or r.penalty_row_of == key:
             continue
         r.penalty_row_of = key
         ids, end = r.seq.token_ids, r.seq.prompt_start + r.seq.num_prompt_tokens
@@ -277,8 +279,6 @@ def _penalty_rows(reqs: list[LiveRequest], vocab_size: int) -> tuple[PenaltyRow,
         if pending > 1 or (pending and output[-1] != PLACEHOLDER):
             raise AssertionError(f"{r.seq.request_id}: only the last token can be in flight")
         prompt = ids[:end] if r.params.repetition_penalty != 1 else ()
-        counted = (r.params.presence_penalty != 0 or r.params.frequency_penalty != 0
-                   or r.params.repetition_penalty != 1)
         out.append(PenaltyRow(r.seq.slot, penalty_row(
             vocab_size, prompt, [t for t in output if t != PLACEHOLDER] if counted else (),
             sorted(r.stop.stop_token_ids)), pending))

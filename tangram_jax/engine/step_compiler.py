@@ -21,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from tangram_jax.engine.decode_step import (_check_logprob_mode, _copy_pages, _greedy,
-                                            _write_penalty_row)
+from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
 from tangram_jax.engine.host_offload import swap_lowerings
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import row_alignment
-from tangram_jax.sampling import neutral_adjust
+from tangram_jax.sampling import neutral_adjust, write_penalty_row
 
 
 class StepCompilation:
@@ -211,7 +210,7 @@ class StepCompilation:
                 np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
                 neutral_adjust(n), logprobs=mode), rows=n, logprobs=mode)
         add("penalty_row", functools.partial(
-            _write_penalty_row.lower, self.slot_state, np.int32(0),
+            write_penalty_row.lower, self.slot_state, np.int32(0),
             np.zeros(self.config.vocab_size, np.int32), np.int32(0)))
         for bucket, mode in itertools.product(decode_buckets, logprob_modes):
             args, static = self._null_decode_call(bucket, k_pages, v_pages)

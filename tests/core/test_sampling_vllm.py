@@ -18,11 +18,9 @@ from tangram_jax.sampling import (SamplingParams, StopChecker, adjust_logits,
 def _rows(vocab, params, prompts, outputs, stops):
     """The rows' penalty rows as the engine writes them (`requests._penalty_rows`): the prompt
     counted only with a repetition penalty, the output only with a penalty."""
-    counted = lambda p: (p.presence_penalty != 0 or p.frequency_penalty != 0
-                         or p.repetition_penalty != 1)
     return jnp.asarray(np.stack([
         penalty_row(vocab, prompt if p.repetition_penalty != 1 else (),
-                    out if counted(p) else (), stop)
+                    out if p.counts_tokens else (), stop)
         for p, prompt, out, stop in zip(params, prompts, outputs, stops)]))
 
 
@@ -136,18 +134,17 @@ def test_penalties_and_min_tokens_match_numpy_reference():
 
 def test_penalty_rows_follow_sampled_tokens_and_a_pending_one_on_the_device():
     """A slot's penalty row: every sampled token is counted on the device
-    (`record_tokens`); a row written from the host ids (`_write_penalty_row`) replaces it,
+    (`record_tokens`); a row written from the host ids (`write_penalty_row`) replaces it,
     counting once the slot's last token when the host has not fetched it yet (`pending`)."""
-    from tangram_jax.engine.decode_step import _write_penalty_row
-    from tangram_jax.sampling import SlotState, record_tokens
+    from tangram_jax.sampling import SlotState, record_tokens, write_penalty_row
     state = SlotState(jnp.zeros(3, jnp.int32), jnp.zeros((3, 10), jnp.int32))
     state = record_tokens(state, jnp.array([0, 1, 2]), jnp.array([3, 8, 8]))
     state = record_tokens(state, jnp.array([0, 1, 2]), jnp.array([3, 8, 1]))
     np.testing.assert_array_equal(np.asarray(state.tokens), [3, 8, 1])
     assert np.asarray(state.penalties)[0, 3] == 2 and np.asarray(state.penalties)[2, 8] == 1
     # Slot 1's host ids: output [5] and the in-flight 8; slot 2's: nothing pending.
-    state = _write_penalty_row(state, np.int32(1), penalty_row(10, [2], [5], [9]), np.int32(1))
-    state = _write_penalty_row(state, np.int32(2), penalty_row(10, [], [4], []), np.int32(0))
+    state = write_penalty_row(state, np.int32(1), penalty_row(10, [2], [5], [9]), np.int32(1))
+    state = write_penalty_row(state, np.int32(2), penalty_row(10, [], [4], []), np.int32(0))
     rows = np.asarray(state.penalties)
     assert rows[1, 5] == 1 and rows[1, 8] == 1 and rows[1].sum() == 2 + (1 << 30) + (1 << 29)
     assert rows[2].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]

@@ -358,8 +358,7 @@ def test_host_memory_is_pinned_ahead_of_the_swaps(monkeypatch):
     monkeypatch.setattr(host_offload, "CHUNK_BYTES", 1 << 20)
     tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     assert tier.pin_host_memory(8 << 20) is None          # the CPU backend: nothing pinned
-    tier.pin_everywhere = True
-    assert tier.pin_host_memory(0) is None
-    thread = tier.pin_host_memory((5 << 20) + 1, wait=True)
+    assert tier.pin_host_memory(0, platforms=("cpu",)) is None
+    thread = tier.pin_host_memory((5 << 20) + 1, platforms=("cpu",), wait=True)
     assert not thread.is_alive() and tier.pinned_bytes == 6 << 20
     assert tier.pin_seconds is not None and tier.num_copies == 0
