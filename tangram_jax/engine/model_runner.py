@@ -414,9 +414,13 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
                                           *per_layer))
             return jax.lax.scan(indexed_step, carry,
                                 (jnp.arange(len(layer_states), dtype=jnp.int32), *rest))
+        # One jitted layer body called once a layer: it is traced and lowered once a program,
+        # not once a layer (lowering the unrolled steps was most of a warm start), and XLA
+        # inlines the calls, so what is compiled and run is the same unrolled program.
+        body = jax.jit(layer_step)
         ys = []
         for i, layer_state in enumerate(layer_states):
-            carry, y = layer_step(carry, (layer_state, *(x[i] for x in rest)))
+            carry, y = body(carry, (layer_state, *(x[i] for x in rest)))
             ys.append(y)
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 

@@ -1,7 +1,9 @@
 """ModelRunner on a tiny random model: the two ways of looping over layers give the same step."""
 
+import collections
 import dataclasses
 import functools
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,34 @@ def test_switch_loop_reads_the_weights_in_place():
                            if "dynamic-slice(" in line and kernel in line]
     assert sliced(texts["scan"])          # what the test would catch
     assert not sliced(texts["switch"])
+
+
+def test_unrolled_loop_lowers_one_layer_body_and_compiles_the_unrolled_program(monkeypatch):
+    """The ``unrolled`` loop (the GPU default) calls one jitted layer body a layer: the lowered
+    decode step holds that body once and calls it num_layers times (lowering time stops
+    growing with the layer count), and after XLA inlines the calls the compiled step has the
+    instructions of the loop written out layer by layer (copies aside: XLA's copy insertion
+    finds fewer activation copies to make across the calls' boundaries, never more)."""
+    manager = KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8))
+
+    def decode_step(runner):
+        args, static = runner._null_decode_call(2, runner.k_pages, runner.v_pages)
+        lowered = runner._decode.lower(*args, **static)
+        return lowered.as_text(), lowered.compile().as_text()
+
+    lowered, compiled = decode_step(make_runner(manager, "unrolled"))
+    runner = make_runner(manager, "unrolled")
+    monkeypatch.setattr(jax, "jit", lambda f, **_: f)   # the loop written out, layer by layer
+    written_out_lowered, written_out = decode_step(runner)
+    matmuls = lambda text: text.count("stablehlo.dot_general")
+    # Written out, the 3 layers' matmuls are lowered 3 times; ours once.
+    assert 2 * matmuls(lowered) < matmuls(written_out_lowered), \
+        (matmuls(lowered), matmuls(written_out_lowered))
+    opcodes = lambda text: collections.Counter(re.findall(r"= \S+ ([\w-]+)\(", text))
+    ours, theirs = opcodes(compiled), opcodes(written_out)
+    assert ours["copy"] <= theirs["copy"]
+    del ours["copy"], theirs["copy"]
+    assert ours == theirs
 
 
 def test_cpu_path_takes_the_whole_table_and_reads_only_the_blocks_the_rows_hold():

@@ -52,6 +52,12 @@ for mode in ("full", "tangram", "dynamic"):
                                                               runs[2]["logprobs"])
                                    for a, b in zip(x, y))),
         one=runs[1], two=runs[2])
+# The GPU's layer loop (one jitted layer body called a layer) over the mesh too.
+llm = LLM(config=tiny_engine_config(folder, "tangram", tensor_parallel_size=2,
+                                    profile=tiny_profile(folder, group_size=2),
+                                    layer_loop="unrolled"))
+report["tangram_unrolled_tokens"] = [list(o.outputs[0].token_ids)
+                                     for o in llm.generate(prompts, params, use_tqdm=False)]
 try:
     LLM(config=tiny_engine_config(folder, "tangram", tensor_parallel_size=2,
                                   profile=tiny_profile(folder, group_size=1)))
@@ -72,6 +78,10 @@ def test_two_devices_give_the_outputs_of_one(report, mode):
     r = report[mode]
     assert r["equal_tokens"], (r["one"]["tokens"], r["two"]["tokens"])
     assert r["max_logprob_diff"] < 1e-4, r["max_logprob_diff"]
+
+
+def test_the_unrolled_layer_loop_over_two_devices_gives_the_outputs_of_one(report):
+    assert report["tangram_unrolled_tokens"] == report["tangram"]["one"]["tokens"]
 
 
 @pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])
