@@ -25,6 +25,7 @@ float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -107,13 +108,21 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray], GGU
 
 
 def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader` on `path`, after checking the file is complete."""
-    import gguf
-
+    """A `gguf.GGUFReader` on `path`, after checking the file is complete. One reader a file
+    version (path, size, modification time) is kept: building one parses every metadata field
+    in Python (2.2 s for the embedded model's vocabulary), and loading a model asks for its
+    weights' dtype, its sampling defaults and its tensors. Readers are read-only."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    size = path.stat().st_size
+    stat = path.stat()
+    return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, size: int, mtime_ns: int):
+    import gguf
+
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
