@@ -12,9 +12,17 @@ compiled) and then the first token of one 512-token request, and reports where s
     python benchmarks/startup.py --model random-llama-8b      # GPU: Llama-3.1-8B shape, random
                                                                # bf16 weights built on the device
 
+With `--baseline DIR` (a folder holding another revision's `tangram_jax` package, and that
+revision in DIR/REVISION) every start runs twice, the baseline's process first, each side with
+its own cache folder: a before / after on one machine (cold starts of one machine kind vary by
+a quarter between machines).
+
+    git archive REV tangram_jax | tar -x -C /path/base && echo REV > /path/base/REVISION
+    python benchmarks/startup.py --model random-llama-8b --modes tangram --baseline /path/base
+
 Writes `--out` (default a fresh file under benchmarks/results/runs/; the committed
 startup_<cpu|gpu>.json only with --overwrite): device, revision, command, each start's seconds,
-the ratio cold / warm.
+the ratio cold / warm, and with a baseline its starts and ours over its.
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-sys.path.insert(0, ROOT)
+# A child process of a `--baseline` start imports that folder's package instead of ours.
+PACKAGE_ROOT = (sys.argv[sys.argv.index("--package-root") + 1] if "--package-root" in sys.argv
+                else ROOT)
+sys.path.insert(0, PACKAGE_ROOT)
 from tangram_jax.benchmarking.models import RANDOM_8B  # noqa: E402
 from tangram_jax.benchmarking.results import finish, resolve_outputs, start  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
@@ -96,12 +107,13 @@ def child(args) -> None:
 
 
 def run_start(model: str, mode: str | None, cache_dir: str, change: dict | None = None,
-              log=print) -> dict:
+              log=print, package_root: str | None = None) -> dict:
     """One fresh process of the configuration (`change`: engine settings over it) with the
-    compile cache in `cache_dir`."""
+    compile cache in `cache_dir`, importing the package in `package_root` (default ours)."""
     t0 = time.perf_counter()
     command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
                "--cache-dir", cache_dir]
+    command += ["--package-root", package_root] if package_root else []
     command += ["--mode", mode] if mode else []
     command += ["--change", json.dumps(change)] if change else []
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -112,13 +124,25 @@ def run_start(model: str, mode: str | None, cache_dir: str, change: dict | None 
                            f"(rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     result = dict(json.loads(line[len("STARTUP "):]), process_wall_seconds=wall,
                   change=change)
-    log(f"{mode or 'default'}{' ' + json.dumps(change) if change else ''}: engine built and "
+    log(f"{'baseline ' if package_root else ''}{mode or 'default'}"
+        f"{' ' + json.dumps(change) if change else ''}: engine built and "
         f"warmed up in {result['seconds']:.1f} s, first token at "
         f"{result['first_token_seconds']:.1f} s (process {wall:.1f} s; loading the weights "
         f"{result['engine'].get('load_model', 0):.1f} s, warm-up "
         f"{result['engine']['warmup']:.1f} s; {result['num_programs']} programs, "
         f"{result['compile_seconds']:.1f} s of compiles)", flush=True)
     return result
+
+
+def _summary(starts: list[dict]) -> dict:
+    """One side's starts (cold, warm, then one a change) as the result's fields."""
+    cold, warm, *changed = starts
+    return {"cold": cold, "warm": warm, "changed": changed,
+            "cold_over_warm": cold["first_token_seconds"] / warm["first_token_seconds"],
+            "first_token_seconds": {"cold": cold["first_token_seconds"],
+                                    "warm": warm["first_token_seconds"],
+                                    **{json.dumps(c["change"]): c["first_token_seconds"]
+                                       for c in changed}}}
 
 
 def parse_changes(text: str) -> list[dict]:
@@ -144,7 +168,12 @@ def main(argv=None) -> None:
                              "kv_cache_tokens=380000,max_num_seqs=32)")
     parser.add_argument("--cache-dir", default=None,
                         help="default: a fresh temporary folder a mode")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="a folder holding another revision's tangram_jax package (and "
+                             "that revision in DIR/REVISION): every start also runs from it, "
+                             "just before ours, with its own cache folder")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--package-root", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--change", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
@@ -153,6 +182,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    if args.baseline and not os.path.isdir(os.path.join(args.baseline, "tangram_jax")):
+        parser.error(f"--baseline {args.baseline!r}: no tangram_jax package in that folder")
     changes = parse_changes(args.changes)
     run = start("startup", resolve_outputs(parser, args, {"out": "startup"}), argv)
     import jax
@@ -162,17 +193,22 @@ def main(argv=None) -> None:
     by_mode = {}
     for mode in modes:
         cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="tangram_jax_startup_")
-        cold = run_start(args.model, mode, cache_dir)
-        warm = run_start(args.model, mode, cache_dir)
-        changed = [run_start(args.model, mode, cache_dir, change) for change in changes]
-        by_mode[mode or engine_kwargs_for(args.model)["mode"]] = {
-            "engine_config": _printable(engine_kwargs_for(args.model, mode)),
-            "cold": cold, "warm": warm, "changed": changed,
-            "cold_over_warm": cold["first_token_seconds"] / warm["first_token_seconds"],
-            "first_token_seconds": {"cold": cold["first_token_seconds"],
-                                    "warm": warm["first_token_seconds"],
-                                    **{json.dumps(c["change"]): c["first_token_seconds"]
-                                       for c in changed}}}
+        sides = {"ours": (None, cache_dir)}
+        if args.baseline:   # first, so neither side always meets a machine warmed by the other
+            sides = {"baseline": (args.baseline, cache_dir.rstrip("/") + "_baseline"), **sides}
+        starts = {side: [] for side in sides}
+        for change in [None, None, *changes]:   # cold, warm, then each change
+            for side, (root, cache) in sides.items():
+                starts[side].append(run_start(args.model, mode, cache, change,
+                                              package_root=root))
+        entry = {"engine_config": _printable(engine_kwargs_for(args.model, mode)),
+                 **_summary(starts["ours"])}
+        if args.baseline:
+            entry["baseline"] = _summary(starts["baseline"])
+            entry["ours_over_baseline"] = {
+                k: v / entry["baseline"]["first_token_seconds"][k]
+                for k, v in entry["first_token_seconds"].items()}
+        by_mode[mode or engine_kwargs_for(args.model)["mode"]] = entry
     result = {
         "benchmark": "startup",
         "device": device_description(),
@@ -187,12 +223,20 @@ def main(argv=None) -> None:
                           "again, 'changed': one setting changed, the cache warm"),
         "modes": by_mode,
     }
+    if args.baseline:
+        revision = os.path.join(args.baseline, "REVISION")
+        result["baseline"] = {"package_root": args.baseline, "git_revision": (
+            open(revision).read().strip() if os.path.isfile(revision) else "unknown")}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     finish(run)
     for mode, r in by_mode.items():
         print(f"{mode}: first token {r['first_token_seconds']} s (cold / warm "
               f"{r['cold_over_warm']:.2f}x)", flush=True)
+        if "baseline" in r:
+            print(f"{mode}: baseline {r['baseline']['first_token_seconds']} s; ours over it "
+                  + ", ".join(f"{k} {v:.3f}x" for k, v in r["ours_over_baseline"].items()),
+                  flush=True)
     print(f"wrote {args.out}", flush=True)
 
 
