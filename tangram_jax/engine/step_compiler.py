@@ -115,6 +115,7 @@ class StepCompilation:
                    disable=None if progress is None else not progress)
 
         def compile_one(program, lowered, lower_seconds):
+            _check_memory_maps(program, len(self.compile_log), len(new))
             started = time.perf_counter()
             compiled = lowered.compile()
             return compiled, dict(program=program.name, key=program.key, phase=phase,
@@ -271,6 +272,41 @@ class StepCompilation:
                 np.zeros(size, np.int32))
         jax.block_until_ready(self.block_tables)
         return records
+
+
+class MemoryMapLimitError(RuntimeError):
+    """Compiling more programs would pass the memory mappings Linux allows a process."""
+
+
+# The share of `vm.max_map_count` past which no program starts compiling: XLA's CPU backend
+# keeps ~600 mappings a compiled program of the embedded model (130 programs in its warm-up),
+# and a compile that finds none left dies with a segmentation fault, not an error.
+MEMORY_MAPS_HEADROOM = 0.9
+
+
+def _memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the most Linux allows: vm.max_map_count), or
+    None where /proc does not say."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f), limit
+    except (OSError, ValueError):
+        return None
+
+
+def _check_memory_maps(program, compiled: int, total: int) -> None:
+    """Raise `MemoryMapLimitError` instead of starting `program`'s compile when the process
+    holds more than `MEMORY_MAPS_HEADROOM` of the mappings it may."""
+    maps = _memory_maps()
+    if maps is not None and maps[0] > MEMORY_MAPS_HEADROOM * maps[1]:
+        raise MemoryMapLimitError(
+            f"compiling {program.name} ({program.describe()}) stopped: this process holds "
+            f"{maps[0]} memory mappings of the {maps[1]} Linux allows it (vm.max_map_count), "
+            f"and each compiled program adds hundreds on a CPU ({compiled} of the {total} "
+            f"programs compiled); raise the limit (sysctl -w vm.max_map_count=262144) or "
+            f"build the engine with warmup=False (programs then compile when first used)")
 
 
 class WarmupProgram(NamedTuple):

@@ -96,3 +96,17 @@ def test_the_start_up_report_lists_every_compiled_program(tmp_path):
         (p["compile_seconds"] for p in programs), reverse=True)
     assert set(report["seconds"]) == {"load_model", "build", "warmup", "total"}
     assert report["seconds"]["warmup"] <= report["seconds"]["total"]
+
+
+def test_warm_up_near_the_memory_mapping_limit_stops_with_one_clear_error(tmp_path, monkeypatch):
+    """Each program XLA compiles on a CPU keeps hundreds of memory mappings; a compile that
+    finds none left dies with a segmentation fault. Near Linux's vm.max_map_count, warm-up
+    refuses to start another compile and says what to change."""
+    from tangram_jax.engine import step_compiler
+    folder = build_tiny_model(tmp_path / "tiny")
+    monkeypatch.setattr(step_compiler, "_memory_maps", lambda: (60_000, 65_530))
+    with pytest.raises(step_compiler.MemoryMapLimitError,
+                       match=r"60000 memory mappings of the 65530 .*vm\.max_map_count.*"
+                             r"warmup=False"):
+        Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
+                                  max_num_seqs=2, decode_buckets=(1, 2), max_model_len=160))
