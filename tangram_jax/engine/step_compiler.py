@@ -114,10 +114,13 @@ class StepCompilation:
         bar = tqdm(total=len(new), desc="compiling", unit="program", leave=False,
                    disable=None if progress is None else not progress)
 
+        finished = []   # this call's compiles done (`compile_log` is filled in order, later)
+
         def compile_one(program, lowered, lower_seconds):
-            _check_memory_maps(program, len(self.compile_log), len(new))
+            _check_memory_maps(program, len(finished), len(new))
             started = time.perf_counter()
             compiled = lowered.compile()
+            finished.append(program)
             return compiled, dict(program=program.name, key=program.key, phase=phase,
                                   lower_seconds=lower_seconds,
                                   compile_seconds=time.perf_counter() - started,
@@ -298,14 +301,15 @@ def _memory_maps() -> tuple[int, int] | None:
 
 def _check_memory_maps(program, compiled: int, total: int) -> None:
     """Raise `MemoryMapLimitError` instead of starting `program`'s compile when the process
-    holds more than `MEMORY_MAPS_HEADROOM` of the mappings it may."""
+    holds more than `MEMORY_MAPS_HEADROOM` of the mappings it may (`compiled` of the `total`
+    programs of this call are done)."""
     maps = _memory_maps()
     if maps is not None and maps[0] > MEMORY_MAPS_HEADROOM * maps[1]:
         raise MemoryMapLimitError(
             f"compiling {program.name} ({program.describe()}) stopped: this process holds "
             f"{maps[0]} memory mappings of the {maps[1]} Linux allows it (vm.max_map_count), "
             f"and each compiled program adds hundreds on a CPU ({compiled} of the {total} "
-            f"programs compiled); raise the limit (sysctl -w vm.max_map_count=262144) or "
+            f"programs of this compile call done); raise the limit (sysctl -w vm.max_map_count=262144) or "
             f"build the engine with warmup=False (programs then compile when first used)")
 
 
