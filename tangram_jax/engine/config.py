@@ -208,6 +208,10 @@ class EngineConfig:
     warmup: bool | None = _field(None, _flag(optional=True),
                                  "compile every step shape when the engine is built (default: on "
                                  "a GPU only)")
+    background_compile: bool = _field(
+        True, _flag(), "with warm-up, compile the short-turn variants of the turn-compaction "
+        "prefill after the engine is ready, on one background thread; until they are, those "
+        "turns run the whole-table program (the same tokens, a little more work)")
     gpu_memory_utilization: float = _field(
         0.9, _fraction, "share of the GPU the engine may use (vLLM's meaning): sets JAX's "
         "allocator cap when the engine starts JAX's GPU backend, and sizes the KV pool when "

@@ -498,20 +498,28 @@ class Engine(RequestIntake):
                     * decode_groups,
                     max_swap_pages=int(np.prod(table_shape[1:])) if host_tier else 0,
                     logprob_modes=LOGPROB_MODES if logprobs else (None,),
-                    prompt_logprobs=(False, True) if logprobs else (False,))
+                    prompt_logprobs=(False, True) if logprobs else (False,),
+                    background=cfg.background_compile)
 
     def startup_report(self) -> dict:
         """Where start-up went: `startup_seconds` (load_model, build: runner, pool and
         scheduler, warmup, total) and one record a program the build (phase "pool": the
         largest steps, for the pool's size) and warm-up (phase "warmup") compiled ({"program",
-        "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"}), slowest first, with
-        their count and summed compile seconds (more than the wall time when programs compile
-        side by side; a program warm-up meets again after the build is found in jit's cache
-        in well under a second)."""
+        "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"}; phase "background"
+        for those compiled after the engine was ready), slowest first, with their count, how
+        many are still `compiling` in the background, and summed compile seconds (more than
+        the wall time when programs compile side by side; a program warm-up meets again after
+        the build is found in jit's cache in well under a second)."""
         programs = sorted(self.runner.compile_log, key=lambda r: -r["compile_seconds"])
         return dict(seconds=dict(self.startup_seconds), num_programs=len(programs),
                     compile_seconds=sum(r["compile_seconds"] for r in programs),
-                    programs=programs)
+                    programs=programs, compiling=self.runner.compiles_running())
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) for what warm-up left to compile in the background
+        (`EngineConfig.background_compile`); True when all of it compiled (False: still
+        running, or a program failed and its steps keep the covering program: see the log)."""
+        return self.runner.wait_for_compiles(timeout)
 
     @property
     def is_warm(self) -> bool:

@@ -310,6 +310,11 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         # What `warmup` compiled: one record a program (name, shape key, seconds, HLO size).
         self.compile_log: list[dict] = []
         self._compiled: dict = {}   # (program, shape key, pool pages) -> jax.stages.Compiled
+        # Warm-up's background compiles (`StepCompilation._compile_in_background`): the thread,
+        # its jobs by program key, and (region width, pool pages) -> programs still compiling.
+        self._background = None
+        self._background_jobs: dict = {}
+        self._regions_compiling: dict = {}
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)

@@ -4,7 +4,10 @@
 can meet (`warmup`: prefill row counts and flat-token buckets, region widths, table widths,
 mixed steps, decode buckets, first-token sampling, block-table updates, fork page copies)
 without running them, and the largest steps for a pool that is not allocated yet
-(`compile_steps`: `engine/memory.py` sizes the pool from their memory analysis).
+(`compile_steps`: `engine/memory.py` sizes the pool from their memory analysis). Warm-up may
+leave the narrower variants of a covering program (the short region of turn compactions) to
+one background thread after the engine is ready (`background`): serving takes the covering
+program until they are compiled (`_region_ready`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import logging
 import os
+import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -23,9 +28,12 @@ from tqdm.auto import tqdm
 
 from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
 from tangram_jax.engine.host_offload import swap_lowerings
+from tangram_jax.engine.memory import step_peak_bytes
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import row_alignment
 from tangram_jax.sampling import neutral_adjust, write_penalty_row
+
+log = logging.getLogger(__name__)
 
 
 class StepCompilation:
@@ -96,28 +104,36 @@ class StepCompilation:
         `jax.stages.Compiled`) pairs."""
         programs = self.warmup_programs(pool=self._pool_specs(num_pages), **warmup_arguments)
         return [(p.name, c) for p, c in zip(
-            programs, self.compile_programs(programs, phase="pool", pages=num_pages))]
+            programs, self.compile_programs(programs, phase="pool", pages=num_pages))
+            if c is not None]
 
     def compile_programs(self, programs: list[WarmupProgram], *, phase: str, pages,
                          threads: int | None = None, progress: bool | None = None) -> list:
         """Lower `programs` (for a pool of `pages` pages) one after another (tracing holds
         Python's lock) and compile them `threads` at a time as they are lowered (XLA compiles
         outside the lock; default: the CPU count, at most 8), behind a progress bar
-        (`progress`: None shows it on a terminal). A program this runner already compiled for
-        the same pool size is neither lowered nor compiled again. Returns the
-        `jax.stages.Compiled`s in order; each new one is recorded in `compile_log`
-        ({"program", "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"})."""
+        (`progress`: None shows it on a terminal). A program this runner already compiled (or
+        is compiling in the background) for the same pool size is neither lowered nor compiled
+        again. Programs marked `background` are lowered now and compiled after the others, one
+        at a time on the runner's background thread (`_compile_in_background`), so the
+        covering programs they stand beside get the machine to themselves. Returns the
+        `jax.stages.Compiled`s in order (None for a background program); each new one is
+        recorded in `compile_log` ({"program", "key", "phase", "lower_seconds",
+        "compile_seconds", "hlo_chars"}; phase "background" for those)."""
         threads = threads or min(8, os.cpu_count() or 1)
-        pool_key = tuple(int(n) for n in np.atleast_1d(pages))
+        pool_key = _pool_key(pages)
         keys = [(p.name, repr(sorted(p.key.items())), pool_key) for p in programs]
-        new = [(k, p) for k, p in zip(keys, programs) if k not in self._compiled]
-        bar = tqdm(total=len(new), desc="compiling", unit="program", leave=False,
+        new = [(k, p) for k, p in zip(keys, programs)
+               if k not in self._compiled and k not in self._background_jobs]
+        later = [(k, p) for k, p in new if p.background]
+        now = [(k, p) for k, p in new if not p.background]
+        bar = tqdm(total=len(now), desc="compiling", unit="program", leave=False,
                    disable=None if progress is None else not progress)
 
         finished = []   # this call's compiles done (`compile_log` is filled in order, later)
 
         def compile_one(program, lowered, lower_seconds):
-            _check_memory_maps(program, len(finished), len(new))
+            _check_memory_maps(program, len(finished), len(now))
             started = time.perf_counter()
             compiled = lowered.compile()
             finished.append(program)
@@ -128,18 +144,92 @@ class StepCompilation:
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = []
-            for key, program in new:
+            for key, program in now:
                 bar.set_postfix_str(f"{program.name} {program.describe()}", refresh=False)
                 started = time.perf_counter()
                 lowered = program.lower()
                 futures.append(pool.submit(compile_one, program, lowered,
                                            time.perf_counter() - started))
                 futures[-1].add_done_callback(lambda _: bar.update())
-            for (key, _), future in zip(new, futures):
+            lowered_later = []
+            for key, program in later:
+                started = time.perf_counter()
+                lowered_later.append((key, program, program.lower(),
+                                      time.perf_counter() - started))
+            for (key, _), future in zip(now, futures):
                 self._compiled[key], record = future.result()
                 self.compile_log.append(record)
         bar.close()
-        return [self._compiled[k] for k in keys]
+        # Jobs queued for another pool size (the build's provisional pool, since resized) would
+        # only delay these.
+        for key, job in list(self._background_jobs.items()):
+            if key[2] != pool_key and job.cancel():
+                del self._background_jobs[key]
+        for key, program, lowered, lower_seconds in lowered_later:
+            self._compile_in_background(key, program, lowered, lower_seconds)
+        return [self._compiled.get(k) if not p.background else None
+                for k, p in zip(keys, programs)]
+
+    def _compile_in_background(self, key, program: WarmupProgram, lowered,
+                               lower_seconds: float) -> None:
+        """Queue `lowered` (`program`, this runner's `key`) on the background compile thread.
+        Its region width stays out of `_region_width`'s choice until every program queued for
+        that width and pool size is compiled and needs no more memory than the covering
+        program compiled for the widest region (whose peak sized the pool); a program that
+        fails or needs more is logged and its width is never used."""
+        if self._background is None:
+            self._background = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tangram-background-compile")
+            _BACKGROUND_EXECUTORS.append(self._background)
+        region = (program.key["region_pages"], key[2])
+        self._regions_compiling[region] = self._regions_compiling.get(region, 0) + 1
+        covering = (key[0], repr(sorted(dict(program.key, region_pages=max(
+            self._region_widths())).items())), key[2])
+
+        def run():
+            try:
+                _check_memory_maps(program, 0, 1)
+                started = time.perf_counter()
+                compiled = lowered.compile()
+                seconds = time.perf_counter() - started
+                peak = step_peak_bytes(compiled)
+                limit = step_peak_bytes(self._compiled[covering])
+                if peak > limit:
+                    raise RuntimeError(f"it needs {peak:,} bytes beside the pool, more than the "
+                                       f"{limit:,} of the program it stands in for")
+            except Exception as e:
+                log.warning("background compile of %s (%s) failed, so those steps keep the "
+                            "covering program: %s", program.name, program.describe(), e)
+                raise
+            self._compiled[key] = compiled
+            self.compile_log.append(dict(program=program.name, key=program.key,
+                                         phase="background", lower_seconds=lower_seconds,
+                                         compile_seconds=seconds,
+                                         hlo_chars=len(lowered.as_text())))
+            self._regions_compiling[region] -= 1
+            if not self._regions_compiling[region]:
+                del self._regions_compiling[region]
+
+        self._background_jobs[key] = self._background.submit(run)
+
+    def _region_ready(self, width: int) -> bool:
+        """Whether turn compactions of `width` region pages may run: no program of that width
+        is still compiling in the background for the allocated pool (or failed to)."""
+        if not self._regions_compiling or self.k_pages is None:
+            return True
+        return (width, _pool_key(self.num_pages)) not in self._regions_compiling
+
+    def compiles_running(self) -> int:
+        """Programs queued or compiling on the background thread."""
+        return sum(not job.done() for job in self._background_jobs.values())
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) for the programs compiling in the background.
+        Returns whether every one of them compiled (False: still running after `timeout`, or
+        one failed: see the log; serving then keeps the covering programs)."""
+        jobs = list(self._background_jobs.values())
+        done, running = concurrent.futures.wait(jobs, timeout)
+        return not running and all(j.exception() is None for j in done if not j.cancelled())
 
     def _mixed_lowering(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
                         region_pages: int | None, k_pages, v_pages):
@@ -166,18 +256,24 @@ class StepCompilation:
     def warmup_programs(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                         logprob_modes=(None,), prompt_logprobs=(False,),
                         max_page_copies: int = 0, max_swap_pages: int = 0,
+                        background: bool = False,
                         pool: tuple | None = None) -> list[WarmupProgram]:
         """Every program serving can meet, as `WarmupProgram`s to compile (`warmup` has the
         arguments): decode buckets, prefill row counts and, for whole rows, flat-token buckets;
         where the runner `mixes_steps`, each prefill shape beside each decode bucket;
         first-token sampling row counts; fork page copies; the host tier's page copies of up to
-        `max_swap_pages` pages a tier (`host_offload.swap_lowerings`). `pool`: (k_pages,
-        v_pages) to lower for (arrays or `jax.ShapeDtypeStruct`s; default the runner's pool)."""
+        `max_swap_pages` pages a tier (`host_offload.swap_lowerings`). `background`: mark the
+        programs of turn compactions narrower than the whole table for the background
+        (`compile_programs`; the whole-table program covers their calls until then). `pool`:
+        (k_pages, v_pages) to lower for (arrays or `jax.ShapeDtypeStruct`s; default the
+        runner's pool)."""
         for mode in logprob_modes:
             _check_logprob_mode(mode)
         k_pages, v_pages = pool if pool is not None else (self.k_pages, self.v_pages)
         programs = []
-        add = lambda name, lower, **key: programs.append(WarmupProgram(name, key, lower))
+        widest = max(self._region_widths())
+        add = lambda name, lower, **key: programs.append(WarmupProgram(
+            name, key, lower, background and 0 < key.get("region_pages", 0) < widest))
         for rows in _padded_row_counts(max_prefill_rows):
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
@@ -234,7 +330,7 @@ class StepCompilation:
 
     def warmup(self, decode_buckets, max_prefill_rows: int, max_first_tokens: int, *,
                logprob_modes=(None,), prompt_logprobs=(False,), max_page_copies: int = 0,
-               max_swap_pages: int = 0, threads: int | None = None,
+               max_swap_pages: int = 0, background: bool = False, threads: int | None = None,
                progress: bool | None = None) -> list[dict]:
         """Compile every step shape serving can meet (`warmup_programs`) ahead of time, without
         running them: jit reuses these executables when serving meets the shapes, so nothing
@@ -247,18 +343,20 @@ class StepCompilation:
         a variant again costs little (jit finds it cached), so a later call may add modes.
         max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
         max_swap_pages: the most pages of a tier one session swapped to host memory holds.
-        Programs `precompile` compiled for this pool's size are not compiled again. Returns one
+        background: leave the narrower turn-compaction programs to the background thread
+        (`warmup_programs`; `wait_for_compiles` waits for them). Programs `precompile` compiled for this pool's size are not compiled again. Returns one
         record a program compiled now (`compile_programs`, phase "warmup"), also in
         `compile_log`."""
         programs = self.warmup_programs(decode_buckets, max_prefill_rows, max_first_tokens,
                                         logprob_modes=logprob_modes,
                                         prompt_logprobs=prompt_logprobs,
                                         max_page_copies=max_page_copies,
-                                        max_swap_pages=max_swap_pages)
+                                        max_swap_pages=max_swap_pages,
+                                        background=background)
         before = len(self.compile_log)
         self.compile_programs(programs, phase="warmup", pages=self.num_pages, threads=threads,
                               progress=progress)
-        records = self.compile_log[before:]
+        records = [r for r in self.compile_log[before:] if r["phase"] != "background"]
         # The small ops between the steps, run once: a row of the prefill logits, a stack of
         # rows for `sample`, a block-table write (all dropped: out of range).
         for rows in _padded_row_counts(max_prefill_rows):
@@ -275,6 +373,25 @@ class StepCompilation:
                 np.zeros(size, np.int32))
         jax.block_until_ready(self.block_tables)
         return records
+
+
+def _pool_key(pages) -> tuple[int, ...]:
+    """A pool size (pages, or pages per tier) as the key compiled programs are kept under."""
+    return tuple(int(n) for n in np.atleast_1d(pages))
+
+
+# Every runner's background compile thread: a process that exits drops the compiles not yet
+# started (it still waits for the one running, whose executable reaches the compile cache).
+_BACKGROUND_EXECUTORS: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _drop_queued_compiles() -> None:
+    for executor in _BACKGROUND_EXECUTORS:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+# Runs before concurrent.futures joins its threads (threading's exit hooks run last first).
+getattr(threading, "_register_atexit", lambda f: None)(_drop_queued_compiles)
 
 
 class MemoryMapLimitError(RuntimeError):
@@ -315,11 +432,13 @@ def _check_memory_maps(program, compiled: int, total: int) -> None:
 
 class WarmupProgram(NamedTuple):
     """One program `warmup` compiles: its jitted function's name, the shape key it is compiled
-    for, and a thunk that lowers it (`jax.stages.Lowered`)."""
+    for, a thunk that lowers it (`jax.stages.Lowered`), and whether it may compile in the
+    background after the engine is ready (`compile_programs`)."""
 
     name: str
     key: dict
     lower: Callable
+    background: bool = False
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.key.items())

@@ -110,3 +110,59 @@ def test_warm_up_near_the_memory_mapping_limit_stops_with_one_clear_error(tmp_pa
                              r"warmup=False"):
         Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
                                   max_num_seqs=2, decode_buckets=(1, 2), max_model_len=160))
+
+
+def test_short_turn_programs_compile_in_the_background_and_change_no_token(tmp_path,
+                                                                          monkeypatch, request):
+    """Warm-up leaves the short-region turn compaction (`SHORT_REGION_PAGES`) to the background
+    thread: until it is compiled, short turns run the whole-table program and nothing compiles
+    on the serving thread; after it, they run the short one, with the same tokens and
+    log-probabilities."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    from tangram_jax.engine import step_compiler
+    folder = build_tiny_model(tmp_path / "tiny")
+    gate = threading.Event()
+    request.addfinalizer(gate.set)   # a failing test does not leave the thread waiting
+    check = step_compiler._check_memory_maps
+
+    def held(*args):   # the background thread waits for the gate before it compiles
+        if threading.current_thread().name.startswith("tangram-background-compile"):
+            assert gate.wait(120)
+        check(*args)
+
+    monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
+    engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
+                                       max_num_seqs=2, decode_buckets=(2,), max_model_len=512,
+                                       page_size=4))
+    engine.warmup(logprobs=True)
+    runner = engine.runner
+    short_width, whole = runner._region_widths()
+    assert short_width == 64 and engine.startup_report()["compiling"] >= 1
+    assert runner._region_width(3) == whole   # the short programs are not compiled yet
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(threading.current_thread().name)
+        if "backend_compile" in event else None)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+
+    def answer():
+        engine.add_request(prompt=PROMPT, sampling_params=params)
+        out = [o for o in engine.stream() if o.finished][0].outputs[0]
+        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+    covering = answer()
+    gate.set()
+    assert [name for name in compiles if name == threading.current_thread().name] == []
+    assert engine.wait_for_compiles(120)
+    assert runner._region_width(3) == short_width and engine.startup_report()["compiling"] == 0
+    assert any(r["phase"] == "background" and r["key"]["region_pages"] == 64
+               for r in engine.startup_report()["programs"])
+    short = answer()
+    assert [name for name in compiles if name == threading.current_thread().name] == []
+    assert short[0] == covering[0]
+    np.testing.assert_allclose(short[1], covering[1], rtol=0, atol=1e-5)
