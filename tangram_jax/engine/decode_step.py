@@ -109,15 +109,47 @@ class DecodeSteps:
         Sampling arrays [B] as in `tangram_jax.sampling`. forced_tokens: int [B], the token row
         i must take (teacher forcing; -1: sample), default none. logprobs: one of
         `LOGPROB_MODES`. adjust: the rows' penalties / min_tokens / min_p (None: nobody's; the
-        same program either way). Returns next tokens [B] (device), and with `logprobs` set also their
-        `TokenLogprobs` (device arrays, the model's distribution at each row).
+        same program either way). Returns next tokens [B'] (device), and with `logprobs` set also their
+        `TokenLogprobs` (device arrays, the model's distribution at each row): B' = B, or a
+        larger bucket while B's program compiles in the background (`_ready`; rows past B are
+        padding).
         """
+        covering = self._ready_decode_bucket(len(slots))
+        if covering != len(slots):
+            (positions, slots, lengths, temperature, top_k, top_p, seeds, steps,
+             forced_tokens, adjust) = self._pad_decode_rows(
+                covering - len(slots), positions, slots, lengths, temperature, top_k, top_p,
+                seeds, steps, forced_tokens, adjust)
         args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
                                          temperature, top_k, top_p, seeds, steps,
                                          forced_tokens, logprobs, adjust)
         self.k_pages, self.v_pages, self.slot_state, next_tokens, lp = self._decode(
             *args, **static)
         return next_tokens if logprobs is None else (next_tokens, lp)
+
+    def _ready_decode_bucket(self, bucket: int) -> int:
+        """`bucket`, or while its decode program compiles in the background (warm-up's
+        `background`), the smallest larger bucket whose program is compiled."""
+        if self._ready("bucket", bucket):
+            return bucket
+        return next(b for b in sorted(self.runner_config.decode_buckets)
+                    if b > bucket and self._ready("bucket", b))
+
+    def _pad_decode_rows(self, extra: int, positions, slots, lengths, temperature, top_k,
+                         top_p, seeds, steps, forced_tokens, adjust) -> tuple:
+        """`decode`'s row arrays with `extra` padding rows (the null slot, greedy, no
+        history), as the scheduler pads a batch to its bucket."""
+        pad = lambda x, fill: np.concatenate([np.asarray(x), fill])
+        lengths = np.asarray(lengths)
+        sampling = [pad(x, fill) for x, fill in zip((temperature, top_k, top_p, seeds, steps),
+                                                    _greedy(extra))]
+        return (pad(positions, np.zeros(extra, np.int32)),
+                pad(slots, np.full(extra, self.null_slot, np.int32)),
+                pad(lengths, np.zeros((extra, *lengths.shape[1:]), lengths.dtype)), *sampling,
+                None if forced_tokens is None else pad(forced_tokens,
+                                                       np.full(extra, -1, np.int32)),
+                None if adjust is None else LogitsAdjust(*(
+                    pad(x, fill) for x, fill in zip(adjust, neutral_adjust(extra)))))
 
     def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
                      top_p, seeds, steps, forced_tokens=None,

@@ -5,9 +5,9 @@ can meet (`warmup`: prefill row counts and flat-token buckets, region widths, ta
 mixed steps, decode buckets, first-token sampling, block-table updates, fork page copies)
 without running them, and the largest steps for a pool that is not allocated yet
 (`compile_steps`: `engine/memory.py` sizes the pool from their memory analysis). Warm-up may
-leave the narrower variants of a covering program (the short region of turn compactions) to
-one background thread after the engine is ready (`background`): serving takes the covering
-program until they are compiled (`_region_ready`).
+leave the narrower variants of a covering program (the short region of turn compactions, the
+decode buckets below the largest) to one background thread after the engine is ready
+(`background`): serving takes the covering program until they are compiled (`_ready`).
 """
 
 from __future__ import annotations
@@ -173,18 +173,20 @@ class StepCompilation:
     def _compile_in_background(self, key, program: WarmupProgram, lowered,
                                lower_seconds: float) -> None:
         """Queue `lowered` (`program`, this runner's `key`) on the background compile thread.
-        Its region width stays out of `_region_width`'s choice until every program queued for
-        that width and pool size is compiled and needs no more memory than the covering
-        program compiled for the widest region (whose peak sized the pool); a program that
-        fails or needs more is logged and its width is never used."""
+        Its value of the field it is covered in (`WarmupProgram.covered_by`: a region width, a
+        decode bucket) stays out of serving's choice (`_ready`) until every program queued for
+        that value and pool size is compiled and needs no more memory than its covering
+        program (whose peak sized the pool); a program that fails or needs more is logged and
+        that value is never used."""
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tangram-background-compile")
             _BACKGROUND_EXECUTORS.append(self._background)
-        region = (program.key["region_pages"], key[2])
-        self._regions_compiling[region] = self._regions_compiling.get(region, 0) + 1
-        covering = (key[0], repr(sorted(dict(program.key, region_pages=max(
-            self._region_widths())).items())), key[2])
+        field, covering_value = program.covered_by
+        waiting = (field, program.key[field], key[2])
+        self._compiling[waiting] = self._compiling.get(waiting, 0) + 1
+        covering = (key[0], repr(sorted(dict(program.key, **{field: covering_value}).items())),
+                    key[2])
 
         def run():
             try:
@@ -198,7 +200,7 @@ class StepCompilation:
                     raise RuntimeError(f"it needs {peak:,} bytes beside the pool, more than the "
                                        f"{limit:,} of the program it stands in for")
             except Exception as e:
-                log.warning("background compile of %s (%s) failed, so those steps keep the "
+                log.warning("background compile of %s (%s) failed, so its calls keep the "
                             "covering program: %s", program.name, program.describe(), e)
                 raise
             self._compiled[key] = compiled
@@ -206,18 +208,19 @@ class StepCompilation:
                                          phase="background", lower_seconds=lower_seconds,
                                          compile_seconds=seconds,
                                          hlo_chars=len(lowered.as_text())))
-            self._regions_compiling[region] -= 1
-            if not self._regions_compiling[region]:
-                del self._regions_compiling[region]
+            self._compiling[waiting] -= 1
+            if not self._compiling[waiting]:
+                del self._compiling[waiting]
 
         self._background_jobs[key] = self._background.submit(run)
 
-    def _region_ready(self, width: int) -> bool:
-        """Whether turn compactions of `width` region pages may run: no program of that width
-        is still compiling in the background for the allocated pool (or failed to)."""
-        if not self._regions_compiling or self.k_pages is None:
+    def _ready(self, field: str, value: int) -> bool:
+        """Whether calls of `field` = `value` ("region_pages": a turn compaction's width;
+        "bucket": a decode bucket) may run: no program of that value is still compiling in
+        the background for the allocated pool (or failed to)."""
+        if not self._compiling or self.k_pages is None:
             return True
-        return (width, _pool_key(self.num_pages)) not in self._regions_compiling
+        return (field, value, _pool_key(self.num_pages)) not in self._compiling
 
     def compiles_running(self) -> int:
         """Programs queued or compiling on the background thread."""
@@ -263,17 +266,24 @@ class StepCompilation:
         where the runner `mixes_steps`, each prefill shape beside each decode bucket;
         first-token sampling row counts; fork page copies; the host tier's page copies of up to
         `max_swap_pages` pages a tier (`host_offload.swap_lowerings`). `background`: mark the
-        programs of turn compactions narrower than the whole table for the background
-        (`compile_programs`; the whole-table program covers their calls until then). `pool`:
+        programs of turn compactions narrower than the whole table, and decode programs of
+        buckets below the largest, for the background (`compile_programs`; the whole-table
+        program and the largest bucket cover their calls until then). `pool`:
         (k_pages, v_pages) to lower for (arrays or `jax.ShapeDtypeStruct`s; default the
         runner's pool)."""
         for mode in logprob_modes:
             _check_logprob_mode(mode)
         k_pages, v_pages = pool if pool is not None else (self.k_pages, self.v_pages)
         programs = []
-        widest = max(self._region_widths())
-        add = lambda name, lower, **key: programs.append(WarmupProgram(
-            name, key, lower, background and 0 < key.get("region_pages", 0) < widest))
+        widest, largest = max(self._region_widths()), max(decode_buckets, default=0)
+
+        def add(name, lower, **key):
+            covered_by = None
+            if background and 0 < key.get("region_pages", 0) < widest:
+                covered_by = ("region_pages", widest)
+            elif background and name == "decode" and key["bucket"] < largest:
+                covered_by = ("bucket", largest)
+            programs.append(WarmupProgram(name, key, lower, covered_by))
         for rows in _padded_row_counts(max_prefill_rows):
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
@@ -432,13 +442,19 @@ def _check_memory_maps(program, compiled: int, total: int) -> None:
 
 class WarmupProgram(NamedTuple):
     """One program `warmup` compiles: its jitted function's name, the shape key it is compiled
-    for, a thunk that lowers it (`jax.stages.Lowered`), and whether it may compile in the
-    background after the engine is ready (`compile_programs`)."""
+    for, a thunk that lowers it (`jax.stages.Lowered`), and for a program that may compile in
+    the background (`compile_programs`) the key field and value of the program covering it."""
 
     name: str
     key: dict
     lower: Callable
-    background: bool = False
+    covered_by: tuple[str, int] | None = None
+
+    @property
+    def background(self) -> bool:
+        """Whether the program may compile after the engine is ready: a wider program, the
+        same key with `covered_by` = (field, value), serves its calls until then."""
+        return self.covered_by is not None
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.key.items())

@@ -82,6 +82,7 @@ def test_the_start_up_report_lists_every_compiled_program(tmp_path):
     engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
                                        max_num_seqs=2, decode_buckets=(1, 2),
                                        max_model_len=160))
+    assert engine.wait_for_compiles(120)   # decode bucket 1 compiles in the background
     report = engine.startup_report()
     programs = report["programs"]
     assert report["num_programs"] == len(programs) == len(engine.runner.warmup_programs(
@@ -112,11 +113,12 @@ def test_warm_up_near_the_memory_mapping_limit_stops_with_one_clear_error(tmp_pa
                                   max_num_seqs=2, decode_buckets=(1, 2), max_model_len=160))
 
 
-def test_short_turn_programs_compile_in_the_background_and_change_no_token(tmp_path,
-                                                                          monkeypatch, request):
-    """Warm-up leaves the short-region turn compaction (`SHORT_REGION_PAGES`) to the background
-    thread: until it is compiled, short turns run the whole-table program and nothing compiles
-    on the serving thread; after it, they run the short one, with the same tokens and
+def test_narrow_programs_compile_in_the_background_and_change_no_token(tmp_path, monkeypatch,
+                                                                      request):
+    """Warm-up leaves the short-region turn compaction (`SHORT_REGION_PAGES`) and the decode
+    buckets below the largest to the background thread: until they are compiled, short turns
+    run the whole-table program, decode steps the largest bucket, and nothing compiles on the
+    serving thread; after it, they run their own programs, with the same tokens and
     log-probabilities."""
     import threading
 
@@ -136,13 +138,14 @@ def test_short_turn_programs_compile_in_the_background_and_change_no_token(tmp_p
 
     monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
     engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
-                                       max_num_seqs=2, decode_buckets=(2,), max_model_len=512,
-                                       page_size=4))
+                                       max_num_seqs=2, decode_buckets=(1, 2),
+                                       max_model_len=512, page_size=4))
     engine.warmup(logprobs=True)
     runner = engine.runner
     short_width, whole = runner._region_widths()
     assert short_width == 64 and engine.startup_report()["compiling"] >= 1
-    assert runner._region_width(3) == whole   # the short programs are not compiled yet
+    assert runner._region_width(3) == whole   # the narrow programs are not compiled yet
+    assert runner._ready_decode_bucket(1) == 2
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -160,8 +163,11 @@ def test_short_turn_programs_compile_in_the_background_and_change_no_token(tmp_p
     assert [name for name in compiles if name == threading.current_thread().name] == []
     assert engine.wait_for_compiles(120)
     assert runner._region_width(3) == short_width and engine.startup_report()["compiling"] == 0
-    assert any(r["phase"] == "background" and r["key"]["region_pages"] == 64
-               for r in engine.startup_report()["programs"])
+    assert runner._ready_decode_bucket(1) == 1
+    background = [r["key"] for r in engine.startup_report()["programs"]
+                  if r["phase"] == "background"]
+    assert {k.get("region_pages") for k in background} >= {64}
+    assert {k["bucket"] for k in background if "bucket" in k and "region_pages" not in k} == {1}
     short = answer()
     assert [name for name in compiles if name == threading.current_thread().name] == []
     assert short[0] == covering[0]
