@@ -209,9 +209,10 @@ class EngineConfig:
                                  "compile every step shape when the engine is built (default: on "
                                  "a GPU only)")
     background_compile: bool = _field(
-        True, _flag(), "with warm-up, compile the short-turn variants of the turn-compaction "
-        "prefill after the engine is ready, on one background thread; until they are, those "
-        "turns run the whole-table program (the same tokens, a little more work)")
+        True, _flag(), "with warm-up, compile the programs a wider one can stand in for (decode "
+        "buckets below the largest, the short-turn region of the turn compaction) after the "
+        "engine is ready, on one background thread; until each is, its calls run the wider "
+        "program, padded (the same tokens, more work)")
     gpu_memory_utilization: float = _field(
         0.9, _fraction, "share of the GPU the engine may use (vLLM's meaning): sets JAX's "
         "allocator cap when the engine starts JAX's GPU backend, and sizes the KV pool when "

@@ -132,8 +132,9 @@ class DecodeSteps:
         `background`), the smallest larger bucket whose program is compiled."""
         if self._ready("bucket", bucket):
             return bucket
-        return next(b for b in sorted(self.runner_config.decode_buckets)
-                    if b > bucket and self._ready("bucket", b))
+        return next((b for b in sorted(self.runner_config.decode_buckets)
+                     if b > bucket and self._ready("bucket", b)),
+                    self._covered_by[("bucket", bucket)])
 
     def _pad_decode_rows(self, extra: int, positions, slots, lengths, temperature, top_k,
                          top_p, seeds, steps, forced_tokens, adjust) -> tuple:

@@ -311,11 +311,13 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         self.compile_log: list[dict] = []
         self._compiled: dict = {}   # (program, shape key, pool pages) -> jax.stages.Compiled
         # Warm-up's background compiles (`StepCompilation._compile_in_background`): the thread,
-        # its jobs by program key, and (field, value, pool pages) -> programs still compiling
-        # (field: "region_pages" or "bucket", `WarmupProgram.covered_by`).
+        # its jobs by program key, (field, value, pool pages) -> programs still compiling and
+        # (field, value) -> the covering value (field: "region_pages" or "bucket",
+        # `WarmupProgram.covered_by`).
         self._background = None
         self._background_jobs: dict = {}
         self._compiling: dict = {}
+        self._covered_by: dict = {}
         self.k_pages = self.v_pages = None
         if num_pages is not None:
             self.allocate_pool(num_pages)

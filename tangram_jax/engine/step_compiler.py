@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Callable, NamedTuple
 
 import jax
@@ -181,8 +182,9 @@ class StepCompilation:
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tangram-background-compile")
-            _BACKGROUND_EXECUTORS.append(self._background)
+            _BACKGROUND_EXECUTORS.add(self._background)
         field, covering_value = program.covered_by
+        self._covered_by[(field, program.key[field])] = covering_value
         waiting = (field, program.key[field], key[2])
         self._compiling[waiting] = self._compiling.get(waiting, 0) + 1
         covering = (key[0], repr(sorted(dict(program.key, **{field: covering_value}).items())),
@@ -353,10 +355,11 @@ class StepCompilation:
         a variant again costs little (jit finds it cached), so a later call may add modes.
         max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
         max_swap_pages: the most pages of a tier one session swapped to host memory holds.
-        background: leave the narrower turn-compaction programs to the background thread
-        (`warmup_programs`; `wait_for_compiles` waits for them). Programs `precompile` compiled for this pool's size are not compiled again. Returns one
-        record a program compiled now (`compile_programs`, phase "warmup"), also in
-        `compile_log`."""
+        background: leave the programs a wider one covers (the short turn-compaction region,
+        decode buckets below the largest) to the background thread (`warmup_programs`;
+        `wait_for_compiles` waits for them). Programs `precompile` compiled for this pool's
+        size are not compiled again. Returns one record a program compiled now
+        (`compile_programs`, phase "warmup"), also in `compile_log`."""
         programs = self.warmup_programs(decode_buckets, max_prefill_rows, max_first_tokens,
                                         logprob_modes=logprob_modes,
                                         prompt_logprobs=prompt_logprobs,
@@ -392,7 +395,8 @@ def _pool_key(pages) -> tuple[int, ...]:
 
 # Every runner's background compile thread: a process that exits drops the compiles not yet
 # started (it still waits for the one running, whose executable reaches the compile cache).
-_BACKGROUND_EXECUTORS: list[concurrent.futures.ThreadPoolExecutor] = []
+_BACKGROUND_EXECUTORS: "weakref.WeakSet[concurrent.futures.ThreadPoolExecutor]" = \
+    weakref.WeakSet()
 
 
 def _drop_queued_compiles() -> None:
