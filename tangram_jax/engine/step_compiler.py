@@ -168,8 +168,7 @@ class StepCompilation:
                 del self._background_jobs[key]
         for key, program, lowered, lower_seconds in lowered_later:
             self._compile_in_background(key, program, lowered, lower_seconds)
-        return [self._compiled.get(k) if not p.background else None
-                for k, p in zip(keys, programs)]
+        return [None if p.background else self._compiled[k] for k, p in zip(keys, programs)]
 
     def _compile_in_background(self, key, program: WarmupProgram, lowered,
                                lower_seconds: float) -> None:

@@ -80,10 +80,9 @@ class TurnCompaction:
     def _region_width(self, pages: int) -> int:
         """The smallest of `_region_widths` that holds `pages` pages and whose programs are
         compiled (`_ready`: warm-up may leave the short one to the background; the whole
-        table's is always ready)."""
-        widths = self._region_widths()
-        return next(w for w in widths if w >= pages and (w == widths[-1]
-                                                          or self._ready("region_pages", w)))
+        table's never is)."""
+        return next(w for w in self._region_widths()
+                    if w >= pages and self._ready("region_pages", w))
 
     def _turn_compaction(self, q_row, k_row, v_row, obs_row, lse, row_start, row_len, k_pages,
                          v_pages, table, hist, turn_hist, keep, num_protected, held_protected,
