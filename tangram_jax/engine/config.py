@@ -210,7 +210,8 @@ class EngineConfig:
                                  "a GPU only)")
     background_compile: bool = _field(
         True, _flag(), "with warm-up, compile the programs a wider one can stand in for (decode "
-        "buckets below the largest, the short-turn region of the turn compaction) after the "
+        "buckets below the largest, prefill token buckets but the largest and the first of "
+        "1024 tokens, the short-turn region of the turn compaction) after the "
         "engine is ready, on one background thread; until each is, its calls run the wider "
         "program, padded (the same tokens, more work)")
     gpu_memory_utilization: float = _field(

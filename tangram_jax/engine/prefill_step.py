@@ -70,6 +70,15 @@ class PrefillSteps:
                            if b < cap} | {cap})
         return _doublings(align, cap)
 
+    def _token_bucket(self, rows: int, used: int) -> int | None:
+        """The flat-token bucket a call of `rows` (padded) rows using `used` tokens runs at:
+        the smallest that holds them whose programs are compiled (`_ready`: warm-up may leave
+        all but two buckets to the background, `step_compiler.SHORT_TURN_TOKENS`); None when
+        none holds them."""
+        fits = [b for b in (self.prefill_token_buckets(rows) if self.prefill_whole_rows
+                            else self.chunk_token_buckets(rows)) if b >= used]
+        return next((b for b in fits if self._ready("tokens", b)), fits[-1] if fits else None)
+
     def chunk_token_buckets(self, rows: int) -> list[int]:
         """Flat-token sizes of a call of `rows` compression-chunk rows (not
         `prefill_whole_rows`): every row's chunk, aligned; on the CPU path also the powers of
@@ -198,15 +207,12 @@ class PrefillSteps:
         protected = np.zeros(rows, np.int32)
         protected[:n_rows] = num_protected
         starts, used = pack_rows(lens[:n_rows], align)
-        if self.prefill_whole_rows:
+        if num_tokens is None:
+            num_tokens = self._token_bucket(rows, used)
             if num_tokens is None:
-                num_tokens = next((b for b in self.prefill_token_buckets(rows) if b >= used), None)
-                if num_tokens is None:
-                    raise ValueError(f"a prefill call of {int(lens.sum())} tokens in {n_rows} "
-                                     f"rows exceeds max_prefill_tokens "
-                                     f"{self.runner_config.max_prefill_tokens}")
-        elif num_tokens is None:
-            num_tokens = next(b for b in self.chunk_token_buckets(rows) if b >= used)
+                raise ValueError(f"a prefill call of {int(lens.sum())} tokens in {n_rows} "
+                                 f"rows exceeds max_prefill_tokens "
+                                 f"{self.runner_config.max_prefill_tokens}")
         # Empty padding rows start at the end of the flat axis (they own no token).
         row_starts = np.full(rows, num_tokens, np.int32)
         row_starts[:n_rows] = starts

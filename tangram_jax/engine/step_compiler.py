@@ -6,8 +6,9 @@ mixed steps, decode buckets, first-token sampling, block-table updates, fork pag
 without running them, and the largest steps for a pool that is not allocated yet
 (`compile_steps`: `engine/memory.py` sizes the pool from their memory analysis). Warm-up may
 leave the narrower variants of a covering program (the short region of turn compactions, the
-decode buckets below the largest) to one background thread after the engine is ready
-(`background`): serving takes the covering program until they are compiled (`_ready`).
+decode buckets below the largest, all but two prefill token buckets) to one background thread
+after the engine is ready (`background`): serving takes the covering program until they are
+compiled (`_ready`).
 """
 
 from __future__ import annotations
@@ -173,20 +174,20 @@ class StepCompilation:
     def _compile_in_background(self, key, program: WarmupProgram, lowered,
                                lower_seconds: float) -> None:
         """Queue `lowered` (`program`, this runner's `key`) on the background compile thread.
-        Its value of the field it is covered in (`WarmupProgram.covered_by`: a region width, a
-        decode bucket) stays out of serving's choice (`_ready`) until every program queued for
-        that value and pool size is compiled and needs no more memory than its covering
-        program (whose peak sized the pool); a program that fails or needs more is logged and
-        that value is never used."""
+        Its values of the fields it is covered in (`WarmupProgram.covered_by`: a region width,
+        a decode bucket, a prefill token bucket) stay out of serving's choice (`_ready`) until
+        every program queued for that value and pool size is compiled and needs no more memory
+        than its covering program (whose peak sized the pool); a program that fails or needs
+        more is logged and that value is never used."""
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tangram-background-compile")
             _BACKGROUND_EXECUTORS.add(self._background)
-        field, covering_value = program.covered_by
-        self._covered_by[(field, program.key[field])] = covering_value
-        waiting = (field, program.key[field], key[2])
-        self._compiling[waiting] = self._compiling.get(waiting, 0) + 1
-        covering = (key[0], repr(sorted(dict(program.key, **{field: covering_value}).items())),
+        waiting = [(field, program.key[field], key[2]) for field, _ in program.covered_by]
+        for (field, covering_value), wait in zip(program.covered_by, waiting):
+            self._covered_by[(field, program.key[field])] = covering_value
+            self._compiling[wait] = self._compiling.get(wait, 0) + 1
+        covering = (key[0], repr(sorted(dict(program.key, **dict(program.covered_by)).items())),
                     key[2])
 
         def run():
@@ -209,16 +210,18 @@ class StepCompilation:
                                          phase="background", lower_seconds=lower_seconds,
                                          compile_seconds=seconds,
                                          hlo_chars=len(lowered.as_text())))
-            self._compiling[waiting] -= 1
-            if not self._compiling[waiting]:
-                del self._compiling[waiting]
+            for wait in waiting:
+                self._compiling[wait] -= 1
+                if not self._compiling[wait]:
+                    del self._compiling[wait]
 
         self._background_jobs[key] = self._background.submit(run)
 
     def _ready(self, field: str, value: int) -> bool:
         """Whether calls of `field` = `value` ("region_pages": a turn compaction's width;
-        "bucket": a decode bucket) may run: no program of that value is still compiling in
-        the background for the allocated pool (or failed to)."""
+        "bucket": a decode bucket; "tokens": a prefill call's flat-token bucket) may run: no
+        program of that value is still compiling in the background for the allocated pool (or
+        failed to)."""
         if not self._compiling or self.k_pages is None:
             return True
         return (field, value, _pool_key(self.num_pages)) not in self._compiling
@@ -267,9 +270,11 @@ class StepCompilation:
         where the runner `mixes_steps`, each prefill shape beside each decode bucket;
         first-token sampling row counts; fork page copies; the host tier's page copies of up to
         `max_swap_pages` pages a tier (`host_offload.swap_lowerings`). `background`: mark the
-        programs of turn compactions narrower than the whole table, and decode programs of
-        buckets below the largest, for the background (`compile_programs`; the whole-table
-        program and the largest bucket cover their calls until then). `pool`:
+        programs of turn compactions narrower than the whole table, of prefill token buckets
+        other than the largest and the first of `SHORT_TURN_TOKENS` (`_token_covers`), and
+        decode programs of buckets below the largest, for the background
+        (`compile_programs`; the whole-table program, those two token buckets and the largest
+        decode bucket cover their calls until then). `pool`:
         (k_pages, v_pages) to lower for (arrays or `jax.ShapeDtypeStruct`s; default the
         runner's pool)."""
         for mode in logprob_modes:
@@ -277,19 +282,23 @@ class StepCompilation:
         k_pages, v_pages = pool if pool is not None else (self.k_pages, self.v_pages)
         programs = []
         widest, largest = max(self._region_widths()), max(decode_buckets, default=0)
+        token_cover: dict[int, int] = {}   # this row count's token buckets -> covering bucket
 
         def add(name, lower, **key):
-            covered_by = None
+            covered_by = []
             if background and 0 < key.get("region_pages", 0) < widest:
-                covered_by = ("region_pages", widest)
-            elif background and name == "decode" and key["bucket"] < largest:
-                covered_by = ("bucket", largest)
-            programs.append(WarmupProgram(name, key, lower, covered_by))
+                covered_by.append(("region_pages", widest))
+            if background and key.get("tokens") in token_cover:
+                covered_by.append(("tokens", token_cover[key["tokens"]]))
+            if background and name == "decode" and key["bucket"] < largest:
+                covered_by.append(("bucket", largest))
+            programs.append(WarmupProgram(name, key, lower, tuple(covered_by) or None))
         for rows in _padded_row_counts(max_prefill_rows):
             # Whole rows: every flat-token bucket a call of `rows` rows can meet.
             buckets = [b for b in self.prefill_token_buckets(rows)
                        if b >= rows * row_alignment(self.prefill_tuning)] \
                 if self.prefill_whole_rows else self.chunk_token_buckets(rows)
+            token_cover = _token_covers(buckets)
             # Retention "turn": every region width a turn compaction of the call can read.
             regions = [0] if self.prefill_whole_rows else self._region_widths()
             for num_tokens, region in itertools.product(buckets, regions):
@@ -313,6 +322,7 @@ class StepCompilation:
                                                    bucket, mode, region, k_pages, v_pages),
                         rows=rows, tokens=num_tokens, region_pages=region, bucket=bucket,
                         logprobs=mode)
+        token_cover = {}
         for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
             add("sample", functools.partial(
                 self._sample_rows.lower, self.slot_state, jax.ShapeDtypeStruct(
@@ -355,7 +365,8 @@ class StepCompilation:
         max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
         max_swap_pages: the most pages of a tier one session swapped to host memory holds.
         background: leave the programs a wider one covers (the short turn-compaction region,
-        decode buckets below the largest) to the background thread (`warmup_programs`;
+        all but two prefill token buckets, decode buckets below the largest) to the background
+        thread (`warmup_programs`;
         `wait_for_compiles` waits for them). Programs `precompile` compiled for this pool's
         size are not compiled again. Returns one record a program compiled now
         (`compile_programs`, phase "warmup"), also in `compile_log`."""
@@ -451,16 +462,35 @@ class WarmupProgram(NamedTuple):
     name: str
     key: dict
     lower: Callable
-    covered_by: tuple[str, int] | None = None
+    covered_by: tuple[tuple[str, int], ...] | None = None
 
     @property
     def background(self) -> bool:
         """Whether the program may compile after the engine is ready: a wider program, the
-        same key with `covered_by` = (field, value), serves its calls until then."""
+        same key with each (field, value) of `covered_by` in place, serves its calls until
+        then."""
         return self.covered_by is not None
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.key.items())
+
+
+# Prefill token buckets compiled before the engine is ready (`warmup_programs` with
+# `background`): the largest (a long prompt's chunks) and the smallest of at least this many
+# tokens (short turns: follow-ups, chat messages). The others compile in the background, their
+# calls padded to the next of these two until then: at the 8B shape a 1024-token prefill step
+# costs a few times a 64-token one (weights are read either way), while each bucket compiled
+# before the first token costs ~25 s of a cold start's compile threads.
+SHORT_TURN_TOKENS = 1024
+
+
+def _token_covers(buckets: list[int]) -> dict[int, int]:
+    """{bucket: the bucket covering it} for the token `buckets` of one row count that may
+    compile in the background: every bucket but the largest and the smallest of at least
+    `SHORT_TURN_TOKENS`, each covered by the smallest of those two above it."""
+    covering = sorted({buckets[-1], next(b for b in buckets if b >= SHORT_TURN_TOKENS
+                                         or b == buckets[-1])})
+    return {b: next(c for c in covering if c > b) for b in buckets if b not in covering}
 
 
 def _padded_row_counts(max_rows: int) -> list[int]:

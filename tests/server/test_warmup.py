@@ -172,3 +172,57 @@ def test_narrow_programs_compile_in_the_background_and_change_no_token(tmp_path,
     assert [name for name in compiles if name == threading.current_thread().name] == []
     assert short[0] == covering[0]
     np.testing.assert_allclose(short[1], covering[1], rtol=0, atol=1e-5)
+
+
+def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_compiles(
+        tmp_path, monkeypatch, request):
+    """Full KV prefills whole rows padded to flat-token buckets; warm-up compiles the largest
+    and the first of `SHORT_TURN_TOKENS` tokens before the engine is ready and the others in
+    the background. Until a bucket is compiled, its calls run padded to the next compiled one
+    (nothing compiles on the serving thread); after, at their own size, with the same tokens
+    and log-probabilities."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    from tangram_jax.engine import step_compiler
+    monkeypatch.setattr(step_compiler, "SHORT_TURN_TOKENS", 128)
+    folder = build_tiny_model(tmp_path / "tiny")
+    gate = threading.Event()
+    request.addfinalizer(gate.set)
+    check = step_compiler._check_memory_maps
+
+    def held(*args):
+        if threading.current_thread().name.startswith("tangram-background-compile"):
+            assert gate.wait(120)
+        check(*args)
+
+    monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
+    engine = Engine(tiny_engine_config(folder, "full", warmup=True, compile_cache_dir="off",
+                                       max_num_seqs=2, decode_buckets=(2,),
+                                       max_model_len=512, max_num_batched_tokens=256))
+    runner = engine.runner
+    buckets = runner.prefill_token_buckets(1)
+    assert buckets == [64, 128, 256], buckets
+    assert [runner._token_bucket(1, n) for n in (1, 128, 129)] == [128, 128, 256]
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(threading.current_thread().name)
+        if "backend_compile" in event else None)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+    def answer():
+        engine.add_request(prompt_token_ids=list(range(5, 25)), sampling_params=params)
+        out = [o for o in engine.stream() if o.finished][0].outputs[0]
+        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+    engine.warmup(logprobs=True)
+    covering = answer()
+    gate.set()
+    assert engine.wait_for_compiles(120)
+    assert [runner._token_bucket(1, n) for n in (1, 20, 129)] == [buckets[0], buckets[0], 256]
+    own = answer()
+    assert [name for name in compiles if name == threading.current_thread().name] == []
+    assert own[0] == covering[0]
+    np.testing.assert_allclose(own[1], covering[1], rtol=0, atol=1e-5)
