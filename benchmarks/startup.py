@@ -55,9 +55,12 @@ def build_engine(model: str, engine_kwargs: dict):
     from tangram_jax.engine.config import EngineConfig
 
     if model == RANDOM_8B:   # built inside Engine(), after it has set JAX's allocator up
-        from tangram_jax.benchmarking.models import random_model
-        llm_engine.load_model = lambda *args, **kwargs: random_model(
-            RANDOM_8B, engine_kwargs.get("dtype", "bfloat16"))
+        from tangram_jax.benchmarking import models
+        dtype = engine_kwargs.get("dtype", "bfloat16")
+        if hasattr(models, "random_model_source"):   # what a HF folder gives: config first
+            return llm_engine.Engine(EngineConfig(
+                model=models.random_model_source(RANDOM_8B, dtype), **engine_kwargs))
+        llm_engine.load_model = lambda *args, **kwargs: models.random_model(RANDOM_8B, dtype)
     return llm_engine.Engine(EngineConfig(model=None if model == RANDOM_8B else model,
                                           **engine_kwargs))
 

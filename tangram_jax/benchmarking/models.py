@@ -59,6 +59,18 @@ def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
     return LoadedModel(config, model, tokenizer, name, None)
 
 
+def random_model_source(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
+                        num_layers: int | None = None):
+    """`random_model(...)` as a `registry.ModelSource` (config known, weights made when
+    loaded): an engine given it builds its steps while the weights are made."""
+    import jax.numpy as jnp
+
+    from tangram_jax.models.registry import ModelSource
+
+    return ModelSource(name, None, random_model_config(name, num_layers), jnp.dtype(dtype),
+                       lambda: random_model(name, dtype, seed, num_layers))
+
+
 # Hugging Face config.json facts of the paper's other model shapes (random weights only), and
 # tiny CPU smoke-test versions of each (same families, small sizes).
 FAMILY_SHAPES = {

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return _merge(args, argv)
 
     from tangram_jax.benchmarking import serve
-    from tangram_jax.benchmarking.models import (RANDOM_8B, RANDOM_TINY, random_model,
+    from tangram_jax.benchmarking.models import (RANDOM_8B, RANDOM_TINY, random_model_source,
                                                   random_model_config)
     from tangram_jax.benchmarking.results import finish, output_path, start, write_result
     from tangram_jax.benchmarking.workload import (CONTEXT_CLASSES, SessionSpec,
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     # The model: built anew for every configuration (the runner takes its layers over).
     if args.model in (RANDOM_8B, RANDOM_TINY):
         dtype = args.dtype if args.dtype != "auto" else "bfloat16"
-        factory = lambda: random_model(args.model, dtype)   # noqa: E731
+        factory = random_model_source(args.model, dtype)
         model_config, profile_seed = random_model_config(args.model), args.profile_seed
     else:
         loaded = load_model(args.model, dtype=args.dtype)

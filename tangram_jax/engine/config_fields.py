@@ -83,7 +83,8 @@ def _cache_folder(name, value):
 def _model(name, value):
     """A model name or path (`_path_or`), or a callable that builds a `LoadedModel` (models made
     in memory, e.g. the benchmarks' random 8B shape: called when the engine loads its model,
-    after the allocator is set up)."""
+    after the allocator is set up; a `registry.ModelSource` also says the model's config
+    first, so the engine compiles while it loads)."""
     if callable(value):
         return value
     return _path_or("None (the embedded model), a model name, a Hugging Face folder, a .gguf "

@@ -51,7 +51,8 @@ from tangram_jax.engine.tensor_parallel import devices_for
 from tangram_jax.engine.outputs import CompletionOutput, RequestOutput
 from tangram_jax.kv_layout import TieredLayout, pages_for
 from tangram_jax.models.generation_config import GenerationConfigError, default_sampling_params
-from tangram_jax.models.registry import DEFAULT_MODEL, load_model
+from tangram_jax.models.registry import (DEFAULT_MODEL, ModelSource, load_in_background,
+                                         load_model, open_model)
 from tangram_jax.models.tokenizer import ChatTemplateError, load_chat_template
 from tangram_jax.scheduler.host_pool import HostKVPool
 from tangram_jax.scheduler.kv_cache_manager import KVCacheManager
@@ -92,25 +93,33 @@ class Engine(RequestIntake):
             raise EngineConfigError(f"tensor_parallel_size {cfg.tensor_parallel_size} needs as "
                                     f"many devices, got {len(self.devices)}")
         self.device = self.devices[0]
-        with jax.default_device(self.device):   # the weights load onto the engine's device
-            loaded = (cfg.model() if callable(cfg.model)
-                      else load_model(cfg.model, dtype=cfg.dtype))
+        # Where the model's config is known before its weights are read (a HF folder, a model
+        # in the converted-model cache, a `ModelSource`), the weights load on another thread
+        # while the runner compiles its steps for their shapes (`_weights_loaded` waits).
+        source = (cfg.model if isinstance(cfg.model, ModelSource) else None
+                  if callable(cfg.model) else open_model(cfg.model, dtype=cfg.dtype))
+        loaded = None
+        if source is None:
+            with jax.default_device(self.device):   # the weights load onto the engine's device
+                loaded = cfg.model() if callable(cfg.model) else load_model(cfg.model,
+                                                                           dtype=cfg.dtype)
         load_seconds = time.perf_counter() - started
-        self.model_name = loaded.name
-        self.model_config = mc = loaded.config
-        self.tokenizer = loaded.tokenizer
-        if cfg.chat_template is not None:
-            try:
-                self.tokenizer.use_chat_template(load_chat_template(cfg.chat_template))
-            except ChatTemplateError as e:
-                raise EngineConfigError(f"chat_template: {e}") from None
+        model = source or loaded
+        self.model_name = model.name
+        self.model_config = mc = model.config
         # What a request without SamplingParams is served with (vLLM's generation_config).
         try:
             self.default_sampling_params, self.default_sampling_source = \
-                default_sampling_params(cfg.generation_config, loaded.source)
+                default_sampling_params(cfg.generation_config, model.source)
         except GenerationConfigError as e:
             raise EngineConfigError(f"generation_config: {e}") from None
-        self.resolved = rc = cfg.resolve(mc, is_embedded=loaded.name == DEFAULT_MODEL)
+        chat_template = None
+        if cfg.chat_template is not None:
+            try:
+                chat_template = load_chat_template(cfg.chat_template)
+            except ChatTemplateError as e:
+                raise EngineConfigError(f"chat_template: {e}") from None
+        self.resolved = rc = cfg.resolve(mc, is_embedded=model.name == DEFAULT_MODEL)
         self.layout = rc.layout
         self.max_model_len = rc.max_model_len
         # Serve with the scorer the budgets were calibrated with (a profile made with a method
@@ -122,6 +131,9 @@ class Engine(RequestIntake):
                        rc.max_pages_per_seq)
         # What the allocator reports (None on a CPU): sizes the pool, or checks a fixed one.
         device_memory = memory.DeviceMemory.read(self.device, allocator.fraction)
+        self._loading, self._load_seconds, self._load_wait = None, None, 0.0
+        if source is not None:   # the allocator read above holds none of the weights
+            self._loading = load_in_background(source, self.device)
         fixed = pool_is_fixed(cfg)
         if device_memory is None and not fixed and jax.default_backend() != "cpu":
             log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
@@ -129,7 +141,7 @@ class Engine(RequestIntake):
                         "the default %d tokens; set kv_cache_tokens or num_pages",
                         jax.default_backend(), DEFAULT_KV_CACHE_TOKENS)
         self.runner = ModelRunner(
-            loaded.model, mc, self.layout,
+            source.abstract_model() if source is not None else loaded.model, mc, self.layout,
             rc.num_pages if device_memory is None and not fixed else None,   # else below
             table_shape, devices=self.devices,
             runner_config=RunnerConfig(mode=cfg.mode, obs_window=rc.obs_window,
@@ -142,7 +154,13 @@ class Engine(RequestIntake):
                                        num_programs=cfg.num_programs,
                                        split_map=cfg.split_map),
             pool_format=rc.pool_format)
-        del loaded
+        if loaded is not None:
+            self.tokenizer = loaded.tokenizer
+        del loaded, model
+        # What the allocator will hold once the weights are in (it holds them already when
+        # they loaded here).
+        in_use = None if device_memory is None else device_memory.bytes_in_use + (
+            self.runner.weight_bytes() if self._loading is not None else 0)
         # Page-lock the host tier's memory while the programs compile (`pin_host_memory`).
         self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes)
         self.memory_plan: memory.PoolPlan | None = None
@@ -173,7 +191,8 @@ class Engine(RequestIntake):
             if device_memory is not None:   # before the pool exists: refused, not OOM later
                 try:
                     memory.check_fixed_pool_fits(self.runner, self.device, cfg, pool, pages,
-                                                 step_peak, allocator)
+                                                 step_peak, allocator,
+                                                 weights_loaded=self._weights_loaded)
                 except ValueError as e:
                     raise EngineConfigError(str(e)) from None
             self.runner.allocate_pool(pages)
@@ -181,8 +200,12 @@ class Engine(RequestIntake):
             if allocator.note:
                 log.warning(allocator.note)
             self.memory_plan = memory.size_pool(self.device, cfg, pool, step_peak,
-                                                allocator.fraction)
+                                                allocator.fraction, in_use_bytes=in_use,
+                                                weights_loaded=self._weights_loaded)
             self.runner.allocate_pool(self.memory_plan.num_pages)
+        self._weights_loaded()
+        if chat_template is not None:
+            self.tokenizer.use_chat_template(chat_template)
         self.manager = KVCacheManager(
             self.layout, self.runner.num_pages, cfg.max_num_seqs,
             rc.max_pages_per_seq,
@@ -215,13 +238,30 @@ class Engine(RequestIntake):
         self.tokens_processed = 0
         self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
-        # included), warm-up (compiling every step shape), total.
-        self.startup_seconds = {"load_model": load_seconds,
-                                "build": time.perf_counter() - started - load_seconds,
-                                "warmup": 0.0}
+        # included), warm-up (compiling every step shape), total. Weights that loaded on their
+        # own thread (`load_overlapped`) ran beside the build, which holds the seconds it
+        # waited for them after its compiles (`load_wait`).
+        self.load_overlapped = self._load_seconds is not None
+        self.startup_seconds = {
+            "load_model": self._load_seconds if self.load_overlapped else load_seconds,
+            "build": time.perf_counter() - started - (0 if self.load_overlapped
+                                                      else load_seconds),
+            "load_wait": self._load_wait, "warmup": 0.0}
         if warm:
             self.warmup()
         self.startup_seconds["total"] = time.perf_counter() - started
+
+    def _weights_loaded(self) -> None:
+        """Wait for the weights loading on their own thread, if they are, and hand them to the
+        runner (with the tokenizer that came with them); `_load_wait`: the seconds waited."""
+        if self._loading is None:
+            return
+        started = time.perf_counter()
+        loading, self._loading = self._loading, None
+        loaded, self._load_seconds = loading.result()
+        self.runner.load_weights(loaded.model)
+        self.tokenizer = loaded.tokenizer
+        self._load_wait = time.perf_counter() - started
 
     def limit_kv_cache(self, nbytes: int | None) -> None:
         """Serve as if the KV pool held `nbytes` (`kv_cache_memory_bytes`; None: all of it):
@@ -502,8 +542,9 @@ class Engine(RequestIntake):
                     background=cfg.background_compile)
 
     def startup_report(self) -> dict:
-        """Where start-up went: `startup_seconds` (load_model, build: runner, pool and
-        scheduler, warmup, total) and one record a program the build (phase "pool": the
+        """Where start-up went: `startup_seconds` (load_model, load_wait, build: runner, pool
+        and scheduler, warmup, total), whether the weights loaded beside the build
+        (`load_overlapped`), and one record a program the build (phase "pool": the
         largest steps, for the pool's size) and warm-up (phase "warmup") compiled ({"program",
         "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"}; phase "background"
         for those compiled after the engine was ready), slowest first, with their count, how
@@ -511,7 +552,8 @@ class Engine(RequestIntake):
         the wall time when programs compile side by side; a program warm-up meets again after
         the build is found in jit's cache in well under a second)."""
         programs = sorted(self.runner.compile_log, key=lambda r: -r["compile_seconds"])
-        return dict(seconds=dict(self.startup_seconds), num_programs=len(programs),
+        return dict(seconds=dict(self.startup_seconds), load_overlapped=self.load_overlapped,
+                    num_programs=len(programs),
                     compile_seconds=sum(r["compile_seconds"] for r in programs),
                     programs=programs, compiling=self.runner.compiles_running())
 

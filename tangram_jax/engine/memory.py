@@ -364,27 +364,34 @@ def pages_in_bytes(pool: TieredPool, nbytes: int, max_model_len: int):
 
 
 def size_pool(device, cfg, pool: TieredPool, step_peak: Callable[[object], int],
-              fraction: float) -> PoolPlan:
+              fraction: float, *, in_use_bytes: int | None = None,
+              weights_loaded: Callable[[], None] = lambda: None) -> PoolPlan:
     """The pool under `cfg.gpu_memory_utilization` (module docstring): compile the steps for a
     provisional pool that leaves `step_reserve` free, read their peak (`step_peak(pages)`:
     bytes), and keep the provisional size when the peak fits in the reserve (the compiled
-    steps are then reused as they are), else shrink the pool to fit."""
-    now = DeviceMemory.read(device, fraction)   # weights are in now
+    steps are then reused as they are), else shrink the pool to fit. While the weights still
+    load (on another thread), `in_use_bytes` is what the allocator will hold with them, and
+    `weights_loaded()` waits for them before the plan reads what it holds."""
+    now = DeviceMemory.read(device, fraction)
+    in_use = now.bytes_in_use if in_use_bytes is None else in_use_bytes
     budget, _ = budget_bytes(now.card_bytes, cfg.gpu_memory_utilization, now.bytes_limit)
-    provisional = pool.pages_in(budget - now.bytes_in_use - step_reserve(budget))
+    provisional = pool.pages_in(budget - in_use - step_reserve(budget))
     peak = step_peak(pool.at_least_min(provisional))
-    return plan_pool(now, cfg.gpu_memory_utilization, peak, pool,
-                     prefer_pages=provisional if pool.holds_min(provisional) else None)
+    weights_loaded()
+    return plan_pool(DeviceMemory.read(device, fraction), cfg.gpu_memory_utilization, peak,
+                     pool, prefer_pages=provisional if pool.holds_min(provisional) else None)
 
 
 def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages,
-                          step_peak: Callable[[object], int], allocator: AllocatorSetup) -> None:
+                          step_peak: Callable[[object], int], allocator: AllocatorSetup, *,
+                          weights_loaded: Callable[[], None] = lambda: None) -> None:
     """Refuse (ValueError) a pool the user fixed that cannot fit under the allocator's cap in
     force beside the weights and the steps' peak (`step_peak(pages)`: compiled here for that
     pool, as warm-up would: the executables are reused), naming the figures and what would
-    fit."""
-    now = DeviceMemory.read(device, allocator.fraction)   # the weights are in
+    fit. `weights_loaded()` waits for weights still loading before the allocator is read."""
     peak = step_peak(pages)
+    weights_loaded()
+    now = DeviceMemory.read(device, allocator.fraction)   # the weights are in
     setting = next(f"{name}={getattr(cfg, name)}" for name in
                    ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
                    if getattr(cfg, name) is not None)

@@ -267,36 +267,16 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         check_local_layers(config, layout, runner_config.mode, pool_format.precision,
                            int(table_shape[-1]) * base.page_size)
         head_perm = device_major_perm(base.head_perm, base.group_size, tp)
-        if not np.array_equal(head_perm, np.tile(np.arange(base.num_kv_heads),
-                                                 (base.num_layers, 1))):
-            permute_kv_heads(model, head_perm)
-        # The runner takes the layers over: stacked for lax.scan (one layer body is compiled,
-        # not num_layers copies: compile time dominates on small models and CPUs), or kept as
-        # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
-        layers = list(model.layers)
-        if tp > 1:   # mixture-of-experts layers run expert-parallel over the mesh
-            shard_experts(layers, self.placement.mesh)
+        self._head_perm = None if np.array_equal(head_perm, np.tile(
+            np.arange(base.num_kv_heads), (base.num_layers, 1))) else head_perm
         # Switch on the CPU: unrolled saves the scan's per-layer weight copies (~425 MB a step
         # on the embedded model) but compiles 30 layer bodies per shape (the warm-up of `bench
         # serve`, ~50 shapes, went from ~4 minutes to over 15); the switch loop saves the
         # copies too and compiles the attention once.
         self.layer_loop = runner_config.layer_loop or (
             "unrolled" if self.ops.name == "pallas" else "switch")
-        self.layer_graphdef = nnx.split(layers[0])[0]
-        states = [nnx.split(layer)[1] for layer in layers]
-        # Every array the steps take is committed to the devices: jit keys its compiled steps
-        # on whether an input is committed, and a step's outputs (the pool, the sampled tokens,
-        # the block table) are. Uncommitted inputs at warm-up made every step shape compile
-        # again while serving (twice: once more when the pool became a step's output).
-        self.layer_states = (jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-                             if self.layer_loop == "scan" else states)
-        model.layers = nnx.List([])
-        del layers
-        self.graphdef, self.state = nnx.split(model)
-        self.state = self.placement.weights(self.state)
-        self.layer_states = self.placement.weights(self.layer_states,
-                                                   stacked=self.layer_loop == "scan")
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self._take_weights(model)
         # Bytes of one page of each tier's pool (one pool untiered) on each device (a page's G
         # heads are split over the devices).
         self.tier_page_bytes = tuple(b // tp for b in pool_format.page_bytes(
@@ -351,6 +331,53 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
                               donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
+
+    def _take_weights(self, model: Decoder) -> None:
+        """Take `model`'s weights over as the steps read them (`state`, `layer_states`; the
+        model is left without its layers). An abstract model (`nnx.eval_shape`: weights are
+        `jax.ShapeDtypeStruct`s) gives specs of the same shapes and shardings, enough to
+        compile every step; `load_weights` brings the arrays before one runs."""
+        abstract = _is_abstract(model)
+        if self._head_perm is not None and not abstract:
+            permute_kv_heads(model, self._head_perm)
+        # The runner takes the layers over: stacked for lax.scan (one layer body is compiled,
+        # not num_layers copies: compile time dominates on small models and CPUs), or kept as
+        # separate arrays for an unrolled loop (no per-step copies out of a stack on the GPU).
+        layers = list(model.layers)
+        if self.placement.tp > 1:   # mixture-of-experts layers run expert-parallel over the mesh
+            shard_experts(layers, self.placement.mesh)
+        self.layer_graphdef = nnx.split(layers[0])[0]
+        states = [nnx.split(layer)[1] for layer in layers]
+        # Every array the steps take is committed to the devices: jit keys its compiled steps
+        # on whether an input is committed, and a step's outputs (the pool, the sampled tokens,
+        # the block table) are. Uncommitted inputs at warm-up made every step shape compile
+        # again while serving (twice: once more when the pool became a step's output).
+        if self.layer_loop == "scan":
+            stack = ((lambda *xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype))
+                     if abstract else (lambda *xs: jnp.stack(xs)))
+            states = jax.tree.map(stack, *states)
+        model.layers = nnx.List([])
+        self.graphdef, state = nnx.split(model)
+        self.state = self.placement.weights(state)
+        self.layer_states = self.placement.weights(states, stacked=self.layer_loop == "scan")
+
+    def load_weights(self, model: Decoder) -> None:
+        """Take the weights of `model` over (loaded for the architecture, dtype and
+        shapes the runner was built with, abstractly or not): the compiled steps stay valid."""
+        def specs():
+            return (self.graphdef, self.layer_graphdef,
+                    jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding),
+                                 (self.state, self.layer_states)))
+        built = specs()
+        self._take_weights(model)
+        if specs() != built:
+            raise ValueError("load_weights: the model's weights differ from those the runner "
+                             "was built for (architecture, shapes, dtype or placement)")
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights on each device (a sharded weight counts its shard)."""
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves((self.state, self.layer_states)))
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -531,6 +558,11 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
             self.k_pages, self.v_pages,
             np.concatenate([np.asarray(src, np.int32), np.zeros(pad, np.int32)]),
             np.concatenate([np.asarray(dst, np.int32), np.full(pad, num_pages, np.int32)]))
+
+
+def _is_abstract(model) -> bool:
+    """Whether `model`'s weights are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
 
 
 class _SwitchedLayer:

@@ -119,10 +119,13 @@ class Placement:
     def weights(self, state, stacked: bool = False):
         """`state` (an nnx State, or a list of them) placed: column / row parallel by name,
         experts by expert, the rest replicated. stacked: the layer states carry a leading layer
-        axis (scan)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: jax.device_put(x, self.weight_sharding(path, np.ndim(x), stacked)),
-            state)
+        axis (scan). `jax.ShapeDtypeStruct` leaves (an abstract model) get the same shardings."""
+        def place(path, x):
+            sharding = self.weight_sharding(path, np.ndim(x), stacked)
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            return jax.device_put(x, sharding)
+        return jax.tree_util.tree_map_with_path(place, state)
 
     def weight_sharding(self, path, ndim: int, stacked: bool = False):
         """The sharding of the weight at tree `path` (nnx state keys) with `ndim` axes (see

@@ -98,8 +98,9 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelCon
     return config, decoder_from_state_dict(config, state_dict, dtype)
 
 
-def read_hf_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json as a dict, HF-named state dict) of a model folder; the config is validated."""
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """config.json of a model folder as a dict, validated (`ModelConfig.from_hf_dict`:
+    unsupported models fail before any weight is read)."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist or is not a directory")
@@ -110,7 +111,14 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]
         config_dict = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    ModelConfig.from_hf_dict(config_dict)   # unsupported models fail before reading weights
+    ModelConfig.from_hf_dict(config_dict)
+    return config_dict
+
+
+def read_hf_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json as a dict, HF-named state dict) of a model folder; the config is validated."""
+    folder = Path(path)
+    config_dict = read_hf_config(folder)
     state_dict: dict[str, np.ndarray] = {}
     for file in _weight_files(folder):
         state_dict.update(read_safetensors(file))

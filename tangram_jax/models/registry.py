@@ -18,11 +18,15 @@ float16 compute path); a quantized GGUF is dequantized to float32.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -109,18 +113,89 @@ def _gguf_weight_dtype(path: Path) -> str:
 def load_model(model: str | os.PathLike | None = None, dtype="auto",
                cache_dir: str | os.PathLike | None = None, use_cache: bool = True) -> LoadedModel:
     """Loads config, decoder and tokenizer from the default model, a HF folder or a GGUF file."""
+    path, name = _locate(model)
+    return _load(path, name, resolve_dtype(dtype, path), cache_dir, use_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model found whose weights are not read yet: what is known before (name, source,
+    config, dtype) and `load()`, which reads them. The engine compiles its steps for
+    `abstract_model()`'s shapes while `load` runs on another thread."""
+
+    name: str
+    source: Path | None
+    config: ModelConfig
+    dtype: jnp.dtype
+    load: Callable[[], LoadedModel]
+
+    def abstract_model(self) -> Decoder:
+        """The decoder with `jax.ShapeDtypeStruct`s for weights (no memory)."""
+        return nnx.eval_shape(lambda: Decoder(self.config, self.dtype, rngs=nnx.Rngs(0)))
+
+    def __call__(self) -> LoadedModel:
+        """`load()`: a source is also a model factory (`EngineConfig.model` callables)."""
+        return self.load()
+
+
+def open_model(model: str | os.PathLike | None = None, dtype="auto",
+               cache_dir: str | os.PathLike | None = None,
+               use_cache: bool = True) -> ModelSource | None:
+    """`load_model(model, ...)` as a `ModelSource`: the model located and its config read
+    (a HF folder's config.json, or the converted-model cache's record), no weight read; None
+    where the config is known only by converting the file (a GGUF not in the cache yet).
+    Raises what `load_model` raises for a model that is not there."""
+    path, name = _locate(model)
+    dtype = resolve_dtype(dtype, path)
+    load = functools.partial(_load, path, name, dtype, cache_dir, use_cache)
+    if path.is_dir():
+        from tangram_jax.models.hf_loader import read_hf_config
+
+        return ModelSource(name, path, ModelConfig.from_hf_dict(read_hf_config(path)), dtype,
+                           load)
+    if not use_cache or jax.distributed.is_initialized():
+        return None
+    fingerprint = checkpoint.source_fingerprint(path, dtype)
+    try:
+        manifest = checkpoint.read_manifest(
+            checkpoint.entry_dir(checkpoint.cache_root(cache_dir), fingerprint), fingerprint)
+        config = None if manifest is None else ModelConfig.from_hf_dict(manifest["hf_config"])
+    except Exception:   # a damaged entry: `load` reports it and converts the file again
+        return None
+    return None if config is None else ModelSource(name, path, config, dtype, load)
+
+
+def load_in_background(source: ModelSource, device) -> "concurrent.futures.Future":
+    """Run `source.load()` on its own thread, its arrays placed on `device` (the default
+    device is per thread). The future's result: (the `LoadedModel`, seconds the load took);
+    its exception: the load's."""
+    def load():
+        started = time.perf_counter()
+        with jax.default_device(device):
+            loaded = source.load()
+        return loaded, time.perf_counter() - started
+
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-load")
+    try:
+        return executor.submit(load)
+    finally:
+        executor.shutdown(wait=False)
+
+
+def _locate(model: str | os.PathLike | None) -> tuple[Path, str]:
+    """(the file or folder of `model`, its name as `LoadedModel.name`), or the error saying
+    what `model` may be."""
     if model is None or model == DEFAULT_MODEL:
-        path = default_model_path()
-        return _load(path, DEFAULT_MODEL, resolve_dtype(dtype, path), cache_dir, use_cache)
+        return default_model_path(), DEFAULT_MODEL
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a string or path, got {type(model).__name__}")
     path = Path(model).expanduser()
     if path.is_dir():
-        return _load(path, str(path), resolve_dtype(dtype, path), cache_dir, use_cache)
+        return path, str(path)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return _load(path, str(path), resolve_dtype(dtype, path), cache_dir, use_cache)
+        return path, str(path)
     if path.exists():
         raise ValueError(f"cannot load model {str(model)!r}: not a model folder and not a .gguf file")
     raise ValueError(

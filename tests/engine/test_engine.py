@@ -142,7 +142,7 @@ def test_pool_size_and_startup_times_are_reported(full_llm):
     assert pool["sized_by"] == "kv_cache_tokens" and "plan" not in pool   # CPU: no GPU sizing
     assert pool["full_kv_tokens"] == SMALL["kv_cache_tokens"]
     assert pool["bytes"] == pool["num_pages"] * engine.runner.kv_bytes_per_page
-    assert set(engine.startup_seconds) == {"load_model", "build", "warmup", "total"}
+    assert set(engine.startup_seconds) == {"load_model", "load_wait", "build", "warmup", "total"}
 
 
 def test_abort_mid_decode_returns_all_pages(full_llm):
@@ -346,3 +346,41 @@ def test_greedy_output_does_not_depend_on_preemption(mode):
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert engine.scheduler.metrics.num_preemptions > 0
     assert together == alone
+
+
+def test_weights_load_beside_the_build_and_answer_as_a_load_before_it(tmp_path, monkeypatch):
+    """A model whose config is known first (a HF folder) loads its weights on another thread
+    while the runner is built and its steps compiled for their shapes (`ModelSource`); the
+    tokens and log-probs equal those of the same model loaded before the build (a factory),
+    the profile's head permutation included; a load that fails raises its own error from
+    `Engine(...)`."""
+    from tangram_jax.engine.config import EngineConfig
+    from tangram_jax.models import registry
+    from tiny_engine import build_tiny_model, tiny_engine_config, tiny_profile
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+
+    def answer(engine):
+        engine.add_request(prompt="the cat sat on the mat " * 6, sampling_params=params)
+        out = [o for o in engine.stream() if o.finished][0].outputs[0]
+        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+    config = tiny_engine_config(folder, "tangram", compile_cache_dir="off",
+                                profile=tiny_profile(str(folder), seed=2, group_size=2))
+    beside = Engine(config)
+    assert beside.load_overlapped and beside.startup_report()["load_overlapped"]
+    assert beside.runner._head_perm is not None   # the profile permutes heads
+    before = Engine(EngineConfig(**{**config.__dict__,
+                                    "model": lambda: registry.load_model(str(folder))}))
+    assert not before.load_overlapped
+    ids, logprobs = answer(beside)
+    assert ids == answer(before)[0]
+    np.testing.assert_allclose(logprobs, answer(before)[1], rtol=0, atol=1e-6)
+
+    def broken(*args, **kwargs):
+        raise OSError("model.safetensors: read error")
+
+    monkeypatch.setattr(registry, "_load", broken)
+    with pytest.raises(OSError, match="read error"):
+        Engine(tiny_engine_config(folder, "full", compile_cache_dir="off"))

@@ -201,6 +201,7 @@ def _made_up_device(monkeypatch, device: memory.DeviceMemory):
     monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: LoadedModel(
         CONFIG, Decoder(CONFIG, jnp.float32, rngs=nnx.Rngs(0)),
         Tokenizer(backend, eos_token_ids=(0,)), "tiny", None))
+    monkeypatch.setattr(llm_engine, "open_model", lambda *args, **kwargs: None)
     monkeypatch.setattr(memory.DeviceMemory, "read", classmethod(lambda cls, d, f: device))
     return dict(mode="full", max_num_seqs=2, max_model_len=128, chunk_size=16, page_size=4,
                 max_num_batched_tokens=32, compile_cache_dir="off", warmup=False)
