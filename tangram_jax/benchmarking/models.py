@@ -41,7 +41,6 @@ def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
     """A `LoadedModel` of `name` (`RANDOM_8B` or `RANDOM_TINY`; `num_layers` as in
     `random_model_config`) with random weights, and a word-level tokenizer over its ids
     (``t0`` .. ``t{vocab-1}``)."""
-    import jax
     import jax.numpy as jnp
     import tokenizers
     from flax import nnx
@@ -52,15 +51,7 @@ def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
     from tangram_jax.models.tokenizer import Tokenizer
 
     config = random_model_config(name, num_layers)
-
-    def build():
-        return Decoder(config, jnp.dtype(dtype), rngs=nnx.Rngs(seed))
-
-    # One program makes every weight: op by op, the hundreds of initialisers each take
-    # Python's lock, and beside an engine lowering its steps (`registry.load_in_background`)
-    # that made the 8B shape's weights take 20 s instead of 3.
-    graphdef = nnx.split(nnx.eval_shape(build))[0]
-    model = nnx.merge(graphdef, jax.jit(lambda: nnx.split(build())[1])())
+    model = Decoder(config, jnp.dtype(dtype), rngs=nnx.Rngs(seed))
     backend = tokenizers.Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
