@@ -13,6 +13,45 @@ PROMPT = "the cat sat on the mat and then the cat ran off to see the dog, " * 2 
 
 
 
+def _hold_background_compiles(monkeypatch, request):
+    """The background compile thread waits for the returned event before each compile (set
+    at the test's end too, so a failing test does not leave it waiting)."""
+    import threading
+
+    from tangram_jax.engine import step_compiler
+    gate = threading.Event()
+    request.addfinalizer(gate.set)
+    check = step_compiler._check_memory_maps
+
+    def held(*args):
+        if threading.current_thread().name.startswith("tangram-background-compile"):
+            assert gate.wait(120)
+        check(*args)
+
+    monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
+    return gate
+
+
+def _serving_thread_compiles() -> list:
+    """A list that fills with one entry per XLA compile run on this (the serving) thread."""
+    import threading
+
+    import jax
+    compiles, serving = [], threading.current_thread().name
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event)
+        if "backend_compile" in event and threading.current_thread().name == serving else None)
+    return compiles
+
+
+def _greedy_answer(engine, **prompt) -> tuple[list, list]:
+    """(token ids, their log-probs) of one greedy request of 6 tokens."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    engine.add_request(sampling_params=params, **prompt)
+    out = [o for o in engine.stream() if o.finished][0].outputs[0]
+    return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+
 @pytest.mark.parametrize("overrides", [{"kv_precision": "k8v4"}, {"mode": "full"}],
                          ids=["tangram-k8v4", "full"])
 def test_a_server_warm_up_leaves_nothing_to_compile_for_logprob_requests(tmp_path, overrides):
@@ -120,23 +159,10 @@ def test_narrow_programs_compile_in_the_background_and_change_no_token(tmp_path,
     run the whole-table program, decode steps the largest bucket, and nothing compiles on the
     serving thread; after it, they run their own programs, with the same tokens and
     log-probabilities."""
-    import threading
-
-    import jax
     import numpy as np
 
-    from tangram_jax.engine import step_compiler
     folder = build_tiny_model(tmp_path / "tiny")
-    gate = threading.Event()
-    request.addfinalizer(gate.set)   # a failing test does not leave the thread waiting
-    check = step_compiler._check_memory_maps
-
-    def held(*args):   # the background thread waits for the gate before it compiles
-        if threading.current_thread().name.startswith("tangram-background-compile"):
-            assert gate.wait(120)
-        check(*args)
-
-    monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
+    gate = _hold_background_compiles(monkeypatch, request)
     engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
                                        max_num_seqs=2, decode_buckets=(1, 2),
                                        max_model_len=512, page_size=4))
@@ -147,20 +173,10 @@ def test_narrow_programs_compile_in_the_background_and_change_no_token(tmp_path,
     assert runner._region_width(3) == whole   # the narrow programs are not compiled yet
     assert runner._ready_decode_bucket(1) == 2
 
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kw: compiles.append(threading.current_thread().name)
-        if "backend_compile" in event else None)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-
-    def answer():
-        engine.add_request(prompt=PROMPT, sampling_params=params)
-        out = [o for o in engine.stream() if o.finished][0].outputs[0]
-        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-
-    covering = answer()
+    compiles = _serving_thread_compiles()
+    covering = _greedy_answer(engine, prompt=PROMPT)
     gate.set()
-    assert [name for name in compiles if name == threading.current_thread().name] == []
+    assert compiles == []
     assert engine.wait_for_compiles(120)
     assert runner._region_width(3) == short_width and engine.startup_report()["compiling"] == 0
     assert runner._ready_decode_bucket(1) == 1
@@ -168,8 +184,8 @@ def test_narrow_programs_compile_in_the_background_and_change_no_token(tmp_path,
                   if r["phase"] == "background"]
     assert {k.get("region_pages") for k in background} >= {64}
     assert {k["bucket"] for k in background if "bucket" in k and "region_pages" not in k} == {1}
-    short = answer()
-    assert [name for name in compiles if name == threading.current_thread().name] == []
+    short = _greedy_answer(engine, prompt=PROMPT)
+    assert compiles == []
     assert short[0] == covering[0]
     np.testing.assert_allclose(short[1], covering[1], rtol=0, atol=1e-5)
 
@@ -181,24 +197,12 @@ def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_com
     the background. Until a bucket is compiled, its calls run padded to the next compiled one
     (nothing compiles on the serving thread); after, at their own size, with the same tokens
     and log-probabilities."""
-    import threading
-
-    import jax
     import numpy as np
 
     from tangram_jax.engine import step_compiler
     monkeypatch.setattr(step_compiler, "SHORT_TURN_TOKENS", 128)
     folder = build_tiny_model(tmp_path / "tiny")
-    gate = threading.Event()
-    request.addfinalizer(gate.set)
-    check = step_compiler._check_memory_maps
-
-    def held(*args):
-        if threading.current_thread().name.startswith("tangram-background-compile"):
-            assert gate.wait(120)
-        check(*args)
-
-    monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
+    gate = _hold_background_compiles(monkeypatch, request)
     engine = Engine(tiny_engine_config(folder, "full", warmup=True, compile_cache_dir="off",
                                        max_num_seqs=2, decode_buckets=(2,),
                                        max_model_len=512, max_num_batched_tokens=256))
@@ -206,23 +210,14 @@ def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_com
     buckets = runner.prefill_token_buckets(1)
     assert buckets == [64, 128, 256], buckets
     assert [runner._token_bucket(1, n) for n in (1, 128, 129)] == [128, 128, 256]
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kw: compiles.append(threading.current_thread().name)
-        if "backend_compile" in event else None)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
-
-    def answer():
-        engine.add_request(prompt_token_ids=list(range(5, 25)), sampling_params=params)
-        out = [o for o in engine.stream() if o.finished][0].outputs[0]
-        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-
     engine.warmup(logprobs=True)
-    covering = answer()
+    compiles = _serving_thread_compiles()
+    prompt = dict(prompt_token_ids=list(range(5, 25)))
+    covering = _greedy_answer(engine, **prompt)
     gate.set()
     assert engine.wait_for_compiles(120)
     assert [runner._token_bucket(1, n) for n in (1, 20, 129)] == [buckets[0], buckets[0], 256]
-    own = answer()
-    assert [name for name in compiles if name == threading.current_thread().name] == []
+    own = _greedy_answer(engine, **prompt)
+    assert compiles == []
     assert own[0] == covering[0]
     np.testing.assert_allclose(own[1], covering[1], rtol=0, atol=1e-5)
