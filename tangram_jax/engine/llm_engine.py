@@ -131,9 +131,10 @@ class Engine(RequestIntake):
                        rc.max_pages_per_seq)
         # What the allocator reports (None on a CPU): sizes the pool, or checks a fixed one.
         device_memory = memory.DeviceMemory.read(self.device, allocator.fraction)
+        # The load starts once the steps are lowered (`_start_loading`): the allocator read
+        # above holds none of the weights.
+        self._source = source
         self._loading, self._load_seconds, self._load_wait = None, None, 0.0
-        if source is not None:   # the allocator read above holds none of the weights
-            self._loading = load_in_background(source, self.device)
         fixed = pool_is_fixed(cfg)
         if device_memory is None and not fixed and jax.default_backend() != "cpu":
             log.warning("the %s allocator reports no memory cap (XLA_PYTHON_CLIENT_ALLOCATOR="
@@ -160,7 +161,7 @@ class Engine(RequestIntake):
         # What the allocator will hold once the weights are in (it holds them already when
         # they loaded here).
         in_use = None if device_memory is None else device_memory.bytes_in_use + (
-            self.runner.weight_bytes() if self._loading is not None else 0)
+            self.runner.weight_bytes() if source is not None else 0)
         # Page-lock the host tier's memory while the programs compile (`pin_host_memory`).
         self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes)
         self.memory_plan: memory.PoolPlan | None = None
@@ -173,11 +174,12 @@ class Engine(RequestIntake):
             warm-up), else the largest decode bucket and prefill."""
             if warm:
                 compiled = [c for name, c in self.runner.precompile(
-                    pages, **self._warmup_arguments(rc.host_kv_cache_bytes > 0, table_shape))
+                    pages, on_lowered=self._start_loading,
+                    **self._warmup_arguments(rc.host_kv_cache_bytes > 0, table_shape))
                     if name not in SWAP_PROGRAMS]
             else:
-                compiled = self.runner.compile_steps(pages, max(buckets),
-                                                     cfg.max_prefill_rows).values()
+                compiled = self.runner.compile_steps(pages, max(buckets), cfg.max_prefill_rows,
+                                                     on_lowered=self._start_loading).values()
             return max(memory.step_peak_bytes(c) for c in compiled)
 
         if fixed:
@@ -251,9 +253,17 @@ class Engine(RequestIntake):
             self.warmup()
         self.startup_seconds["total"] = time.perf_counter() - started
 
+    def _start_loading(self) -> None:
+        """Start loading the weights of a `ModelSource` on their own thread (once; with the
+        steps lowered for their shapes, so the loader's Python does not slow the lowering)."""
+        if self._source is not None:
+            self._loading = load_in_background(self._source, self.device)
+            self._source = None
+
     def _weights_loaded(self) -> None:
         """Wait for the weights loading on their own thread, if they are, and hand them to the
         runner (with the tokenizer that came with them); `_load_wait`: the seconds waited."""
+        self._start_loading()   # nothing compiled before (a CPU engine): they load now
         if self._loading is None:
             return
         started = time.perf_counter()

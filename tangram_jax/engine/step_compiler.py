@@ -69,7 +69,8 @@ class StepCompilation:
         return self._pool(num_pages, lambda shape, dtype: jax.ShapeDtypeStruct(
             shape, dtype, sharding=self.placement.pool))
 
-    def compile_steps(self, num_pages, decode_bucket: int, prefill_rows: int) -> dict:
+    def compile_steps(self, num_pages, decode_bucket: int, prefill_rows: int, *,
+                      on_lowered: Callable[[], None] = lambda: None) -> dict:
         """Compile (without running, and without a pool in memory) the decode step at
         `decode_bucket` and the prefill step at `prefill_rows` for a pool of `num_pages`
         pages, side by side (`compile_programs`). Returns {"decode": compiled, "prefill":
@@ -93,10 +94,11 @@ class StepCompilation:
                 *self._mixed_args(prefill_args, prefill_static, decode_args,
                                   decode_static)[0], **prefill_static | dict(logprobs=None))))
         compiled = self.compile_programs(programs, phase="pool", pages=num_pages,
-                                         progress=False)
+                                         progress=False, on_lowered=on_lowered)
         return {p.name: c for p, c in zip(programs, compiled)}
 
-    def precompile(self, num_pages, **warmup_arguments) -> list[tuple[str, object]]:
+    def precompile(self, num_pages, *, on_lowered: Callable[[], None] = lambda: None,
+                   **warmup_arguments) -> list[tuple[str, object]]:
         """Every program `warmup` compiles (`warmup_programs`' arguments), compiled now for a
         pool of `num_pages` pages that need not exist yet (its shapes only), side by side. The
         executables are kept: when the pool is allocated at that size, `warmup` finds them
@@ -106,11 +108,13 @@ class StepCompilation:
         `jax.stages.Compiled`) pairs."""
         programs = self.warmup_programs(pool=self._pool_specs(num_pages), **warmup_arguments)
         return [(p.name, c) for p, c in zip(
-            programs, self.compile_programs(programs, phase="pool", pages=num_pages))
+            programs, self.compile_programs(programs, phase="pool", pages=num_pages,
+                                            on_lowered=on_lowered))
             if c is not None]
 
     def compile_programs(self, programs: list[WarmupProgram], *, phase: str, pages,
-                         threads: int | None = None, progress: bool | None = None) -> list:
+                         threads: int | None = None, progress: bool | None = None,
+                         on_lowered: Callable[[], None] = lambda: None) -> list:
         """Lower `programs` (for a pool of `pages` pages) one after another (tracing holds
         Python's lock) and compile them `threads` at a time as they are lowered (XLA compiles
         outside the lock; default: the CPU count, at most 8), behind a progress bar
@@ -121,7 +125,9 @@ class StepCompilation:
         covering programs they stand beside get the machine to themselves. Returns the
         `jax.stages.Compiled`s in order (None for a background program); each new one is
         recorded in `compile_log` ({"program", "key", "phase", "lower_seconds",
-        "compile_seconds", "hlo_chars"}; phase "background" for those)."""
+        "compile_seconds", "hlo_chars"}; phase "background" for those). `on_lowered()` is called
+        once every program is lowered, while they compile (the engine starts loading its
+        weights then: a loader's Python beside the lowering slows both)."""
         threads = threads or min(8, os.cpu_count() or 1)
         pool_key = _pool_key(pages)
         keys = [(p.name, repr(sorted(p.key.items())), pool_key) for p in programs]
@@ -158,6 +164,7 @@ class StepCompilation:
                 started = time.perf_counter()
                 lowered_later.append((key, program, program.lower(),
                                       time.perf_counter() - started))
+            on_lowered()
             for (key, _), future in zip(now, futures):
                 self._compiled[key], record = future.result()
                 self.compile_log.append(record)

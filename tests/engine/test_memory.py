@@ -438,3 +438,37 @@ def test_kv_savings_say_what_was_saved_and_why_nothing_was(tmp_path):
     full_mode = Engine(tiny_engine_config(folder, "full"))
     turn(full_mode, list(range(30, 190)))
     assert "full mode keeps every token" in full_mode.describe_kv_savings()
+
+
+def test_weights_of_a_model_source_load_once_the_steps_are_lowered(monkeypatch):
+    """A model whose config comes first (`ModelSource`) starts loading once the sizing steps
+    are lowered (its loader's Python would slow the lowering beside it), and the pool's
+    provisional size counted its weights before they were in: the plan reads the allocator
+    with them."""
+    from tangram_jax.engine import llm_engine, step_compiler
+    from tangram_jax.models.registry import ModelSource
+
+    card = 1200 * 2**20
+    device = memory.DeviceMemory(int(0.9 * card), 50 * 2**20, 0, 0.9)
+    small = _made_up_device(monkeypatch, device)
+    events = []
+    load = llm_engine.load_model
+    monkeypatch.setattr(llm_engine, "open_model", lambda *args, **kwargs: ModelSource(
+        "tiny", None, CONFIG, jnp.dtype(jnp.float32),
+        lambda: events.append("load") or load()))
+    compile_programs = step_compiler.StepCompilation.compile_programs
+
+    def recorded(self, programs, **kwargs):
+        on_lowered = kwargs.pop("on_lowered", lambda: None)
+        return compile_programs(self, programs, **kwargs,
+                                on_lowered=lambda: (events.append("lowered"), on_lowered()))
+
+    monkeypatch.setattr(step_compiler.StepCompilation, "compile_programs", recorded)
+    engine = llm_engine.Engine(EngineConfig(**small, gpu_memory_utilization=0.5))
+    assert engine.load_overlapped and events[:2] == ["lowered", "load"], events
+    plan = engine.memory_plan
+    provisional = (plan.budget_bytes - device.bytes_in_use - engine.runner.weight_bytes()
+                   - memory.step_reserve(plan.budget_bytes)) // engine.runner.kv_bytes_per_page
+    assert plan.num_pages == min(provisional, (
+        plan.budget_bytes - plan.in_use_bytes - plan.step_peak_bytes - plan.headroom_bytes)
+        // engine.runner.kv_bytes_per_page)
