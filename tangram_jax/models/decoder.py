@@ -258,6 +258,12 @@ class Decoder(nnx.Module):
             config.hidden_size, config.vocab_size, False, dtype, rngs
         )
 
+    @classmethod
+    def abstract(cls, config: ModelConfig, dtype=jnp.float32) -> "Decoder":
+        """The decoder's module tree with `jax.ShapeDtypeStruct`s for weights (`nnx.eval_shape`:
+        no memory, no random draws), for a loader to fill or steps to be compiled for."""
+        return nnx.eval_shape(lambda: cls(config, dtype, rngs=nnx.Rngs(0)))
+
     def set_constants(self) -> None:
         """(Re)fill every layer's constants from the config (after `nnx.eval_shape`)."""
         for i, layer in enumerate(self.layers):

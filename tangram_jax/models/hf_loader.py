@@ -134,7 +134,7 @@ def decoder_from_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarra
     a tied model is ignored.
     """
     # Build the module tree without materialising random weights, then fill every leaf.
-    model = nnx.eval_shape(lambda: Decoder(config, dtype, rngs=nnx.Rngs(0)))
+    model = Decoder.abstract(config, dtype)
     remaining = dict(state_dict)
 
     def assign(param: nnx.Param, name: str, transpose: bool = False):

@@ -32,7 +32,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import tokenizers
-from flax import nnx
 
 from tangram_jax.models import checkpoint
 from tangram_jax.models.config import ModelConfig
@@ -131,7 +130,7 @@ class ModelSource:
 
     def abstract_model(self) -> Decoder:
         """The decoder with `jax.ShapeDtypeStruct`s for weights (no memory)."""
-        return nnx.eval_shape(lambda: Decoder(self.config, self.dtype, rngs=nnx.Rngs(0)))
+        return Decoder.abstract(self.config, self.dtype)
 
     def __call__(self) -> LoadedModel:
         """`load()`: a source is also a model factory (`EngineConfig.model` callables)."""
@@ -269,5 +268,5 @@ def _restore(entry: Path, fingerprint: dict):
     except Exception as e:
         raise checkpoint.CacheCorrupt(f"{entry}: bad config or tokenizer ({type(e).__name__}: {e})") from e
     dtype = jnp.dtype(fingerprint["dtype"])
-    abstract = nnx.eval_shape(lambda: Decoder(config, dtype, rngs=nnx.Rngs(0)))
+    abstract = Decoder.abstract(config, dtype)
     return config, checkpoint.restore_params(entry, abstract), tokenizer
