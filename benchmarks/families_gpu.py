@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from decode_step_gpu import decode_call, fill_manager, measure  # noqa: E402
-from tangram_jax.benchmarking.models import FAMILY_SHAPES, family_config  # noqa: E402
+from tangram_jax.benchmarking.models import FAMILY_SHAPES, family_config, random_decoder  # noqa: E402
 from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
@@ -60,39 +60,21 @@ from tangram_jax.engine.memory import step_peak_bytes  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.engine.tensor_parallel import Placement  # noqa: E402
 from tangram_jax.kv_layout import KVLayout  # noqa: E402
-from tangram_jax.models.decoder import Decoder  # noqa: E402
 
 PAGE = 16
 # (HBM bytes/s, dense bf16 FLOP/s) by device kind (SXM parts; vendor figures without sparsity).
 PEAKS = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
 
 
-def random_decoder(config, dtype, placement: Placement, seed: int) -> tuple[Decoder, dict]:
-    """A `Decoder` whose every weight is random normal (std 0.02; norms near 1 + 0), generated
-    in place in its shards. Returns (model, parameter bytes by kind)."""
-    abstract = nnx.eval_shape(lambda: Decoder(config, dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    key = jax.random.key(seed)
+def weight_bytes(model, dtype) -> dict:
+    """Parameter bytes of `model` by kind: experts, embedding, other."""
     sizes = {"experts": 0, "embedding": 0, "other": 0}
-    makers = {}
-    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
-        if not isinstance(var, nnx.Param):
-            continue
-        shape, names = var.get_value().shape, [str(p) for p in path]
-        sharding = placement.weight_sharding(path, len(shape))
-        # One compiled generator per (shape, sharding): the layers share theirs.
-        cache_key = (shape, sharding)
-        if cache_key not in makers:
-            makers[cache_key] = jax.jit(
-                lambda k, shape=shape: (jax.random.normal(k, shape, jnp.float32) * 0.02
-                                        ).astype(dtype), out_shardings=sharding)
-        var.set_value(makers[cache_key](jax.random.fold_in(key, i)))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = [str(p) for p in path]
         kind = ("experts" if "moe" in names and "router" not in names
                 else "embedding" if "embed_tokens" in names else "other")
-        sizes[kind] += int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-    model = nnx.merge(graphdef, state)
-    model.set_constants()
-    return model, sizes
+        sizes[kind] += int(np.prod(var.get_value().shape)) * jnp.dtype(dtype).itemsize
+    return sizes
 
 
 def decode_extra_bytes(runner: ModelRunner, call) -> int:
@@ -158,7 +140,8 @@ def main(argv=None) -> None:
     on_gpu = devices[0].platform == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     t0 = time.perf_counter()
-    model, sizes = random_decoder(config, dtype, Placement(devices), args.seed)
+    model = random_decoder(config, dtype, args.seed, Placement(devices))
+    sizes = weight_bytes(model, dtype)
     build_s = time.perf_counter() - t0
     layout = KVLayout.monolithic(config.num_layers, config.num_kv_heads, config.head_dim,
                                  page_size=PAGE, chunk_size=args.prefill)

@@ -43,20 +43,64 @@ def random_model(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
     (``t0`` .. ``t{vocab-1}``)."""
     import jax.numpy as jnp
     import tokenizers
-    from flax import nnx
     from tokenizers import models, pre_tokenizers
 
-    from tangram_jax.models.decoder import Decoder
     from tangram_jax.models.registry import LoadedModel
     from tangram_jax.models.tokenizer import Tokenizer
 
     config = random_model_config(name, num_layers)
-    model = Decoder(config, jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+    model = random_decoder(config, jnp.dtype(dtype), seed)
     backend = tokenizers.Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = Tokenizer(backend, eos_token_ids=config.eos_token_ids)
     return LoadedModel(config, model, tokenizer, name, None)
+
+
+def random_decoder(config, dtype, seed: int = 0, placement=None):
+    """A `Decoder` of `config` whose weights are random, made on the device: matrices normal
+    with std fan_in^-0.5 (the embedding 0.02), norm scales at their identity, biases and sinks
+    zero. One compiled generator per (shape, scale, sharding) takes the weight's key as an
+    argument, so the layers share theirs: an 8B model costs a few small compiles and a few
+    hundred calls. (Built op by op, `Decoder(..., rngs=)` takes Python's lock for every
+    initialiser, which slows a build lowering beside it; one program for every weight makes
+    XLA constant-fold the keys.) `placement`: an `engine.tensor_parallel.Placement` whose
+    `weight_sharding` each weight is made in (default: the default device)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tangram_jax.models.decoder import Decoder
+
+    dtype = jnp.dtype(dtype)
+    graphdef, state = nnx.split(Decoder.abstract(config, dtype))
+    makers = {}
+    for index, (path, var) in enumerate(nnx.to_flat_state(state)):
+        if not isinstance(var, nnx.Param):
+            continue   # per-layer constants: `set_constants` below
+        shape, name = var.get_value().shape, str(path[-1])
+        sharding = None if placement is None else placement.weight_sharding(path, len(shape))
+        if "bias" in name or name == "sinks":
+            fill = 0.0
+        elif name == "weight":   # an RMSNorm scale: w, or 1 + w where `norm_unit_offset`
+            fill = 0.0 if config.norm_unit_offset else 1.0
+        else:
+            fill = None
+            std = 0.02 if name == "embed_tokens" else shape[-2] ** -0.5
+        cache_key = (shape, fill, None if fill is not None else std, sharding)
+        if cache_key not in makers:
+            if fill is not None:
+                make = (lambda seed, index, shape=shape, fill=fill:
+                        jnp.full(shape, fill, dtype))
+            else:
+                make = (lambda seed, index, shape=shape, std=std:
+                        (jax.random.normal(jax.random.fold_in(jax.random.key(seed), index),
+                                           shape, jnp.float32) * std).astype(dtype))
+            makers[cache_key] = jax.jit(make, out_shardings=sharding)
+        var.set_value(makers[cache_key](seed, index))
+    model = nnx.merge(graphdef, state)
+    model.set_constants()
+    return model
 
 
 def random_model_source(name: str = RANDOM_8B, dtype: str = "bfloat16", seed: int = 0,
