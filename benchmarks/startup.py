@@ -88,7 +88,37 @@ def _printable(kwargs: dict) -> dict:
             for k, v in kwargs.items()}
 
 
+class LockWatch:
+    """A thread that wakes every millisecond and records each wake-up later than `gap`
+    seconds: the times something held Python's lock (a lowering thread waits as long)."""
+
+    def __init__(self, gap: float = 0.05):
+        import threading
+        self.gap, self.stalls, self._stop = gap, [], threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="lock-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(0.001):
+            now = time.perf_counter()
+            if now - last > self.gap:
+                self.stalls.append((last - self._t0, now - last))
+            last = now
+
+    def report(self) -> dict:
+        """{"count", "seconds" (summed), "longest", "at": [(start, seconds)] of the 20 longest}."""
+        self._stop.set()
+        self._thread.join()
+        longest = sorted(self.stalls, key=lambda s: -s[1])[:20]
+        return dict(count=len(self.stalls), seconds=sum(s for _, s in self.stalls),
+                    longest=max((s for _, s in self.stalls), default=0.0),
+                    at=[(round(a, 2), round(s, 3)) for a, s in sorted(longest)])
+
+
 def child(args) -> None:
+    watch = LockWatch()
     t0 = time.perf_counter()
     kwargs = dict(engine_kwargs_for(args.model, args.mode), compile_cache_dir=args.cache_dir,
                   **json.loads(args.change or "{}"))
@@ -107,6 +137,7 @@ def child(args) -> None:
     all_compiled = time.perf_counter() - t0
     report = engine.startup_report()
     print("STARTUP " + json.dumps({
+        "lock_stalls": watch.report(),
         "seconds": built, "first_token_seconds": first_token,
         "all_compiled_seconds": all_compiled, "background_compiles_ok": compiled_all,
         "engine": engine.startup_seconds, "num_programs": report["num_programs"],
@@ -232,7 +263,8 @@ def main(argv=None) -> None:
                           "again, 'changed': one setting changed, the cache warm; "
                           "all_compiled_seconds: until what warm-up left to the background "
                           "(background_compile) had compiled too, waited for after the "
-                          "first token"),
+                          "first token; lock_stalls: the times a thread waking every "
+                          "millisecond waited over 50 ms for Python's lock, to all_compiled"),
         "modes": by_mode,
     }
     if args.baseline:
