@@ -93,9 +93,12 @@ class LockWatch:
     seconds: the times something held Python's lock (a lowering thread waits as long)."""
 
     def __init__(self, gap: float = 0.05):
+        import gc
         import threading
         self.gap, self.stalls, self._stop = gap, [], threading.Event()
         self._t0 = time.perf_counter()
+        self.collections, self._collecting = [], None   # Python's garbage collections
+        gc.callbacks.append(self._on_collect)
         self._thread = threading.Thread(target=self._run, name="lock-watch", daemon=True)
         self._thread.start()
 
@@ -107,14 +110,28 @@ class LockWatch:
                 self.stalls.append((last - self._t0, now - last))
             last = now
 
+    def _on_collect(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._collecting = now
+        elif self._collecting is not None:
+            self.collections.append((info["generation"], self._collecting - self._t0,
+                                     now - self._collecting))
+
     def report(self) -> dict:
-        """{"count", "seconds" (summed), "longest", "at": [(start, seconds)] of the 20 longest}."""
+        """{"count", "seconds" (summed), "longest", "at": [(start, seconds)] of the 20 longest,
+        "gc": Python's collections of the oldest generation [(start, seconds)] and the seconds
+        of all collections}."""
+        import gc
         self._stop.set()
         self._thread.join()
+        gc.callbacks.remove(self._on_collect)
         longest = sorted(self.stalls, key=lambda s: -s[1])[:20]
         return dict(count=len(self.stalls), seconds=sum(s for _, s in self.stalls),
                     longest=max((s for _, s in self.stalls), default=0.0),
-                    at=[(round(a, 2), round(s, 3)) for a, s in sorted(longest)])
+                    at=[(round(a, 2), round(s, 3)) for a, s in sorted(longest)],
+                    gc=[(round(a, 2), round(s, 3)) for g, a, s in self.collections if g == 2],
+                    gc_seconds=sum(s for *_, s in self.collections))
 
 
 def child(args) -> None:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax.engine import inputs, kv_savings, memory
+from tangram_jax.engine.collector import paused_collector
 from tangram_jax.engine.compile_cache import enable_compile_cache
 from tangram_jax.engine.host_offload import SWAP_PROGRAMS, time_host_copy
 from tangram_jax.engine.config import (DEFAULT_KV_CACHE_TOKENS, EngineConfig, EngineConfigError,
@@ -70,7 +71,12 @@ class Engine(RequestIntake):
         """`config`, or its fields as keyword arguments. devices: the `tensor_parallel_size`
         devices this engine's weights, KV pool and steps live on (default: the first ones);
         `LLM`'s data-parallel replicas pass their own (after `memory.configure_allocator`:
-        listing devices starts JAX's backend)."""
+        listing devices starts JAX's backend). Python's garbage collector is paused while the
+        engine is built (`collector.paused_collector`)."""
+        with paused_collector() as self._collector:
+            self._build(config, devices, kwargs)
+
+    def _build(self, config: EngineConfig | None, devices, kwargs: dict) -> None:
         cfg = config if config is not None else EngineConfig(**kwargs)
         if config is not None and kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
@@ -174,12 +180,12 @@ class Engine(RequestIntake):
             warm-up), else the largest decode bucket and prefill."""
             if warm:
                 compiled = [c for name, c in self.runner.precompile(
-                    pages, on_lowered=self._start_loading,
+                    pages, on_lowered=self._steps_lowered,
                     **self._warmup_arguments(rc.host_kv_cache_bytes > 0, table_shape))
                     if name not in SWAP_PROGRAMS]
             else:
                 compiled = self.runner.compile_steps(pages, max(buckets), cfg.max_prefill_rows,
-                                                     on_lowered=self._start_loading).values()
+                                                     on_lowered=self._steps_lowered).values()
             return max(memory.step_peak_bytes(c) for c in compiled)
 
         if fixed:
@@ -248,10 +254,17 @@ class Engine(RequestIntake):
             "load_model": self._load_seconds if self.load_overlapped else load_seconds,
             "build": time.perf_counter() - started - (0 if self.load_overlapped
                                                       else load_seconds),
-            "load_wait": self._load_wait, "warmup": 0.0}
+            "load_wait": self._load_wait, "collect": self._collector.seconds or 0.0,
+            "warmup": 0.0}
         if warm:
             self.warmup()
         self.startup_seconds["total"] = time.perf_counter() - started
+
+    def _steps_lowered(self) -> None:
+        """The build's programs are lowered and compiling outside Python's lock: start loading
+        the weights, and run the build's one garbage collection (`collector`) meanwhile."""
+        self._start_loading()
+        self._collector.collect_once()
 
     def _start_loading(self) -> None:
         """Start loading the weights of a `ModelSource` on their own thread (once; with the
@@ -553,7 +566,8 @@ class Engine(RequestIntake):
 
     def startup_report(self) -> dict:
         """Where start-up went: `startup_seconds` (load_model, load_wait, build: runner, pool
-        and scheduler, warmup, total), whether the weights loaded beside the build
+        and scheduler, collect: the build's garbage collection beside its compiles, warmup,
+        total), whether the weights loaded beside the build
         (`load_overlapped`), and one record a program the build (phase "pool": the
         largest steps, for the pool's size) and warm-up (phase "warmup") compiled ({"program",
         "key", "phase", "lower_seconds", "compile_seconds", "hlo_chars"}; phase "background"

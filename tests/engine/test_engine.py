@@ -142,7 +142,8 @@ def test_pool_size_and_startup_times_are_reported(full_llm):
     assert pool["sized_by"] == "kv_cache_tokens" and "plan" not in pool   # CPU: no GPU sizing
     assert pool["full_kv_tokens"] == SMALL["kv_cache_tokens"]
     assert pool["bytes"] == pool["num_pages"] * engine.runner.kv_bytes_per_page
-    assert set(engine.startup_seconds) == {"load_model", "load_wait", "build", "warmup", "total"}
+    assert set(engine.startup_seconds) == {"load_model", "load_wait", "build", "collect",
+                                           "warmup", "total"}
 
 
 def test_abort_mid_decode_returns_all_pages(full_llm):

@@ -1,6 +1,7 @@
 """GPU memory sizing (arithmetic with made-up numbers), the allocator setup, the compile cache
 folder, and the compiled steps' in-place pool (HLO aliasing and temp bytes, on the CPU)."""
 
+import gc
 import os
 import re
 
@@ -464,8 +465,20 @@ def test_weights_of_a_model_source_load_once_the_steps_are_lowered(monkeypatch):
                                 on_lowered=lambda: (events.append("lowered"), on_lowered()))
 
     monkeypatch.setattr(step_compiler.StepCompilation, "compile_programs", recorded)
-    engine = llm_engine.Engine(EngineConfig(**small, gpu_memory_utilization=0.5))
+    # Python's collector: off for the build but for one collection once the steps are lowered.
+    collections = []
+    gc_seen = lambda phase, info: phase == "start" and collections.append(  # noqa: E731
+        (info["generation"], events[:]))
+    gc.callbacks.append(gc_seen)
+    try:
+        engine = llm_engine.Engine(EngineConfig(**small, gpu_memory_utilization=0.5))
+    finally:
+        gc.callbacks.remove(gc_seen)
     assert engine.load_overlapped and events[:2] == ["lowered", "load"], events
+    # (The collector, back on, may collect the young objects made since: generation 0.)
+    assert [c for c in collections if c[0] > 0] == [(2, ["lowered", "load"])], collections
+    assert all(c[1] for c in collections), "a collection ran while the steps were lowered"
+    assert gc.isenabled() and engine.startup_seconds["collect"] > 0
     plan = engine.memory_plan
     provisional = (plan.budget_bytes - device.bytes_in_use - engine.runner.weight_bytes()
                    - memory.step_reserve(plan.budget_bytes)) // engine.runner.kv_bytes_per_page

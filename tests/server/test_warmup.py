@@ -134,7 +134,8 @@ def test_the_start_up_report_lists_every_compiled_program(tmp_path):
     assert {p["key"]["bucket"] for p in programs if p["program"] == "decode"} == {1, 2}
     assert [p["compile_seconds"] for p in programs] == sorted(
         (p["compile_seconds"] for p in programs), reverse=True)
-    assert set(report["seconds"]) == {"load_model", "load_wait", "build", "warmup", "total"}
+    assert set(report["seconds"]) == {"load_model", "load_wait", "build", "collect",
+                                       "warmup", "total"}
     assert report["seconds"]["warmup"] <= report["seconds"]["total"]
 
 
