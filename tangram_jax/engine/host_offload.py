@@ -164,7 +164,11 @@ class HostKVTier:
         page-locking fresh host memory runs at ~2 GB/s inside the allocation, on the step loop
         (the first copy out of a 13 GB session held it 6.4 s on an H200). Freed memory stays in
         the pool. Only on devices of `platforms` (XLA page-locks the host memory of GPUs).
-        Returns the thread, or None where nothing is to be pinned; `wait` joins it."""
+        Returns the thread, or None where nothing is to be pinned; `wait` joins it.
+        The engine starts it once it is ready: the pool grows in regions that double (256 MiB
+        ... 16 GiB), other CUDA calls wait while one is page-locked, and a thread waiting in
+        a device_put holds Python's lock, so a build beside it stood still for 0.1 ... 4.8 s
+        at a time (an 8B warm start: 21-23 s to the first token beside it, 12.7 s without)."""
         devices = sorted(self.sharding.device_set, key=lambda d: d.id)
         if (self.host_sharding is None or nbytes <= 0
                 or not all(d.platform in platforms for d in devices)):

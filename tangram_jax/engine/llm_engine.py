@@ -168,8 +168,6 @@ class Engine(RequestIntake):
         # they loaded here).
         in_use = None if device_memory is None else device_memory.bytes_in_use + (
             self.runner.weight_bytes() if source is not None else 0)
-        # Page-lock the host tier's memory while the programs compile (`pin_host_memory`).
-        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes)
         self.memory_plan: memory.PoolPlan | None = None
         pool = memory.pool_by_bytes(self.runner, self.layout, self.max_model_len)
         warm = cfg.warmup or (cfg.warmup is None and self.runner.ops.name == "pallas")
@@ -258,6 +256,9 @@ class Engine(RequestIntake):
             "warmup": 0.0}
         if warm:
             self.warmup()
+        # Page-lock the host tier's memory once the engine is ready, not beside the build
+        # (`pin_host_memory` says why).
+        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes)
         self.startup_seconds["total"] = time.perf_counter() - started
 
     def _steps_lowered(self) -> None:

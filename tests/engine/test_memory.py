@@ -447,6 +447,7 @@ def test_weights_of_a_model_source_load_once_the_steps_are_lowered(monkeypatch):
     provisional size counted its weights before they were in: the plan reads the allocator
     with them."""
     from tangram_jax.engine import llm_engine, step_compiler
+    from tangram_jax.engine.host_offload import HostKVTier
     from tangram_jax.models.registry import ModelSource
 
     card = 1200 * 2**20
@@ -465,6 +466,9 @@ def test_weights_of_a_model_source_load_once_the_steps_are_lowered(monkeypatch):
                                 on_lowered=lambda: (events.append("lowered"), on_lowered()))
 
     monkeypatch.setattr(step_compiler.StepCompilation, "compile_programs", recorded)
+    # The host tier's memory is page-locked once the engine is ready, not beside its build.
+    monkeypatch.setattr(HostKVTier, "pin_host_memory",
+                        lambda self, nbytes, **kwargs: events.append("pin"))
     # Python's collector: off for the build but for one collection once the steps are lowered.
     collections = []
     gc_seen = lambda phase, info: phase == "start" and collections.append(  # noqa: E731
@@ -475,6 +479,7 @@ def test_weights_of_a_model_source_load_once_the_steps_are_lowered(monkeypatch):
     finally:
         gc.callbacks.remove(gc_seen)
     assert engine.load_overlapped and events[:2] == ["lowered", "load"], events
+    assert events[-1] == "pin" and events.count("pin") == 1, events
     # (The collector, back on, may collect the young objects made since: generation 0.)
     assert [c for c in collections if c[0] > 0] == [(2, ["lowered", "load"])], collections
     assert all(c[1] for c in collections), "a collection ran while the steps were lowered"
