@@ -3,24 +3,13 @@ per weight shape, so the 8B shape's load is a few compiles and a few hundred cal
 
 from __future__ import annotations
 
-import threading
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from compile_events import compiles_on_this_thread
 from tangram_jax.benchmarking.models import (
     RANDOM_TINY, family_config, random_decoder, random_model_config)
-
-
-def _compiles() -> list:
-    """A list that fills with one entry per XLA compile run on this thread."""
-    compiles, me = [], threading.current_thread().name
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kw: compiles.append(event)
-        if "backend_compile" in event and threading.current_thread().name == me else None)
-    return compiles
 
 
 def _params(model) -> dict:
@@ -29,7 +18,7 @@ def _params(model) -> dict:
 
 
 def test_layers_share_their_generators_and_get_their_own_weights():
-    compiles = _compiles()
+    compiles = compiles_on_this_thread()
     counts = []
     for layers in (1, 2, 4):   # the first also compiles what every build shares
         before = len(compiles)

@@ -7,6 +7,7 @@ import pytest
 
 from tangram_jax.engine.llm_engine import Engine
 from tangram_jax.sampling import SamplingParams
+from compile_events import compiles_on_this_thread
 from tiny_engine import build_tiny_model, tiny_engine_config
 
 PROMPT = "the cat sat on the mat and then the cat ran off to see the dog, " * 2 + "yes"
@@ -30,18 +31,6 @@ def _hold_background_compiles(monkeypatch, request):
 
     monkeypatch.setattr(step_compiler, "_check_memory_maps", held)
     return gate
-
-
-def _serving_thread_compiles() -> list:
-    """A list that fills with one entry per XLA compile run on this (the serving) thread."""
-    import threading
-
-    import jax
-    compiles, serving = [], threading.current_thread().name
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kw: compiles.append(event)
-        if "backend_compile" in event and threading.current_thread().name == serving else None)
-    return compiles
 
 
 def _greedy_answer(engine, **prompt) -> tuple[list, list]:
@@ -174,7 +163,7 @@ def test_narrow_programs_compile_in_the_background_and_change_no_token(tmp_path,
     assert runner._region_width(3) == whole   # the narrow programs are not compiled yet
     assert runner._ready_decode_bucket(1) == 2
 
-    compiles = _serving_thread_compiles()
+    compiles = compiles_on_this_thread()
     covering = _greedy_answer(engine, prompt=PROMPT)
     gate.set()
     assert compiles == []
@@ -212,7 +201,7 @@ def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_com
     assert buckets == [64, 128, 256], buckets
     assert [runner._token_bucket(1, n) for n in (1, 128, 129)] == [128, 128, 256]
     engine.warmup(logprobs=True)
-    compiles = _serving_thread_compiles()
+    compiles = compiles_on_this_thread()
     prompt = dict(prompt_token_ids=list(range(5, 25)))
     covering = _greedy_answer(engine, **prompt)
     gate.set()
