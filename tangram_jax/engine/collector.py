@@ -3,9 +3,10 @@
 Tracing and lowering the engine's programs leave millions of live Python objects (JAX keeps each
 program's jaxpr for the calls that meet it later: 4.1M objects after the CPU warm-up of SmolLM2).
 A collection of the oldest generation walks all of them holding Python's lock, and as the heap
-grows by a quarter each time, each walk is longer than the last: 0.7, 1.3, 2.1, 2.9 s on the
-2-core CPU; an 8B start on an H200 host waited 0.3, 0.5, 1.1, 1.5, 3.3 s in its warm start, while
-the lowering (one thread, under the lock) stood still. `paused_collector` turns automatic
+grows by a quarter each time, each walk is longer than the last: 0.7, 0.8, 1.3, 1.5, 2.1, 2.9 s
+on the 2-core CPU (23 s of collections in a 139 s warm-up), while the lowering (one thread,
+under the lock) stood still; an H200 host's faster cores walked the 8B build's heap in 0.02-0.25
+s. `paused_collector` turns automatic
 collection off for the build; the engine collects once (`collect_once`) when the programs are
 lowered and compile outside the lock, so the walk overlaps the compiles instead of the lowering,
 and the collector is back on when the build ends (or fails). What survives that collection moves
