@@ -312,22 +312,26 @@ class DecodeSteps:
             d_out, k_pages, v_pages = decode_attend(
                 q[0, n:, None], k[0, n:, None], v[0, n:, None], k_pages, v_pages, d_tables,
                 d_lens, no_work, terms)
-            out, k_pages, v_pages, kept, plans = prefill_attend(
+            out, k_pages, v_pages, kept, plans, questions = prefill_attend(
                 q[0, :n], k[0, :n], v[0, :n], k_pages, v_pages, tables, write_tables, hist,
                 view_hist, turn_hist, keep, items, row_starts, row_lens, num_protected,
                 held_protected, positions, terms)
             out = jnp.concatenate([out, d_out[:, 0].astype(out.dtype)])
             h = layer.finish(h, out[None].astype(h.dtype))
-            return (h, k_pages, v_pages), (kept, plans or None)
+            return (h, k_pages, v_pages), (kept, plans or None, questions or None)
 
         h = model.embed(jnp.concatenate([tokens, d_tokens])[None])
         per_layer = lambda x: jnp.swapaxes(x, 0, 1)
-        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
+        layer_inputs = self._prefill_layer_inputs(all_tables, slots, hist_lengths, turn_hist,
+                                                  keep_counts, work_items, table_width,
+                                                  view_skip)
+        (h, k_pages, v_pages), (kept, plans, questions) = self._over_layers(
             layer_step, (h, k_pages, v_pages),
-            (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
-                                                        turn_hist, keep_counts, work_items,
-                                                        table_width, view_skip),
-             per_layer(all_tables[d_slots][..., :table_width]), per_layer(d_lengths)))
+            (layer_states, *layer_inputs, per_layer(all_tables[d_slots][..., :table_width]),
+             per_layer(d_lengths)))
+        k_pages, v_pages, plans = self._after_layers(k_pages, v_pages, plans, questions,
+                                                     layer_inputs, row_lens, num_protected,
+                                                     held_protected, region_pages)
         last = h[0, jnp.clip(row_starts + row_lens - 1, 0, n - 1)]        # [rows, hidden]
         logits = model.logits(jnp.concatenate([last, h[0, n:]])[:, None])[:, 0]
         d_logits = logits[rows:]

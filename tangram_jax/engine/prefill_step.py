@@ -7,8 +7,9 @@ a compiled width, retention "turn"'s held regions), and `_prefill_impl` runs the
 layer's attention over the rows' history and themselves (`_prefill_layer_attention`), the
 chunk's scores (`_row_scores`, `chunk_scoring`), and the kept K/V written into the pages (the
 kernels in place; the CPU path returns a plan of writes that `_apply_writes` scatters), or under
-retention "turn" the whole held turn compacted by its last chunk (`_turn_compaction`, in
-`turn_compaction.py` with the checks of a row's turn arguments). The host half, which rows share
+retention "turn" the whole held turn compacted by its last chunk, every layer's in one scan after
+the layer loop (`_compact_turns`, in `turn_compaction.py` with the checks of a row's turn
+arguments). The host half, which rows share
 a call and what each keeps, is `prefill_calls.py`.
 """
 
@@ -29,7 +30,6 @@ from tangram_jax.pallas_kernels.chunk_compress import (chunk_destinations,
                                                        compress_chunk_into_tiers,
                                                        contiguous_dirty_pages)
 from tangram_jax.engine.tensor_parallel import AXIS
-from tangram_jax.engine.turn_compaction import _append_only
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import (item_capacity, observation_probs,
                                                           pack_rows, prefill_work_items,
@@ -333,7 +333,9 @@ class PrefillSteps:
             (all of them without tensor parallelism). q [N, Hq, d], k/v [N, Hkv, d]; pools
             [num_pages, G, page_size, d] (this device's G); terms: the layer's window and sinks
             (`_attention_terms`). Returns (out [N, Hq, d], k_pages, v_pages, kept [rows,
-            groups], the planned writes (a list; empty unless planned))."""
+            groups], the planned writes (a list; empty unless planned), what each row's turn
+            compaction needs after the loop (a list, one `_turn_question` + (k_row, v_row)
+            a row where `region_pages`; else empty))."""
             k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
             plans = []
             # Tiers: tables and lengths of tier groups; both prefill paths read a group's two
@@ -354,13 +356,13 @@ class PrefillSteps:
                         jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n), dest,
                         k_pages, v_pages, write_tables[b], plans)
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
-                return out, k_pages, v_pages, kept, plans
+                return out, k_pages, v_pages, kept, plans, []
             # One compression chunk per row: score, select, write.
             obs = observation_probs(q, k, lse, row_starts, row_lens,
                                     obs_window=self.runner_config.obs_window, chunk=chunk)
             pad = ((0, chunk), (0, 0), (0, 0))   # a padding row's slice stays in range
             q_flat, k_flat, v_flat = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-            kept = []
+            kept, questions = [], []
             for b in range(rows):
                 q_row, k_row, v_row = (jax.lax.dynamic_slice_in_dim(x, row_starts[b], chunk)
                                        for x in (q_flat, k_flat, v_flat))
@@ -374,22 +376,17 @@ class PrefillSteps:
                     kept.append(keep_b)
                     continue
                 if self.compacts_turns:
-                    # Held whole (the row's length), or the turn's last row: the whole turn.
+                    # Held whole (the row's length) and appended now, or the turn's last row,
+                    # whose whole turn `_compact_turns` writes after the loop.
                     keep_b = keep[b]
-                    chunk_dest = chunk_destinations(
+                    dest = chunk_destinations(
                         -jnp.arange(chunk, dtype=jnp.float32)[None].repeat(k.shape[1], 0),
                         jnp.minimum(keep_b, row_lens[b]), row_lens[b], hist[b], group_size)
                     if region_pages:
-                        dest, k_src, v_src = jax.lax.cond(
-                            jnp.any(keep_b < row_lens[b]),
-                            lambda: self._turn_compaction(
-                                q_row, k_row, v_row, obs[b], lse, row_starts[b], row_lens[b],
-                                k_pages, v_pages, write_tables[b], hist[b], turn_hist[b],
-                                keep_b, num_protected[b], held_protected[b], region_pages),
-                            lambda: _append_only(chunk_dest, k_row, v_row, region_pages,
-                                                 page_size))
-                    else:
-                        dest, k_src, v_src = chunk_dest, k_row, v_row
+                        dest = jnp.where(jnp.any(keep_b < row_lens[b]), -1, dest)
+                        questions.append((*self._turn_question(
+                            q_row, obs[b], lse, row_starts[b], row_lens[b]), k_row, v_row))
+                    k_src, v_src = k_row, v_row
                 else:
                     scores, keep_b = self._row_scores(
                         obs[b], q_row, k_row, v_row, row_lens[b], num_protected[b],
@@ -399,13 +396,16 @@ class PrefillSteps:
                 k_pages, v_pages = write(k_src, v_src, dest, k_pages, v_pages, write_tables[b],
                                          plans)
                 kept.append(keep_b)
-            return out, k_pages, v_pages, jnp.stack(kept), plans
+            return out, k_pages, v_pages, jnp.stack(kept), plans, questions
 
         heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
+        by_head = P(AXIS, None)
+        questions = [(heads, by_head, by_head, heads, heads)] * (
+            rows if self.compacts_turns and region_pages else 0)
         attend = self.placement.per_device(
             attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
             + (P(),) * 12 + (self._terms_spec,),
-            out_specs=(heads, self._pool_spec, self._pool_spec, P(), []))
+            out_specs=(heads, self._pool_spec, self._pool_spec, P(), [], questions))
 
         return attend
 
@@ -432,19 +432,22 @@ class PrefillSteps:
             layer_state, tables, write_tables, hist, view_hist, turn_hist, keep, items = xs
             layer = self._layer(layer_state)
             q, k, v = layer.qkv(h, positions[None])      # GEMMs over every row's tokens at once
-            out, k_pages, v_pages, kept, plans = attend(
+            out, k_pages, v_pages, kept, plans, questions = attend(
                 q[0], k[0], v[0], k_pages, v_pages, tables, write_tables, hist, view_hist,
                 turn_hist, keep, items, row_starts, row_lens, num_protected, held_protected,
                 positions, self._attention_terms(layer))
             h = layer.finish(h, out[None].astype(h.dtype))
-            return (h, k_pages, v_pages), (kept, plans or None)
+            return (h, k_pages, v_pages), (kept, plans or None, questions or None)
 
         h = model.embed(tokens[None])                    # [1, N, hidden]
-        (h, k_pages, v_pages), (kept, plans) = self._over_layers(
-            layer_step, (h, k_pages, v_pages),
-            (layer_states, *self._prefill_layer_inputs(all_tables, slots, hist_lengths,
-                                                        turn_hist, keep_counts, work_items,
-                                                        table_width, view_skip)))
+        layer_inputs = self._prefill_layer_inputs(all_tables, slots, hist_lengths, turn_hist,
+                                                  keep_counts, work_items, table_width,
+                                                  view_skip)
+        (h, k_pages, v_pages), (kept, plans, questions) = self._over_layers(
+            layer_step, (h, k_pages, v_pages), (layer_states, *layer_inputs))
+        k_pages, v_pages, plans = self._after_layers(k_pages, v_pages, plans, questions,
+                                                     layer_inputs, row_lens, num_protected,
+                                                     held_protected, region_pages)
         # The CPU path returns its writes of every layer and row (`_apply_writes` scatters them
         # in place, in a second program): scattered here, after the loop, they could still be
         # ordered before a layer's history read (unrolled, nothing makes the scatter wait for
@@ -458,6 +461,20 @@ class PrefillSteps:
         # prompt_logprobs: every position's distribution over the token that follows it.
         lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
         return *pool, logits, per_layer(kept), lp
+
+    def _after_layers(self, k_pages, v_pages, plans, questions, layer_inputs, row_lens,
+                      num_protected, held_protected, region_pages: int) -> tuple:
+        """The turn compactions of a prefill call's rows (`_compact_turns`), after its layer
+        loop (`questions`: what the loop kept of each row's attention, None where no row can
+        compact). Returns (k_pages, v_pages, plans): the loop's planned writes, then the
+        compactions' (planned writes; None where the kernels wrote in place)."""
+        if not questions:
+            return k_pages, v_pages, plans
+        _, write_tables, hist, _, turn_hist, keep, _ = layer_inputs
+        k_pages, v_pages, turn_plans = self._compact_turns(
+            k_pages, v_pages, write_tables, hist, turn_hist, keep, questions, row_lens,
+            num_protected, held_protected, region_pages)
+        return k_pages, v_pages, (list(plans) + list(turn_plans)) if plans else plans
 
     def _prefill_layer_inputs(self, all_tables, slots, hist_lengths, turn_hist, keep_counts,
                               work_items, table_width, view_skip) -> tuple:

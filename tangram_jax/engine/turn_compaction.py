@@ -4,21 +4,26 @@ the whole turn.
 `TurnCompaction` is the part of `ModelRunner` that serves `kv_layout`'s retention "turn"
 (`compacts_turns`): `_turn_rows` checks each prefill row's turn arguments (or makes every row a
 whole turn of its own), `_region_widths` are the static widths of the held region a
-compaction reads, and `_turn_compaction` (run in `PrefillSteps._prefill_layer_attention` for a
-turn's last row) scores the held turn and the row by `chunk_scoring.turn_scores` and writes
-the top back in temporal order; a row whose turn is still held only appends (`_append_only`).
+compaction reads. Inside a prefill's layer loop a turn's last row keeps what its compaction
+needs of the layer's attention (`_turn_question`) and writes nothing; after the loop
+`_compact_turns` runs every layer's compaction in one scan: `_turn_compaction` scores the held
+turn and the row by `chunk_scoring.turn_scores` and writes the top back in temporal order. A
+row whose turn is still held appends its chunk in the loop.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from tangram_jax.compression.chunk_scoring import turn_scores
 from tangram_jax import kv_quant
-from tangram_jax.pallas_kernels.chunk_compress import chunk_destinations
+from tangram_jax.engine.tensor_parallel import AXIS
+from tangram_jax.pallas_kernels.chunk_compress import chunk_destinations, contiguous_dirty_pages
 
 
 # The held pages a short turn's compaction reads (retention "turn", `_region_widths`): a
@@ -84,26 +89,99 @@ class TurnCompaction:
         return next(w for w in self._region_widths()
                     if w >= pages and self._ready("region_pages", w))
 
-    def _turn_compaction(self, q_row, k_row, v_row, obs_row, lse, row_start, row_len, k_pages,
+    @staticmethod
+    def _turn_question(q_row, obs_row, lse, row_start, row_len):
+        """What a turn's compaction needs of its last row's attention in a layer, taken inside
+        the layer loop (the compaction itself runs after it: `_compact_turns`): q_win
+        [W, Hq, d] (the question window's queries), lse_win [Hq, W] (their log-sum-exp over
+        the call's keys), mass_row [Hq, T] float32 (the window's attention on each of the
+        row's keys, summed over the window). q_row [T, Hq, d]; obs_row [Hq, W, T]; lse
+        [Hq, N]; row_start, row_len int32 scalars."""
+        chunk, window = q_row.shape[0], obs_row.shape[1]
+        local = row_len - window + jnp.arange(window)
+        q_win = q_row[jnp.clip(local, 0, chunk - 1)]                          # [W, Hq, d]
+        lse_win = lse[:, jnp.clip(row_start + local, 0, lse.shape[1] - 1)]   # [Hq, W]
+        return q_win, lse_win, obs_row.sum(axis=1)
+
+    def _compact_turns(self, k_pages, v_pages, write_tables, hist, turn_hist, keep, questions,
+                       row_lens, num_protected, held_protected, region_pages: int):
+        """Retention "turn"'s compactions of a prefill call, after its layer loop: one
+        `lax.scan` over the layers (a compaction reads and writes only its own layer's
+        pages, which no later layer of the call reads, so it need not run inside the
+        unrolled loop, where its 32 copies made the whole-table prefill 3.3x the HLO of
+        full's and its compile the start-up's critical path). Each row whose turn ends
+        here (`keep` < its length) has the whole turn scored and written back
+        (`_turn_compaction`); the other rows wrote their chunk in the loop.
+
+        write_tables [layers, rows, groups, P]; hist, turn_hist, keep [layers, rows, groups];
+        questions: per row (q_win, lse_win, mass_row, k_row, v_row) stacked over the layers
+        (`_turn_question`, the row's K/V [layers, T, heads, d]); row_lens, num_protected,
+        held_protected [rows]. Returns (k_pages, v_pages, plans stacked over the layers: the
+        writes where they are planned, else [])."""
+        planned = self.plans_prefill_writes
+        num_pages = k_pages.shape[0] if planned else None
+        group_size = self.base_layout.group_size // self.placement.tp
+        page_size = self.layout.page_size
+        rows = len(questions)
+
+        def compact(k_pages, v_pages, write_tables, hist, turn_hist, keep, questions,
+                    row_lens, num_protected, held_protected):
+            plans = []
+            for b in range(rows):
+                q_win, lse_win, mass_row, k_row, v_row = questions[b]
+                dest, k_src, v_src = jax.lax.cond(
+                    jnp.any(keep[b] < row_lens[b]),
+                    lambda: self._turn_compaction(
+                        q_win, lse_win, mass_row, k_row, v_row, row_lens[b], k_pages, v_pages,
+                        write_tables[b], hist[b], turn_hist[b], keep[b], num_protected[b],
+                        held_protected[b], region_pages),
+                    lambda: _nothing_written(k_row, v_row, region_pages, page_size))
+                if planned:
+                    plans.append(self.ops.plan_writes(k_src, v_src, dest, num_pages, page_size,
+                                                      group_size, write_tables[b]))
+                else:
+                    k_pages, v_pages = self.ops.write_chunk(
+                        k_src, v_src, dest, k_pages, v_pages, write_tables[b],
+                        max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
+            return k_pages, v_pages, plans
+
+        heads = P(None, AXIS, None)
+        by_head = P(AXIS, None)
+        compact = self.placement.per_device(
+            compact, in_specs=(self._pool_spec, self._pool_spec) + (P(),) * 4
+            + ([(heads, by_head, by_head, heads, heads)] * rows,) + (P(),) * 3,
+            out_specs=(self._pool_spec, self._pool_spec, []))
+
+        def layer(carry, xs):
+            k_pages, v_pages = carry
+            k_pages, v_pages, plans = compact(k_pages, v_pages, *xs, row_lens, num_protected,
+                                              held_protected)
+            return (k_pages, v_pages), plans or None
+
+        (k_pages, v_pages), plans = jax.lax.scan(
+            layer, (k_pages, v_pages), (write_tables, hist, turn_hist, keep, questions))
+        return k_pages, v_pages, plans or []
+
+    def _turn_compaction(self, q_win, lse_win, mass_row, k_row, v_row, row_len, k_pages,
                          v_pages, table, hist, turn_hist, keep, num_protected, held_protected,
                          region_pages: int):
         """The last row of a turn under retention "turn": the whole turn (its held slots
         ``turn_hist .. hist - 1`` of each group, then the row's tokens) scored by the turn's
-        question (the row's last obs_window queries, `obs_row`) and the question-agnostic rule
+        question (the row's last obs_window queries) and the question-agnostic rule
         (`chunk_scoring.turn_scores`), the top ``hist + keep - turn_hist`` of each head written
         back in temporal order from slot ``turn_hist``.
 
-        q_row, k_row, v_row [T, heads, d] (the row, padded); obs_row [Hq, W, T] (the window's
-        probabilities over the row's keys); lse [Hq, N] (the call's); row_start, row_len,
-        num_protected (the row's protected tokens), held_protected (the turn's protected tokens
-        held before the row): int32 scalars; table int [groups, P]; hist, turn_hist, keep int
-        [groups]. Returns (dest [heads, R + T], k_src, v_src [R + T, heads, d]) for `write`:
-        R = region_pages * page_size held slots, read from the pages (dequantised) and written
-        back compacted, then the row's tokens."""
+        q_win [W, Hq, d], lse_win [Hq, W], mass_row [Hq, T] (`_turn_question`); k_row, v_row
+        [T, heads, d] (the row, padded); row_len, num_protected (the row's protected tokens),
+        held_protected (the turn's protected tokens held before the row): int32 scalars; table
+        int [groups, P]; hist, turn_hist, keep int [groups]. Returns (dest [heads, R + T],
+        k_src, v_src [R + T, heads, d]) for the write: R = region_pages * page_size held
+        slots, read from the pages (dequantised) and written back compacted, then the row's
+        tokens."""
         chunk, heads, dim = k_row.shape
         group_size = heads // hist.shape[0]
         ps = self.layout.page_size
-        window = obs_row.shape[1]
+        window = q_win.shape[0]
         q_per_kv = self.config.q_per_kv
         # The held slots: per group the table columns from its turn's first page on.
         first = turn_hist // ps                                              # [groups]
@@ -120,18 +198,17 @@ class TurnCompaction:
 
         k_held, v_held = gather(k_pages), gather(v_pages)
         # The question's attention on the held tokens: exp(q k / sqrt(d) - lse), summed over
-        # the window, averaged over each head's query heads (what `obs_row` holds for the row).
+        # the window, averaged over each head's query heads (what `mass_row` holds for the row).
         local = row_len - window + jnp.arange(window)
         # (In the pool's dtype with float32 sums, as the attention kernels compute them.)
-        q_win = q_row[jnp.clip(local, 0, chunk - 1)].astype(k_held.dtype)    # [W, Hq, d]
-        lse_win = lse[:, jnp.clip(row_start + local, 0, lse.shape[1] - 1)]   # [Hq, W]
+        q_win = q_win.astype(k_held.dtype)
         logits = jnp.einsum("wgjd,gsd->gjws", q_win.reshape(window, heads, q_per_kv, dim),
                             k_held, preferred_element_type=jnp.float32).reshape(
             heads * q_per_kv, window, -1) / math.sqrt(dim)
         live = (local >= 0)[None, :, None] & per_head(held)[:, None].repeat(q_per_kv, 0)
         probs = jnp.where(live, jnp.exp(logits - lse_win[..., None]), 0.0)
         mass_held = probs.sum(axis=1).reshape(heads, q_per_kv, -1).mean(axis=1)
-        mass_row = obs_row.sum(axis=1).reshape(heads, q_per_kv, chunk).mean(axis=1)
+        mass_row = mass_row.reshape(heads, q_per_kv, chunk).mean(axis=1)
         # One temporal axis: held slots, then the row.
         mass = jnp.concatenate([mass_held, mass_row], axis=1)
         keys = jnp.concatenate([k_held.astype(jnp.float32),
@@ -154,11 +231,10 @@ class TurnCompaction:
         return dest, k_src, v_src
 
 
-def _append_only(chunk_dest, k_row, v_row, region_pages: int, page_size: int):
-    """`_turn_compaction`'s outputs for a row that only appends (its turn is still held):
-    the row's destinations after an unwritten region of `region_pages` pages."""
-    rows = region_pages * page_size
-    none = jnp.full((chunk_dest.shape[0], rows), -1, chunk_dest.dtype)
-    zeros = jnp.zeros((rows, *k_row.shape[1:]), k_row.dtype)
-    return (jnp.concatenate([none, chunk_dest], axis=1), jnp.concatenate([zeros, k_row]),
+def _nothing_written(k_row, v_row, region_pages: int, page_size: int):
+    """`_turn_compaction`'s outputs for a row whose turn is still held (it wrote its chunk in
+    the layer loop): no destination."""
+    total = region_pages * page_size + k_row.shape[0]
+    zeros = jnp.zeros((region_pages * page_size, *k_row.shape[1:]), k_row.dtype)
+    return (jnp.full((k_row.shape[1], total), -1, jnp.int32), jnp.concatenate([zeros, k_row]),
             jnp.concatenate([zeros.astype(v_row.dtype), v_row]))
