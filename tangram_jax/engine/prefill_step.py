@@ -30,6 +30,7 @@ from tangram_jax.pallas_kernels.chunk_compress import (chunk_destinations,
                                                        compress_chunk_into_tiers,
                                                        contiguous_dirty_pages)
 from tangram_jax.engine.tensor_parallel import AXIS
+from tangram_jax.engine.turn_compaction import QUESTION_SPECS
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import (item_capacity, observation_probs,
                                                           pack_rows, prefill_work_items,
@@ -308,23 +309,8 @@ class PrefillSteps:
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
         group_size = self.base_layout.group_size // self.placement.tp   # heads of a group here
-        page_size = self.layout.page_size
-
-        planned = self.plans_prefill_writes
-        num_pages = k_pages.shape[0] if planned else None
+        num_pages = k_pages.shape[0]
         tiered = self.tiers is not None
-
-        def write(k_src, v_src, dest, k_pages, v_pages, table, plans):
-            """Rows of k_src, v_src [S, heads, d] into the slots `dest` [heads, S] gives (-1:
-            none): now (kernel), or planned for after the loop (then `table` is the row's
-            whole table of this layer, `plans` collects the plan)."""
-            if planned:
-                plans.append(self.ops.plan_writes(k_src, v_src, dest, num_pages, page_size,
-                                                  group_size, table))
-                return k_pages, v_pages
-            return self.ops.write_chunk(
-                k_src, v_src, dest, k_pages, v_pages, table,
-                max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
 
         def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, view_hist, turn_hist,
                    keep, items, row_starts, row_lens, num_protected, held_protected, positions,
@@ -351,10 +337,10 @@ class PrefillSteps:
                 for b in range(rows):
                     dest = jnp.where(t < row_lens[b], jnp.repeat(hist[b], group_size)[:, None]
                                      + t, -1)
-                    k_pages, v_pages = write(
+                    k_pages, v_pages = self._write_rows(
                         jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
                         jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n), dest,
-                        k_pages, v_pages, write_tables[b], plans)
+                        k_pages, v_pages, write_tables[b], plans, num_pages)
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
                 return out, k_pages, v_pages, kept, plans, []
             # One compression chunk per row: score, select, write.
@@ -393,15 +379,13 @@ class PrefillSteps:
                         positions[jnp.minimum(row_starts[b], n - 1)], keep[b])
                     dest = chunk_destinations(scores, keep_b, row_lens[b], hist[b], group_size)
                     k_src, v_src = k_row, v_row
-                k_pages, v_pages = write(k_src, v_src, dest, k_pages, v_pages, write_tables[b],
-                                         plans)
+                k_pages, v_pages = self._write_rows(k_src, v_src, dest, k_pages, v_pages,
+                                                    write_tables[b], plans, num_pages)
                 kept.append(keep_b)
             return out, k_pages, v_pages, jnp.stack(kept), plans, questions
 
         heads = P(None, AXIS, None)                      # [N, heads, d]: heads over the devices
-        by_head = P(AXIS, None)
-        questions = [(heads, by_head, by_head, heads, heads)] * (
-            rows if self.compacts_turns and region_pages else 0)
+        questions = [QUESTION_SPECS] * (rows if self.compacts_turns and region_pages else 0)
         attend = self.placement.per_device(
             attend, in_specs=(heads, heads, heads, self._pool_spec, self._pool_spec)
             + (P(),) * 12 + (self._terms_spec,),
@@ -461,6 +445,21 @@ class PrefillSteps:
         # prompt_logprobs: every position's distribution over the token that follows it.
         lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
         return *pool, logits, per_layer(kept), lp
+
+    def _write_rows(self, k_src, v_src, dest, k_pages, v_pages, table, plans: list,
+                    num_pages: int) -> tuple:
+        """Rows of k_src, v_src [S, heads, d] into the slots `dest` [heads, S] gives (-1: none)
+        of a pool of `num_pages` pages: now (the kernel), or where `plans_prefill_writes`
+        planned for after the step (then `table` is the row's whole table of this layer and
+        `plans` collects the plan). Returns (k_pages, v_pages)."""
+        page_size = self.layout.page_size
+        if self.plans_prefill_writes:
+            plans.append(self.ops.plan_writes(
+                k_src, v_src, dest, num_pages, page_size,
+                self.base_layout.group_size // self.placement.tp, table))
+            return k_pages, v_pages
+        return self.ops.write_chunk(k_src, v_src, dest, k_pages, v_pages, table,
+                                    max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
 
     def _after_layers(self, k_pages, v_pages, plans, questions, layer_inputs, row_lens,
                       num_protected, held_protected, region_pages: int) -> tuple:

@@ -23,12 +23,15 @@ from jax.sharding import PartitionSpec as P
 from tangram_jax.compression.chunk_scoring import turn_scores
 from tangram_jax import kv_quant
 from tangram_jax.engine.tensor_parallel import AXIS
-from tangram_jax.pallas_kernels.chunk_compress import chunk_destinations, contiguous_dirty_pages
+from tangram_jax.pallas_kernels.chunk_compress import chunk_destinations
 
 
 # The held pages a short turn's compaction reads (retention "turn", `_region_widths`): a
 # follow-up question and its protected tail fit; a longer turn reads the whole table.
 SHORT_REGION_PAGES = 64
+# `shard_map` specs of one row's `_turn_question` + (k_row, v_row): by head on the devices.
+QUESTION_SPECS = (P(None, AXIS, None), P(AXIS, None), P(AXIS, None), P(None, AXIS, None),
+                  P(None, AXIS, None))
 
 
 class TurnCompaction:
@@ -118,9 +121,7 @@ class TurnCompaction:
         (`_turn_question`, the row's K/V [layers, T, heads, d]); row_lens, num_protected,
         held_protected [rows]. Returns (k_pages, v_pages, plans stacked over the layers: the
         writes where they are planned, else [])."""
-        planned = self.plans_prefill_writes
-        num_pages = k_pages.shape[0] if planned else None
-        group_size = self.base_layout.group_size // self.placement.tp
+        num_pages = k_pages.shape[0]
         page_size = self.layout.page_size
         rows = len(questions)
 
@@ -136,20 +137,13 @@ class TurnCompaction:
                         write_tables[b], hist[b], turn_hist[b], keep[b], num_protected[b],
                         held_protected[b], region_pages),
                     lambda: _nothing_written(k_row, v_row, region_pages, page_size))
-                if planned:
-                    plans.append(self.ops.plan_writes(k_src, v_src, dest, num_pages, page_size,
-                                                      group_size, write_tables[b]))
-                else:
-                    k_pages, v_pages = self.ops.write_chunk(
-                        k_src, v_src, dest, k_pages, v_pages, write_tables[b],
-                        max_dirty=contiguous_dirty_pages(k_src.shape[0], page_size))
+                k_pages, v_pages = self._write_rows(k_src, v_src, dest, k_pages, v_pages,
+                                                    write_tables[b], plans, num_pages)
             return k_pages, v_pages, plans
 
-        heads = P(None, AXIS, None)
-        by_head = P(AXIS, None)
         compact = self.placement.per_device(
             compact, in_specs=(self._pool_spec, self._pool_spec) + (P(),) * 4
-            + ([(heads, by_head, by_head, heads, heads)] * rows,) + (P(),) * 3,
+            + ([QUESTION_SPECS] * rows,) + (P(),) * 3,
             out_specs=(self._pool_spec, self._pool_spec, []))
 
         def layer(carry, xs):
