@@ -127,6 +127,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill row")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-dir", default=None,
+                        help="also keep a profiler trace (xplane.pb) of 3 decode steps at the "
+                             "largest batch here: the timeline of every device")
     parser.add_argument(
         "--out", default=None, help="result JSON (default: a fresh file under "
         "benchmarks/results/runs/; a file git tracks only with --overwrite)")
@@ -173,6 +176,11 @@ def main(argv=None) -> None:
                    else None)
         decode.append(fig)
         print(f"decode batch {b}: {fig['ms']:.3f} ms, limit {bound['decode_ms']}", flush=True)
+    if args.trace_dir:
+        jax.profiler.start_trace(args.trace_dir)
+        for _ in range(3):
+            jax.block_until_ready(call())
+        jax.profiler.stop_trace()
 
     tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prefill)
     hist = np.zeros(runner.counts_shape, np.int32)
