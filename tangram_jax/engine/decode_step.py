@@ -166,7 +166,7 @@ class DecodeSteps:
         forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
                   else np.asarray(forced_tokens, np.int32))
         adjust = neutral_adjust(bucket) if adjust is None else adjust
-        args = (self.state, self.layer_states, k_pages, v_pages, self.slot_state,
+        args = (*self.weight_args, k_pages, v_pages, self.slot_state,
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
                 np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
@@ -192,6 +192,7 @@ class DecodeSteps:
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_state, positions,
                      all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
                      adjust, *, split_map, logprobs, table_width):
+        state, layer_states = self._weight_trees(state, layer_states)
         model = nnx.merge(self.graphdef, state)
         tokens = slot_state.tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
@@ -293,6 +294,7 @@ class DecodeSteps:
         Order inside a layer: the decode rows write their token, then both parts read the pool.
         Their pages are disjoint (distinct sequences), but the order matters to XLA: a read
         before a write of the same buffer in one loop iteration makes it copy the pool."""
+        state, layer_states = self._weight_trees(state, layer_states)
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         planned = self.plans_prefill_writes

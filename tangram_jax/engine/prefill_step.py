@@ -260,7 +260,7 @@ class PrefillSteps:
             num_items=item_capacity(num_tokens, self.base_layout.num_groups,
                                     self.base_layout.group_size // self.placement.tp,
                                     self.prefill_tuning), tuning=self.prefill_tuning)
-        args = (self.state, self.layer_states, k_pages, v_pages, flat, positions, row_starts,
+        args = (*self.weight_args, k_pages, v_pages, flat, positions, row_starts,
                 lens, protected, self.block_tables, row_slots, hist, keep, items, held_protected,
                 turn_hist, view_skip)
         # The columns attention reads: the history's (the CPU path plans its writes from the
@@ -405,6 +405,7 @@ class PrefillSteps:
         v_pages, logits, kept[, lp]), or
         with `plans_prefill_writes` (writes, logits, kept[, lp]): the pool untouched, its
         writes for `_apply_writes`."""
+        state, layer_states = self._weight_trees(state, layer_states)
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         planned = self.plans_prefill_writes
