@@ -118,6 +118,20 @@ def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
                 prefill_ms=prefill_flops / flops * 1e3 if flops else None)
 
 
+def measure_prefill(runner, config, args, sizes, kind, prefill_slot, on_gpu) -> dict:
+    """`ModelRunner.prefill` of one `--prefill`-token row at history 0, against its limit."""
+    tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prefill)
+    hist = np.zeros(runner.counts_shape, np.int32)
+    fig = measure(lambda: runner.prefill([tokens.astype(np.int32)], [0], [prefill_slot],
+                                         [hist])[0], args.reps, on_gpu)
+    bound = limits(config, sizes, 1, args.context, args.prefill, args.tp, kind)
+    fig.update(tokens=args.prefill, limit_ms=bound["prefill_ms"], limit_flops=bound["prefill_flops"],
+               fraction_of_limit=bound["prefill_ms"] / fig["ms"] if bound["prefill_ms"] else None)
+    print(f"prefill {args.prefill} tokens: {fig['ms']:.3f} ms, limit {bound['prefill_ms']}",
+          flush=True)
+    return fig
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(FAMILY_SHAPES), required=True)
@@ -126,6 +140,7 @@ def main(argv=None) -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill row")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--no-prefill", action="store_true", help="decode figures only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-dir", default=None,
                         help="also keep a profiler trace (xplane.pb) of 3 decode steps at the "
@@ -182,15 +197,8 @@ def main(argv=None) -> None:
             jax.block_until_ready(call())
         jax.profiler.stop_trace()
 
-    tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prefill)
-    hist = np.zeros(runner.counts_shape, np.int32)
-    fig = measure(lambda: runner.prefill([tokens.astype(np.int32)], [0], [prefill_slot],
-                                         [hist])[0], args.reps, on_gpu)
-    bound = limits(config, sizes, 1, args.context, args.prefill, args.tp, kind)
-    fig.update(tokens=args.prefill, limit_ms=bound["prefill_ms"], limit_flops=bound["prefill_flops"],
-               fraction_of_limit=bound["prefill_ms"] / fig["ms"] if bound["prefill_ms"] else None)
-    print(f"prefill {args.prefill} tokens: {fig['ms']:.3f} ms, limit {bound['prefill_ms']}",
-          flush=True)
+    fig = None if args.no_prefill else measure_prefill(runner, config, args, sizes, kind,
+                                                         prefill_slot, on_gpu)
     write_result(out, "families_gpu", dict(
         model=dict(FAMILY_SHAPES[args.shape], shape=args.shape, dtype=str(jnp.dtype(dtype)),
                    weight_bytes=sizes, random_weights=True, layer_windows=config.layer_windows),
