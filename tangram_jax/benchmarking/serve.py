@@ -396,18 +396,24 @@ def run_vllm(model_folder: str, workloads: list[tuple[str, SessionSpec]], vocab:
 
 def add_ratios(report: dict) -> None:
     """Per workload, each configuration's turns/s against full KV, dynamic and vLLM (where they
-    ran the same workload on the same pool); a configuration with a host tier also against
-    itself with recompute (`RECOMPUTE`): turns/s and follow-up TTFT p50 / p99."""
+    ran the same workload on the same pool and devices); a configuration with a host tier also
+    against itself with recompute (`RECOMPUTE`): turns/s and follow-up TTFT p50 / p99; one over
+    several devices ("tangram@tp2", `merge_reports`) against itself on one."""
     by = {(r["variant"], _sweep_point(report, r)): {w["workload"]: w for w in r["workloads"]}
           for r in report["results"]}
     for r in report["results"]:
         point = _sweep_point(report, r)
         for w in r["workloads"]:
-            for base in ("full", "dynamic", "vllm"):
-                other = by.get((base, point), {}).get(w["workload"])
-                if other is not None and r["variant"] != base:
+            name, mark, devices = r["variant"].partition(PARALLEL_MARK)
+            for base in ("full", "dynamic", "vllm"):   # on as many devices
+                other = by.get((base + mark + devices, point), {}).get(w["workload"])
+                if other is not None and name != base:
                     w[f"turns_per_s_vs_{base}"] = w["turns_per_s"] / other["turns_per_s"]
-            recompute = by.get((r["variant"] + RECOMPUTE, point), {}).get(w["workload"])
+            one_device = by.get((name, point), {}).get(w["workload"])
+            if mark and one_device is not None:
+                w["turns_per_s_vs_one_device"] = w["turns_per_s"] / one_device["turns_per_s"]
+            recompute = by.get((name + RECOMPUTE + mark + devices, point), {}).get(
+                w["workload"])
             if recompute is not None:
                 w["turns_per_s_vs_recompute"] = w["turns_per_s"] / recompute["turns_per_s"]
                 for q in ("p50", "p99"):
@@ -416,9 +422,25 @@ def add_ratios(report: dict) -> None:
                         if mine is not None and theirs else None
 
 
-# What runs merged into one report must share (`merge_reports`).
+# What runs merged into one report must share (`merge_reports`); of the engine settings, all
+# but the parallel sizes, which name a merged report's rows instead ("tangram@dp2").
 MERGE_KEYS = ("device", "git_revision", "jax_version", "model", "model_shape", "ratio",
               "group_size", "kv_cache_tokens", "kv_cache_gib", "pool_sized_by", "engine_fields")
+PARALLEL_FIELDS = {"tensor_parallel_size": "tp", "data_parallel_size": "dp"}
+PARALLEL_MARK = "@"
+
+
+def _parallel_suffix(report: dict) -> str:
+    """"@tp2", "@dp2", "@tp2dp2" for a run over several devices, "" for one."""
+    fields = report.get("engine_fields") or {}
+    parts = [f"{tag}{fields[k]}" for k, tag in PARALLEL_FIELDS.items() if (fields.get(k) or 1) > 1]
+    return PARALLEL_MARK + "".join(parts) if parts else ""
+
+
+def _merge_key(report: dict, key: str):
+    if key == "engine_fields":
+        return {k: v for k, v in (report.get(key) or {}).items() if k not in PARALLEL_FIELDS}
+    return report.get(key)
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -437,10 +459,12 @@ def merge_reports(reports: list[dict]) -> dict:
         if r.get("benchmark", "serve") != "serve":
             raise ValueError(f"report {i} is a {r.get('benchmark')!r} benchmark, not 'serve'")
         for key in MERGE_KEYS:
-            if r.get(key) != first.get(key):
-                raise ValueError(f"report {i} measured another {key} ({r.get(key)!r}) than "
-                                 f"report 0 ({first.get(key)!r}): runs merge only if they "
-                                 f"share {', '.join(MERGE_KEYS)}")
+            if _merge_key(r, key) != _merge_key(first, key):
+                raise ValueError(f"report {i} measured another {key} ({_merge_key(r, key)!r}) "
+                                 f"than report 0 ({_merge_key(first, key)!r}): runs merge only "
+                                 f"if they share {', '.join(MERGE_KEYS)} (of the engine "
+                                 f"settings, all but {', '.join(PARALLEL_FIELDS)})")
+    several = len({_parallel_suffix(r) for r in reports}) > 1
     workloads: dict[str, dict] = {}
     rows: dict[tuple, dict] = {}
     merged_from = []
@@ -452,6 +476,9 @@ def merge_reports(reports: list[dict]) -> dict:
                 raise ValueError(f"report {i}'s workload {w['name']!r} differs from an earlier "
                                  f"report's: {w} against {workloads[w['name']]}")
         for row in r["results"]:
+            if several:   # runs over different numbers of devices: the rows say which
+                row = dict(row, variant=row["variant"] + _parallel_suffix(r),
+                           **{k: (r["engine_fields"].get(k) or 1) for k in PARALLEL_FIELDS})
             key = (row["variant"], row.get("kv_cache_gib"))
             served = [dict(w, build_and_warmup_seconds=w.get(
                 "build_and_warmup_seconds", row.get("build_and_warmup_seconds")))
@@ -471,6 +498,8 @@ def merge_reports(reports: list[dict]) -> dict:
                            "earlier_invocations", "eviction_onset", "merged_from")}
     merged.update(workloads=list(workloads.values()), results=list(rows.values()),
                   merged_from=merged_from)
+    if several:
+        merged["engine_fields"] = _merge_key(first, "engine_fields")
     for row in merged["results"]:     # ratios anew: the merged rows meet their baselines
         for w in row["workloads"]:
             for k in [k for k in w if "_vs_" in k]:

@@ -84,3 +84,34 @@ def test_merge_joins_runs_made_side_by_side_and_compares_across_them(tmp_path, m
     with pytest.raises(UsageError, match="cannot read"):
         bench_serve.main(["--merge", str(tmp_path / "missing.json"), "--json",
                           str(tmp_path / "z.json")])
+
+
+def test_merge_names_runs_over_several_devices_and_compares_them_with_one():
+    """Runs that differ only in their parallel sizes merge: each row says on how many devices
+    it ran ("tangram@dp2"), compared with itself on one device and with full KV on as many."""
+    from tangram_jax.benchmarking.serve import merge_reports
+
+    def run(dp, tp, rows):
+        fields = {"page_size": 16, "data_parallel_size": dp, "tensor_parallel_size": tp}
+        return _report(device="2 GPUs", git_revision="abc", engine_fields=fields, results=[
+            {"variant": v, "workloads": [{"workload": "short-128", "turns_per_s": t,
+                                          "ttft_followup_s": {"p50": 1.0, "p99": 2.0}}]}
+            for v, t in rows])
+
+    merged = merge_reports([run(1, 1, [("full", 1.0), ("tangram", 2.0)]),
+                            run(2, 1, [("full", 1.5), ("tangram", 3.8)]),
+                            run(1, 2, [("tangram", 3.0)])])
+    rows = {r["variant"]: r for r in merged["results"]}
+    assert list(rows) == ["full", "tangram", "full@dp2", "tangram@dp2", "tangram@tp2"]
+    dp2 = rows["tangram@dp2"]["workloads"][0]
+    assert dp2["turns_per_s_vs_one_device"] == 1.9
+    assert dp2["turns_per_s_vs_full"] == 3.8 / 1.5                  # full on two devices too
+    assert rows["tangram@tp2"]["workloads"][0]["turns_per_s_vs_one_device"] == 1.5
+    assert "turns_per_s_vs_full" not in rows["tangram@tp2"]["workloads"][0]
+    assert rows["tangram@tp2"]["tensor_parallel_size"] == 2
+    assert "data_parallel_size" not in merged["engine_fields"]
+    assert "turns_per_s_vs_one_device" not in rows["tangram"]["workloads"][0]
+    with pytest.raises(ValueError, match="engine_fields"):
+        other = run(2, 1, [("tangram", 1.0)])
+        other["engine_fields"]["page_size"] = 32
+        merge_reports([run(1, 1, [("tangram", 2.0)]), other])
