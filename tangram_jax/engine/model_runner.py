@@ -319,18 +319,16 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
             donate_argnums=0)
         # The CPU path's prefill only reads the pool (its writes come back as a plan that
         # `_apply_writes` scatters in place, a second program): nothing of it is donated.
-        options = self.placement.compiler_options
         self._prefill = jax.jit(self._prefill_impl,
                                 static_argnames=("table_width", "region_pages"),
-                                donate_argnums=() if self.plans_prefill_writes else (2, 3),
-                                compiler_options=options)
+                                donate_argnums=() if self.plans_prefill_writes else (2, 3))
         self._apply_writes = jax.jit(_apply_planned_writes, donate_argnums=(0, 1))
         self._decode = jax.jit(self._decode_impl,
                                static_argnames=("split_map", "logprobs", "table_width"),
-                               donate_argnums=(2, 3, 4), compiler_options=options)
+                               donate_argnums=(2, 3, 4))
         self._mixed = jax.jit(self._mixed_impl,
                               static_argnames=("table_width", "region_pages", "logprobs"),
-                              donate_argnums=(2, 3, 4), compiler_options=options)
+                              donate_argnums=(2, 3, 4))
         self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
                                     donate_argnums=0)
 

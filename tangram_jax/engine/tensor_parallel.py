@@ -143,18 +143,6 @@ class Placement:
             spec = (AXIS, None)                           # kernel [in, out]; bias replicated
         return self._sharding(P(*lead, *spec))
 
-    @property
-    def compiler_options(self) -> dict[str, str] | None:
-        """XLA options of the steps over a GPU mesh: the all-reduces as NCCL collectives inside
-        the step's CUDA graph. By default XLA emits each as its own Triton kernel launched
-        between graphs (126 a decode step at 32 layers): the 8B TP=2 step became 130 graphs a
-        device, so at small batches the host's launches, not the GPUs, set its pace
-        (NOTES_engine, "Tensor parallelism")."""
-        if self.tp == 1 or self.devices[0].platform != "gpu":
-            return None
-        return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "false",
-                "xla_gpu_enable_command_buffer": "+COLLECTIVES"}
-
     def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
         """`fn` run on each device's slice (`shard_map` over the mesh), or `fn` itself on one
         device. Specs name the sharded axis with `AXIS`."""

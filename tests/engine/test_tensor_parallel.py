@@ -113,22 +113,3 @@ def test_divisibility_is_checked_with_the_numbers():
     with pytest.raises(ValueError, match="num_kv_heads 3"):
         check_tensor_parallel(2, num_heads=9, num_kv_heads=3, group_size=3,
                               intermediate_size=1536)
-
-
-def test_steps_over_a_gpu_mesh_keep_their_all_reduces_inside_the_cuda_graph():
-    """Over several GPUs the steps compile with NCCL all-reduces captured in the step's graph;
-    on one device, or on CPUs, with XLA's defaults."""
-    from types import SimpleNamespace
-
-    from tangram_jax.engine.tensor_parallel import Placement
-
-    def placement(n, platform):
-        p = Placement.__new__(Placement)
-        p.devices, p.tp = [SimpleNamespace(platform=platform)] * n, n
-        return p
-
-    options = placement(2, "gpu").compiler_options
-    assert options["xla_gpu_enable_command_buffer"] == "+COLLECTIVES"
-    assert options["xla_gpu_unsupported_use_all_reduce_one_shot_kernel"] == "false"
-    assert placement(1, "gpu").compiler_options is None
-    assert placement(2, "cpu").compiler_options is None
