@@ -184,7 +184,9 @@ class Engine(RequestIntake):
             else:
                 compiled = self.runner.compile_steps(pages, max(buckets), cfg.max_prefill_rows,
                                                      on_lowered=self._steps_lowered).values()
-            return max(memory.step_peak_bytes(c) for c in compiled)
+            # The room the pool leaves for steps: background compiles are held to it.
+            self.runner.step_peak_budget = max(memory.step_peak_bytes(c) for c in compiled)
+            return self.runner.step_peak_budget
 
         if fixed:
             pages = rc.num_pages

@@ -211,3 +211,29 @@ def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_com
     assert compiles == []
     assert own[0] == covering[0]
     np.testing.assert_allclose(own[1], covering[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("room", [512, 511], ids=["fits", "too-large"])
+def test_a_background_program_is_held_to_the_room_the_pool_left(tmp_path, monkeypatch, request,
+                                                                room):
+    """A program compiled in the background may need more than the program it stands in for
+    (8B: a narrower prefill 512 bytes more), as long as it fits the room the engine left
+    beside the pool (`step_peak_budget`, the largest warm-up program's peak); one that does not
+    fit is refused and its calls keep the covering program."""
+    from tangram_jax.engine import step_compiler
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    gate = _hold_background_compiles(monkeypatch, request)
+    engine = Engine(tiny_engine_config(folder, "tangram", warmup=True, compile_cache_dir="off",
+                                       max_num_seqs=2, decode_buckets=(1, 2),
+                                       max_model_len=512, page_size=4))
+    runner = engine.runner
+    assert runner._ready_decode_bucket(1) == 2
+    warm = {id(c) for c in runner._compiled.values()}
+    # Every program compiled after warm-up needs 512 bytes more than any warm-up program.
+    monkeypatch.setattr(step_compiler, "step_peak_bytes",
+                        lambda compiled: 1000 + (0 if id(compiled) in warm else 512))
+    runner.step_peak_budget = 1000 + room
+    gate.set()
+    assert engine.wait_for_compiles(120) == (room == 512)
+    assert runner._ready_decode_bucket(1) == (1 if room == 512 else 2)
