@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 import time
 import warnings
 
@@ -59,6 +60,16 @@ def _scatter(pool, ids, rows):
 
 # The most bytes of pages one copy moves (per tier, K and V together).
 CHUNK_BYTES = 256 << 20
+# Page-locking ahead waits for the engine to be this long without a request, polling this often.
+IDLE_SECONDS, IDLE_POLL_SECONDS = 0.2, 0.02
+
+
+def _wait_until(idle: Callable[[], bool]) -> None:
+    """Return once `idle()` has been true for `IDLE_SECONDS` without a break."""
+    quiet = 0.0
+    while quiet < IDLE_SECONDS:
+        quiet = quiet + IDLE_POLL_SECONDS if idle() else 0.0
+        time.sleep(IDLE_POLL_SECONDS)
 
 
 def _padded(n: int) -> int:
@@ -158,17 +169,22 @@ class HostKVTier:
             chunks.append((len(part), rows))
         return chunks
 
-    def pin_host_memory(self, nbytes: int, *, platforms=("gpu",), wait: bool = False):
+    def pin_host_memory(self, nbytes: int, *, platforms=("gpu",), wait: bool = False,
+                        idle: Callable[[], bool] = lambda: True):
         """Grow XLA's page-locked host pool by about `nbytes` (a device's share each) in a
         background thread, so that swaps never wait for it: the pool grows on demand, and
         page-locking fresh host memory runs at ~2 GB/s inside the allocation, on the step loop
         (the first copy out of a 13 GB session held it 6.4 s on an H200). Freed memory stays in
         the pool. Only on devices of `platforms` (XLA page-locks the host memory of GPUs).
         Returns the thread, or None where nothing is to be pinned; `wait` joins it.
-        The engine starts it once it is ready: the pool grows in regions that double (256 MiB
-        ... 16 GiB), other CUDA calls wait while one is page-locked, and a thread waiting in
-        a device_put holds Python's lock, so a build beside it stood still for 0.1 ... 4.8 s
-        at a time (an 8B warm start: 21-23 s to the first token beside it, 12.7 s without)."""
+        The engine starts it once it is ready, and each chunk waits until `idle()` has held
+        for `IDLE_SECONDS` (the engine: no request in it): the pool grows in regions that
+        double (256 MiB ... 16 GiB), other CUDA calls wait while one is page-locked (8 GiB:
+        ~4 s), and a thread waiting in a device_put holds Python's lock, so a build beside it
+        stood still for 0.1 ... 4.8 s at a time (an 8B warm start: 21-23 s to the first token
+        beside it, 12.7 s without), and a first request sent as the engine became ready waited
+        4.0-4.7 s for its first token. What is not pinned ahead grows inside the copies that
+        need it."""
         devices = sorted(self.sharding.device_set, key=lambda d: d.id)
         if (self.host_sharding is None or nbytes <= 0
                 or not all(d.platform in platforms for d in devices)):
@@ -185,6 +201,7 @@ class HostKVTier:
                 held = []
                 try:
                     while len(held) * block.nbytes < share:
+                        _wait_until(idle)
                         held.append(jax.block_until_ready(jax.device_put(block, target)))
                 except jax.errors.JaxRuntimeError:   # the pool's cap: as far as it goes
                     pass

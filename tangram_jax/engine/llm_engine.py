@@ -258,9 +258,10 @@ class Engine(RequestIntake):
             "warmup": 0.0}
         if warm:
             self.warmup()
-        # Page-lock the host tier's memory once the engine is ready, not beside the build
-        # (`pin_host_memory` says why).
-        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes)
+        # Page-lock the host tier's memory once the engine is ready, not beside the build, and
+        # only while no request is in it (`pin_host_memory` says why).
+        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes,
+                                              idle=lambda: not self._requests)
         self.startup_seconds["total"] = time.perf_counter() - started
 
     def _steps_lowered(self) -> None:

@@ -362,3 +362,24 @@ def test_host_memory_is_pinned_ahead_of_the_swaps(monkeypatch):
     thread = tier.pin_host_memory((5 << 20) + 1, platforms=("cpu",), wait=True)
     assert not thread.is_alive() and tier.pinned_bytes == 6 << 20
     assert tier.pin_seconds is not None and tier.num_copies == 0
+
+
+def test_host_memory_is_pinned_only_while_the_engine_is_idle(monkeypatch):
+    """Each chunk waits until the engine has been without a request for `IDLE_SECONDS` (the
+    page-locking holds CUDA calls, a first request's too): nothing is pinned while it is busy,
+    and the pinning goes on once it is idle again."""
+    import threading
+    import time
+
+    from tangram_jax.engine import host_offload
+    monkeypatch.setattr(host_offload, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(host_offload, "IDLE_SECONDS", 0.05)
+    tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    busy = threading.Event()
+    busy.set()
+    thread = tier.pin_host_memory(3 << 20, platforms=("cpu",), idle=lambda: not busy.is_set())
+    time.sleep(0.3)
+    assert thread.is_alive() and tier.pinned_bytes == 0 and tier.pin_seconds is None
+    busy.clear()
+    thread.join(10)
+    assert not thread.is_alive() and tier.pinned_bytes == 3 << 20
