@@ -35,7 +35,9 @@ chunk. `--kv-gib` with several sizes sweeps the pool (`eviction_onset`, `plot_sw
 ending in ``/recompute`` serves without the host-memory tier (`RECOMPUTE`; the report compares
 it with the same configuration offloading). With ``--data-parallel-size N`` each configuration
 runs N replicas, each with the pool, its sessions staying on one replica
-(`replicas.ReplicaAdapter`); rows then list each replica's share (`replicas`).
+(`replicas.ReplicaAdapter`); rows then list each replica's share (`replicas`). `--merge` joins
+runs that differ only in their parallel sizes as rows named ``tangram@tp2`` / ``tangram@dp2``,
+each compared with the same configuration on one device (`merge_reports`).
 """
 
 from __future__ import annotations
