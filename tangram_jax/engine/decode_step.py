@@ -28,7 +28,8 @@ from tangram_jax.pallas_kernels.decode_pools import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
                                                   uniform_split_map)
 from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, neutral_adjust,
-                                  record_tokens, sample_tokens, step_keys, token_logprobs)
+                                  pack_rows, record_tokens, sample_tokens, step_keys,
+                                  token_logprobs, unpack_rows)
 
 
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
@@ -168,9 +169,8 @@ class DecodeSteps:
         adjust = neutral_adjust(bucket) if adjust is None else adjust
         args = (*self.weight_args, k_pages, v_pages, self.slot_state,
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
-                np.asarray(lengths, np.int32), np.asarray(temperature, np.float32),
-                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-                np.asarray(seeds, np.uint32), np.asarray(steps, np.int32), forced, adjust)
+                np.asarray(lengths, np.int32),
+                pack_rows(temperature, top_k, top_p, seeds, steps, forced, adjust))
         return args, dict(split_map=split_map, logprobs=logprobs,
                           table_width=self._table_width(int(np.max(lengths, initial=0)) + 1,
                                                         prefill=False))
@@ -190,9 +190,9 @@ class DecodeSteps:
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_state, positions,
-                     all_tables, slots, lengths, temperature, top_k, top_p, seeds, steps, forced,
-                     adjust, *, split_map, logprobs, table_width):
+                     all_tables, slots, lengths, rows, *, split_map, logprobs, table_width):
         state, layer_states = self._weight_trees(state, layer_states)
+        temperature, top_k, top_p, seeds, steps, forced, adjust = unpack_rows(rows)
         model = nnx.merge(self.graphdef, state)
         tokens = slot_state.tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
@@ -268,10 +268,10 @@ class DecodeSteps:
         (`_prefill_args`, `_decode_call`) over the same pool."""
         (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
          tables, row_slots, hist, keep, items, held_protected, turn_hist, view_skip) = prefill_args
-        (_, _, _, _, slot_state, d_positions, _, d_slots, d_lengths, *sampling) = decode_args
+        (_, _, _, _, slot_state, d_positions, _, d_slots, d_lengths, d_rows) = decode_args
         return ((state, layer_states, k_pages, v_pages, slot_state, tables, flat, positions,
                  row_starts, lens, protected, row_slots, hist, keep, items, held_protected,
-                 turn_hist, view_skip, d_positions, d_slots, d_lengths, *sampling),
+                 turn_hist, view_skip, d_positions, d_slots, d_lengths, d_rows),
                 dict(table_width=prefill_static["table_width"],
                      region_pages=prefill_static["region_pages"],
                      logprobs=decode_static["logprobs"]))
@@ -279,8 +279,7 @@ class DecodeSteps:
     def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_state, all_tables,
                     tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
                     keep_counts, work_items, held_protected, turn_hist, view_skip, d_positions,
-                    d_slots, d_lengths, temperature, top_k, top_p, seeds, steps, forced, adjust, *,
-                    table_width, region_pages, logprobs):
+                    d_slots, d_lengths, d_rows, *, table_width, region_pages, logprobs):
         """A prefill call (`_prefill_impl`'s inputs, N flat tokens) and a decode step
         (`_decode_impl`'s, B rows) in one forward: per layer the projections of all N + B
         tokens in one matmul, the decode rows' attention (their token appended to the pool
@@ -295,6 +294,7 @@ class DecodeSteps:
         Their pages are disjoint (distinct sequences), but the order matters to XLA: a read
         before a write of the same buffer in one loop iteration makes it copy the pool."""
         state, layer_states = self._weight_trees(state, layer_states)
+        temperature, top_k, top_p, seeds, steps, forced, adjust = unpack_rows(d_rows)
         model = nnx.merge(self.graphdef, state)
         rows, n = row_starts.shape[0], tokens.shape[0]
         planned = self.plans_prefill_writes

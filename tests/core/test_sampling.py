@@ -173,3 +173,30 @@ def test_stop_token_ids_eos_and_ignore_eos():
 def test_max_tokens_length_finish():
     chk, pieces = _run("abcdef", SamplingParams(max_tokens=4))
     assert chk.finish_reason == "length" and chk.text == "abcd" and len(chk.token_ids) == 4
+
+
+def test_a_steps_sampling_rows_travel_as_one_array_and_come_back_bit_for_bit():
+    """`pack_rows` puts a step's eleven per-row sampling arrays into one int32 array (one copy
+    to the device); `unpack_rows`, inside a jitted step, gives back each array with its dtype
+    and every bit (NaN payloads, -0.0, seeds above 2**31, the min_tokens flags)."""
+    import jax
+    import numpy as np
+
+    from tangram_jax.sampling import LogitsAdjust, pack_rows, unpack_rows
+
+    temperature = np.array([0.0, 0.7, -0.0], np.float32)
+    top_k, top_p = np.array([-1, 50, 1], np.int32), np.array([1.0, 0.9, 1e-7], np.float32)
+    seeds, steps = np.array([0, 2**32 - 1, 2**31], np.uint32), np.array([0, 7, 2**30], np.int32)
+    forced = np.array([-1, 3, 49151], np.int32)
+    adjust = LogitsAdjust(np.array([0, 0.5, np.nan], np.float32), np.zeros(3, np.float32),
+                          np.array([1, 1.3, 2], np.float32), np.array([0, 0.05, 1], np.float32),
+                          np.array([False, True, False]))
+    packed = pack_rows(temperature, top_k, top_p, seeds, steps, forced, adjust)
+    assert packed.dtype == np.int32 and packed.shape == (11, 3)
+    back = jax.jit(unpack_rows)(packed)
+    want = (temperature, top_k, top_p, seeds, steps, forced, *adjust)
+    got = (*back[:6], *back[6])
+    for w, g in zip(want, got):
+        g = np.asarray(g)
+        assert g.dtype == w.dtype
+        assert g.tobytes() == w.tobytes()
