@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import numpy as np
