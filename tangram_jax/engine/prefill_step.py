@@ -309,7 +309,6 @@ class PrefillSteps:
         chunk = self.layout.chunk_size
         whole_rows = self.prefill_whole_rows
         group_size = self.base_layout.group_size // self.placement.tp   # heads of a group here
-        num_pages = k_pages.shape[0]
         tiered = self.tiers is not None
 
         def attend(q, k, v, k_pages, v_pages, tables, write_tables, hist, view_hist, turn_hist,
@@ -340,7 +339,7 @@ class PrefillSteps:
                     k_pages, v_pages = self._write_rows(
                         jax.lax.dynamic_slice_in_dim(k_flat, row_starts[b], n),
                         jax.lax.dynamic_slice_in_dim(v_flat, row_starts[b], n), dest,
-                        k_pages, v_pages, write_tables[b], plans, num_pages)
+                        k_pages, v_pages, write_tables[b], plans)
                 kept = jnp.broadcast_to(row_lens[:, None], hist.shape)
                 return out, k_pages, v_pages, kept, plans, []
             # One compression chunk per row: score, select, write.
@@ -380,7 +379,7 @@ class PrefillSteps:
                     dest = chunk_destinations(scores, keep_b, row_lens[b], hist[b], group_size)
                     k_src, v_src = k_row, v_row
                 k_pages, v_pages = self._write_rows(k_src, v_src, dest, k_pages, v_pages,
-                                                    write_tables[b], plans, num_pages)
+                                                    write_tables[b], plans)
                 kept.append(keep_b)
             return out, k_pages, v_pages, jnp.stack(kept), plans, questions
 
@@ -447,16 +446,15 @@ class PrefillSteps:
         lp = token_logprobs(model.logits(h)[0], jnp.maximum(targets, 0), full=False)
         return *pool, logits, per_layer(kept), lp
 
-    def _write_rows(self, k_src, v_src, dest, k_pages, v_pages, table, plans: list,
-                    num_pages: int) -> tuple:
+    def _write_rows(self, k_src, v_src, dest, k_pages, v_pages, table, plans: list) -> tuple:
         """Rows of k_src, v_src [S, heads, d] into the slots `dest` [heads, S] gives (-1: none)
-        of a pool of `num_pages` pages: now (the kernel), or where `plans_prefill_writes`
+        of the pool: now (the kernel), or where `plans_prefill_writes`
         planned for after the step (then `table` is the row's whole table of this layer and
         `plans` collects the plan). Returns (k_pages, v_pages)."""
         page_size = self.layout.page_size
         if self.plans_prefill_writes:
             plans.append(self.ops.plan_writes(
-                k_src, v_src, dest, num_pages, page_size,
+                k_src, v_src, dest, k_pages.shape[0], page_size,
                 self.base_layout.group_size // self.placement.tp, table))
             return k_pages, v_pages
         return self.ops.write_chunk(k_src, v_src, dest, k_pages, v_pages, table,

@@ -121,7 +121,6 @@ class TurnCompaction:
         (`_turn_question`, the row's K/V [layers, T, heads, d]); row_lens, num_protected,
         held_protected [rows]. Returns (k_pages, v_pages, plans stacked over the layers: the
         writes where they are planned, else [])."""
-        num_pages = k_pages.shape[0]
         page_size = self.layout.page_size
         rows = len(questions)
 
@@ -138,7 +137,7 @@ class TurnCompaction:
                         held_protected[b], region_pages),
                     lambda: _nothing_written(k_row, v_row, region_pages, page_size))
                 k_pages, v_pages = self._write_rows(k_src, v_src, dest, k_pages, v_pages,
-                                                    write_tables[b], plans, num_pages)
+                                                    write_tables[b], plans)
             return k_pages, v_pages, plans
 
         compact = self.placement.per_device(
