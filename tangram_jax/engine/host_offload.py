@@ -64,12 +64,33 @@ CHUNK_BYTES = 256 << 20
 IDLE_SECONDS, IDLE_POLL_SECONDS = 0.2, 0.02
 
 
-def _wait_until(idle: Callable[[], bool]) -> None:
-    """Return once `idle()` has been true for `IDLE_SECONDS` without a break."""
+def _wait_until(idle: Callable[[], bool], stop: threading.Event) -> bool:
+    """Return True once `idle()` has been true for `IDLE_SECONDS` without a break, False as
+    soon as `stop` is set."""
     quiet = 0.0
     while quiet < IDLE_SECONDS:
+        if stop.wait(IDLE_POLL_SECONDS):
+            return False
         quiet = quiet + IDLE_POLL_SECONDS if idle() else 0.0
-        time.sleep(IDLE_POLL_SECONDS)
+    return True
+
+
+# Every pinning thread still running, with its stop event. A process that exits stops them
+# between chunks and waits for the chunk in flight: a daemon thread left inside XLA's
+# page-locking while the interpreter shuts down aborts the process ("FATAL: exception not
+# rethrown", rc -6: an 8B engine that exited right after its first token, H200).
+_PINNING: dict[threading.Thread, threading.Event] = {}
+PIN_EXIT_WAIT_SECONDS = 30.0
+
+
+def _stop_pinning() -> None:
+    for thread, stop in list(_PINNING.items()):
+        stop.set()
+        thread.join(PIN_EXIT_WAIT_SECONDS)
+
+
+# Runs before the interpreter's shutdown reaches daemon threads.
+getattr(threading, "_register_atexit", lambda f: None)(_stop_pinning)
 
 
 def _padded(n: int) -> int:
@@ -177,39 +198,50 @@ class HostKVTier:
         (the first copy out of a 13 GB session held it 6.4 s on an H200). Freed memory stays in
         the pool. Only on devices of `platforms` (XLA page-locks the host memory of GPUs).
         Returns the thread, or None where nothing is to be pinned; `wait` joins it.
-        The engine starts it once it is ready, and each chunk waits until `idle()` has held
-        for `IDLE_SECONDS` (the engine: no request in it): the pool grows in regions that
+        The engine starts it once it is ready, and it pins a chunk only while `idle()` holds
+        (the engine: no request in it), after `IDLE_SECONDS` of it wherever it was broken:
+        the pool grows in regions that
         double (256 MiB ... 16 GiB), other CUDA calls wait while one is page-locked (8 GiB:
         ~4 s), and a thread waiting in a device_put holds Python's lock, so a build beside it
         stood still for 0.1 ... 4.8 s at a time (an 8B warm start: 21-23 s to the first token
         beside it, 12.7 s without), and a first request sent as the engine became ready waited
         4.0-4.7 s for its first token. What is not pinned ahead grows inside the copies that
-        need it."""
+        need it. A process that exits stops it after the chunk in flight."""
         devices = sorted(self.sharding.device_set, key=lambda d: d.id)
         if (self.host_sharding is None or nbytes <= 0
                 or not all(d.platform in platforms for d in devices)):
             return None
         share = min(nbytes // len(devices), pinned_pool_limit_bytes() - (1 << 30))
 
+        stop = threading.Event()
+
         def grow() -> None:
             t0 = time.perf_counter()
-            for device in devices:
-                target = pinned_host_sharding(jax.sharding.SingleDeviceSharding(device))
-                # From host memory: a device buffer would take device memory while the pool
-                # is being sized.
-                block = np.zeros(min(CHUNK_BYTES, share), np.uint8)
-                held = []
-                try:
-                    while len(held) * block.nbytes < share:
-                        _wait_until(idle)
-                        held.append(jax.block_until_ready(jax.device_put(block, target)))
-                except jax.errors.JaxRuntimeError:   # the pool's cap: as far as it goes
-                    pass
-                self.pinned_bytes += len(held) * block.nbytes
-                del held   # back to the pool, which keeps the memory page-locked
-            self.pin_seconds = time.perf_counter() - t0
+            try:
+                for device in devices:
+                    target = pinned_host_sharding(jax.sharding.SingleDeviceSharding(device))
+                    # From host memory: a device buffer would take device memory while the
+                    # pool is being sized.
+                    block = np.zeros(min(CHUNK_BYTES, share), np.uint8)
+                    held, quiet = [], False
+                    try:
+                        while len(held) * block.nbytes < share:
+                            quiet = quiet and idle() or _wait_until(idle, stop)
+                            if stop.is_set():
+                                break
+                            held.append(jax.block_until_ready(jax.device_put(block, target)))
+                    except jax.errors.JaxRuntimeError:   # the pool's cap: as far as it goes
+                        pass
+                    self.pinned_bytes += len(held) * block.nbytes
+                    del held   # back to the pool, which keeps the memory page-locked
+                    if stop.is_set():
+                        return
+                self.pin_seconds = time.perf_counter() - t0
+            finally:
+                _PINNING.pop(threading.current_thread(), None)
 
         thread = threading.Thread(target=grow, name="pin-host-kv", daemon=True)
+        _PINNING[thread] = stop
         thread.start()
         if wait:
             thread.join()

@@ -184,7 +184,8 @@ class Engine(RequestIntake):
             else:
                 compiled = self.runner.compile_steps(pages, max(buckets), cfg.max_prefill_rows,
                                                      on_lowered=self._steps_lowered).values()
-            # The room the pool leaves for steps: background compiles are held to it.
+            # Until the pool is sized, the room it leaves for steps is this peak (background
+            # compiles are held to `step_peak_budget`).
             self.runner.step_peak_budget = max(memory.step_peak_bytes(c) for c in compiled)
             return self.runner.step_peak_budget
 
@@ -198,9 +199,12 @@ class Engine(RequestIntake):
                     raise EngineConfigError(str(e)) from None
             if device_memory is not None:   # before the pool exists: refused, not OOM later
                 try:
-                    memory.check_fixed_pool_fits(self.runner, self.device, cfg, pool, pages,
-                                                 step_peak, allocator,
-                                                 weights_loaded=self._weights_loaded)
+                    # The room the pool leaves for steps, which a background compile may use
+                    # (a narrower program can need a few hundred bytes more than the largest
+                    # warm-up program: 512 bytes at the 8B shape).
+                    self.runner.step_peak_budget = memory.check_fixed_pool_fits(
+                        self.runner, self.device, cfg, pool, pages, step_peak, allocator,
+                        weights_loaded=self._weights_loaded)
                 except ValueError as e:
                     raise EngineConfigError(str(e)) from None
             self.runner.allocate_pool(pages)
@@ -210,6 +214,7 @@ class Engine(RequestIntake):
             self.memory_plan = memory.size_pool(self.device, cfg, pool, step_peak,
                                                 allocator.fraction, in_use_bytes=in_use,
                                                 weights_loaded=self._weights_loaded)
+            self.runner.step_peak_budget = self.memory_plan.step_room_bytes   # as above
             self.runner.allocate_pool(self.memory_plan.num_pages)
         self._weights_loaded()
         if chat_template is not None:

@@ -163,6 +163,13 @@ class PoolPlan:
     def pool_bytes(self) -> int:
         return int(np.dot(np.atleast_1d(self.num_pages), np.atleast_1d(self.page_bytes)))
 
+    @property
+    def step_room_bytes(self) -> int:
+        """What the budget leaves the steps beside the pool, the weights and the headroom:
+        at least `step_peak_bytes` (more where the pool kept its provisional size)."""
+        return (self.budget_bytes - self.in_use_bytes - self.pool_bytes
+                - self.headroom_bytes)
+
     def describe(self, tokens: int | None = None) -> str:
         held = f"{tokens:,} full-KV tokens, " if tokens is not None else ""
         pages = int(np.sum(self.num_pages))
@@ -297,8 +304,9 @@ FIT_SLACK_BYTES = 16 << 20
 
 def check_fixed_pool(memory: DeviceMemory, pool: TieredPool, pages, step_peak_bytes: int, *,
                      setting: str, tokens_of: Callable[[object], int],
-                     note: str = "", headroom_bytes: int | None = None) -> None:
-    """Raise ValueError unless a pool the user fixed (`setting`, e.g. "kv_cache_tokens=380000")
+                     note: str = "", headroom_bytes: int | None = None) -> int:
+    """The bytes the steps have beside the pool, what is in use and the headroom (at least
+    `step_peak_bytes`); raise ValueError unless a pool the user fixed (`setting`, e.g. "kv_cache_tokens=380000")
     of `pages` fits under the allocator's cap in force beside what is in use (the weights), the
     largest step's temporary bytes and the headroom; the message names those figures and the
     largest pool that fits (as kv_cache_memory_bytes, num_pages and `tokens_of` full-KV
@@ -308,7 +316,7 @@ def check_fixed_pool(memory: DeviceMemory, pool: TieredPool, pages, step_peak_by
         headroom_bytes = default_headroom(limit)
     need = pool.bytes_of(pages) + memory.bytes_in_use + step_peak_bytes + headroom_bytes
     if need <= limit:
-        return
+        return limit - need + step_peak_bytes
     # The pool named as fitting leaves `FIT_SLACK_BYTES` spare: what is in use moves by the
     # time the user builds again (a GPU run built an engine of exactly the named size and found
     # ~0.1 MB more in use than when it was named).
@@ -384,8 +392,9 @@ def size_pool(device, cfg, pool: TieredPool, step_peak: Callable[[object], int],
 
 def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages,
                           step_peak: Callable[[object], int], allocator: AllocatorSetup, *,
-                          weights_loaded: Callable[[], None] = lambda: None) -> None:
-    """Refuse (ValueError) a pool the user fixed that cannot fit under the allocator's cap in
+                          weights_loaded: Callable[[], None] = lambda: None) -> int:
+    """The bytes the steps have beside a pool the user fixed (`check_fixed_pool`); refuse
+    (ValueError) a pool the user fixed that cannot fit under the allocator's cap in
     force beside the weights and the steps' peak (`step_peak(pages)`: compiled here for that
     pool, as warm-up would: the executables are reused), naming the figures and what would
     fit. `weights_loaded()` waits for weights still loading before the allocator is read."""
@@ -395,7 +404,7 @@ def check_fixed_pool_fits(runner, device, cfg, pool: TieredPool, pages,
     setting = next(f"{name}={getattr(cfg, name)}" for name in
                    ("num_pages", "kv_cache_tokens", "kv_cache_memory_bytes")
                    if getattr(cfg, name) is not None)
-    check_fixed_pool(now, pool, pages, peak, setting=setting,
+    return check_fixed_pool(now, pool, pages, peak, setting=setting,
                      tokens_of=lambda pages: full_kv_tokens(runner, pages),
                      note=f": {allocator.note}" if allocator.note else "")
 

@@ -298,8 +298,9 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         self._background_jobs: dict = {}
         self._compiling: dict = {}
         self._covered_by: dict = {}
-        # The step peak the engine left room for beside the pool (the largest warm-up
-        # program's, `memory.step_peak_bytes`); None: none set (no memory plan).
+        # The bytes the engine left the steps beside the pool (`memory.PoolPlan.
+        # step_room_bytes`; before the pool is sized, the largest warm-up program's peak);
+        # None: none set (no memory plan).
         self.step_peak_budget: int | None = None
         self.k_pages = self.v_pages = None
         if num_pages is not None:

@@ -184,8 +184,8 @@ class StepCompilation:
         Its values of the fields it is covered in (`WarmupProgram.covered_by`: a region width,
         a decode bucket, a prefill token bucket) stay out of serving's choice (`_ready`) until
         every program queued for that value and pool size is compiled and needs no more memory
-        beside the pool than the engine left room for (`step_peak_budget`, the largest warm-up
-        program's peak; without one, its covering program's); a program that fails or needs
+        beside the pool than the engine left room for (`step_peak_budget`; without one, its
+        covering program's peak); a program that fails or needs
         more is logged and that value is never used."""
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(

@@ -5,6 +5,8 @@ gives the same greedy tokens as the same session never evicted, in every mode an
 host room it falls back to recompute and is still right; every device page and host byte comes
 back at the end."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -383,3 +385,62 @@ def test_host_memory_is_pinned_only_while_the_engine_is_idle(monkeypatch):
     busy.clear()
     thread.join(10)
     assert not thread.is_alive() and tier.pinned_bytes == 3 << 20
+
+
+def test_pinning_stops_when_the_process_exits(monkeypatch):
+    """The exit hook (`_stop_pinning`, run by threading before the interpreter reaches daemon
+    threads) stops a pinning thread between chunks, whether it is waiting for the engine to go
+    idle or pinning: a thread left inside XLA's page-locking at shutdown aborted an 8B
+    engine's process (rc -6) that exited right after its first token."""
+    import threading
+    import time
+
+    from tangram_jax.engine import host_offload
+    monkeypatch.setattr(host_offload, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(host_offload, "IDLE_SECONDS", 0.05)
+    tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    waiting = tier.pin_host_memory(3 << 20, platforms=("cpu",), idle=lambda: False)
+    pinned = threading.Event()
+    real_put = jax.device_put
+
+    def slow_put(*args, **kwargs):   # a chunk at a time, slowly: the exit meets it mid-way
+        pinned.set()
+        time.sleep(0.05)
+        return real_put(*args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", slow_put)
+    pinning = tier.pin_host_memory(1 << 30, platforms=("cpu",))
+    assert pinned.wait(10) and waiting.is_alive() and pinning.is_alive()
+    started = time.perf_counter()
+    host_offload._stop_pinning()
+    assert time.perf_counter() - started < 5
+    assert not waiting.is_alive() and not pinning.is_alive() and not host_offload._PINNING
+    assert 0 < tier.pinned_bytes < 1 << 30 and tier.pin_seconds is None
+
+
+def test_a_process_that_exits_while_pinning_ends_cleanly(tmp_path):
+    """An engine's process that ends while its host tier is still being page-locked exits with
+    status 0, promptly."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "exit_while_pinning.py"
+    script.write_text(
+        "import jax\n"
+        "from tangram_jax.engine import host_offload\n"
+        "import time\n"
+        "put = jax.device_put\n"
+        "jax.device_put = lambda *a, **k: (time.sleep(0.01), put(*a, **k))[1]\n"
+        "host_offload.CHUNK_BYTES = 1 << 20\n"
+        "tier = host_offload.HostKVTier(jax.sharding.SingleDeviceSharding(jax.devices()[0]))\n"
+        "thread = tier.pin_host_memory(64 << 30, platforms=('cpu',))\n"
+        "assert thread.is_alive()\n"
+        "print('exiting', flush=True)\n")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                               "PYTHONPATH": os.path.dirname(os.path.dirname(
+                                   os.path.dirname(os.path.abspath(__file__))))})
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+    assert time.perf_counter() - started < 60

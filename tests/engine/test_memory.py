@@ -53,6 +53,12 @@ def test_provisional_size_is_kept_only_when_it_fits():
     plan = memory.plan_pool(mem, 0.9, GIB, memory.TieredPool.single(PAGE, 10), prefer_pages=too_big)
     assert plan.num_pages < too_big and plan.num_pages == (
         72 * GIB - 15 * GIB - GIB - memory.default_headroom(72 * GIB)) // PAGE
+    # The room the steps have beside the pool (what background compiles are held to): the
+    # peak and what the page rounding left where the pool was shrunk to fit, all the spare
+    # budget where the smaller provisional pool was kept.
+    assert GIB <= plan.step_room_bytes < GIB + PAGE
+    assert fits.step_room_bytes == (72 * GIB - 15 * GIB - 1000 * PAGE
+                                    - memory.default_headroom(72 * GIB))
 
 
 def test_no_room_for_the_pool_is_one_clear_error():
@@ -268,6 +274,9 @@ def test_with_warm_up_the_pool_is_sized_from_every_program_compiled_once(monkeyp
     provisional = (plan.budget_bytes - in_use - memory.step_reserve(plan.budget_bytes)) \
         // engine.runner.kv_bytes_per_page
     assert plan.num_pages == provisional   # kept: the peak fits in the reserve
+    # Background compiles are held to the room the kept pool left, not to the largest
+    # warm-up program's peak (a narrower program may need a few hundred bytes more).
+    assert engine.runner.step_peak_budget == plan.step_room_bytes > plan.step_peak_bytes
     assert engine.wait_for_compiles(120)   # what warm-up left to the background thread
     log = engine.runner.compile_log
     warm_up_programs = engine.runner.warmup_programs(**engine._warmup_arguments(
@@ -323,6 +332,7 @@ def test_a_fixed_pool_over_the_cap_is_refused_at_build_naming_what_fits(monkeypa
                                             kv_cache_memory_bytes=fit["kv_cache_memory_bytes"]))
     pool = engine.kv_pool()
     assert pool["bytes"] == fit["kv_cache_memory_bytes"] and engine.memory_plan is None
+    assert engine.runner.step_peak_budget > 0   # what the fixed pool left the steps
     assert pool["num_pages"] == fit["num_pages"]
     assert pool["full_kv_tokens"] == fit["kv_cache_tokens"]
     assert pool["bytes"] + 50 * mib <= 256 * mib
@@ -335,8 +345,11 @@ def test_fixed_pool_check_arithmetic():
     mem = fake(60, 15, 0.75)
     tokens_of = lambda pages: (pages - 1) * 16   # noqa: E731
     fits = (60 * GIB - 15 * GIB - 2 * GIB - GIB // 2) // PAGE
-    memory.check_fixed_pool(mem, pool, fits, 2 * GIB, setting="num_pages=1",
-                            tokens_of=tokens_of)   # exactly at the cap: accepted
+    # Exactly at the cap: accepted, the steps' room their peak; below it, the room grows.
+    assert memory.check_fixed_pool(mem, pool, fits, 2 * GIB, setting="num_pages=1",
+                                   tokens_of=tokens_of) == 2 * GIB
+    assert memory.check_fixed_pool(mem, pool, fits - 3, 2 * GIB, setting="num_pages=1",
+                                   tokens_of=tokens_of) == 2 * GIB + 3 * PAGE
     with pytest.raises(ValueError) as e:
         memory.check_fixed_pool(mem, pool, fits + 1, 2 * GIB, setting=f"num_pages={fits + 1}",
                                 tokens_of=tokens_of, note=": a note")
