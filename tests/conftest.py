@@ -7,6 +7,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 # of the server tests' penalty decode step from it aborted the whole test process (a fresh CI
 # machine gains nothing from the cache anyway). Subprocesses inherit it.
 os.environ.setdefault("TANGRAM_JAX_COMPILE_CACHE", "off")
+# The converted-model cache and GGUF summaries (`models/checkpoint.py`) in a folder of this
+# run, removed at its end: each test's tiny model is a new cache entry, which would otherwise
+# pile up in the user's ~/.cache/tangram_jax (957 entries on one machine). Subprocesses inherit
+# it.
+if "TANGRAM_JAX_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TANGRAM_JAX_CACHE"] = tempfile.mkdtemp(prefix="tangram-jax-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TANGRAM_JAX_CACHE"], ignore_errors=True)
 
 import jax  # noqa: E402
 

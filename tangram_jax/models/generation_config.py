@@ -108,12 +108,8 @@ def _from_hf_file(path: Path) -> dict:
 
 
 def _from_gguf(path: Path) -> dict:
-    from tangram_jax.models.gguf_loader import open_gguf
+    from tangram_jax.models.gguf_loader import gguf_summary
 
-    fields = open_gguf(path).fields
-    found = {}
-    for key, name in GGUF_SAMPLING_KEYS.items():
-        if key in fields:
-            value = fields[key].contents()
-            found[name] = int(value) if name == "top_k" else float(value)
-    return found
+    fields = gguf_summary(path)["sampling"]
+    return {name: int(fields[key]) if name == "top_k" else float(fields[key])
+            for key, name in GGUF_SAMPLING_KEYS.items() if key in fields}

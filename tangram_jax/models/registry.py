@@ -98,15 +98,10 @@ def resolve_dtype(dtype, source: Path | None) -> jnp.dtype:
 
 
 def _gguf_weight_dtype(path: Path) -> str:
-    """The dtype most of a GGUF's weight elements are stored in: "bfloat16", "float16", or
-    "float32" (also for quantized files, which are dequantized to float32)."""
-    from tangram_jax.models.gguf_loader import open_gguf
+    """The dtype most of a GGUF's weight elements are stored in (`gguf_summary`)."""
+    from tangram_jax.models.gguf_loader import gguf_summary
 
-    elements: dict[str, int] = {}
-    for t in open_gguf(path).tensors:
-        kind = {"BF16": "bfloat16", "F16": "float16"}.get(t.tensor_type.name, "float32")
-        elements[kind] = elements.get(kind, 0) + int(t.n_elements)
-    return max(elements, key=elements.get) if elements else "float32"
+    return gguf_summary(path)["weight_dtype"]
 
 
 def load_model(model: str | os.PathLike | None = None, dtype="auto",

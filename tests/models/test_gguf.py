@@ -433,3 +433,43 @@ def test_saving_over_a_complete_entry_keeps_it(tiny, tmp_path):
     checkpoint.save_entry(entry, fp, loaded.model, {"other": True}, loaded.tokenizer.backend.to_str(), {})
     assert (entry / "manifest.json").read_text() == manifest
     assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary folder left behind
+
+
+def test_a_gguf_summary_is_kept_so_a_cached_start_does_not_parse_the_file(tmp_path, monkeypatch):
+    """`gguf_summary` (weight dtype and sampling metadata, what a load reads before the
+    weights) is stored in the model cache: the next call reads it without opening the file; a
+    changed file is parsed again; an unwritable cache only costs the parse."""
+    import os
+
+    from tangram_jax.models import gguf_loader
+    from tangram_jax.models.generation_config import sampling_overrides
+    from tangram_jax.models.registry import resolve_dtype
+    monkeypatch.setenv("TANGRAM_JAX_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf", _hf_state_dict(), metadata={
+        "general.sampling.temp": 0.5, "general.sampling.top_k": 7})
+    summary = gguf_loader.gguf_summary(path)
+    assert summary["weight_dtype"] == "float32" and summary["sampling"] == {
+        "general.sampling.temp": 0.5, "general.sampling.top_k": 7}
+    assert len(list((tmp_path / "cache" / "gguf-summaries").iterdir())) == 1
+
+    def no_parse(p):
+        raise AssertionError("the file was parsed")
+
+    monkeypatch.setattr(gguf_loader, "open_gguf", no_parse)
+    assert gguf_loader.gguf_summary(path) == summary
+    assert sampling_overrides("auto", path)[0] == {"temperature": 0.5, "top_k": 7}
+    assert resolve_dtype("auto", path) == np.float32
+    os.utime(path, ns=(1, 1))   # another version of the file: parsed again
+    with pytest.raises(AssertionError, match="parsed"):
+        gguf_loader.gguf_summary(path)
+    monkeypatch.undo()
+    monkeypatch.setenv("TANGRAM_JAX_CACHE", str(tmp_path / "cache"))
+    gone = write_tiny_gguf(tmp_path / "gone.gguf", _hf_state_dict())
+    gguf_loader.gguf_summary(gone)
+    gone.unlink()
+    # The new version's summary replaces the old one's, and a deleted file's goes.
+    assert gguf_loader.gguf_summary(path) == summary
+    assert [p.name for p in (tmp_path / "cache" / "gguf-summaries").iterdir()] == [
+        next((tmp_path / "cache" / "gguf-summaries").glob("m-*.json")).name]
+    monkeypatch.setenv("TANGRAM_JAX_CACHE", str(path))   # a file: no folder can be made there
+    assert gguf_loader.gguf_summary(path) == summary
