@@ -306,8 +306,8 @@ def check_fixed_pool(memory: DeviceMemory, pool: TieredPool, pages, step_peak_by
                      setting: str, tokens_of: Callable[[object], int],
                      note: str = "", headroom_bytes: int | None = None) -> int:
     """The bytes the steps have beside the pool, what is in use and the headroom (at least
-    `step_peak_bytes`); raise ValueError unless a pool the user fixed (`setting`, e.g. "kv_cache_tokens=380000")
-    of `pages` fits under the allocator's cap in force beside what is in use (the weights), the
+    `step_peak_bytes`); raise ValueError unless a pool the user fixed (`setting`, e.g.
+    "kv_cache_tokens=380000") of `pages` fits under the allocator's cap in force beside what is in use (the weights), the
     largest step's temporary bytes and the headroom; the message names those figures and the
     largest pool that fits (as kv_cache_memory_bytes, num_pages and `tokens_of` full-KV
     tokens). `note`: why the cap is what it is (`AllocatorSetup.note`)."""
