@@ -321,9 +321,9 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
     engines = build_replicas(EngineConfig(model=model_factory, warmup=True, **fields))
     build = time.perf_counter() - t0
     # Serving speed is measured in the steady state: what warm-up left to compile in the
-    # background (`EngineConfig.background_compile`) finishes first. Beside those compiles
-    # the first seconds of serving run on covering programs and share the host's cores (8B,
-    # H200: Mid 1.93 turns/s against 2.30 once compiled); start-up has its own benchmark.
+    # background (`EngineConfig.background_compile`) finishes first, or the first seconds of
+    # serving would run on covering programs beside the compiles (start-up has its own
+    # benchmark).
     all_compiled = [e.wait_for_compiles() for e in engines]
     compile_wait = time.perf_counter() - t0 - build
     engine = engines[0]

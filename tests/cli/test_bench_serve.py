@@ -259,7 +259,7 @@ def test_recompute_configurations_are_compared_with_offload(tmp_path, monkeypatc
 def test_serving_is_measured_after_the_background_compiles(monkeypatch):
     """`serve.run_variant` waits for what warm-up left to compile in the background before
     the first workload (beside those compiles serving runs on covering programs and shares
-    the host: 8B Mid 1.93 turns/s against 2.30 once compiled), and reports the wait."""
+    the host's cores), and reports the wait."""
     from types import SimpleNamespace
 
     import tangram_jax.llm
