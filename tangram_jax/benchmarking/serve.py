@@ -433,6 +433,25 @@ def add_ratios(report: dict) -> None:
                         if mine is not None and theirs else None
 
 
+def add_baseline(report: dict, baseline: dict) -> None:
+    """`report` against the same command run from another revision (`bench serve --baseline`):
+    its results under ``baseline`` (with its revision and command) and, per configuration,
+    pool size and workload both ran, ``turns_per_s_vs_baseline`` and the follow-up TTFT p50
+    over the baseline's."""
+    theirs = {(r["variant"], _sweep_point(baseline, r), w["workload"]): w
+              for r in baseline["results"] for w in r["workloads"]}
+    for r in report["results"]:
+        for w in r["workloads"]:
+            other = theirs.get((r["variant"], _sweep_point(report, r), w["workload"]))
+            if other is None:
+                continue
+            w["turns_per_s_vs_baseline"] = w["turns_per_s"] / other["turns_per_s"]
+            mine, base = (x.get("ttft_followup_s", {}).get("p50") for x in (w, other))
+            w["ttft_followup_p50_vs_baseline"] = mine / base if mine and base else None
+    report["baseline"] = {k: baseline.get(k) for k in
+                          ("git_revision", "command", "utc_time", "device", "results")}
+
+
 # What runs merged into one report must share (`merge_reports`); of the engine settings, all
 # but the parallel sizes, which name a merged report's rows instead ("tangram@dp2").
 MERGE_KEYS = ("device", "git_revision", "jax_version", "model", "model_shape", "ratio",

@@ -14,6 +14,7 @@ through vLLM's CPU backend on the same sessions and KV bytes; one JSON and one P
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tangram_jax.commands import UsageError, add_overwrite_flag, check_output_path
@@ -119,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "invocation of the same benchmark (same device, model, pool, engine "
                         "settings and workloads: refused otherwise) and run only the others; "
                         "for runs longer than one process may take; needs --json")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="a folder holding another revision's tangram_jax package (and that "
+                        "revision in DIR/REVISION): the same command runs from it first, in "
+                        "its own process, and the report holds its results and ours over its "
+                        "(turns_per_s_vs_baseline): a before / after on one machine, e.g. "
+                        "git archive REV tangram_jax | tar -x -C DIR && echo REV > DIR/REVISION")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of running: merge these reports of runs that measured the "
                         "same thing (device, revision, model, pool, engine settings), e.g. one "
@@ -158,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--ratio must be in (0, 1], got {args.ratio}")
     if args.resume and args.json is None:
         raise UsageError("--resume needs --json: the output of the run to resume")
+    if args.baseline is not None:
+        if args.resume or args.vllm:
+            raise UsageError("--baseline runs both sides in one invocation: without --resume "
+                             "and --vllm")
+        if not os.path.isfile(os.path.join(args.baseline, "tangram_jax", "__init__.py")):
+            raise UsageError(f"--baseline {args.baseline!r} holds no tangram_jax package "
+                             f"(expected {os.path.join(args.baseline, 'tangram_jax')})")
     pools = args.kv_gib or [None]       # GiB per sweep point; [None]: --kv-cache-tokens
     if args.vllm and len(pools) > 1:
         raise UsageError(f"--vllm serves one pool; --kv-gib sweeps {len(pools)}: give one size")
@@ -240,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     def save():
         write_result(out, "serve", report, ["tangram-jax bench serve", *(argv or sys.argv[1:])])
 
+    if args.baseline is not None:   # first, as in the startup benchmark's A/B
+        baseline = _run_baseline(args.baseline, argv if argv is not None else sys.argv[1:],
+                                 out)
     done = set()
     if args.resume and out.exists():
         earlier = _resumable(out, report)
@@ -276,6 +293,14 @@ def main(argv: list[str] | None = None) -> int:
             fields["max_model_len"], args.vllm_python or serve.VLLM_PYTHON))
         save()
     serve.add_ratios(report)
+    if args.baseline is not None:
+        serve.add_baseline(report, baseline)
+        for r in report["results"]:
+            for w in r["workloads"]:
+                if "turns_per_s_vs_baseline" in w:
+                    print(f"{r['variant']} {w['workload']}: {w['turns_per_s']:.3f} turns/s, "
+                          f"{w['turns_per_s_vs_baseline']:.3f}x the baseline's "
+                          f"({baseline.get('git_revision')})")
     if len(pools) > 1:
         report["eviction_onset"] = serve.eviction_onset(report)
     save()
@@ -284,6 +309,47 @@ def main(argv: list[str] | None = None) -> int:
     finish(run)
     print(f"wrote {out} and {plot_path}")
     return 0
+
+
+# Our own outputs, left out of the command the baseline runs (it writes to a file of ours).
+_OUTPUT_FLAGS = ("--baseline", "--json", "--plot")
+
+
+def _run_baseline(folder: str, argv: list[str], out) -> dict:
+    """Run `argv` (this invocation's, less `_OUTPUT_FLAGS` and --overwrite) as `bench serve`
+    from the package in `folder` (first on its path, in its own process, `GIT_REV` from
+    folder/REVISION) and return its report; a failure raises UsageError with its last lines."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    command, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _OUTPUT_FLAGS:
+            skip = True
+        elif a != "--overwrite" and not a.startswith(tuple(f + "=" for f in _OUTPUT_FLAGS)):
+            command.append(a)
+    root = Path(folder).resolve()
+    revision = root / "REVISION"
+    target = Path(out).with_name(Path(out).stem + ".baseline.json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if revision.is_file():
+        env["GIT_REV"] = revision.read_text().strip()
+    print(f"baseline: bench serve from {root} ({env.get('GIT_REV', 'revision unknown')})",
+          flush=True)
+    target.unlink(missing_ok=True)   # a file of ours (older revisions have no --overwrite)
+    done = subprocess.run([sys.executable, "-m", "tangram_jax.cli", "bench", "serve", "--",
+                           *command, "--json", str(target)], cwd=root, env=env)
+    if done.returncode != 0 or not target.is_file():
+        raise UsageError(f"--baseline: bench serve from {root} failed (exit status "
+                         f"{done.returncode}); its output is above")
+    report = json.loads(target.read_text())
+    target.unlink()
+    target.with_suffix(".png").unlink(missing_ok=True)
+    return report
 
 
 def _merge(args, argv: list[str] | None) -> int:

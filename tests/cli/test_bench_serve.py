@@ -285,3 +285,59 @@ def test_serving_is_measured_after_the_background_compiles(monkeypatch):
     (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None)
     assert events == ["compiled", "served"]
     assert row["background_compiles_ok"] and row["background_compile_wait_seconds"] >= 0
+
+
+def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, capsys):
+    """`--baseline DIR`: the same command (less our outputs) runs first from DIR's package in
+    its own process, with DIR/REVISION as its revision; the report keeps its results and ours
+    over its. The baseline here is a stand-in package whose `bench serve` writes a report."""
+    import json
+    import textwrap
+
+    from tangram_jax.benchmarking import serve
+    from tangram_jax.commands import UsageError, bench_serve
+    base = tmp_path / "base"
+    (base / "tangram_jax").mkdir(parents=True)
+    (base / "tangram_jax" / "__init__.py").write_text("")
+    (base / "tangram_jax" / "cli.py").write_text(textwrap.dedent("""
+        import json, os, sys
+        args = sys.argv[1:]
+        out = args[args.index("--json") + 1]
+        json.dump({"git_revision": os.environ["GIT_REV"], "command": args, "results": [
+            {"variant": "tangram", "workloads": [{"workload": "mid", "turns_per_s": 2.0,
+                                                  "ttft_followup_s": {"p50": 0.1}}]}]},
+                  open(out, "w"))
+    """))
+    (base / "REVISION").write_text("abc1234\n")
+
+    def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
+                         profile_seed, limits):
+        rows = [{"workload": "mid", "turns_per_s": 1.5, "output_tokens_per_s": 1.0,
+                 "seconds": 1.0, "evictions": 0, "ttft_first_s": {"p50": 0.1, "p99": 0.2},
+                 "ttft_followup_s": {"p50": 0.2, "p99": 0.3}, "tpot_followup_s": {"p50": 0.01}}]
+        yield {"variant": variant, "workloads": rows}
+
+    monkeypatch.setattr(serve, "run_variant", fake_run_variant)
+    out = tmp_path / "ab.json"
+    assert bench_serve.main(["--model", "random-tiny", "--variants", "tangram", "--classes",
+                             "mid", "--sessions", "2", "--kv-cache-tokens", "5000",
+                             "--baseline", str(base), "--json", str(out), "--overwrite"]) == 0
+    report = json.loads(out.read_text())
+    assert report["baseline"]["git_revision"] == "abc1234"
+    assert report["baseline"]["command"][:2] == ["bench", "serve"]
+    assert "--baseline" not in report["baseline"]["command"]
+    assert report["baseline"]["command"][-2:] == ["--json", str(tmp_path / "ab.baseline.json")]
+    assert "--overwrite" not in report["baseline"]["command"]
+    (w,) = report["results"][0]["workloads"]
+    assert w["turns_per_s_vs_baseline"] == 0.75 and w["ttft_followup_p50_vs_baseline"] == 2.0
+    assert "0.750x the baseline's (abc1234)" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ab.json", "ab.png", "base"]
+    (base / "tangram_jax" / "cli.py").write_text("raise SystemExit(3)")
+    with pytest.raises(UsageError, match=r"--baseline: bench serve from .* failed \(exit "
+                                         r"status 3\)"):
+        bench_serve.main(["--model", "random-tiny", "--variants", "tangram", "--sessions", "2",
+                          "--kv-cache-tokens", "5000", "--baseline", str(base), "--json",
+                          str(tmp_path / "b.json")])
+    with pytest.raises(UsageError, match="holds no tangram_jax package"):
+        bench_serve.main(["--kv-cache-tokens", "5000", "--baseline", str(tmp_path),
+                          "--json", str(tmp_path / "c.json")])
