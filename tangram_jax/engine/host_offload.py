@@ -127,9 +127,11 @@ class HostKVTier:
         self._copies: dict[int, list[tuple[int, object]]] = {}
         self._in_flight: set[int] = set()
         self._warned_pinned_full = False
-        # Page-locked host memory grown ahead of the swaps (`pin_host_memory`), and its time.
+        # Page-locked host memory grown ahead of the swaps (`pin_host_memory`), its time, and
+        # the event that stops it (`stop_pinning`).
         self.pinned_bytes = 0
         self.pin_seconds = None
+        self._pin_stop: threading.Event | None = None
 
     @property
     def num_copies(self) -> int:
@@ -213,7 +215,7 @@ class HostKVTier:
             return None
         share = min(nbytes // len(devices), pinned_pool_limit_bytes() - (1 << 30))
 
-        stop = threading.Event()
+        stop = self._pin_stop = threading.Event()
 
         def grow() -> None:
             t0 = time.perf_counter()
@@ -246,6 +248,11 @@ class HostKVTier:
         if wait:
             thread.join()
         return thread
+
+    def stop_pinning(self) -> None:
+        """Stop `pin_host_memory`'s thread after the chunk in flight (its engine was dropped)."""
+        if self._pin_stop is not None:
+            self._pin_stop.set()
 
     def _put_pinned(self, rows):
         """`rows` moved to page-locked host memory; `rows` themselves (a device array, to be

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Sequence as SequenceABC
 
 import jax
@@ -265,8 +266,16 @@ class Engine(RequestIntake):
             self.warmup()
         # Page-lock the host tier's memory once the engine is ready, not beside the build, and
         # only while no request is in it (`pin_host_memory` says why).
-        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes,
-                                              idle=lambda: not self._requests)
+        # It sees the engine through a weak reference, and stops when the engine is dropped:
+        # a thread holding it would keep its pool on the device while the next engine of the
+        # process sizes its own (`bench serve` builds one a configuration).
+        engine = weakref.ref(self)
+
+        def idle() -> bool:
+            return (e := engine()) is not None and not e._requests
+
+        self.runner.host_tier.pin_host_memory(rc.host_kv_cache_bytes, idle=idle)
+        weakref.finalize(self, self.runner.host_tier.stop_pinning)
         self.startup_seconds["total"] = time.perf_counter() - started
 
     def _steps_lowered(self) -> None:

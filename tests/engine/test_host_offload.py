@@ -444,3 +444,36 @@ def test_a_process_that_exits_while_pinning_ends_cleanly(tmp_path):
                                    os.path.dirname(os.path.abspath(__file__))))})
     assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
     assert time.perf_counter() - started < 60
+
+
+def test_a_dropped_engine_is_freed_while_its_host_tier_is_still_pinning(tiny_folder,
+                                                                        monkeypatch):
+    """The pinning thread sees its engine through a weak reference: an engine dropped while
+    the thread still pins is collected (its device pool with it; `bench serve` builds the next
+    configuration's engine next), and the thread stops."""
+    import gc
+    import time
+    import weakref
+
+    from tangram_jax.engine import host_offload
+    monkeypatch.setattr(host_offload, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(host_offload, "IDLE_SECONDS", 0.02)
+    pin = host_offload.HostKVTier.pin_host_memory
+    monkeypatch.setattr(host_offload.HostKVTier, "pin_host_memory",   # the CPU stands in
+                        lambda tier, nbytes, **kw: pin(tier, nbytes, platforms=("cpu",), **kw))
+    put = jax.device_put
+
+    def slow_put(*args, **kwargs):
+        time.sleep(0.05)
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", slow_put)
+    engine = Engine(tiny_engine_config(tiny_folder, "full", host_kv_cache_bytes=256 << 20))
+    tier = engine.runner.host_tier
+    (thread,) = [t for t in host_offload._PINNING if t.is_alive()]
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is None
+    thread.join(10)
+    assert not thread.is_alive() and tier.pinned_bytes < 256 << 20 and tier.pin_seconds is None
