@@ -49,6 +49,12 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
   Al    from the queries of the key's own chunk of 128 only (what an engine could compute per
         chunk from the chunk's attention and its log-sum-exp, and keep beside the held tokens)
   DAfg / DAlg  D (s = 0.25), then Af / Al (DJg with the stand-in in place of KVzip)
+  P     a question-agnostic probe: context + a fixed request for the context's facts
+        (`retention_proxy.PROBE_PROMPT`, ~20 tokens), each context token scored by the most
+        attention (max over the probe's queries and the KV head's query heads) it gets, as J
+        but with a short probe in place of the repeated context (an engine would run ~20
+        extra query tokens a turn instead of a second pass over it)
+  DPg   D (s = 0.25), then P (DJg with the probe in place of KVzip)
 """
 
 from __future__ import annotations
@@ -68,14 +74,16 @@ CHUNK = 128          # the CPU engine's compression chunk
 TAIL = 32            # protected tail = SnapKV observation window
 RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
          "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD",
-         "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg", "Af", "Al", "DAfg", "DAlg")
+         "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg", "Af", "Al", "DAfg", "DAlg",
+         "P", "DPg")
 KVZIP_RULES = ("J", "JD", "DJg")                                       # need the KVzip pass
+PROBE_RULES = ("P", "DPg")                                             # need the probe pass
 QUESTION_RULES = ("Qo", "QoH1", "QoE1", "QoHt", "QoHq")        # need the question-only pass
 # Two greedy lanes: rule -> (first score, second score, the first lane's share of the count).
 TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
              "QoHt": ("Qo", "kd_turn", 0.25), "QoHq": ("Qo", "kd_question", 0.25),
              "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25),
-             "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25)}
+             "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25), "DPg": ("D", "P", 0.25)}
 
 
 @dataclasses.dataclass
@@ -229,11 +237,12 @@ def _rank_within(scores: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
-                q_per_kv: int) -> dict:
+                q_per_kv: int, probe: np.ndarray | None = None) -> dict:
     """rule -> ("turn", scores [L, Hkv, N]) | ("chunk", scores [L, C, Hkv, 128]) |
     ("flow", (survivor scores, final scores) [L, Hkv, N] each) | ("lanes", (first, second
     [L, Hkv, N], the first lane's share)). Higher is kept first. kvzip [L, Hkv, N2]: the KVzip
-    pass's scores (rules J, JD); the Qo rules need `t1.question`."""
+    pass's scores (rules J, JD); probe [L, Hkv, N3]: the probe pass's (P, DPg); the Qo rules
+    need `t1.question`."""
     n, u = t1.n, t1.u
     num_layers, big_n = t1.k.shape[:2]
     c = big_n // CHUNK
@@ -314,14 +323,20 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
     if "I6" in want:
         out["I6"] = ("flow", (get("rk", running_kd),
                               _union(get("tw", turn_window), get("rk", running_kd), u, 0.5)))
-    def kvzip_scores():   # [L, Hkv, N]: the KVzip pass's scores of the turn's context
-        if kvzip is None:
-            raise ValueError(f"the rules {', '.join(KVZIP_RULES)} need the KVzip pass")
-        j = np.full((num_layers, t1.k.shape[2], big_n), -np.inf, np.float32)
-        j[..., :u] = kvzip[..., :u]
-        return j
+    def context_scores(scores, rules_needing, what):   # [L, Hkv, N]: a pass's, of the context
+        def make():
+            if scores is None:
+                raise ValueError(f"the rules {', '.join(rules_needing)} need the {what}")
+            j = np.full((num_layers, t1.k.shape[2], big_n), -np.inf, np.float32)
+            j[..., :u] = scores[..., :u]
+            return j
+        return make
 
+    kvzip_scores = context_scores(kvzip, KVZIP_RULES, "KVzip pass")
     lanes["J"] = kvzip_scores
+    lanes["P"] = context_scores(probe, PROBE_RULES, "probe pass")
+    if "P" in want:
+        out["P"] = ("turn", get("P", lanes["P"]))
 
     def own_attention(name):   # Af / Al: the context's keys ranked, the rest never
         def make():

@@ -57,7 +57,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from _retention_rules import (CHUNK, KVZIP_RULES, QUESTION_RULES, RULES, TAIL,  # noqa: E402
+from _retention_rules import (CHUNK, KVZIP_RULES, PROBE_RULES, QUESTION_RULES,  # noqa: E402
+                              RULES, TAIL,
                               QuestionPass, Turn1, keep_mask, rule_scores)
 from tangram_jax.atomic_files import write_text_atomic  # noqa: E402
 from tangram_jax.benchmarking.results import (finish, provenance,  # noqa: E402
@@ -76,6 +77,9 @@ BUCKET = 256         # turn-1 and context lengths are padded to multiples of thi
 FOLLOWUP_BUCKET = 8
 NEW_SLOTS = 256      # per-row cache for the tail, answers and follow-up turns
 REPEAT_PROMPT = "\n\nRepeat the previous context:\n"
+# Rules P / DPg: a request for the context's facts, asked of no task in particular.
+PROBE_PROMPT = ("\n\nList every name, number, code and value stated in the text above, "
+                "with what each one belongs to:\n")
 BUDGETS = ("profile", "uniform")
 # The default rule set: the first CPU run's (results/retention_proxy.json); the KVzip (J, JD)
 # and question-only (Qo...) rules and DHg on request.
@@ -373,8 +377,18 @@ def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> di
         kvzip = np.asarray(pm.kvzip_pass(pm.state, pm.layer_states, jnp.asarray(arr),
                                          jnp.int32(len(seq)), jnp.int32(u + len(prompt))))
         times["kvzip"] = time.perf_counter() - t0
+    probe = None
+    if set(rules) & set(PROBE_RULES):   # the KVzip pass's program, with the probe as repeat
+        t0 = time.perf_counter()
+        prompt = tok.encode(PROBE_PROMPT, add_special_tokens=False)
+        seq = list(ids[:u]) + prompt
+        arr = np.zeros(_pad_to(len(seq), BUCKET), np.int32)
+        arr[:len(seq)] = seq
+        probe = np.asarray(pm.kvzip_pass(pm.state, pm.layer_states, jnp.asarray(arr),
+                                         jnp.int32(len(seq)), jnp.int32(u)))
+        times["probe"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    scored = rule_scores(t1, rules, kvzip, inv_freq, pm.q_per_kv)
+    scored = rule_scores(t1, rules, kvzip, inv_freq, pm.q_per_kv, probe)
     masks = []
     for rule, budget, ratio in rows:
         if rule == "A":

@@ -273,3 +273,21 @@ def test_running_keydiff_starts_as_the_first_chunks(rp):
     np.testing.assert_allclose(s["I2"][1][..., first], s["I3"][1][..., first], atol=1e-6)
     later = slice(2 * rp.CHUNK, 3 * rp.CHUNK)
     assert np.abs(s["I2"][1][..., later] - s["I3"][1][..., later]).max() > 1e-3
+
+
+def test_probe_rules_rank_the_context_by_the_probe_pass(rp):
+    """P ranks the turn's context by the probe pass's scores (the protected tail and padding
+    never); DPg is D's quarter, then P; both need the probe pass."""
+    t1 = _random_turn(rp, 300, seed=3)
+    with pytest.raises(ValueError, match="probe pass"):
+        rp.rule_scores(t1, ["DPg"], None, jnp.ones(4), q_per_kv=2)
+    probe = np.random.default_rng(0).random((2, 2, 300 + 20)).astype(np.float32)
+    scored = rp.rule_scores(t1, ["P", "DPg"], None, jnp.ones(4), q_per_kv=2, probe=probe)
+    kind, p = scored["P"]
+    assert kind == "turn" and np.array_equal(p[..., :t1.u], probe[..., :t1.u])
+    assert np.isneginf(p[..., t1.u:]).all()
+    kept = rp.keep_mask(kind, p, t1, _BUDGET)
+    np.testing.assert_array_equal(kept, _ranks(probe[..., :t1.u]) < chunk_keep_count(
+        _BUDGET, t1.u)[..., None])
+    kind, (first, second, share) = scored["DPg"]
+    assert kind == "lanes" and share == 0.25 and second is p
