@@ -50,10 +50,10 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
         chunk from the chunk's attention and its log-sum-exp, and keep beside the held tokens)
   DAfg / DAlg  D (s = 0.25), then Af / Al (DJg with the stand-in in place of KVzip)
   P     a question-agnostic probe: context + a fixed request for the context's facts
-        (`retention_proxy.PROBE_PROMPT`, ~20 tokens), each context token scored by the most
-        attention (max over the probe's queries and the KV head's query heads) it gets, as J
-        but with a short probe in place of the repeated context (an engine would run ~20
-        extra query tokens a turn instead of a second pass over it)
+        (`retention_proxy.PROBE_PROMPT`, ~20 tokens), the context scored by the probe's
+        queries as D scores it by the question's (SnapKV: `probe_scores`): a short probe in
+        place of KVzip's repeated context (an engine would run ~20 extra query tokens a turn
+        instead of a second pass over it)
   DPg   D (s = 0.25), then P (DJg with the probe in place of KVzip)
 """
 
@@ -199,6 +199,12 @@ def _turn_window_scores(turn_obs, n, *, q_per_kv: int):
     rolled = jnp.roll(turn_obs, shift, axis=-1)
     per_layer = jax.vmap(lambda o: snapkv_from_probs(o, q_per_kv, protect_window=True))
     return jnp.roll(per_layer(rolled), -shift, axis=-1)
+
+
+def probe_scores(probe_obs, n, *, q_per_kv: int):
+    """Rule P's scores: SnapKV of the probe's queries, probe_obs [L, Hq, W, N2] (the context
+    and the probe of n tokens, padded to N2) -> [L, Hkv, N2], as D's of the question."""
+    return _turn_window_scores(probe_obs, n, q_per_kv=q_per_kv)
 
 
 @functools.partial(jax.jit, static_argnames=("q_per_kv",))

@@ -59,7 +59,7 @@ from flax import nnx  # noqa: E402
 
 from _retention_rules import (CHUNK, KVZIP_RULES, PROBE_RULES, QUESTION_RULES,  # noqa: E402
                               RULES, TAIL,
-                              QuestionPass, Turn1, keep_mask, rule_scores)
+                              QuestionPass, Turn1, keep_mask, probe_scores, rule_scores)
 from tangram_jax.atomic_files import write_text_atomic  # noqa: E402
 from tangram_jax.benchmarking.results import (finish, provenance,  # noqa: E402
                                               resolve_outputs, start)
@@ -113,6 +113,7 @@ class ProxyModel:
         self.inv_freq = jnp.asarray(inverse_frequencies(cfg), jnp.float32)
         self.dense_pass = jax.jit(self._dense_pass)
         self.kvzip_pass = jax.jit(self._kvzip_pass)
+        self.probe_pass = jax.jit(self._probe_pass, static_argnames=("window",))
         self.question_pass = jax.jit(self._question_pass)
         self.extend = jax.jit(self._extend, donate_argnums=(5, 6))
 
@@ -196,6 +197,19 @@ class ProxyModel:
 
         _, scores = jax.lax.scan(step, model.embed(tokens[None]), layer_states)
         return scores
+
+    def _probe_pass(self, state, layer_states, tokens, n, *, window):
+        """tokens [N2] (context then the probe's `window` tokens; padded), n: the real length.
+        Returns [L, Hq, window, N2]: the probe's queries' attention probabilities (what D's
+        SnapKV pools for the question)."""
+        model = nnx.merge(self.graphdef, state)
+
+        def step(h, layer_state):
+            h, _, _, _, probs, _ = self._causal_layer(layer_state, h, n)
+            return h, jax.lax.dynamic_slice_in_dim(probs, n - window, window, axis=1)
+
+        _, obs = jax.lax.scan(step, model.embed(tokens[None]), layer_states)
+        return obs
 
     def _question_pass(self, state, layer_states, tokens, first_position):
         """The question alone: tokens [W] (turn 1's last W) at positions first_position ..,
@@ -378,14 +392,15 @@ def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> di
                                          jnp.int32(len(seq)), jnp.int32(u + len(prompt))))
         times["kvzip"] = time.perf_counter() - t0
     probe = None
-    if set(rules) & set(PROBE_RULES):   # the KVzip pass's program, with the probe as repeat
+    if set(rules) & set(PROBE_RULES):   # the probe's queries over the context, as D's SnapKV
         t0 = time.perf_counter()
         prompt = tok.encode(PROBE_PROMPT, add_special_tokens=False)
         seq = list(ids[:u]) + prompt
         arr = np.zeros(_pad_to(len(seq), BUCKET), np.int32)
         arr[:len(seq)] = seq
-        probe = np.asarray(pm.kvzip_pass(pm.state, pm.layer_states, jnp.asarray(arr),
-                                         jnp.int32(len(seq)), jnp.int32(u)))
+        obs = pm.probe_pass(pm.state, pm.layer_states, jnp.asarray(arr), jnp.int32(len(seq)),
+                            window=len(prompt))
+        probe = np.asarray(probe_scores(obs, len(seq), q_per_kv=pm.q_per_kv))
         times["probe"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     scored = rule_scores(t1, rules, kvzip, inv_freq, pm.q_per_kv, probe)
