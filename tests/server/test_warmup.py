@@ -213,8 +213,8 @@ def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_com
     np.testing.assert_allclose(own[1], covering[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("room", [512, 512 - (16 << 20), 511 - (16 << 20), None],
-                         ids=["fits", "fits-in-the-slack", "too-large", "no-room-set"])
+@pytest.mark.parametrize("room", [512 - (16 << 20), 511 - (16 << 20)],
+                         ids=["fits-in-the-slack", "too-large"])
 def test_a_background_program_is_held_to_the_room_the_pool_left(tmp_path, monkeypatch, request,
                                                                 room):
     """A program compiled in the background may need more than the program it stands in for
@@ -234,9 +234,8 @@ def test_a_background_program_is_held_to_the_room_the_pool_left(tmp_path, monkey
     # Every program compiled after warm-up needs 512 bytes more than any warm-up program.
     monkeypatch.setattr(step_compiler, "step_peak_bytes",
                         lambda compiled: 1000 + (0 if id(compiled) in warm else 512))
-    # Up to FIT_SLACK_BYTES over the room comes out of the headroom; without a room set (no
-    # memory plan), the covering program's peak is the room.
-    runner.step_peak_budget = None if room is None else 1000 + room
+    # Up to FIT_SLACK_BYTES over the room comes out of the headroom.
+    runner.step_peak_budget = 1000 + room
     gate.set()
     fits = room != 511 - (16 << 20)
     assert engine.wait_for_compiles(120) == fits
