@@ -318,7 +318,8 @@ _OUTPUT_FLAGS = ("--baseline", "--json", "--plot")
 def _run_baseline(folder: str, argv: list[str], out) -> dict:
     """Run `argv` (this invocation's, less `_OUTPUT_FLAGS` and --overwrite) as `bench serve`
     from the package in `folder` (first on its path, in its own process, `GIT_REV` from
-    folder/REVISION) and return its report; a failure raises UsageError with its last lines."""
+    folder/REVISION) and return its report; a failure raises UsageError (its output is on
+    this process's)."""
     import json
     import subprocess
     from pathlib import Path
@@ -336,6 +337,7 @@ def _run_baseline(folder: str, argv: list[str], out) -> dict:
     target = Path(out).with_name(Path(out).stem + ".baseline.json")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("GIT_REV", None)   # ours would name the baseline's results wrongly
     if revision.is_file():
         env["GIT_REV"] = revision.read_text().strip()
     print(f"baseline: bench serve from {root} ({env.get('GIT_REV', 'revision unknown')})",
