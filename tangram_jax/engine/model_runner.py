@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
@@ -297,6 +298,11 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         self._background = None
         self._background_jobs: dict = {}
         self._compiling: dict = {}
+        # Background compiles finished before the pool was allocated (judged then), the keys
+        # of those refused for their peak, and the lock between the thread and the pool.
+        self._held_compiles: list = []
+        self._refused_compiles: list = []
+        self._background_lock = threading.Lock()
         self._covered_by: dict = {}
         # The bytes the engine left the steps beside the pool (`memory.PoolPlan.
         # step_room_bytes`; before the pool is sized, the largest warm-up program's peak);
@@ -439,6 +445,7 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
         self.k_pages = self.v_pages = None         # the old pool's memory goes first
         self.k_pages, self.v_pages = self._pool(
             num_pages, lambda shape, dtype: jnp.zeros(shape, dtype, device=self.placement.pool))
+        self._judge_held_compiles()   # against the room this pool left (`step_peak_budget`)
 
     def _pool(self, num_pages, make):
         """(k_pages, v_pages) of the runner's page format(s); `make(shape, dtype)` builds each

@@ -30,12 +30,22 @@ from tqdm.auto import tqdm
 
 from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
 from tangram_jax.engine.host_offload import swap_lowerings
-from tangram_jax.engine.memory import FIT_SLACK_BYTES, step_peak_bytes
+from tangram_jax.engine.memory import step_peak_bytes
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import row_alignment
 from tangram_jax.sampling import neutral_adjust, write_penalty_row
 
 log = logging.getLogger(__name__)
+
+
+class _HeldCompile(NamedTuple):
+    """A background compile waiting to be judged against the room the pool left."""
+    key: tuple
+    covering: tuple
+    program: "WarmupProgram"
+    compiled: object
+    record: dict
+    waiting: list
 
 
 class StepCompilation:
@@ -185,8 +195,9 @@ class StepCompilation:
         a decode bucket, a prefill token bucket) stay out of serving's choice (`_ready`) until
         every program queued for that value and pool size is compiled and needs no more memory
         beside the pool than the engine left room for (`step_peak_budget`; without one, its
-        covering program's peak) plus `FIT_SLACK_BYTES`; a program that fails or needs
-        more is logged and that value is never used."""
+        covering program's peak); a program that fails or needs more is logged and that value
+        is never used. A program compiled before the pool exists is judged when it is
+        allocated (`_judge_held_compiles`): until then the room is provisional."""
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tangram-background-compile")
@@ -204,30 +215,49 @@ class StepCompilation:
                 started = time.perf_counter()
                 compiled = lowered.compile()
                 seconds = time.perf_counter() - started
-                peak = step_peak_bytes(compiled)
-                # Against what the pool left room for, not the covering program's own peak:
-                # a narrower program can need a few hundred bytes more than the one it stands
-                # in for (8B prefill: 512 bytes) and fits all the same; up to
-                # `FIT_SLACK_BYTES` over it comes out of the headroom (`default_headroom`).
-                limit = self.step_peak_budget or step_peak_bytes(self._compiled[covering])
-                if peak > limit + FIT_SLACK_BYTES:
-                    raise RuntimeError(f"it needs {peak:,} bytes beside the pool, more than the "
-                                       f"{limit:,} the engine left room for")
             except Exception as e:
                 log.warning("background compile of %s (%s) failed, so its calls keep the "
                             "covering program: %s", program.name, program.describe(), e)
                 raise
-            self._compiled[key] = compiled
-            self.compile_log.append(dict(program=program.name, key=program.key,
-                                         phase="background", lower_seconds=lower_seconds,
-                                         compile_seconds=seconds,
-                                         hlo_chars=len(lowered.as_text())))
-            for wait in waiting:
-                self._compiling[wait] -= 1
-                if not self._compiling[wait]:
-                    del self._compiling[wait]
+            record = dict(program=program.name, key=program.key, phase="background",
+                          lower_seconds=lower_seconds, compile_seconds=seconds,
+                          hlo_chars=len(lowered.as_text()))
+            judged = _HeldCompile(key, covering, program, compiled, record, waiting)
+            with self._background_lock:
+                if self.k_pages is None:   # the engine has not yet decided the room
+                    self._held_compiles.append(judged)
+                    return
+            self._judge(judged)
 
         self._background_jobs[key] = self._background.submit(run)
+
+    def _judge_held_compiles(self) -> None:
+        """Judge the background compiles that finished before the pool was allocated, now
+        that `step_peak_budget` is the room it left (`allocate_pool` calls this)."""
+        with self._background_lock:
+            held, self._held_compiles = self._held_compiles, []
+        for judged in held:
+            self._judge(judged)
+
+    def _judge(self, judged: "_HeldCompile") -> None:
+        """Admit a background compile whose peak fits the room the pool left (a narrower
+        program can need a few hundred bytes more than the one it stands in for: 8B
+        prefill, 512 bytes, and fits all the same), or log and record its refusal."""
+        peak = step_peak_bytes(judged.compiled)
+        limit = self.step_peak_budget or step_peak_bytes(self._compiled[judged.covering])
+        if peak > limit:
+            log.warning("background compile of %s (%s) failed, so its calls keep the covering "
+                        "program: it needs %s bytes beside the pool, more than the %s the "
+                        "engine left room for", judged.program.name, judged.program.describe(),
+                        f"{peak:,}", f"{limit:,}")
+            self._refused_compiles.append(judged.key)
+            return
+        self._compiled[judged.key] = judged.compiled
+        self.compile_log.append(judged.record)
+        for wait in judged.waiting:
+            self._compiling[wait] -= 1
+            if not self._compiling[wait]:
+                del self._compiling[wait]
 
     def _ready(self, field: str, value: int) -> bool:
         """Whether calls of `field` = `value` ("region_pages": a turn compaction's width;
@@ -248,7 +278,8 @@ class StepCompilation:
         one failed: see the log; serving then keeps the covering programs)."""
         jobs = list(self._background_jobs.values())
         done, running = concurrent.futures.wait(jobs, timeout)
-        return not running and all(j.exception() is None for j in done if not j.cancelled())
+        return (not running and not self._refused_compiles
+                and all(j.exception() is None for j in done if not j.cancelled()))
 
     def _mixed_lowering(self, rows: int, num_tokens: int | None, bucket: int, logprobs,
                         region_pages: int | None, k_pages, v_pages):

@@ -299,6 +299,41 @@ def test_with_warm_up_the_pool_is_sized_from_every_program_compiled_once(monkeyp
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3] and compiles == []
 
 
+def test_background_compiles_done_before_the_pool_exists_are_judged_by_its_room(monkeypatch):
+    """A background compile that finishes while the pool is still being sized (a cache hit
+    is that fast) is judged against the room the allocated pool left, not the provisional
+    room of the largest warm-up program: a program needing more than that provisional peak
+    but fitting beside the pool is used (an 8B narrower prefill was refused for 512 bytes)."""
+    from tangram_jax.engine import llm_engine, step_compiler
+    from tangram_jax.engine.model_runner import ModelRunner
+
+    card, in_use = 1200 * 2**20, 50 * 2**20
+    extra = 32 * 2**20   # over the largest warm-up program's peak, well within the room
+    device = memory.DeviceMemory(int(0.9 * card), in_use, 0, 0.9)
+    small = dict(_made_up_device(monkeypatch, device), warmup=True)
+    peak_of = step_compiler.step_peak_bytes
+    monkeypatch.setattr(step_compiler, "step_peak_bytes", lambda c: peak_of(c) + extra)
+    allocate = ModelRunner.allocate_pool
+    provisional_room = []
+
+    def allocate_after_the_background_compiles(runner, num_pages):
+        # Every background compile finishes (and is held) before the pool exists.
+        assert runner.wait_for_compiles(120) and runner.compiles_running() == 0
+        assert runner._held_compiles
+        provisional_room.append(max(memory.step_peak_bytes(c)
+                                    for c in runner._compiled.values()))
+        allocate(runner, num_pages)
+
+    monkeypatch.setattr(ModelRunner, "allocate_pool", allocate_after_the_background_compiles)
+    engine = llm_engine.Engine(EngineConfig(**small, gpu_memory_utilization=0.5))
+    runner = engine.runner
+    assert runner.step_peak_budget == engine.memory_plan.step_room_bytes
+    assert runner.step_peak_budget >= provisional_room[0] + extra   # it fits the final room
+    assert engine.wait_for_compiles(120) and not runner._held_compiles
+    assert "background" in {r["phase"] for r in runner.compile_log}
+    assert not runner._compiling   # every covered value is served by its own program
+
+
 def test_a_fixed_pool_over_the_cap_is_refused_at_build_naming_what_fits(monkeypatch):
     """kv_cache_tokens / num_pages / kv_cache_memory_bytes fix the pool; where the allocator
     reports a cap (a GPU; a made-up device here) a pool that cannot fit beside the weights and
