@@ -213,13 +213,11 @@ def test_full_mode_s_short_prompts_take_a_covering_token_bucket_until_theirs_com
     np.testing.assert_allclose(own[1], covering[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("room", [512, 511], ids=["fits", "too-large"])
-def test_a_background_program_is_held_to_the_room_the_pool_left(tmp_path, monkeypatch, request,
-                                                                room):
+def test_a_background_program_is_held_to_the_room_the_pool_left(tmp_path, monkeypatch, request):
     """A program compiled in the background may need more than the program it stands in for
     (8B: a narrower prefill 512 bytes more), as long as it fits the room the engine left
     beside the pool (`step_peak_budget`); one that does not fit is refused and its calls keep
-    the covering program."""
+    the covering program, while the values whose programs fit are served by their own."""
     from tangram_jax.engine import step_compiler
 
     folder = build_tiny_model(tmp_path / "tiny")
@@ -229,12 +227,23 @@ def test_a_background_program_is_held_to_the_room_the_pool_left(tmp_path, monkey
                                        max_model_len=512, page_size=4))
     runner = engine.runner
     assert runner._ready_decode_bucket(1) == 2
+    widths = {value for field, value in runner._covered_by if field == "region_pages"}
+    assert widths and not any(runner._ready("region_pages", w) for w in widths)
     warm = {id(c) for c in runner._compiled.values()}
-    # Every program compiled after warm-up needs 512 bytes more than any warm-up program.
-    monkeypatch.setattr(step_compiler, "step_peak_bytes",
-                        lambda compiled: 1000 + (0 if id(compiled) in warm else 512))
-    runner.step_peak_budget = 1000 + room
+    judging = []
+    judge = step_compiler.StepCompilation._judge
+
+    def judge_noting_the_program(self, judged):
+        judging.append(judged.program)
+        return judge(self, judged)
+
+    # Every program compiled after warm-up needs 512 bytes more than any warm-up program:
+    # exactly the room left; the narrow decode program one byte more.
+    monkeypatch.setattr(step_compiler.StepCompilation, "_judge", judge_noting_the_program)
+    monkeypatch.setattr(step_compiler, "step_peak_bytes", lambda compiled: 1000 + (
+        0 if id(compiled) in warm else 512 + (judging[-1].name == "decode")))
+    runner.step_peak_budget = 1000 + 512
     gate.set()
-    fits = room == 512
-    assert engine.wait_for_compiles(120) == fits
-    assert runner._ready_decode_bucket(1) == (1 if fits else 2)
+    assert not engine.wait_for_compiles(120)   # one was refused
+    assert runner._ready_decode_bucket(1) == 2   # the refused decode program's calls
+    assert all(runner._ready("region_pages", w) for w in widths)   # fitted exactly
