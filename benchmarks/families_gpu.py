@@ -55,6 +55,7 @@ from tangram_jax.benchmarking.models import FAMILY_SHAPES, family_config, random
 from tangram_jax.benchmarking.results import resolve_outputs, write_result  # noqa: E402
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
+from tangram_jax.engine import decode_step  # noqa: E402
 from tangram_jax.engine.decode_step import decode_split_map  # noqa: E402
 from tangram_jax.engine.memory import step_peak_bytes  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
@@ -77,11 +78,21 @@ def weight_bytes(model, dtype) -> dict:
     return sizes
 
 
-def decode_extra_bytes(runner: ModelRunner, call) -> int:
-    """Bytes the decode program of `call` allocates beyond its donated arguments
-    (`memory.step_peak_bytes`): a few MB of activations, unless it copies the pool."""
+def decode_program_facts(runner: ModelRunner, call) -> dict:
+    """Of the decode program of `call`: the bytes it allocates beyond its donated arguments
+    (`memory.step_peak_bytes`: a few MB of activations, unless it copies the pool), and its
+    conditionals (each one a predicate the host reads back before it launches the rest of
+    the step: sampling's `lax.cond`s)."""
     args, static = runner._decode_call(runner.k_pages, runner.v_pages, *call.decode_args)
-    return step_peak_bytes(runner._decode.lower(*args, **static).compile())
+    compiled = runner._decode.lower(*args, **static).compile()
+    return dict(step_extra_bytes=step_peak_bytes(compiled),
+                step_conditionals=compiled.as_text().count(" conditional("))
+
+
+def argmax_tokens(logits, temperature, top_k, top_p, keys, adjust=None, penalties=None):
+    """`sampling.sample_tokens`' stand-in for `--sampler argmax`: every row's argmax, no
+    conditional (the benchmark's rows are greedy, so the tokens are the same)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
@@ -142,6 +153,11 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-prefill", action="store_true", help="decode figures only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler", choices=("engine", "argmax"), default="engine",
+                        help="engine: the engine's sampler (its two lax.conds make the host "
+                             "wait on their predicates each step); argmax: each row's argmax "
+                             "without a conditional, the most a branch-free sampler can save "
+                             "(greedy rows: the same tokens)")
     parser.add_argument("--trace-dir", default=None,
                         help="also keep a profiler trace (xplane.pb) of 3 decode steps at the "
                              "largest batch here: the timeline of every device")
@@ -152,6 +168,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     out = resolve_outputs(parser, args, {"out": f"families_{args.shape}_tp{args.tp}"})[0]
     config = family_config(args.shape)
+    if args.sampler == "argmax":
+        decode_step.sample_tokens = argmax_tokens   # before any step is traced
     devices = jax.devices()[:args.tp]
     if len(devices) < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} devices, have {len(jax.devices())}")
@@ -183,7 +201,7 @@ def main(argv=None) -> None:
         rows = slots[:b]
         call = decode_call(runner, rows, manager.lengths[rows] - 1, args.context)
         fig = measure(call, args.reps, on_gpu)
-        fig["step_extra_bytes"] = decode_extra_bytes(runner, call)
+        fig.update(decode_program_facts(runner, call))
         bound = limits(config, sizes, b, args.context, args.prefill, args.tp, kind)
         fig.update(batch=b, limit_ms=bound["decode_ms"], limit_bytes=bound["decode_bytes"],
                    kv_bytes=bound["decode_kv_bytes"], expert_bytes=bound["decode_expert_bytes"],
@@ -202,7 +220,7 @@ def main(argv=None) -> None:
     write_result(out, "families_gpu", dict(
         model=dict(FAMILY_SHAPES[args.shape], shape=args.shape, dtype=str(jnp.dtype(dtype)),
                    weight_bytes=sizes, random_weights=True, layer_windows=config.layer_windows),
-        tensor_parallel_size=args.tp, device_kind=kind, peaks=PEAKS, page_size=PAGE,
+        tensor_parallel_size=args.tp, sampler=args.sampler, device_kind=kind, peaks=PEAKS, page_size=PAGE,
         context_tokens=args.context, layer_loop=runner.layer_loop, model_build_s=build_s,
         what_is_timed="ModelRunner.decode per batch bucket (full mode) and ModelRunner.prefill "
                       "of one row at history 0; `ms` is GPU busy time when the profiler saw GPU "
