@@ -55,6 +55,16 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
         place of KVzip's repeated context (an engine would run ~20 extra query tokens a turn
         instead of a second pass over it)
   DPg   D (s = 0.25), then P (DJg with the probe in place of KVzip)
+  Recall (a suffix to any rule but A): turn 1 keeps what the rule keeps; the tokens it drops
+  stay available (an engine would hold them in host memory), and before each follow-up turn
+  its tokens run once over the kept context and score all of turn 1's (SnapKV over every
+  context key: `retention_proxy.ProxyModel._extend`'s `score`), then the head's count is
+  chosen again (`recall_keep`):
+  X+R   the follow-up's top count among all of turn 1's tokens
+  X+R.5 half the count: the held tokens the follow-up scores highest; the rest: its top among
+        the others (evict later, never grow: the reservation's count stays)
+  X+Rall every turn-1 token visible again from the first follow-up (the control: the most any
+        recall could give back; it grows past the reservation)
 """
 
 from __future__ import annotations
@@ -67,7 +77,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tangram_jax.compression.chunk_scoring import chunk_scores, union_by_rank
-from tangram_jax.compression.scorers import expected_attention, keydiff, snapkv_from_probs
+from tangram_jax.compression.scorers import (DEFAULT_KERNEL as SNAPKV_KERNEL,
+                                             expected_attention, keydiff, pool1d,
+                                             snapkv_from_probs)
 from tangram_jax.kv_layout import chunk_keep_count
 
 CHUNK = 128          # the CPU engine's compression chunk
@@ -84,6 +96,40 @@ TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
              "QoHt": ("Qo", "kd_turn", 0.25), "QoHq": ("Qo", "kd_question", 0.25),
              "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25),
              "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25), "DPg": ("D", "P", 0.25)}
+
+
+# suffix -> the share of the count chosen again (0: the whole turn, the +Rall control)
+RECALL_SUFFIXES = {"+R": 1.0, "+R.5": 0.5, "+Rall": 0.0}
+
+
+def split_recall(rule: str) -> tuple[str, float | None]:
+    """("D", 1.0) of "D+R", ("D", 0.5) of "D+R.5", ("D", 0.0) of "D+Rall", (rule, None) of a
+    rule without recall."""
+    for suffix, share in RECALL_SUFFIXES.items():
+        if rule.endswith(suffix) and rule[:-len(suffix)] in RULES[1:]:
+            return rule[:-len(suffix)], share
+    return rule, None
+
+
+def is_rule(name: str) -> bool:
+    return name in RULES or split_recall(name)[1] is not None
+
+
+def recall_keep(scores: np.ndarray, held: np.ndarray, count: np.ndarray,
+                share: float) -> np.ndarray:
+    """A head's keep mask chosen again before a follow-up turn. scores [L, Hkv, u]: the
+    attention the follow-up's tokens pay each of turn 1's (before pooling); held [L, Hkv, u]:
+    the keep mask in force; count [L, Hkv]: the head's count (unchanged). `share` of the
+    count is re-ranked over every token; the rest stays with the held tokens the follow-up
+    scores highest. Share 0 (+Rall): every token."""
+    if share == 0.0:
+        return np.ones_like(held)
+    pooled = np.asarray(pool1d(jnp.asarray(scores), SNAPKV_KERNEL, "max"))
+    count = count[..., None]
+    stay = np.floor((1.0 - share) * count + 1e-6).astype(int)
+    kept = _rank_within(pooled, held) < stay
+    rest = _rank_within(np.where(kept, -np.inf, pooled), ~kept)
+    return kept | (rest < count - stay)
 
 
 @dataclasses.dataclass

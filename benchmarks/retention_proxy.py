@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -58,8 +59,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from _retention_rules import (CHUNK, KVZIP_RULES, PROBE_RULES, QUESTION_RULES,  # noqa: E402
-                              RULES, TAIL,
-                              QuestionPass, Turn1, keep_mask, probe_scores, rule_scores)
+                              RULES, TAIL, QuestionPass, Turn1, is_rule, keep_mask,
+                              probe_scores, recall_keep, rule_scores, split_recall)
+from tangram_jax.kv_layout import chunk_keep_count  # noqa: E402
 from tangram_jax.atomic_files import write_text_atomic  # noqa: E402
 from tangram_jax.benchmarking.results import (finish, provenance,  # noqa: E402
                                               resolve_outputs, start)
@@ -115,7 +117,7 @@ class ProxyModel:
         self.kvzip_pass = jax.jit(self._kvzip_pass)
         self.probe_pass = jax.jit(self._probe_pass, static_argnames=("window",))
         self.question_pass = jax.jit(self._question_pass)
-        self.extend = jax.jit(self._extend, donate_argnums=(5, 6))
+        self.extend = jax.jit(self._extend, donate_argnums=(5, 6), static_argnames=("score",))
 
     def _layer(self, layer_state):
         return nnx.merge(self.layer_graphdef, layer_state)
@@ -226,7 +228,7 @@ class ProxyModel:
         return q, lse, k
 
     def _extend(self, state, layer_states, ctx_k, ctx_v, keep, new_k, new_v, lengths, tokens,
-                num_real, base):
+                num_real, base, score=False):
         """Prefill/decode `tokens` [B, T] of B sessions that share turn 1's context.
 
         ctx_k, ctx_v [L, U, Hkv, D]: the context's K/V (positions 0 .. U-1, from the dense
@@ -234,7 +236,12 @@ class ProxyModel:
         new_k, new_v [L, B, S, Hkv, D]: each row's own tokens after the context (slot s is
         position base + s), `lengths` [B] of them filled. Row b's first num_real[b] tokens are
         real; they go to slots lengths[b] ... (the rest are padding, overwritten later).
-        Returns (logits [B, V] float32 after each row's last real token, new_k, new_v)."""
+        Returns (logits [B, V] float32 after each row's last real token, new_k, new_v), and
+        with `score` (static) a fourth: [L, B, Hkv, U] float32, per context key the attention
+        the rows' real tokens would pay it were every context key visible (their queries are
+        computed with the kept ones: an engine's first pass over a follow-up, before it
+        recalls history from the host), summed over the tokens and averaged over the KV head's
+        query heads: the recall rules' SnapKV score, before pooling."""
         model = nnx.merge(self.graphdef, state)
         batch, t = tokens.shape
         slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]         # [B, T]
@@ -258,19 +265,30 @@ class ProxyModel:
             out = (jnp.einsum("bgqts,sgd->btgqd", pc, cv.astype(jnp.float32))
                    + jnp.einsum("bgqts,bsgd->btgqd", pn, nv.astype(jnp.float32)))
             h = layer.finish(h, out.reshape(batch, t, -1, q.shape[-1]).astype(h.dtype))
-            return h, (nk, nv)
+            if not score:
+                return h, (nk, nv)
+            lc_all = jnp.einsum("btgqd,sgd->bgqts", qg, ck.astype(jnp.float32)) * scale
+            everything = jax.nn.softmax(jnp.concatenate([lc_all, ln], axis=-1), axis=-1)
+            real = jnp.arange(t)[None, :] < num_real[:, None]                       # [B, T]
+            paid = jnp.where(real[:, None, None, :, None], everything[..., :ck.shape[0]], 0.0)
+            return h, (nk, nv, paid.sum(axis=3).mean(axis=2))                   # [B, Hkv, U]
 
         h = model.embed(tokens)
-        h, (new_k, new_v) = jax.lax.scan(step, h, (layer_states, ctx_k, ctx_v, keep, new_k,
-                                                   new_v))
+        h, outs = jax.lax.scan(step, h, (layer_states, ctx_k, ctx_v, keep, new_k, new_v))
         last = h[jnp.arange(batch), jnp.maximum(num_real - 1, 0)]
-        return model.logits(last[:, None])[:, 0], new_k, new_v
+        return (model.logits(last[:, None])[:, 0], *outs)
 
 
 # ----- sessions ----------------------------------------------------------------------------
 
-def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.ndarray):
+def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.ndarray,
+                 recall: list | None = None):
     """Greedy answers of every turn for B rows of keep masks keep [B, L, Hkv, u].
+    recall: per row None, or a function (follow-up scores [L, Hkv, u], the row's keep mask
+    [L, Hkv, u]) -> its new keep mask, applied before each follow-up turn is prefilled: the
+    follow-up's tokens first run over the kept context to score all of it (`ProxyModel.
+    _extend`'s `score`), as an engine holding the dropped tokens in host memory would before
+    recalling some (rules X+R: `_retention_rules.recall_keep`).
     Returns per row a list of (text, token_ids) per turn."""
     tok = pm.tokenizer
     batch = keep.shape[0]
@@ -283,6 +301,7 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
         ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
     kp = np.zeros((keep.shape[1], batch, keep.shape[2], ctx_len), bool)
     kp[..., :u] = np.moveaxis(keep, 0, 1)
+    held = kp   # numpy, what `recall` changes
     kp = jnp.asarray(kp)
     shape = (pm.config.num_layers, batch, NEW_SLOTS, pm.config.num_kv_heads, pm.config.head_dim)
     new_k, new_v = jnp.zeros(shape, pm.dtype), jnp.zeros(shape, pm.dtype)
@@ -290,7 +309,7 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     answers = [[] for _ in range(batch)]
 
-    def extend(tokens: list[list[int]], active: np.ndarray):
+    def extend(tokens: list[list[int]], active: np.ndarray, score: bool = False):
         nonlocal new_k, new_v, lengths
         width = max(len(x) for x in tokens)
         width = 1 if width == 1 else _pad_to(width, FOLLOWUP_BUCKET)
@@ -299,9 +318,11 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
         for b, x in enumerate(tokens):
             arr[b, :len(x)] = x
             real[b] = len(x) if active[b] else 0
-        logits, new_k, new_v = pm.extend(pm.state, pm.layer_states, ctx_k, ctx_v, kp, new_k,
-                                         new_v, jnp.asarray(lengths), jnp.asarray(arr),
-                                         jnp.asarray(real), jnp.int32(u))
+        logits, new_k, new_v, *scores = pm.extend(
+            pm.state, pm.layer_states, ctx_k, ctx_v, kp, new_k, new_v, jnp.asarray(lengths),
+            jnp.asarray(arr), jnp.asarray(real), jnp.int32(u), score=score)
+        if score:   # the slots written stay free: the turn's real pass writes them again
+            return np.asarray(scores[0])[..., :u]   # [L, B, Hkv, u]
         lengths = lengths + real
         if lengths.max() > NEW_SLOTS:
             raise RuntimeError(f"a session outgrew its {NEW_SLOTS} new slots")
@@ -315,6 +336,12 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
                       + _followup_token_ids(tok, sample, turn, answers[b][-1][1])
                       for b in range(batch)]
         active = np.ones(batch, bool)
+        if turn and recall is not None and any(r is not None for r in recall):
+            scores = extend(tokens, active, score=True)
+            for b, rule in enumerate(recall):
+                if rule is not None:
+                    held[:, b, :, :u] = rule(scores[:, b], held[:, b, :, :u])
+            kp = jnp.asarray(held)
         checkers = [StopChecker(tok.decode, params, tok.eos_token_ids, p) for p in tokens]
         nxt = extend(tokens, active)
         while True:
@@ -375,7 +402,7 @@ def turn1_pass(pm: ProxyModel, ids: list[int], question: bool = False) -> Turn1:
 def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> dict:
     tok = pm.tokenizer
     ids = first_turn_token_ids(tok, sample)
-    rules = sorted({r for r, _, _ in rows if r != "A"})
+    rules = sorted({split_recall(r)[0] for r, _, _ in rows if r != "A"})
     times = {}
     t0 = time.perf_counter()
     t1 = turn1_pass(pm, ids, question=bool(set(rules) & set(QUESTION_RULES)))
@@ -404,17 +431,21 @@ def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> di
         times["probe"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     scored = rule_scores(t1, rules, kvzip, inv_freq, pm.q_per_kv, probe)
-    masks = []
+    masks, recall = [], []
     for rule, budget, ratio in rows:
+        base, share = split_recall(rule)
         if rule == "A":
             masks.append(np.ones((pm.config.num_layers, pm.config.num_kv_heads, u), bool))
         else:
-            kind, scores = scored[rule]
+            kind, scores = scored[base]
             masks.append(keep_mask(kind, scores, t1, budgets[(budget, ratio)]))
+        count = None if share is None else chunk_keep_count(budgets[(budget, ratio)], u)
+        recall.append(None if share is None else functools.partial(
+            recall_keep, count=count, share=share))
     masks = np.stack(masks)
     times["score"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    answers = run_sessions(pm, sample, ids, t1, masks)
+    answers = run_sessions(pm, sample, ids, t1, masks, recall)
     times["decode"] = time.perf_counter() - t0
     digits = [digit_positions(tok, ids, u, t.answer) for t in sample.turns]
     record = dict(id=sample.id, task=sample.task, n_tokens=n, seconds=times, rows={})
@@ -576,7 +607,8 @@ def main(argv=None):
     ap.add_argument("--tasks", default=",".join(LONG_TASKS))
     ap.add_argument("--ratios", default="0.5,0.25")
     ap.add_argument("--rules", default=",".join(DEFAULT_RULES),
-                    help=f"comma-separated, of {', '.join(RULES)} (`_retention_rules.py` says "
+                    help=f"comma-separated, of {', '.join(RULES)}, each but A also with a "
+                         "recall suffix +R, +R.5 or +Rall (`_retention_rules.py` says "
                          "what each keeps)")
     ap.add_argument("--budgets", default="profile,uniform",
                     help="profile (the shipped G=1 profile at the ratio) and/or uniform")
@@ -597,7 +629,11 @@ def main(argv=None):
         return
 
     tasks = _choices("--tasks", args.tasks, LONG_TASKS, "long-session task")
-    rules = _choices("--rules", args.rules, RULES, "rule")
+    rules = [x for x in args.rules.split(",") if x]
+    for x in rules:
+        if not is_rule(x):
+            raise SystemExit(f"--rules: unknown rule {x!r}; rules: {', '.join(RULES)}, each "
+                             "but A also with a recall suffix +R or +R.5")
     budgets_used = _choices("--budgets", args.budgets, BUDGETS, "budget")
     uniform_rules = _choices("--uniform-rules", args.uniform_rules, RULES, "rule")
     try:
