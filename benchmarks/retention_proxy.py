@@ -268,6 +268,7 @@ class ProxyModel:
             if not score:
                 return h, (nk, nv)
             lc_all = jnp.einsum("btgqd,sgd->bgqts", qg, ck.astype(jnp.float32)) * scale
+            lc_all = jnp.where(jnp.arange(ck.shape[0]) < base, lc_all, _NEG)   # not padding
             everything = jax.nn.softmax(jnp.concatenate([lc_all, ln], axis=-1), axis=-1)
             real = jnp.arange(t)[None, :] < num_real[:, None]                       # [B, T]
             paid = jnp.where(real[:, None, None, :, None], everything[..., :ck.shape[0]], 0.0)

@@ -291,3 +291,104 @@ def test_probe_rules_rank_the_context_by_the_probe_pass(rp):
         _BUDGET, t1.u)[..., None])
     kind, (first, second, share) = scored["DPg"]
     assert kind == "lanes" and share == 0.25 and second is p
+
+
+def _score_pass(rp, pm, t1, keep, tail, tokens):
+    """The protected `tail` prefilled, then the follow-up scoring pass (`extend` with score)
+    of `tokens`: [L, B, Hkv, u] scores, B = keep.shape[0]."""
+    batch = keep.shape[0]
+    cfg = pm.config
+    shape = (cfg.num_layers, batch, rp.NEW_SLOTS, cfg.num_kv_heads, cfg.head_dim)
+    new = (jnp.zeros(shape), jnp.zeros(shape))
+    _, new = _extend(rp, pm, t1, keep, new, [0] * batch, tail)
+    ctx = rp._pad_to(t1.u, rp.BUCKET)
+    kp = np.zeros((keep.shape[1], batch, keep.shape[2], ctx), bool)
+    kp[..., :t1.u] = np.moveaxis(keep, 0, 1)
+    pad = ((0, 0), (0, ctx - t1.u), (0, 0), (0, 0))
+    ck, cv = (jnp.pad(jnp.asarray(x[:, :t1.u]), pad) for x in (t1.k, t1.v))
+    *_, scores = pm.extend(pm.state, pm.layer_states, ck, cv, jnp.asarray(kp), *new,
+                           jnp.full(batch, rp.TAIL, jnp.int32),
+                           jnp.asarray(np.tile(tokens, (batch, 1)), jnp.int32),
+                           jnp.full(batch, len(tokens), jnp.int32), jnp.int32(t1.u), score=True)
+    return np.asarray(scores)[..., :t1.u]
+
+
+def test_recall_scores_are_the_attention_the_follow_up_pays_every_context_key(rp, tiny):
+    """The scoring pass before a follow-up: per layer and KV head, the attention the
+    follow-up's tokens pay each of turn 1's context keys were all visible, summed over the
+    tokens and averaged over the head's query heads, with their queries computed over the
+    kept history. Every key kept: a dense pass's attention. A partial mask: the same at the
+    first layer (its queries do not depend on the history), different after it."""
+    pm, reference = tiny
+    cfg, model = pm.config, reference.model
+    ids = list(np.random.default_rng(1).integers(0, 256, 300))
+    follow = list(np.random.default_rng(2).integers(0, 256, 6))
+    t1 = rp.turn1_pass(pm, ids)
+    u, n = t1.u, t1.n
+    keep = np.ones((2, cfg.num_layers, cfg.num_kv_heads, u), bool)
+    keep[1, ..., ::3] = False
+    scores = _score_pass(rp, pm, t1, keep, ids[u:], follow)
+    # Reference: the dense decoder over turn 1 + the follow-up, every key visible.
+    seq = ids + follow
+    qpk = cfg.num_heads // cfg.num_kv_heads
+    h = model.embed(jnp.asarray([seq], jnp.int32))
+    positions = jnp.arange(len(seq), dtype=jnp.int32)[None]
+    causal = np.tril(np.ones((len(seq), len(seq)), bool))
+    for layer_index, layer in enumerate(model.layers):
+        q, k, v = layer.qkv(h, positions)
+        qg = q[0].reshape(len(seq), cfg.num_kv_heads, qpk, -1)
+        logits = jnp.einsum("tgqd,sgd->gqts", qg, k[0]) * cfg.head_dim ** -0.5
+        probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
+        want = np.asarray(probs[:, :, n:, :u].sum(axis=2).mean(axis=1))   # [Hkv, u]
+        np.testing.assert_allclose(scores[layer_index, 0], want, atol=1e-5)
+        if layer_index == 0:
+            np.testing.assert_allclose(scores[0, 1], want, atol=1e-5)
+        out = jnp.einsum("gqts,sgd->tgqd", probs, v[0]).reshape(1, len(seq), cfg.num_heads, -1)
+        h = layer.finish(h, out)
+    assert np.abs(scores[1:, 1] - scores[1:, 0]).max() > 1e-4
+
+
+def test_recall_keeps_the_count_and_chooses_its_share_again(rp, rules):
+    """X+R chooses the head's whole count by the follow-up's pooled scores, X+R.5 half of it
+    (the rest: the held tokens it scores highest), X+Rall every token; names parse."""
+    assert rules.split_recall("DHg+R.5") == ("DHg", 0.5)
+    assert rules.split_recall("D+Rall") == ("D", 0.0) and rules.split_recall("D") == ("D", None)
+    assert not rules.is_rule("A+R") and not rules.is_rule("Z+R") and rules.is_rule("E+R")
+    rng = np.random.default_rng(0)
+    u = 200
+    scores = rng.random((2, 2, u)).astype(np.float32)
+    count = chunk_keep_count(_BUDGET, u)
+    held = _ranks(rng.random((2, 2, u))) < count[..., None]
+    from tangram_jax.compression.scorers import pool1d
+    pooled = np.asarray(pool1d(jnp.asarray(scores), rules.SNAPKV_KERNEL, "max"))
+    again = rules.recall_keep(scores, held, count, 1.0)
+    np.testing.assert_array_equal(again, _ranks(pooled) < count[..., None])
+    half = rules.recall_keep(scores, held, count, 0.5)
+    assert (half.sum(-1) == count).all() and (again.sum(-1) == count).all()
+    stay = np.floor(0.5 * count + 1e-6).astype(int)[..., None]
+    kept = _ranks(np.where(held, pooled, -np.inf)) < stay   # the held ones it scores highest
+    assert (half & kept).sum() == kept.sum()
+    assert rules.recall_keep(scores, held, count, 0.0).all()
+
+
+def test_a_recall_that_keeps_the_mask_changes_no_answer(rp, tiny):
+    """Sessions with a recall rule run the scoring pass before each follow-up and then the
+    turn as before: a recall returning the held mask unchanged answers as no recall; it is
+    called once a follow-up turn with that row's [L, Hkv, u] scores and mask."""
+    from tangram_jax.evaluation.tasks import TaskSizes, generate
+    pm, _ = tiny
+    sample = generate("long_kv", 0, 0, TaskSizes(long_chars=1500))   # two turns
+    ids = rp.first_turn_token_ids(pm.tokenizer, sample)
+    t1 = rp.turn1_pass(pm, ids)
+    keep = np.zeros((pm.config.num_layers, pm.config.num_kv_heads, t1.u), bool)
+    keep[..., ::2] = True
+    calls = []
+
+    def unchanged(scores, held):
+        calls.append((scores.shape, held.copy()))
+        return held
+
+    answers = rp.run_sessions(pm, sample, ids, t1, np.stack([keep, keep]), [None, unchanged])
+    assert answers[0] == answers[1]
+    assert len(calls) == len(sample.turns) - 1
+    assert all(shape == keep.shape and np.array_equal(h, keep) for shape, h in calls)
