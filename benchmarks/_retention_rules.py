@@ -65,6 +65,7 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
         the others (evict later, never grow: the reservation's count stays)
   X+Rall every turn-1 token visible again from the first follow-up (the control: the most any
         recall could give back; it grows past the reservation)
+  X+R2  X+R twice: the second scoring pass's queries see what the first recalled
 """
 
 from __future__ import annotations
@@ -99,7 +100,13 @@ TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
 
 
 # suffix -> the share of the count chosen again (0: the whole turn, the +Rall control)
-RECALL_SUFFIXES = {"+R": 1.0, "+R.5": 0.5, "+Rall": 0.0}
+RECALL_SUFFIXES = {"+R": 1.0, "+R.5": 0.5, "+Rall": 0.0, "+R2": 1.0}
+RECALL_ROUNDS = {"+R2": 2}   # scoring passes before a follow-up (default 1)
+
+
+def recall_rounds(rule: str) -> int:
+    """Scoring passes (each followed by a recall) before each follow-up turn of `rule`."""
+    return next((n for suffix, n in RECALL_ROUNDS.items() if rule.endswith(suffix)), 1)
 
 
 def split_recall(rule: str) -> tuple[str, float | None]:

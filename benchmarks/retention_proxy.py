@@ -60,7 +60,8 @@ from flax import nnx  # noqa: E402
 
 from _retention_rules import (CHUNK, KVZIP_RULES, PROBE_RULES, QUESTION_RULES,  # noqa: E402
                               RULES, TAIL, QuestionPass, Turn1, is_rule, keep_mask,
-                              probe_scores, recall_keep, rule_scores, split_recall)
+                              probe_scores, recall_keep, recall_rounds, rule_scores,
+                              split_recall)
 from tangram_jax.kv_layout import chunk_keep_count  # noqa: E402
 from tangram_jax.atomic_files import write_text_atomic  # noqa: E402
 from tangram_jax.benchmarking.results import (finish, provenance,  # noqa: E402
@@ -286,7 +287,8 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
                  recall: list | None = None):
     """Greedy answers of every turn for B rows of keep masks keep [B, L, Hkv, u].
     recall: per row None, or a function (follow-up scores [L, Hkv, u], the row's keep mask
-    [L, Hkv, u]) -> its new keep mask, applied before each follow-up turn is prefilled: the
+    [L, Hkv, u]) -> its new keep mask (its attribute `rounds`, default 1: how many scoring
+    passes, each followed by it), applied before each follow-up turn is prefilled: the
     follow-up's tokens first run over the kept context to score all of it (`ProxyModel.
     _extend`'s `score`), as an engine holding the dropped tokens in host memory would before
     recalling some (rules X+R: `_retention_rules.recall_keep`).
@@ -337,10 +339,12 @@ def run_sessions(pm: ProxyModel, sample, ids: list[int], t1: Turn1, keep: np.nda
                       + _followup_token_ids(tok, sample, turn, answers[b][-1][1])
                       for b in range(batch)]
         active = np.ones(batch, bool)
-        if turn and recall is not None and any(r is not None for r in recall):
+        rounds = max((getattr(r, "rounds", 1) for r in recall or () if r is not None),
+                     default=0)
+        for done in range(rounds if turn else 0):
             scores = extend(tokens, active, score=True)
             for b, rule in enumerate(recall):
-                if rule is not None:
+                if rule is not None and getattr(rule, "rounds", 1) > done:
                     held[:, b, :, :u] = rule(scores[:, b], held[:, b, :, :u])
             kp = jnp.asarray(held)
         checkers = [StopChecker(tok.decode, params, tok.eos_token_ids, p) for p in tokens]
@@ -443,6 +447,8 @@ def evaluate_sample(pm: ProxyModel, sample, rows, budgets: dict, inv_freq) -> di
         count = None if share is None else chunk_keep_count(budgets[(budget, ratio)], u)
         recall.append(None if share is None else functools.partial(
             recall_keep, count=count, share=share))
+        if share is not None:
+            recall[-1].rounds = recall_rounds(rule)
     masks = np.stack(masks)
     times["score"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -609,7 +615,7 @@ def main(argv=None):
     ap.add_argument("--ratios", default="0.5,0.25")
     ap.add_argument("--rules", default=",".join(DEFAULT_RULES),
                     help=f"comma-separated, of {', '.join(RULES)}, each but A also with a "
-                         "recall suffix +R, +R.5 or +Rall (`_retention_rules.py` says "
+                         "recall suffix +R, +R.5, +R2 or +Rall (`_retention_rules.py` says "
                          "what each keeps)")
     ap.add_argument("--budgets", default="profile,uniform",
                     help="profile (the shipped G=1 profile at the ratio) and/or uniform")

@@ -353,6 +353,7 @@ def test_recall_keeps_the_count_and_chooses_its_share_again(rp, rules):
     (the rest: the held tokens it scores highest), X+Rall every token; names parse."""
     assert rules.split_recall("DHg+R.5") == ("DHg", 0.5)
     assert rules.split_recall("D+Rall") == ("D", 0.0) and rules.split_recall("D") == ("D", None)
+    assert rules.split_recall("D+R2") == ("D", 1.0) and rules.recall_rounds("D+R2") == 2
     assert not rules.is_rule("A+R") and not rules.is_rule("Z+R") and rules.is_rule("E+R")
     rng = np.random.default_rng(0)
     u = 200
@@ -388,7 +389,16 @@ def test_a_recall_that_keeps_the_mask_changes_no_answer(rp, tiny):
         calls.append((scores.shape, held.copy()))
         return held
 
-    answers = rp.run_sessions(pm, sample, ids, t1, np.stack([keep, keep]), [None, unchanged])
-    assert answers[0] == answers[1]
-    assert len(calls) == len(sample.turns) - 1
+    twice = []
+
+    def unchanged_twice(scores, held):
+        twice.append(scores)
+        return held
+
+    unchanged_twice.rounds = 2   # X+R2: two scoring passes a follow-up
+    answers = rp.run_sessions(pm, sample, ids, t1, np.stack([keep, keep, keep]),
+                              [None, unchanged, unchanged_twice])
+    assert answers[0] == answers[1] == answers[2]
+    assert len(calls) == len(sample.turns) - 1 and len(twice) == 2 * len(calls)
     assert all(shape == keep.shape and np.array_equal(h, keep) for shape, h in calls)
+    np.testing.assert_allclose(twice[0], twice[1], atol=1e-6)   # nothing recalled between
