@@ -203,9 +203,10 @@ class StepCompilation:
                 1, thread_name_prefix="tangram-background-compile")
             _BACKGROUND_EXECUTORS.add(self._background)
         waiting = [(field, program.key[field], key[2]) for field, _ in program.covered_by]
-        for (field, covering_value), wait in zip(program.covered_by, waiting):
-            self._covered_by[(field, program.key[field])] = covering_value
-            self._compiling[wait] = self._compiling.get(wait, 0) + 1
+        with self._background_lock:   # the thread counts them down (`_judge`)
+            for (field, covering_value), wait in zip(program.covered_by, waiting):
+                self._covered_by[(field, program.key[field])] = covering_value
+                self._compiling[wait] = self._compiling.get(wait, 0) + 1
         covering = (key[0], repr(sorted(dict(program.key, **dict(program.covered_by)).items())),
                     key[2])
 
@@ -252,12 +253,14 @@ class StepCompilation:
                         f"{peak:,}", f"{limit:,}")
             self._refused_compiles.append(judged.key)
             return
-        self._compiled[judged.key] = judged.compiled
-        self.compile_log.append(judged.record)
-        for wait in judged.waiting:
-            self._compiling[wait] -= 1
-            if not self._compiling[wait]:
-                del self._compiling[wait]
+        # The thread and `allocate_pool` may judge at once: the counts change under the lock.
+        with self._background_lock:
+            self._compiled[judged.key] = judged.compiled
+            self.compile_log.append(judged.record)
+            for wait in judged.waiting:
+                self._compiling[wait] -= 1
+                if not self._compiling[wait]:
+                    del self._compiling[wait]
 
     def _ready(self, field: str, value: int) -> bool:
         """Whether calls of `field` = `value` ("region_pages": a turn compaction's width;
