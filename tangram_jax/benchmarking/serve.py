@@ -613,7 +613,10 @@ def plot(report: dict, path: Path) -> None:
             ttft.plot(at, [f["p99"] or 0 for f in follow], "k_", markersize=12)
         for a in (ax, ttft):
             a.set_xticks([j + 0.4 - width / 2 for j in range(len(closed))], closed)
-        ax.set_ylabel("turns / s (closed loop)")
+        thinks = sorted({w["think_time"] for w in report["workloads"]
+                         if w["name"] in closed and w.get("think_time")})
+        ax.set_ylabel("turns / s (closed loop" + (
+            f", think time {', '.join(f'{t:g}' for t in thinks)} s mean)" if thinks else ")"))
         ax.set_title("throughput per context class")
         ax.legend(fontsize=8)
         ttft.set_ylabel("follow-up TTFT (s): p50 bars, p99 marks")
