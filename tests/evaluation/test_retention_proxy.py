@@ -51,8 +51,9 @@ def _dense_logits(loaded, tokens, positions):
     return np.asarray(logits[0, -1])
 
 
-def _extend(rp, pm, t1, keep, new, lengths, tokens):
-    """One `extend` of B = keep.shape[0] rows, every row fed `tokens`."""
+def _extend(rp, pm, t1, keep, new, lengths, tokens, score=False):
+    """One `extend` of B = keep.shape[0] rows, every row fed `tokens`; with `score` the
+    follow-up scoring pass's [L, B, Hkv, u] scores instead."""
     batch = keep.shape[0]
     ctx = rp._pad_to(t1.u, rp.BUCKET)
     kp = np.zeros((keep.shape[1], batch, keep.shape[2], ctx), bool)
@@ -60,9 +61,12 @@ def _extend(rp, pm, t1, keep, new, lengths, tokens):
     pad = ((0, 0), (0, ctx - t1.u), (0, 0), (0, 0))
     ck, cv = (jnp.pad(jnp.asarray(x[:, :t1.u]), pad) for x in (t1.k, t1.v))
     arr = jnp.asarray(np.tile(tokens, (batch, 1)), jnp.int32)
-    logits, new_k, new_v = pm.extend(pm.state, pm.layer_states, ck, cv, jnp.asarray(kp), *new,
-                                     jnp.asarray(lengths, jnp.int32), arr,
-                                     jnp.full(batch, len(tokens), jnp.int32), jnp.int32(t1.u))
+    logits, new_k, new_v, *scores = pm.extend(
+        pm.state, pm.layer_states, ck, cv, jnp.asarray(kp), *new,
+        jnp.asarray(lengths, jnp.int32), arr, jnp.full(batch, len(tokens), jnp.int32),
+        jnp.int32(t1.u), score=score)
+    if score:
+        return np.asarray(scores[0])[..., :t1.u]
     return np.asarray(logits), (new_k, new_v)
 
 
@@ -293,26 +297,6 @@ def test_probe_rules_rank_the_context_by_the_probe_pass(rp):
     assert kind == "lanes" and share == 0.25 and second is p
 
 
-def _score_pass(rp, pm, t1, keep, tail, tokens):
-    """The protected `tail` prefilled, then the follow-up scoring pass (`extend` with score)
-    of `tokens`: [L, B, Hkv, u] scores, B = keep.shape[0]."""
-    batch = keep.shape[0]
-    cfg = pm.config
-    shape = (cfg.num_layers, batch, rp.NEW_SLOTS, cfg.num_kv_heads, cfg.head_dim)
-    new = (jnp.zeros(shape), jnp.zeros(shape))
-    _, new = _extend(rp, pm, t1, keep, new, [0] * batch, tail)
-    ctx = rp._pad_to(t1.u, rp.BUCKET)
-    kp = np.zeros((keep.shape[1], batch, keep.shape[2], ctx), bool)
-    kp[..., :t1.u] = np.moveaxis(keep, 0, 1)
-    pad = ((0, 0), (0, ctx - t1.u), (0, 0), (0, 0))
-    ck, cv = (jnp.pad(jnp.asarray(x[:, :t1.u]), pad) for x in (t1.k, t1.v))
-    *_, scores = pm.extend(pm.state, pm.layer_states, ck, cv, jnp.asarray(kp), *new,
-                           jnp.full(batch, rp.TAIL, jnp.int32),
-                           jnp.asarray(np.tile(tokens, (batch, 1)), jnp.int32),
-                           jnp.full(batch, len(tokens), jnp.int32), jnp.int32(t1.u), score=True)
-    return np.asarray(scores)[..., :t1.u]
-
-
 def test_recall_scores_are_the_attention_the_follow_up_pays_every_context_key(rp, tiny):
     """The scoring pass before a follow-up: per layer and KV head, the attention the
     follow-up's tokens pay each of turn 1's context keys were all visible, summed over the
@@ -327,7 +311,9 @@ def test_recall_scores_are_the_attention_the_follow_up_pays_every_context_key(rp
     u, n = t1.u, t1.n
     keep = np.ones((2, cfg.num_layers, cfg.num_kv_heads, u), bool)
     keep[1, ..., ::3] = False
-    scores = _score_pass(rp, pm, t1, keep, ids[u:], follow)
+    shape = (cfg.num_layers, 2, rp.NEW_SLOTS, cfg.num_kv_heads, cfg.head_dim)
+    _, new = _extend(rp, pm, t1, keep, (jnp.zeros(shape), jnp.zeros(shape)), [0, 0], ids[u:])
+    scores = _extend(rp, pm, t1, keep, new, [rp.TAIL, rp.TAIL], follow, score=True)
     # Reference: the dense decoder over turn 1 + the follow-up, every key visible.
     seq = ids + follow
     qpk = cfg.num_heads // cfg.num_kv_heads
