@@ -220,7 +220,8 @@ def main(argv=None) -> None:
     write_result(out, "families_gpu", dict(
         model=dict(FAMILY_SHAPES[args.shape], shape=args.shape, dtype=str(jnp.dtype(dtype)),
                    weight_bytes=sizes, random_weights=True, layer_windows=config.layer_windows),
-        tensor_parallel_size=args.tp, sampler=args.sampler, device_kind=kind, peaks=PEAKS, page_size=PAGE,
+        tensor_parallel_size=args.tp, sampler=args.sampler, device_kind=kind, peaks=PEAKS,
+        page_size=PAGE,
         context_tokens=args.context, layer_loop=runner.layer_loop, model_build_s=build_s,
         what_is_timed="ModelRunner.decode per batch bucket (full mode) and ModelRunner.prefill "
                       "of one row at history 0; `ms` is GPU busy time when the profiler saw GPU "

@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from _retention_rules import (CHUNK, KVZIP_RULES, PROBE_RULES, QUESTION_RULES,  # noqa: E402
-                              RULES, TAIL, QuestionPass, Turn1, is_rule, keep_mask,
+                              RECALL_SUFFIXES, RULES, TAIL, QuestionPass, Turn1, is_rule, keep_mask,
                               probe_scores, recall_keep, recall_rounds, rule_scores,
                               split_recall)
 from tangram_jax.kv_layout import chunk_keep_count  # noqa: E402
@@ -615,8 +615,8 @@ def main(argv=None):
     ap.add_argument("--ratios", default="0.5,0.25")
     ap.add_argument("--rules", default=",".join(DEFAULT_RULES),
                     help=f"comma-separated, of {', '.join(RULES)}, each but A also with a "
-                         "recall suffix +R, +R.5, +R2 or +Rall (`_retention_rules.py` says "
-                         "what each keeps)")
+                         f"recall suffix ({', '.join(RECALL_SUFFIXES)}; "
+                         "`_retention_rules.py` says what each keeps)")
     ap.add_argument("--budgets", default="profile,uniform",
                     help="profile (the shipped G=1 profile at the ratio) and/or uniform")
     ap.add_argument("--uniform-rules", default="B,C,D,E",
@@ -640,7 +640,7 @@ def main(argv=None):
     for x in rules:
         if not is_rule(x):
             raise SystemExit(f"--rules: unknown rule {x!r}; rules: {', '.join(RULES)}, each "
-                             "but A also with a recall suffix +R or +R.5")
+                             f"but A also with a recall suffix ({', '.join(RECALL_SUFFIXES)})")
     budgets_used = _choices("--budgets", args.budgets, BUDGETS, "budget")
     uniform_rules = _choices("--uniform-rules", args.uniform_rules, RULES, "rule")
     try:
