@@ -56,7 +56,7 @@ from tangram_jax.benchmarking.results import resolve_outputs, write_result  # no
 from tangram_jax.commands import add_overwrite_flag  # noqa: E402
 from tangram_jax.engine.config import EngineConfig  # noqa: E402
 from tangram_jax.engine import decode_step  # noqa: E402
-from tangram_jax.engine.decode_step import decode_split_map  # noqa: E402
+from tangram_jax.engine.decode_step import _greedy_rows, decode_split_map  # noqa: E402
 from tangram_jax.engine.memory import step_peak_bytes  # noqa: E402
 from tangram_jax.engine.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from tangram_jax.engine.tensor_parallel import Placement  # noqa: E402
@@ -78,21 +78,22 @@ def weight_bytes(model, dtype) -> dict:
     return sizes
 
 
-def decode_program_facts(runner: ModelRunner, call) -> dict:
-    """Of the decode program of `call`: the bytes it allocates beyond its donated arguments
-    (`memory.step_peak_bytes`: a few MB of activations, unless it copies the pool), and its
-    conditionals (each one a predicate the host reads back before it launches the rest of
-    the step: sampling's `lax.cond`s)."""
-    args, static = runner._decode_call(runner.k_pages, runner.v_pages, *call.decode_args)
+def decode_program_facts(runner: ModelRunner, call, greedy: bool) -> dict:
+    """Of the decode step of `call`: the bytes its forward program allocates beyond its donated
+    arguments (`memory.step_peak_bytes`: a few MB of activations, unless it copies the pool),
+    and the conditionals of its two programs, the forward pass and the sampler (each one a
+    predicate the host reads back before it launches the rest of the step: the general
+    sampler's `lax.cond`s)."""
+    args, static = runner._decode_call(runner.k_pages, runner.v_pages, *call.decode_args[:3])
     compiled = runner._decode.lower(*args, **static).compile()
+    b = len(call.decode_args[1])
+    sampler = runner._sample_rows.lower(
+        runner.slot_state, jax.ShapeDtypeStruct((b, runner.config.vocab_size), jnp.float32,
+                                                sharding=runner.placement.replicated),
+        np.zeros(b, np.int32), _greedy_rows(b), logprobs=None, greedy=greedy).compile()
     return dict(step_extra_bytes=step_peak_bytes(compiled),
-                step_conditionals=compiled.as_text().count(" conditional("))
-
-
-def argmax_tokens(logits, temperature, top_k, top_p, keys, adjust=None, penalties=None):
-    """`sampling.sample_tokens`' stand-in for `--sampler argmax`: every row's argmax, no
-    conditional (the benchmark's rows are greedy, so the tokens are the same)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                step_conditionals=sum(c.as_text().count(" conditional(")
+                                      for c in (compiled, sampler)))
 
 
 def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
@@ -153,11 +154,12 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-prefill", action="store_true", help="decode figures only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", choices=("engine", "argmax"), default="engine",
-                        help="engine: the engine's sampler (its two lax.conds make the host "
-                             "wait on their predicates each step); argmax: each row's argmax "
-                             "without a conditional, the most a branch-free sampler can save "
-                             "(greedy rows: the same tokens)")
+    parser.add_argument("--sampler", choices=("engine", "general"), default="engine",
+                        help="engine: the engine's choice for the benchmark's greedy rows (each "
+                             "row's argmax, no conditional); general: the sampler a batch with "
+                             "a sampled or penalised row runs (its two lax.conds make the host "
+                             "wait on their predicates each step; greedy rows: the same "
+                             "tokens)")
     parser.add_argument("--trace-dir", default=None,
                         help="also keep a profiler trace (xplane.pb) of 3 decode steps at the "
                              "largest batch here: the timeline of every device")
@@ -168,8 +170,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     out = resolve_outputs(parser, args, {"out": f"families_{args.shape}_tp{args.tp}"})[0]
     config = family_config(args.shape)
-    if args.sampler == "argmax":
-        decode_step.sample_tokens = argmax_tokens   # before any step is traced
+    if args.sampler == "general":   # every step takes the general sampler
+        sampling_rows = decode_step._sampling_rows
+        decode_step._sampling_rows = lambda *a: (sampling_rows(*a)[0], False)
     devices = jax.devices()[:args.tp]
     if len(devices) < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} devices, have {len(jax.devices())}")
@@ -201,7 +204,7 @@ def main(argv=None) -> None:
         rows = slots[:b]
         call = decode_call(runner, rows, manager.lengths[rows] - 1, args.context)
         fig = measure(call, args.reps, on_gpu)
-        fig.update(decode_program_facts(runner, call))
+        fig.update(decode_program_facts(runner, call, args.sampler == "engine"))
         bound = limits(config, sizes, b, args.context, args.prefill, args.tp, kind)
         fig.update(batch=b, limit_ms=bound["decode_ms"], limit_bytes=bound["decode_bytes"],
                    kv_bytes=bound["decode_kv_bytes"], expert_bytes=bound["decode_expert_bytes"],

@@ -88,9 +88,7 @@ def main(argv=None):
             options = {} if remat else {"xla_disable_hlo_passes": "rematerialization"}
             dec = (*runner.weight_args, pool, pool, runner.slot_state,
                    np.zeros(b, np.int32), runner.block_tables, np.zeros(b, np.int32),
-                   np.zeros((b, args.layers, 1), np.int32), np.zeros(b, np.float32),
-                   np.full(b, -1, np.int32), np.ones(b, np.float32), np.zeros(b, np.uint32),
-                   np.zeros(b, np.int32))
+                   np.zeros((b, args.layers, 1), np.int32))
             pre = (*runner.weight_args, pool, pool, np.zeros((1, 256), np.int32),
                    np.zeros(1, np.int32), np.ones(1, np.int32), runner.block_tables,
                    np.zeros(1, np.int32), np.zeros((1, args.layers, 1), np.int32),

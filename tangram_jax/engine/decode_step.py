@@ -4,7 +4,12 @@
 padded bucket of sequences, its input read from the device's `slot_state`, attention split by
 the bucket's AOT split map), the mixed step of the CPU path (prefill rows and decode rows as
 one program: `_run_mixed`, `_mixed_impl`), and `sample` (the first token of prompts that
-ended). `decode_split_map(s)` build the split maps the decode kernel is compiled with;
+ended). A decode step is two programs: the forward pass to the logits, then the sampler
+(`_sample_into_slots`), compiled twice: each row's argmax, without a conditional, where the
+host sees that no row samples or adjusts its logits (`_sampling_rows`), and the general
+sampler otherwise. A device-side branch between the two makes the host wait for its predicate
+every step, so the next step's launch is not hidden behind this one's work: 27% of the 8B
+step at batch 64 on an H200 (`benchmarks/NOTES_engine.md`, "Sampling's conditionals"). `decode_split_map(s)` build the split maps the decode kernel is compiled with;
 `_copy_pages` copies a fork's partly filled pages.
 """
 
@@ -121,11 +126,14 @@ class DecodeSteps:
              forced_tokens, adjust) = self._pad_decode_rows(
                 covering - len(slots), positions, slots, lengths, temperature, top_k, top_p,
                 seeds, steps, forced_tokens, adjust)
-        args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths,
-                                         temperature, top_k, top_p, seeds, steps,
-                                         forced_tokens, logprobs, adjust)
-        self.k_pages, self.v_pages, self.slot_state, next_tokens, lp = self._decode(
-            *args, **static)
+        _check_logprob_mode(logprobs)
+        args, static = self._decode_call(self.k_pages, self.v_pages, positions, slots, lengths)
+        self.k_pages, self.v_pages, logits = self._decode(*args, **static)
+        rows, greedy = _sampling_rows(temperature, top_k, top_p, seeds, steps, forced_tokens,
+                                      adjust, len(slots))
+        self.slot_state, next_tokens, lp = self._sample_rows(
+            self.slot_state, logits, np.asarray(slots, np.int32), rows, logprobs=logprobs,
+            greedy=greedy)
         return next_tokens if logprobs is None else (next_tokens, lp)
 
     def _ready_decode_bucket(self, bucket: int) -> int:
@@ -153,25 +161,18 @@ class DecodeSteps:
                 None if adjust is None else LogitsAdjust(*(
                     pad(x, fill) for x, fill in zip(adjust, neutral_adjust(extra)))))
 
-    def _decode_call(self, k_pages, v_pages, positions, slots, lengths, temperature, top_k,
-                     top_p, seeds, steps, forced_tokens=None,
-                     logprobs: str | None = None,
-                     adjust: LogitsAdjust | None = None) -> tuple[tuple, dict]:
+    def _decode_call(self, k_pages, v_pages, positions, slots,
+                     lengths) -> tuple[tuple, dict]:
         """`_decode`'s positional inputs and static arguments (the bucket is `len(slots)`)."""
         bucket = len(slots)
         split_map = self.split_maps.get(bucket) if self.ops.name == "pallas" else None
         if self.ops.name == "pallas" and split_map is None:
             raise ValueError(f"no split map for decode bucket {bucket}; have "
                              f"{sorted(self.split_maps)}")
-        _check_logprob_mode(logprobs)
-        forced = (np.full(bucket, -1, np.int32) if forced_tokens is None
-                  else np.asarray(forced_tokens, np.int32))
-        adjust = neutral_adjust(bucket) if adjust is None else adjust
         args = (*self.weight_args, k_pages, v_pages, self.slot_state,
                 np.asarray(positions, np.int32), self.block_tables, np.asarray(slots, np.int32),
-                np.asarray(lengths, np.int32),
-                pack_rows(temperature, top_k, top_p, seeds, steps, forced, adjust))
-        return args, dict(split_map=split_map, logprobs=logprobs,
+                np.asarray(lengths, np.int32))
+        return args, dict(split_map=split_map,
                           table_width=self._table_width(int(np.max(lengths, initial=0)) + 1,
                                                         prefill=False))
 
@@ -190,9 +191,10 @@ class DecodeSteps:
             out_specs=(heads, self._pool_spec, self._pool_spec))
 
     def _decode_impl(self, state, layer_states, k_pages, v_pages, slot_state, positions,
-                     all_tables, slots, lengths, rows, *, split_map, logprobs, table_width):
+                     all_tables, slots, lengths, *, split_map, table_width):
+        """The forward pass of a decode step: (k_pages, v_pages, logits float32 [B, vocab]);
+        `_sample_into_slots` chooses the tokens."""
         state, layer_states = self._weight_trees(state, layer_states)
-        temperature, top_k, top_p, seeds, steps, forced, adjust = unpack_rows(rows)
         model = nnx.merge(self.graphdef, state)
         tokens = slot_state.tokens[slots]
         block_tables = all_tables[slots][..., :table_width]   # [B, layers, groups, width]
@@ -220,12 +222,7 @@ class DecodeSteps:
             layer_step, (h, k_pages, v_pages),
             (layer_states, jnp.swapaxes(block_tables, 0, 1), jnp.swapaxes(lengths, 0, 1),
              work_lists))
-        logits = model.logits(h)[:, 0]
-        next_tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced,
-                                         logprobs, adjust, (slot_state.penalties, slots))
-        # Padded rows all point at the null slot; whichever write wins there is never read.
-        return (k_pages, v_pages, record_tokens(slot_state, slots, next_tokens), next_tokens,
-                lp)
+        return k_pages, v_pages, model.logits(h)[:, 0]
 
     # ----- a mixed step: prefill rows and decode rows in one program (the CPU path) -------------
     def _run_mixed(self, tokens, start_positions, slots, hist_lengths, num_protected,
@@ -243,14 +240,18 @@ class DecodeSteps:
         prefill_args, prefill_static = self._prefill_args(
             tokens, start_positions, slots, hist_lengths, num_protected, None, self.k_pages,
             self.v_pages, turn_rows)
-        decode_args, decode_static = self._decode_call(
-            self.k_pages, self.v_pages, positions, d_slots, lengths, *sampling, forced,
-            logprobs, adjust)
+        _check_logprob_mode(logprobs)
+        decode_args, decode_static = self._decode_call(self.k_pages, self.v_pages, positions,
+                                                       d_slots, lengths)
+        # The mixed step keeps the general sampler (`_choose_tokens`' conditionals): it runs on
+        # the CPU, where a conditional costs the host no wait on a device.
+        rows, _ = _sampling_rows(*sampling, forced, adjust, len(d_slots))
         # One width for both parts: where steps mix it is the whole table (`_table_width`).
         prefill_static = dict(prefill_static, table_width=max(
             prefill_static["table_width"], decode_static["table_width"]))
         logits, kept, next_tokens, lp = self._call_mixed(prefill_args, prefill_static,
-                                                         decode_args, decode_static)
+                                                         decode_args, decode_static, rows,
+                                                         logprobs)
         return logits, kept, (next_tokens if logprobs is None else (next_tokens, lp))
 
     @property
@@ -263,18 +264,20 @@ class DecodeSteps:
         return self.ops.name == "xla" and self.tiers is None and self.placement.tp == 1
 
     def _mixed_args(self, prefill_args: tuple, prefill_static: dict, decode_args: tuple,
-                    decode_static: dict) -> tuple[tuple, dict]:
+                    decode_static: dict, d_rows: np.ndarray,
+                    logprobs: str | None) -> tuple[tuple, dict]:
         """`_mixed`'s inputs and static arguments from a prefill call's and a decode call's
-        (`_prefill_args`, `_decode_call`) over the same pool."""
+        (`_prefill_args`, `_decode_call`) over the same pool, and the decode rows' sampling
+        (`_sampling_rows`' packed rows, a logprob mode)."""
         (state, layer_states, k_pages, v_pages, flat, positions, row_starts, lens, protected,
          tables, row_slots, hist, keep, items, held_protected, turn_hist, view_skip) = prefill_args
-        (_, _, _, _, slot_state, d_positions, _, d_slots, d_lengths, d_rows) = decode_args
+        (_, _, _, _, slot_state, d_positions, _, d_slots, d_lengths) = decode_args
         return ((state, layer_states, k_pages, v_pages, slot_state, tables, flat, positions,
                  row_starts, lens, protected, row_slots, hist, keep, items, held_protected,
                  turn_hist, view_skip, d_positions, d_slots, d_lengths, d_rows),
                 dict(table_width=prefill_static["table_width"],
                      region_pages=prefill_static["region_pages"],
-                     logprobs=decode_static["logprobs"]))
+                     logprobs=logprobs))
 
     def _mixed_impl(self, state, layer_states, k_pages, v_pages, slot_state, all_tables,
                     tokens, positions, row_starts, row_lens, num_protected, slots, hist_lengths,
@@ -343,10 +346,12 @@ class DecodeSteps:
         return (k_pages, v_pages, record_tokens(slot_state, d_slots, next_tokens), next_tokens, lp,
                 plans if planned else None, logits[:rows], per_layer(kept))
 
-    def _call_mixed(self, prefill_args, prefill_static, decode_args, decode_static) -> tuple:
+    def _call_mixed(self, prefill_args, prefill_static, decode_args, decode_static, d_rows,
+                    logprobs) -> tuple:
         """Run `_mixed` on the held pool (and apply the prefill's planned writes); returns
         (logits, kept, next_tokens, lp)."""
-        args, static = self._mixed_args(prefill_args, prefill_static, decode_args, decode_static)
+        args, static = self._mixed_args(prefill_args, prefill_static, decode_args, decode_static,
+                                        d_rows, logprobs)
         (self.k_pages, self.v_pages, self.slot_state, next_tokens, lp, writes, logits,
          kept) = self._mixed(*args, **static)
         if writes is not None:
@@ -370,11 +375,13 @@ class DecodeSteps:
         padded_slots[n:] = self.null_slot
         forced = rows(np.full(n, -1) if forced_tokens is None else forced_tokens, np.int32)
         adjust = neutral_adjust(n) if adjust is None else adjust
-        self.slot_state, tokens, lp = self._sample_rows(
-            self.slot_state, jnp.stack([logits[i] for i in pick]), padded_slots,
+        packed, greedy = _sampling_rows(
             rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
             rows(seeds, np.uint32), rows(steps, np.int32), forced,
-            LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)), logprobs=logprobs)
+            LogitsAdjust(*(np.asarray(x)[pick] for x in adjust)), len(pick))
+        self.slot_state, tokens, lp = self._sample_rows(
+            self.slot_state, jnp.stack([logits[i] for i in pick]), padded_slots, packed,
+            logprobs=logprobs, greedy=greedy)
         return tokens if logprobs is None else (tokens, lp)
 
 
@@ -382,6 +389,11 @@ def _greedy(rows: int) -> tuple[np.ndarray, ...]:
     """Sampling arrays (temperature, top_k, top_p, seeds, steps) of `rows` greedy rows."""
     return (np.zeros(rows, np.float32), np.full(rows, -1, np.int32), np.ones(rows, np.float32),
             np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+
+def _greedy_rows(rows: int) -> np.ndarray:
+    """`_sampling_rows`' packed arrays of `rows` greedy rows: what programs are lowered with."""
+    return _sampling_rows(*_greedy(rows), None, None, rows)[0]
 
 
 def _pad_rows(n: int) -> list[int]:
@@ -395,21 +407,43 @@ def _check_logprob_mode(logprobs) -> None:
 
 
 def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
-                   adjust, penalties):
+                   adjust, penalties, greedy: bool = False):
     """Each row's token (sampled after `adjust` with the rows' `penalties`, a (table, slots)
     pair, or forced where ``forced >= 0``) and, with `logprobs` set, the model's
-    log-probabilities at that row (computed here on the device)."""
-    tokens = force_tokens(sample_tokens(logits, temperature, top_k, top_p,
-                                        step_keys(seeds, steps), adjust, penalties), forced)
+    log-probabilities at that row (computed here on the device). `greedy` (static): every row
+    is greedy and adjusts nothing (`_sampling_rows`), so each takes its argmax, the token
+    `sample_tokens` would choose, without its conditionals."""
+    chosen = (jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32) if greedy
+              else sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps),
+                                 adjust, penalties))
+    tokens = force_tokens(chosen, forced)
     lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
     return tokens, lp
 
 
-def _sample_into_slots(slot_state, logits, slots, temperature, top_k, top_p, seeds, steps,
-                       forced, adjust, *, logprobs):
+def _sample_into_slots(slot_state, logits, slots, rows, *, logprobs, greedy):
+    """Choose the tokens of `logits` [B, vocab] (rows: `_sampling_rows`' int32 [11, B]) and
+    record them in their `slots` [B] (padding rows: the null slot, never read); returns
+    (slot_state, tokens [B], `TokenLogprobs` or None)."""
+    temperature, top_k, top_p, seeds, steps, forced, adjust = unpack_rows(rows)
     tokens, lp = _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
-                                adjust, (slot_state.penalties, slots))
+                                adjust, (slot_state.penalties, slots), greedy)
     return record_tokens(slot_state, slots, tokens), tokens, lp
+
+
+def _sampling_rows(temperature, top_k, top_p, seeds, steps, forced_tokens,
+                   adjust: LogitsAdjust | None, rows: int) -> tuple[np.ndarray, bool]:
+    """(the rows' sampling arrays packed for the device (`pack_rows`, int32 [11, rows]),
+    greedy): greedy when no row samples (temperature 0) nor adjusts its logits (penalties,
+    min_tokens' mask), decided here on the host. forced_tokens [rows] or None (none);
+    adjust: None (none)."""
+    forced = (np.full(rows, -1, np.int32) if forced_tokens is None
+              else np.asarray(forced_tokens, np.int32))
+    adjust = neutral_adjust(rows) if adjust is None else adjust
+    greedy = bool(np.all(np.asarray(temperature) <= 0)) and not (
+        np.any(np.asarray(adjust.presence) != 0) or np.any(np.asarray(adjust.frequency) != 0)
+        or np.any(np.asarray(adjust.repetition) != 1) or np.any(adjust.suppress_stop))
+    return pack_rows(temperature, top_k, top_p, seeds, steps, forced, adjust), greedy
 
 
 

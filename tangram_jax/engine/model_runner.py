@@ -334,12 +334,12 @@ class ModelRunner(PrefillSteps, TurnCompaction, DecodeSteps, StepCompilation):
                                 donate_argnums=() if self.plans_prefill_writes else (2, 3))
         self._apply_writes = jax.jit(_apply_planned_writes, donate_argnums=(0, 1))
         self._decode = jax.jit(self._decode_impl,
-                               static_argnames=("split_map", "logprobs", "table_width"),
-                               donate_argnums=(2, 3, 4))
+                               static_argnames=("split_map", "table_width"),
+                               donate_argnums=(2, 3))
         self._mixed = jax.jit(self._mixed_impl,
                               static_argnames=("table_width", "region_pages", "logprobs"),
                               donate_argnums=(2, 3, 4))
-        self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs",),
+        self._sample_rows = jax.jit(_sample_into_slots, static_argnames=("logprobs", "greedy"),
                                     donate_argnums=0)
 
     def _take_weights(self, model: Decoder) -> None:

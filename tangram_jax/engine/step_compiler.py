@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy
+from tangram_jax.engine.decode_step import _check_logprob_mode, _copy_pages, _greedy_rows
 from tangram_jax.engine.host_offload import swap_lowerings
 from tangram_jax.engine.memory import step_peak_bytes
 from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.prefill_attention import row_alignment
-from tangram_jax.sampling import neutral_adjust, write_penalty_row
+from tangram_jax.sampling import write_penalty_row
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,10 @@ class StepCompilation:
                                   num_tokens, k_pages, v_pages, None, region_pages)
 
     def _null_decode_call(self, bucket: int, k_pages, v_pages) -> tuple[tuple, dict]:
-        """`_decode` inputs and static arguments of `bucket` greedy rows on the null slot."""
+        """`_decode` inputs and static arguments of `bucket` rows on the null slot."""
         return self._decode_call(k_pages, v_pages, np.zeros(bucket, np.int32),
                                  np.full(bucket, self.null_slot, np.int32),
-                                 np.zeros((bucket, *self.counts_shape), np.int32),
-                                 *_greedy(bucket))
+                                 np.zeros((bucket, *self.counts_shape), np.int32))
 
     def _pool_specs(self, num_pages) -> tuple:
         """(k_pages, v_pages) of a pool of `num_pages` pages as `jax.ShapeDtypeStruct`s with the
@@ -101,8 +100,9 @@ class StepCompilation:
                 self._apply_writes_lowering, prefill_args, prefill_static)))
         if self.mixes_steps:
             programs.append(WarmupProgram("mixed", key, lambda: self._mixed.lower(
-                *self._mixed_args(prefill_args, prefill_static, decode_args,
-                                  decode_static)[0], **prefill_static | dict(logprobs=None))))
+                *self._mixed_args(prefill_args, prefill_static, decode_args, decode_static,
+                                  _greedy_rows(decode_bucket), None)[0],
+                **prefill_static | dict(logprobs=None))))
         compiled = self.compile_programs(programs, phase="pool", pages=num_pages,
                                          progress=False, on_lowered=on_lowered)
         return {p.name: c for p, c in zip(programs, compiled)}
@@ -293,7 +293,7 @@ class StepCompilation:
                                                                num_tokens, region_pages)
         decode_args, decode_static = self._null_decode_call(bucket, k_pages, v_pages)
         args, static = self._mixed_args(prefill_args, prefill_static, decode_args,
-                                        dict(decode_static, logprobs=logprobs))
+                                        decode_static, _greedy_rows(bucket), logprobs)
         return self._mixed.lower(*args, **static)
 
     def _apply_writes_lowering(self, prefill_args, prefill_static):
@@ -369,22 +369,25 @@ class StepCompilation:
                         rows=rows, tokens=num_tokens, region_pages=region, bucket=bucket,
                         logprobs=mode)
         token_cover = {}
-        for n, mode in itertools.product(_padded_row_counts(max_first_tokens), logprob_modes):
+        # The sampler of first tokens (padded row counts) and of decode steps (buckets), in
+        # both forms (`_sampling_rows`: greedy rows' argmax, or the general sampler).
+        sample_rows = sorted(set(_padded_row_counts(max_first_tokens)) | set(decode_buckets))
+        for n, mode, greedy in itertools.product(sample_rows, logprob_modes, (False, True)):
             add("sample", functools.partial(
                 self._sample_rows.lower, self.slot_state, jax.ShapeDtypeStruct(
                     (n, self.config.vocab_size), jnp.float32,
                     sharding=self.placement.replicated),
-                np.zeros(n, np.int32), *_greedy(n), np.full(n, -1, np.int32),
-                neutral_adjust(n), logprobs=mode), rows=n, logprobs=mode)
+                np.zeros(n, np.int32), _greedy_rows(n), logprobs=mode, greedy=greedy),
+                rows=n, logprobs=mode, greedy=greedy)
         add("penalty_row", functools.partial(
             write_penalty_row.lower, self.slot_state, np.int32(0),
             np.zeros(self.config.vocab_size, np.int32), np.int32(0)))
-        for bucket, mode in itertools.product(decode_buckets, logprob_modes):
+        for bucket in decode_buckets:
             args, static = self._null_decode_call(bucket, k_pages, v_pages)
             for width in self._table_widths(prefill=False):
                 add("decode", functools.partial(
-                    self._decode.lower, *args, **dict(static, table_width=width, logprobs=mode)),
-                    bucket=bucket, table_width=width, logprobs=mode)
+                    self._decode.lower, *args, **dict(static, table_width=width)),
+                    bucket=bucket, table_width=width)
         for size in (1 << b for b in range(3, max(3, int(max_page_copies - 1).bit_length()) + 1)):
             index = np.zeros(size, np.int32)
             add("copy_pages", functools.partial(_copy_pages.lower, k_pages, v_pages,

@@ -1,7 +1,8 @@
-"""benchmarks/families_gpu.py --sampler argmax: the decode step without sampling's two
-conditionals (each a predicate the host reads back before launching the rest of the step),
-the bound on what a branch-free sampler would save on a GPU; the program it times really lacks
-them, and says so in the result."""
+"""benchmarks/families_gpu.py --sampler: the engine's decode step for greedy rows (each row's
+argmax: no conditional in either program) against the general sampler a batch with a sampled
+or penalised row runs (its two conditionals, each a predicate the host reads back before it
+launches the rest of the step); the programs it times really differ so, and say so in the
+result."""
 
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ def _run(tmp_path, sampler: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_the_argmax_sampler_takes_sampling_s_two_conditionals_out_of_the_step(tmp_path,
+def test_greedy_rows_take_a_sampler_without_the_general_one_s_two_conditionals(tmp_path,
                                                                                monkeypatch):
     from tangram_jax.engine import decode_step
-    monkeypatch.setattr(decode_step, "sample_tokens", decode_step.sample_tokens)   # restored
-    engine, argmax = _run(tmp_path, "engine"), _run(tmp_path, "argmax")
-    assert (engine["sampler"], argmax["sampler"]) == ("engine", "argmax")
+    monkeypatch.setattr(decode_step, "_sampling_rows", decode_step._sampling_rows)  # restored
+    engine, general = _run(tmp_path, "engine"), _run(tmp_path, "general")
+    assert (engine["sampler"], general["sampler"]) == ("engine", "general")
     # gemma3-tiny's local / global layers add conditionals of their own (a switch per layer).
-    assert argmax["decode"][0]["step_conditionals"] == \
-        engine["decode"][0]["step_conditionals"] - 2
+    assert engine["decode"][0]["step_conditionals"] == \
+        general["decode"][0]["step_conditionals"] - 2

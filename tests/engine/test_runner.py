@@ -422,3 +422,38 @@ def test_a_short_chunk_row_prefills_over_a_smaller_flat_axis_with_the_same_resul
     np.testing.assert_allclose(small_logits, logits, rtol=1e-5, atol=1e-5)
     assert small_tokens == tokens
     np.testing.assert_allclose(small_pages, pages, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decode_steps_sample_without_conditionals_and_choose_the_same_tokens():
+    """A decode step's sampler is chosen on the host (`_sampling_rows`): rows that neither sample
+    nor adjust their logits take the argmax program, which holds no conditional (a device-side
+    branch makes the host wait for its predicate each step), and chooses what the general
+    sampler chooses; a sampled or penalised row takes the general one."""
+    from tangram_jax.engine.decode_step import _greedy, _greedy_rows, _sampling_rows
+    from tangram_jax.sampling import neutral_adjust
+    runner = make_runner(KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8)), "scan")
+    logits = jax.random.normal(jax.random.key(0), (4, CONFIG.vocab_size), jnp.float32)
+    slots = np.array([0, 1, 2, 3], np.int32)
+    chosen, texts = {}, {}
+    for greedy in (True, False):
+        lowered = runner._sample_rows.lower(runner.slot_state, logits, slots, _greedy_rows(4),
+                                            logprobs=None, greedy=greedy)
+        texts[greedy] = lowered.compile().as_text()
+        state = jax.tree.map(jnp.copy, runner.slot_state)
+        _, chosen[greedy], _ = runner._sample_rows(state, logits, slots, _greedy_rows(4),
+                                                   logprobs=None, greedy=greedy)
+    assert " conditional(" not in texts[True] and " conditional(" in texts[False]
+    np.testing.assert_array_equal(chosen[True], chosen[False])
+    np.testing.assert_array_equal(chosen[True], np.argmax(np.asarray(logits), -1))
+
+    decision = lambda temperature, **adjust: _sampling_rows(
+        temperature, *_greedy(4)[1:], None, neutral_adjust(4)._replace(**{
+            k: np.asarray(v) for k, v in adjust.items()}), 4)[1]
+    zero = np.zeros(4, np.float32)
+    assert decision(zero)
+    assert decision(zero, min_p=np.full(4, 0.1, np.float32))   # min-p filters sampled rows only
+    assert not decision(np.array([0, 0, 0.7, 0], np.float32))
+    assert not decision(zero, repetition=np.array([1, 1.2, 1, 1], np.float32))
+    assert not decision(zero, presence=np.array([0, 0, 0, 0.5], np.float32))
+    assert not decision(zero, frequency=np.array([0.5, 0, 0, 0], np.float32))
+    assert not decision(zero, suppress_stop=np.array([False, True, False, False]))
