@@ -13,7 +13,9 @@ Timed (median wall ms with block_until_ready, and GPU busy ms from a profiler tr
 - `ModelRunner.decode` at each `--batches` bucket (Pallas decode kernel + AOT split map; local
   layers read their window only; experts as grouped GEMMs, expert-parallel: `ragged_dot`,
   on Hopper JAX's Mosaic GPU kernel from 2048 rows, `models.moe.grouped_matmul`);
-- `ModelRunner.prefill` of one `--prefill`-token row at history 0 (Pallas prefill kernel).
+- `ModelRunner.prefill` of one `--prefill`-token row after `--prefill-history` tokens of the
+  same sequence (default 0; Pallas prefill kernel): a chunk of a long turn, as Mid and Long
+  serve them.
 
 Physical limits (per device; `limits`): decode moves at least the weights a step touches (every
 dense weight; of the experts, the expected number of distinct experts B x top_k routed tokens
@@ -97,9 +99,9 @@ def decode_program_facts(runner: ModelRunner, call, greedy: bool) -> dict:
 
 
 def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
-           device_kind: str) -> dict:
+           device_kind: str, history: int = 0) -> dict:
     """Lower bounds (ms, per device) of a decode step of `batch` rows at `context` and of a
-    prefill of `prefill` tokens (the module docstring)."""
+    prefill of `prefill` tokens after `history` (the module docstring)."""
     bw, flops = next((v for k, v in PEAKS.items() if k in device_kind), (None, None))
     itemsize = 2
     layers, e = config.num_layers, config.moe
@@ -120,7 +122,8 @@ def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
     # Prefill: every non-embedding weight per token (the head once), causal attention.
     params_per_token = (sizes["other"] - (0 if config.tie_word_embeddings else head_bytes)) \
         / itemsize + active_expert_params
-    attn_keys = np.where(windows > 0, np.minimum(windows, prefill), prefill / 2)   # per query
+    attn_keys = np.where(windows > 0, np.minimum(windows, history + prefill),
+                         history + prefill / 2)                              # per query
     attn_flops = 4 * prefill * float(attn_keys.sum()) * config.num_heads * config.head_dim
     prefill_flops = (2 * params_per_token * prefill + 2 * head_bytes / itemsize + attn_flops) / tp
     return dict(hbm_bytes_per_s=bw, bf16_flops_per_s=flops, decode_bytes=decode_bytes,
@@ -131,16 +134,20 @@ def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
 
 
 def measure_prefill(runner, config, args, sizes, kind, prefill_slot, on_gpu) -> dict:
-    """`ModelRunner.prefill` of one `--prefill`-token row at history 0, against its limit."""
+    """`ModelRunner.prefill` of one `--prefill`-token row after `--prefill-history` tokens
+    (full mode: every layer and group holds them all; their contents are the pool's), against
+    its limit."""
     tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.prefill)
-    hist = np.zeros(runner.counts_shape, np.int32)
-    fig = measure(lambda: runner.prefill([tokens.astype(np.int32)], [0], [prefill_slot],
+    history = args.prefill_history
+    hist = np.full(runner.counts_shape, history, np.int32)
+    fig = measure(lambda: runner.prefill([tokens.astype(np.int32)], [history], [prefill_slot],
                                          [hist])[0], args.reps, on_gpu)
-    bound = limits(config, sizes, 1, args.context, args.prefill, args.tp, kind)
-    fig.update(tokens=args.prefill, limit_ms=bound["prefill_ms"], limit_flops=bound["prefill_flops"],
+    bound = limits(config, sizes, 1, args.context, args.prefill, args.tp, kind, history)
+    fig.update(tokens=args.prefill, history=history, limit_ms=bound["prefill_ms"],
+               limit_flops=bound["prefill_flops"],
                fraction_of_limit=bound["prefill_ms"] / fig["ms"] if bound["prefill_ms"] else None)
-    print(f"prefill {args.prefill} tokens: {fig['ms']:.3f} ms, limit {bound['prefill_ms']}",
-          flush=True)
+    print(f"prefill {args.prefill} tokens after {history}: {fig['ms']:.3f} ms, limit "
+          f"{bound['prefill_ms']}", flush=True)
     return fig
 
 
@@ -151,6 +158,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill row")
+    parser.add_argument("--prefill-history", type=int, default=0,
+                        help="tokens of the prefill row's sequence before it (at most --context "
+                             "minus --prefill: the row's slot holds --context tokens)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-prefill", action="store_true", help="decode figures only")
     parser.add_argument("--seed", type=int, default=0)
@@ -168,6 +178,9 @@ def main(argv=None) -> None:
         "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    if not 0 <= args.prefill_history <= args.context - args.prefill:
+        parser.error(f"--prefill-history {args.prefill_history}: give 0 to --context minus "
+                     f"--prefill ({args.context - args.prefill})")
     out = resolve_outputs(parser, args, {"out": f"families_{args.shape}_tp{args.tp}"})[0]
     config = family_config(args.shape)
     if args.sampler == "general":   # every step takes the general sampler
@@ -227,8 +240,8 @@ def main(argv=None) -> None:
         page_size=PAGE,
         context_tokens=args.context, layer_loop=runner.layer_loop, model_build_s=build_s,
         what_is_timed="ModelRunner.decode per batch bucket (full mode) and ModelRunner.prefill "
-                      "of one row at history 0; `ms` is GPU busy time when the profiler saw GPU "
-                      "events, else median wall time",
+                      "of one row after `prefill.history` tokens; `ms` is GPU busy time when "
+                      "the profiler saw GPU events, else median wall time",
         decode=decode, prefill=fig))
     print(f"wrote {out}", flush=True)
 
