@@ -458,6 +458,10 @@ MERGE_KEYS = ("device", "git_revision", "jax_version", "model", "model_shape", "
               "group_size", "kv_cache_tokens", "kv_cache_gib", "pool_sized_by", "engine_fields")
 PARALLEL_FIELDS = {"tensor_parallel_size": "tp", "data_parallel_size": "dp"}
 PARALLEL_MARK = "@"
+# Engine settings that follow the workloads a run serves (its longest session): runs of
+# different workloads may differ in them, and in a sweep's pool sizes.
+PER_WORKLOAD_FIELDS = ("max_model_len",)
+SWEEP_KEYS = ("kv_cache_tokens", "kv_cache_gib")
 
 
 def _parallel_suffix(report: dict) -> str:
@@ -467,9 +471,14 @@ def _parallel_suffix(report: dict) -> str:
     return PARALLEL_MARK + "".join(parts) if parts else ""
 
 
-def _merge_key(report: dict, key: str):
+def _merge_key(report: dict, key: str, per_workload: bool = False):
+    """`report`'s `key` as runs to be merged must share it; `per_workload`: the two runs serve
+    different workloads, so `PER_WORKLOAD_FIELDS` and a sweep's pool sizes may differ."""
     if key == "engine_fields":
-        return {k: v for k, v in (report.get(key) or {}).items() if k not in PARALLEL_FIELDS}
+        skip = set(PARALLEL_FIELDS) | (set(PER_WORKLOAD_FIELDS) if per_workload else set())
+        return {k: v for k, v in (report.get(key) or {}).items() if k not in skip}
+    if per_workload and key in SWEEP_KEYS and isinstance(report.get(key), list):
+        return "a sweep"
     return report.get(key)
 
 
@@ -479,17 +488,21 @@ def merge_reports(reports: list[dict]) -> dict:
     the same host, or one workload a run: the union of their workloads (a name twice must be
     the same workload), each configuration's rows at one pool size joined into one (a workload
     measured twice for a configuration is refused; a joined row's workloads keep their own
-    run's build seconds), the ratios and the eviction onset computed anew. The reports' own
-    provenance (device, revision, JAX) is kept; `merged_from` lists each run's command, time
-    and revision. Raises ValueError naming what differs."""
+    run's build seconds), the ratios and the eviction onset computed anew. Runs that serve
+    no workload in common may differ in `PER_WORKLOAD_FIELDS` (each workload row keeps its
+    own) and, both sweeps, in their pool sizes (the union is the merged sweep's). The reports'
+    own provenance (device, revision, JAX) is kept; `merged_from` lists each run's command,
+    time and revision. Raises ValueError naming what differs."""
     if not reports:
         raise ValueError("nothing to merge: give at least one report")
     first = reports[0]
+    names = [{w["name"] for w in r["workloads"]} for r in reports]
     for i, r in enumerate(reports[1:], 1):
         if r.get("benchmark", "serve") != "serve":
             raise ValueError(f"report {i} is a {r.get('benchmark')!r} benchmark, not 'serve'")
+        apart = not names[i] & set().union(*names[:i])
         for key in MERGE_KEYS:
-            if _merge_key(r, key) != _merge_key(first, key):
+            if _merge_key(r, key, apart) != _merge_key(first, key, apart):
                 raise ValueError(f"report {i} measured another {key} ({_merge_key(r, key)!r}) "
                                  f"than report 0 ({_merge_key(first, key)!r}): runs merge only "
                                  f"if they share {', '.join(MERGE_KEYS)} (of the engine "
@@ -511,7 +524,8 @@ def merge_reports(reports: list[dict]) -> dict:
                            **{k: (r["engine_fields"].get(k) or 1) for k in PARALLEL_FIELDS})
             key = (row["variant"], row.get("kv_cache_gib"))
             served = [dict(w, build_and_warmup_seconds=w.get(
-                "build_and_warmup_seconds", row.get("build_and_warmup_seconds")))
+                "build_and_warmup_seconds", row.get("build_and_warmup_seconds")),
+                **{k: (r.get("engine_fields") or {}).get(k) for k in PER_WORKLOAD_FIELDS})
                 for w in row["workloads"]]
             if key not in rows:
                 rows[key] = dict(row, workloads=served)
@@ -530,6 +544,15 @@ def merge_reports(reports: list[dict]) -> dict:
                   merged_from=merged_from)
     if several:
         merged["engine_fields"] = _merge_key(first, "engine_fields")
+    for k in PER_WORKLOAD_FIELDS:    # one value, or each workload's (its rows say it too)
+        values = {w: (r.get("engine_fields") or {}).get(k)
+                  for r in reports for w in sorted({x["name"] for x in r["workloads"]})}
+        if len(set(values.values())) > 1:
+            merged["engine_fields"] = dict(merged["engine_fields"], **{k: values})
+    if isinstance(first.get("kv_cache_gib"), list):
+        pools = sorted({(g, t) for r in reports
+                        for g, t in zip(r["kv_cache_gib"], r["kv_cache_tokens"])})
+        merged.update(kv_cache_gib=[g for g, _ in pools], kv_cache_tokens=[t for _, t in pools])
     for row in merged["results"]:     # ratios anew: the merged rows meet their baselines
         for w in row["workloads"]:
             for k in [k for k in w if "_vs_" in k]:

@@ -115,3 +115,37 @@ def test_merge_names_runs_over_several_devices_and_compares_them_with_one():
         other = run(2, 1, [("tangram", 1.0)])
         other["engine_fields"]["page_size"] = 32
         merge_reports([run(1, 1, [("tangram", 2.0)]), other])
+
+
+def test_merge_joins_sweeps_of_other_workloads_with_their_own_model_length():
+    """Sweeps of different workloads (each run sized `max_model_len` to its longest session,
+    its own pool sizes) merge into one sweep: the union of the sizes, each workload row with
+    its own `max_model_len`, the onset per workload; runs that share a workload must still
+    agree on every setting."""
+    from tangram_jax.benchmarking.serve import merge_reports
+
+    def sweep(workload, length, pools):
+        return _report(device="GPU", git_revision="abc", workloads=[{"name": workload}],
+                       kv_cache_gib=[float(g) for g in pools],
+                       kv_cache_tokens=[g * 100 for g in pools],
+                       engine_fields={"page_size": 16, "max_model_len": length},
+                       results=[{"variant": "tangram", "kv_cache_gib": float(g), "workloads": [
+                           {"workload": workload, "turns_per_s": g / 10, "evictions": int(g < 20),
+                            "ttft_followup_s": {"p50": 1.0, "p99": 2.0}}]} for g in pools])
+
+    merged = merge_reports([sweep("mid", 33536, [12, 24]), sweep("long", 103168, [16, 24])])
+    assert merged["kv_cache_gib"] == [12.0, 16.0, 24.0]
+    assert merged["kv_cache_tokens"] == [1200, 1600, 2400]
+    assert merged["engine_fields"]["max_model_len"] == {"mid": 33536, "long": 103168}
+    rows = {r["kv_cache_gib"]: {w["workload"]: w for w in r["workloads"]}
+            for r in merged["results"]}
+    assert sorted(rows[24.0]) == ["long", "mid"] and list(rows[12.0]) == ["mid"]
+    assert rows[24.0]["long"]["max_model_len"] == 103168
+    assert merged["eviction_onset"]["tangram"]["long"]["no_evictions_from_gib"] == 24.0
+    with pytest.raises(ValueError, match="engine_fields"):
+        merge_reports([sweep("mid", 33536, [12]), sweep("mid", 103168, [16])])
+    with pytest.raises(ValueError, match="another kv_cache_tokens"):
+        merge_reports([sweep("mid", 33536, [12, 24]), sweep("mid", 33536, [16])])
+    with pytest.raises(ValueError, match="another engine_fields"):   # not a length apart
+        merge_reports([sweep("mid", 33536, [12]), dict(sweep("long", 103168, [16]),
+                                                       engine_fields={"page_size": 32})])
