@@ -357,7 +357,8 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                    "background_compile_wait_seconds": compile_wait,
                    "background_compiles_ok": all(all_compiled),
                    "startup_seconds": engine.startup_seconds,
-                   "startup_report": engine.startup_report(), "workloads": rows}
+                   "startup_report": engine.startup_report(),
+                   "device_memory": device_memory(engines), "workloads": rows}
     finally:
         del engine, engines
         gc.collect()
@@ -561,6 +562,21 @@ def merge_reports(reports: list[dict]) -> dict:
     if isinstance(merged.get("kv_cache_gib"), list):
         merged["eviction_onset"] = eviction_onset(merged)
     return merged
+
+
+def device_memory(engines) -> list[dict] | None:
+    """Each device's allocator figures after serving (bytes in use, the process's peak, the
+    allocator's limit), per replica and tensor-parallel shard: whether the shards hold equal
+    shares. None where the devices report none (CPU)."""
+    rows = []
+    for replica, engine in enumerate(engines):
+        for device in engine.runner.placement.devices:
+            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            if stats:
+                rows.append(dict(replica=replica, device=str(device), **{
+                    k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use",
+                                              "bytes_limit")}))
+    return rows or None
 
 
 def _sweep_point(report: dict, result: dict) -> float | None:

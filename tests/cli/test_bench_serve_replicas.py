@@ -97,3 +97,34 @@ def test_serve_workloads_spreads_sessions_over_replicas_and_sums_their_figures(t
     assert all(r["prefill_tokens"] > 0 and r["decode_rows"] > 0 for r in replicas)
     assert row["prefill_tokens"] == sum(r["prefill_tokens"] for r in replicas)
     assert row["steps"] == sum(r["steps"] for r in replicas)
+
+
+def test_device_memory_lists_every_replica_s_devices_and_nothing_on_the_cpu():
+    """Each row's `device_memory`: the allocator figures of every device of every replica
+    (tensor-parallel shards one entry each), so unequal shards show; none where devices report
+    no statistics (the CPU)."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from tangram_jax.benchmarking.serve import device_memory
+
+    class Card:
+        def __init__(self, name, used):
+            self.name, self.used = name, used
+
+        def __str__(self):
+            return self.name
+
+        def memory_stats(self):
+            return {"bytes_in_use": self.used, "peak_bytes_in_use": 2 * self.used,
+                    "bytes_limit": 100, "num_allocs": 7}
+
+    engine = lambda *devices: SimpleNamespace(runner=SimpleNamespace(
+        placement=SimpleNamespace(devices=list(devices))))
+    rows = device_memory([engine(Card("gpu0", 10), Card("gpu1", 11)), engine(Card("gpu2", 9))])
+    assert [(r["replica"], r["device"], r["bytes_in_use"], r["peak_bytes_in_use"])
+            for r in rows] == [(0, "gpu0", 10, 20), (0, "gpu1", 11, 22), (1, "gpu2", 9, 18)]
+    assert all(set(r) == {"replica", "device", "bytes_in_use", "peak_bytes_in_use",
+                          "bytes_limit"} for r in rows)
+    assert device_memory([engine(*jax.devices("cpu")[:1])]) is None
