@@ -9,8 +9,9 @@ ended). A decode step is two programs: the forward pass to the logits, then the 
 host sees that no row samples or adjusts its logits (`_sampling_rows`), and the general
 sampler otherwise. A device-side branch between the two makes the host wait for its predicate
 every step, so the next step's launch is not hidden behind this one's work: 27% of the 8B
-step at batch 64 on an H200 (`benchmarks/NOTES_engine.md`, "Sampling's conditionals"). `decode_split_map(s)` build the split maps the decode kernel is compiled with;
-`_copy_pages` copies a fork's partly filled pages.
+step at batch 64 on an H200 (`benchmarks/NOTES_engine.md`, "Sampling's conditionals").
+`decode_split_map(s)` build the split maps the decode kernel is compiled with; `_copy_pages`
+copies a fork's partly filled pages.
 """
 
 from __future__ import annotations
