@@ -178,7 +178,7 @@ def main(argv=None) -> None:
         "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    if not 0 <= args.prefill_history <= args.context - args.prefill:
+    if not args.no_prefill and not 0 <= args.prefill_history <= args.context - args.prefill:
         parser.error(f"--prefill-history {args.prefill_history}: give 0 to --context minus "
                      f"--prefill ({args.context - args.prefill})")
     out = resolve_outputs(parser, args, {"out": f"families_{args.shape}_tp{args.tp}"})[0]

@@ -276,7 +276,8 @@ def test_serving_is_measured_after_the_background_compiles(monkeypatch):
         layout=SimpleNamespace(name="full", group_size=1, chunk_size=16, group_budgets=[1.0]),
         config=SimpleNamespace(kv_precision="bf16", mode="full", split_map="aot",
                                tensor_parallel_size=1),
-        runner=SimpleNamespace(ops=SimpleNamespace(name="reference")),
+        runner=SimpleNamespace(ops=SimpleNamespace(name="reference"),
+                               placement=SimpleNamespace(devices=[])),
         manager=SimpleNamespace(capacity=8), startup_seconds={}, startup_report=lambda: {})
     monkeypatch.setattr(tangram_jax.llm, "build_replicas", lambda config: [engine])
     monkeypatch.setattr(serve, "variant_config", lambda *args: {})
