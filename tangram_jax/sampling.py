@@ -461,6 +461,13 @@ def unpack_rows(rows: jax.Array) -> tuple:
     return (*fields[:6], LogitsAdjust(*fields[6:]))
 
 
+def adjusting_rows(adjust: LogitsAdjust):
+    """bool [B]: the rows whose logits `adjust_logits` changes (a penalty, or min_tokens'
+    mask); numpy or jax arrays alike. min_p filters sampled rows only, so it is not one."""
+    return ((adjust.presence != 0) | (adjust.frequency != 0) | (adjust.repetition != 1)
+            | adjust.suppress_stop)
+
+
 def neutral_adjust(rows: int) -> LogitsAdjust:
     """A `LogitsAdjust` of `rows` rows that changes nothing (host arrays)."""
     return LogitsAdjust(np.zeros(rows, np.float32), np.zeros(rows, np.float32),
@@ -504,8 +511,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """
     logits = logits.astype(jnp.float32)
     if adjust is not None:
-        active = ((adjust.presence != 0) | (adjust.frequency != 0) | (adjust.repetition != 1)
-                  | adjust.suppress_stop)
+        active = adjusting_rows(adjust)
         rows = lambda: penalties[0][penalties[1]] if isinstance(penalties, tuple) else penalties
         logits = jax.lax.cond(jnp.any(active),
                               lambda: adjust_logits(logits, adjust, rows()), lambda: logits)

@@ -547,7 +547,7 @@ def merge_reports(reports: list[dict]) -> dict:
         merged["engine_fields"] = _merge_key(first, "engine_fields")
     for k in PER_WORKLOAD_FIELDS:    # one value, or each workload's (its rows say it too)
         values = {w: (r.get("engine_fields") or {}).get(k)
-                  for r in reports for w in sorted({x["name"] for x in r["workloads"]})}
+                  for r, mine in zip(reports, names) for w in sorted(mine)}
         if len(set(values.values())) > 1:
             merged["engine_fields"] = dict(merged["engine_fields"], **{k: values})
     if isinstance(first.get("kv_cache_gib"), list):

@@ -33,9 +33,9 @@ from tangram_jax.pallas_kernels import backend
 from tangram_jax.pallas_kernels.decode_pools import decode_programs
 from tangram_jax.pallas_kernels.split_map import (build_split_map, build_tier_split_map,
                                                   uniform_split_map)
-from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, force_tokens, neutral_adjust,
-                                  pack_rows, record_tokens, sample_tokens, step_keys,
-                                  token_logprobs, unpack_rows)
+from tangram_jax.sampling import (LogitsAdjust, TokenLogprobs, adjusting_rows, force_tokens,
+                                  neutral_adjust, pack_rows, record_tokens, sample_tokens,
+                                  step_keys, token_logprobs, unpack_rows)
 
 
 # What a step computes besides its tokens: nothing, the chosen and top log-probs, or also the
@@ -441,9 +441,8 @@ def _sampling_rows(temperature, top_k, top_p, seeds, steps, forced_tokens,
     forced = (np.full(rows, -1, np.int32) if forced_tokens is None
               else np.asarray(forced_tokens, np.int32))
     adjust = neutral_adjust(rows) if adjust is None else adjust
-    greedy = bool(np.all(np.asarray(temperature) <= 0)) and not (
-        np.any(np.asarray(adjust.presence) != 0) or np.any(np.asarray(adjust.frequency) != 0)
-        or np.any(np.asarray(adjust.repetition) != 1) or np.any(adjust.suppress_stop))
+    greedy = bool(np.all(np.asarray(temperature) <= 0)) and not np.any(
+        adjusting_rows(LogitsAdjust(*map(np.asarray, adjust))))
     return pack_rows(temperature, top_k, top_p, seeds, steps, forced, adjust), greedy
 
 
