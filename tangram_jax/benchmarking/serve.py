@@ -57,7 +57,7 @@ import numpy as np
 
 from tangram_jax.benchmarking import session_loop
 from tangram_jax.benchmarking.replicas import ReplicaAdapter
-from tangram_jax.benchmarking.timing import percentiles
+from tangram_jax.benchmarking.timing import device_trace, percentiles
 from tangram_jax.benchmarking.workload import (SessionSpec, make_sessions, sessions_to_json,
                                                skewed_profile)
 
@@ -303,13 +303,16 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
 
 def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                 workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
-                profile_seed: int | None, limits: Sequence[int | None] = (None,)):
+                profile_seed: int | None, limits: Sequence[int | None] = (None,),
+                device_time: bool = False):
     """Build the engine of `variant` (the pool `engine_fields` fixes: kv_cache_memory_bytes,
     equal bytes, or kv_cache_tokens, equal slots; with data_parallel_size N, N replicas with
     that pool each) and serve every workload at each of `limits` (pool bytes served,
     `Engine.limit_kv_cache`; None: the whole pool), one result dict yielded each; the
     engines are freed after the last. A pool sweep builds once, at its largest pool: the
-    compiled steps do not change with the pages handed out."""
+    compiled steps do not change with the pages handed out. `device_time`: serve under the
+    profiler (`device_trace`) and add each GPU's busy seconds, their share of the
+    serving wall, and the largest programs and kernels (where a step's time goes)."""
     import jax
 
     from tangram_jax.engine.config import EngineConfig
@@ -340,7 +343,10 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                     e.limit_kv_cache(limit)
                 print(f"{variant}: serving {limit / 2**30:g} GiB of the pool "
                       f"({engine.manager.describe_pages(engine.manager.capacity)})", flush=True)
-            rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
+            trace, t_serve = {}, time.perf_counter()
+            with device_trace(trace) if device_time else contextlib.nullcontext():
+                rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
+            t_serve = time.perf_counter() - t_serve
             yield {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
                    "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
                    "mode": engine.config.mode, "group_size": engine.layout.group_size,
@@ -358,7 +364,11 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                    "background_compiles_ok": all(all_compiled),
                    "startup_seconds": engine.startup_seconds,
                    "startup_report": engine.startup_report(),
-                   "device_memory": device_memory(engines), "workloads": rows}
+                   "device_memory": device_memory(engines),
+                   "device_time": {"wall_s": t_serve, "devices": {
+                       d: dict(v, busy_fraction=v["busy_s"] / t_serve)
+                       for d, v in trace.items()}} if device_time else None,
+                   "workloads": rows}
     finally:
         del engine, engines
         gc.collect()

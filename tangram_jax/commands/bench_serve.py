@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model as a Hugging Face folder for vLLM (float32)")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's virtual environment")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the sessions' tokens and arrivals")
+    p.add_argument("--device-time", action="store_true",
+                   help="serve under the profiler (CUPTI: about a microsecond more a kernel) "
+                        "and add to each result every GPU's busy seconds, their share of the "
+                        "serving wall and the largest programs and kernels: where the steps' "
+                        "time goes (nothing on a CPU)")
     p.add_argument("--json", default=None, help="output JSON (default: a fresh "
                    "benchmarks/results/runs/serve-<time>.json; a file git tracks, such as the "
                    "committed serve_<cpu|gpu>.json, only with --overwrite)")
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         # The generator first: zip runs it to its end (freeing the engines) before stopping.
         for result, gib in zip(serve.run_variant(
                 variant, factory, model_config, pool_fields(todo[-1]), mine, group_size,
-                args.ratio, profile_seed, limits), todo):
+                args.ratio, profile_seed, limits, device_time=args.device_time), todo):
             report["results"].append(dict(result, kv_cache_gib=gib))
             save()    # after every run: a run cut short keeps what it measured
     if args.vllm:

@@ -173,7 +173,7 @@ def test_kv_gib_list_sweeps_the_pool_and_finds_where_eviction_stops(tmp_path, mo
     seen = []
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits):
+                         profile_seed, limits, device_time=False):
         # One build a configuration, at the largest pool; each size served from it.
         assert fields["kv_cache_memory_bytes"] == max(limits)
         for limit in limits:
@@ -223,7 +223,7 @@ def test_recompute_configurations_are_compared_with_offload(tmp_path, monkeypatc
     seen = {}
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits):
+                         profile_seed, limits, device_time=False):
         assert limits == [None]                     # one pool: served whole
         config = serve.variant_config(variant, model_config, group_size, ratio, profile_seed)
         seen[variant] = dict(fields, **config).get("host_kv_cache_bytes")
@@ -286,6 +286,10 @@ def test_serving_is_measured_after_the_background_compiles(monkeypatch):
     (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None)
     assert events == ["compiled", "served"]
     assert row["background_compiles_ok"] and row["background_compile_wait_seconds"] >= 0
+    assert row["device_time"] is None
+    # --device-time: served under the profiler; a CPU's trace has no GPU, so no devices.
+    (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None, device_time=True)
+    assert row["device_time"]["wall_s"] >= 0 and row["device_time"]["devices"] == {}
 
 
 def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, capsys):
@@ -312,7 +316,7 @@ def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, c
     (base / "REVISION").write_text("abc1234\n")
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits):
+                         profile_seed, limits, device_time=False):
         rows = [{"workload": "mid", "turns_per_s": 1.5, "output_tokens_per_s": 1.0,
                  "seconds": 1.0, "evictions": 0, "ttft_first_s": {"p50": 0.1, "p99": 0.2},
                  "ttft_followup_s": {"p50": 0.2, "p99": 0.3}, "tpot_followup_s": {"p50": 0.01}}]
@@ -342,3 +346,14 @@ def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, c
     with pytest.raises(UsageError, match="holds no tangram_jax package"):
         bench_serve.main(["--kv-cache-tokens", "5000", "--baseline", str(tmp_path),
                           "--json", str(tmp_path / "c.json")])
+
+
+def test_device_time_names_the_largest_programs_and_kernels_first():
+    """`timing.device_trace`'s summary: names lose their numeric suffixes (fusion_3 and
+    fusion_12 are one kernel), nanoseconds become seconds, the largest first, `top` of them."""
+    from tangram_jax.benchmarking import timing
+    assert timing._fold("fusion_12") == timing._fold("fusion.3") == "fusion"
+    assert timing._fold("jit_decode_step") == "jit_decode_step"
+    ranked = timing._largest({"a": 1e9, "b": 3e9, "c": 2e9}, top=2)
+    assert list(ranked) == ["b", "c"] and ranked["b"] == 3.0
+    assert list(timing._largest({"a": 1, "b": 2}, top=None)) == ["b", "a"]
