@@ -70,9 +70,6 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--f32-partial-sums", action="store_true",
-                   help="experiment: every projection's product in float32, cast after it (so "
-                        "the row-parallel partial sums are all-reduced in float32)")
     p.add_argument("--out", default=None, help="result JSON (default: a fresh file under "
                    "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     add_overwrite_flag(p)
@@ -85,15 +82,6 @@ def main(argv=None) -> None:
         if m not in ("full", "tangram", "dynamic"):
             p.error(f"--modes: {m!r} is not one of full, tangram, dynamic")
     outputs = resolve_outputs(p, args, {"out": f"tp_outputs_tp{args.tp}"})
-    if args.f32_partial_sums:
-        import jax.numpy as jnp
-
-        from tangram_jax.models import decoder
-
-        def linear(self, x):
-            y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
-            return y if self.bias is None else y + self.bias[...]
-        decoder.Linear.__call__ = linear
     run = start("tp_outputs_gpu", outputs, argv)
     config = random_model_config(args.model)
     rng = np.random.default_rng(args.seed)
@@ -111,7 +99,7 @@ def main(argv=None) -> None:
         print(mode, {k: v for k, v in results[mode].items() if k != "diverged"},
               results[mode]["diverged"][:4], flush=True)
     write_result(args.out, "tp_outputs_gpu", dict(
-        model=args.model, tensor_parallel_size=args.tp, f32_partial_sums=args.f32_partial_sums,
+        model=args.model, tensor_parallel_size=args.tp,
         prompts=args.prompts, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
         results=results,
         all_equal=all(r["rows_equal"] == r["rows"] for r in results.values())), argv)

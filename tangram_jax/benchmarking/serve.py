@@ -220,6 +220,8 @@ def _counters(engines) -> dict:
     out = {k: sum(getattr(e.scheduler.metrics, v) for e in engines) for k, v in names.items()}
     out["pages_reclaimed"] = sum(e.manager.pages_reclaimed for e in engines)
     out["reclaim_seconds"] = sum(e.manager.reclaim_seconds for e in engines)
+    out["step_seconds"] = sum(e.step_seconds for e in engines)
+    out["token_wait_seconds"] = sum(e.token_wait_seconds for e in engines)
     return out
 
 
@@ -275,6 +277,12 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
                "reclaim_seconds": counts["reclaim_seconds"],
                "reclaim_ms_per_prefill_chunk": counts["reclaim_seconds"] * 1e3
                / max(prefill_chunks, 1),
+               # The step loop's own time a step (host work: the steps' seconds less their
+               # wait on the device's tokens) and the wait's share of the serving wall: a
+               # host-bound loop waits little.
+               "host_ms_per_step": (counts["step_seconds"] - counts["token_wait_seconds"])
+               * 1e3 / max(steps, 1),
+               "token_wait_share": counts["token_wait_seconds"] / elapsed / len(engines),
                "mean_fragmentation": total("fragmentation_sum") / max(total("samples"), 1),
                "peak_fragmentation": max(r.peak_fragmentation for r in recorders),
                "peak_pool_utilisation": max(r.peak_utilisation for r in recorders),
@@ -304,15 +312,16 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
 def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                 workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
                 profile_seed: int | None, limits: Sequence[int | None] = (None,),
-                device_time: bool = False):
+                device_time: float | None = None):
     """Build the engine of `variant` (the pool `engine_fields` fixes: kv_cache_memory_bytes,
     equal bytes, or kv_cache_tokens, equal slots; with data_parallel_size N, N replicas with
     that pool each) and serve every workload at each of `limits` (pool bytes served,
     `Engine.limit_kv_cache`; None: the whole pool), one result dict yielded each; the
     engines are freed after the last. A pool sweep builds once, at its largest pool: the
-    compiled steps do not change with the pages handed out. `device_time`: serve under the
-    profiler (`device_trace`) and add each GPU's busy seconds, their share of the
-    serving wall, and the largest programs and kernels (where a step's time goes)."""
+    compiled steps do not change with the pages handed out. `device_time`: profile the first
+    that many seconds of serving (`device_trace`) and add each GPU's busy seconds, their
+    share of the traced wall, and the largest programs and kernels (where a step's time
+    goes)."""
     import jax
 
     from tangram_jax.engine.config import EngineConfig
@@ -343,10 +352,10 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                     e.limit_kv_cache(limit)
                 print(f"{variant}: serving {limit / 2**30:g} GiB of the pool "
                       f"({engine.manager.describe_pages(engine.manager.capacity)})", flush=True)
-            trace, t_serve = {}, time.perf_counter()
-            with device_trace(trace) if device_time else contextlib.nullcontext():
+            trace = {}
+            with device_trace(trace, seconds=device_time) if device_time else \
+                    contextlib.nullcontext():
                 rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
-            t_serve = time.perf_counter() - t_serve
             yield {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
                    "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
                    "mode": engine.config.mode, "group_size": engine.layout.group_size,
@@ -365,9 +374,9 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                    "startup_seconds": engine.startup_seconds,
                    "startup_report": engine.startup_report(),
                    "device_memory": device_memory(engines),
-                   "device_time": {"wall_s": t_serve, "devices": {
-                       d: dict(v, busy_fraction=v["busy_s"] / t_serve)
-                       for d, v in trace.items()}} if device_time else None,
+                   "device_time": {"traced_s": trace["seconds"], "devices": {
+                       d: dict(v, busy_fraction=v["busy_s"] / trace["seconds"])
+                       for d, v in trace["devices"].items()}} if device_time else None,
                    "workloads": rows}
     finally:
         del engine, engines

@@ -7,6 +7,7 @@ import contextlib
 import glob
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -52,10 +53,11 @@ def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
     every GPU's: ``{"GPU:1": {"busy_s": s, "kernels": {name: s}}}`` (a program over several
     devices: collectives and each shard's work)."""
     import jax
-    devices = {}
-    with device_trace(devices, top=None):
+    trace = {}
+    with device_trace(trace, top=None):
         for _ in range(reps):
             jax.block_until_ready(fn(*args))
+    devices = trace["devices"]
     first = devices.get("GPU:0")
     if not first:
         return None
@@ -69,20 +71,37 @@ def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
 
 
 @contextlib.contextmanager
-def device_trace(summary: dict, top: int | None = 12):
-    """Profile the block's GPU work (CUPTI: ~1 us more a kernel launch); on exit `summary`
-    receives each GPU's ``{"busy_s": s, "programs": {program: s}, "kernels": {name: s}}``:
-    seconds of stream activity in all, by XLA program (the trace's ``hlo_module``: a step's
-    jitted program, numeric suffixes folded) and by kernel (fusion_3, fusion_12 -> fusion),
-    each its `top` largest (None: all). Nothing where the trace has no GPU events (CPU)."""
+def device_trace(summary: dict, top: int | None = 12, seconds: float | None = None):
+    """Profile the block's GPU work (CUPTI: ~1 us more a kernel launch), its first `seconds`
+    only where given (a long run's trace is millions of events); on exit `summary` receives
+    ``{"seconds": s traced, "devices": {"GPU:0": {"busy_s": s, "programs": {program: s},
+    "kernels": {name: s}}}}``: each GPU's seconds of stream activity in all, by XLA program
+    (the trace's ``hlo_module``: a step's jitted program, numeric suffixes folded) and by
+    kernel (fusion_3, fusion_12 -> fusion), each its `top` largest (None: all). No devices
+    where the trace has no GPU events (CPU)."""
     import jax
     from jax._src.lib import _profile_data
+    lock, stopped = threading.Lock(), []
+
+    def stop():
+        with lock:
+            if not stopped:
+                jax.profiler.stop_trace()
+                stopped.append(time.perf_counter())
+
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
+        started = time.perf_counter()
+        timer = threading.Timer(seconds, stop) if seconds else None
+        if timer:
+            timer.start()
         try:
             yield summary
         finally:
-            jax.profiler.stop_trace()
+            if timer:
+                timer.cancel()
+            stop()
+        summary.update(seconds=stopped[0] - started, devices={})
         paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         if not paths:
             return
@@ -102,12 +121,12 @@ def device_trace(summary: dict, top: int | None = 12):
                     busy += ns
                     name = _fold(e.name)
                     kernels[name] = kernels.get(name, 0) + ns
-                    module = next((str(v) for k, v in e.stats if k == "hlo_module"), "?")
-                    programs[_fold(module)] = programs.get(_fold(module), 0) + ns
+                    module = _fold(next((str(v) for k, v in e.stats if k == "hlo_module"), "?"))
+                    programs[module] = programs.get(module, 0) + ns
             if busy:
-                summary[device.group(1)] = {"busy_s": busy * 1e-9,
-                                            "programs": _largest(programs, top),
-                                            "kernels": _largest(kernels, top)}
+                summary["devices"][device.group(1)] = {
+                    "busy_s": busy * 1e-9, "programs": _largest(programs, top),
+                    "kernels": _largest(kernels, top)}
     if not _PRINTED_LINES and names:
         _PRINTED_LINES.append(names)
         print("profiler GPU lines:", sorted(set(names))[:12], flush=True)

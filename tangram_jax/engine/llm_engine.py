@@ -250,6 +250,11 @@ class Engine(RequestIntake):
         self._steps_dispatched = 0    # numbers the steps for the host tier's rate meter
         self._in_flight_step = 0      # the step `_in_flight` came from
         self.tokens_processed = 0
+        # Where the step loop's time goes: seconds inside `step`, and of them the seconds
+        # blocked on a dispatched step's tokens (the device's work showing through; the rest is
+        # the host's own: scheduling, planning, dispatch, bookkeeping).
+        self.step_seconds = 0.0
+        self.token_wait_seconds = 0.0
         self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
         # included), warm-up (compiling every step shape), total. Weights that loaded on their
@@ -440,6 +445,13 @@ class Engine(RequestIntake):
         token, was written to the cache, so a session's next turn need not prefill it).
         Without it, the host waits for this step's own tokens (the device idles meanwhile).
         """
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - started
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:   # host moves of evictions that admitted nothing, or of closed sessions
             self._move_host_kv()
@@ -615,7 +627,9 @@ class Engine(RequestIntake):
 
         Whatever fails for one request (detokenisation, stop checks, a sampling row that could
         not be built) ends that request alone with finish_reason "error"; the others go on."""
+        started = time.perf_counter()
         host = {id(t.tokens): np.asarray(t.tokens) for t in in_flight}
+        self.token_wait_seconds += time.perf_counter() - started
         host_logprobs: dict[tuple[int, str], np.ndarray] = {}   # fetched once per step array
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}

@@ -150,6 +150,9 @@ def test_bench_serve_refuses_bad_flags_before_loading_anything(capsys):
     from tangram_jax.commands import UsageError, bench_serve
     with pytest.raises(UsageError, match="--variants"):
         bench_serve.main(["--variants", "full,fast", "--kv-gib", "1"])
+    with pytest.raises(UsageError, match="--device-time must be a number of seconds > 0, got "
+                                         "0.0"):
+        bench_serve.main(["--device-time", "0", "--kv-gib", "1"])
     with pytest.raises(SystemExit):
         bench_serve.main(["--rates", "0,1"])
 
@@ -288,8 +291,8 @@ def test_serving_is_measured_after_the_background_compiles(monkeypatch):
     assert row["background_compiles_ok"] and row["background_compile_wait_seconds"] >= 0
     assert row["device_time"] is None
     # --device-time: served under the profiler; a CPU's trace has no GPU, so no devices.
-    (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None, device_time=True)
-    assert row["device_time"]["wall_s"] >= 0 and row["device_time"]["devices"] == {}
+    (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None, device_time=5.0)
+    assert 0 <= row["device_time"]["traced_s"] < 5 and row["device_time"]["devices"] == {}
 
 
 def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, capsys):
