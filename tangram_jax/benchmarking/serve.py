@@ -57,7 +57,7 @@ import numpy as np
 
 from tangram_jax.benchmarking import session_loop
 from tangram_jax.benchmarking.replicas import ReplicaAdapter
-from tangram_jax.benchmarking.timing import device_trace, percentiles
+from tangram_jax.benchmarking.timing import percentiles
 from tangram_jax.benchmarking.workload import (SessionSpec, make_sessions, sessions_to_json,
                                                skewed_profile)
 
@@ -221,8 +221,18 @@ def _counters(engines) -> dict:
     out["pages_reclaimed"] = sum(e.manager.pages_reclaimed for e in engines)
     out["reclaim_seconds"] = sum(e.manager.reclaim_seconds for e in engines)
     out["step_seconds"] = sum(e.step_seconds for e in engines)
+    out["dispatch_seconds"] = sum(e.dispatch_seconds for e in engines)
     out["token_wait_seconds"] = sum(e.token_wait_seconds for e in engines)
     return out
+
+
+def _loop_shares(counts: dict, wall: float) -> dict:
+    """Shares of `wall` (replica-seconds) the engines' step loops spent dispatching, waiting
+    for tokens, and on their own work, and outside `Engine.step` (the driver's)."""
+    dispatch, wait = counts["dispatch_seconds"], counts["token_wait_seconds"]
+    own = counts["step_seconds"] - dispatch - wait
+    return {"dispatch": dispatch / wall, "token_wait": wait / wall, "host": own / wall,
+            "outside_step": max(0.0, 1 - counts["step_seconds"] / wall)}
 
 
 def _adapter(engines, recorders, answer_tokens: int):
@@ -277,12 +287,10 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
                "reclaim_seconds": counts["reclaim_seconds"],
                "reclaim_ms_per_prefill_chunk": counts["reclaim_seconds"] * 1e3
                / max(prefill_chunks, 1),
-               # The step loop's own time a step (host work: the steps' seconds less their
-               # wait on the device's tokens) and the wait's share of the serving wall: a
-               # host-bound loop waits little.
-               "host_ms_per_step": (counts["step_seconds"] - counts["token_wait_seconds"])
-               * 1e3 / max(steps, 1),
-               "token_wait_share": counts["token_wait_seconds"] / elapsed / len(engines),
+               # The step loop's wall (a replica's mean) split: dispatching steps, waiting
+               # for their tokens, the host's own work; a dispatch that waits on the device
+               # leaves the host's work unoverlapped (`Engine.step_seconds`).
+               "step_loop_shares": _loop_shares(counts, elapsed * len(engines)),
                "mean_fragmentation": total("fragmentation_sum") / max(total("samples"), 1),
                "peak_fragmentation": max(r.peak_fragmentation for r in recorders),
                "peak_pool_utilisation": max(r.peak_utilisation for r in recorders),
@@ -311,17 +319,13 @@ def serve_workloads(engines, workloads: list[tuple[str, SessionSpec]], chunk: in
 
 def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                 workloads: list[tuple[str, SessionSpec]], group_size: int, ratio: float,
-                profile_seed: int | None, limits: Sequence[int | None] = (None,),
-                device_time: float | None = None):
+                profile_seed: int | None, limits: Sequence[int | None] = (None,)):
     """Build the engine of `variant` (the pool `engine_fields` fixes: kv_cache_memory_bytes,
     equal bytes, or kv_cache_tokens, equal slots; with data_parallel_size N, N replicas with
     that pool each) and serve every workload at each of `limits` (pool bytes served,
     `Engine.limit_kv_cache`; None: the whole pool), one result dict yielded each; the
     engines are freed after the last. A pool sweep builds once, at its largest pool: the
-    compiled steps do not change with the pages handed out. `device_time`: profile the first
-    that many seconds of serving (`device_trace`) and add each GPU's busy seconds, their
-    share of the traced wall, and the largest programs and kernels (where a step's time
-    goes)."""
+    compiled steps do not change with the pages handed out."""
     import jax
 
     from tangram_jax.engine.config import EngineConfig
@@ -352,10 +356,7 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                     e.limit_kv_cache(limit)
                 print(f"{variant}: serving {limit / 2**30:g} GiB of the pool "
                       f"({engine.manager.describe_pages(engine.manager.capacity)})", flush=True)
-            trace = {}
-            with device_trace(trace, seconds=device_time) if device_time else \
-                    contextlib.nullcontext():
-                rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
+            rows = serve_workloads(engines, workloads, engine.layout.chunk_size)
             yield {"variant": variant, "description": VARIANTS[parse_variant(variant)[0]],
                    "engine": "tangram-jax", "kv_precision": engine.config.kv_precision,
                    "mode": engine.config.mode, "group_size": engine.layout.group_size,
@@ -374,9 +375,6 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                    "startup_seconds": engine.startup_seconds,
                    "startup_report": engine.startup_report(),
                    "device_memory": device_memory(engines),
-                   "device_time": {"traced_s": trace["seconds"], "devices": {
-                       d: dict(v, busy_fraction=v["busy_s"] / trace["seconds"])
-                       for d, v in trace["devices"].items()}} if device_time else None,
                    "workloads": rows}
     finally:
         del engine, engines

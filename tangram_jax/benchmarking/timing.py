@@ -7,7 +7,6 @@ import contextlib
 import glob
 import re
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -71,9 +70,10 @@ def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
 
 
 @contextlib.contextmanager
-def device_trace(summary: dict, top: int | None = 12, seconds: float | None = None):
-    """Profile the block's GPU work (CUPTI: ~1 us more a kernel launch), its first `seconds`
-    only where given (a long run's trace is millions of events); on exit `summary` receives
+def device_trace(summary: dict, top: int | None = 12):
+    """Profile the block's GPU work (CUPTI: ~1 us more a kernel launch; keep the block short,
+    a serving run's trace is millions of events and minutes to collect); on exit `summary`
+    receives
     ``{"seconds": s traced, "devices": {"GPU:0": {"busy_s": s, "programs": {program: s},
     "kernels": {name: s}}}}``: each GPU's seconds of stream activity in all, by XLA program
     (the trace's ``hlo_module``: a step's jitted program, numeric suffixes folded) and by
@@ -81,27 +81,14 @@ def device_trace(summary: dict, top: int | None = 12, seconds: float | None = No
     where the trace has no GPU events (CPU)."""
     import jax
     from jax._src.lib import _profile_data
-    lock, stopped = threading.Lock(), []
-
-    def stop():
-        with lock:
-            if not stopped:
-                jax.profiler.stop_trace()
-                stopped.append(time.perf_counter())
-
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         started = time.perf_counter()
-        timer = threading.Timer(seconds, stop) if seconds else None
-        if timer:
-            timer.start()
         try:
             yield summary
         finally:
-            if timer:
-                timer.cancel()
-            stop()
-        summary.update(seconds=stopped[0] - started, devices={})
+            summary.update(seconds=time.perf_counter() - started, devices={})
+            jax.profiler.stop_trace()
         paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         if not paths:
             return

@@ -111,12 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model as a Hugging Face folder for vLLM (float32)")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's virtual environment")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the sessions' tokens and arrivals")
-    p.add_argument("--device-time", type=float, default=None, metavar="SECONDS",
-                   help="profile the first SECONDS of each configuration's serving (CUPTI: "
-                        "about a microsecond more a kernel, so the traced wall runs slower) "
-                        "and add to its result every GPU's busy seconds, their share of the "
-                        "traced wall and the largest programs and kernels: where the steps' "
-                        "time goes (no devices on a CPU)")
     p.add_argument("--json", default=None, help="output JSON (default: a fresh "
                    "benchmarks/results/runs/serve-<time>.json; a file git tracks, such as the "
                    "committed serve_<cpu|gpu>.json, only with --overwrite)")
@@ -167,9 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--followups must be >= 0, got {args.followups}")
     if not 0 <= args.think_time < float("inf"):
         raise UsageError(f"--think-time must be a number of seconds >= 0, got {args.think_time}")
-    if args.device_time is not None and not 0 < args.device_time < float("inf"):
-        raise UsageError(f"--device-time must be a number of seconds > 0, got "
-                         f"{args.device_time}")
     if not 0 < args.ratio <= 1:
         raise UsageError(f"--ratio must be in (0, 1], got {args.ratio}")
     if args.resume and args.json is None:
@@ -288,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         # The generator first: zip runs it to its end (freeing the engines) before stopping.
         for result, gib in zip(serve.run_variant(
                 variant, factory, model_config, pool_fields(todo[-1]), mine, group_size,
-                args.ratio, profile_seed, limits, device_time=args.device_time), todo):
+                args.ratio, profile_seed, limits), todo):
             report["results"].append(dict(result, kv_cache_gib=gib))
             save()    # after every run: a run cut short keeps what it measured
     if args.vllm:

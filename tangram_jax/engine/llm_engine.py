@@ -250,10 +250,13 @@ class Engine(RequestIntake):
         self._steps_dispatched = 0    # numbers the steps for the host tier's rate meter
         self._in_flight_step = 0      # the step `_in_flight` came from
         self.tokens_processed = 0
-        # Where the step loop's time goes: seconds inside `step`, and of them the seconds
-        # blocked on a dispatched step's tokens (the device's work showing through; the rest is
-        # the host's own: scheduling, planning, dispatch, bookkeeping).
+        # Where the step loop's time goes: seconds inside `step`; of them, inside the runner's
+        # dispatch of a step (which returns at once unless a call waits on the device) and
+        # blocked on a dispatched step's tokens; the rest is the host's own work (scheduling,
+        # planning, bookkeeping), which runs while the device computes only if neither wait
+        # took the device's time.
         self.step_seconds = 0.0
+        self.dispatch_seconds = 0.0
         self.token_wait_seconds = 0.0
         self._warm_variants: set = set()   # what `warmup` compiled (logprob modes, prefills)
         # Seconds of the start-up: loading the weights, the rest of the build (pool sizing
@@ -477,6 +480,7 @@ class Engine(RequestIntake):
         plan, decode_reqs, first_reqs = self._plan(out)
         started = time.perf_counter()
         result = self.runner.execute(plan)
+        self.dispatch_seconds += time.perf_counter() - started
         prefill_tokens = sum(r.num_tokens for r in plan.prefill)
         self.tokens_processed += prefill_tokens + len(decode_reqs)
         self._steps_dispatched += 1

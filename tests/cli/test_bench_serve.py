@@ -150,9 +150,6 @@ def test_bench_serve_refuses_bad_flags_before_loading_anything(capsys):
     from tangram_jax.commands import UsageError, bench_serve
     with pytest.raises(UsageError, match="--variants"):
         bench_serve.main(["--variants", "full,fast", "--kv-gib", "1"])
-    with pytest.raises(UsageError, match="--device-time must be a number of seconds > 0, got "
-                                         "0.0"):
-        bench_serve.main(["--device-time", "0", "--kv-gib", "1"])
     with pytest.raises(SystemExit):
         bench_serve.main(["--rates", "0,1"])
 
@@ -176,7 +173,7 @@ def test_kv_gib_list_sweeps_the_pool_and_finds_where_eviction_stops(tmp_path, mo
     seen = []
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits, device_time=False):
+                         profile_seed, limits):
         # One build a configuration, at the largest pool; each size served from it.
         assert fields["kv_cache_memory_bytes"] == max(limits)
         for limit in limits:
@@ -226,7 +223,7 @@ def test_recompute_configurations_are_compared_with_offload(tmp_path, monkeypatc
     seen = {}
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits, device_time=False):
+                         profile_seed, limits):
         assert limits == [None]                     # one pool: served whole
         config = serve.variant_config(variant, model_config, group_size, ratio, profile_seed)
         seen[variant] = dict(fields, **config).get("host_kv_cache_bytes")
@@ -289,10 +286,6 @@ def test_serving_is_measured_after_the_background_compiles(monkeypatch):
     (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None)
     assert events == ["compiled", "served"]
     assert row["background_compiles_ok"] and row["background_compile_wait_seconds"] >= 0
-    assert row["device_time"] is None
-    # --device-time: served under the profiler; a CPU's trace has no GPU, so no devices.
-    (row,) = serve.run_variant("full", None, None, {}, [], 1, 0.25, None, device_time=5.0)
-    assert 0 <= row["device_time"]["traced_s"] < 5 and row["device_time"]["devices"] == {}
 
 
 def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, capsys):
@@ -319,7 +312,7 @@ def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, c
     (base / "REVISION").write_text("abc1234\n")
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits, device_time=False):
+                         profile_seed, limits):
         rows = [{"workload": "mid", "turns_per_s": 1.5, "output_tokens_per_s": 1.0,
                  "seconds": 1.0, "evictions": 0, "ttft_first_s": {"p50": 0.1, "p99": 0.2},
                  "ttft_followup_s": {"p50": 0.2, "p99": 0.3}, "tpot_followup_s": {"p50": 0.01}}]

@@ -97,9 +97,12 @@ def test_serve_workloads_spreads_sessions_over_replicas_and_sums_their_figures(t
     assert all(r["prefill_tokens"] > 0 and r["decode_rows"] > 0 for r in replicas)
     assert row["prefill_tokens"] == sum(r["prefill_tokens"] for r in replicas)
     assert row["steps"] == sum(r["steps"] for r in replicas)
-    # The step loop's split: its own work a step, and the wait on the device's tokens.
-    assert row["host_ms_per_step"] > 0 and 0 < row["token_wait_share"] < 1
-    assert all(0 < e.token_wait_seconds < e.step_seconds for e in engines)
+    # The step loop's wall split: dispatch, the wait on tokens, its own work, the driver's.
+    shares = row["step_loop_shares"]
+    assert set(shares) == {"dispatch", "token_wait", "host", "outside_step"}
+    assert all(0 < v < 1 for k, v in shares.items() if k != "outside_step")
+    assert 0 <= shares["outside_step"] < 1 and sum(shares.values()) == pytest.approx(1, abs=0.05)
+    assert all(0 < e.dispatch_seconds + e.token_wait_seconds < e.step_seconds for e in engines)
 
 
 def test_device_memory_lists_every_replica_s_devices_and_nothing_on_the_cpu():

@@ -39,7 +39,7 @@ def test_merge_joins_runs_made_side_by_side_and_compares_across_them(tmp_path, m
     from tangram_jax.commands import bench_serve
 
     def fake_run_variant(variant, factory, model_config, fields, workloads, group_size, ratio,
-                         profile_seed, limits, device_time=False):
+                         profile_seed, limits):
         offload = not variant.endswith(serve.RECOMPUTE)
         yield {"variant": variant, "build_and_warmup_seconds": 5.0, "workloads": [
             {"workload": name, "turns_per_s": 2.0 if offload else 1.0,
