@@ -2,8 +2,8 @@
 
 JAX fixes its device count when it starts and the suite runs with one CPU device (conftest), so
 the replicas run in a fresh process with ``--xla_force_host_platform_device_count=2``; that
-process compares each mode's greedy outputs with two replicas against one, and checks where the
-arrays and the sessions live.
+process compares tangram's greedy outputs with two replicas against one (full mode serves the
+embedded model's sessions), and checks where the arrays and the sessions live.
 """
 
 import pytest
@@ -23,7 +23,7 @@ report = {}
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 prompts = ["the quick brown fox", "pack my box with five dozen liquor jugs", "hello",
            "sphinx of black quartz, judge my vow", "a", "lorem ipsum dolor sit amet, consectetur"]
-for mode in ("full", "tangram", "dynamic"):
+for mode in ("tangram",):   # replicas are whole engines: full serves the chat below
     one = LLM(config=tiny_engine_config(folder, mode))
     two = LLM(config=tiny_engine_config(folder, mode, data_parallel_size=2))
     a = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
@@ -62,9 +62,8 @@ def report(tmp_path_factory):
     return report_of_child(CHILD, build_tiny_model(tmp_path_factory.mktemp("tiny_dp")))
 
 
-@pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])
-def test_two_replicas_give_the_outputs_of_one(report, mode):
-    r = report[mode]
+def test_two_replicas_give_the_outputs_of_one(report):
+    r = report["tangram"]
     assert r["equal"], r
     # Each replica's pool lives on its own device.
     assert all(len(d) == 1 for d in r["devices"]) and len({d[0] for d in r["devices"]}) == 2, r

@@ -329,7 +329,7 @@ def test_greedy_output_does_not_depend_on_preemption(mode):
     from tangram_jax.engine.config import build_layout
     from tangram_jax.models.registry import load_model
     cfg = dict(SMALL, chunk_size=32, ratio=0.25)
-    max_new = 40
+    max_new = 28
     tok_prompts = [PROMPTS[1], PROMPTS[1].replace("Paul Graham", "Someone"),
                    "Write a short story about a robot who learns to paint. " * 3]
     loaded = load_model(None)

@@ -104,13 +104,14 @@ def test_a_mixed_step_equals_the_prefill_then_the_decode(mode, precision):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _serve(folder, mode, compiles):
+def _serve(folder, mode, compiles, warmup=True):
     """Greedy tokens of three prompts whose prefills overlap the others' decodes, and how many
-    steps ran as one mixed program; `compiles` collects XLA compilations after warm-up."""
+    steps ran as one mixed program; `compiles` collects XLA compilations after warm-up
+    (without it, an engine compiles only the steps it runs)."""
     from tangram_jax.engine.llm_engine import Engine
     from tangram_jax.sampling import SamplingParams
     from tiny_engine import tiny_engine_config
-    engine = Engine(tiny_engine_config(folder, mode, warmup=True, compile_cache_dir="off"))
+    engine = Engine(tiny_engine_config(folder, mode, warmup=warmup, compile_cache_dir="off"))
     mixed = []
     call_mixed = engine.runner._call_mixed
     engine.runner._call_mixed = lambda *a: mixed.append(1) or call_mixed(*a)
@@ -137,5 +138,5 @@ def test_the_engine_serves_mixed_steps_as_one_program_with_the_same_tokens(
     tokens, mixed, compiled = _serve(tiny_folder, mode, compiles)
     assert mixed >= 3 and compiled == []
     monkeypatch.setattr(ModelRunner, "mixes_steps", property(lambda self: False))
-    apart, none, _ = _serve(tiny_folder, mode, compiles)
+    apart, none, _ = _serve(tiny_folder, mode, compiles, warmup=False)
     assert none == 0 and tokens == apart and all(len(t) == 10 for t in tokens.values())
