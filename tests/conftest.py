@@ -45,14 +45,3 @@ def _release_compiled_programs():
     import gc
     gc.collect()
     jax.clear_caches()
-
-
-def pytest_collection_modifyitems(config, items):
-    """Test files in descending order of their seconds in a recent CI run (file_seconds.json,
-    data; files not listed after them, in their own order): the two workers (`--dist
-    loadfile`) take the longest files first and the short ones even out the end, where in
-    name order the longest file (the server's warm-up tests) started last and ran alone."""
-    import json
-    from pathlib import Path
-    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))
