@@ -3,10 +3,10 @@
 For each mode, the same prompts (random token ids) are completed greedily by an engine with
 `tensor_parallel_size=1` and one with `--tp` devices, in the same process, and compared token by
 token. A row that diverges records where, and the one-device engine's margin there (the log-prob
-gap between its top two tokens): a divergence at a near-tie is rounding (the row-parallel
-projections' partial sums are added across devices in the weights' dtype), one at a wide margin
-is a bug. The CPU suite checks the same on two CPU devices in float32
-(tests/engine/test_tensor_parallel.py); this is the GPU's bfloat16 run.
+gap between its top two tokens): a divergence at a near-tie is rounding (each shard's kernels
+add in another order than one device's; all-reducing the partial sums in float32 did not
+change that), one at a wide margin is a bug. The CPU suite checks the same on two CPU devices
+in float32 (tests/engine/test_tensor_parallel.py); this is the GPU's bfloat16 run.
 
     python3 benchmarks/tp_outputs_gpu.py --model random-llama-8b --tp 2 --out /tmp/tp.json
 """
@@ -37,7 +37,8 @@ def complete(fields: dict, prompts: list[list[int]], max_tokens: int) -> list[di
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     rows = []
     for o in outs:
-        top2 = [sorted(step.values(), key=lambda lp: lp.rank)[:2] for step in o.outputs[0].logprobs]
+        top2 = [sorted(step.values(), key=lambda lp: lp.rank)[:2]
+                for step in o.outputs[0].logprobs]
         rows.append(dict(tokens=list(o.outputs[0].token_ids),
                          chosen=[t[0].logprob for t in top2],
                          margin=[t[0].logprob - t[1].logprob for t in top2]))

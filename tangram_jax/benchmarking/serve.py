@@ -374,8 +374,7 @@ def run_variant(variant: str, model_factory, model_config, engine_fields: dict,
                    "background_compiles_ok": all(all_compiled),
                    "startup_seconds": engine.startup_seconds,
                    "startup_report": engine.startup_report(),
-                   "device_memory": device_memory(engines),
-                   "workloads": rows}
+                   "device_memory": device_memory(engines), "workloads": rows}
     finally:
         del engine, engines
         gc.collect()

@@ -3,7 +3,6 @@ GPU busy time from a profiler trace, and percentiles of a list of samples."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import re
 import tempfile
@@ -52,81 +51,42 @@ def gpu_busy_time(fn: Callable, args: Sequence = (), reps: int = 5,
     every GPU's: ``{"GPU:1": {"busy_s": s, "kernels": {name: s}}}`` (a program over several
     devices: collectives and each shard's work)."""
     import jax
-    trace = {}
-    with device_trace(trace, top=None):
-        for _ in range(reps):
-            jax.block_until_ready(fn(*args))
-    devices = trace["devices"]
-    first = devices.get("GPU:0")
-    if not first:
-        return None
-    if per_kernel is not None:
-        per_kernel.update({k: s / reps for k, s in first["kernels"].items()})
-    if per_device is not None:
-        per_device.update({d: {"busy_s": v["busy_s"] / reps,
-                               "kernels": {k: s / reps for k, s in v["kernels"].items()}}
-                           for d, v in devices.items()})
-    return first["busy_s"] / reps
-
-
-@contextlib.contextmanager
-def device_trace(summary: dict, top: int | None = 12):
-    """Profile the block's GPU work (CUPTI: ~1 us more a kernel launch; keep the block short,
-    a serving run's trace is millions of events and minutes to collect); on exit `summary`
-    receives
-    ``{"seconds": s traced, "devices": {"GPU:0": {"busy_s": s, "programs": {program: s},
-    "kernels": {name: s}}}}``: each GPU's seconds of stream activity in all, by XLA program
-    (the trace's ``hlo_module``: a step's jitted program, numeric suffixes folded) and by
-    kernel (fusion_3, fusion_12 -> fusion), each its `top` largest (None: all). No devices
-    where the trace has no GPU events (CPU)."""
-    import jax
     from jax._src.lib import _profile_data
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
-        started = time.perf_counter()
-        try:
-            yield summary
-        finally:
-            summary.update(seconds=time.perf_counter() - started, devices={})
-            jax.profiler.stop_trace()
+        for _ in range(reps):
+            jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
         paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         if not paths:
-            return
+            return None
         data = _profile_data.ProfileData.from_file(paths[0])
-        names = []
-        for plane in data.planes:
-            device = re.match(r"/device:(GPU:\d+)", plane.name)
-            if device is None:
-                continue
-            busy, programs, kernels = 0, {}, {}
-            for line in plane.lines:
+    total, names = 0, []
+    for plane in data.planes:
+        device = re.match(r"/device:(GPU:\d+)", plane.name)
+        if device is None:
+            continue
+        first = device.group(1) == "GPU:0"
+        mine = {"busy_s": 0.0, "kernels": {}}
+        for line in plane.lines:
+            if first:
                 names.append(line.name)
-                if not line.name.startswith("Stream"):
-                    continue
+            if line.name.startswith("Stream"):
                 for e in line.events:
-                    ns = e.duration_ns
-                    busy += ns
-                    name = _fold(e.name)
-                    kernels[name] = kernels.get(name, 0) + ns
-                    module = _fold(next((str(v) for k, v in e.stats if k == "hlo_module"), "?"))
-                    programs[module] = programs.get(module, 0) + ns
-            if busy:
-                summary["devices"][device.group(1)] = {
-                    "busy_s": busy * 1e-9, "programs": _largest(programs, top),
-                    "kernels": _largest(kernels, top)}
-    if not _PRINTED_LINES and names:
+                    name = re.sub(r"([._]\d+)+$", "", e.name)
+                    seconds = e.duration_ns * 1e-9 / reps
+                    mine["busy_s"] += seconds
+                    mine["kernels"][name] = mine["kernels"].get(name, 0.0) + seconds
+                    if first:
+                        total += e.duration_ns
+                        if per_kernel is not None:
+                            per_kernel[name] = per_kernel.get(name, 0.0) + seconds
+        if per_device is not None and mine["busy_s"]:
+            per_device[device.group(1)] = mine
+    if not _PRINTED_LINES:
         _PRINTED_LINES.append(names)
         print("profiler GPU lines:", sorted(set(names))[:12], flush=True)
-
-
-def _fold(name: str) -> str:
-    return re.sub(r"([._]\d+)+$", "", name)
-
-
-def _largest(ns: dict, top: int | None) -> dict:
-    """Seconds of the `top` largest entries of a name -> nanoseconds dict, largest first."""
-    ranked = sorted(ns.items(), key=lambda kv: -kv[1])
-    return {k: v * 1e-9 for k, v in (ranked if top is None else ranked[:top])}
+    return total * 1e-9 / reps if total else None
 
 
 def busy_or_wall(fn: Callable, args: Sequence = (), reps: int = 5,

@@ -343,13 +343,3 @@ def test_a_baseline_package_runs_the_same_command_first(tmp_path, monkeypatch, c
         bench_serve.main(["--kv-cache-tokens", "5000", "--baseline", str(tmp_path),
                           "--json", str(tmp_path / "c.json")])
 
-
-def test_device_time_names_the_largest_programs_and_kernels_first():
-    """`timing.device_trace`'s summary: names lose their numeric suffixes (fusion_3 and
-    fusion_12 are one kernel), nanoseconds become seconds, the largest first, `top` of them."""
-    from tangram_jax.benchmarking import timing
-    assert timing._fold("fusion_12") == timing._fold("fusion.3") == "fusion"
-    assert timing._fold("jit_decode_step") == "jit_decode_step"
-    ranked = timing._largest({"a": 1e9, "b": 3e9, "c": 2e9}, top=2)
-    assert list(ranked) == ["b", "c"] and ranked["b"] == 3.0
-    assert list(timing._largest({"a": 1, "b": 2}, top=None)) == ["b", "a"]
