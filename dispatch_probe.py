@@ -30,6 +30,8 @@ def _small(pages, *ints):
 
 
 small = jax.jit(_small)
+small_cond = jax.jit(lambda pages, *ints: jax.lax.cond(
+    ints[0].sum() > 0, lambda: _small(pages, *ints), lambda: pages))
 small_donate = jax.jit(_small, donate_argnums=0)
 
 k = jax.random.normal(jax.random.key(0), (D, D), jnp.bfloat16)
@@ -45,6 +47,7 @@ for f in (long_a, long_b):
     f(x1, w).block_until_ready()
 small(pages, *ints_np).block_until_ready()
 small(pages, *ints_dev).block_until_ready()
+small_cond(pages, *ints_dev).block_until_ready()
 p = small_donate(jnp.zeros_like(pages), *ints_np)
 p = small_donate(p, *ints_dev).block_until_ready()
 p2 = small_donate(long_a(x1, w)[:D // 2, :D // 2] * 0 + p, *ints_dev)
@@ -77,6 +80,8 @@ cases = {
     "other_program": lambda y: long_b(x1, w),
     "same_program_chained": lambda y: long_a(y, w),
     "np_asarray_ready": lambda y: np.asarray(ints_dev[0]),
+    "small_cond_dev": lambda y: small_cond(pages, *ints_dev),
+    "small_cond_after_long": lambda y: small_cond(y[:D // 2, :D // 2], *ints_dev),
 }
 res = {"jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
        "long_ms": long_ms}

@@ -83,9 +83,9 @@ def weight_bytes(model, dtype) -> dict:
 def decode_program_facts(runner: ModelRunner, call, greedy: bool) -> dict:
     """Of the decode step of `call`: the bytes its forward program allocates beyond its donated
     arguments (`memory.step_peak_bytes`: a few MB of activations, unless it copies the pool),
-    and the conditionals of its two programs, the forward pass and the sampler (each one a
-    predicate the host reads back before it launches the rest of the step: the general
-    sampler's `lax.cond`s)."""
+    the conditionals of its two programs, the forward pass and the sampler (each one a
+    predicate the host reads back before it launches the rest of the step), and the sampler's
+    sorts (the general sampler's vocabulary sort)."""
     args, static = runner._decode_call(runner.k_pages, runner.v_pages, *call.decode_args[:3])
     compiled = runner._decode.lower(*args, **static).compile()
     b = len(call.decode_args[1])
@@ -95,7 +95,8 @@ def decode_program_facts(runner: ModelRunner, call, greedy: bool) -> dict:
         np.zeros(b, np.int32), _greedy_rows(b), logprobs=None, greedy=greedy).compile()
     return dict(step_extra_bytes=step_peak_bytes(compiled),
                 step_conditionals=sum(c.as_text().count(" conditional(")
-                                      for c in (compiled, sampler)))
+                                      for c in (compiled, sampler)),
+                sampler_sorts=sampler.as_text().count(" sort("))
 
 
 def limits(config, sizes: dict, batch: int, context: int, prefill: int, tp: int,
@@ -166,10 +167,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler", choices=("engine", "general"), default="engine",
                         help="engine: the engine's choice for the benchmark's greedy rows (each "
-                             "row's argmax, no conditional); general: the sampler a batch with "
-                             "a sampled or penalised row runs (its two lax.conds make the host "
-                             "wait on their predicates each step; greedy rows: the same "
-                             "tokens)")
+                             "row's argmax); general: the sampler a batch with a sampled or "
+                             "penalised row runs (every row's penalties and the vocabulary "
+                             "sort; greedy rows: the same tokens)")
     parser.add_argument("--trace-dir", default=None,
                         help="also keep a profiler trace (xplane.pb) of 3 decode steps at the "
                              "largest batch here: the timeline of every device")

@@ -491,10 +491,11 @@ def adjust_logits(logits: jax.Array, adjust: LogitsAdjust, penalties: jax.Array)
     return jnp.where(stop & adjust.suppress_stop[:, None], -jnp.inf, logits)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("adjusts", "samples"))
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, keys: jax.Array, adjust: LogitsAdjust | None = None,
-                  penalties: jax.Array | None = None) -> jax.Array:
+                  penalties: jax.Array | None = None, *, adjusts: bool | None = None,
+                  samples: bool | None = None) -> jax.Array:
     """Choose one token per row.
 
     logits: [B, V] float32; temperature: [B] f32 (0 = greedy); top_k: [B] int32 (<= 0 disables);
@@ -502,8 +503,11 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     adjust: penalties, min_tokens and min_p of the rows (None: none asked for); penalties:
     int32 [B, V] the rows' penalty rows (`adjust_logits`; needed with `adjust`), or (table
     [slots, V], slots [B]) to gather them only when a row adjusts. The engine's steps always
-    pass both (rows that change nothing are skipped at run time: one program serves every
-    mix). Returns [B] int32.
+    pass both. adjusts / samples: whether any row adjusts its logits (`adjusting_rows`) / any
+    row samples (temperature > 0), as the caller knows it (static: the program holds only
+    that path); None: decided on the device, a conditional whose predicate an accelerator's
+    host waits for before it launches the rest of the program (the engine decides on the
+    host: `decode_step._sampling_rows`). Returns [B] int32.
 
     vLLM's order: the penalties and min_tokens change the logits (greedy rows take their
     argmax), then temperature, min-p, top-k and top-p. All filters work on one descending sort
@@ -511,18 +515,21 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """
     logits = logits.astype(jnp.float32)
     if adjust is not None:
-        active = adjusting_rows(adjust)
         rows = lambda: penalties[0][penalties[1]] if isinstance(penalties, tuple) else penalties
-        logits = jax.lax.cond(jnp.any(active),
-                              lambda: adjust_logits(logits, adjust, rows()), lambda: logits)
+        adjusted = lambda: adjust_logits(logits, adjust, rows())
+        if adjusts is None:
+            logits = jax.lax.cond(jnp.any(adjusting_rows(adjust)), adjusted, lambda: logits)
+        elif adjusts:
+            logits = adjusted()
         min_p = adjust.min_p
     else:
         min_p = jnp.zeros_like(temperature)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # An all-greedy batch (the common benchmark case) skips the vocabulary sort entirely.
-    return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy_ids,
-                        lambda: _sample_rows(logits, greedy_ids, temperature, top_k, top_p,
-                                             min_p, keys))
+    sampled = lambda: _sample_rows(logits, greedy_ids, temperature, top_k, top_p, min_p, keys)
+    if samples is None:
+        # An all-greedy batch (the common benchmark case) skips the vocabulary sort entirely.
+        return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy_ids, sampled)
+    return sampled() if samples else greedy_ids
 
 
 class TokenLogprobs(NamedTuple):

@@ -5,11 +5,12 @@ padded bucket of sequences, its input read from the device's `slot_state`, atten
 the bucket's AOT split map), the mixed step of the CPU path (prefill rows and decode rows as
 one program: `_run_mixed`, `_mixed_impl`), and `sample` (the first token of prompts that
 ended). A decode step is two programs: the forward pass to the logits, then the sampler
-(`_sample_into_slots`), compiled twice: each row's argmax, without a conditional, where the
-host sees that no row samples or adjusts its logits (`_sampling_rows`), and the general
-sampler otherwise. A device-side branch between the two makes the host wait for its predicate
-every step, so the next step's launch is not hidden behind this one's work: 27% of the 8B
-step at batch 64 on an H200 (`benchmarks/NOTES_engine.md`, "Sampling's conditionals").
+(`_sample_into_slots`), compiled twice: each row's argmax where the host sees that no row
+samples or adjusts its logits (`_sampling_rows`), and the general sampler otherwise (every
+row's penalties and the vocabulary sort). Neither holds a conditional: a device-side branch
+makes the host wait for its predicate before it launches the rest of the program, so the next
+step's launch is not hidden behind this one's work (27% of the 8B step at batch 64 on an
+H200: `benchmarks/NOTES_engine.md`, "Sampling's conditionals").
 `decode_split_map(s)` build the split maps the decode kernel is compiled with; `_copy_pages`
 copies a fork's partly filled pages.
 """
@@ -244,8 +245,8 @@ class DecodeSteps:
         _check_logprob_mode(logprobs)
         decode_args, decode_static = self._decode_call(self.k_pages, self.v_pages, positions,
                                                        d_slots, lengths)
-        # The mixed step keeps the general sampler (`_choose_tokens`' conditionals): it runs on
-        # the CPU, where a conditional costs the host no wait on a device.
+        # The mixed step decides its sampler on the device (`_choose_tokens`' conditionals): it
+        # runs on the CPU, where a conditional costs the host no wait on a device.
         rows, _ = _sampling_rows(*sampling, forced, adjust, len(d_slots))
         # One width for both parts: where steps mix it is the whole table (`_table_width`).
         prefill_static = dict(prefill_static, table_width=max(
@@ -408,15 +409,18 @@ def _check_logprob_mode(logprobs) -> None:
 
 
 def _choose_tokens(logits, temperature, top_k, top_p, seeds, steps, forced, logprobs,
-                   adjust, penalties, greedy: bool = False):
+                   adjust, penalties, greedy: bool | None = None):
     """Each row's token (sampled after `adjust` with the rows' `penalties`, a (table, slots)
     pair, or forced where ``forced >= 0``) and, with `logprobs` set, the model's
-    log-probabilities at that row (computed here on the device). `greedy` (static): every row
-    is greedy and adjusts nothing (`_sampling_rows`), so each takes its argmax, the token
-    `sample_tokens` would choose, without its conditionals."""
+    log-probabilities at that row (computed here on the device). `greedy` (static), decided
+    on the host (`_sampling_rows`): True, every row is greedy and adjusts nothing, so each
+    takes its argmax, the token `sample_tokens` would choose; False, every row's penalties and
+    the vocabulary sort, without `sample_tokens`' conditionals (rows that change nothing come
+    out as they would there); None: `sample_tokens` decides on the device."""
+    decided = None if greedy is None else True
     chosen = (jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32) if greedy
               else sample_tokens(logits, temperature, top_k, top_p, step_keys(seeds, steps),
-                                 adjust, penalties))
+                                 adjust, penalties, adjusts=decided, samples=decided))
     tokens = force_tokens(chosen, forced)
     lp = None if logprobs is None else token_logprobs(logits, tokens, full=logprobs == "full")
     return tokens, lp

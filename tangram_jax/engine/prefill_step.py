@@ -271,8 +271,9 @@ class PrefillSteps:
             if self.compacts_turns:   # the pages each compaction's held tokens span
                 ps = layout.page_size
                 span = (turn_hist % ps + hist - turn_hist + ps - 1) // ps
+                # (A compacting call reads at least a page: width 0 compiles no compaction.)
                 region_pages = self._region_width(
-                    int(span[:n_rows][compacts].max()) if compacts.any() else 0)
+                    max(1, int(span[:n_rows][compacts].max())) if compacts.any() else 0)
         return args, dict(table_width=self._table_width(reach, prefill=True),
                           region_pages=region_pages)
 

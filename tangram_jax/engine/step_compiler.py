@@ -5,10 +5,10 @@ can meet (`warmup`: prefill row counts and flat-token buckets, region widths, ta
 mixed steps, decode buckets, first-token sampling, block-table updates, fork page copies)
 without running them, and the largest steps for a pool that is not allocated yet
 (`compile_steps`: `engine/memory.py` sizes the pool from their memory analysis). Warm-up may
-leave the narrower variants of a covering program (the short region of turn compactions, the
-decode buckets below the largest, all but two prefill token buckets) to one background thread
-after the engine is ready (`background`): serving takes the covering program until they are
-compiled (`_ready`).
+leave the narrower variants of a covering program (the narrower regions of turn compactions,
+the decode buckets below the largest, all but two prefill token buckets) to one background
+thread after the engine is ready (`background`): serving takes the covering program until they
+are compiled (`_ready`).
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ class StepCompilation:
 
         def add(name, lower, **key):
             covered_by = []
-            if background and 0 < key.get("region_pages", 0) < widest:
+            if background and key.get("region_pages", widest) < widest:
                 covered_by.append(("region_pages", widest))
             if background and key.get("tokens") in token_cover:
                 covered_by.append(("tokens", token_cover[key["tokens"]]))
@@ -413,7 +413,7 @@ class StepCompilation:
         a variant again costs little (jit finds it cached), so a later call may add modes.
         max_page_copies: the most pages one step's forks copy (`copy_pages`' sizes up to it);
         max_swap_pages: the most pages of a tier one session swapped to host memory holds.
-        background: leave the programs a wider one covers (the short turn-compaction region,
+        background: leave the programs a wider one covers (the narrower turn-compaction regions,
         all but two prefill token buckets, decode buckets below the largest) to the background
         thread (`warmup_programs`;
         `wait_for_compiles` waits for them). Programs `precompile` compiled for this pool's

@@ -74,20 +74,34 @@ class TurnCompaction:
                                  f"[0, hist - turn_hist]")
         return turn_hist, keep_counts, [int(p) for p in held_protected]
 
+    @property
+    def host_waits_on_conditionals(self) -> bool:
+        """Whether a device-side conditional (`lax.cond`) makes the host wait: on a GPU, XLA
+        reads the predicate back before it launches the rest of the program, so the call
+        returns only when the device has run everything before the branch (a prefill chunk's
+        whole layer loop) and the next step's host work no longer overlaps the device's. On
+        the CPU the program runs on the host anyway."""
+        return self.placement.devices[0].platform != "cpu"
+
     def _region_widths(self) -> list[int]:
         """The static region widths (pages) of turn compactions a prefill call compiles for
         (`_region_width`): `SHORT_REGION_PAGES` (what a follow-up turn holds) and the whole
-        block table (a long turn), so a prefill shape compiles twice, not once per length; a
-        call whose rows only append takes the short one (its compaction branch is skipped).
-        [0] where the runner does not compact turns."""
+        block table (a long turn), so a prefill shape compiles twice, not once per length.
+        Where the host waits on conditionals also 0: a call whose rows only append (the
+        host knows which rows end their turn: `_prefill_args`) compiles no compaction, and a
+        compacting call compacts every row and keeps the writes of those that end their turn
+        (`_compact_turns`). Elsewhere a call whose rows only append takes the short one and
+        skips its compaction on the device (a conditional). [0] where the runner does not
+        compact turns."""
         if not self.compacts_turns:
             return [0]
         full = int(self.block_tables.shape[-1])
-        return sorted({min(SHORT_REGION_PAGES, full), full})
+        return sorted({min(SHORT_REGION_PAGES, full), full}
+                      | ({0} if self.host_waits_on_conditionals else set()))
 
     def _region_width(self, pages: int) -> int:
         """The smallest of `_region_widths` that holds `pages` pages and whose programs are
-        compiled (`_ready`: warm-up may leave the short one to the background; the whole
+        compiled (`_ready`: warm-up may leave all but the widest to the background; the whole
         table's never is)."""
         return next(w for w in self._region_widths()
                     if w >= pages and self._ready("region_pages", w))
@@ -114,7 +128,9 @@ class TurnCompaction:
         unrolled loop, where its 32 copies made the whole-table prefill 3.3x the HLO of
         full's and its compile the start-up's critical path). Each row whose turn ends
         here (`keep` < its length) has the whole turn scored and written back
-        (`_turn_compaction`); the other rows wrote their chunk in the loop.
+        (`_turn_compaction`); the other rows wrote their chunk in the loop (where the host
+        waits on conditionals, their compaction is computed and its writes dropped: only a
+        call with an ending row compacts; elsewhere a conditional skips it).
 
         write_tables [layers, rows, groups, P]; hist, turn_hist, keep [layers, rows, groups];
         questions: per row (q_win, lse_win, mass_row, k_row, v_row) stacked over the layers
@@ -123,19 +139,25 @@ class TurnCompaction:
         writes where they are planned, else [])."""
         page_size = self.layout.page_size
         rows = len(questions)
+        host_decides = self.host_waits_on_conditionals
 
         def compact(k_pages, v_pages, write_tables, hist, turn_hist, keep, questions,
                     row_lens, num_protected, held_protected):
             plans = []
             for b in range(rows):
                 q_win, lse_win, mass_row, k_row, v_row = questions[b]
-                dest, k_src, v_src = jax.lax.cond(
-                    jnp.any(keep[b] < row_lens[b]),
-                    lambda: self._turn_compaction(
-                        q_win, lse_win, mass_row, k_row, v_row, row_lens[b], k_pages, v_pages,
-                        write_tables[b], hist[b], turn_hist[b], keep[b], num_protected[b],
-                        held_protected[b], region_pages),
-                    lambda: _nothing_written(k_row, v_row, region_pages, page_size))
+                ends_turn = jnp.any(keep[b] < row_lens[b])
+                compacted = lambda: self._turn_compaction(   # noqa: E731
+                    q_win, lse_win, mass_row, k_row, v_row, row_lens[b], k_pages, v_pages,
+                    write_tables[b], hist[b], turn_hist[b], keep[b], num_protected[b],
+                    held_protected[b], region_pages)
+                if host_decides:   # the call compacts (`_prefill_args`): keep the ending rows'
+                    dest, k_src, v_src = compacted()
+                    dest = jnp.where(ends_turn, dest, -1)
+                else:
+                    dest, k_src, v_src = jax.lax.cond(
+                        ends_turn, compacted,
+                        lambda: _nothing_written(k_row, v_row, region_pages, page_size))
                 k_pages, v_pages = self._write_rows(k_src, v_src, dest, k_pages, v_pages,
                                                     write_tables[b], plans)
             return k_pages, v_pages, plans

@@ -200,3 +200,28 @@ def test_a_steps_sampling_rows_travel_as_one_array_and_come_back_bit_for_bit():
         g = np.asarray(g)
         assert g.dtype == w.dtype
         assert g.tobytes() == w.tobytes()
+
+
+def test_the_host_decided_sampler_chooses_what_the_device_decided_one_does():
+    """`sample_tokens` with adjusts / samples decided by the caller (no conditional: the
+    engine's steps) chooses the tokens its device-decided form does, for a batch that samples
+    and one that only adjusts greedy rows, and neutral rows pass the penalties unchanged."""
+    from tangram_jax.sampling import LogitsAdjust, neutral_adjust, penalty_row
+    vocab, n = 64, 6
+    logits = jax.random.normal(jax.random.PRNGKey(3), (n, vocab)) * 3
+    rows = jnp.stack([jnp.asarray(penalty_row(vocab, [1, 2, 3], [5, 5, 7], [0]))] * n)
+    tk, tp = jnp.array([-1, 5, -1, 3, -1, -1], jnp.int32), jnp.array([1, 0.9, 1, 1, 0.5, 1])
+    keys = _keys(np.arange(n))
+    neutral = LogitsAdjust(*map(jnp.asarray, neutral_adjust(n)))
+    penalised = neutral._replace(repetition=jnp.array([1, 1.3, 1, 2, 1, 1], jnp.float32),
+                                 presence=jnp.array([0, 0, 0.5, 0, 0, 0], jnp.float32))
+    for temps, adjust in ((jnp.array([0, 0.7, 1, 0, 1.5, 0.3]), neutral),
+                          (jnp.array([0, 0.7, 1, 0, 1.5, 0.3]), penalised),
+                          (jnp.zeros(n), penalised)):
+        on_device = sample_tokens(logits, temps, tk, tp, keys, adjust, rows)
+        on_host = sample_tokens(logits, temps, tk, tp, keys, adjust, rows, adjusts=True,
+                                samples=True)
+        np.testing.assert_array_equal(on_host, on_device)
+    skipped = sample_tokens(logits, jnp.zeros(n), tk, tp, keys, neutral, rows, adjusts=False,
+                            samples=False)
+    np.testing.assert_array_equal(skipped, np.argmax(np.asarray(logits), -1))

@@ -424,11 +424,11 @@ def test_a_short_chunk_row_prefills_over_a_smaller_flat_axis_with_the_same_resul
     np.testing.assert_allclose(small_pages, pages, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_decode_steps_sample_without_conditionals_and_choose_the_same_tokens():
+def test_decode_samplers_hold_no_conditional_and_greedy_rows_choose_the_same_tokens():
     """A decode step's sampler is chosen on the host (`_sampling_rows`): rows that neither sample
-    nor adjust their logits take the argmax program, which holds no conditional (a device-side
-    branch makes the host wait for its predicate each step), and chooses what the general
-    sampler chooses; a sampled or penalised row takes the general one."""
+    nor adjust their logits take the argmax program, and it chooses what the general sampler
+    chooses; a sampled or penalised row takes the general one. Neither holds a conditional (a
+    device-side branch makes the host wait for its predicate each step)."""
     from tangram_jax.engine.decode_step import _greedy, _greedy_rows, _sampling_rows
     from tangram_jax.sampling import neutral_adjust
     runner = make_runner(KVCacheManager(LAYOUT, 64, 2, 16, model_kv_shape=(3, 2, 8)), "scan")
@@ -442,7 +442,7 @@ def test_greedy_decode_steps_sample_without_conditionals_and_choose_the_same_tok
         state = jax.tree.map(jnp.copy, runner.slot_state)
         _, chosen[greedy], _ = runner._sample_rows(state, logits, slots, _greedy_rows(4),
                                                    logprobs=None, greedy=greedy)
-    assert " conditional(" not in texts[True] and " conditional(" in texts[False]
+    assert " conditional(" not in texts[True] and " conditional(" not in texts[False]
     np.testing.assert_array_equal(chosen[True], chosen[False])
     np.testing.assert_array_equal(chosen[True], np.argmax(np.asarray(logits), -1))
 
