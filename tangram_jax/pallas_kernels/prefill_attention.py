@@ -188,31 +188,55 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
         raise ValueError(f"num_items {num_items} < the {count} items of these rows")
     out = np.full((layers, num_items, 5), -1, np.int32)
     out[:, :, 1:] = 0
-    for layer in range(layers):
-        h = hist[layer][item_row].reshape(-1).astype(np.float64)              # [items]
-        c = np.repeat(causal, groups).astype(np.float64)
-        splits = np.ones(count, np.int64)
-        spare = num_items - count
-        if spare and split_slots(num_items, num_tokens, groups, tuning) > 1:
-            heap = [(-(hk + ck), i) for i, (hk, ck) in enumerate(zip(h, c))]
-            heapq.heapify(heap)
-            while spare and heap:
-                _, i = heapq.heappop(heap)
-                s = splits[i] + 1
-                if s > tuning.max_splits or h[i] / s < tuning.min_split_keys:
-                    continue                       # this item stays; try the next heaviest
-                splits[i] = s
-                spare -= 1
-                heapq.heappush(heap, (-(h[i] / s + c[i]), i))
-        item = np.repeat(np.arange(count), splits)
-        split = np.arange(len(item)) - np.repeat(np.cumsum(splits) - splits, splits)
-        work = h[item] / splits[item] + np.where(split == splits[item] - 1, c[item], 0)
-        order = np.argsort(-work, kind="stable")
-        item, split = item[order], split[order]
-        base, group = np.divmod(item, groups)
-        out[layer, :len(item)] = np.stack([item_row[base], q_block[base], group, split,
-                                           splits[item]], axis=1)
+    h_all = hist[:, item_row].reshape(layers, count).astype(np.float64)       # [layers, items]
+    c = np.repeat(causal, groups).astype(np.float64)
+    splits_all = np.ones((layers, count), np.int64)
+    spare = num_items - count
+    if spare and split_slots(num_items, num_tokens, groups, tuning) > 1:
+        splits_all += _greedy_splits(h_all, c, spare, tuning)
+    # Every layer's items at once: (layer, item, split) in item order, then per layer by
+    # per-split work, largest first (a stable sort: ties keep item order).
+    per_layer_items = splits_all.sum(axis=1)                                  # [layers]
+    layer = np.repeat(np.arange(layers), per_layer_items)
+    item = np.repeat(np.tile(np.arange(count), layers), splits_all.reshape(-1))
+    splits = np.repeat(splits_all.reshape(-1), splits_all.reshape(-1))
+    first_of_item = np.repeat(np.cumsum(splits_all.reshape(-1)) - splits_all.reshape(-1),
+                              splits_all.reshape(-1))
+    split = np.arange(len(item)) - first_of_item
+    work = h_all[layer, item] / splits + np.where(split == splits - 1, c[item], 0)
+    order = np.lexsort((-work, layer))
+    layer, item, split, splits = layer[order], item[order], split[order], splits[order]
+    slot = np.arange(len(item)) - np.repeat(np.cumsum(per_layer_items) - per_layer_items,
+                                            per_layer_items)
+    base, group = np.divmod(item, groups)
+    out[layer, slot] = np.stack([item_row[base], q_block[base], group, split, splits], axis=1)
     return out if per_layer else out[0]
+
+
+def _greedy_splits(h: np.ndarray, c: np.ndarray, spare: int,
+                   tuning: PrefillTuning) -> np.ndarray:
+    """Extra splits per item (int [layers, items]) of `prefill_work_items`: one at a time,
+    `spare` times per layer, to the item of largest per-split work ``h / splits + c`` (history
+    keys h [layers, items], causal keys c [items]; ties to the lower item), while a split keeps
+    at least ``min_split_keys`` history keys and an item at most ``max_splits``. The greedy as
+    one sort: an item's s-th split is worth ``h / (s - 1) + c``, which falls with s, so taking
+    the `spare` largest candidates of all items takes them in the greedy's order (each item's
+    in turn), and a candidate that breaks a limit breaks it for every larger s."""
+    layers, count = h.shape
+    s = np.arange(2, tuning.max_splits + 1, dtype=np.int64)                  # [S]
+    shape = (layers, count * len(s))                    # candidates, item-major per layer
+    valid = (h[..., None] >= tuning.min_split_keys * s).reshape(shape)   # h / s >= the least
+    key = np.where(valid, (h[..., None] / (s - 1) + c[None, :, None]).reshape(shape), -np.inf)
+    # The spare-th largest key; every larger key is taken, equal ones in candidate order (the
+    # lower item first, as the greedy's heap breaks ties).
+    kth = min(spare, shape[1]) - 1
+    cut = -np.partition(-key, kth, axis=-1)[:, kth:kth + 1]                    # [layers, 1]
+    above = key > cut
+    tied = (key == cut) & valid
+    taken = above | (tied & (np.cumsum(tied, axis=-1, dtype=np.int32)
+                             <= spare - above.sum(axis=-1, keepdims=True)))
+    extra = taken.reshape(layers, count, len(s)).sum(axis=-1)
+    return extra
 
 
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,

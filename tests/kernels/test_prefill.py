@@ -382,3 +382,41 @@ def test_ragged_prefill_window_and_sinks(window, sinks):
         err = np.linalg.norm(out[inside] - want[inside]) / np.linalg.norm(want[inside])
         assert err < 2e-5, (name, err)
         assert np.abs(np.asarray(lse, np.float64)[:, inside] - want_lse[:, inside]).max() < 1e-3
+
+
+def _greedy_splits_one_at_a_time(h, c, spare, tuning):
+    """The split rule as its docstring states it, one split at a time off a heap: the item of
+    largest per-split work (the lower item on a tie) takes one more split while its splits
+    keep ``min_split_keys`` history keys each and number at most ``max_splits``."""
+    import heapq
+    splits = np.ones(len(h), np.int64)
+    heap = [(-(hk + ck), i) for i, (hk, ck) in enumerate(zip(h, c))]
+    heapq.heapify(heap)
+    while spare and heap:
+        _, i = heapq.heappop(heap)
+        s = splits[i] + 1
+        if s > tuning.max_splits or h[i] / s < tuning.min_split_keys:
+            continue
+        splits[i], spare = s, spare - 1
+        heapq.heappush(heap, (-(h[i] / s + c[i]), i))
+    return splits - 1
+
+
+def test_prefill_work_items_split_as_the_one_at_a_time_greedy():
+    """`prefill_work_items` takes its splits in one sort (`_greedy_splits`: the host's share of
+    a prefill step, ~3x faster than a heap at a 2048-token call's 528 items); every split
+    count equals the one-at-a-time greedy's, ties and limits included."""
+    from tangram_jax.pallas_kernels.prefill_attention import _greedy_splits
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        tuning = PrefillTuning(block_q=16, block_k=16, max_splits=int(rng.integers(2, 17)),
+                               min_split_keys=int(rng.choice([1, 20, 100, 512])))
+        layers, count = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+        h = rng.integers(0, 3000, (layers, count)).astype(np.float64)
+        if trial % 3 == 0:
+            h = (h // 500) * 500                               # equal histories: ties
+        c = np.repeat(rng.integers(1, 5, -(-count // 2)) * 16, 2)[:count].astype(np.float64)
+        spare = int(rng.integers(1, 300))
+        want = np.stack([_greedy_splits_one_at_a_time(h[i], c, spare, tuning)
+                         for i in range(layers)])
+        np.testing.assert_array_equal(_greedy_splits(h, c, spare, tuning), want)
