@@ -211,7 +211,7 @@ class EngineConfig:
     background_compile: bool = _field(
         True, _flag(), "with warm-up, compile the programs a wider one can stand in for (decode "
         "buckets below the largest, prefill token buckets but the largest and the first of "
-        "1024 tokens, the short-turn region of the turn compaction) after the "
+        "1024 tokens, the turn compaction's regions but the whole table's) after the "
         "engine is ready, on one background thread; until each is, its calls run the wider "
         "program, padded (the same tokens, more work)")
     gpu_memory_utilization: float = _field(
