@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 
 import jax
@@ -235,8 +234,7 @@ def _greedy_splits(h: np.ndarray, c: np.ndarray, spare: int,
     tied = (key == cut) & valid
     taken = above | (tied & (np.cumsum(tied, axis=-1, dtype=np.int32)
                              <= spare - above.sum(axis=-1, keepdims=True)))
-    extra = taken.reshape(layers, count, len(s)).sum(axis=-1)
-    return extra
+    return taken.reshape(layers, count, len(s)).sum(axis=-1)
 
 
 def _prefill_kernel(items_ref, row_start_ref, row_len_ref, hist_ref, tables_ref, q_ref, k_ref,
