@@ -404,7 +404,7 @@ def _greedy_splits_one_at_a_time(h, c, spare, tuning):
 
 def test_prefill_work_items_split_as_the_one_at_a_time_greedy():
     """`prefill_work_items` takes its splits in one sort (`_greedy_splits`: the host's share of
-    a prefill step, ~3x faster than a heap at a 2048-token call's 528 items); every split
+    a prefill step, 2-3x faster than a heap at a 2048-token call's 528 items); every split
     count equals the one-at-a-time greedy's, ties and limits included."""
     from tangram_jax.pallas_kernels.prefill_attention import _greedy_splits
     rng = np.random.default_rng(0)
