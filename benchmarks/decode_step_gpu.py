@@ -93,7 +93,8 @@ def fill_manager(layout, max_batch: int, context: int, seed: int):
 
 def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
     """Median wall ms of `fn()` (each call ended by block_until_ready), ms a call of `reps`
-    calls back to back (`pipelined_ms`), GPU busy ms and the `top` kernels/ops by GPU time."""
+    calls back to back (`pipelined_ms`) and the host's median ms inside one of them
+    (`host_ms_median`), GPU busy ms and the `top` kernels/ops by GPU time."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn())                # compiles
     first = time.perf_counter() - t0
@@ -104,14 +105,21 @@ def measure(fn, reps: int, on_gpu: bool, top: int = 12) -> dict:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     # Back to back, one wait at the end: what a serving loop that dispatches ahead sees (a host
-    # that blocks inside a call, e.g. on a conditional's predicate, cannot run ahead).
+    # that blocks inside a call, e.g. on a conditional's predicate, cannot run ahead). Each
+    # call's own host time is its launch (every device's program), or its wait where it blocks:
+    # where it reaches the GPU busy time, the host, not the device, sets the step's pace.
+    outs, host = [], []
     t0 = time.perf_counter()
-    outs = [fn() for _ in range(reps)]
+    for _ in range(reps):
+        t = time.perf_counter()
+        outs.append(fn())
+        host.append(time.perf_counter() - t)
     jax.block_until_ready(outs)
     pipelined = (time.perf_counter() - t0) / reps
     del outs
     out = {"wall_ms_median": float(np.median(times) * 1e3),
            "pipelined_ms": float(pipelined * 1e3),
+           "host_ms_median": float(np.median(host) * 1e3),
            "wall_ms_p10": float(np.percentile(times, 10) * 1e3),
            "wall_ms_p90": float(np.percentile(times, 90) * 1e3),
            "first_call_s": first, "reps": reps}
