@@ -176,8 +176,7 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
         raise ValueError(f"row starts {row_starts.tolist()} must be multiples of block_q {block_q}")
     blocks = -(-row_lens // block_q)
     item_row = np.repeat(np.arange(rows), blocks)
-    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
-    block_in_row = np.arange(len(item_row)) - np.repeat(first, blocks)
+    block_in_row = _index_within(blocks)
     q_block = row_starts[item_row] // block_q + block_in_row
     causal = np.minimum((block_in_row + 1) * block_q, row_lens[item_row])    # keys of the chunk
     count = len(item_row) * groups
@@ -196,20 +195,24 @@ def prefill_work_items(row_starts, row_lens, hist_len, *, num_tokens: int,
     # Every layer's items at once: (layer, item, split) in item order, then per layer by
     # per-split work, largest first (a stable sort: ties keep item order).
     per_layer_items = splits_all.sum(axis=1)                                  # [layers]
+    per_item = splits_all.reshape(-1)                                         # [layers * items]
     layer = np.repeat(np.arange(layers), per_layer_items)
-    item = np.repeat(np.tile(np.arange(count), layers), splits_all.reshape(-1))
-    splits = np.repeat(splits_all.reshape(-1), splits_all.reshape(-1))
-    first_of_item = np.repeat(np.cumsum(splits_all.reshape(-1)) - splits_all.reshape(-1),
-                              splits_all.reshape(-1))
-    split = np.arange(len(item)) - first_of_item
+    item = np.repeat(np.tile(np.arange(count), layers), per_item)
+    splits = np.repeat(per_item, per_item)
+    split = _index_within(per_item)
     work = h_all[layer, item] / splits + np.where(split == splits - 1, c[item], 0)
     order = np.lexsort((-work, layer))
     layer, item, split, splits = layer[order], item[order], split[order], splits[order]
-    slot = np.arange(len(item)) - np.repeat(np.cumsum(per_layer_items) - per_layer_items,
-                                            per_layer_items)
+    slot = _index_within(per_layer_items)
     base, group = np.divmod(item, groups)
     out[layer, slot] = np.stack([item_row[base], q_block[base], group, split, splits], axis=1)
     return out if per_layer else out[0]
+
+
+def _index_within(counts: np.ndarray) -> np.ndarray:
+    """Each element's index among its copies in ``np.repeat(x, counts)``: 0 .. counts[i] - 1
+    for the i-th, in order."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _greedy_splits(h: np.ndarray, c: np.ndarray, spare: int,
