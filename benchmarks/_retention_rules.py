@@ -55,6 +55,15 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
         place of KVzip's repeated context (an engine would run ~20 extra query tokens a turn
         instead of a second pass over it)
   DPg   D (s = 0.25), then P (DJg with the probe in place of KVzip)
+  Variants of D's aggregation (the same question window, no extra pass):
+  Dk15 / Dk31  D pooled over 15 / 31 neighbouring keys instead of 7 (a kept token brings a
+        sentence: the window attends to every "door code of" phrase, the digits sit a few
+        tokens after it)
+  Dm    each key's largest attention from any one window query (over the window and the KV
+        head's query heads) instead of the window's sum, pooled over 7 as D
+  Dl    every KV head of a layer ranks by the layer's mean D score (a fact one head finds,
+        every head keeps); Dlh: half the head's own D score, half the layer's mean
+  DHg15 DHg with Dk15 as the first lane
   Recall (a suffix to any rule but A): turn 1 keeps what the rule keeps; the tokens it drops
   stay available (an engine would hold them in host memory), and before each follow-up turn
   its tokens run once over the kept context and score all of turn 1's (SnapKV over every
@@ -88,7 +97,7 @@ TAIL = 32            # protected tail = SnapKV observation window
 RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
          "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD",
          "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg", "Af", "Al", "DAfg", "DAlg",
-         "P", "DPg")
+         "P", "DPg", "Dk15", "Dk31", "Dm", "Dl", "Dlh", "DHg15")
 KVZIP_RULES = ("J", "JD", "DJg")                                       # need the KVzip pass
 PROBE_RULES = ("P", "DPg")                                             # need the probe pass
 QUESTION_RULES = ("Qo", "QoH1", "QoE1", "QoHt", "QoHq")        # need the question-only pass
@@ -96,7 +105,8 @@ QUESTION_RULES = ("Qo", "QoH1", "QoE1", "QoHt", "QoHq")        # need the questi
 TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
              "QoHt": ("Qo", "kd_turn", 0.25), "QoHq": ("Qo", "kd_question", 0.25),
              "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25),
-             "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25), "DPg": ("D", "P", 0.25)}
+             "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25), "DPg": ("D", "P", 0.25),
+             "DHg15": ("Dk15", "kd_turn", 0.25)}
 
 
 # suffix -> the share of the count chosen again (0: the whole turn, the +Rall control)
@@ -243,14 +253,23 @@ def _question_window(q, lse, k, n):
     return jnp.where(visible, jnp.exp(logits - lse[..., None]), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("q_per_kv",))
-def _turn_window_scores(turn_obs, n, *, q_per_kv: int):
+@functools.partial(jax.jit, static_argnames=("q_per_kv", "kernel", "reduce"))
+def _turn_window_scores(turn_obs, n, *, q_per_kv: int, kernel: int = SNAPKV_KERNEL,
+                        reduce: str = "sum"):
     """Published SnapKV of the turn's last TAIL queries: turn_obs [L, Hq, W, N] -> [L, Hkv, N].
     Valid keys are rotated to the end (as `snapkv_chunk_scores` does) so that the window is
-    the last W keys of the array."""
-    shift = turn_obs.shape[-1] - n
+    the last W keys of the array. kernel: the pooling width; reduce "max": each key's largest
+    attention from one query (over the window and the KV head's query heads) for the sum."""
+    big_n, w = turn_obs.shape[-1], turn_obs.shape[-2]
+    shift = big_n - n
     rolled = jnp.roll(turn_obs, shift, axis=-1)
-    per_layer = jax.vmap(lambda o: snapkv_from_probs(o, q_per_kv, protect_window=True))
+    if reduce == "max":
+        num_q = rolled.shape[1]
+        most = rolled.max(axis=2).reshape(rolled.shape[0], num_q // q_per_kv, q_per_kv, big_n)
+        rolled = jnp.repeat(most.max(axis=2), q_per_kv, axis=1)[:, :, None]   # [L, Hq, 1, N]
+    per_layer = jax.vmap(lambda o: snapkv_from_probs(o, q_per_kv, kernel=kernel,
+                                                     protect_window=True,
+                                                     window_start=big_n - w))
     return jnp.roll(per_layer(rolled), -shift, axis=-1)
 
 
@@ -351,7 +370,18 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
         return np.asarray(_turn_window_scores(_question_window(qp.q, qp.lse, t1.k, n), n,
                                               q_per_kv=q_per_kv))
 
+    def window_variant(name, **kw):
+        return lambda: get(name, lambda: np.asarray(_turn_window_scores(
+            t1.turn_obs, n, q_per_kv=q_per_kv, **kw)))
+
+    def layer_shared(own_share):   # each head: own_share of its D score + the layer's mean
+        def make():
+            d = get("tw", turn_window)
+            return own_share * d + (1.0 - own_share) * d.mean(axis=1, keepdims=True)
+        return make
+
     lanes = {"Qo": question_window, "D": lambda: get("tw", turn_window), "kd_turn": turn_kd,
+             "Dk15": window_variant("Dk15", kernel=15),
              "kd_first": first_kd,
              "kd_question": lambda: np.asarray(_keydiff_against(t1.k, question().k))}
 
@@ -366,6 +396,11 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
             out[name] = ("turn", _union(get("tw", turn_window), turn_kd(), u, share))
     if "F" in want:
         out["F"] = ("turn", turn_kd())
+    for name, make in (("Dk15", lanes["Dk15"]), ("Dk31", window_variant("Dk31", kernel=31)),
+                       ("Dm", window_variant("Dm", reduce="max")),
+                       ("Dl", layer_shared(0.0)), ("Dlh", layer_shared(0.5))):
+        if name in want:
+            out[name] = ("turn", make())
     if "G" in want:
         out["G"] = ("turn", np.asarray(_expected_attention_scores(
             t1.q_window, t1.k, t1.v, n, inv_freq, q_per_kv=q_per_kv)))
