@@ -9,8 +9,8 @@
 # (retention turn, view recent), tangram with view whole, tangram with retention chunk.
 # Run from the repository root on the device machine after `benchmarks/gpu_model.sh` has the
 # model in /tmp (two calls carry its two pieces):
-#   GIT_REV=... bash benchmarks/accuracy_long_gpu.sh SECONDS
-# Writes long_{recent,whole,chunk}.json and the merged accuracy_long.json (+ PNG) to $OUT.
+#   GIT_REV=... [PARTS="recent whole chunk"] bash benchmarks/accuracy_long_gpu.sh SECONDS
+# Writes long_{recent,whole,chunk}.json (the parts named in PARTS) and the merged accuracy_long.json (+ PNG) to $OUT.
 set -uo pipefail
 LIMIT=${1:-560}
 export PYTHONUNBUFFERED=1
@@ -29,10 +29,13 @@ COMMON=(--model /tmp/smollm2.gguf --tasks long_facts,long_passkey,long_kv --samp
         --dtype bfloat16 --no-kl --max-model-len 3072 --kvpress /nonexistent --modes full,tangram
         --tasks-in benchmarks/results/accuracy_tasks_long.jsonl)
 declare -A EXTRA=([recent]="--turn-view recent" [whole]="--turn-view whole" [chunk]="--retention chunk")
-for part in recent whole chunk; do
+PARTS=${PARTS:-recent whole chunk}
+for part in $PARTS; do
   # shellcheck disable=SC2086
   timeout $((LIMIT - SECONDS - 20)) python3 benchmarks/accuracy.py "${COMMON[@]}" ${EXTRA[$part]} \
     --out "$OUT/long_$part.json" > "$OUT/long_$part.log" 2>&1 &
 done
 wait
-python3 benchmarks/accuracy_merge.py "$OUT"/long_{recent,whole,chunk}.json --out "$OUT/accuracy_long.json"
+# shellcheck disable=SC2046
+python3 benchmarks/accuracy_merge.py $(for part in $PARTS; do echo "$OUT/long_$part.json"; done) \
+  --out "$OUT/accuracy_long.json"

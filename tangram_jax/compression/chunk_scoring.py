@@ -84,16 +84,18 @@ def resolve_scoring_rule(rule: str, mode: str, ratio: float | None,
     """The rule a runner serves: `rule` itself, or for "auto" window+keydiff when a tangram
     profile keeps less than `AUTO_KEYDIFF_BELOW_RATIO` of each turn (its keep ratio `ratio`), and
     the window otherwise (full KV compresses nothing; dynamic counts with the window's scores).
-    The same holds for whole turns (retention "turn"): on the long-session tasks the union
-    ranked as well as the window alone at 0.5 and 11 points better at 0.25
-    (`benchmarks/results/retention_proxy_gpu.json`). Retention "turn" serves `TURN_RULES`."""
+    Whole turns (retention "turn", which serves `TURN_RULES`) take the window at every ratio:
+    pooled over `TURN_POOL_KERNEL` keys, the question window alone beat its union with KeyDiff
+    at 0.25 by up to 25 points a column on the long-session tasks and tied it at 0.5 (with
+    kernel 7 the union had been 11 points better at 0.25)."""
     if rule != "auto":
         rule = check_scoring_rule(rule)
         if retention == "turn" and mode == "tangram" and rule not in TURN_RULES:
             raise ValueError(f"scoring_rule {rule!r} ranks within one chunk; retention 'turn' "
                              f"ranks whole turns by one of {TURN_RULES}")
         return rule
-    if mode == "tangram" and ratio is not None and ratio < AUTO_KEYDIFF_BELOW_RATIO:
+    if mode == "tangram" and retention != "turn" and ratio is not None and \
+            ratio < AUTO_KEYDIFF_BELOW_RATIO:
         return "window+keydiff"
     return "window"
 
@@ -222,6 +224,19 @@ def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, 
     return protect_tail(scores, chunk_len, num_protected)
 
 
+# The whole turn's SnapKV pools its window mass over this many neighbouring keys (max pool; the
+# published SnapKV and the per-chunk rule pool over `DEFAULT_KERNEL` = 7). The question's
+# window attends to every sentence that matches it ("the door code of ...", "the value of the
+# key ..."), and a fact's value sits a few tokens after the words it matches: 7 keys reach the
+# asked fact's digits (the window attends to those too) but not the others', which later turns
+# ask. Offline proxy, H200, 100 samples a task of the long-session tasks, shipped profiles
+# (`benchmarks/results/retention_proxy_pool_gpu.json`; facts t1 / follow-ups, passkey, kv t1 /
+# follow-ups): full KV 77 / 62 / 91 / 46 / 38; kernel 7 at 0.5 74 / 57 / 92 / 44 / 29, at 0.25
+# 45 / 26 / 91 / 14 / 8 (with KeyDiff's union 62 / 48 / 91 / 13 / 12); kernel 15 at 0.5 75 /
+# 64 / 91 / 44 / 37, at 0.25 74 / 66 / 92 / 44 / 35; kernel 31 at 0.5 76 / 61 / 91 / 45 / 37,
+# at 0.25 72 / 60 / 91 / 41 / 37.
+TURN_POOL_KERNEL = 15
+
 # Methods and rules the whole-turn compression (`kv_layout` retention "turn") serves: it has
 # the turn's question window (its last obs_window queries over every token of the turn) and
 # every key, so SnapKV and KeyDiff, and their union; the spread queries of "window+context"
@@ -240,10 +255,10 @@ def turn_scores(window_mass: jax.Array, keys: jax.Array, candidate: jax.Array,
     over the head's query heads (SnapKV's score before pooling); keys: float32 [heads, S, d]
     (RoPE applied); candidate: bool [heads, S], the turn's tokens (the rest of the axis is
     history of earlier turns or padding: -inf); protected: bool [heads, S], its protected tail
-    (above everything). `method` ranks by SnapKV (the window mass max-pooled over neighbouring
-    tokens, kernel 7, so a kept token brings its context) or KeyDiff (keys least like the
-    turn's mean key); rule "window+keydiff" fills `WINDOW_SHARE` of each head's count by that
-    ranking and the rest by KeyDiff (`union_by_rank`)."""
+    (above everything). `method` ranks by SnapKV (the window mass max-pooled over
+    `TURN_POOL_KERNEL` neighbouring tokens, so a kept token brings its sentence) or KeyDiff
+    (keys least like the turn's mean key); rule "window+keydiff" fills `WINDOW_SHARE` of each
+    head's count by that ranking and the rest by KeyDiff (`union_by_rank`)."""
     if method not in TURN_METHODS:
         raise ValueError(f"retention 'turn' scores with one of {TURN_METHODS}, got {method!r}")
     if rule not in TURN_RULES:
@@ -255,7 +270,7 @@ def turn_scores(window_mass: jax.Array, keys: jax.Array, candidate: jax.Array,
     anchor = anchor / jnp.maximum(jnp.linalg.norm(anchor, axis=-1, keepdims=True), 1e-12)
     key_diff = -(unit * anchor).sum(axis=-1)
     ranked = candidate & ~protected
-    first = pool1d(mass, DEFAULT_KERNEL, "max") if method == "snapkv" else key_diff
+    first = pool1d(mass, TURN_POOL_KERNEL, "max") if method == "snapkv" else key_diff
     if rule == "window+keydiff" and method != "keydiff":
         scores = union_by_rank(first, key_diff, None, WINDOW_SHARE, ranked=ranked)
     else:

@@ -285,8 +285,10 @@ class EngineConfig:
         "observation window (window: the turn's question for a whole-turn chunk), or half of "
         "each head's count by the window and half by a question-agnostic score: queries "
         "spread over the chunk (window+context) or KeyDiff (window+keydiff), for what a later "
-        "turn asks; auto: window+keydiff for profiles that keep less than half, else window "
-        "(measured on the embedded model: chunk_scoring.AUTO_KEYDIFF_BELOW_RATIO); tangram "
+        "turn asks; auto: under retention turn the window (pooled wide enough to keep every "
+        "sentence the question matches: chunk_scoring.TURN_POOL_KERNEL), under retention "
+        "chunk window+keydiff for profiles that keep less than half, else window (measured "
+        "on the embedded model: chunk_scoring.AUTO_KEYDIFF_BELOW_RATIO); tangram "
         "mode (dynamic counts with the window's scores)")
 
     def __setattr__(self, name, value):

@@ -128,12 +128,15 @@ def test_a_bad_scoring_rule_is_refused_with_its_name_value_and_choices():
         RunnerConfig(mode="dynamic", scoring_rule="window+context")
 
 
-def test_auto_picks_keydiff_for_profiles_keeping_under_half_and_the_window_otherwise():
+def test_auto_picks_keydiff_for_chunks_of_profiles_keeping_under_half_and_the_window_otherwise():
     from tangram_jax.compression.chunk_scoring import resolve_scoring_rule
     from tangram_jax.engine.config import EngineConfig
     from tangram_jax.models.registry import load_model
     assert resolve_scoring_rule("auto", "tangram", 0.25) == "window+keydiff"
     assert resolve_scoring_rule("auto", "tangram", 0.5) == "window"
+    # Whole turns take the wide-pooled window at every ratio.
+    assert resolve_scoring_rule("auto", "tangram", 0.25, "turn") == "window"
+    assert resolve_scoring_rule("window+keydiff", "tangram", 0.25, "turn") == "window+keydiff"
     assert resolve_scoring_rule("auto", "dynamic", 0.25) == "window"
     assert resolve_scoring_rule("auto", "full", None) == "window"
     assert resolve_scoring_rule("window+context", "tangram", 0.25) == "window+context"
@@ -141,12 +144,15 @@ def test_auto_picks_keydiff_for_profiles_keeping_under_half_and_the_window_other
         resolve_scoring_rule("spread", "tangram", 0.25)
     # The engine's resolved settings carry the rule the runner serves, from the shipped profiles.
     mc = load_model(None).config
-    resolved = {(mode, ratio, rule): EngineConfig(mode=mode, ratio=ratio, scoring_rule=rule,
-                                                  chunk_size=128).resolve(mc, is_embedded=True)
-                .scoring_rule
-                for mode, ratio, rule in [("tangram", 0.25, "auto"), ("tangram", 0.5, "auto"),
-                                          ("dynamic", 0.25, "auto"), ("tangram", 0.25, "window")]}
-    assert list(resolved.values()) == ["window+keydiff", "window", "window", "window"]
+    resolved = {(mode, ratio, rule, retention): EngineConfig(
+        mode=mode, ratio=ratio, scoring_rule=rule, retention=retention,
+        chunk_size=128).resolve(mc, is_embedded=True).scoring_rule
+        for mode, ratio, rule, retention in [
+            ("tangram", 0.25, "auto", "chunk"), ("tangram", 0.5, "auto", "chunk"),
+            ("dynamic", 0.25, "auto", "auto"), ("tangram", 0.25, "window", "chunk"),
+            ("tangram", 0.25, "auto", "auto"), ("tangram", 0.5, "auto", "auto")]}
+    assert list(resolved.values()) == ["window+keydiff", "window", "window", "window",
+                                       "window", "window"]
     assert EngineConfig().scoring_rule == "auto"
 
 
@@ -222,3 +228,22 @@ def test_the_runner_serves_the_scoring_rule(rule):
         top = np.sort(np.argsort(-np.asarray(scores[h]), kind="stable")[:len(got[h])])
         np.testing.assert_allclose(got[h], np.asarray(k)[top, h], rtol=1e-4, atol=1e-5)
     assert any(a.shape != b.shape or not np.allclose(a, b) for a, b in zip(got, plain))
+
+
+def test_a_whole_turn_keeps_the_sentence_around_what_its_question_attends_to():
+    """Retention "turn" pools the question window's mass over `TURN_POOL_KERNEL` keys: the
+    words a question matches bring the value a few tokens after them (a fact's digits), which a
+    later turn may ask, and nothing else outranks that span."""
+    from tangram_jax.compression.chunk_scoring import TURN_POOL_KERNEL, turn_scores
+    s, peak, half = 96, 40, TURN_POOL_KERNEL // 2
+    rng = np.random.default_rng(0)
+    mass = jnp.asarray(rng.uniform(0, 1e-3, (2, s)).astype(np.float32)).at[:, peak].set(1.0)
+    keys = jnp.asarray(rng.normal(size=(2, s, 8)).astype(np.float32))
+    candidate = jnp.ones((2, s), bool)
+    protected = jnp.zeros((2, s), bool).at[:, -4:].set(True)
+    scores = np.asarray(turn_scores(mass, keys, candidate, protected, method="snapkv",
+                                    rule="window"))
+    assert half >= 7   # wider than the per-chunk rule's kernel of 7
+    for head in scores:
+        top = np.argsort(-head, kind="stable")[4:4 + TURN_POOL_KERNEL]   # after the tail
+        assert sorted(top.tolist()) == list(range(peak - half, peak + half + 1))
