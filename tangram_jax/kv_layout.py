@@ -85,7 +85,19 @@ task, turns of 9-10 chunks of 128) it answered as ``"whole"`` at 0.5 (facts / pa
 97 / 44% against 62 / 97 / 46) and lost 13 points on the facts at 0.25 (47 against 60;
 `accuracy_long.json`), still far above ``"chunk"`` (27 / 62 / 21 at 0.5). Attending to at least
 half of the held turn at 0.25 won back 5 of them for a fifth of the speed
-(`accuracy_long_view_floor.json`, `serve_gpu_view_floor_long.json`): not kept.
+(`accuracy_long_view_floor.json`, `serve_gpu_view_floor_long.json`): not kept. With the
+question window pooled over 15 keys (`chunk_scoring.TURN_POOL_KERNEL`, below) the gap at 0.25
+is 5 points: 60 / 93 / 46 against ``"whole"``'s 65 / 98 / 52 and full KV's 66 / 98 / 50
+(`accuracy_long_pool15.json`), so ``"recent"`` stays the default.
+
+How a whole turn is ranked (`chunk_scoring.turn_scores`): SnapKV of the turn's question window,
+max-pooled over `chunk_scoring.TURN_POOL_KERNEL` = 15 neighbouring keys instead of SnapKV's 7.
+A question matches every sentence of its kind (each "door code of ...", each "value of the key
+..."), and a fact's value sits a few tokens after the words matched, so the wider pool keeps
+the facts later turns ask beside the one this turn asks. On the long-session tasks (H200, 100 a
+task) that moved tangram 0.25 from 47 / 91 / 27 (follow-ups 42) to 60 / 93 / 46 (56), full KV
+66 / 98 / 50 (60), and made a question-agnostic share of the count (KeyDiff) unnecessary; the
+offline proxy gave the same at 0.5 (`retention_proxy_pool_gpu.json`).
 
 Which tokens a head keeps (never how many: the counts above are the scheduler's) is the scoring
 rule (`chunk_scoring.SCORING_RULES`, `EngineConfig.scoring_rule`): ``"window"`` ranks by the

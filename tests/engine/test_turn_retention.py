@@ -162,13 +162,17 @@ def test_a_turn_keeps_the_same_tokens_however_it_is_chunked_and_returns_its_stag
         assert engine.manager.num_free_pages == free - engine.manager.pages_held(slot)
         held.append(rows)
     # The same tokens up to float rounding: the scores of a token are summed in another order
-    # when it is held than when it is in the last chunk, and SnapKV's max-pooling makes exact
-    # ties, so a tie at the cut can fall either way: at most one swap per head.
+    # when it is held than when it is in the last chunk, and SnapKV's max-pooling gives every
+    # token within TURN_POOL_KERNEL // 2 of a peak the peak's score (exact ties), so two peaks
+    # equal to rounding at the cut can fall either way: at most the tail of one such plateau
+    # swaps per head.
+    from tangram_jax.compression.chunk_scoring import TURN_POOL_KERNEL
     for other in held[1:]:
         for key, rows in held[0].items():
             for a, b in zip(rows, other[key]):                # one head's kept K rows each
                 same = (np.abs(a[:, None, :] - b[None, :, :]).max(-1) < 1e-4).any(1)
-                assert len(a) == len(b) and same.sum() >= len(a) - 1, (key, same.sum(), len(a))
+                assert len(a) == len(b) and same.sum() >= len(a) - (TURN_POOL_KERNEL - 1), \
+                    (key, same.sum(), len(a))
 
 
 @pytest.mark.parametrize("mode,ratio", [("tangram", 0.5), ("tangram", 0.25), ("full", 1.0)])
