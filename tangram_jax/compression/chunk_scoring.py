@@ -85,9 +85,9 @@ def resolve_scoring_rule(rule: str, mode: str, ratio: float | None,
     profile keeps less than `AUTO_KEYDIFF_BELOW_RATIO` of each turn (its keep ratio `ratio`), and
     the window otherwise (full KV compresses nothing; dynamic counts with the window's scores).
     Whole turns (retention "turn", which serves `TURN_RULES`) take the window at every ratio:
-    pooled over `TURN_POOL_KERNEL` keys, the question window alone beat its union with KeyDiff
-    at 0.25 by up to 25 points a column on the long-session tasks and tied it at 0.5 (with
-    kernel 7 the union had been 11 points better at 0.25)."""
+    pooled over `TURN_POOL_KERNEL` keys, the question window alone beat the window beside a
+    KeyDiff share of the count by 2-25 points a column at 0.25 on the long-session tasks (see
+    `TURN_POOL_KERNEL`; with SnapKV's 7-key pool the union had been 11 points better)."""
     if rule != "auto":
         rule = check_scoring_rule(rule)
         if retention == "turn" and mode == "tangram" and rule not in TURN_RULES:
@@ -232,9 +232,10 @@ def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, 
 # ask. Offline proxy, H200, 100 samples a task of the long-session tasks, shipped profiles
 # (`benchmarks/results/retention_proxy_pool_gpu.json`; facts t1 / follow-ups, passkey, kv t1 /
 # follow-ups): full KV 77 / 62 / 91 / 46 / 38; kernel 7 at 0.5 74 / 57 / 92 / 44 / 29, at 0.25
-# 45 / 26 / 91 / 14 / 8 (with KeyDiff's union 62 / 48 / 91 / 13 / 12); kernel 15 at 0.5 75 /
-# 64 / 91 / 44 / 37, at 0.25 74 / 66 / 92 / 44 / 35; kernel 31 at 0.5 76 / 61 / 91 / 45 / 37,
-# at 0.25 72 / 60 / 91 / 41 / 37.
+# 45 / 26 / 91 / 14 / 8 (in a union with KeyDiff, the 0.25 default until this change, 67 / 50
+# / 92 / 17 / 11: `retention_proxy_gpu.json`, rule E); kernel 15 at 0.5 75 / 64 / 91 / 44 / 37,
+# at 0.25 74 / 66 / 92 / 44 / 35 (KeyDiff taking three quarters of the count beside it: 68 /
+# 44 / 89 / 42 / 10); kernel 31 at 0.5 76 / 61 / 91 / 45 / 37, at 0.25 72 / 60 / 91 / 41 / 37.
 TURN_POOL_KERNEL = 15
 
 # Methods and rules the whole-turn compression (`kv_layout` retention "turn") serves: it has
