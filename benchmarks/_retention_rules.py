@@ -56,9 +56,9 @@ each chunk's c unprotected tokens, every other rule ``ceil(r * u)`` of the turn'
         instead of a second pass over it)
   DPg   D (s = 0.25), then P (DJg with the probe in place of KVzip)
   Variants of D's aggregation (the same question window, no extra pass):
-  Dk15 / Dk31  D pooled over 15 / 31 neighbouring keys instead of 7 (a kept token brings a
-        sentence: the window attends to every "door code of" phrase, the digits sit a few
-        tokens after it)
+  Dk11, Dk15, Dk21, Dk31  D pooled over 11 / 15 / 21 / 31 neighbouring keys instead of 7
+        (a kept token brings a sentence: the window attends to every "door code of" phrase,
+        the digits sit a few tokens after it)
   Dm    each key's largest attention from any one window query (over the window and the KV
         head's query heads) instead of the window's sum, pooled over 7 as D
   Dl    every KV head of a layer ranks by the layer's mean D score (a fact one head finds,
@@ -97,7 +97,7 @@ TAIL = 32            # protected tail = SnapKV observation window
 RULES = ("A", "B", "C", "D", "E", "F", "G", "H.25", "H.75",
          "I1", "I2", "I3", "I4", "I5", "I6", "J", "JD",
          "Qo", "QoH1", "QoE1", "QoHt", "QoHq", "DHg", "DJg", "Af", "Al", "DAfg", "DAlg",
-         "P", "DPg", "Dk15", "Dk31", "Dm", "Dl", "Dlh", "DHg15")
+         "P", "DPg", "Dk11", "Dk15", "Dk21", "Dk31", "Dm", "Dl", "Dlh", "DHg15")
 KVZIP_RULES = ("J", "JD", "DJg")                                       # need the KVzip pass
 PROBE_RULES = ("P", "DPg")                                             # need the probe pass
 QUESTION_RULES = ("Qo", "QoH1", "QoE1", "QoHt", "QoHq")        # need the question-only pass
@@ -396,7 +396,9 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
             out[name] = ("turn", _union(get("tw", turn_window), turn_kd(), u, share))
     if "F" in want:
         out["F"] = ("turn", turn_kd())
-    for name, make in (("Dk15", lanes["Dk15"]), ("Dk31", window_variant("Dk31", kernel=31)),
+    for name, make in (("Dk15", lanes["Dk15"]), ("Dk11", window_variant("Dk11", kernel=11)),
+                       ("Dk21", window_variant("Dk21", kernel=21)),
+                       ("Dk31", window_variant("Dk31", kernel=31)),
                        ("Dm", window_variant("Dm", reduce="max")),
                        ("Dl", layer_shared(0.0)), ("Dlh", layer_shared(0.5))):
         if name in want:
