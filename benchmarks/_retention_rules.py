@@ -107,6 +107,8 @@ TWO_LANES = {"QoH1": ("Qo", "kd_first", 0.25), "QoE1": ("Qo", "kd_first", 0.5),
              "DHg": ("D", "kd_turn", 0.25), "DJg": ("D", "J", 0.25),
              "DAfg": ("D", "Af", 0.25), "DAlg": ("D", "Al", 0.25), "DPg": ("D", "P", 0.25),
              "DHg15": ("Dk15", "kd_turn", 0.25)}
+# D with a wider max pool: rule -> pooling width (keys).
+POOL_WIDTHS = {"Dk11": 11, "Dk15": 15, "Dk21": 21, "Dk31": 31}
 
 
 # suffix -> the share of the count chosen again (0: the whole turn, the +Rall control)
@@ -381,7 +383,7 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
         return make
 
     lanes = {"Qo": question_window, "D": lambda: get("tw", turn_window), "kd_turn": turn_kd,
-             "Dk15": window_variant("Dk15", kernel=15),
+             **{name: window_variant(name, kernel=width) for name, width in POOL_WIDTHS.items()},
              "kd_first": first_kd,
              "kd_question": lambda: np.asarray(_keydiff_against(t1.k, question().k))}
 
@@ -396,11 +398,10 @@ def rule_scores(t1: Turn1, rules: list[str], kvzip: np.ndarray | None, inv_freq,
             out[name] = ("turn", _union(get("tw", turn_window), turn_kd(), u, share))
     if "F" in want:
         out["F"] = ("turn", turn_kd())
-    for name, make in (("Dk15", lanes["Dk15"]), ("Dk11", window_variant("Dk11", kernel=11)),
-                       ("Dk21", window_variant("Dk21", kernel=21)),
-                       ("Dk31", window_variant("Dk31", kernel=31)),
-                       ("Dm", window_variant("Dm", reduce="max")),
-                       ("Dl", layer_shared(0.0)), ("Dlh", layer_shared(0.5))):
+    variants = {**{name: lanes[name] for name in POOL_WIDTHS},
+                "Dm": window_variant("Dm", reduce="max"),
+                "Dl": layer_shared(0.0), "Dlh": layer_shared(0.5)}
+    for name, make in variants.items():
         if name in want:
             out[name] = ("turn", make())
     if "G" in want:

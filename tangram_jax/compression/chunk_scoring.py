@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tangram_jax.compression.scorers import (DEFAULT_KERNEL, expected_attention, keydiff,
+from tangram_jax.compression.scorers import (expected_attention, keydiff,
                                              pool1d, snapkv_from_probs, streaming_llm)
 from tangram_jax.compression.selection import dynamic_select
 
@@ -225,7 +225,7 @@ def chunk_scores(method: str, obs_probs: jax.Array, q: jax.Array, k: jax.Array, 
 
 
 # The whole turn's SnapKV pools its window mass over this many neighbouring keys (max pool; the
-# published SnapKV and the per-chunk rule pool over `DEFAULT_KERNEL` = 7). The question's
+# published SnapKV and the per-chunk rule pool over `scorers.DEFAULT_KERNEL` = 7). The question's
 # window attends to every sentence that matches it ("the door code of ...", "the value of the
 # key ..."), and a fact's value sits a few tokens after the words it matches: 7 keys reach the
 # asked fact's digits (the window attends to those too) but not the others', which later turns
