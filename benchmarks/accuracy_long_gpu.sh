@@ -6,11 +6,13 @@
 # committed samples (results/accuracy_tasks_long.jsonl, ~1.2k tokens: 9-10 chunks of 128),
 # 100 samples a task, greedy, bf16, served by three processes side by side on one GPU (each
 # with full KV beside it, whose answers the merge checks equal): tangram at the defaults
-# (retention turn, view recent), tangram with view whole, tangram with retention chunk.
+# (retention turn, view recent), tangram with view whole, tangram with retention chunk, and
+# dynamic (per-input selection, compressing per chunk) as the part `dynamic`.
 # Run from the repository root on the device machine after `benchmarks/gpu_model.sh` has the
 # model in /tmp (two calls carry its two pieces):
-#   GIT_REV=... [PARTS="recent whole chunk"] bash benchmarks/accuracy_long_gpu.sh SECONDS
-# Writes long_{recent,whole,chunk}.json (the parts named in PARTS) and the merged accuracy_long.json (+ PNG) to $OUT.
+#   GIT_REV=... [PARTS="recent whole chunk dynamic"] [RATIOS=0.25,0.5] \
+#     bash benchmarks/accuracy_long_gpu.sh SECONDS
+# Writes long_<part>.json for each part in PARTS and the merged accuracy_long.json (+ PNG) to $OUT.
 set -uo pipefail
 LIMIT=${1:-560}
 export PYTHONUNBUFFERED=1
@@ -20,16 +22,18 @@ if XLA_FLAGS="${XLA_FLAGS:-} $AUTOTUNE_OFF" python3 -c "import jax; (jax.numpy.o
     > /dev/null 2>&1; then
   export XLA_FLAGS="${XLA_FLAGS:-} $AUTOTUNE_OFF"
 fi
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3     # three processes share the card
+PARTS=${PARTS:-recent whole chunk}
+# The processes share the card (SmolLM2 with a 48-row pool needs a few GiB each).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / len('$PARTS'.split()), 2))")
 CHUNK=${CHUNK:-128}
 SAMPLES=${SAMPLES:-100}
 COMMON=(--model /tmp/smollm2.gguf --tasks long_facts,long_passkey,long_kv --samples "$SAMPLES"
-        --ratios 0.25,0.5 --chunk-size "$CHUNK" --max-num-batched-tokens $((CHUNK + 64))
+        --ratios "${RATIOS:-0.25,0.5}" --chunk-size "$CHUNK" --max-num-batched-tokens $((CHUNK + 64))
         --max-prefill-rows 1 --max-active 48 --decode-buckets 48 --layer-loop scan
         --dtype bfloat16 --no-kl --max-model-len 3072 --kvpress /nonexistent --modes full,tangram
         --tasks-in benchmarks/results/accuracy_tasks_long.jsonl)
-declare -A EXTRA=([recent]="--turn-view recent" [whole]="--turn-view whole" [chunk]="--retention chunk")
-PARTS=${PARTS:-recent whole chunk}
+declare -A EXTRA=([recent]="--turn-view recent" [whole]="--turn-view whole" [chunk]="--retention chunk"
+                  [dynamic]="--modes full,dynamic")
 for part in $PARTS; do
   # shellcheck disable=SC2086
   timeout $((LIMIT - SECONDS - 20)) python3 benchmarks/accuracy.py "${COMMON[@]}" ${EXTRA[$part]} \

@@ -5,7 +5,12 @@
 # tokenizers' abi3 library, x86-64); the Hugging Face folder is made there from the joined GGUF
 # (benchmarks/kvpress_hf_folder.py). Then benchmarks/kvpress_accuracy.py runs on the GPU.
 #   PKGS=.gpu/kvp/kvpress-pkgs.tar.gz MODEL_PARTS=.gpu/model WHEELS=.gpu/acc-wheels \
+#     [PRESS_PARTS="snapkv kvzip+question ..."] [LIMIT=SECONDS] \
 #     bash benchmarks/kvpress_gpu.sh --tasks-file TASKS.jsonl [kvpress_accuracy.py args]
+# PRESS_PARTS runs each named press (kvpress_accuracy.py's --presses) as its own process beside
+# the others on the one GPU, each with full KV (whose answers the merge checks equal), stopped at
+# LIMIT seconds with the samples each finished, and merges them into accuracy_kvpress.json;
+# without it one process runs every press in turn.
 # Make the tarball here with:
 #   (cd .cache/kvpress-venv/lib/python3.*/site-packages && tar czf PKGS --exclude=__pycache__ \
 #     kvpress transformers datasets dill multiprocess _multiprocess cachetools fire termcolor tokenizers)
@@ -18,5 +23,18 @@ tar xzf "$PKGS" -C "$SITE" || exit 1
 source benchmarks/gpu_model.sh || exit 1
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 benchmarks/kvpress_hf_folder.py /tmp/smollm2.gguf /tmp/smollm2-hf 2>&1 | grep -v Warn || exit 1
-python3 benchmarks/kvpress_accuracy.py --model-dir /tmp/smollm2-hf --device cuda \
-  --out "$OUT/accuracy_kvpress.json" "$@" 2>&1 | tee "$OUT/kvpress.log" | grep -v -i warn
+if [ -z "${PRESS_PARTS:-}" ]; then
+  python3 benchmarks/kvpress_accuracy.py --model-dir /tmp/smollm2-hf --device cuda \
+    --out "$OUT/accuracy_kvpress.json" "$@" 2>&1 | tee "$OUT/kvpress.log" | grep -v -i warn
+  exit
+fi
+LIMIT=${LIMIT:-560}
+for press in $PRESS_PARTS; do
+  timeout $((LIMIT - SECONDS - 15)) python3 benchmarks/kvpress_accuracy.py --model-dir /tmp/smollm2-hf \
+    --device cuda --presses "$press" --out "$OUT/kvpress_$press.json" "$@" \
+    > "$OUT/kvpress_$press.log" 2>&1 &
+done
+wait
+# shellcheck disable=SC2046
+python3 benchmarks/accuracy_merge.py $(for press in $PRESS_PARTS; do echo "$OUT/kvpress_$press.json"; done) \
+  --out "$OUT/accuracy_kvpress.json"
