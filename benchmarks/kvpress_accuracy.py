@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -326,11 +327,32 @@ def main(argv=None) -> int:
                         "yes (only those), both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                   help="serve only the samples K, K+N, K+2N, ... of the round robin over the "
+                        "tasks (N processes side by side, then --merge)")
+    p.add_argument("--merge", nargs="+", metavar="PART", default=None,
+                   help="serve nothing: merge the JSONs of one run's processes (presses or "
+                        "shards, complete or cut short) into --out, each row over the samples "
+                        "its parts finished; full KV must answer alike wherever two parts "
+                        "served the same sample")
     p.add_argument(
         "--out", default=None, help="result JSON (default: a fresh file under "
         "benchmarks/results/runs/; a file git tracks only with --overwrite)")
     add_overwrite_flag(p)
     args = p.parse_args(argv)
+    if args.merge:
+        outputs = resolve_outputs(p, args, {"out": "kvpress_accuracy"})
+        run = start("kvpress_accuracy", outputs, argv)
+        try:
+            report = merge_parts([json.loads(Path(f).read_text()) for f in args.merge])
+        except ValueError as e:
+            p.error(str(e))
+        report["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        from tangram_jax.evaluation.report import markdown_table
+        print(markdown_table(report))
+        finish(run)
+        return 0
     try:
         modes = press_modes(args.presses, args.question_aware)
     except ValueError as e:
@@ -359,7 +381,7 @@ def main(argv=None) -> int:
     per_task = [[x for x in everything if x.task == t][:args.samples] for t in tasks]
     # Round robin over the tasks: a run stopped by a time limit has covered every task alike.
     samples = [group[i] for i in range(max(map(len, per_task))) for group in per_task
-               if i < len(group)]
+               if i < len(group)][args.shard[0]::args.shard[1]]
     ratios = [float(r) for r in args.ratios.split(",") if r]
     specs = [PressSpec("full", 1.0)] + [PressSpec(name, r, qa) for name, qa in modes
                                         for r in ratios]
@@ -394,8 +416,9 @@ def main(argv=None) -> int:
               flush=True)
         # After every sample: a run stopped early keeps the samples it finished.
         write(summarise(samples[:i + 1], specs, judged, library="kvpress"), args, t0,
-              complete=i + 1 == len(samples))
-    report = write(summarise(samples, specs, judged, library="kvpress"), args, t0, complete=True)
+              complete=i + 1 == len(samples), specs=specs, judged=judged)
+    report = write(summarise(samples, specs, judged, library="kvpress"), args, t0, complete=True,
+                   specs=specs, judged=judged)
     from tangram_jax.evaluation.report import markdown_table
     print(markdown_table(report))
     print(f"wrote {args.out}")
@@ -403,7 +426,77 @@ def main(argv=None) -> int:
     return 0
 
 
-def write(table: dict, args, t0: float, complete: bool) -> dict:
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k = n = -1
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected K/N with 0 <= K < N, "
+                                         "e.g. 0/4")
+    return k, n
+
+
+def merge_parts(parts: list[dict]) -> dict:
+    """One report from the JSONs of one run's processes (`write` gives each its per-answer
+    records): every (press, ratio) row is summarised again over the samples its parts finished,
+    in the tasks file's order, so shards add up and a part cut short by a time limit still
+    counts what it served. Raises ValueError when the parts are of different runs (device,
+    revision, tasks file, answer length) or full KV answered a sample differently in two
+    parts (greedy and deterministic: a difference means they did not serve the same thing)."""
+    for key in ("device", "git_revision"):
+        values = sorted({str(part.get(key)) for part in parts})
+        if len(values) > 1:
+            raise ValueError(f"--merge: parts disagree on {key}: {values}; merge one run's parts")
+    for key in ("tasks_file", "max_tokens", "no_kl"):
+        values = sorted({str(part["config"].get(key)) for part in parts})
+        if len(values) > 1:
+            raise ValueError(f"--merge: parts disagree on {key}: {values}; merge one run's parts")
+    if any("answers" not in part for part in parts):
+        raise ValueError("--merge: a part holds no per-answer records (written before "
+                         "kvpress_accuracy.py kept them); serve it again")
+    order = {s.id: i for i, s in enumerate(read_jsonl(parts[0]["config"]["tasks_file"]))}
+    by_id = {s.id: s for s in read_jsonl(parts[0]["config"]["tasks_file"])}
+    specs: dict[str, PressSpec] = {}
+    judged: dict[str, dict[tuple[str, int], _Judged]] = {}
+    for part in parts:
+        for spec in part["specs"]:
+            specs.setdefault(spec["label"], PressSpec(spec["mode"], spec["ratio"],
+                                                      spec["question_aware"]))
+        for rec in part["answers"]:
+            rows = judged.setdefault(rec["label"], {})
+            key = (rec["sample"], rec["turn"])
+            j = _Judged(**{f.name: rec[f.name] for f in dataclasses.fields(_Judged)})
+            if key in rows and rows[key].correct != j.correct:
+                raise ValueError(f"--merge: parts disagree on {rec['label']} {key}: correct "
+                                 f"{rows[key].correct} vs {j.correct}")
+            rows.setdefault(key, j)
+    labels = sorted(specs, key=lambda label: label != "full")   # full first, then as served
+    results, checks = [], []
+    for label in labels:
+        ids = sorted({sid for sid, _ in judged.get(label, {})}, key=order.__getitem__)
+        done = [by_id[sid] for sid in ids
+                if all((sid, t) in judged[label] for t in range(len(by_id[sid].turns)))]
+        if not done:
+            continue
+        table = summarise(done, [specs[label]], judged, library="kvpress")
+        results += table["results"]
+        if label == "full":
+            checks = table["checks"]
+    first = parts[0]
+    return {**{k: first.get(k) for k in ("benchmark", "device", "git_revision", "kvpress_version",
+                                         "transformers_version", "torch_version", "kl_status")},
+            "config": {k: v for k, v in first["config"].items()
+                       if k not in ("presses", "shard", "out", "merge")},
+            "parts": [{"command": part.get("command"), "seconds": part.get("seconds"),
+                       "complete": part.get("complete")} for part in parts],
+            "seconds": max(part.get("seconds") or 0 for part in parts),
+            "complete": all(part.get("complete") for part in parts),
+            "results": results, "checks": checks}
+
+
+def write(table: dict, args, t0: float, complete: bool, specs: list[PressSpec],
+          judged: dict[str, dict[tuple[str, int], _Judged]]) -> dict:
     import kvpress
     import torch
 
@@ -426,6 +519,11 @@ def write(table: dict, args, t0: float, complete: bool) -> dict:
         "kl_status": "measured (full vocabulary)" if not args.no_kl else "not requested",
         "complete": complete,
         **table,
+        # What --merge needs to add this run to others: every answer's judgement.
+        "specs": [{"label": spec.label, "mode": spec.mode, "ratio": spec.ratio,
+                   "question_aware": spec.question_aware} for spec in specs],
+        "answers": [{"label": label, "sample": sid, "turn": turn, **dataclasses.asdict(j)}
+                    for label, rows in judged.items() for (sid, turn), j in rows.items()],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
