@@ -147,6 +147,16 @@ def prefill_then_decode(runner, manager, layout, tokens, *, as_one_turn: bool = 
     return np.stack(logits), decoded, slot
 
 
+def child_xla_flags(devices: int | None) -> str:
+    """This process's XLA_FLAGS (the suite's compile settings, conftest.py) for a child process
+    on `devices` CPU devices (None: XLA's default of one)."""
+    import os
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+            if not flag.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept + ([f"--xla_force_host_platform_device_count={devices}"] if devices
+                            else []))
+
+
 def report_of_child(code: str, folder: str | Path, devices: int = 2, timeout: int = 900) -> dict:
     """Run `code` in a fresh Python process on `devices` CPU devices (JAX fixes its device count
     when it starts; the suite runs with one) with argv ``[folder, tests folder]``, and return the
@@ -154,8 +164,7 @@ def report_of_child(code: str, folder: str | Path, devices: int = 2, timeout: in
     import os
     import subprocess
     import sys
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(devices))
     proc = subprocess.run([sys.executable, "-c", code, str(folder), str(Path(__file__).parent)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

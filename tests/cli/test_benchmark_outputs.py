@@ -28,7 +28,7 @@ SCRIPTS = {
     "accuracy_merge": ["part.json"], "gpu_engine_check": ["--tokenizer-dir", "x"],
     "retention_rule": ["--configs", "full:1:window"], "families_gpu": ["--shape", "gemma3-tiny"],
     "output_fingerprint": [], "new_model_path": ["--tokenizer", "x"], "moe_grouped_gemm": [],
-    "swap_check_gpu": [], "tp_outputs_gpu": [],
+    "swap_check_gpu": [], "tp_outputs_gpu": [], "main_job_start": [],
 }
 
 

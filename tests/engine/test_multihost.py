@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_engine import build_tiny_model
+from tiny_engine import build_tiny_model, child_xla_flags
 
 TESTS = Path(__file__).resolve().parents[1]   # where tiny_engine.py is
 TIMEOUT_S = 240
@@ -120,8 +120,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     folder = _letters_only(build_tiny_model(tmp_path_factory.mktemp("tiny_mh")))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)   # one CPU device per process
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(None))   # one device each
     port = str(_free_port())
     procs = {who: subprocess.Popen([sys.executable, "-c", CHILD, str(folder), str(TESTS), port,
                                     who], env=env, stdout=subprocess.PIPE,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_engine import child_xla_flags
 
 TESTS = Path(__file__).resolve().parents[1]   # tests/: tiny_families.py
 
@@ -65,8 +66,7 @@ print("REPORT " + json.dumps(report))
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def report(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tp_{request.param}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(2))
     proc = subprocess.run([sys.executable, "-c", CHILD, request.param, str(folder), str(TESTS)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
