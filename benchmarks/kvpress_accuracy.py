@@ -455,8 +455,9 @@ def merge_parts(parts: list[dict]) -> dict:
     if any("answers" not in part for part in parts):
         raise ValueError("--merge: a part holds no per-answer records (written before "
                          "kvpress_accuracy.py kept them); serve it again")
-    order = {s.id: i for i, s in enumerate(read_jsonl(parts[0]["config"]["tasks_file"]))}
-    by_id = {s.id: s for s in read_jsonl(parts[0]["config"]["tasks_file"])}
+    everything = read_jsonl(parts[0]["config"]["tasks_file"])
+    order = {s.id: i for i, s in enumerate(everything)}
+    by_id = {s.id: s for s in everything}
     specs: dict[str, PressSpec] = {}
     judged: dict[str, dict[tuple[str, int], _Judged]] = {}
     for part in parts:
