@@ -493,7 +493,12 @@ def merge_parts(parts: list[dict]) -> dict:
                        "complete": part.get("complete")} for part in parts],
             "seconds": max(part.get("seconds") or 0 for part in parts),
             "complete": all(part.get("complete") for part in parts),
-            "results": results, "checks": checks}
+            "results": results, "checks": checks,
+            # Every answer kept, so the merged run compares sample by sample with another.
+            "specs": list({spec["label"]: spec for part in parts
+                           for spec in part["specs"]}.values()),
+            "answers": [{"label": label, "sample": sid, "turn": turn, **dataclasses.asdict(j)}
+                        for label, rows in judged.items() for (sid, turn), j in rows.items()]}
 
 
 def write(table: dict, args, t0: float, complete: bool, specs: list[PressSpec],

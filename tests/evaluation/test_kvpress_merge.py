@@ -64,6 +64,10 @@ def test_shards_add_up_and_a_cut_short_part_counts_what_it_served(kvp):
     assert rows["snapkv", "long_facts"]["correct"] == 2        # turn 1 of the first shard's two
     assert rows["snapkv", "long_facts"]["followup"]["correct"] == 0
     assert merged["complete"] is False and len(merged["parts"]) == 2
+    # The merge is itself a part: merged again with nothing new, it counts the same.
+    again = kvp.merge_parts([merged])
+    assert [(r["mode"], r["task"], r["n"], r["correct"]) for r in again["results"]] == \
+        [(r["mode"], r["task"], r["n"], r["correct"]) for r in merged["results"]]
 
 
 def test_full_kv_answering_one_sample_two_ways_is_refused(kvp):
