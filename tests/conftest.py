@@ -4,7 +4,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU compiles at LLVM -O0 without its expensive passes: the suite is mostly compiles of
 # programs that then run a few tiny steps (one warm-up test 70 -> 43 s; the suite on 2 cores
-# 34:47 -> 25:54 in a fresh clone). Subprocesses take these flags over (`tiny_engine.child_xla_flags`).
+# 34:47 -> 25:54 in a fresh clone). Subprocesses take these flags over
+# (`tiny_engine.child_xla_flags`).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
                       "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 # No persistent compile cache (`engine/compile_cache.py`): once, reading an XLA:CPU executable
